@@ -1,0 +1,21 @@
+import mlxd  # preloads OpenBLAS before mlx  # noqa: F401, I001
+
+from pathlib import Path
+
+import pytest
+
+from mlxd.model import build_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test" preset, built once per session outside the user cache."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny", "test", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path):
+    """(model, tokenizer) of the tiny model, loaded with mlx_lm.load."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_model_dir))
