@@ -1,0 +1,439 @@
+"""The engine actor: owns the model, the tokenizer and every mx.array.
+
+All native MLX work runs on one dedicated OS thread (``MlxThread``). The actor's
+trio task drains its inbox between steps, hands each step to the thread, and
+delivers the results: token events to each request's channel, checkpoints to
+the cache owner. Continuous batching is mlx-lm's ``BatchGenerator``: new rows
+join between steps, and decode and prefill chunks interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.messages import (
+    CancelGeneration,
+    GenerationEvent,
+    GenerationFailed,
+    GenerationFinished,
+    PromptAccepted,
+    PublishPrefix,
+    StartGeneration,
+    TokenGenerated,
+)
+from mlxd.runtime.mlx_thread import MlxThread
+
+log = get_logger("mlxd.engine")
+
+
+@attrs.frozen(kw_only=True)
+class EngineInfo:
+    """What the rest of the runtime may know about the loaded model."""
+
+    model_name: str
+    model_path: str
+    tokenizer: Any  # mlx-lm TokenizerWrapper; thread-safe for encode/decode/templates
+    eos_token_ids: frozenset[int]
+    max_context: int
+    kv_bytes_per_token: int
+    model_identity: str  # hash of config + weights metadata + tokenizer
+
+
+@attrs.frozen
+class _Emit:
+    """One event for one row, computed on the engine thread."""
+
+    uid: int
+    event: GenerationEvent
+
+
+@attrs.frozen
+class _Snapshot:
+    tokens: tuple[int, ...]
+    namespace: str
+    payload: list[Any]
+    nbytes: int
+    trimmable: bool
+    reason: str
+
+
+@attrs.frozen
+class _StepResult:
+    emits: list[_Emit]
+    snapshots: list[_Snapshot]
+    finished: list[int]  # uids that left the batch
+
+
+@attrs.define
+class _Row:
+    start: StartGeneration
+    uid: int = -1
+    cached_tokens: int = 0
+    want_snapshot: bool = False
+    generated: int = 0
+
+
+def _model_identity(path: Path) -> str:
+    """A stable id for the model files: config, tokenizer and weight sizes/names."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        p = path / name
+        if p.exists():
+            h.update(name.encode())
+            h.update(p.read_bytes())
+    for p in sorted(path.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+class EngineActor:
+    """Run generations for the scheduler; publish checkpoints to the cache owner."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        *,
+        inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
+        publish: trio.MemorySendChannel[PublishPrefix],
+    ) -> None:
+        self._config = config
+        self._inbox = inbox
+        self._publish = publish
+        self._thread: MlxThread | None = None
+        # Thread-side state (touched only inside MlxThread jobs).
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._generator: Any = None
+        self._stream: Any = None
+        # Task-side state.
+        self._rows: dict[int, _Row] = {}
+        self._pending: list[_Row] = []
+        self._cancelled: set[str] = set()
+        self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0}
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        self._thread = MlxThread("mlxd-engine")
+        try:
+            info = await self._thread.run(self._load)
+            log.info("engine.ready", model=info.model_name, max_context=info.max_context)
+            task_status.started(info)
+            await self._serve()
+        finally:
+            with trio.CancelScope(shield=True):
+                self._fail_all("engine stopped")
+                await self._thread.run(self._close)
+                await self._thread.aclose()
+
+    def _load(self) -> EngineInfo:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        self._stream = mx.new_stream(mx.default_device())
+        with mx.stream(self._stream):
+            path = self._resolve_model_path()
+            model, tokenizer = load(str(path))
+            if mx.default_device() == mx.cpu:
+                # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
+                _cast_float_weights(model, mx.float32)
+        self._model, self._tokenizer = model, tokenizer
+        self._generator = self._new_generator()
+        cfg = json.loads((path / "config.json").read_text())
+        max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
+        name = self._config.model_name or (self._config.model or f"mlxd-{self._config.model_preset}")
+        return EngineInfo(
+            model_name=name,
+            model_path=str(path),
+            tokenizer=tokenizer,
+            eos_token_ids=frozenset(tokenizer.eos_token_ids),
+            max_context=max_context,
+            kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
+            model_identity=_model_identity(path),
+        )
+
+    def _resolve_model_path(self) -> Path:
+        if self._config.model is None:
+            from mlxd.model.tiny import ensure_model
+
+            return Path(ensure_model(self._config.model_preset))
+        local = Path(self._config.model).expanduser()
+        if local.exists():
+            return local
+        from mlx_lm.utils import _download  # hub repo id, where a network exists
+
+        return Path(_download(self._config.model))
+
+    def _new_generator(self) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self._model,
+            max_tokens=self._config.default_max_tokens,
+            stop_tokens=[[t] for t in sorted(self._tokenizer.eos_token_ids)],
+            completion_batch_size=self._config.max_batch,
+            prefill_batch_size=min(self._config.prefill_batch, self._config.max_batch),
+            prefill_step_size=self._config.prefill_step_size,
+            stream=self._stream,
+        )
+
+    def _close(self) -> None:
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
+
+    # --- the serving loop -----------------------------------------------------------
+
+    async def _serve(self) -> None:
+        assert self._thread is not None
+        while True:
+            if not self._rows and not self._pending:
+                self._accept(await self._inbox.receive())
+            while True:
+                try:
+                    self._accept(self._inbox.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            starts, self._pending = self._pending, []
+            cancels = [r.uid for r in self._rows.values() if r.start.request.request_id in self._cancelled]
+            self._cancelled.clear()
+            try:
+                result = await self._thread.run(self._step, starts, cancels)
+            except Exception as exc:  # a model error must not take the server down
+                log.exception("engine.step_failed")
+                self._fail_all(f"generation failed: {exc}")
+                await self._thread.run(self._reset)
+                continue
+            await self._deliver(result)
+
+    def _accept(self, msg: StartGeneration | CancelGeneration) -> None:
+        if isinstance(msg, StartGeneration):
+            self._pending.append(_Row(start=msg))
+            return
+        for row in list(self._pending):
+            if row.start.request.request_id == msg.request_id:
+                self._pending.remove(row)
+                _send(row.start.events, GenerationFinished("cancelled", len(row.start.request.prompt), 0, 0))
+                row.start.events.close()
+                return
+        self._cancelled.add(msg.request_id)
+
+    async def _deliver(self, result: _StepResult) -> None:
+        for emit in result.emits:
+            row = self._rows.get(emit.uid)
+            if row is None:
+                continue
+            if not _send(row.start.events, emit.event):
+                self._cancelled.add(row.start.request.request_id)
+        for uid in result.finished:
+            row = self._rows.pop(uid, None)
+            if row is not None:
+                row.start.events.close()
+        for snap in result.snapshots:
+            await self._publish.send(
+                PublishPrefix(
+                    tokens=snap.tokens,
+                    namespace=snap.namespace,
+                    payload=snap.payload,
+                    nbytes=snap.nbytes,
+                    trimmable=snap.trimmable,
+                    reason=snap.reason,
+                )
+            )
+        self.stats["batch_rows"] = len(self._rows)
+
+    def _fail_all(self, message: str) -> None:
+        for row in [*self._rows.values(), *self._pending]:
+            _send(row.start.events, GenerationFailed(message))
+            row.start.events.close()
+        self._rows.clear()
+        self._pending.clear()
+
+    # --- thread side -----------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._close()
+        self._generator = self._new_generator()
+
+    def _step(self, starts: list[_Row], cancels: list[int]) -> _StepResult:
+        import mlx.core as mx
+
+        emits: list[_Emit] = []
+        snapshots: list[_Snapshot] = []
+        finished: list[int] = []
+        with mx.stream(self._stream):
+            for row in starts:
+                emits.append(self._insert(row))
+            if cancels:
+                self._generator.remove(cancels)
+                for uid in cancels:
+                    row = self._rows[uid]
+                    req = row.start.request
+                    emits.append(
+                        _Emit(uid, GenerationFinished("cancelled", len(req.prompt), row.cached_tokens, row.generated))
+                    )
+                    finished.append(uid)
+            live = set(self._rows) - set(cancels)
+            if not live:
+                return _StepResult(emits, snapshots, finished)
+            prompt_responses, gen_responses = self._generator.next()
+            self.stats["steps"] += 1
+            for r in prompt_responses:
+                row = self._rows.get(r.uid)
+                if row is not None and row.want_snapshot and r.end_of_segment and not r.end_of_prompt:
+                    row.want_snapshot = False
+                    snapshots.append(self._boundary_snapshot(row))
+            for r in gen_responses:
+                row = self._rows.get(r.uid)
+                if row is None:
+                    continue
+                row.generated += 1
+                self.stats["generated_tokens"] += 1
+                emits.append(_Emit(r.uid, self._token_event(row, r)))
+                if r.finish_reason is not None:
+                    req = row.start.request
+                    emits.append(
+                        _Emit(
+                            r.uid,
+                            GenerationFinished(r.finish_reason, len(req.prompt), row.cached_tokens, row.generated),
+                        )
+                    )
+                    finished.append(r.uid)
+                    if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
+                        snapshots.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
+        return _StepResult(emits, snapshots, finished)
+
+    def _insert(self, row: _Row) -> _Emit:
+        from mlx_lm.generate import StopSequences
+
+        from mlxd.kv import kinds
+
+        req = row.start.request
+        hit = row.start.hit
+        usable = hit.usable if hit is not None else 0
+        caches = [kinds.lend(hit.entry.payload, usable)] if hit is not None else None
+        s = req.sampling
+        stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
+        (uid,) = self._generator.insert(
+            [list(req.prompt[usable:])],
+            max_tokens=[s.max_tokens],
+            caches=caches,
+            all_tokens=[list(req.prompt[:usable])],
+            samplers=[make_sampler(s)],
+            stop_sequences=[StopSequences(stops)],
+        )
+        row.uid = uid
+        row.cached_tokens = usable
+        new_tokens = len(req.prompt) - usable - 1
+        row.want_snapshot = (
+            self._config.prompt_cache_bytes > 0 and new_tokens >= max(1, self._config.snapshot_min_tokens)
+        )
+        self._rows[uid] = row
+        self.stats["prompt_tokens"] += len(req.prompt) - usable
+        tier = getattr(hit, "tier", "ram") if hit is not None and usable > 0 else "none"
+        queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
+        return _Emit(uid, PromptAccepted(len(req.prompt), usable, tier, queued))
+
+    def _boundary_snapshot(self, row: _Row) -> _Snapshot:
+        (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
+        return self._snapshot(tokens, row.start.request.namespace, caches, "boundary")
+
+    def _snapshot(self, tokens: list[int], namespace: str, caches: list[Any], reason: str) -> _Snapshot:
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        mx.eval([c.state for c in caches])
+        return _Snapshot(
+            tokens=tuple(tokens),
+            namespace=namespace,
+            payload=caches,
+            nbytes=kinds.nbytes(caches),
+            trimmable=kinds.is_trimmable(caches),
+            reason=reason,
+        )
+
+    def _token_event(self, row: _Row, r: Any) -> TokenGenerated:
+        import mlx.core as mx
+
+        s = row.start.request.sampling
+        if not s.logprobs and s.top_logprobs == 0:
+            return TokenGenerated(r.token)
+        lp = r.logprobs
+        chosen = float(lp[r.token].item())
+        top: tuple[tuple[int, float], ...] = ()
+        if s.top_logprobs > 0:
+            k = min(s.top_logprobs, lp.shape[-1])
+            idx = mx.argpartition(-lp, kth=k - 1)[:k]
+            vals = lp[idx]
+            pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+            top = tuple((int(t), float(v)) for t, v in pairs)
+        return TokenGenerated(r.token, chosen, top)
+
+
+def _send(channel: trio.MemorySendChannel[GenerationEvent], event: GenerationEvent) -> bool:
+    """Deliver without blocking the engine; False when the receiver is gone."""
+    try:
+        channel.send_nowait(event)
+        return True
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
+    except trio.WouldBlock:
+        # Buffers are sized for max_tokens; a full one means a stuck consumer.
+        return False
+
+
+def make_sampler(s: Any) -> Any:
+    """None (the batch's shared greedy sampler) or a per-request sampler with its own RNG key."""
+    if s.temperature <= 0:
+        return None
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    seed = s.seed if s.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
+    state = {"key": mx.random.key(seed)}
+    inv_temp = 1.0 / s.temperature
+
+    def sample(logprobs: Any) -> Any:
+        if 0 < s.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, s.top_p)
+        if s.top_k > 0:
+            logprobs = apply_top_k(logprobs, s.top_k)
+        key, sub = mx.random.split(state["key"])
+        state["key"] = key
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def _cast_float_weights(model: Any, dtype: Any) -> None:
+    """Cast floating weights to `dtype`, leaving quantized integer weights alone."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = tree_flatten(model.parameters())
+    cast = [
+        (k, v.astype(dtype)) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else (k, v)
+        for k, v in params
+    ]
+    model.update(tree_unflatten(cast))
+    mx.eval(model.parameters())
+
+
+def _kv_bytes_per_token(cfg: dict[str, Any], model: Any) -> int:
+    """KV bytes one token costs across all layers (fp32 on CPU)."""
+    layers = int(cfg.get("num_hidden_layers", 0))
+    kv_heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0)))
+    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))))
+    return layers * kv_heads * head_dim * 2 * 4

@@ -1,0 +1,144 @@
+"""The scheduler actor: admission, request lifecycles, batch slots, cancellation.
+
+The admission queue is the scheduler's bounded inbox: a submit that finds it
+full is refused at once (HTTP 503 + Retry-After). The scheduler takes a request
+off the queue only when a batch slot is free, asks the cache owner for the
+longest usable prefix, starts the generation on the engine, and forwards the
+engine's events to the client. A client that goes away cancels its generation
+and frees its slot.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import trio
+
+from mlxd.runtime.channels import Reply
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.messages import (
+    CancelGeneration,
+    GenerationEvent,
+    GenerationFailed,
+    GenerationFinished,
+    LookupPrefix,
+    PromptAccepted,
+    StartGeneration,
+    SubmitGeneration,
+    TokenGenerated,
+)
+
+log = get_logger("mlxd.scheduler")
+
+
+@attrs.define
+class SchedulerStats:
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+    running: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    last_ttft_s: float | None = None
+
+
+class SchedulerActor:
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        *,
+        inbox: trio.MemoryReceiveChannel[SubmitGeneration],
+        engine: trio.MemorySendChannel[StartGeneration | CancelGeneration],
+        cache: trio.MemorySendChannel[Any],
+    ) -> None:
+        self._config = config
+        self._inbox = inbox
+        self._engine = engine
+        self._cache = cache
+        self._slots = trio.Semaphore(config.max_batch)
+        self.stats = SchedulerStats()
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async with self._inbox:
+                while True:
+                    await self._slots.acquire()
+                    try:
+                        submit = await self._inbox.receive()
+                    except trio.EndOfChannel:
+                        self._slots.release()
+                        return
+                    self._start(nursery, submit)
+
+    def _start(self, nursery: trio.Nursery, submit: SubmitGeneration) -> None:
+        self.stats.running += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        nursery.start_soon(self._lifecycle, submit)
+
+    async def wait_idle(self) -> None:
+        """Return when no admitted request is running."""
+        if self.stats.running == 0:
+            return
+        await self._idle.wait()
+
+    async def _lifecycle(self, submit: SubmitGeneration) -> None:
+        try:
+            await self._serve(submit)
+        finally:
+            submit.events.close()
+            self._slots.release()
+            self.stats.running -= 1
+            if self.stats.running == 0:
+                self._idle.set()
+
+    async def _serve(self, submit: SubmitGeneration) -> None:
+        request = submit.request
+        if submit.events.statistics().open_receive_channels == 0:
+            self.stats.cancelled += 1  # the client left while queued
+            return
+        reply: Reply[Any] = Reply()
+        await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
+        hit = await reply.wait()
+        size = request.sampling.max_tokens + 8
+        send, receive = trio.open_memory_channel[GenerationEvent](size)
+        await self._engine.send(StartGeneration(request, hit, send, submit.submitted_at))
+        client_gone = False
+        first_token_at: float | None = None
+        async with receive:
+            async for event in receive:
+                if isinstance(event, TokenGenerated) and first_token_at is None:
+                    first_token_at = time.monotonic()
+                    self.stats.last_ttft_s = first_token_at - submit.submitted_at
+                self._count(event)
+                if client_gone:
+                    continue
+                try:
+                    submit.events.send_nowait(event)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    client_gone = True
+                    with trio.CancelScope(shield=True):
+                        await self._engine.send(CancelGeneration(request.request_id))
+
+    def _count(self, event: GenerationEvent) -> None:
+        s = self.stats
+        if isinstance(event, PromptAccepted):
+            s.prompt_tokens += event.prompt_tokens
+            s.cached_tokens += event.cached_tokens
+        elif isinstance(event, TokenGenerated):
+            s.generated_tokens += 1
+        elif isinstance(event, GenerationFinished):
+            if event.reason == "cancelled":
+                s.cancelled += 1
+            else:
+                s.completed += 1
+        elif isinstance(event, GenerationFailed):
+            s.failed += 1

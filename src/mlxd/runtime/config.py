@@ -1,0 +1,62 @@
+"""Configuration of an mlxd runtime (what `mlxd serve` flags and embedders set)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+GB = 1024**3
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _positive(_inst: object, attr: attrs.Attribute, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    """Everything the actors need; immutable once the runtime starts."""
+
+    # A local model directory or a Hugging Face repo id; None = the built-in model.
+    model: str | None = None
+    # Which built-in model to build when `model` is None.
+    model_preset: str = "default"
+    # Name served in /v1/models and accepted in requests (defaults from the model).
+    model_name: str | None = None
+
+    # RAM tier byte cap; 0 disables the prompt cache.
+    prompt_cache_bytes: int = attrs.field(default=2 * GB, validator=_non_negative)
+    retention: str = attrs.field(
+        default="lru", validator=attrs.validators.in_(("lru", "lfu", "cost"))
+    )
+    # A prefill of at least this many new tokens publishes a prompt-boundary snapshot.
+    snapshot_min_tokens: int = attrs.field(default=256, validator=_non_negative)
+
+    # Continuous batching: rows decoding together, and rows prefilling together.
+    max_batch: int = attrs.field(default=8, validator=_positive)
+    prefill_batch: int = attrs.field(default=4, validator=_positive)
+    prefill_step_size: int = attrs.field(default=2048, validator=_positive)
+    # Admitted requests waiting for a batch slot; beyond this, requests are refused (503).
+    max_queue: int = attrs.field(default=32, validator=_non_negative)
+
+    # Generation limits.
+    default_max_tokens: int = attrs.field(default=512, validator=_positive)
+    max_tokens_limit: int = attrs.field(default=8192, validator=_positive)
+    # Prompt + completion tokens allowed; None = the model's max_position_embeddings.
+    max_context: int | None = None
+
+    # SSD cold tier (None = RAM only).
+    ssd_cache_dir: Path | None = None
+    ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
+    ssd_cache_verify: bool = False
+    ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:
+            raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")

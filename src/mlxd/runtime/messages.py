@@ -1,0 +1,133 @@
+"""Messages between mlxd's actors: frozen attrs classes named for what they ask or report.
+
+Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
+      scheduler --LookupPrefix--> cache owner (reply: CacheHit | None)
+      scheduler --StartGeneration / CancelGeneration--> engine
+      engine --GenerationEvent--> the request's own channel (via the scheduler)
+      engine --PublishPrefix--> cache owner
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+
+from mlxd.runtime.channels import Reply
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy (and batches in one call)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    # Generation stops after any of these token ids (the model's EOS ids are added).
+    stop_token_ids: tuple[int, ...] = ()
+    # Report the chosen token's logprob, and this many alternatives per step.
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One prompt to complete: exact token ids, in a cache namespace."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    namespace: str = ""
+    session: str | None = None
+
+
+# --- events for one request (engine -> scheduler -> client) -------------------
+
+
+@attrs.frozen
+class PromptAccepted:
+    """The request got a batch slot; `cached_tokens` of its prompt come from the cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    cache_tier: str  # "ram", "ssd" or "none"
+    queued_s: float
+
+
+@attrs.frozen
+class TokenGenerated:
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class GenerationFinished:
+    reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@attrs.frozen
+class GenerationFailed:
+    message: str
+
+
+GenerationEvent = PromptAccepted | TokenGenerated | GenerationFinished | GenerationFailed
+
+
+# --- scheduler inbox ------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class SubmitGeneration:
+    request: GenerationRequest
+    events: trio.MemorySendChannel[GenerationEvent]
+    submitted_at: float
+
+
+# --- engine inbox --------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class StartGeneration:
+    request: GenerationRequest
+    hit: Any  # kv.prompt_cache.CacheHit | None: the prefix to lend
+    events: trio.MemorySendChannel[GenerationEvent]
+    submitted_at: float = 0.0
+
+
+@attrs.frozen
+class CancelGeneration:
+    request_id: str
+
+
+# --- cache owner inbox ---------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class LookupPrefix:
+    tokens: tuple[int, ...]
+    namespace: str
+    reply: Reply[Any]
+
+
+@attrs.frozen(eq=False)
+class PublishPrefix:
+    """A checkpoint of exact `tokens`, evaluated, owned by the cache from now on."""
+
+    tokens: tuple[int, ...]
+    namespace: str
+    payload: Any  # list of mlx-lm caches
+    nbytes: int
+    trimmable: bool
+    reason: str  # "boundary" (prompt-boundary snapshot) or "final" (prompt + generation)
+
+
+@attrs.frozen(eq=False)
+class QueryCacheStats:
+    reply: Reply[dict[str, Any]]

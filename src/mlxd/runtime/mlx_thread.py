@@ -1,0 +1,66 @@
+"""The one OS thread that runs every native MLX call.
+
+MLX streams are thread-local, so the engine pins all of its work (model load,
+prefill, decode, lending, snapshot preparation) to this thread.  A trio task
+hands it a function with ``await thread.run(fn, *args)`` and sleeps until the
+result comes back through the trio token; no polling, no stop flags.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+class MlxThread:
+    """A dedicated worker thread with one job in flight at a time per caller."""
+
+    def __init__(self, name: str = "mlxd-engine") -> None:
+        # At most one job per awaiting task is ever queued (run() waits for its
+        # result), so this queue is bounded by the number of callers: one engine.
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            job()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the thread; cancellation waits for it to finish."""
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+
+        def job() -> None:
+            result = outcome.capture(fn, *args)
+            try:
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            except trio.RunFinishedError:
+                pass
+
+        self._jobs.put(job)
+
+        def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+            # Native work cannot be interrupted: the caller gets the result,
+            # and the cancellation at its next checkpoint.
+            return trio.lowlevel.Abort.FAILED
+
+        result = await trio.lowlevel.wait_task_rescheduled(abort)
+        return result.unwrap()
+
+    async def aclose(self) -> None:
+        self._jobs.put(_STOP)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._thread.join)

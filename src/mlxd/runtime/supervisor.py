@@ -1,0 +1,262 @@
+"""The supervisor: starts the actors in one nursery and hands out a `Runtime`.
+
+    async with mlxd.open_runtime(RuntimeConfig()) as rt:
+        async with rt.submit(rt.chat_request([{"role": "user", "content": "hi"}])) as stream:
+            async for event in stream:
+                ...
+
+No signal handlers are installed here; the CLI adds them. Shutdown is
+cancellation: leaving the `async with` cancels every actor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from mlxd.actors.cache_owner import CacheOwnerActor
+from mlxd.actors.engine import EngineActor, EngineInfo
+from mlxd.actors.scheduler import SchedulerActor
+from mlxd.runtime.channels import ChannelStats, Reply
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.messages import (
+    GenerationEvent,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationRequest,
+    PromptAccepted,
+    QueryCacheStats,
+    SamplingParams,
+    SubmitGeneration,
+    TokenGenerated,
+)
+
+log = get_logger("mlxd.runtime")
+
+
+class QueueFull(Exception):
+    """The admission queue is full; retry later (HTTP 503 + Retry-After)."""
+
+
+class ShuttingDown(Exception):
+    """The runtime stopped admitting requests (HTTP 503)."""
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given (HTTP 400)."""
+
+
+class GenerationError(RuntimeError):
+    """The engine failed while generating this request (HTTP 500)."""
+
+
+class GenerationStream:
+    """The events of one generation; leaving early cancels it and frees its slot."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[GenerationEvent], request: GenerationRequest) -> None:
+        self._receive = receive
+        self.request = request
+        self.accepted: PromptAccepted | None = None
+        self.finished: GenerationFinished | None = None
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[GenerationEvent]:
+        async for event in self._receive:
+            if isinstance(event, PromptAccepted):
+                self.accepted = event
+            elif isinstance(event, GenerationFinished):
+                self.finished = event
+            elif isinstance(event, GenerationFailed):
+                raise GenerationError(event.message)
+            yield event
+
+    async def tokens(self) -> list[int]:
+        """Drain the stream and return the generated token ids."""
+        return [e.token async for e in self if isinstance(e, TokenGenerated)]
+
+    async def aclose(self) -> None:
+        await self._receive.aclose()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Runtime:
+    """A running mlxd: submit generations, read stats, drain."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        *,
+        info: EngineInfo,
+        submit: trio.MemorySendChannel[SubmitGeneration],
+        cache: trio.MemorySendChannel[Any],
+        scheduler: SchedulerActor,
+        engine: EngineActor,
+        cache_owner: CacheOwnerActor,
+    ) -> None:
+        self.config = config
+        self.info = info
+        self._submit = submit
+        self._cache = cache
+        self.scheduler = scheduler
+        self.engine = engine
+        self.cache_owner = cache_owner
+        self.admitting = True
+        self.started_at = time.time()
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.info.tokenizer
+
+    # --- building requests -----------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"req-{uuid.uuid4().hex[:12]}"
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as exc:
+            raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
+        if isinstance(ids, dict):  # transformers >= 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return tuple(int(t) for t in ids)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text))
+
+    def request(
+        self,
+        prompt: Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        namespace: str = "",
+        request_id: str | None = None,
+    ) -> GenerationRequest:
+        """Validate and build a request for exact prompt token ids."""
+        sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        if sampling.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        if sampling.max_tokens > self.config.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens {sampling.max_tokens} exceeds this server's limit of {self.config.max_tokens_limit}"
+            )
+        limit = self.info.max_context
+        if len(prompt) + sampling.max_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                f"model's context length of {limit} tokens"
+            )
+        vocab = self.tokenizer.vocab_size if hasattr(self.tokenizer, "vocab_size") else None
+        if vocab and any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        return GenerationRequest(
+            request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace
+        )
+
+    # --- submitting --------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> GenerationStream:
+        """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting."""
+        if not self.admitting:
+            raise ShuttingDown("the server is shutting down")
+        send, receive = trio.open_memory_channel[GenerationEvent](request.sampling.max_tokens + 8)
+        try:
+            self._submit.send_nowait(SubmitGeneration(request, send, time.monotonic()))
+        except trio.WouldBlock:
+            self.scheduler.stats.rejected += 1
+            send.close()
+            receive.close()
+            raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)") from None
+        self.scheduler.stats.submitted += 1
+        return GenerationStream(receive, request)
+
+    # --- observing and stopping ------------------------------------------------
+
+    async def cache_stats(self) -> dict[str, Any]:
+        reply: Reply[dict[str, Any]] = Reply()
+        await self._cache.send(QueryCacheStats(reply))
+        return await reply.wait()
+
+    async def stats(self) -> dict[str, Any]:
+        import attrs
+
+        from mlxd import _blas
+
+        sched = attrs.asdict(self.scheduler.stats)
+        sched["queued"] = ChannelStats.of(self._submit).as_dict()["queued"]
+        sched["max_queue"] = self.config.max_queue
+        sched["max_batch"] = self.config.max_batch
+        return {
+            "model": self.info.model_name,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "admitting": self.admitting,
+            "scheduler": sched,
+            "engine": dict(self.engine.stats),
+            "cache": await self.cache_stats(),
+            "channels": {
+                "submit": ChannelStats.of(self._submit).as_dict(),
+                "cache": ChannelStats.of(self._cache).as_dict(),
+            },
+            "blas": dict(_blas.status),
+        }
+
+    def stop_admission(self) -> None:
+        self.admitting = False
+
+    async def drain(self, *, timeout: float) -> bool:
+        """Stop admission and wait for in-flight requests; True when all finished in time."""
+        self.stop_admission()
+        with trio.move_on_after(timeout):
+            while self.scheduler.stats.running or ChannelStats.of(self._submit).queued:
+                await self.scheduler.wait_idle()
+                await trio.sleep(0)
+            return True
+        return False
+
+
+@asynccontextmanager
+async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
+    """Start every actor; yield a ready Runtime; cancel them all on exit."""
+    config = config or RuntimeConfig()
+    submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](config.max_queue)
+    engine_send, engine_receive = trio.open_memory_channel[Any](config.max_batch * 2 + 8)
+    cache_send, cache_receive = trio.open_memory_channel[Any](64)
+    cache_owner = CacheOwnerActor(config, inbox=cache_receive)
+    engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone())
+    scheduler = SchedulerActor(config, inbox=submit_receive, engine=engine_send, cache=cache_send.clone())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cache_owner.run)
+        info = await nursery.start(engine.run)
+        await nursery.start(scheduler.run)
+        runtime = Runtime(
+            config,
+            info=info,
+            submit=submit_send,
+            cache=cache_send,
+            scheduler=scheduler,
+            engine=engine,
+            cache_owner=cache_owner,
+        )
+        try:
+            yield runtime
+        finally:
+            nursery.cancel_scope.cancel()
