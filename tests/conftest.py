@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.model import build_model
+from mlxd.model import build_model, load_model
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +15,5 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
-    """(model, tokenizer) of the tiny model, loaded with mlx_lm.load."""
-    import mlx_lm
-
-    return mlx_lm.load(str(tiny_model_dir))
+    """(model, tokenizer) of the tiny model: mlx_lm.load plus the exact detokenizer."""
+    return load_model(tiny_model_dir)
