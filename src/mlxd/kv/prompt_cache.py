@@ -1,0 +1,274 @@
+"""The RAM tier: whole-prefix cache entries, namespaced, byte-capped.
+
+`take()` finds the entry that serves the longest usable prefix of a prompt
+(at most len(prompt) - 1 tokens, so at least one token is forwarded; an entry
+longer than the match must be trimmable). `put()` stores a new entry,
+replaces an exact duplicate, and drops strict ancestors when the new entry is
+trimmable. `put()` never evicts: the owner calls `evict()`, which walks the
+retention policy's order and stops at the first victim the owner refuses
+(e.g. one without durable SSD coverage yet).
+
+The payload is opaque here (a list of mlx-lm caches when serving, None in the
+simulator); nothing in this module touches MLX.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
+from mlxd.kv.retention import LruPolicy, RetentionPolicy
+
+Tokens = tuple[int, ...] | np.ndarray  # a tuple, or a read-only 1-D int32 array
+
+
+def freeze_tokens(tokens: Sequence[int] | np.ndarray) -> Tokens:
+    """An immutable copy: arrays stay arrays (read-only int32), anything else becomes a tuple."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.int32 and not tokens.flags.writeable:
+            return tokens
+        frozen = np.array(tokens, dtype=np.int32)
+        frozen.flags.writeable = False
+        return frozen
+    return tuple(tokens)
+
+
+@attrs.define(eq=False)
+class CacheEntry:
+    """One cached prefix: the state after exactly `tokens` in `namespace`."""
+
+    namespace: str
+    tokens: Tokens
+    payload: Any  # list of mlx-lm caches (opaque here); None in the simulator
+    nbytes: int
+    trimmable: bool
+    created_at: float
+    last_used: float
+    hits: int = 0
+    durable: bool = False  # an SSD file covers exactly these tokens (set by the tier)
+
+
+@attrs.frozen
+class CacheHit:
+    """A reusable entry and how many prompt tokens it serves (<= len(prompt) - 1)."""
+
+    entry: CacheEntry
+    usable: int
+
+    @property
+    def needs_trim(self) -> bool:
+        return self.usable < len(self.entry.tokens)
+
+
+@attrs.frozen
+class PutOutcome:
+    """What `put` stored and what it dropped to make room for it."""
+
+    entry: CacheEntry | None  # None when the tier is disabled (max_bytes == 0)
+    replaced: CacheEntry | None = None  # an exact duplicate (same tokens and namespace)
+    superseded: tuple[CacheEntry, ...] = ()  # strict ancestors a trimmable entry now covers
+
+    @property
+    def stored(self) -> bool:
+        return self.entry is not None
+
+
+@attrs.frozen
+class Eviction:
+    """The result of one `evict` call."""
+
+    evicted: tuple[CacheEntry, ...] = ()
+    blocked: CacheEntry | None = None  # the victim `may_evict` refused; eviction stopped there
+    freed_bytes: int = 0
+
+
+@attrs.frozen
+class PromptCacheStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    namespaces: int
+    policy: str
+    hits: int
+    misses: int
+    hit_tokens: int  # prompt tokens served from cache, summed over hits
+    lookup_tokens: int  # prompt tokens looked up, summed over take() calls
+    inserts: int
+    replaced: int
+    superseded: int
+    evictions: int
+    evicted_bytes: int
+    blocked: int  # evict() calls that stopped at a refused victim
+
+
+@attrs.define
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    lookup_tokens: int = 0
+    inserts: int = 0
+    replaced: int = 0
+    superseded: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    blocked: int = 0
+
+
+def _evict_anything(entry: CacheEntry) -> bool:
+    return True
+
+
+@attrs.define(kw_only=True)
+class PromptCache:
+    """Byte-capped, namespaced RAM cache of prefix entries."""
+
+    max_bytes: int
+    policy: RetentionPolicy = attrs.field(factory=LruPolicy)
+    clock: Callable[[], float] = time.monotonic
+    _indexes: dict[str, PrefixIndex] = attrs.field(init=False, factory=dict)
+    _bytes: int = attrs.field(init=False, default=0)
+    _count: _Counters = attrs.field(init=False, factory=_Counters)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return sum(len(index) for index in self._indexes.values())
+
+    def peek(self, tokens, namespace: str = "", *, limit: int | None = None) -> CacheHit | None:
+        """The best entry for this prompt, without touching stats or the policy.
+
+        `limit` caps the usable length (default and maximum: len(tokens) - 1).
+        """
+        return self._lookup(token_key(tokens), namespace, limit)
+
+    def take(self, tokens, namespace: str = "", *, limit: int | None = None) -> CacheHit | None:
+        """`peek`, and count the hit or miss; a hit refreshes the entry in the policy."""
+        key = token_key(tokens)
+        hit = self._lookup(key, namespace, limit)
+        self._count.lookup_tokens += key.num_tokens
+        if hit is None:
+            self._count.misses += 1
+            return None
+        now = self.clock()
+        hit.entry.hits += 1
+        hit.entry.last_used = now
+        self.policy.on_hit(hit.entry, now)
+        self._count.hits += 1
+        self._count.hit_tokens += hit.usable
+        return hit
+
+    def _lookup(self, key: TokenKey, namespace: str, limit: int | None) -> CacheHit | None:
+        index = self._indexes.get(namespace)
+        if index is None:
+            return None
+        cap = key.num_tokens - 1
+        match = index.longest_usable(key, limit=cap if limit is None else min(limit, cap))
+        return None if match is None else CacheHit(match.value, match.usable)
+
+    def put(
+        self, tokens, namespace: str = "", *, payload: Any, nbytes: int, trimmable: bool
+    ) -> PutOutcome:
+        """Store the state after `tokens`. Does not evict: call `evict()` next."""
+        if not self.enabled:
+            return PutOutcome(None)
+        now = self.clock()
+        entry = CacheEntry(
+            namespace, freeze_tokens(tokens), payload, int(nbytes), trimmable, now, now
+        )
+        key = token_key(entry.tokens)
+        index = self._indexes.setdefault(namespace, PrefixIndex())
+        replaced = index.insert(key, entry, trimmable=trimmable)
+        if replaced is not None:
+            self._forget(replaced)
+            self._count.replaced += 1
+        # a trimmable entry can serve any of its prefixes, so shorter entries are redundant
+        superseded = tuple(index.strict_ancestors(key)) if trimmable else ()
+        for old in superseded:
+            index.remove(old.tokens)
+            self._forget(old)
+        self._count.superseded += len(superseded)
+        self._bytes += entry.nbytes
+        self._count.inserts += 1
+        self.policy.on_insert(entry, now)
+        return PutOutcome(entry, replaced, superseded)
+
+    def _forget(self, entry: CacheEntry, *, evicted: bool = False) -> None:
+        """Drop an entry already taken out of its index from the policy and byte count."""
+        self._bytes -= entry.nbytes
+        self.policy.on_remove(entry, evicted=evicted)
+
+    def remove(self, entry: CacheEntry, *, evicted: bool = False) -> None:
+        """Drop this exact entry; a no-op if it was already replaced or removed."""
+        index = self._indexes.get(entry.namespace)
+        if index is None:
+            return
+        key = token_key(entry.tokens)
+        if index.get(key) is not entry:
+            return
+        index.remove(key)
+        self._forget(entry, evicted=evicted)
+        if not len(index):
+            del self._indexes[entry.namespace]
+
+    def evict(self, *, may_evict: Callable[[CacheEntry], bool] = _evict_anything) -> Eviction:
+        """Evict coldest-first until within max_bytes; stop at the first refused victim."""
+        evicted: list[CacheEntry] = []
+        blocked = None
+        victims = self.policy.victims()
+        try:
+            while self._bytes > self.max_bytes:
+                victim = next(victims, None)
+                if victim is None:
+                    break
+                if not may_evict(victim):
+                    blocked = victim
+                    break
+                self.remove(victim, evicted=True)
+                evicted.append(victim)
+        finally:
+            getattr(victims, "close", lambda: None)()  # hand unevicted victims back
+        freed = sum(e.nbytes for e in evicted)
+        self._count.evictions += len(evicted)
+        self._count.evicted_bytes += freed
+        self._count.blocked += blocked is not None
+        return Eviction(tuple(evicted), blocked, freed)
+
+    def find_exact(self, tokens, namespace: str = "") -> CacheEntry | None:
+        index = self._indexes.get(namespace)
+        return None if index is None else index.get(tokens)
+
+    def idle_entries(self, *, idle_for: float) -> list[CacheEntry]:
+        """Entries unused for at least `idle_for` seconds, least recently used first."""
+        cutoff = self.clock() - idle_for
+        idle = [e for e in self.entries() if e.last_used <= cutoff]
+        return sorted(idle, key=lambda e: e.last_used)
+
+    def entries(self) -> Iterator[CacheEntry]:
+        """A snapshot of every entry (safe to remove entries while iterating)."""
+        return iter([e for index in self._indexes.values() for e in index.values()])
+
+    def namespaces(self) -> list[str]:
+        return list(self._indexes)
+
+    @property
+    def stats(self) -> PromptCacheStats:
+        return PromptCacheStats(
+            entries=len(self),
+            bytes=self._bytes,
+            max_bytes=self.max_bytes,
+            namespaces=len(self._indexes),
+            policy=self.policy.name,
+            **attrs.asdict(self._count),
+        )
