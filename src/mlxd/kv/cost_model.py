@@ -1,0 +1,103 @@
+"""What prefill, decode and restore cost on one machine, and restore-or-recompute.
+
+Attention makes prefill cost grow with context: each new token attends to the
+cached prefix plus the new tokens before it. So prefill of `n` new tokens on a
+`ctx`-token prefix costs about
+
+    fixed + a * n + b * (n * ctx + n * n / 2)
+
+where `a` is the per-token cost of the matmuls and `b` the per-pair cost of
+attention. Decode is the same model one token at a time. Restoring a prefix
+from SSD costs `restore_fixed + bytes / restore_bytes_per_s`.
+
+The simulator (`mlxd simulate`) charges these costs in virtual time, and the
+serving cache owner uses `should_restore` to decide whether a cold entry is
+worth reading back. `mlxd simulate --calibrate` measures a model on this
+machine's real engine (see `mlxd.sim.calibrate`). This module is pure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+BLOCK_TOKENS = 512  # the Mooncake block size, also used to express capacities
+
+
+@attrs.frozen(kw_only=True)
+class CostModel:
+    """Seconds of engine time per operation, and KV bytes per token."""
+
+    model: str = "default"
+    prefill_fixed: float  # seconds per prefill call
+    prefill_per_token: float  # `a`: seconds per new token
+    prefill_per_pair: float  # `b`: seconds per (new token, attended token) pair
+    decode_per_token: float  # seconds per generated token at empty context
+    decode_per_pair: float  # seconds per generated token per context token
+    restore_fixed: float  # seconds per SSD restore (open, header, setup)
+    restore_bytes_per_s: float  # SSD restore bandwidth into RAM
+    kv_bytes_per_token: int  # KV bytes one token of context occupies
+
+    def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:
+        """Prefill `new_tokens` on top of a `context`-token cached prefix."""
+        if new_tokens <= 0:
+            return 0.0
+        n = float(new_tokens)
+        pairs = n * context + n * n / 2
+        return self.prefill_fixed + self.prefill_per_token * n + self.prefill_per_pair * pairs
+
+    def decode_seconds(self, tokens: int, context: int) -> float:
+        """Generate `tokens` tokens one at a time after a `context`-token prompt."""
+        if tokens <= 0:
+            return 0.0
+        n = float(tokens)
+        pairs = n * context + n * n / 2
+        return self.decode_per_token * n + self.decode_per_pair * pairs
+
+    def restore_seconds(self, nbytes: int) -> float:
+        """Read `nbytes` of KV state back from SSD into RAM."""
+        return self.restore_fixed + nbytes / self.restore_bytes_per_s
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV bytes of a `tokens`-token prefix."""
+        return tokens * self.kv_bytes_per_token
+
+    def should_restore(self, restore_bytes: int, prefix_tokens: int, suffix_tokens: int) -> bool:
+        """True when restoring the prefix and prefilling the suffix beats a full prefill."""
+        with_restore = self.restore_seconds(restore_bytes) + self.prefill_seconds(
+            suffix_tokens, prefix_tokens
+        )
+        return with_restore < self.prefill_seconds(prefix_tokens + suffix_tokens, 0)
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostModel:
+        known = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+# Measured with `mlxd simulate --calibrate` on the `default` preset (fp32,
+# 8 layers, 2 KV heads x 64 dims) on this repo's 2-core Linux x86_64 CI box
+# with OpenBLAS. Recalibrate on your machine; these only set the scale.
+DEFAULT = CostModel(
+    model="default",
+    prefill_fixed=0.005,
+    prefill_per_token=2.0e-4,
+    prefill_per_pair=2.0e-7,
+    decode_per_token=5.0e-3,
+    decode_per_pair=4.0e-7,
+    restore_fixed=0.002,
+    restore_bytes_per_s=1.0e9,
+    kv_bytes_per_token=8192,
+)

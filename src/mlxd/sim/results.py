@@ -1,0 +1,113 @@
+"""What one replay run reports, and the tally that accumulates it."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """One (cache model, policy, capacity) run; `to_json` is one `--format json` line."""
+
+    cache_model: str  # "blocks" or "mlxd"
+    policy: str
+    capacity_blocks: int | None  # None = unlimited (or given in bytes)
+    capacity_bytes: int | None
+    ssd_capacity_bytes: int | None
+    requests: int
+    input_tokens: int
+    hit_tokens: int  # = avoided prefill tokens
+    token_hit_rate: float
+    mean_request_hit_rate: float
+    ram_hits: int
+    ssd_hits: int
+    misses: int
+    ram_hit_tokens: int
+    ssd_hit_tokens: int
+    ssd_bytes_written: int
+    ssd_bytes_read: int
+    evictions: int  # RAM entries (blocks) dropped with no SSD copy
+    demotions: int  # RAM entries dropped while an SSD copy holds them
+    ssd_evictions: int
+    queue_delay_s: dict[str, float]  # p50/p90/p99/mean
+    ttft_s: dict[str, float]
+    makespan_s: float
+    wall_s: float = 0.0
+
+    @property
+    def avoided_prefill_tokens(self) -> int:
+        return self.hit_tokens
+
+    def to_json(self) -> dict:
+        data = attrs.asdict(self)
+        data["avoided_prefill_tokens"] = self.hit_tokens
+        return data
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"p{p}": 0.0 for p in PERCENTILES} | {"mean": 0.0}
+    arr = np.asarray(values)
+    out = {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
+    out["mean"] = float(arr.mean())
+    return out
+
+
+@attrs.define
+class Tally:
+    """Counters a replay adds to, request by request."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    fraction_sum: float = 0.0
+    hits: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
+    hit_tokens_by: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
+    ssd_bytes_written: int = 0
+    ssd_bytes_read: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    ssd_evictions: int = 0
+    queue: list[float] = attrs.Factory(list)
+    ttft: list[float] = attrs.Factory(list)
+    end: float = 0.0
+
+    def add_request(self, input_length: int, hit: int, *, source: str) -> None:
+        self.requests += 1
+        self.input_tokens += input_length
+        self.hit_tokens += hit
+        self.fraction_sum += hit / input_length if input_length else 0.0
+        self.hits[source] += 1
+        self.hit_tokens_by[source] += hit
+
+    def add_timing(self, *, queue: float, ttft: float, end: float = 0.0) -> None:
+        self.queue.append(queue)
+        self.ttft.append(ttft)
+        self.end = max(self.end, end)
+
+    def result(self, **fields) -> RunResult:
+        n = max(self.requests, 1)
+        return RunResult(
+            requests=self.requests,
+            input_tokens=self.input_tokens,
+            hit_tokens=self.hit_tokens,
+            token_hit_rate=self.hit_tokens / max(self.input_tokens, 1),
+            mean_request_hit_rate=self.fraction_sum / n,
+            ram_hits=self.hits["ram"],
+            ssd_hits=self.hits["ssd"],
+            misses=self.hits["miss"],
+            ram_hit_tokens=self.hit_tokens_by["ram"],
+            ssd_hit_tokens=self.hit_tokens_by["ssd"],
+            ssd_bytes_written=self.ssd_bytes_written,
+            ssd_bytes_read=self.ssd_bytes_read,
+            evictions=self.evictions,
+            demotions=self.demotions,
+            ssd_evictions=self.ssd_evictions,
+            queue_delay_s=percentiles(self.queue),
+            ttft_s=percentiles(self.ttft),
+            makespan_s=self.end,
+            **fields,
+        )

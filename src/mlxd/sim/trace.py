@@ -1,0 +1,192 @@
+"""Request traces: Mooncake JSON lines, mlxd's own JSONL format, and a recorder.
+
+Mooncake lines look like `{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}`: one id per 512-token block, each id covering its block and
+every block before it, so equal leading ids mean a shared prefix.
+
+mlxd lines (docs/simulate.md) carry explicit tokens or text:
+`{"t": seconds, "namespace": "", "session": null, "tokens": [...] | "text": "...",
+"output_tokens": m, "cached_tokens": k | null, "output_ids": [...] (optional)}`.
+`TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import IO
+
+import attrs
+import numpy as np
+
+from mlxd.kv.cost_model import BLOCK_TOKENS
+
+Tokenize = Callable[[str], Sequence[int]]
+
+
+@attrs.frozen(kw_only=True)
+class TraceRequest:
+    """One request of a trace, in either format."""
+
+    index: int
+    t: float  # arrival, seconds since the first request
+    input_length: int
+    output_tokens: int
+    namespace: str = ""
+    session: str | None = None
+    hash_ids: tuple[int, ...] | None = None  # Mooncake
+    tokens: tuple[int, ...] | None = None  # mlxd format
+    output_ids: tuple[int, ...] | None = None  # mlxd format: generated ids, when recorded
+    cached_tokens: int | None = None  # what the live server reported, when recorded
+
+
+def utf8_tokens(text: str) -> list[int]:
+    """Fallback tokenizer for text-only traces: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> TraceRequest:
+    """A TraceRequest from one decoded JSON line (either format); `t` not yet rebased."""
+    if "hash_ids" in obj:
+        return TraceRequest(
+            index=index,
+            t=obj["timestamp"] / 1000.0,
+            input_length=int(obj["input_length"]),
+            output_tokens=int(obj.get("output_length", 0)),
+            hash_ids=tuple(obj["hash_ids"]),
+        )
+    if obj.get("tokens") is not None:
+        tokens = tuple(int(x) for x in obj["tokens"])
+    elif obj.get("text") is not None:
+        tokens = tuple(tokenize(obj["text"]))
+    else:
+        raise ValueError(f"trace line {index + 1}: needs hash_ids, tokens or text")
+    out_ids = obj.get("output_ids")
+    return TraceRequest(
+        index=index,
+        t=float(obj.get("t", 0.0)),
+        input_length=len(tokens),
+        output_tokens=int(obj.get("output_tokens", len(out_ids or ()))),
+        namespace=obj.get("namespace") or "",
+        session=obj.get("session"),
+        tokens=tokens,
+        output_ids=None if out_ids is None else tuple(int(x) for x in out_ids),
+        cached_tokens=obj.get("cached_tokens"),
+    )
+
+
+def load_trace(
+    path: str | Path, *, limit: int | None = None, tokenize: Tokenize = utf8_tokens
+) -> list[TraceRequest]:
+    """Every request of a JSONL trace, arrival times rebased to start at 0, in arrival order."""
+    reqs = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(reqs) >= limit:
+                break
+            if line.strip():
+                reqs.append(parse_line(json.loads(line), len(reqs), tokenize))
+    return rebase(reqs)
+
+
+def rebase(reqs: Iterable[TraceRequest]) -> list[TraceRequest]:
+    """Sort by arrival (stable) and shift times so the first request arrives at 0."""
+    reqs = sorted(reqs, key=lambda r: r.t)
+    t0 = reqs[0].t if reqs else 0.0
+    return [attrs.evolve(r, t=r.t - t0, index=i) for i, r in enumerate(reqs)]
+
+
+def is_mooncake(reqs: Sequence[TraceRequest]) -> bool:
+    return bool(reqs) and all(r.hash_ids is not None for r in reqs)
+
+
+# --- synthesized token ids for Mooncake traces ---------------------------------
+
+
+def block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
+    """Token ids for a Mooncake request: block id h expands to h*512 .. h*512+511.
+
+    Equal ids give equal tokens, different ids differ at their first token, and
+    the last block is cut to `input_length`.
+    """
+    ids = np.asarray(hash_ids, dtype=np.int64)
+    toks = (ids[:, None] * BLOCK_TOKENS + np.arange(BLOCK_TOKENS)).ravel()[:input_length]
+    return toks.astype(np.int32)
+
+
+def half_block_tokens(hash_ids: Sequence[int]) -> np.ndarray:
+    """Two synthetic tokens per block, (2h, 2h+1): the block-granular fast path.
+
+    See `mlxd.sim.replay.BlockSynth` for why this reproduces token-level hits exactly.
+    """
+    ids = np.asarray(hash_ids, dtype=np.int64)
+    return np.stack([2 * ids, 2 * ids + 1], axis=1).ravel().astype(np.int32)
+
+
+def check_block_structure(reqs: Sequence[TraceRequest]) -> None:
+    """Raise if a Mooncake trace breaks what block-granular replay relies on.
+
+    Every request must have ceil(input_length / 512) ids, and an id must always
+    cover the same number of tokens (a partial last block has its own id).
+    """
+    fill: dict[int, int] = {}
+    for r in reqs:
+        n, ids = r.input_length, r.hash_ids or ()
+        if len(ids) != -(-n // BLOCK_TOKENS):
+            raise ValueError(f"request {r.index}: {len(ids)} hash ids for {n} tokens")
+        for j, h in enumerate(ids):
+            f = min(BLOCK_TOKENS, n - j * BLOCK_TOKENS)
+            if fill.setdefault(h, f) != f:
+                raise ValueError(f"hash id {h} covers {fill[h]} and {f} tokens")
+
+
+# --- recording live traffic ---------------------------------------------------
+
+
+@attrs.define
+class TraceRecorder:
+    """Append one mlxd-format line per finished request; flushed per line.
+
+    Synchronous and thread-safe; the server calls `record` when a request ends.
+    Times are seconds from `clock()` (pass the serving clock).
+    """
+
+    path: Path = attrs.field(converter=Path)
+    _file: IO[str] | None = attrs.field(init=False, default=None)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+
+    def record(
+        self,
+        *,
+        t: float,
+        tokens: Sequence[int],
+        output_tokens: int,
+        namespace: str = "",
+        session: str | None = None,
+        cached_tokens: int | None = None,
+        output_ids: Sequence[int] | None = None,
+    ) -> None:
+        line = {
+            "t": t,
+            "namespace": namespace,
+            "session": session,
+            "tokens": [int(x) for x in tokens],
+            "output_tokens": int(output_tokens),
+            "cached_tokens": cached_tokens,
+        }
+        if output_ids is not None:
+            line["output_ids"] = [int(x) for x in output_ids]
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a")  # noqa: SIM115 (held open until close)
+            self._file.write(text)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
