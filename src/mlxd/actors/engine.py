@@ -139,12 +139,13 @@ class EngineActor:
 
     def _load(self) -> EngineInfo:
         import mlx.core as mx
-        from mlx_lm import load
+
+        from mlxd.model.detok import load_model
 
         self._stream = mx.new_stream(mx.default_device())
         with mx.stream(self._stream):
             path = self._resolve_model_path()
-            model, tokenizer = load(str(path))
+            model, tokenizer = load_model(path)
             if mx.default_device() == mx.cpu:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
@@ -331,6 +332,7 @@ class EngineActor:
             caches=caches,
             all_tokens=[list(req.prompt[:usable])],
             samplers=[make_sampler(s)],
+            logits_processors=[make_processors(s)],
             stop_sequences=[StopSequences(stops)],
         )
         row.uid = uid
@@ -415,6 +417,18 @@ def make_sampler(s: Any) -> Any:
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
+
+
+def make_processors(s: Any) -> list[Any]:
+    """Penalties and logit bias as mlx-lm logits processors (none for plain sampling)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(
+        logit_bias=dict(s.logit_bias) or None,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty or None,
+        frequency_penalty=s.frequency_penalty or None,
+    )
 
 
 def _cast_float_weights(model: Any, dtype: Any) -> None:

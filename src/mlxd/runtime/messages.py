@@ -28,6 +28,10 @@ class SamplingParams:
     max_tokens: int = 256
     # Generation stops after any of these token ids (the model's EOS ids are added).
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Report the chosen token's logprob, and this many alternatives per step.
     logprobs: bool = False
     top_logprobs: int = 0

@@ -57,8 +57,8 @@ class MlxThread:
             # and the cancellation at its next checkpoint.
             return trio.lowlevel.Abort.FAILED
 
-        result = await trio.lowlevel.wait_task_rescheduled(abort)
-        return result.unwrap()
+        # The outcome is unwrapped by trio: a value, or the job's exception raised here.
+        return await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def aclose(self) -> None:
         self._jobs.put(_STOP)

@@ -1,0 +1,183 @@
+"""The `mlxd` command: serve, simulate, build-model."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from mlxd.runtime.config import GB
+
+
+def _gb(text: str) -> int:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return int(value * GB)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="local model directory or Hugging Face repo id (default: a built-in model)")
+    p.add_argument("--preset", default="default", help="built-in model preset when --model is not given")
+    p.add_argument("--model-name", help="name to serve the model under (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
+    p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
+    p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
+    p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
+    p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
+    p.add_argument("--prefill-step-size", type=_positive_int, default=2048, help="prefill chunk size in tokens")
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
+    p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
+    p.add_argument("--log-level", default="info")
+
+
+def serve_config(args: argparse.Namespace):
+    from mlxd.runtime.config import RuntimeConfig
+
+    return RuntimeConfig(
+        model=args.model,
+        model_preset=args.preset,
+        model_name=args.model_name,
+        prompt_cache_bytes=args.prompt_cache_gb,
+        retention=args.retention,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_step_size=args.prefill_step_size,
+        max_tokens_limit=args.max_tokens_limit,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from mlxd.runtime.logging import configure_logging
+
+    configure_logging(args.log_format, level=args.log_level)
+    try:
+        config = serve_config(args)
+    except ValueError as exc:
+        print(f"mlxd serve: {exc}", file=sys.stderr)
+        return 2
+    trio.run(_serve_main, config, args)
+    return 0
+
+
+async def _serve_main(config, args: argparse.Namespace) -> None:
+    import trio
+
+    from mlxd.http.app import serve_http
+    from mlxd.runtime.logging import get_logger
+    from mlxd.runtime.supervisor import open_runtime
+
+    log = get_logger("mlxd.serve")
+    stopped = trio.Event()
+    async with open_runtime(config) as rt, trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, rt, stopped, args.shutdown_timeout, nursery.cancel_scope)
+        binds = await nursery.start(
+            lambda task_status: serve_http(
+                rt, host=args.host, port=args.port, shutdown_trigger=stopped.wait, task_status=task_status
+            )
+        )
+        log.info("serve.listening", binds=binds, model=rt.info.model_name)
+        print(f"mlxd: serving {rt.info.model_name} on {' '.join(binds)}", file=sys.stderr, flush=True)
+        await stopped.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(rt, stopped, timeout: float, scope) -> None:
+    """First SIGINT/SIGTERM: stop admission, drain, flush, exit. A second one: exit at once."""
+    import trio
+
+    from mlxd.runtime.logging import get_logger
+
+    log = get_logger("mlxd.serve")
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("serve.shutdown", signal=signal.Signals(signum).name, timeout_s=timeout)
+            rt.stop_admission()
+            break
+        async with trio.open_nursery() as nursery:
+
+            async def second_signal() -> None:
+                async for signum in signals:
+                    log.warning("serve.forced_exit", signal=signal.Signals(signum).name)
+                    scope.cancel()
+                    return
+
+            nursery.start_soon(second_signal)
+            with trio.move_on_after(timeout):
+                drained = await rt.drain(timeout=timeout)
+                log.info("serve.drained", complete=drained)
+                flush = getattr(rt, "flush", None)
+                if flush is not None:
+                    report = await flush()
+                    log.info("serve.flushed", **report)
+            nursery.cancel_scope.cancel()
+    stopped.set()
+
+
+def add_build_model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build-model", help="build a built-in random-weight model directory")
+    p.add_argument("--preset", default="default", help="test, default or bench")
+    p.add_argument("--out", type=Path, help="directory to write (default: the user cache dir)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_build_model(args: argparse.Namespace) -> int:
+    from mlxd.model.tiny import build_model, ensure_model, stderr_progress
+
+    if args.out is not None:
+        path = build_model(args.out, args.preset, seed=args.seed, progress=stderr_progress)
+    else:
+        path = ensure_model(args.preset, seed=args.seed, progress=stderr_progress)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_build_model_parser(sub)
+    try:
+        from mlxd.sim.cli import add_simulate_parser
+    except ImportError:
+        add_simulate_parser = None
+    if add_simulate_parser is not None:
+        add_simulate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "build-model":
+        return run_build_model(args)
+    if args.command == "simulate":
+        from mlxd.sim.cli import run_simulate
+
+        return run_simulate(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Test helper: a real mlxd HTTP server on loopback, run in a background thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import attrs
+import trio
+
+from mlxd.http.app import serve_http
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.supervisor import Runtime, open_runtime
+
+
+class ServerThread:
+    """`with ServerThread(config) as server:` gives `server.base_url` of a live server."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.base_url = ""
+        self.runtime: Runtime | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # surfaced to the test thread
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with open_runtime(self.config) as rt, trio.open_nursery() as nursery:
+            self.runtime = rt
+            binds = await nursery.start(
+                lambda task_status: serve_http(
+                    rt, host="127.0.0.1", port=0, shutdown_trigger=self._stop.wait, task_status=task_status
+                )
+            )
+            self.base_url = binds[0].replace("http://", "http://") + "/v1"
+            self._ready.set()
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run an async function on the server's trio loop (e.g. runtime.stats)."""
+        assert self._token is not None
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(timeout=120)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout=60)
+
+
+def config_for(model_dir: Any, **overrides: Any) -> RuntimeConfig:
+    base = RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16)
+    return attrs.evolve(base, **overrides)
