@@ -1,0 +1,236 @@
+"""The SSD tier over real files: scan, find, supersession, cap, failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlc
+
+from mlxd.kv import file_format as ff
+from mlxd.kv.ssd_store import SsdStore, StoreIdentity, compute_fingerprint, namespace_dir
+
+FP = compute_fingerprint({"config": "c1", "weights": "w1", "tokenizer": "t", "mlx": "0.32"})
+IDENTITY = StoreIdentity(model_id="tiny", fingerprint=FP, tokenizer_hash="tok")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        self.now += 10
+        return self.now
+
+
+def make_store(root: Path, **kw) -> SsdStore:
+    return SsdStore(root, IDENTITY, clock=Clock(), **kw)
+
+
+def kv(n: int) -> list:
+    c = mlc.KVCache()
+    c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+    return [c]
+
+
+def rotating_full(n: int) -> list:
+    c = mlc.RotatingKVCache(max_size=4)
+    c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+    return [c]  # offset >= max_size: untrimmable
+
+
+def put(store: SsdStore, tokens, ns: str = "", caches=None):
+    caches = kv(len(tokens)) if caches is None else caches
+    plan = ff.plan_snapshot(caches, meta=store.identity.meta(tokens, ns))
+    outcome = store.write(plan)
+    assert outcome is not None
+    return outcome
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_fingerprint_is_stable_and_order_free():
+    a = compute_fingerprint({"x": "1", "y": "2"})
+    assert a == compute_fingerprint({"y": "2", "x": "1"})
+    assert a != compute_fingerprint({"x": "1", "y": "3"})
+
+
+def test_layout_permissions_and_restart_scan(tmp_path):
+    store = make_store(tmp_path)
+    entry = put(store, [1, 2, 3, 4], "lora").entry
+    assert entry.path.parent == tmp_path / FP / namespace_dir("lora")
+    assert len(entry.path.stem) == 32 and entry.path.suffix == ".mlxkv"
+    assert os.stat(entry.path).st_mode & 0o777 == 0o600
+    assert os.stat(entry.path.parent).st_mode & 0o777 == 0o700
+    assert os.stat(tmp_path / FP).st_mode & 0o777 == 0o700
+
+    again = make_store(tmp_path)
+    report = again.scan()
+    assert report.indexed == 1
+    hit = again.find([1, 2, 3, 4, 5], "lora")
+    assert hit is not None and hit.usable == 4 and hit.entry.path == entry.path
+    assert again.find([1, 2, 3, 4, 5], "") is None  # namespaces never cross
+    assert again.stats.bytes == os.path.getsize(entry.path)
+
+
+def test_find_caps_at_len_minus_one_and_gates_on_trimmability(tmp_path):
+    store = make_store(tmp_path)
+    put(store, [1, 2, 3, 4, 5, 6], caches=rotating_full(6))  # untrimmable [prompt+gen]
+    put(store, [1, 2, 3], caches=kv(3))  # the boundary snapshot
+    hit = store.find([1, 2, 3, 4, 5, 9])
+    assert hit.usable == 3 and hit.entry.tokens == (1, 2, 3)  # the big file would need a trim
+    exact = store.find([1, 2, 3, 4, 5, 6, 7])
+    assert exact.usable == 6 and not exact.needs_trim
+    hit = store.find([1, 2, 3])  # capped at len - 1: must trim the exact file
+    assert hit.usable == 2 and hit.entry.tokens == (1, 2, 3) and hit.needs_trim
+
+
+def test_commit_replaces_duplicates_and_trimmable_supersedes_ancestors(tmp_path):
+    store = make_store(tmp_path)
+    a = put(store, [1, 2]).entry
+    b = put(store, [1, 2]).entry
+    assert not a.path.exists() and b.path.exists() and len(store) == 1
+    u = put(store, [1, 2, 3, 4], caches=rotating_full(4)).entry  # untrimmable: keeps ancestor
+    assert b.path.exists() and len(store) == 2
+    out = put(store, [1, 2, 3, 4, 5, 6])  # trimmable: supersedes both ancestors
+    assert {e.path for e in out.superseded} == {b.path, u.path}
+    assert files(tmp_path) == [out.entry.path]
+    assert store.has_durable_prefix([1, 2, 3])  # covered by trimming the descendant
+    assert store.longest_durable_prefix([1, 2, 3, 4, 5, 6, 7, 8]) == 6
+    assert not store.has_durable_prefix([1, 2, 7])
+
+
+def test_scan_unlinks_corrupt_mismatched_and_orphans_keeps_foreign(tmp_path):
+    store = make_store(tmp_path)
+    good = put(store, [1, 2, 3]).entry
+    bad = put(store, [4, 5, 6]).entry
+    data = bytearray(bad.path.read_bytes())
+    data[80] ^= 1  # a header byte
+    bad.path.write_bytes(bytes(data))
+    trunc = put(store, [7, 8]).entry
+    trunc.path.write_bytes(trunc.path.read_bytes()[:-10])
+    orphan = good.path.with_name("dead.mlxkv.tmp")
+    orphan.write_bytes(b"half a write")
+    # a file of another namespace copied into the wrong namespace dir
+    other = put(store, [9], "lora").entry
+    moved = good.path.parent / "moved.mlxkv"
+    shutil.copy(other.path, moved)
+    # another model's store under the same root: never touched
+    foreign = tmp_path / ("0" * 32) / "abcd"
+    foreign.mkdir(parents=True)
+    (foreign / "x.mlxkv").write_bytes(b"garbage")
+    (foreign / "y.mlxkv.tmp").write_bytes(b"garbage")
+
+    fresh = make_store(tmp_path)
+    report = fresh.scan()
+    assert (report.indexed, report.corrupt, report.orphans) == (2, 3, 1)
+    assert good.path.exists() and other.path.exists()
+    assert not bad.path.exists() and not trunc.path.exists()
+    assert not orphan.exists() and not moved.exists()
+    assert (foreign / "x.mlxkv").exists() and (foreign / "y.mlxkv.tmp").exists()
+    assert fresh.stats.corrupt_removed == 3
+
+
+def test_scan_drops_files_of_another_identity(tmp_path):
+    put(make_store(tmp_path), [1, 2, 3])
+    other = SsdStore(tmp_path, StoreIdentity("tiny", FP, "other-tokenizer"))
+    assert other.scan().corrupt == 1 and files(tmp_path) == []
+
+
+def test_load_verifies_and_a_corrupt_file_becomes_a_miss(tmp_path):
+    store = make_store(tmp_path)
+    entry = put(store, [1, 2, 3]).entry
+    loaded = store.load(entry, verify=True)
+    (restored,) = ff.adopt(loaded)
+    assert restored.offset == 3
+    t = loaded.header.tensors()[0][1]
+    data = bytearray(entry.path.read_bytes())
+    data[t.offset] ^= 0xFF
+    entry.path.write_bytes(bytes(data))
+    assert store.load(entry, verify=False) is not None  # tensor bytes unchecked
+    assert store.load(entry, verify=True) is None
+    assert not entry.path.exists() and store.find([1, 2, 3, 4]) is None
+
+
+def test_touch_on_hit_and_cap_evicts_oldest_mtime(tmp_path):
+    store = make_store(tmp_path)
+    a = put(store, [1]).entry
+    b = put(store, [2]).entry
+    c = put(store, [3]).entry
+    store.load(a)  # a hit: a is now the newest
+    assert a.mtime > c.mtime and os.stat(a.path).st_mtime == a.mtime
+    evicted = store.enforce_cap(a.nbytes + c.nbytes)
+    assert evicted == [b] and not b.path.exists() and len(store) == 2
+    # the LRU clock survives a restart: mtime is on disk
+    fresh = make_store(tmp_path)
+    fresh.scan()
+    assert [e.tokens for e in fresh.enforce_cap(a.nbytes)] == [(3,)]
+    assert fresh.stats.evictions == 1
+
+
+def test_write_enforces_the_configured_cap(tmp_path):
+    store = make_store(tmp_path)
+    size = put(store, [1]).entry.nbytes
+    capped = make_store(tmp_path, max_bytes=2 * size)
+    capped.scan()
+    put(capped, [2])
+    put(capped, [3])
+    assert [e.tokens for e in capped.entries()] == [(2,), (3,)]
+    assert capped.stats.bytes <= 2 * size
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    where.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
+
+
+def _umount(where: Path) -> None:
+    subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+
+
+def test_disk_full_on_a_real_small_filesystem_is_a_warn_once_miss(tmp_path, capsys):
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=64k,mode=0700")
+    try:
+        store = make_store(mnt)
+        put(store, [1])  # a small file fits
+        plan = ff.plan_snapshot(kv(3000), meta=store.identity.meta([5, 6], ""))
+        with pytest.raises(ff.DiskFull):
+            ff.write_snapshot(plan, store.reserve_path(""))
+        assert store.write(plan) is None
+        assert store.write(plan) is None
+        stats = store.stats
+        assert stats.disk_full and stats.write_failures == 2 and stats.entries == 1
+        assert not [p for p in mnt.rglob("*.tmp")]
+        assert capsys.readouterr().out.count("ssd_disk_full") == 1
+    finally:
+        _umount(mnt)
+
+
+def test_read_only_dir_is_a_storage_error(tmp_path):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "size=64k,ro")
+    try:
+        store = make_store(mnt)
+        with pytest.raises(ff.StorageError) as info:
+            store.reserve_path("")
+        assert not isinstance(info.value, ff.DiskFull)
+        plan = ff.plan_snapshot(kv(2), meta=store.identity.meta([1, 2], ""))
+        assert store.write(plan) is None and store.stats.write_failures == 1
+        assert store.scan().indexed == 0
+    finally:
+        _umount(mnt)
