@@ -108,8 +108,10 @@ def main() -> None:
     unique_tokens = systems * SYSTEM_TOKENS + systems * convs * CONVERSATION_TOKENS
     held = index_bytes(systems, convs)
 
-    print(f"entries={systems * convs} x {SYSTEM_TOKENS + CONVERSATION_TOKENS} tokens, "
-          f"{systems} system prompts, requests={args.requests}")
+    print(
+        f"entries={systems * convs} x {SYSTEM_TOKENS + CONVERSATION_TOKENS} tokens, "
+        f"{systems} system prompts, requests={args.requests}"
+    )
     print(f"{'operation':<44}{'mean us':>10}{'p50 us':>10}{'p99 us':>10}")
     rows = [
         ("lookup, numpy int32 prompt (8.2-8.4k tokens)", array_ns),
@@ -120,8 +122,10 @@ def main() -> None:
     for name, samples in rows:
         mean, p50, p99 = percentiles(samples)
         print(f"{name:<44}{mean:>10.1f}{p50:>10.1f}{p99:>10.1f}")
-    print(f"index memory: {held / 2**20:.0f} MiB for {unique_tokens / 1e6:.1f}M distinct tokens "
-          f"({held / unique_tokens:.2f} bytes/token)")
+    print(
+        f"index memory: {held / 2**20:.0f} MiB for {unique_tokens / 1e6:.1f}M distinct tokens "
+        f"({held / unique_tokens:.2f} bytes/token)"
+    )
 
 
 if __name__ == "__main__":
