@@ -12,8 +12,9 @@ and cheap. A lock guards the index, so an I/O method may run on a worker
 thread while the owner keeps calling `find()`.
 
 Every failure degrades to "miss" or "not stored": corrupt files are unlinked,
-disk-full is logged once, and nothing here raises into serving except the
-explicit low-level calls (`reserve_path`, which raises StorageError).
+disk-full is logged once. Only the low-level `reserve_path` raises
+(StorageError); `write()` wraps reserve + write + commit + cap and returns
+None when nothing was stored.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class SsdStore:
             self._bytes = 0
         counts = {"indexed": 0, "corrupt": 0, "orphans": 0, "duplicates": 0, "other": 0}
         for ns_dir in self._ns_dirs():
-            for path in sorted(ns_dir.iterdir()):
+            for path in _listdir(ns_dir):
                 counts[self._scan_file(path, ns_dir.name)] += 1
         counts.pop("other", None)
         report = ScanReport(**counts)
@@ -168,12 +169,8 @@ class SsdStore:
         return report
 
     def _ns_dirs(self) -> Iterator[Path]:
-        try:
-            yield from (p for p in sorted(self.directory.iterdir()) if p.is_dir())
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            log.warning("ssd_scan_failed", dir=str(self.directory), error=str(exc))
+        if self.directory.is_dir():
+            yield from (p for p in _listdir(self.directory) if p.is_dir())
 
     def _scan_file(self, path: Path, ns_name: str) -> str:
         if path.name.endswith(TMP_SUFFIX):
@@ -438,6 +435,14 @@ class SsdStore:
             path.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("ssd_unlink_failed", path=str(path), error=str(exc))
+
+
+def _listdir(d: Path) -> list[Path]:
+    try:
+        return sorted(d.iterdir())
+    except OSError as exc:
+        log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
+        return []
 
 
 def _stat(path: Path) -> tuple[float, int]:
