@@ -70,5 +70,5 @@ class ServerThread:
 
 
 def config_for(model_dir: Any, **overrides: Any) -> RuntimeConfig:
-    base = RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16)
+    base = RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, max_context=4096)
     return attrs.evolve(base, **overrides)

@@ -153,7 +153,10 @@ class EngineActor:
         self._generator = self._new_generator()
         cfg = json.loads((path / "config.json").read_text())
         max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
-        name = self._config.model_name or (self._config.model or f"mlxd-{self._config.model_preset}")
+        name = self._config.model_name or (
+            Path(self._config.model).name if self._config.model and Path(self._config.model).exists()
+            else self._config.model or f"mlxd-{self._config.model_preset}"
+        )
         return EngineInfo(
             model_name=name,
             model_path=str(path),

@@ -123,8 +123,9 @@ class SchedulerActor:
                     continue
                 try:
                     submit.events.send_nowait(event)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
                     client_gone = True
+                    log.info("request.client_gone", request_id=request.request_id, why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
 

@@ -68,8 +68,8 @@ class _Completion:
                     self.logprobs.extend(entries)
                     if delta or entries:
                         yield delta, entries
-                    if self.text.done:
-                        break  # a stop string: leaving the stream cancels the generation
+                    if self.text.stopped_by_string:
+                        break  # leaving the stream cancels the generation
                 elif isinstance(event, GenerationFinished):
                     self.finished = event
         tail = self.text.finish()
@@ -149,6 +149,9 @@ class _Completion:
                 yield self.chunk({}, self.usage())
         except GenerationError as exc:
             yield f"data: {json.dumps(ApiError(500, str(exc), type='server_error').body())}\n\n"
+        except Exception as exc:
+            log.exception("http.stream_failed", request_id=self.stream.request.request_id)
+            yield f"data: {json.dumps(ApiError(500, f'internal error: {type(exc).__name__}', type='server_error').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     async def body(self) -> dict[str, Any]:

@@ -149,8 +149,10 @@ class Runtime:
         request_id: str | None = None,
     ) -> GenerationRequest:
         """Validate and build a request for exact prompt token ids."""
-        sampling = sampling or SamplingParams(max_tokens=self.config.default_max_tokens)
         prompt = tuple(int(t) for t in prompt)
+        if sampling is None:
+            room = self.info.max_context - len(prompt)
+            sampling = SamplingParams(max_tokens=max(1, min(self.config.default_max_tokens, room)))
         if not prompt:
             raise InvalidRequest("the prompt is empty")
         if sampling.max_tokens < 1:
