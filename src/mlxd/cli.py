@@ -44,6 +44,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
     p.add_argument("--prefill-step-size", type=_positive_int, default=2048, help="prefill chunk size in tokens")
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
+    p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
+    p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier byte cap in GB (default: unlimited)")
+    p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor hashes on every restore")
+    p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
+                   help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
     p.add_argument("--log-level", default="info")
@@ -52,7 +57,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def serve_config(args: argparse.Namespace):
     from mlxd.runtime.config import RuntimeConfig
 
+    ssd = {}
+    if args.ssd_cache is None:
+        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle"):
+            if getattr(args, flag) not in (None, False):
+                print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
+    else:
+        ssd = {
+            "ssd_cache_dir": args.ssd_cache,
+            "ssd_cache_max_bytes": args.ssd_cache_max or 0,
+            "ssd_cache_verify": args.ssd_cache_verify,
+            "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
+        }
     return RuntimeConfig(
+        **ssd,
         model=args.model,
         model_preset=args.preset,
         model_name=args.model_name,

@@ -24,8 +24,10 @@ from mlxd.runtime.messages import (
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
+    PrefillMeasured,
     PromptAccepted,
     PublishPrefix,
+    RestoreMeasured,
     StartGeneration,
     TokenGenerated,
 )
@@ -45,6 +47,7 @@ class EngineInfo:
     max_context: int
     kv_bytes_per_token: int
     model_identity: str  # hash of config + weights metadata + tokenizer
+    store_identity: Any = None  # kv.ssd_store.StoreIdentity when the SSD tier is on
 
 
 @attrs.frozen
@@ -56,19 +59,9 @@ class _Emit:
 
 
 @attrs.frozen
-class _Snapshot:
-    tokens: tuple[int, ...]
-    namespace: str
-    payload: list[Any]
-    nbytes: int
-    trimmable: bool
-    reason: str
-
-
-@attrs.frozen
 class _StepResult:
     emits: list[_Emit]
-    snapshots: list[_Snapshot]
+    notes: list[Any]  # messages for the cache owner: publications and timings
     finished: list[int]  # uids that left the batch
 
 
@@ -79,6 +72,7 @@ class _Row:
     cached_tokens: int = 0
     want_snapshot: bool = False
     generated: int = 0
+    prefilled: int = 0  # prompt tokens processed so far in this insert
 
 
 def _model_identity(path: Path) -> str:
@@ -116,6 +110,7 @@ class EngineActor:
         self._tokenizer: Any = None
         self._generator: Any = None
         self._stream: Any = None
+        self._store_identity: Any = None
         # Task-side state.
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
@@ -157,6 +152,8 @@ class EngineActor:
             Path(self._config.model).name if self._config.model and Path(self._config.model).exists()
             else self._config.model or f"mlxd-{self._config.model_preset}"
         )
+        identity = _model_identity(path)
+        self._store_identity = _store_identity(name, identity, path) if self._config.ssd_cache_dir else None
         return EngineInfo(
             model_name=name,
             model_path=str(path),
@@ -164,7 +161,8 @@ class EngineActor:
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
             kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
-            model_identity=_model_identity(path),
+            model_identity=identity,
+            store_identity=self._store_identity,
         )
 
     def _resolve_model_path(self) -> Path:
@@ -244,17 +242,8 @@ class EngineActor:
             row = self._rows.pop(uid, None)
             if row is not None:
                 row.start.events.close()
-        for snap in result.snapshots:
-            await self._publish.send(
-                PublishPrefix(
-                    tokens=snap.tokens,
-                    namespace=snap.namespace,
-                    payload=snap.payload,
-                    nbytes=snap.nbytes,
-                    trimmable=snap.trimmable,
-                    reason=snap.reason,
-                )
-            )
+        for note in result.notes:
+            await self._publish.send(note)
         self.stats["batch_rows"] = len(self._rows)
 
     def _fail_all(self, message: str) -> None:
@@ -274,11 +263,11 @@ class EngineActor:
         import mlx.core as mx
 
         emits: list[_Emit] = []
-        snapshots: list[_Snapshot] = []
+        notes: list[Any] = []
         finished: list[int] = []
         with mx.stream(self._stream):
             for row in starts:
-                emits.append(self._insert(row))
+                emits.append(self._insert(row, notes))
             if cancels:
                 self._generator.remove(cancels)
                 for uid in cancels:
@@ -290,14 +279,20 @@ class EngineActor:
                     finished.append(uid)
             live = set(self._rows) - set(cancels)
             if not live:
-                return _StepResult(emits, snapshots, finished)
+                return _StepResult(emits, notes, finished)
+            decoding = any(r.generated for r in self._rows.values())
+            t0 = time.perf_counter()
             prompt_responses, gen_responses = self._generator.next()
+            elapsed = time.perf_counter() - t0
             self.stats["steps"] += 1
+            chunks = [r for r in prompt_responses if not r.end_of_prompt]
+            if len(chunks) == 1 and not decoding:
+                self._measure_prefill(chunks[0], elapsed, notes)
             for r in prompt_responses:
                 row = self._rows.get(r.uid)
                 if row is not None and row.want_snapshot and r.end_of_segment and not r.end_of_prompt:
                     row.want_snapshot = False
-                    snapshots.append(self._boundary_snapshot(row))
+                    notes.append(self._boundary_snapshot(row))
             for r in gen_responses:
                 row = self._rows.get(r.uid)
                 if row is None:
@@ -315,10 +310,42 @@ class EngineActor:
                     )
                     finished.append(r.uid)
                     if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
-                        snapshots.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
-        return _StepResult(emits, snapshots, finished)
+                        notes.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
+        return _StepResult(emits, notes, finished)
 
-    def _insert(self, row: _Row) -> _Emit:
+    def _measure_prefill(self, r: Any, seconds: float, notes: list[Any]) -> None:
+        row = self._rows.get(r.uid)
+        if row is None:
+            return
+        done = int(r.progress[0])
+        new = done - row.prefilled
+        notes.append(PrefillMeasured(new, row.cached_tokens + row.prefilled, seconds))
+        row.prefilled = done
+
+    def _restore(self, row: _Row, notes: list[Any]) -> tuple[list[Any], int, str]:
+        """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
+        from mlxd.kv import file_format, kinds
+
+        restore = row.start.restore
+        t0 = time.perf_counter()
+        caches = file_format.adopt(restore.loaded)
+        seconds = restore.loaded.seconds + (time.perf_counter() - t0)
+        tokens = tuple(restore.entry.tokens)
+        notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
+        notes.append(
+            PublishPrefix(
+                tokens=tokens,
+                namespace=row.start.request.namespace,
+                payload=caches,
+                nbytes=kinds.nbytes(caches),
+                trimmable=kinds.is_trimmable(caches),
+                reason="restore",
+                durable=True,
+            )
+        )
+        return kinds.lend(caches, restore.usable), restore.usable, "ssd"
+
+    def _insert(self, row: _Row, notes: list[Any]) -> _Emit:
         from mlx_lm.generate import StopSequences
 
         from mlxd.kv import kinds
@@ -326,7 +353,11 @@ class EngineActor:
         req = row.start.request
         hit = row.start.hit
         usable = hit.usable if hit is not None else 0
-        caches = [kinds.lend(hit.entry.payload, usable)] if hit is not None else None
+        lent = kinds.lend(hit.entry.payload, usable) if hit is not None else None
+        tier = "ram" if usable > 0 else "none"
+        if row.start.restore is not None and row.start.restore.loaded is not None:
+            lent, usable, tier = self._restore(row, notes)
+        caches = [lent] if lent is not None else None
         s = req.sampling
         stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
         (uid,) = self._generator.insert(
@@ -346,27 +377,32 @@ class EngineActor:
         )
         self._rows[uid] = row
         self.stats["prompt_tokens"] += len(req.prompt) - usable
-        tier = getattr(hit, "tier", "ram") if hit is not None and usable > 0 else "none"
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
         return _Emit(uid, PromptAccepted(len(req.prompt), usable, tier, queued))
 
-    def _boundary_snapshot(self, row: _Row) -> _Snapshot:
+    def _boundary_snapshot(self, row: _Row) -> PublishPrefix:
         (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
         return self._snapshot(tokens, row.start.request.namespace, caches, "boundary")
 
-    def _snapshot(self, tokens: list[int], namespace: str, caches: list[Any], reason: str) -> _Snapshot:
+    def _snapshot(self, tokens: list[int], namespace: str, caches: list[Any], reason: str) -> PublishPrefix:
+        """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
         import mlx.core as mx
 
-        from mlxd.kv import kinds
+        from mlxd.kv import file_format, kinds
 
         mx.eval([c.state for c in caches])
-        return _Snapshot(
-            tokens=tuple(tokens),
+        tokens = tuple(tokens)
+        plan = None
+        if self._store_identity is not None:
+            plan = file_format.plan_snapshot(caches, meta=self._store_identity.meta(tokens, namespace))
+        return PublishPrefix(
+            tokens=tokens,
             namespace=namespace,
             payload=caches,
             nbytes=kinds.nbytes(caches),
             trimmable=kinds.is_trimmable(caches),
             reason=reason,
+            plan=plan,
         )
 
     def _token_event(self, row: _Row, r: Any) -> TokenGenerated:
@@ -446,6 +482,30 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     ]
     model.update(tree_unflatten(cast))
     mx.eval(model.parameters())
+
+
+def _store_identity(name: str, model_identity: str, path: Path) -> Any:
+    """What every SSD file must match: model, tokenizer, KV dtype, MLX version and backend."""
+    import hashlib
+
+    import mlx.core as mx
+
+    from mlxd.kv import file_format
+    from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
+
+    tok = path / "tokenizer.json"
+    tokenizer_hash = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.exists() else "none"
+    fingerprint = compute_fingerprint(
+        {
+            "model": model_identity,
+            "tokenizer": tokenizer_hash,
+            "kv_scheme": "fp32" if mx.default_device() == mx.cpu else "native",
+            "mlx": mx.__version__,
+            "backend": str(mx.default_device()),
+            "format": str(file_format.FORMAT_VERSION),
+        }
+    )
+    return StoreIdentity(model_id=name, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
 
 
 def _kv_bytes_per_token(cfg: dict[str, Any], model: Any) -> int:

@@ -21,11 +21,13 @@ from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CancelGeneration,
+    FetchSnapshot,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     LookupPrefix,
     PromptAccepted,
+    RestoreSnapshot,
     StartGeneration,
     SubmitGeneration,
     TokenGenerated,
@@ -56,8 +58,10 @@ class SchedulerActor:
         inbox: trio.MemoryReceiveChannel[SubmitGeneration],
         engine: trio.MemorySendChannel[StartGeneration | CancelGeneration],
         cache: trio.MemorySendChannel[Any],
+        prefetcher: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
         self._config = config
+        self._prefetcher = prefetcher
         self._inbox = inbox
         self._engine = engine
         self._cache = cache
@@ -107,10 +111,11 @@ class SchedulerActor:
             return
         reply: Reply[Any] = Reply()
         await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
-        hit = await reply.wait()
+        lookup = await reply.wait()
+        restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
-        await self._engine.send(StartGeneration(request, hit, send, submit.submitted_at))
+        await self._engine.send(StartGeneration(request, lookup.hit, send, submit.submitted_at, restore))
         client_gone = False
         first_token_at: float | None = None
         async with receive:
@@ -128,6 +133,15 @@ class SchedulerActor:
                     log.info("request.client_gone", request_id=request.request_id, why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
+
+    async def _fetch(self, match: Any) -> RestoreSnapshot | None:
+        """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""
+        if self._prefetcher is None:
+            return None
+        reply: Reply[Any] = Reply()
+        await self._prefetcher.send(FetchSnapshot(match.entry, reply))
+        loaded = await reply.wait()
+        return RestoreSnapshot(match.entry, match.usable, loaded) if loaded is not None else None
 
     def _count(self, event: GenerationEvent) -> None:
         s = self.stats

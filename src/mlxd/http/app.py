@@ -288,6 +288,13 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
             return _json({"status": "draining"}, 503)
         return _json({"status": "ok", "model": rt.info.model_name})
 
+    @app.post("/admin/cache/flush")
+    async def flush() -> Response:
+        if rt.cold is None:
+            raise ApiError(400, "this server has no SSD tier (start it with --ssd-cache DIR)")
+        report = await rt.flush()
+        return _json(report, 200 if report["durable"] else 503)
+
     @app.get("/stats")
     async def stats() -> Response:
         data = await rt.stats()

@@ -98,11 +98,21 @@ class SubmitGeneration:
 
 
 @attrs.frozen(eq=False)
+class RestoreSnapshot:
+    """A cold-tier file read into host buffers, to adopt on the engine thread."""
+
+    entry: Any  # kv.ssd_store.SsdEntry
+    usable: int
+    loaded: Any  # kv.file_format.LoadedSnapshot
+
+
+@attrs.frozen(eq=False)
 class StartGeneration:
     request: GenerationRequest
     hit: Any  # kv.prompt_cache.CacheHit | None: the prefix to lend
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float = 0.0
+    restore: RestoreSnapshot | None = None  # wins over `hit` when present
 
 
 @attrs.frozen
@@ -115,9 +125,19 @@ class CancelGeneration:
 
 @attrs.frozen(eq=False)
 class LookupPrefix:
+    """Reply: a `PrefixLookup`."""
+
     tokens: tuple[int, ...]
     namespace: str
     reply: Reply[Any]
+
+
+@attrs.frozen(eq=False)
+class PrefixLookup:
+    """Where a prompt's prefix comes from: a RAM hit, or an SSD file worth restoring."""
+
+    hit: Any  # kv.prompt_cache.CacheHit | None
+    restore: Any = None  # kv.ssd_store.SsdMatch | None (strictly longer than the RAM hit)
 
 
 @attrs.frozen(eq=False)
@@ -129,7 +149,109 @@ class PublishPrefix:
     payload: Any  # list of mlx-lm caches
     nbytes: int
     trimmable: bool
-    reason: str  # "boundary" (prompt-boundary snapshot) or "final" (prompt + generation)
+    reason: str  # "boundary" (prompt-boundary snapshot), "final" (prompt + generation) or "restore"
+    plan: Any = None  # kv.file_format.SnapshotPlan for the SSD writer (None without an SSD tier)
+    durable: bool = False  # already on SSD (a restored file)
+
+
+@attrs.frozen(eq=False)
+class EntryDurable:
+    """The coordinator reports that an SSD file now covers exactly these tokens."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen(eq=False)
+class EntryNotPersisted:
+    """A write for these tokens failed; the RAM entry may be dropped under pressure."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    reason: str
+
+
+@attrs.frozen
+class PrefillMeasured:
+    """Engine-side timing of one single-row prefill chunk (for restore-or-recompute)."""
+
+    new_tokens: int
+    context: int
+    seconds: float
+
+
+@attrs.frozen
+class RestoreMeasured:
+    """Engine-side timing of one restore (for the restore-or-recompute model)."""
+
+    nbytes: int
+    seconds: float
+
+
+# --- durability coordinator and SSD writer ---------------------------------------
+
+
+@attrs.frozen(eq=False)
+class MarkDirty:
+    """A new RAM checkpoint that is not yet on SSD."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    plan: Any  # kv.file_format.SnapshotPlan
+    trimmable: bool
+
+
+@attrs.frozen(eq=False)
+class ForgetDirty:
+    """The RAM entry is gone without a write (dropped): stop tracking it."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen(eq=False)
+class WriteSnapshot:
+    key: tuple[str, tuple[int, ...]]
+    version: int
+    plan: Any
+
+
+@attrs.frozen(eq=False)
+class SnapshotWritten:
+    key: tuple[str, tuple[int, ...]]
+    version: int
+    stored: bool
+    seconds: float
+    error: str | None = None
+
+
+@attrs.frozen(eq=False)
+class FlushRequest:
+    reply: Reply[Any]
+
+
+@attrs.frozen(eq=False)
+class DurabilityStats:
+    reply: Reply[dict[str, Any]]
+
+
+# --- prefetcher --------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class PrefetchHint:
+    """A request arrived: start reading its longest cold prefix now, if any."""
+
+    tokens: tuple[int, ...]
+    namespace: str
+
+
+@attrs.frozen(eq=False)
+class FetchSnapshot:
+    """Reply: a `kv.file_format.LoadedSnapshot`, or None when the read failed (a miss)."""
+
+    entry: Any
+    reply: Reply[Any]
 
 
 @attrs.frozen(eq=False)

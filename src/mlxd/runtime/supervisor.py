@@ -12,25 +12,34 @@ cancellation: leaving the `async with` cancels every actor.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from mlxd.actors.cache_owner import CacheOwnerActor
+from mlxd.actors.durability import DurabilityCoordinator, FlushReport
 from mlxd.actors.engine import EngineActor, EngineInfo
+from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
+from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.runtime.channels import ChannelStats, Reply
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    DurabilityStats,
+    FlushRequest,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     GenerationRequest,
+    PrefetchHint,
     PromptAccepted,
     QueryCacheStats,
     SamplingParams,
@@ -106,6 +115,7 @@ class Runtime:
         scheduler: SchedulerActor,
         engine: EngineActor,
         cache_owner: CacheOwnerActor,
+        cold: ColdTier | None = None,
     ) -> None:
         self.config = config
         self.info = info
@@ -114,6 +124,7 @@ class Runtime:
         self.scheduler = scheduler
         self.engine = engine
         self.cache_owner = cache_owner
+        self.cold = cold
         self.admitting = True
         self.started_at = time.time()
         self._ids = itertools.count()
@@ -189,6 +200,11 @@ class Runtime:
             receive.close()
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)") from None
         self.scheduler.stats.submitted += 1
+        if self.cold is not None:
+            try:  # a hint: dropped when the prefetcher is busy
+                self.cold.prefetch_inbox.send_nowait(PrefetchHint(request.prompt, request.namespace))
+            except trio.WouldBlock:
+                pass
         return GenerationStream(receive, request)
 
     # --- observing and stopping ------------------------------------------------
@@ -207,7 +223,7 @@ class Runtime:
         sched["queued"] = ChannelStats.of(self._submit).as_dict()["queued"]
         sched["max_queue"] = self.config.max_queue
         sched["max_batch"] = self.config.max_batch
-        return {
+        out = {
             "model": self.info.model_name,
             "uptime_s": round(time.time() - self.started_at, 3),
             "admitting": self.admitting,
@@ -220,6 +236,48 @@ class Runtime:
             },
             "blas": dict(_blas.status),
         }
+        if self.cold is not None:
+            out["ssd_cache"] = await self.ssd_stats()
+        return out
+
+    async def ssd_stats(self) -> dict[str, Any]:
+        """The SSD tier's counters (seed §5.6 names), or {} without a cold tier."""
+        if self.cold is None:
+            return {}
+        reply: Reply[dict[str, Any]] = Reply()
+        self.cold.durability_inbox.send_nowait(DurabilityStats(reply))
+        durability = await reply.wait()
+        tier = (await self.cache_stats()).get("ssd", {})
+        return {
+            "entries": tier.get("entries", 0),
+            "bytes": tier.get("bytes", 0),
+            "max_bytes": tier.get("max_bytes", 0),
+            "restores": tier.get("restores", 0),
+            "spills": durability["spills"],
+            "restore_ms_last": tier.get("restore_ms_last"),
+            "demotions": tier.get("demotions", 0),
+            "pending_snapshots": durability["pending_snapshots"],
+            "pending_spills": durability["pending_spills"],
+            "pending_spill_bytes": durability["pending_spill_bytes"],
+            "dropped_spills": durability["dropped_spills"],
+            "failed_spills": durability["failed_spills"],
+            "longest_durable_prefix_tokens": tier.get("longest_durable_prefix_tokens", 0),
+            "superseded_spills": durability["superseded"],
+            "corrupt_removed": tier.get("corrupt_removed", 0),
+            "disk_full": tier.get("disk_full", False),
+            "prefetch": dict(self.cold.prefetcher.stats),
+            "writer": dict(self.cold.writer.stats),
+            "restore_decisions": tier.get("restore_decisions", {}),
+        }
+
+    async def flush(self) -> dict[str, Any]:
+        """Wait until every checkpoint in RAM is durable on SSD; report the evidence."""
+        if self.cold is None:
+            return {"durable": False, "reason": "no SSD tier (start with --ssd-cache DIR)"}
+        reply: Reply[FlushReport] = Reply()
+        self.cold.durability_inbox.send_nowait(FlushRequest(reply))
+        report = await reply.wait()
+        return report.as_dict()
 
     def stop_admission(self) -> None:
         self.admitting = False
@@ -235,6 +293,52 @@ class Runtime:
         return False
 
 
+@attrs.frozen
+class ColdTier:
+    """The SSD tier's actors and their inboxes (absent without --ssd-cache)."""
+
+    store: Any
+    writer: SsdWriterActor
+    durability: DurabilityCoordinator
+    durability_inbox: trio.MemorySendChannel[Any]
+    prefetcher: PrefetcherActor
+    prefetch_inbox: trio.MemorySendChannel[Any]
+
+
+async def _open_store(config: RuntimeConfig, info: EngineInfo) -> Any:
+    """Create the SSD store and scan its directory (header-only) on a worker thread."""
+    from mlxd.kv.ssd_store import SsdStore
+
+    assert config.ssd_cache_dir is not None
+    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity, max_bytes=config.ssd_cache_max_bytes)
+    t0 = time.perf_counter()
+    log.info("ssd.scan_started", dir=str(store.directory))
+    report = await trio.to_thread.run_sync(store.scan)
+    log.info(
+        "ssd.scan_finished",
+        seconds=round(time.perf_counter() - t0, 3),
+        entries=len(store),
+        bytes=store.stats.bytes,
+        **{f"removed_{k}": v for k, v in attrs.asdict(report).items() if k != "indexed"},
+    )
+    return store
+
+
+def _cold_tier(config: RuntimeConfig, store: Any, cache_owner: CacheOwnerActor, cache_send: Any) -> ColdTier:
+    # The coordinator's inbox is unbounded on purpose: its producers (the cache
+    # owner, the writer) must never block on it, and it waits on nobody but the
+    # writer's one-slot inbox, so it always drains. No cycle can deadlock.
+    durability_send, durability_receive = trio.open_memory_channel[Any](math.inf)
+    write_send, write_receive = trio.open_memory_channel[Any](1)
+    prefetch_send, prefetch_receive = trio.open_memory_channel[Any](64)
+    writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone())
+    durability = DurabilityCoordinator(store, inbox=durability_receive, writer=write_send, cache=cache_send.clone())
+    prefetcher = PrefetcherActor(
+        store, cache_owner.cache, inbox=prefetch_receive, verify=config.ssd_cache_verify
+    )
+    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send)
+
+
 @asynccontextmanager
 async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
     """Start every actor; yield a ready Runtime; cancel them all on exit."""
@@ -242,12 +346,25 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](config.max_queue)
     engine_send, engine_receive = trio.open_memory_channel[Any](config.max_batch * 2 + 8)
     cache_send, cache_receive = trio.open_memory_channel[Any](64)
-    cache_owner = CacheOwnerActor(config, inbox=cache_receive)
     engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone())
-    scheduler = SchedulerActor(config, inbox=submit_receive, engine=engine_send, cache=cache_send.clone())
     async with trio.open_nursery() as nursery:
-        await nursery.start(cache_owner.run)
         info = await nursery.start(engine.run)
+        store = await _open_store(config, info) if config.ssd_cache_dir else None
+        cache_owner = CacheOwnerActor(config, inbox=cache_receive, store=store)
+        cold = _cold_tier(config, store, cache_owner, cache_send) if store is not None else None
+        if cold is not None:
+            cache_owner.attach_durability(cold.durability_inbox.clone())
+            await nursery.start(cold.writer.run)
+            await nursery.start(cold.durability.run)
+            await nursery.start(cold.prefetcher.run)
+        await nursery.start(cache_owner.run)
+        scheduler = SchedulerActor(
+            config,
+            inbox=submit_receive,
+            engine=engine_send,
+            cache=cache_send.clone(),
+            prefetcher=cold.prefetch_inbox.clone() if cold else None,
+        )
         await nursery.start(scheduler.run)
         runtime = Runtime(
             config,
@@ -257,6 +374,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             scheduler=scheduler,
             engine=engine,
             cache_owner=cache_owner,
+            cold=cold,
         )
         try:
             yield runtime
