@@ -90,9 +90,7 @@ class SsdIndex:
 
     max_bytes: int | None = None
     _indexes: dict[str, PrefixIndex] = attrs.field(init=False, factory=dict)
-    _lru: OrderedDict[tuple[str, bytes], SsdRecord] = attrs.field(
-        init=False, factory=OrderedDict
-    )
+    _lru: OrderedDict[tuple[str, bytes], SsdRecord] = attrs.field(init=False, factory=OrderedDict)
     _bytes: int = attrs.field(init=False, default=0)
 
     @property
@@ -114,6 +112,10 @@ class SsdIndex:
         cap = key.num_tokens - 1 if limit is None else min(limit, key.num_tokens - 1)
         match = index.longest_usable(key, limit=cap)
         return None if match is None else SsdMatch(match.value, match.usable)
+
+    def get(self, tokens, namespace: str = "") -> SsdRecord | None:
+        """The record stored under exactly these tokens (a RAM entry it makes durable)."""
+        return self._lru.get((namespace, token_key(tokens)))
 
     def touch(self, record: SsdRecord, now: float) -> None:
         """A hit refreshes the record's mtime."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -35,6 +35,7 @@ from mlxd.sim.results import RunResult, Tally
 from mlxd.sim.trace import TraceRequest, block_tokens, half_block_tokens
 
 UNLIMITED_BYTES = 2**62
+OnRequest = Callable[[TraceRequest, int, str], None]  # (request, hit tokens, source)
 
 
 class TokenSynth:
@@ -105,8 +106,11 @@ class MlxdReplay:
     ssd: SsdIndex | None
     synth: TokenSynth | BlockSynth
     slots: int = 4
+    on_request: OnRequest | None = None
     tally: Tally = attrs.Factory(Tally)
-    _clock: trio.testing.MockClock = attrs.field(factory=lambda: trio.testing.MockClock())
+    _clock: trio.testing.MockClock = attrs.field(
+        factory=lambda: trio.testing.MockClock(autojump_threshold=0)
+    )
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -136,11 +140,17 @@ class MlxdReplay:
             await trio.sleep(restore_s + prefill_s)
             self._store(prompt, r.namespace, r.input_length)
             self.tally.add_request(r.input_length, hit, source=source)
+            if self.on_request is not None:
+                self.on_request(r, hit, source)
             decode_s = self.cost.decode_seconds(r.output_tokens, r.input_length)
             await trio.sleep(decode_s)
-            self.tally.add_timing(queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now())
+            self.tally.add_timing(
+                queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now()
+            )
             if r.output_ids:
-                full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
+                full = np.concatenate(
+                    [np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)]
+                )
                 self._store(full, r.namespace, len(full))
         finally:
             slots.release()
@@ -164,7 +174,11 @@ class MlxdReplay:
         self.ssd.touch(record, self.now())
         self.tally.ssd_bytes_read += record.nbytes
         out = self.cache.put(
-            record.tokens, record.namespace, payload=None, nbytes=record.nbytes, trimmable=record.trimmable
+            record.tokens,
+            record.namespace,
+            payload=None,
+            nbytes=record.nbytes,
+            trimmable=record.trimmable,
         )
         if out.entry is not None:
             out.entry.durable = True
@@ -172,7 +186,12 @@ class MlxdReplay:
         return self.cost.restore_seconds(record.nbytes)
 
     def _store(self, tokens, namespace: str, num_tokens: int) -> None:
-        self.cache.put(tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True)
+        out = self.cache.put(
+            tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True
+        )
+        if out.entry is not None and self.ssd is not None:
+            # an SSD file with exactly these tokens already makes the new entry durable
+            out.entry.durable = self.ssd.get(out.entry.tokens, namespace) is not None
         self._evict()
 
     def _evict(self) -> None:
@@ -192,7 +211,11 @@ class MlxdReplay:
     def _persist(self, entry) -> None:
         """Write a RAM entry to SSD (the simulated writer commits at once)."""
         dropped = self.ssd.add(
-            entry.tokens, entry.namespace, nbytes=entry.nbytes, now=self.now(), trimmable=entry.trimmable
+            entry.tokens,
+            entry.namespace,
+            nbytes=entry.nbytes,
+            now=self.now(),
+            trimmable=entry.trimmable,
         )
         self.tally.ssd_bytes_written += entry.nbytes
         entry.durable = True
@@ -219,6 +242,7 @@ def replay_mlxd(
     granularity: str = "auto",
     slots: int = 4,
     seed: int = 0,
+    on_request: OnRequest | None = None,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier."""
     mooncake = all(r.hash_ids is not None for r in reqs)
@@ -236,6 +260,7 @@ def replay_mlxd(
         SsdIndex(ssd_bytes) if ssd else None,
         BlockSynth() if use_blocks else TokenSynth(),
         slots=slots,
+        on_request=on_request,
     )
     cache.clock = replay.now
     started = time.perf_counter()

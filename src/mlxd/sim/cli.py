@@ -1,0 +1,200 @@
+"""`mlxd simulate`: replay a request trace against the serving cache policies.
+
+`add_simulate_parser(subparsers)` registers the subcommand and `run_simulate(args)`
+runs it; `python -m mlxd.sim.cli ...` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlxd  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
+from mlxd.kv.cost_model import BLOCK_TOKENS, DEFAULT, CostModel
+from mlxd.sim import report
+from mlxd.sim.blocks import replay_blocks
+from mlxd.sim.replay import replay_mlxd
+from mlxd.sim.results import RunResult
+from mlxd.sim.trace import check_block_structure, is_mooncake, load_trace, utf8_tokens
+
+POLICIES = ("lru", "lfu", "cost")
+DEFAULT_SWEEP = (1000, 2000, 5000, 10000, 20000, 50000)  # blocks
+GIB = 1024**3
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a request trace against the cache policies",
+        description=__doc__,
+    )
+    configure_parser(p)
+    return p
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="Mooncake or mlxd JSONL trace")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--ram-blocks", type=int, help="RAM capacity in 512-token blocks")
+    cap.add_argument("--ram-gb", type=float, help="RAM capacity in GiB of KV")
+    cap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="default",
+        help="comma-separated capacities in blocks ('inf' = unlimited); "
+        f"bare --sweep = {','.join(map(str, DEFAULT_SWEEP))}",
+    )
+    p.add_argument("--ssd-gb", type=float, help="add an SSD tier of this many GiB (mlxd model)")
+    p.add_argument("--policy", default=",".join(POLICIES), help="lru, lfu, cost, or a comma list")
+    p.add_argument(
+        "--cache-model", choices=("blocks", "mlxd", "both"), default="both", help="default: both"
+    )
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--out", type=Path, help="write results JSON and PNG plots here")
+    p.add_argument("--name", default=None, help="file stem under --out (default: trace name)")
+    p.add_argument("--cost-model", type=Path, help="cost model JSON (default: built-in)")
+    p.add_argument("--slots", type=int, default=4, help="simulated engine slots (default 4)")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--granularity", choices=("auto", "block", "token"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--calibrate", action="store_true", help="measure the cost model on this machine"
+    )
+    p.add_argument("--model", type=Path, help="model dir for --calibrate / text traces")
+    p.add_argument("--calibrate-tokens", type=int, default=2048)
+    p.add_argument(
+        "--cost-out", type=Path, default=Path("cost_model.json"), help="where --calibrate writes"
+    )
+
+
+def capacities(args) -> list[int | None]:
+    """RAM capacities to run, in blocks (None = unlimited)."""
+    if args.ram_blocks is not None:
+        return [args.ram_blocks]
+    if args.ram_gb is not None:
+        return [None]  # bytes are handled in _ram_bytes
+    if args.sweep is None:
+        return [None]
+    if args.sweep == "default":
+        return list(DEFAULT_SWEEP)
+    return [None if s.strip() in ("inf", "unlimited") else int(s) for s in args.sweep.split(",")]
+
+
+def _ram_bytes(args, blocks: int | None, cost: CostModel) -> int | None:
+    if args.ram_gb is not None:
+        return int(args.ram_gb * GIB)
+    return None if blocks is None else blocks * cost.kv_bytes(BLOCK_TOKENS)
+
+
+def _tokenizer(model: Path | None):
+    if model is None:
+        return utf8_tokens
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def run_all(args, reqs, cost: CostModel) -> list[RunResult]:
+    policies = [p.strip() for p in args.policy.split(",")]
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policy {sorted(unknown)}; choose from {POLICIES}")
+    models = ["blocks", "mlxd"] if args.cache_model == "both" else [args.cache_model]
+    if "blocks" in models and not is_mooncake(reqs):
+        if args.cache_model == "blocks":
+            raise SystemExit("the blocks model needs a Mooncake trace (hash_ids)")
+        models.remove("blocks")
+    ssd_bytes = None if args.ssd_gb is None else int(args.ssd_gb * GIB)
+    results = []
+    for model in models:
+        for policy in policies:
+            for blocks in capacities(args):
+                results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes))
+                if args.format == "json":
+                    print(report.json_lines(results[-1:]), flush=True)
+    return results
+
+
+def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes) -> RunResult:
+    started = time.perf_counter()
+    ram_bytes = _ram_bytes(args, blocks, cost)
+    if model == "blocks":
+        if ram_bytes is not None and blocks is None:
+            blocks = ram_bytes // cost.kv_bytes(BLOCK_TOKENS)
+        result = replay_blocks(reqs, capacity=blocks, policy=policy, cost=cost, slots=args.slots)
+    else:
+        result = replay_mlxd(
+            reqs,
+            policy=policy,
+            cost=cost,
+            ram_bytes=ram_bytes,
+            ssd_bytes=ssd_bytes,
+            ssd=args.ssd_gb is not None,
+            granularity=args.granularity,
+            slots=args.slots,
+            seed=args.seed,
+        )
+    import attrs
+
+    return attrs.evolve(result, wall_s=time.perf_counter() - started)
+
+
+def run_calibrate(args) -> int:
+    from mlxd.sim.calibrate import calibrate
+
+    model_dir = args.model
+    if model_dir is None:
+        from mlxd.model.tiny import ensure_model
+
+        model_dir = ensure_model("default")
+    cost = calibrate(Path(model_dir), max_tokens=args.calibrate_tokens, seed=args.seed, log=_err)
+    cost.save(args.cost_out)
+    print(json.dumps(cost.to_json(), indent=2))
+    _err(f"wrote {args.cost_out}")
+    return 0
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_simulate(args) -> int:
+    if args.calibrate:
+        return run_calibrate(args)
+    if not args.trace:
+        raise SystemExit("mlxd simulate: a TRACE is required (or --calibrate)")
+    cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT
+    reqs = load_trace(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
+    if is_mooncake(reqs) and args.granularity != "token":
+        check_block_structure(reqs)
+    results = run_all(args, reqs, cost)
+    if args.format == "table":
+        print(report.table(results))
+    if args.out is not None:
+        meta = {
+            "trace": Path(args.trace).name,
+            "requests": len(reqs),
+            "cost_model": cost.to_json(),
+            "slots": args.slots,
+            "ssd_gb": args.ssd_gb,
+            "seed": args.seed,
+            "command": " ".join(sys.argv),
+        }
+        name = args.name or Path(args.trace).stem
+        for path in report.save(args.out, results, meta, name=name):
+            _err(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mlxd simulate", description=__doc__)
+    configure_parser(parser)
+    return run_simulate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
