@@ -20,7 +20,7 @@ async def test_stream_tokens_and_reuse_prefix(tiny_model_dir):
     async with open_runtime(config(tiny_model_dir)) as rt:
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers_before
         messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "Hi"}]
-        prompt = rt.render_chat(messages)
+        prompt = await rt.render_chat(messages)
         greedy = SamplingParams(max_tokens=6, logprobs=True)
         async with rt.submit(rt.request(prompt, sampling=greedy)) as stream:
             events = [e async for e in stream]
@@ -53,8 +53,7 @@ async def test_leaving_the_stream_early_cancels(tiny_model_dir):
                 if isinstance(event, TokenGenerated):
                     break
         with trio.fail_after(30):
-            while rt.scheduler.stats.running:
-                await trio.sleep(0.01)
+            await rt.scheduler.wait_idle()
         assert rt.scheduler.stats.cancelled == 1
         assert rt.scheduler.stats.generated_tokens < 2000
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+
 from serving import ServerThread, config_for
 
 # The tiny model's end tokens (<|endoftext|>, <|im_end|>) banned, so a generation runs its length.
@@ -48,13 +49,17 @@ def test_second_turn_hits_cache_and_matches_cold_prefill(server, cold_server):
     first = chat(server, turn1)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     reply = first.choices[0].message.content
+    # The cold server sees the same first turn, so it renders turn 2 with the same
+    # token ids (the reply keeps its generated ids); it just has no prompt cache.
+    assert chat(cold_server, turn1).choices[0].message.content == reply
     turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And another?"}]
 
     warm = chat(server, turn2, logprobs=True, top_logprobs=5)
     cold = chat(cold_server, turn2, logprobs=True, top_logprobs=5)
 
     cached = warm.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens - 1  # the whole first prompt came from the cache
+    # The first prompt and the reply's generated tokens all come from the cache.
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
     assert warm.choices[0].message.content == cold.choices[0].message.content

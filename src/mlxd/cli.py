@@ -120,7 +120,7 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _watch_signals(rt, stopped, timeout: float, scope) -> None:
+async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
     """First SIGINT/SIGTERM: stop admission, drain, flush, exit. A second one: exit at once."""
     import trio
 
@@ -129,7 +129,7 @@ async def _watch_signals(rt, stopped, timeout: float, scope) -> None:
     log = get_logger("mlxd.serve")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("serve.shutdown", signal=signal.Signals(signum).name, timeout_s=timeout)
+            log.info("serve.shutdown", signal=signal.Signals(signum).name, timeout_s=grace_s)
             rt.stop_admission()
             break
         async with trio.open_nursery() as nursery:
@@ -141,12 +141,13 @@ async def _watch_signals(rt, stopped, timeout: float, scope) -> None:
                     return
 
             nursery.start_soon(second_signal)
-            with trio.move_on_after(timeout):
-                drained = await rt.drain(timeout=timeout)
-                log.info("serve.drained", complete=drained)
-                flush = getattr(rt, "flush", None)
-                if flush is not None:
-                    report = await flush()
+            deadline = trio.current_time() + grace_s
+            with trio.move_on_at(deadline) as drain_scope:
+                await rt.drain()
+            log.info("serve.drained", complete=not drain_scope.cancelled_caught)
+            if rt.cold is not None:
+                with trio.move_on_at(deadline):
+                    report = await rt.flush()
                     log.info("serve.flushed", **report)
             nursery.cancel_scope.cancel()
     stopped.set()

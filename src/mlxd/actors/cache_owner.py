@@ -25,6 +25,7 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     EntryDurable,
     EntryNotPersisted,
+    FindCheckpointTokens,
     ForgetDirty,
     LookupPrefix,
     MarkDirty,
@@ -98,6 +99,8 @@ class CacheOwnerActor:
             self.advisor.observe_restore(nbytes=msg.nbytes, seconds=msg.seconds)
             self.tier.restores += 1
             self.tier.restore_ms_last = round(msg.seconds * 1000, 3)
+        elif isinstance(msg, FindCheckpointTokens):
+            msg.reply.send(self._checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
 
@@ -116,6 +119,15 @@ class CacheOwnerActor:
         ):
             return PrefixLookup(hit)
         return PrefixLookup(hit, cold)
+
+    def _checkpoint_tokens(self, tokens: tuple[int, ...], namespace: str) -> tuple[int, ...] | None:
+        hit = self.cache.peek(tokens, namespace)
+        best = (hit.usable, tuple(hit.entry.tokens)) if hit is not None else (0, None)
+        if self.store is not None:
+            cold = self.store.find(tokens, namespace)
+            if cold is not None and cold.usable > best[0]:
+                best = (cold.usable, tuple(cold.entry.tokens))
+        return best[1]
 
     # --- publications and durability ------------------------------------------------
 

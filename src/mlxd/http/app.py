@@ -53,6 +53,7 @@ class _Completion:
         self.accepted: PromptAccepted | None = None
         self.finished: GenerationFinished | None = None
         self.completion_tokens = 0
+        self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
 
     async def deltas(self) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
@@ -63,6 +64,7 @@ class _Completion:
                     self.accepted = event
                 elif isinstance(event, TokenGenerated):
                     self.completion_tokens += 1
+                    self.token_ids.append(event.token)
                     delta = self.text.add(event.token)
                     entries = self._logprob_entries(event)
                     self.logprobs.extend(entries)
@@ -75,6 +77,8 @@ class _Completion:
         tail = self.text.finish()
         if tail:
             yield tail, []
+        if self.chat and not self.text.stopped_by_string:
+            self.rt.remember_reply(self.text.text, self.token_ids)
 
     def finish_reason(self) -> str:
         if self.text.stopped_by_string:
@@ -254,7 +258,7 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
         )
         messages = parse_messages(body)
         try:
-            prompt = rt.render_chat(messages)
+            prompt = await rt.render_chat(messages)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="messages") from None
         return await run(parsed, prompt, chat=True)

@@ -133,6 +133,19 @@ class LookupPrefix:
 
 
 @attrs.frozen(eq=False)
+class FindCheckpointTokens:
+    """Reply: the exact tokens of the checkpoint (RAM or SSD) that best matches `tokens`, or None.
+
+    No accounting, no I/O: used to realign a re-tokenized conversation with the
+    ids its cached checkpoint was computed from.
+    """
+
+    tokens: tuple[int, ...]
+    namespace: str
+    reply: Reply[Any]
+
+
+@attrs.frozen(eq=False)
 class PrefixLookup:
     """Where a prompt's prefix comes from: a RAM hit, or an SSD file worth restoring."""
 

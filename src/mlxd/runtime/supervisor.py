@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import trio
+import trio.lowlevel
 
 from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.actors.durability import DurabilityCoordinator, FlushReport
@@ -34,6 +35,7 @@ from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     DurabilityStats,
+    FindCheckpointTokens,
     FlushRequest,
     GenerationEvent,
     GenerationFailed,
@@ -46,6 +48,7 @@ from mlxd.runtime.messages import (
     SubmitGeneration,
     TokenGenerated,
 )
+from mlxd.runtime.token_history import GeneratedHistory, encode_chat, realign, render
 
 log = get_logger("mlxd.runtime")
 
@@ -125,6 +128,7 @@ class Runtime:
         self.engine = engine
         self.cache_owner = cache_owner
         self.cold = cold
+        self.history = GeneratedHistory()
         self.admitting = True
         self.started_at = time.time()
         self._ids = itertools.count()
@@ -138,15 +142,31 @@ class Runtime:
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex[:12]}"
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> tuple[int, ...]:
-        """Apply the model's chat template (with the generation prompt) and tokenize."""
+    async def render_chat(self, messages: Sequence[dict[str, Any]], *, namespace: str = "") -> tuple[int, ...]:
+        """Apply the model's chat template (with the generation prompt) and tokenize.
+
+        Generated replies keep their original token ids (see `token_history`):
+        from this process's history, or else from the cached checkpoint (RAM or
+        SSD, so also after a restart) that spells the conversation so far. A
+        returning conversation thus hits its checkpoint instead of diverging
+        where a re-tokenized reply begins.
+        """
         try:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            ids, reused = encode_chat(self.tokenizer, messages, self.history, self.info.eos_token_ids)
+            if reused == 0 and any(m.get("role") == "assistant" for m in messages):
+                text, plain = render(self.tokenizer, messages)
+                reply: Reply[Any] = Reply()
+                await self._cache.send(FindCheckpointTokens(plain, namespace, reply))
+                ids = realign(self.tokenizer, text, plain, await reply.wait())
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
-        if isinstance(ids, dict):  # transformers >= 5 may return a BatchEncoding
-            ids = ids["input_ids"]
         return tuple(int(t) for t in ids)
+
+    def remember_reply(self, text: str, ids: Sequence[int]) -> None:
+        """Record a generated reply's exact ids (if they decode to exactly `text`)."""
+        body = [t for t in ids if t not in self.info.eos_token_ids]
+        if text and self.tokenizer.decode(body) == text:
+            self.history.record(text, ids)
 
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text))
@@ -282,15 +302,15 @@ class Runtime:
     def stop_admission(self) -> None:
         self.admitting = False
 
-    async def drain(self, *, timeout: float) -> bool:
-        """Stop admission and wait for in-flight requests; True when all finished in time."""
+    async def drain(self) -> None:
+        """Stop admission and wait until every admitted request has finished.
+
+        Bound it with a deadline (`trio.move_on_after`), as the CLI does.
+        """
         self.stop_admission()
-        with trio.move_on_after(timeout):
-            while self.scheduler.stats.running or ChannelStats.of(self._submit).queued:
-                await self.scheduler.wait_idle()
-                await trio.sleep(0)
-            return True
-        return False
+        while self.scheduler.stats.running or ChannelStats.of(self._submit).queued:
+            await self.scheduler.wait_idle()
+            await trio.lowlevel.checkpoint()
 
 
 @attrs.frozen

@@ -1,0 +1,117 @@
+"""Keep the exact token ids of generated replies, so the next turn reuses their KV.
+
+A reply's generated ids are not always what the tokenizer makes of its text
+(byte-level BPE merges differently across the reply's edges), so re-encoding
+the conversation would diverge from the cached checkpoint right where the
+reply starts, and the next turn would re-prefill it. When a chat's rendered
+text contains a reply we generated, we splice in the original ids, and keep
+the result only if it decodes to exactly the rendered text. KV is never
+relabelled: a lookup still needs exact ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+
+class GeneratedHistory:
+    """A bounded map from reply text to the ids that produced it (most recent kept)."""
+
+    def __init__(self, *, max_entries: int = 4096) -> None:
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._max = max_entries
+
+    def record(self, text: str, ids: Sequence[int]) -> None:
+        if not text:
+            return
+        self._ids[text] = tuple(ids)
+        self._ids.move_to_end(text)
+        while len(self._ids) > self._max:
+            self._ids.popitem(last=False)
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        return self._ids.get(text)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def realign(tokenizer: Any, text: str, plain: tuple[int, ...], checkpoint: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Reuse a cached checkpoint's exact ids for the part of `text` they spell.
+
+    `checkpoint` is the token sequence of the cache entry that best matches the
+    canonical encoding `plain` (for a returning conversation: the previous
+    turn's prompt, reply and maybe more). The new ids are the longest prefix of
+    the checkpoint whose text is a prefix of the rendered `text`, followed by
+    the encoding of the rest; kept only if they decode to exactly `text`.
+    """
+    if not checkpoint or len(checkpoint) <= _common_prefix(plain, checkpoint):
+        return plain
+    k = _longest_spelled_prefix(tokenizer, text, checkpoint)
+    if k <= _common_prefix(plain, checkpoint):
+        return plain
+    spelled = tokenizer.decode(list(checkpoint[:k]))
+    ids = tuple(checkpoint[:k]) + tuple(tokenizer.encode(text[len(spelled):], add_special_tokens=False))
+    return ids if tokenizer.decode(list(ids)) == text else plain
+
+
+def _longest_spelled_prefix(tokenizer: Any, text: str, tokens: tuple[int, ...]) -> int:
+    """The largest k such that decode(tokens[:k]) is a prefix of `text` (binary search)."""
+    lo, hi = 0, len(tokens)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(tokenizer.decode(list(tokens[:mid]))):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
+    """The chat template's text (with the generation prompt) and its canonical ids."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], history: GeneratedHistory, eos_ids: frozenset[int]
+) -> tuple[tuple[int, ...], int]:
+    """Render and tokenize a chat; returns (ids, number of reply tokens taken from history)."""
+    text, plain = render(tokenizer, messages)
+    replies = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")]
+    known = [(r, history.get(r)) for r in replies]
+    known = [(r, ids) for r, ids in known if ids is not None]
+    if not known:
+        return plain, 0
+    ids: list[int] = []
+    cursor = 0
+    reused = 0
+    for reply, gen in known:
+        at = text.find(reply, cursor)
+        if at < 0:
+            continue
+        ids += tokenizer.encode(text[cursor:at], add_special_tokens=False)
+        body = [t for t in gen if t not in eos_ids]
+        ids += body
+        reused += len(body)
+        cursor = at + len(reply)
+        if gen and gen[-1] in eos_ids:
+            eos_text = tokenizer.decode([gen[-1]])
+            if text.startswith(eos_text, cursor):
+                ids.append(gen[-1])
+                reused += 1
+                cursor += len(eos_text)
+    ids += tokenizer.encode(text[cursor:], add_special_tokens=False)
+    if tokenizer.decode(ids) != tokenizer.decode(list(plain)):
+        return plain, 0  # an unsafe boundary: keep the canonical encoding
+    return tuple(ids), reused

@@ -1,0 +1,65 @@
+"""Test helper: `mlxd serve` as a real child process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class ServeProcess:
+    """`with ServeProcess(args) as p:` runs `mlxd serve --port 0 ...` and finds its URL."""
+
+    def __init__(self, *args: str, log_path: Path) -> None:
+        self.args = [sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--log-format", "json", *args]
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout: float = 120) -> ServeProcess:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(r"mlxd: serving \S+ on (http://\S+)", self.log_path.read_text(errors="replace"))
+            if match:
+                self.url = match.group(1)
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlxd serve exited {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"mlxd serve did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120)
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        if not self._log.closed:
+            self._log.close()
