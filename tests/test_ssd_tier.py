@@ -1,0 +1,160 @@
+"""The SSD tier inside a live server: restored state, damaged files, failing storage."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd.kv import file_format
+from serving import ServerThread, config_for
+
+SYSTEM = "Answer like a librarian who loves prefix caches. " * 12
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which shelf?"}]
+
+
+def chat(server: ServerThread, **kw) -> dict:
+    body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 6, **kw}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def flush(server: ServerThread) -> httpx.Response:
+    return httpx.post(f"{server.base_url.removesuffix('/v1')}/admin/cache/flush", timeout=120)
+
+
+def files(cache: Path) -> list[Path]:
+    return sorted(cache.rglob("*.mlxkv"))
+
+
+async def test_restored_tensors_equal_the_ram_entry(tiny_model_dir, tmp_path):
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", snapshot_min_tokens=16)
+    async with open_runtime(config) as rt:
+        prompt = await rt.render_chat(MESSAGES)
+        async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=4))) as stream:
+            await stream.tokens()
+        report = await rt.flush()
+        assert report["durable"] and report["entries"] >= 1
+        ram = list(rt.cache_owner.cache.entries())
+        assert ram
+        for entry in ram:
+            cold = rt.cold.store.find_exact(entry.tokens, entry.namespace)
+            assert cold is not None, "every RAM checkpoint is durable after a flush"
+            restored = file_format.adopt(rt.cold.store.load(cold, verify=True))
+            assert len(restored) == len(entry.payload)
+            for a, b in zip(entry.payload, restored, strict=True):
+                assert a.offset == b.offset
+                n = a.offset
+                assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+                assert mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
+
+
+def _populate(model_dir: Path, cache: Path) -> dict:
+    with ServerThread(config_for(model_dir, ssd_cache_dir=cache)) as server:
+        first = chat(server)
+        assert flush(server).status_code == 200
+    assert files(cache)
+    return first
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _damage_header(cache: Path) -> list[Path]:
+    victims = files(cache)
+    for p in victims:
+        _flip(p, 40)  # inside the hashed header
+    return victims
+
+
+def _damage_tensor(cache: Path) -> list[Path]:
+    victims = files(cache)
+    for p in victims:
+        header = file_format.read_header(p)
+        _, tensor = header.tensors()[0]
+        _flip(p, tensor.offset + 3)
+    return victims
+
+
+def _truncate(cache: Path) -> list[Path]:
+    victims = files(cache)
+    for p in victims:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    return victims
+
+
+@pytest.mark.parametrize(
+    ("damage", "verify"),
+    [(_damage_header, False), (_damage_tensor, True), (_truncate, False)],
+    ids=["header-byte", "tensor-byte-verified", "truncated"],
+)
+def test_damaged_files_degrade_to_a_miss(tiny_model_dir, tmp_path, damage, verify):
+    cache = tmp_path / "ssd"
+    first = _populate(tiny_model_dir, cache)
+    victims = damage(cache)
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_cache_verify=verify)) as server:
+        again = chat(server)
+        # A damaged file is never served: the request is a full prefill with the
+        # same result, the file is gone, and the server keeps serving and persisting.
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert not any(p.exists() for p in victims)
+        assert chat(server)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert flush(server).status_code == 200
+        stats = httpx.get(f"{server.base_url.removesuffix('/v1')}/stats").json()["ssd_cache"]
+        assert stats["entries"] >= 1
+
+
+def test_tmp_orphans_reaped_and_foreign_dirs_untouched(tiny_model_dir, tmp_path):
+    cache = tmp_path / "ssd"
+    _populate(tiny_model_dir, cache)
+    good = files(cache)
+    orphan = good[0].with_name("deadbeef.mlxkv.tmp")
+    orphan.write_bytes(b"half a write")
+    foreign = cache / "0123456789abcdef-foreign" / "ns"
+    foreign.mkdir(parents=True)
+    (foreign / "other.mlxkv").write_bytes(b"someone else's model")
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache)) as server:
+        again = chat(server)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
+    assert not orphan.exists()
+    assert (foreign / "other.mlxkv").read_bytes() == b"someone else's model"
+    assert all(p.exists() for p in good)
+
+
+def _mount(where: Path, options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+
+
+def test_flush_is_not_durable_when_storage_turns_read_only(tiny_model_dir, tmp_path):
+    mnt = tmp_path / "mnt"
+    _mount(mnt, "size=32m,mode=0700")
+    try:
+        with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=mnt / "ssd")) as server:
+            chat(server)
+            assert flush(server).status_code == 200
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True, timeout=30)
+            other = chat(server, messages=[{"role": "user", "content": "a brand new conversation " * 20}])
+            assert other["usage"]["prompt_tokens_details"]["cached_tokens"] <= 1  # only <|im_start|> is shared
+            r = flush(server)
+            assert r.status_code == 503
+            report = r.json()
+            assert report["durable"] is False and report["failed"] >= 1 and report["reason"]
+            # Serving goes on from RAM.
+            again = chat(server, messages=[{"role": "user", "content": "a brand new conversation " * 20}])
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
