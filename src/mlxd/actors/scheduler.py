@@ -11,9 +11,11 @@ and frees its slot.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
+import structlog
 import trio
 
 from mlxd.runtime.channels import Reply
@@ -34,6 +36,42 @@ from mlxd.runtime.messages import (
 )
 
 log = get_logger("mlxd.scheduler")
+
+
+@attrs.define
+class RequestRecord:
+    """One finished request: what the per-request log line, metrics and trace recorder see."""
+
+    request_id: str
+    namespace: str
+    prompt: tuple[int, ...]
+    submitted_at: float  # time.monotonic()
+    started_at: float | None = None  # got a batch slot
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cached_tokens: int = 0
+    cache_tier: str = "none"
+    completion_tokens: int = 0
+    reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
+
+    @property
+    def queued_s(self) -> float | None:
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
 
 
 @attrs.define
@@ -67,6 +105,8 @@ class SchedulerActor:
         self._cache = cache
         self._slots = trio.Semaphore(config.max_batch)
         self.stats = SchedulerStats()
+        # Called with each finished RequestRecord (metrics, trace recording); must not block.
+        self.observers: list[Callable[[RequestRecord], None]] = []
         self._idle = trio.Event()
         self._idle.set()
 
@@ -95,19 +135,44 @@ class SchedulerActor:
         await self._idle.wait()
 
     async def _lifecycle(self, submit: SubmitGeneration) -> None:
-        try:
-            await self._serve(submit)
-        finally:
-            submit.events.close()
-            self._slots.release()
-            self.stats.running -= 1
-            if self.stats.running == 0:
-                self._idle.set()
+        request = submit.request
+        record = RequestRecord(request.request_id, request.namespace, request.prompt, submit.submitted_at)
+        record.started_at = time.monotonic()
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            try:
+                await self._serve(submit, record)
+            finally:
+                submit.events.close()
+                self._slots.release()
+                self.stats.running -= 1
+                if self.stats.running == 0:
+                    self._idle.set()
+                record.finished_at = time.monotonic()
+                self._report(record)
 
-    async def _serve(self, submit: SubmitGeneration) -> None:
+    def _report(self, record: RequestRecord) -> None:
+        log.info(
+            "request.done",
+            reason=record.reason,
+            prompt_tokens=len(record.prompt),
+            cached_tokens=record.cached_tokens,
+            cache_tier=record.cache_tier,
+            completion_tokens=record.completion_tokens,
+            queued_ms=_ms(record.queued_s),
+            ttft_ms=_ms(record.ttft_s),
+            total_ms=_ms(record.total_s),
+        )
+        for observe in self.observers:
+            try:
+                observe(record)
+            except Exception:  # an observer must never break serving
+                log.exception("request.observer_failed")
+
+    async def _serve(self, submit: SubmitGeneration, record: RequestRecord) -> None:
         request = submit.request
         if submit.events.statistics().open_receive_channels == 0:
             self.stats.cancelled += 1  # the client left while queued
+            record.reason = "client_gone"
             return
         reply: Reply[Any] = Reply()
         await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
@@ -121,16 +186,18 @@ class SchedulerActor:
         async with receive:
             async for event in receive:
                 if isinstance(event, TokenGenerated) and first_token_at is None:
-                    first_token_at = time.monotonic()
+                    first_token_at = record.first_token_at = time.monotonic()
                     self.stats.last_ttft_s = first_token_at - submit.submitted_at
                 self._count(event)
+                _note(record, event)
                 if client_gone:
                     continue
                 try:
                     submit.events.send_nowait(event)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
                     client_gone = True
-                    log.info("request.client_gone", request_id=request.request_id, why=type(exc).__name__)
+                    record.reason = "client_gone"
+                    log.info("request.client_gone", why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
 
@@ -157,3 +224,20 @@ class SchedulerActor:
                 s.completed += 1
         elif isinstance(event, GenerationFailed):
             s.failed += 1
+
+
+def _note(record: RequestRecord, event: GenerationEvent) -> None:
+    if isinstance(event, PromptAccepted):
+        record.cached_tokens = event.cached_tokens
+        record.cache_tier = event.cache_tier
+    elif isinstance(event, TokenGenerated):
+        record.completion_tokens += 1
+    elif isinstance(event, GenerationFinished):
+        if record.reason != "client_gone":
+            record.reason = event.reason
+    elif isinstance(event, GenerationFailed):
+        record.reason = "failed"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
