@@ -15,7 +15,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,8 @@ class Runtime:
         self.admitting = True
         self.started_at = time.time()
         self._ids = itertools.count()
+        # Called with each flush report (metrics); must not block.
+        self.flush_observers: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -292,6 +294,12 @@ class Runtime:
 
     async def flush(self) -> dict[str, Any]:
         """Wait until every checkpoint in RAM is durable on SSD; report the evidence."""
+        report = await self._flush()
+        for observe in self.flush_observers:
+            observe(report)
+        return report
+
+    async def _flush(self) -> dict[str, Any]:
         if self.cold is None:
             return {"durable": False, "reason": "no SSD tier (start with --ssd-cache DIR)"}
         reply: Reply[FlushReport] = Reply()
