@@ -158,3 +158,28 @@ def test_flush_is_not_durable_when_storage_turns_read_only(tiny_model_dir, tmp_p
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+async def test_idle_entries_demote_to_ssd_and_come_back(tiny_model_dir, tmp_path):
+    import trio
+
+    config = RuntimeConfig(
+        model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", ssd_demote_idle_s=0.4, snapshot_min_tokens=16
+    )
+    async with open_runtime(config) as rt:
+        prompt = await rt.render_chat(MESSAGES)
+        sampling = SamplingParams(max_tokens=4, logprobs=True)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            first = [e.logprob async for e in stream if hasattr(e, "logprob")]
+        assert (await rt.flush())["durable"]
+        with trio.fail_after(10):
+            while len(rt.cache_owner.cache):  # noqa: ASYNC110 - polling an actor from a test
+                await trio.sleep(0.1)
+        stats = await rt.stats()
+        assert stats["ssd_cache"]["demotions"] >= 1
+        assert stats["cache"]["ram"]["bytes"] == 0
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            again = [e.logprob async for e in stream if hasattr(e, "logprob")]
+        assert stream.accepted.cache_tier == "ssd"
+        assert stream.accepted.cached_tokens == len(prompt) - 1
+        assert again == first
