@@ -306,6 +306,11 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
             data.update(extra_stats())
         return _json(data)
 
+    from mlxd.http.metrics import install_metrics
+    from mlxd.http.status import install_status_page
+
+    install_metrics(app, rt)  # GET /metrics
+    install_status_page(app, rt)  # GET /
     return app
 
 

@@ -1,0 +1,268 @@
+"""`GET /metrics`: the runtime's counters in the Prometheus text format.
+
+Two sources feed one registry per runtime (never the process-global one, so
+several servers can share a process):
+
+- per-request histograms and counters, fed by a `SchedulerActor.observers`
+  callback with each finished `RequestRecord`, and flush outcomes fed by a
+  `Runtime.flush_observers` callback;
+- everything else read from `await rt.stats()` at scrape time by a custom
+  collector (cache tiers, SSD I/O, queue, batch, channels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from quart import Response
+
+from mlxd.actors.scheduler import RequestRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class RequestMetrics:
+    """Histograms and counters of finished requests (the scheduler's observer)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=registry)
+
+        self.finished = Counter(
+            "mlxd_requests_finished", "Requests finished, by outcome.", ["reason"], registry=registry
+        )
+        self.ttft = hist("mlxd_request_ttft_seconds", "Time from submit to the first token.", LATENCY_BUCKETS)
+        self.tpot = hist(
+            "mlxd_request_time_per_output_token_seconds", "Mean time per output token after the first.", TPOT_BUCKETS
+        )
+        self.e2e = hist("mlxd_request_duration_seconds", "Time from submit to the last event.", LATENCY_BUCKETS)
+        self.queued = hist("mlxd_request_queue_seconds", "Time waiting for a batch slot.", LATENCY_BUCKETS)
+        self.prompt = hist("mlxd_request_prompt_tokens", "Prompt length of each request.", TOKEN_BUCKETS)
+        self.generated = hist("mlxd_request_generated_tokens", "Tokens generated per request.", TOKEN_BUCKETS)
+        self.cache = Counter(
+            "mlxd_cache_requests", "Requests by where their prefix came from (ram, ssd, none = miss).",
+            ["tier"], registry=registry,
+        )
+        self.cached_tokens = Counter(
+            "mlxd_cache_reused_tokens", "Prompt tokens served from a cache tier instead of prefill.",
+            ["tier"], registry=registry,
+        )
+        for tier in ("ram", "ssd", "none"):
+            self.cache.labels(tier)  # export zeros before the first request
+        for tier in ("ram", "ssd"):
+            self.cached_tokens.labels(tier)
+        self.flushes = Counter(
+            "mlxd_flushes", "Durability flushes, by outcome.", ["outcome"], registry=registry
+        )
+        for outcome in ("durable", "not_durable", "no_ssd_tier"):
+            self.flushes.labels(outcome)
+
+    def observe(self, record: RequestRecord) -> None:
+        self.finished.labels(record.reason).inc()
+        for hist, value in (
+            (self.ttft, record.ttft_s),
+            (self.tpot, record.tpot_s),
+            (self.e2e, record.total_s),
+            (self.queued, record.queued_s),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.prompt.observe(len(record.prompt))
+        self.generated.observe(record.completion_tokens)
+        if record.reason == "client_gone" and record.first_token_at is None and record.cached_tokens == 0:
+            return  # left before a cache lookup: neither a hit nor a miss
+        self.cache.labels(record.cache_tier).inc()
+        if record.cache_tier != "none":
+            self.cached_tokens.labels(record.cache_tier).inc(record.cached_tokens)
+
+    def observe_flush(self, report: dict[str, Any]) -> None:
+        if report.get("durable"):
+            outcome = "durable"
+        elif "no SSD tier" in str(report.get("reason") or ""):
+            outcome = "no_ssd_tier"
+        else:
+            outcome = "not_durable"
+        self.flushes.labels(outcome).inc()
+
+
+class StatsCollector:
+    """Turns the last `rt.stats()` snapshot into metric families at scrape time.
+
+    The route sets `snapshot` and renders in one synchronous step, so a
+    scrape never mixes two snapshots.
+    """
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if not s:
+            return
+        yield from _runtime_families(s)
+        yield from _cache_families(s.get("cache", {}))
+        if s.get("ssd_cache"):
+            yield from _ssd_families(s["ssd_cache"])
+        yield from _channel_families(s.get("channels", {}))
+
+
+def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+    g.add_metric(list((labels or {}).values()), float(value or 0))
+    return g
+
+
+def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], float(value or 0))
+    return c
+
+
+def _labelled(kind: type, name: str, doc: str, label: str, values: dict[str, Any]) -> Metric:
+    family = kind(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], float(value or 0))
+    return family
+
+
+def _runtime_families(s: dict[str, Any]) -> Iterator[Metric]:
+    sched, engine = s.get("scheduler", {}), s.get("engine", {})
+    yield _gauge("mlxd_model_info", "The served model (value is always 1).", 1, {"model": str(s.get("model"))})
+    yield _gauge("mlxd_uptime_seconds", "Seconds since the runtime started.", s.get("uptime_s"))
+    yield _gauge("mlxd_admitting", "1 while admitting requests, 0 while draining.", 1 if s.get("admitting") else 0)
+    yield _counter("mlxd_requests_submitted", "Requests admitted to the queue.", sched.get("submitted"))
+    yield _counter("mlxd_requests_rejected", "Requests refused because the queue was full (503).", sched.get("rejected"))
+    yield _gauge("mlxd_queue_depth", "Requests waiting for a batch slot.", sched.get("queued"))
+    yield _gauge("mlxd_queue_capacity", "Admission queue capacity (--max-queue).", sched.get("max_queue"))
+    yield _gauge("mlxd_requests_running", "Requests holding a batch slot.", sched.get("running"))
+    yield _gauge("mlxd_batch_size", "Rows in the engine's decode batch.", engine.get("batch_rows"))
+    yield _gauge("mlxd_batch_capacity", "Batch slots (--max-batch).", sched.get("max_batch"))
+    yield _counter("mlxd_engine_steps", "Engine steps (decode or prefill chunks).", engine.get("steps"))
+    yield _counter("mlxd_prompt_tokens", "Prompt tokens of admitted requests.", sched.get("prompt_tokens"))
+    yield _counter("mlxd_prefill_tokens", "Prompt tokens the engine actually prefilled.", engine.get("prompt_tokens"))
+    yield _counter("mlxd_cached_prompt_tokens", "Prompt tokens reused from a cache tier.", sched.get("cached_tokens"))
+    yield _counter("mlxd_generated_tokens", "Tokens generated.", sched.get("generated_tokens"))
+
+
+def _cache_families(cache: dict[str, Any]) -> Iterator[Metric]:
+    ram, ssd = cache.get("ram", {}), cache.get("ssd")
+    tiers = {"ram": ram, **({"ssd": ssd} if ssd else {})}
+
+    def per_tier(key: str) -> dict[str, Any]:
+        return {t: v.get(key) for t, v in tiers.items()}
+
+    yield _labelled(GaugeMetricFamily, "mlxd_cache_entries", "Entries held, by tier.", "tier", per_tier("entries"))
+    yield _labelled(GaugeMetricFamily, "mlxd_cache_bytes", "Bytes held, by tier.", "tier", per_tier("bytes"))
+    yield _labelled(
+        GaugeMetricFamily, "mlxd_cache_capacity_bytes", "Byte cap, by tier (0 = unlimited).", "tier",
+        per_tier("max_bytes"),
+    )
+    yield _labelled(CounterMetricFamily, "mlxd_cache_evictions", "Entries evicted, by tier.", "tier", per_tier("evictions"))
+    yield _labelled(
+        CounterMetricFamily, "mlxd_ram_cache_lookups", "RAM tier lookups, by result.", "result",
+        {"hit": ram.get("hits"), "miss": ram.get("misses")},
+    )
+    yield _counter("mlxd_ram_cache_lookup_tokens", "Prompt tokens looked up in the RAM tier.", ram.get("lookup_tokens"))
+    yield _counter("mlxd_ram_cache_hit_tokens", "Prompt tokens the RAM tier matched.", ram.get("hit_tokens"))
+    yield _counter("mlxd_ram_cache_inserts", "Entries stored in the RAM tier.", ram.get("inserts"))
+    yield _counter("mlxd_ram_cache_evicted_bytes", "Bytes evicted from the RAM tier.", ram.get("evicted_bytes"))
+    if ssd:
+        yield _counter("mlxd_cache_demotions", "RAM entries dropped because an SSD copy covers them.", ssd.get("demotions"))
+        yield _counter("mlxd_cache_idle_demotions", "Demotions of entries idle past --ssd-demote-idle.", ssd.get("idle_demotions"))
+        yield _counter(
+            "mlxd_cache_dropped_unpersisted", "RAM entries evicted before their SSD write.", ssd.get("dropped_unpersisted")
+        )
+
+
+def _ssd_families(ssd: dict[str, Any]) -> Iterator[Metric]:
+    writer, prefetch = ssd.get("writer", {}), ssd.get("prefetch", {})
+    decisions = ssd.get("restore_decisions", {})
+    yield _counter("mlxd_ssd_restores", "Prefixes restored from SSD into a request.", ssd.get("restores"))
+    yield _gauge("mlxd_ssd_restore_last_seconds", "Duration of the last SSD restore.", (ssd.get("restore_ms_last") or 0) / 1000)
+    yield _counter("mlxd_ssd_written_bytes", "Bytes of cache files written.", writer.get("bytes_written"))
+    yield _counter("mlxd_ssd_read_bytes", "Bytes of cache files read.", prefetch.get("bytes_read"))
+    yield _labelled(
+        CounterMetricFamily, "mlxd_ssd_writes", "Cache file writes, by result.", "result",
+        {"ok": writer.get("writes"), "failed": writer.get("failures")},
+    )
+    reads = prefetch.get("reads") or 0
+    failures = prefetch.get("read_failures") or 0
+    yield _labelled(
+        CounterMetricFamily, "mlxd_ssd_reads", "Cache file reads, by result.", "result",
+        {"ok": reads - failures, "failed": failures},
+    )
+    yield _counter("mlxd_ssd_prefetches", "Reads started ahead of a batch slot.", prefetch.get("prefetches"))
+    yield _counter("mlxd_ssd_prefetch_hits", "Restores whose read was already started.", prefetch.get("prefetch_hits"))
+    yield _labelled(
+        CounterMetricFamily, "mlxd_ssd_spills", "Checkpoints sent to SSD, by outcome.", "outcome",
+        {
+            "written": ssd.get("spills"),
+            "failed": ssd.get("failed_spills"),
+            "dropped": ssd.get("dropped_spills"),
+            "superseded": ssd.get("superseded_spills"),
+        },
+    )
+    yield _gauge("mlxd_ssd_pending_writes", "Checkpoints queued or being written.", ssd.get("pending_spills"))
+    yield _gauge("mlxd_ssd_pending_write_bytes", "Bytes of checkpoints queued or being written.", ssd.get("pending_spill_bytes"))
+    yield _gauge("mlxd_ssd_dirty_checkpoints", "Checkpoints not yet durable (incl. failed).", ssd.get("pending_snapshots"))
+    yield _gauge(
+        "mlxd_ssd_longest_durable_prefix_tokens", "Longest prefix durable on SSD.", ssd.get("longest_durable_prefix_tokens")
+    )
+    yield _counter("mlxd_ssd_corrupt_removed", "Damaged cache files unlinked.", ssd.get("corrupt_removed"))
+    yield _gauge("mlxd_ssd_disk_full", "1 after a write hit a full disk.", 1 if ssd.get("disk_full") else 0)
+    yield _labelled(
+        CounterMetricFamily, "mlxd_ssd_restore_decisions", "Restore-or-recompute choices.", "choice",
+        {"restore": decisions.get("restores_chosen"), "recompute": decisions.get("recomputes_chosen")},
+    )
+
+
+def _channel_families(channels: dict[str, Any]) -> Iterator[Metric]:
+    yield _labelled(
+        GaugeMetricFamily, "mlxd_channel_queued", "Messages buffered in an actor channel.", "channel",
+        {name: c.get("queued") for name, c in channels.items()},
+    )
+    yield _labelled(
+        GaugeMetricFamily, "mlxd_channel_capacity", "Buffer size of an actor channel (-1 = unbounded).", "channel",
+        {name: -1 if c.get("capacity") is None else c.get("capacity") for name, c in channels.items()},
+    )
+    yield _labelled(
+        GaugeMetricFamily, "mlxd_channel_waiting_senders", "Tasks blocked sending to a full channel.", "channel",
+        {name: c.get("waiting_senders") for name, c in channels.items()},
+    )
+
+
+class Metrics:
+    """One runtime's registry: observers plus the scrape-time collector."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.registry = CollectorRegistry()
+        self.requests = RequestMetrics(self.registry)
+        self.stats = StatsCollector()
+        self.registry.register(self.stats)
+        rt.scheduler.observers.append(self.requests.observe)
+        flush_observers = getattr(rt, "flush_observers", None)
+        if flush_observers is not None:
+            flush_observers.append(self.requests.observe_flush)
+
+    async def render(self) -> bytes:
+        self.stats.snapshot = await self.rt.stats()
+        return generate_latest(self.registry)
+
+
+def install_metrics(app: Any, rt: Any) -> Metrics:
+    """Register `GET /metrics` on the Quart app; returns the runtime's Metrics."""
+    metrics = Metrics(rt)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(await metrics.render(), content_type=CONTENT_TYPE)
+
+    return metrics
