@@ -183,3 +183,36 @@ async def test_idle_entries_demote_to_ssd_and_come_back(tiny_model_dir, tmp_path
         assert stream.accepted.cache_tier == "ssd"
         assert stream.accepted.cached_tokens == len(prompt) - 1
         assert again == first
+
+
+async def test_over_capacity_ram_spills_and_restores_without_loss(tiny_model_dir, tmp_path):
+    """A RAM tier that holds about one conversation: the others live on SSD and come back."""
+    config = RuntimeConfig(
+        model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", prompt_cache_bytes=600_000,
+        snapshot_min_tokens=16,
+    )
+    async with open_runtime(config) as rt:
+        prompts = [
+            await rt.render_chat([{"role": "system", "content": f"Conversation {i}. " + SYSTEM},
+                                  {"role": "user", "content": "Hello"}])
+            for i in range(4)
+        ]
+        sampling = SamplingParams(max_tokens=4, logprobs=True)
+        first = []
+        for p in prompts:
+            async with rt.submit(rt.request(p, sampling=sampling)) as stream:
+                first.append([e.logprob async for e in stream if hasattr(e, "logprob")])
+        assert (await rt.flush())["durable"]
+        stats = await rt.stats()
+        assert stats["cache"]["ram"]["bytes"] <= config.prompt_cache_bytes + 300_000
+        assert stats["ssd_cache"]["demotions"] >= 1
+        assert stats["ssd_cache"]["dropped_spills"] == 0
+        # Every conversation comes back (from RAM or SSD) with the same logprobs.
+        tiers = []
+        for p, expected in zip(prompts, first, strict=True):
+            async with rt.submit(rt.request(p, sampling=sampling)) as stream:
+                again = [e.logprob async for e in stream if hasattr(e, "logprob")]
+            assert stream.accepted.cached_tokens == len(p) - 1
+            tiers.append(stream.accepted.cache_tier)
+            assert again == expected
+        assert "ssd" in tiers
