@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -31,6 +32,26 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def _secret(flag: str | None, env: str) -> str | None:
+    """A key from its flag or else its environment variable; empty means unset."""
+    value = flag if flag is not None else os.environ.get(env)
+    return value or None
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", help="local model directory or Hugging Face repo id (default: a built-in model)")
@@ -50,6 +71,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")
+    p.add_argument("--admin-key", help="require this bearer token on /admin/* (env MLXD_ADMIN_KEY); without "
+                   "it, admin routes are refused on a non-loopback --host")
+    p.add_argument("--request-timeout", type=_non_negative_float, default=0.0, metavar="SEC",
+                   help="end-to-end seconds per request; a cut generation ends with finish_reason "
+                   "'length' (0 = no limit)")
+    p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
+                   help="largest request body in MiB (larger ones get 413)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
     p.add_argument("--log-level", default="info")
 
@@ -80,6 +109,10 @@ def serve_config(args: argparse.Namespace):
         max_queue=args.max_queue,
         prefill_step_size=args.prefill_step_size,
         max_tokens_limit=args.max_tokens_limit,
+        api_key=_secret(args.api_key, "MLXD_API_KEY"),
+        admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
     )
 
 
@@ -114,10 +147,24 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
                 rt, host=args.host, port=args.port, shutdown_trigger=stopped.wait, task_status=task_status
             )
         )
-        log.info("serve.listening", binds=binds, model=rt.info.model_name)
+        log.info("serve.listening", binds=binds, model=rt.info.model_name,
+                 api_key=config.api_key is not None, admin_key=config.admin_key is not None)
+        _warn_if_exposed(args.host, config)
         print(f"mlxd: serving {rt.info.model_name} on {' '.join(binds)}", file=sys.stderr, flush=True)
         await stopped.wait()
         nursery.cancel_scope.cancel()
+
+
+def _warn_if_exposed(host: str, config) -> None:
+    """A non-loopback bind without an API key lets anyone on the network in."""
+    from mlxd.http.security import is_loopback
+    from mlxd.runtime.logging import get_logger
+
+    if not is_loopback(host) and config.api_key is None:
+        get_logger("mlxd.serve").warning(
+            "serve.unauthenticated", host=host,
+            hint="anyone who can reach this address can use the API; set --api-key or MLXD_API_KEY",
+        )
 
 
 async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:

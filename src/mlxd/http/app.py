@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from mlxd.http.openapi import openapi_document
 from mlxd.http.schemas import ApiError, ParsedRequest, parse_common, parse_messages, parse_prompt
+from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import GenerationFinished, PromptAccepted, TokenGenerated
 from mlxd.runtime.supervisor import (
@@ -42,8 +45,13 @@ def _error(err: ApiError) -> Response:
 class _Completion:
     """Runs one generation and shapes its events into OpenAI chunks or a body."""
 
-    def __init__(self, rt: Runtime, stream: GenerationStream, parsed: ParsedRequest, *, chat: bool) -> None:
+    def __init__(
+        self, rt: Runtime, stream: GenerationStream, parsed: ParsedRequest, *, chat: bool,
+        deadline: float = math.inf,
+    ) -> None:
         self.rt = rt
+        self.deadline = deadline  # trio clock; past it the generation ends with "length"
+        self.timed_out = False
         self.stream = stream
         self.parsed = parsed
         self.chat = chat
@@ -59,7 +67,8 @@ class _Completion:
     async def deltas(self) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         """Yield (text delta, logprob entries) until the generation ends or a stop string hits."""
         async with self.stream:
-            async for event in self.stream:
+            events = aiter(self.stream)
+            while (event := await self._next_event(events)) is not None:
                 if isinstance(event, PromptAccepted):
                     self.accepted = event
                 elif isinstance(event, TokenGenerated):
@@ -80,9 +89,23 @@ class _Completion:
         if self.chat and not self.text.stopped_by_string:
             self.rt.remember_reply(self.text.text, self.token_ids)
 
+    async def _next_event(self, events: AsyncIterator[Any]) -> Any:
+        """The next event; None at the end or past the deadline (leaving cancels the generation)."""
+        with trio.move_on_at(self.deadline):
+            try:
+                return await anext(events)
+            except StopAsyncIteration:
+                return None
+        self.timed_out = True
+        log.info("http.request_timeout", request_id=self.stream.request.request_id,
+                 completion_tokens=self.completion_tokens)
+        return None
+
     def finish_reason(self) -> str:
         if self.text.stopped_by_string:
             return "stop"
+        if self.timed_out:
+            return "length"  # cut by --request-timeout, like a max_tokens cut
         if self.finished is not None and self.finished.reason in ("stop", "length"):
             return self.finished.reason
         return "stop"
@@ -186,11 +209,20 @@ class _Completion:
         }
 
 
-def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None = None) -> QuartTrio:
-    """Build the Quart app serving `rt` (the caller runs it under hypercorn)."""
+def create_app(
+    rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None = None, host: str = "127.0.0.1"
+) -> QuartTrio:
+    """Build the Quart app serving `rt` (the caller runs it under hypercorn bound to `host`)."""
     app = QuartTrio("mlxd")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = rt.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+    access = AccessPolicy(api_key=rt.config.api_key, admin_key=rt.config.admin_key, loopback=is_loopback(host))
+    timeout_s = rt.config.request_timeout_s
+
+    @app.before_request
+    async def _check_access() -> None:
+        g.deadline = trio.current_time() + timeout_s if timeout_s > 0 else math.inf
+        access.check(request.path, request.headers.get("Authorization"))
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
@@ -202,7 +234,7 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
         message = {
             404: f"unknown route {request.method} {request.path}",
             405: f"method {request.method} is not allowed on {request.path}",
-            413: f"the request body exceeds {MAX_BODY_BYTES} bytes",
+            413: f"the request body exceeds {rt.config.max_body_bytes} bytes",
         }.get(err.code or 0, err.description or "bad request")
         return _error(ApiError(err.code or 400, message, type=kind))
 
@@ -238,7 +270,7 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
             raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
-        completion = _Completion(rt, stream, parsed, chat=chat)
+        completion = _Completion(rt, stream, parsed, chat=chat, deadline=g.deadline)
         if parsed.stream:
             response = Response(completion.sse(), content_type="text/event-stream")
             response.headers["Cache-Control"] = "no-cache"
@@ -253,7 +285,7 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
     async def chat_completions() -> Response:
         body = await read_json()
         parsed = parse_common(
-            body, default_max_tokens=rt.config.default_max_tokens,
+            body, default_max_tokens=min(rt.config.default_max_tokens, rt.config.max_tokens_limit),
             max_tokens_limit=rt.config.max_tokens_limit, chat=True,
         )
         messages = parse_messages(body)
@@ -291,6 +323,10 @@ def create_app(rt: Runtime, *, extra_stats: Callable[[], dict[str, Any]] | None 
         if not rt.admitting:
             return _json({"status": "draining"}, 503)
         return _json({"status": "ok", "model": rt.info.model_name})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return _json(openapi_document(max_tokens_limit=rt.config.max_tokens_limit))
 
     @app.post("/admin/cache/flush")
     async def flush() -> Response:
@@ -331,5 +367,5 @@ async def serve_http(
     config.graceful_timeout = 5.0
     config.accesslog = None
     config.errorlog = None
-    app = create_app(rt)
+    app = create_app(rt, host=host)
     await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

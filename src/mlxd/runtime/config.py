@@ -57,6 +57,16 @@ class RuntimeConfig:
     ssd_cache_verify: bool = False
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
 
+    # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
+    # Bearer token required on the API (None = open); admin routes need admin_key.
+    api_key: str | None = attrs.field(default=None, repr=False)
+    admin_key: str | None = attrs.field(default=None, repr=False)
+    # End-to-end seconds per request; a generation cut by it ends with
+    # finish_reason "length". 0 = no limit.
+    request_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
+    # Largest request body accepted (larger ones get 413).
+    max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+
     def __attrs_post_init__(self) -> None:
         if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
