@@ -58,9 +58,13 @@ def main() -> None:
     cache, convs = build(args.entries, args.tokens, rng)
     build_s = time.perf_counter() - t0
     pick = rng.integers(0, len(convs), args.lookups)
-    follow = [np.concatenate([convs[i], rng.integers(0, 150_000, 200, dtype=np.int32)]) for i in pick]
+    follow = [
+        np.concatenate([convs[i], rng.integers(0, 150_000, 200, dtype=np.int32)]) for i in pick
+    ]
     fresh = [
-        np.concatenate([convs[i][:SYSTEM], rng.integers(0, 150_000, args.tokens - SYSTEM, dtype=np.int32)])
+        np.concatenate(
+            [convs[i][:SYSTEM], rng.integers(0, 150_000, args.tokens - SYSTEM, dtype=np.int32)]
+        )
         for i in pick
     ]
     results = {"entries": len(cache), "tokens_per_entry": args.tokens, "build_s": round(build_s, 2)}

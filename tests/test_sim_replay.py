@@ -25,13 +25,13 @@ def req(i, tokens, t=None, ns="", out=()):
     )
 
 
-def run(reqs, **kw):
+def run(reqs, cost=UNIT, **kw):
     seen = {}
     kw.setdefault("policy", "lru")
     kw.setdefault("ram_bytes", None)
     result = replay_mlxd(
         reqs,
-        cost=UNIT,
+        cost=cost,
         slots=1,
         on_request=lambda r, hit, src: seen.setdefault(r.index, (hit, src)),
         **kw,
@@ -69,8 +69,12 @@ def test_byte_cap_evicts_and_ssd_keeps_the_victim():
 
 def test_restore_is_skipped_when_recompute_is_cheaper():
     a, b = list(range(10)), list(range(50, 60))
-    _, per = run([req(0, a), req(1, b), req(2, a)], ram_bytes=15, ssd=True, ssd_bytes=1000)
-    assert per[2] == (0, "miss")  # 10 tokens: fixed restore overhead exceeds the prefill
+    slow_disk = attrs.evolve(UNIT, restore_fixed=1.0)  # a restore costs more than a prefill
+    trace = [req(0, a), req(1, b), req(2, a)]
+    _, per = run(trace, cost=slow_disk, ram_bytes=15, ssd=True, ssd_bytes=1000)
+    assert per[2] == (0, "miss")
+    _, per = run(trace, ram_bytes=15, ssd=True, ssd_bytes=1000)
+    assert per[2] == (9, "ssd")
 
 
 def test_lfu_and_lru_differ_on_a_known_trace():
