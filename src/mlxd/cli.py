@@ -79,6 +79,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "'length' (0 = no limit)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
+    p.add_argument("--record-trace", type=Path, metavar="FILE",
+                   help="append every finished request to FILE in mlxd's trace format (for `mlxd simulate`)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
     p.add_argument("--log-level", default="info")
 
@@ -141,6 +143,8 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
     log = get_logger("mlxd.serve")
     stopped = trio.Event()
     async with open_runtime(config) as rt, trio.open_nursery() as nursery:
+        if args.record_trace is not None:
+            record_trace(rt, args.record_trace)
         nursery.start_soon(_watch_signals, rt, stopped, args.shutdown_timeout, nursery.cancel_scope)
         binds = await nursery.start(
             lambda task_status: serve_http(
@@ -165,6 +169,30 @@ def _warn_if_exposed(host: str, config) -> None:
             "serve.unauthenticated", host=host,
             hint="anyone who can reach this address can use the API; set --api-key or MLXD_API_KEY",
         )
+
+
+def record_trace(rt, path: Path) -> None:
+    """Append each finished request to `path` (mlxd trace format), times from server start."""
+    import time
+
+    from mlxd.sim.trace import TraceRecorder
+
+    recorder = TraceRecorder(path)
+    start = time.monotonic()
+
+    def observe(record) -> None:
+        if record.reason in ("client_gone", "failed"):
+            return
+        recorder.record(
+            t=round(record.submitted_at - start, 6),
+            tokens=record.prompt,
+            output_tokens=record.completion_tokens,
+            namespace=record.namespace,
+            cached_tokens=record.cached_tokens,
+            output_ids=record.output_ids,
+        )
+
+    rt.scheduler.observers.append(observe)
 
 
 async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:

@@ -53,6 +53,7 @@ class RequestRecord:
     cache_tier: str = "none"
     completion_tokens: int = 0
     reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
+    output_ids: list[int] = attrs.Factory(list)
 
     @property
     def queued_s(self) -> float | None:
@@ -232,6 +233,7 @@ def _note(record: RequestRecord, event: GenerationEvent) -> None:
         record.cache_tier = event.cache_tier
     elif isinstance(event, TokenGenerated):
         record.completion_tokens += 1
+        record.output_ids.append(event.token)
     elif isinstance(event, GenerationFinished):
         if record.reason != "client_gone":
             record.reason = event.reason

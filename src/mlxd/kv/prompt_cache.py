@@ -199,6 +199,9 @@ class PromptCache:
             index.remove(old.tokens)
             self._forget(old)
         self._count.superseded += len(superseded)
+        # A conversation's next checkpoint keeps its reuse history, so frequency-based
+        # policies see the conversation, not a brand-new entry each turn.
+        entry.hits = max((e.hits for e in (replaced, *superseded) if e is not None), default=0)
         self._bytes += entry.nbytes
         self._count.inserts += 1
         self.policy.on_insert(entry, now)

@@ -81,7 +81,8 @@ class _HeapPolicy:
         heapq.heapify(self._heap)
 
     def on_insert(self, entry: Any, now: float) -> None:
-        self._uses[entry] = 1
+        # An entry may inherit the uses of the checkpoints it replaces (a continuing conversation).
+        self._uses[entry] = 1 + int(getattr(entry, "hits", 0))
         self._push(entry)
 
     def on_hit(self, entry: Any, now: float) -> None:
