@@ -11,6 +11,7 @@ import pytest
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.kv import file_format
+
 from serving import ServerThread, config_for
 
 SYSTEM = "Answer like a librarian who loves prefix caches. " * 12
