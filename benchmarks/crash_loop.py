@@ -1,0 +1,346 @@
+"""Crash consistency: SIGKILL a real `mlxd serve --ssd-cache` at random moments, restart, check.
+
+    python benchmarks/crash_loop.py --kills 200 --json /tmp/crash.json
+
+Each round starts the server on the same cache directory, checks what the
+startup scan left (no *.tmp survives, every file is a complete valid snapshot
+with 0600/0700 permissions, the index holds every file), replays requests
+whose RAM-tier answers were recorded before earlier kills, then drives
+conversations and kills the process with SIGKILL: right after a reply (the
+write-behind is in flight), in the middle of a flush, or at a random moment.
+
+Conversations are text completions (the prompt grows by each reply and a
+new question), so the harness knows every prompt's exact token ids (the same
+tokenizer as the server) and checks durability at the token level, apart
+from the chat template's re-tokenization.
+
+Promises checked after every restart:
+- every request completed before a flush that reported durable is still
+  restorable: some file on disk covers its prompt's first len - 1 tokens;
+- a replayed request restored at least as far as its RAM hit produces the
+  tokens the RAM tier produced (temperature 0, one request at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import stat
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_proc import ServeProc  # noqa: E402
+
+import mlxd  # noqa: E402, F401  (preloads OpenBLAS before mlx)
+from mlxd.kv import file_format as ff  # noqa: E402
+
+TOPICS = ["caches", "rivers", "compilers", "gardens", "trains", "violins", "glaciers", "bees"]
+QUESTIONS = ["Why?", "Tell me more.", "Give an example.", "And then?", "Is that all?", "Summarize."]
+MAX_TURNS = 6
+
+
+@attrs.define
+class Record:
+    """A request whose RAM-tier answer we know (the reply to an exact replay)."""
+
+    conversation: int
+    prompt: str
+    ids: tuple[int, ...]
+    cached_tokens: int
+    text: str
+    durable: bool = False  # a flush reported durable after it completed
+
+
+@attrs.define
+class Conversation:
+    number: int
+    prompt: str
+    turns: int = 0
+
+
+@attrs.define
+class Tally:
+    kills: int = 0
+    kill_modes: dict[str, int] = attrs.Factory(dict)
+    restarts: int = 0
+    requests: int = 0
+    interrupted_requests: int = 0
+    flushes_durable: int = 0
+    flushes_interrupted: int = 0
+    promised_checked: int = 0
+    replays: int = 0
+    restores_equal: int = 0
+    served_shorter: int = 0  # restore-or-recompute chose RAM/prefill over a longer SSD file
+    lost_unpromised: int = 0
+    files_checked: int = 0
+    orphans_reaped: int = 0
+    corrupt_removed: int = 0
+    max_files: int = 0
+    failures: list[str] = attrs.Factory(list)
+    seconds: float = 0.0
+
+
+class Killed(Exception):
+    """The server went away under a request (we killed it)."""
+
+
+class CrashLoop:
+    def __init__(self, model_dir: Path, workdir: Path, *, seed: int = 0, max_tokens: int = 8,
+                 checks_per_round: int = 3) -> None:
+        self.model_dir = Path(model_dir)
+        self.cache = Path(workdir) / "ssd"
+        self.log_path = Path(workdir) / "serve.log"
+        self.rng = random.Random(seed)
+        self.max_tokens = max_tokens
+        self.checks_per_round = checks_per_round
+        self.records: list[Record] = []
+        self.tokenizer = _tokenizer(self.model_dir)
+        self.conversations: list[Conversation] = []
+        self.tally = Tally()
+        self.proc = ServeProc(["--model", str(self.model_dir), "--model-name", "tiny",
+                               "--ssd-cache", str(self.cache)], self.log_path)
+
+    # --- the loop ------------------------------------------------------------------
+
+    def run(self, kills: int, *, time_limit: float = float("inf"), progress: bool = False) -> Tally:
+        t0 = time.monotonic()
+        try:
+            while self.tally.kills < kills and time.monotonic() - t0 < time_limit:
+                self.round()
+                if progress and self.tally.kills % 10 == 0:
+                    print(f"kills={self.tally.kills} failures={len(self.tally.failures)} "
+                          f"records={len(self.records)} files={self.tally.max_files}", file=sys.stderr, flush=True)
+        finally:
+            self.proc.kill() if self.proc.proc is not None else None
+            self.tally.seconds = round(time.monotonic() - t0, 1)
+        return self.tally
+
+    def round(self) -> None:
+        self.proc.start()
+        self.tally.restarts += 1
+        with httpx.Client(base_url=self.proc.url, timeout=60) as http:
+            files = self.check_scan(http)
+            self.check_durable(files)
+            self.check_replays(http)
+            self.drive_and_kill(http)
+
+    # --- after a restart -------------------------------------------------------------
+
+    def check_scan(self, http: httpx.Client) -> list[tuple[int, ...]]:
+        log = self.proc.log()
+        self.tally.orphans_reaped += _count(log, r'"removed_orphans": (\d+)')
+        corrupt = _count(log, r'"removed_corrupt": (\d+)')
+        self.tally.corrupt_removed += corrupt
+        if corrupt:
+            self.fail(f"the scan found {corrupt} corrupt files after a SIGKILL")
+        tmp = list(self.cache.rglob("*.tmp"))
+        if tmp:
+            self.fail(f"tmp files survived the scan: {tmp[:3]}")
+        files = sorted(self.cache.rglob("*" + ff.EXTENSION))
+        for path in files:
+            self.check_file(path)
+        self.tally.files_checked += len(files)
+        self.tally.max_files = max(self.tally.max_files, len(files))
+        indexed = http.get("/stats").json()["ssd_cache"]["entries"]
+        if indexed != len(files):
+            self.fail(f"the index holds {indexed} entries but {len(files)} files are on disk")
+        return [ff.read_header(p).tokens for p in files]
+
+    def check_file(self, path: Path) -> None:
+        try:
+            ff.read_snapshot(path, verify=True)
+        except ff.SnapshotError as exc:
+            self.fail(f"{path.name} is not a valid snapshot after the scan: {exc}")
+        if stat.S_IMODE(path.stat().st_mode) != 0o600:
+            self.fail(f"{path} has mode {oct(path.stat().st_mode)}")
+        for d in (path.parent, path.parent.parent):
+            if stat.S_IMODE(d.stat().st_mode) != 0o700:
+                self.fail(f"{d} has mode {oct(d.stat().st_mode)}")
+
+    def check_durable(self, files: list[tuple[int, ...]]) -> None:
+        """Every prefix a flush reported durable is covered by a file (all KV here is trimmable)."""
+        for record in self.records:
+            if not record.durable:
+                continue
+            self.tally.promised_checked += 1
+            need = len(record.ids) - 1
+            have = max((_common_prefix(record.ids, tokens) for tokens in files), default=0)
+            if have < need:
+                self.fail(f"a durable prefix was lost: files cover {have} of {need} tokens", record.prompt)
+
+    def check_replays(self, http: httpx.Client) -> None:
+        """Replay a few recorded requests (one per conversation): restores equal the RAM tier."""
+        durable = {r.conversation: r for r in self.records if r.durable}
+        recent = {r.conversation: r for r in self.records[-2:]}
+        picks = self.rng.sample(sorted(durable.values(), key=lambda r: r.conversation),
+                                min(self.checks_per_round, len(durable)))
+        picks += [r for c, r in recent.items() if c not in {p.conversation for p in picks}]
+        for record in picks:
+            reply = self.complete(http, record.prompt)
+            self.tally.replays += 1
+            usage = reply["usage"]
+            if usage["prompt_tokens"] != len(record.ids):
+                self.fail(f"the server tokenized a prompt to {usage['prompt_tokens']} ids, we to {len(record.ids)}")
+                continue
+            if usage["prompt_tokens_details"]["cached_tokens"] < record.cached_tokens:
+                if record.durable:
+                    self.tally.served_shorter += 1
+                else:
+                    self.tally.lost_unpromised += 1
+                continue
+            text = reply["choices"][0]["text"]
+            if text != record.text:
+                self.fail(f"a restore diverged from the RAM tier: {text!r} != {record.text!r}", record.prompt)
+            else:
+                self.tally.restores_equal += 1
+
+    # --- driving and killing -------------------------------------------------------
+
+    def drive_and_kill(self, http: httpx.Client) -> None:
+        mode = self.rng.choice(["after_reply", "after_reply", "during_flush", "random", "random"])
+        self.tally.kill_modes[mode] = self.tally.kill_modes.get(mode, 0) + 1
+        try:
+            if mode == "after_reply":
+                for _ in range(self.rng.randint(1, 3)):
+                    self.turn(http)
+                    if self.rng.random() < 0.3:
+                        self.flush(http)
+                self.kill_after(self.rng.uniform(0, 0.03))
+            elif mode == "during_flush":
+                self.turn(http)
+                self.kill_after(self.rng.uniform(0, 0.05))
+                self.flush(http)
+            else:
+                self.kill_after(self.rng.uniform(0.05, 1.5))
+                while True:
+                    self.turn(http) if self.rng.random() < 0.75 else self.flush(http)
+        except Killed:
+            pass
+        self.proc.wait(30)
+        self.tally.kills += 1
+
+    def kill_after(self, delay: float) -> None:
+        pid = self.proc.pid
+        timer = threading.Timer(delay, lambda: _sigkill(pid))
+        timer.daemon = True
+        timer.start()
+        if delay < 0.1:
+            timer.join()  # the kill lands right after the last reply
+
+    def turn(self, http: httpx.Client) -> None:
+        convo = self.pick_conversation()
+        question = self.rng.choice(QUESTIONS) + f" ({self.rng.randint(0, 99)})"
+        prompt = f"{convo.prompt}\nUser: {question}\nAssistant:"
+        first = self.complete(http, prompt)
+        replay = self.complete(http, prompt)  # the RAM tier's answer to an exact repeat
+        self.records.append(Record(
+            convo.number, prompt, tuple(self.tokenizer.encode(prompt)),
+            replay["usage"]["prompt_tokens_details"]["cached_tokens"], replay["choices"][0]["text"],
+        ))
+        convo.prompt = prompt + first["choices"][0]["text"]
+        convo.turns += 1
+
+    def pick_conversation(self) -> Conversation:
+        self.conversations = [c for c in self.conversations if c.turns < MAX_TURNS]
+        if len(self.conversations) < 3:
+            n = self.tally.requests + len(self.records)
+            topic = self.rng.choice(TOPICS)
+            system = f"Conversation {n}. You are an expert on {topic}. Answer in one calm sentence. " * 10
+            self.conversations.append(Conversation(n, system))
+        return self.rng.choice(self.conversations)
+
+    def flush(self, http: httpx.Client) -> None:
+        done = len(self.records)
+        try:
+            r = http.post("/admin/cache/flush")
+        except httpx.TransportError:
+            self.tally.flushes_interrupted += 1
+            raise Killed from None
+        if r.status_code == 200 and r.json()["durable"]:
+            self.tally.flushes_durable += 1
+            for record in self.records[:done]:
+                record.durable = True
+
+    def complete(self, http: httpx.Client, prompt: str) -> dict[str, Any]:
+        body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": self.max_tokens}
+        try:
+            r = http.post("/v1/completions", json=body)
+        except httpx.TransportError:
+            self.tally.interrupted_requests += 1
+            raise Killed from None
+        self.tally.requests += 1
+        if r.status_code != 200:
+            self.fail(f"a request failed: {r.status_code} {r.text[:200]}")
+            raise Killed
+        return r.json()
+
+    def fail(self, message: str, prompt: str | None = None) -> None:
+        self.tally.failures.append(f"round {self.tally.restarts}: {message}")
+        print("FAIL", message, file=sys.stderr, flush=True)
+        if prompt is not None:  # keep the prompt for a post-mortem
+            self.log_path.with_name(f"failure-{len(self.tally.failures)}.txt").write_text(prompt)
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    """The server's tokenizer (mlx-lm's wrapper over tokenizer.json), for exact prompt ids."""
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _count(log: str, pattern: str) -> int:
+    return sum(int(m) for m in re.findall(pattern, log))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=200)
+    p.add_argument("--model", type=Path, help="model dir (default: build the 'test' preset)")
+    p.add_argument("--workdir", type=Path, help="where the cache and log go (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=3600.0, help="stop after this many seconds")
+    p.add_argument("--json", type=Path, help="write the tally here")
+    args = p.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mlxd-crash-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from mlxd.model.tiny import build_model
+
+        model = build_model(workdir / "model", "test", seed=0)
+    tally = CrashLoop(model, workdir, seed=args.seed).run(args.kills, time_limit=args.time_limit, progress=True)
+    out = attrs.asdict(tally)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 1 if tally.failures or tally.kills < args.kills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
