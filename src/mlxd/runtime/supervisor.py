@@ -139,6 +139,15 @@ class Runtime:
     def tokenizer(self) -> Any:
         return self.info.tokenizer
 
+    @property
+    def channels(self) -> dict[str, Any]:
+        """The actors' inboxes by name; each has `.statistics()` (trio memory channels)."""
+        out = {"submit": self._submit, "cache": self._cache}
+        if self.cold is not None:
+            out["durability"] = self.cold.durability_inbox
+            out["prefetch"] = self.cold.prefetch_inbox
+        return out
+
     # --- building requests -----------------------------------------------------
 
     def new_request_id(self) -> str:
@@ -252,10 +261,7 @@ class Runtime:
             "scheduler": sched,
             "engine": dict(self.engine.stats),
             "cache": await self.cache_stats(),
-            "channels": {
-                "submit": ChannelStats.of(self._submit).as_dict(),
-                "cache": ChannelStats.of(self._cache).as_dict(),
-            },
+            "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
             "blas": dict(_blas.status),
         }
         if self.cold is not None:

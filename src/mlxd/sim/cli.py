@@ -109,14 +109,25 @@ def run_all(args, reqs, cost: CostModel) -> list[RunResult]:
             raise SystemExit("the blocks model needs a Mooncake trace (hash_ids)")
         models.remove("blocks")
     ssd_bytes = None if args.ssd_gb is None else int(args.ssd_gb * GIB)
+    runs = [(m, p, b) for m in models for p in policies for b in capacities(args)]
     results = []
-    for model in models:
-        for policy in policies:
-            for blocks in capacities(args):
-                results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes))
-                if args.format == "json":
-                    print(report.json_lines(results[-1:]), flush=True)
+    for i, (model, policy, blocks) in enumerate(runs, 1):
+        results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes))
+        _progress(i, len(runs), results[-1])
+        if args.format == "json":
+            print(report.json_lines(results[-1:]), flush=True)
     return results
+
+
+def _progress(done: int, total: int, result: RunResult) -> None:
+    """One stderr line per finished run, so a long sweep shows where it is."""
+    cap = "unlimited" if result.capacity_blocks is None else f"{result.capacity_blocks} blocks"
+    print(
+        f"mlxd simulate: [{done}/{total}] {result.cache_model} {result.policy} {cap}: "
+        f"token hit rate {result.token_hit_rate:.3f} ({result.wall_s:.1f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes) -> RunResult:
