@@ -10,6 +10,7 @@ import pytest
 
 from mlxd.http.schemas import ApiError
 from mlxd.http.security import AccessPolicy, bearer_token, is_loopback
+
 from procs import ServeProcess
 from serving import ServerThread, config_for
 
