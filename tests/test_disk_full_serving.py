@@ -1,0 +1,74 @@
+"""A live server whose SSD tier fills up: a real size-limited tmpfs, not a mock."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving import ServerThread, config_for
+
+
+def _mount(where: Path, options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+
+
+def _fill(path: Path) -> None:
+    """Write until the filesystem says it is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\xaa" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def chat(server: ServerThread, topic: str) -> dict:
+    messages = [{"role": "system", "content": f"You only talk about {topic}. " * 20},
+                {"role": "user", "content": "Go on."}]
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 4}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir, tmp_path, capfd):
+    mnt = tmp_path / "small"
+    _mount(mnt, "size=4m,mode=0700")
+    try:
+        with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=mnt / "ssd")) as server:
+            admin = server.base_url.removesuffix("/v1")
+            chat(server, "lighthouses")
+            assert httpx.post(f"{admin}/admin/cache/flush", timeout=60).status_code == 200
+            _fill(mnt / "filler")
+            first, second = chat(server, "volcanoes"), chat(server, "orchards")
+            r = httpx.post(f"{admin}/admin/cache/flush", timeout=60)
+            assert r.status_code == 503
+            report = r.json()
+            assert report["durable"] is False and report["failed"] >= 1 and report["reason"] == "disk full"
+            # Serving goes on from RAM: the repeats are cache hits.
+            assert cached(chat(server, "volcanoes")) >= first["usage"]["prompt_tokens"] - 1
+            assert cached(chat(server, "orchards")) >= second["usage"]["prompt_tokens"] - 1
+            stats = httpx.get(f"{admin}/stats", timeout=30).json()["ssd_cache"]
+            assert stats["disk_full"] is True and stats["failed_spills"] >= 2
+            assert not list(mnt.rglob("*.tmp"))  # failed writes leave nothing behind
+            # Space comes back: the next flush retries and is durable.
+            (mnt / "filler").unlink()
+            r = httpx.post(f"{admin}/admin/cache/flush", timeout=60)
+            assert r.status_code == 200, r.text
+        out = capfd.readouterr()
+        assert (out.out + out.err).count("ssd_disk_full") == 1  # warned once, not per write
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
