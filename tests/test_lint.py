@@ -20,3 +20,11 @@ def test_ruff_is_clean():
         [ruff, "check", "src", "tests", "benchmarks", "scripts"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_is_clean():
+    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent)) or shutil.which("mypy")
+    if mypy is None:
+        pytest.skip("mypy is not installed (it is part of the test extra)")
+    result = subprocess.run([mypy], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

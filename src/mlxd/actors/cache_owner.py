@@ -141,7 +141,7 @@ class CacheOwnerActor:
             if msg.durable or self.store.find_exact(msg.tokens, msg.namespace) is not None:
                 entry.durable = True
             elif msg.plan is not None and self._durability is not None:
-                self._durability.send_nowait(MarkDirty(msg.namespace, entry.tokens, msg.plan, msg.trimmable))
+                self._durability.send_nowait(MarkDirty(msg.namespace, tuple(entry.tokens), msg.plan, msg.trimmable))
         self._evict()
 
     def _durable(self, msg: EntryDurable) -> None:

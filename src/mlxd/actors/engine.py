@@ -391,12 +391,12 @@ class EngineActor:
         from mlxd.kv import file_format, kinds
 
         mx.eval([c.state for c in caches])
-        tokens = tuple(tokens)
+        exact = tuple(tokens)
         plan = None
         if self._store_identity is not None:
-            plan = file_format.plan_snapshot(caches, meta=self._store_identity.meta(tokens, namespace))
+            plan = file_format.plan_snapshot(caches, meta=self._store_identity.meta(exact, namespace))
         return PublishPrefix(
-            tokens=tokens,
+            tokens=exact,
             namespace=namespace,
             payload=caches,
             nbytes=kinds.nbytes(caches),
@@ -417,8 +417,9 @@ class EngineActor:
         if s.top_logprobs > 0:
             k = min(s.top_logprobs, lp.shape[-1])
             idx = mx.argpartition(-lp, kth=k - 1)[:k]
-            vals = lp[idx]
-            pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
+            ids: list[Any] = idx.tolist()  # type: ignore[assignment]
+            vals: list[Any] = lp[idx].tolist()  # type: ignore[assignment]
+            pairs = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])
             top = tuple((int(t), float(v)) for t, v in pairs)
         return TokenGenerated(r.token, chosen, top)
 
@@ -475,7 +476,7 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    params = tree_flatten(model.parameters())
+    params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     cast = [
         (k, v.astype(dtype)) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else (k, v)
         for k, v in params
@@ -500,7 +501,7 @@ def _store_identity(name: str, model_identity: str, path: Path) -> Any:
             "model": model_identity,
             "tokenizer": tokenizer_hash,
             "kv_scheme": "fp32" if mx.default_device() == mx.cpu else "native",
-            "mlx": mx.__version__,
+            "mlx": getattr(mx, "__version__", "unknown"),
             "backend": str(mx.default_device()),
             "format": str(file_format.FORMAT_VERSION),
         }

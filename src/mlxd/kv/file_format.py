@@ -283,7 +283,7 @@ def _parse_tensor(doc: dict[str, Any]) -> TensorDesc:
     nbytes = _int(doc["nbytes"])
     if dtype not in _NP_DTYPES or min(shape, default=0) < 0:
         raise ValueError(f"bad tensor {dtype} {shape}")
-    if nbytes != math.prod(shape) * _NP_DTYPES[dtype].itemsize:
+    if nbytes != math.prod(shape) * _NP_DTYPES[dtype].itemsize:  # type: ignore[attr-defined]
         raise ValueError("tensor nbytes does not match its shape")
     return TensorDesc(dtype, shape, nbytes, _int(doc["offset"]), _str(doc["sha256"]))
 
@@ -349,7 +349,7 @@ def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta) -> SnapshotPlan:
     arrays: list[mx.array] = []
     descs = tuple(_plan_cache(c, arrays) for c in caches)
     mx.eval(arrays)
-    buffers = tuple(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays)
+    buffers = tuple(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays)  # type: ignore[arg-type]
     return SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
 
 
@@ -396,7 +396,7 @@ def _plan_rotating(c: mlc.RotatingKVCache, out: list[mx.array]) -> CacheDesc:
 def _plan_quant(c: mlc.QuantizedKVCache, out: list[mx.array]) -> CacheDesc:
     params = {"bits": c.bits, "group_size": c.group_size}
     if c.keys is None or c.offset == 0:
-        return CacheDesc(kind="quant", **params)
+        return CacheDesc(kind="quant", **params)  # type: ignore[arg-type]
     n = c.offset
     parts = [*c.keys, *c.values]
     tensors = tuple(_tensor(p[..., :n, :], out) for p in parts)
@@ -539,7 +539,7 @@ def _byte_pieces(buf: memoryview) -> Iterator[memoryview]:
         return
     arr = np.asarray(buf)  # strided view; pack one leading index at a time
     for idx in np.ndindex(arr.shape[:-2] if arr.ndim > 2 else ()):
-        yield memoryview(np.ascontiguousarray(arr[idx])).cast("B")
+        yield memoryview(np.ascontiguousarray(arr[idx])).cast("B")  # type: ignore[arg-type]
 
 
 def _write_all(f: Any, data: memoryview) -> None:
@@ -656,12 +656,12 @@ def _read_tensors(f: Any, header: FileHeader, *, verify: bool) -> tuple[np.ndarr
     pos, out = f.tell(), []
     for cache, t in header.tensors():
         _skip_padding(f, t.offset - pos, verify=verify)
-        buf = np.zeros(_landing_shape(cache, t), dtype=_NP_DTYPES[t.dtype])
+        buf = np.zeros(_landing_shape(cache, t), dtype=_NP_DTYPES[t.dtype])  # type: ignore[call-overload,var-annotated]
         h = hashlib.sha256() if verify else None
         for dest in _landing_rows(buf, t):
-            _readinto_all(f, memoryview(dest))
+            _readinto_all(f, memoryview(dest))  # type: ignore[arg-type]
             if h is not None:
-                h.update(dest)
+                h.update(dest)  # type: ignore[arg-type]
         if h is not None and h.hexdigest() != t.sha256:
             raise CorruptFile(f"tensor at offset {t.offset} fails its hash")
         out.append(buf)
@@ -709,7 +709,7 @@ def adopt(loaded: LoadedSnapshot) -> list[Any]:
         if t is None:
             return None
         (_, desc), buf = next(arrays)
-        a = mx.array(memoryview(buf))  # the buffer protocol path: ~7x faster than from numpy
+        a = mx.array(memoryview(buf))  # type: ignore[arg-type]  # the buffer protocol path: ~7x faster than from numpy
         if desc.dtype == "bfloat16":
             a = a.view(mx.bfloat16)
         made.append(a)
@@ -729,20 +729,20 @@ def _adopt_cache(c: CacheDesc, take: Any) -> Any:
             cache.offset = c.offset
         return cache
     if c.kind == "rotating":
-        cache = mlc.RotatingKVCache(max_size=c.max_size, keep=c.keep or 0)
+        cache = mlc.RotatingKVCache(max_size=c.max_size, keep=c.keep or 0)  # type: ignore[assignment]
         if parts:
             cache.keys, cache.values = parts
-        cache.offset, cache._idx = c.offset, c.idx or 0
+        cache.offset, cache._idx = c.offset, c.idx or 0  # type: ignore[attr-defined]
         return cache
     if c.kind == "quant":
-        cache = mlc.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+        cache = mlc.QuantizedKVCache(group_size=c.group_size, bits=c.bits)  # type: ignore[assignment]
         if parts:
             half = len(parts) // 2
             cache.keys, cache.values = tuple(parts[:half]), tuple(parts[half:])
             cache.offset = c.offset
         return cache
     if c.kind == "arrays":
-        cache = mlc.ArraysCache(len(parts))
-        cache.cache = parts
+        cache = mlc.ArraysCache(len(parts))  # type: ignore[assignment]
+        cache.cache = parts  # type: ignore[attr-defined]
         return cache
     return mlc.CacheList(*(_adopt_cache(x, take) for x in c.children))

@@ -161,10 +161,10 @@ _POLICIES: dict[str, type[_HeapPolicy]] = {
 }
 
 
-def make_policy(name: PolicyName) -> RetentionPolicy:
+def make_policy(name: PolicyName | str) -> RetentionPolicy:
     """A fresh policy by name: "lru", "lfu" or "cost"."""
     try:
-        return _POLICIES[name]()
+        return _POLICIES[name]()  # type: ignore[index]
     except KeyError:
         raise ValueError(
             f"unknown retention policy {name!r}; expected one of {sorted(_POLICIES)}"

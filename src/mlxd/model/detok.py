@@ -67,7 +67,8 @@ def load_model(model_dir: Path | str, **load_kwargs):
     """`mlx_lm.load` from a local dir, with the exact detokenizer for byte-level BPE."""
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(model_dir), **load_kwargs)
+    loaded = mlx_lm.load(str(model_dir), **load_kwargs)
+    model, tokenizer = loaded[0], loaded[1]
     if has_byte_level_decoder(Path(model_dir)):
         tokenizer._detokenizer = ByteLevelStreamingDetokenizer(tokenizer._tokenizer)
     return model, tokenizer

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import attrs
 
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
-from mlxd.kv.retention import make_policy
+from mlxd.kv.retention import RetentionPolicy, make_policy
 from mlxd.sim.results import RunResult, Tally
 from mlxd.sim.trace import TraceRequest
 
@@ -53,7 +53,7 @@ class BlockCache:
     block_bytes: int = 1
     evictions: int = 0
     _blocks: dict[int, _Block] = attrs.field(init=False, factory=dict)
-    _policy: object = attrs.field(init=False)
+    _policy: RetentionPolicy = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._policy = make_policy(self.policy_name)

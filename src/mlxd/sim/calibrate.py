@@ -106,7 +106,8 @@ def fit_prefill(samples) -> tuple[float, float, float]:
     """Least-squares (fixed, per_token, per_pair), clipped at zero."""
     rows = [[1.0, n, n * ctx + n * n / 2] for n, ctx, _ in samples]
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array([s for *_, s in samples]), rcond=None)
-    return tuple(max(float(c), 0.0) for c in coef)
+    fixed, per_token, per_pair = (max(float(c), 0.0) for c in coef)
+    return fixed, per_token, per_pair
 
 
 def fit_decode(samples) -> tuple[float, float]:
@@ -121,7 +122,7 @@ def calibrate(model_dir: Path, *, max_tokens: int = 2048, seed: int = 0, log=pri
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, _tokenizer = load(str(model_dir))
+    model = load(str(model_dir))[0]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(seed)
     _prefill(model, make_prompt_cache(model), [1, 2])  # warm up

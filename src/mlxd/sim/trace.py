@@ -81,7 +81,7 @@ def load_trace(
     path: str | Path, *, limit: int | None = None, tokenize: Tokenize = utf8_tokens
 ) -> list[TraceRequest]:
     """Every request of a JSONL trace, arrival times rebased to start at 0, in arrival order."""
-    reqs = []
+    reqs: list[TraceRequest] = []
     with open(path) as f:
         for line in f:
             if limit is not None and len(reqs) >= limit:
