@@ -142,6 +142,7 @@ def run_load(proc: ServeProc, clients: list[Client], seconds: float, *, max_toke
              sigterm_after: float | None = None) -> dict[str, Any]:
     """Drive `clients` for `seconds` (or SIGTERM the server after `sigterm_after`); summarize."""
     stop, rss_stop, rss = threading.Event(), threading.Event(), []
+    seen = {c.number: len(c.outcomes) for c in clients}  # count only this run's outcomes
     baseline = rss_bytes(proc.pid)
     sampler = threading.Thread(target=sample_rss, args=(proc.pid, rss_stop, rss), daemon=True)
     sampler.start()
@@ -160,7 +161,7 @@ def run_load(proc: ServeProc, clients: list[Client], seconds: float, *, max_toke
     elapsed = time.monotonic() - t0
     rss_stop.set()
     sampler.join(timeout=5)
-    return summarize([o for c in clients for o in c.outcomes], elapsed, baseline, rss)
+    return summarize([o for c in clients for o in c.outcomes[seen[c.number]:]], elapsed, baseline, rss)
 
 
 def summarize(outcomes: list[Outcome], elapsed: float, baseline: int, rss: list[int]) -> dict[str, Any]:
