@@ -208,6 +208,9 @@ class CrashLoop:
     # --- driving and killing -------------------------------------------------------
 
     def drive_and_kill(self, http: httpx.Client) -> None:
+        if self.tally.restarts == 1:  # start from some durable state, so every run has promises to keep
+            self.turn(http)
+            self.flush(http)
         mode = self.rng.choice(["after_reply", "after_reply", "during_flush", "random", "random"])
         self.tally.kill_modes[mode] = self.tally.kill_modes.get(mode, 0) + 1
         try:
