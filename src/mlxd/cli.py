@@ -62,6 +62,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
     p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
+    p.add_argument("--prefill-batch", type=_positive_int, default=8,
+                   help="prompts prefilled together (capped at --max-batch)")
     p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
     p.add_argument("--prefill-step-size", type=_positive_int, default=2048, help="prefill chunk size in tokens")
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
@@ -108,6 +110,7 @@ def serve_config(args: argparse.Namespace):
         prompt_cache_bytes=args.prompt_cache_gb,
         retention=args.retention,
         max_batch=args.max_batch,
+        prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
         prefill_step_size=args.prefill_step_size,
         max_tokens_limit=args.max_tokens_limit,

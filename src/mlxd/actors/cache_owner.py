@@ -120,14 +120,16 @@ class CacheOwnerActor:
             return PrefixLookup(hit)
         return PrefixLookup(hit, cold)
 
-    def _checkpoint_tokens(self, tokens: tuple[int, ...], namespace: str) -> tuple[int, ...] | None:
+    def _checkpoint_tokens(self, tokens: tuple[int, ...], namespace: str) -> list[tuple[int, ...]]:
+        """The best RAM and SSD checkpoints for `tokens` (token sequences, no accounting)."""
+        found: list[tuple[int, ...]] = []
         hit = self.cache.peek(tokens, namespace)
-        best = (hit.usable, tuple(hit.entry.tokens)) if hit is not None else (0, None)
-        if self.store is not None:
-            cold = self.store.find(tokens, namespace)
-            if cold is not None and cold.usable > best[0]:
-                best = (cold.usable, tuple(cold.entry.tokens))
-        return best[1]
+        if hit is not None:
+            found.append(tuple(hit.entry.tokens))
+        cold = self.store.find(tokens, namespace) if self.store is not None else None
+        if cold is not None and tuple(cold.entry.tokens) not in found:
+            found.append(tuple(cold.entry.tokens))
+        return found
 
     # --- publications and durability ------------------------------------------------
 

@@ -46,6 +46,7 @@ class EngineInfo:
     eos_token_ids: frozenset[int]
     max_context: int
     kv_bytes_per_token: int
+    vocab_size: int  # rows of the embedding: every valid token id is below this
     model_identity: str  # hash of config + weights metadata + tokenizer
     store_identity: Any = None  # kv.ssd_store.StoreIdentity when the SSD tier is on
 
@@ -161,6 +162,7 @@ class EngineActor:
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
             kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
+            vocab_size=int(cfg.get("vocab_size") or len(tokenizer._tokenizer)),
             model_identity=identity,
             store_identity=self._store_identity,
         )

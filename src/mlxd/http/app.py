@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import attrs
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
@@ -260,21 +259,9 @@ def create_app(
                 param="model", code="model_not_found",
             )
 
-    def check_vocab(parsed: ParsedRequest) -> ParsedRequest:
-        """Token ids in logit_bias must exist; a top_k covering the vocabulary is no top_k."""
-        vocab = getattr(rt.tokenizer, "vocab_size", None)
-        sampling = parsed.sampling
-        if not vocab:
-            return parsed
-        if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
-            raise ApiError(400, f"'logit_bias' token ids must be in [0, {vocab})", param="logit_bias")
-        if sampling.top_k >= vocab:
-            return attrs.evolve(parsed, sampling=attrs.evolve(sampling, top_k=0))
-        return parsed
 
     async def run(parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool) -> Response:
         check_model(parsed.model)
-        parsed = check_vocab(parsed)
         try:
             req = rt.request(prompt, sampling=parsed.sampling)
             stream = rt.submit(req)

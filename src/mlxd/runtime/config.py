@@ -40,7 +40,7 @@ class RuntimeConfig:
 
     # Continuous batching: rows decoding together, and rows prefilling together.
     max_batch: int = attrs.field(default=8, validator=_positive)
-    prefill_batch: int = attrs.field(default=4, validator=_positive)
+    prefill_batch: int = attrs.field(default=8, validator=_positive)
     prefill_step_size: int = attrs.field(default=2048, validator=_positive)
     # Admitted requests waiting for a batch slot; beyond this, requests are refused (503).
     max_queue: int = attrs.field(default=32, validator=_non_negative)

@@ -134,7 +134,7 @@ class LookupPrefix:
 
 @attrs.frozen(eq=False)
 class FindCheckpointTokens:
-    """Reply: the exact tokens of the checkpoint (RAM or SSD) that best matches `tokens`, or None.
+    """Reply: the exact tokens of the best-matching RAM and SSD checkpoints (a list, maybe empty).
 
     No accounting, no I/O: used to realign a re-tokenized conversation with the
     ids its cached checkpoint was computed from.

@@ -48,7 +48,7 @@ from mlxd.runtime.messages import (
     SubmitGeneration,
     TokenGenerated,
 )
-from mlxd.runtime.token_history import GeneratedHistory, encode_chat, realign, render
+from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
 
@@ -163,14 +163,20 @@ class Runtime:
         where a re-tokenized reply begins.
         """
         try:
-            ids, reused = encode_chat(self.tokenizer, messages, self.history, self.info.eos_token_ids)
-            if reused == 0 and any(m.get("role") == "assistant" for m in messages):
-                text, plain = render(self.tokenizer, messages)
-                reply: Reply[Any] = Reply()
-                await self._cache.send(FindCheckpointTokens(plain, namespace, reply))
-                ids = realign(self.tokenizer, text, plain, await reply.wait())
+            # Rendering and tokenizing a long conversation is CPU work: off the event loop.
+            text, plain = await trio.to_thread.run_sync(render, self.tokenizer, messages)
+            ids, _ = encode_chat(self.tokenizer, messages, self.history, self.info.eos_token_ids, (text, plain))
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
+        if any(m.get("role") == "assistant" for m in messages):
+            # Each round can move the alignment past one more re-tokenized reply.
+            for _ in range(8):
+                reply: Reply[Any] = Reply()
+                await self._cache.send(FindCheckpointTokens(ids, namespace, reply))
+                better = best_realignment(self.tokenizer, text, ids, await reply.wait())
+                if better == ids:
+                    break
+                ids = better
         return tuple(int(t) for t in ids)
 
     def remember_reply(self, text: str, ids: Sequence[int]) -> None:
@@ -209,9 +215,16 @@ class Runtime:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's context length of {limit} tokens"
             )
-        vocab = self.tokenizer.vocab_size if hasattr(self.tokenizer, "vocab_size") else None
-        if vocab and any(t < 0 or t >= vocab for t in prompt):
+        vocab = self.info.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        # Ids reach MLX indexing unchecked: an out-of-range one would write out of bounds.
+        if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
+            raise InvalidRequest(f"'logit_bias' token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
+            raise InvalidRequest(f"stop token ids must be in [0, {vocab})")
+        if sampling.top_k >= vocab:
+            sampling = attrs.evolve(sampling, top_k=0)  # covering the vocabulary = no top-k
         return GenerationRequest(
             request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace
         )

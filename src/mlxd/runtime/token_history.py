@@ -38,23 +38,36 @@ class GeneratedHistory:
         return len(self._ids)
 
 
-def realign(tokenizer: Any, text: str, plain: tuple[int, ...], checkpoint: tuple[int, ...] | None) -> tuple[int, ...]:
+def realign(tokenizer: Any, text: str, current: tuple[int, ...], checkpoint: tuple[int, ...] | None) -> tuple[int, ...]:
     """Reuse a cached checkpoint's exact ids for the part of `text` they spell.
 
-    `checkpoint` is the token sequence of the cache entry that best matches the
-    canonical encoding `plain` (for a returning conversation: the previous
-    turn's prompt, reply and maybe more). The new ids are the longest prefix of
-    the checkpoint whose text is a prefix of the rendered `text`, followed by
-    the encoding of the rest; kept only if they decode to exactly `text`.
+    `current` is the encoding so far (canonical, or already partly realigned) and
+    `checkpoint` the token sequence of a cache entry that matches it. The new ids
+    are the longest prefix of the checkpoint whose text is a prefix of `text`,
+    followed by the encoding of the rest; `current` comes back unchanged unless
+    that reuses more of the checkpoint and decodes to exactly `text`.
     """
-    if not checkpoint or len(checkpoint) <= _common_prefix(plain, checkpoint):
-        return plain
+    if not checkpoint or len(checkpoint) <= _common_prefix(current, checkpoint):
+        return current
     k = _longest_spelled_prefix(tokenizer, text, checkpoint)
-    if k <= _common_prefix(plain, checkpoint):
-        return plain
+    if k <= _common_prefix(current, checkpoint):
+        return current
     spelled = tokenizer.decode(list(checkpoint[:k]))
     ids = tuple(checkpoint[:k]) + tuple(tokenizer.encode(text[len(spelled):], add_special_tokens=False))
-    return ids if tokenizer.decode(list(ids)) == text else plain
+    return ids if tokenizer.decode(list(ids)) == text else current
+
+
+def best_realignment(
+    tokenizer: Any, text: str, current: tuple[int, ...], checkpoints: Sequence[tuple[int, ...]]
+) -> tuple[int, ...]:
+    """The realignment that shares the longest token prefix with one of the checkpoints."""
+    best, best_shared = current, max((_common_prefix(current, c) for c in checkpoints), default=0)
+    for checkpoint in checkpoints:
+        ids = realign(tokenizer, text, current, checkpoint)
+        shared = _common_prefix(ids, checkpoint)
+        if shared > best_shared:
+            best, best_shared = ids, shared
+    return best
 
 
 def _longest_spelled_prefix(tokenizer: Any, text: str, tokens: tuple[int, ...]) -> int:
@@ -84,10 +97,14 @@ def render(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> tuple[str, tup
 
 
 def encode_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], history: GeneratedHistory, eos_ids: frozenset[int]
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    history: GeneratedHistory,
+    eos_ids: frozenset[int],
+    rendered: tuple[str, tuple[int, ...]] | None = None,
 ) -> tuple[tuple[int, ...], int]:
     """Render and tokenize a chat; returns (ids, number of reply tokens taken from history)."""
-    text, plain = render(tokenizer, messages)
+    text, plain = rendered if rendered is not None else render(tokenizer, messages)
     replies = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")]
     known = [(r, history.get(r)) for r in replies]
     known = [(r, ids) for r, ids in known if ids is not None]
