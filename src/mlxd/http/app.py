@@ -266,7 +266,7 @@ def create_app(
             req = rt.request(prompt, sampling=parsed.sampling)
             stream = rt.submit(req)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
             raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:

@@ -62,7 +62,11 @@ class ShuttingDown(Exception):
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as given (HTTP 400)."""
+    """The request cannot be served as given (HTTP 400); `param` names the bad field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class GenerationError(RuntimeError):
@@ -217,12 +221,12 @@ class Runtime:
             )
         vocab = self.info.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         # Ids reach MLX indexing unchecked: an out-of-range one would write out of bounds.
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
-            raise InvalidRequest(f"'logit_bias' token ids must be in [0, {vocab})")
+            raise InvalidRequest(f"'logit_bias' token ids must be in [0, {vocab})", param="logit_bias")
         if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
-            raise InvalidRequest(f"stop token ids must be in [0, {vocab})")
+            raise InvalidRequest(f"stop token ids must be in [0, {vocab})", param="stop")
         if sampling.top_k >= vocab:
             sampling = attrs.evolve(sampling, top_k=0)  # covering the vocabulary = no top-k
         return GenerationRequest(
