@@ -583,11 +583,10 @@ def pipelined_restore(path: Path) -> list[Any]:
                 header = ff._read_header(f)
                 q.put(header)
                 pos = f.tell()
-                for cache, t in header.tensors():
+                for _, t in header.tensors():
                     f.seek(t.offset - pos, os.SEEK_CUR)
-                    buf = np.zeros(ff._landing_shape(cache, t), dtype=ff._NP_DTYPES[t.dtype])
-                    for dest in ff._landing_rows(buf, t):
-                        ff._readinto_all(f, memoryview(dest))
+                    buf = np.empty(t.shape, dtype=np.dtype(ff._NP_DTYPES[t.dtype]))
+                    ff._readinto_all(f, memoryview(buf.reshape(-1)))
                     q.put(buf)
                     pos = t.offset + t.nbytes
             q.put(None)
