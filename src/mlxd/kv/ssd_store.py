@@ -160,9 +160,13 @@ class SsdStore:
             self._entries.clear()
             self._bytes = 0
         counts = {"indexed": 0, "corrupt": 0, "orphans": 0, "duplicates": 0, "other": 0}
+        seen = 0
         for ns_dir in self._ns_dirs():
             for path in _listdir(ns_dir):
                 counts[self._scan_file(path, ns_dir.name)] += 1
+                seen += 1
+                if seen % 1000 == 0:  # progress on a large cache directory
+                    log.info("ssd_scan_progress", files=seen, indexed=counts["indexed"])
         counts.pop("other", None)
         report = ScanReport(**counts)
         log.info("ssd_scan", dir=str(self.directory), **attrs.asdict(report))
