@@ -205,6 +205,8 @@ async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
     from mlxd.runtime.logging import get_logger
 
     log = get_logger("mlxd.serve")
+    # The receiver stays open until the process exits, so a late second signal is
+    # a forced exit too, never a stray KeyboardInterrupt.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("serve.shutdown", signal=signal.Signals(signum).name, timeout_s=grace_s)
@@ -227,8 +229,7 @@ async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
                 with trio.move_on_at(deadline):
                     report = await rt.flush()
                     log.info("serve.flushed", **report)
-            nursery.cancel_scope.cancel()
-    stopped.set()
+            stopped.set()  # hypercorn stops; the serve nursery is cancelled, and us with it
 
 
 def add_build_model_parser(sub: argparse._SubParsersAction) -> None:
