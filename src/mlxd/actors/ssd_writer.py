@@ -7,6 +7,7 @@ thread never calls MLX; it reads evaluated host buffers (memoryviews).
 
 from __future__ import annotations
 
+import os
 import time
 
 import trio
@@ -14,6 +15,18 @@ import trio
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import SnapshotWritten, WriteSnapshot
+from mlxd.runtime.mlx_thread import MlxThread
+
+# Write-behind must not take CPU from decode: the writer thread runs at a lower
+# scheduling priority (Linux nice values are per thread).
+WRITER_NICE = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not permitted: run at normal priority
 
 log = get_logger("mlxd.ssd_writer")
 
@@ -29,21 +42,28 @@ class SsdWriterActor:
         self._store = store
         self._inbox = inbox
         self._outbox = outbox
-        self._thread = trio.CapacityLimiter(1)  # one writer thread at a time
+        self._thread: MlxThread | None = None
         self.stats = {"writes": 0, "failures": 0, "bytes_written": 0, "write_s_last": 0.0}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        async with self._inbox, self._outbox:
-            async for job in self._inbox:
-                await self._outbox.send(await self._write(job))
+        # A dedicated thread (no MLX calls on it, despite the helper's name).
+        self._thread = MlxThread("mlxd-ssd-writer")
+        try:
+            await self._thread.run(_lower_priority)
+            task_status.started()
+            async with self._inbox, self._outbox:
+                async for job in self._inbox:
+                    await self._outbox.send(await self._write(job))
+        finally:
+            await self._thread.aclose()
 
     async def _write(self, job: WriteSnapshot) -> SnapshotWritten:
         t0 = time.perf_counter()
         try:
             # A cancelled caller still lets the file finish: a half-written tmp is
             # reaped at startup anyway, but a finished write is worth keeping.
-            outcome = await trio.to_thread.run_sync(self._store.write, job.plan, limiter=self._thread)
+            assert self._thread is not None
+            outcome = await self._thread.run(self._store.write, job.plan)
         except Exception as exc:  # every storage failure degrades to "not stored"
             log.warning("ssd.write_error", error=repr(exc))
             outcome = None
