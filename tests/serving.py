@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from mlxd.http.app import serve_http
@@ -72,3 +75,13 @@ class ServerThread:
 def config_for(model_dir: Any, **overrides: Any) -> RuntimeConfig:
     base = RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, max_context=4096)
     return attrs.evolve(base, **overrides)
+
+
+def mount_tmpfs(where: Path, options: str) -> None:
+    """A real small filesystem for storage-failure tests (root only; skips otherwise)."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")

@@ -6,18 +6,8 @@ import subprocess
 from pathlib import Path
 
 import httpx
-import pytest
 
-from serving import ServerThread, config_for
-
-
-def _mount(where: Path, options: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                       check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+from serving import ServerThread, config_for, mount_tmpfs
 
 
 def _fill(path: Path) -> None:
@@ -46,7 +36,7 @@ def cached(reply: dict) -> int:
 
 def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir, tmp_path, capfd):
     mnt = tmp_path / "small"
-    _mount(mnt, "size=4m,mode=0700")
+    mount_tmpfs(mnt, "size=4m,mode=0700")
     try:
         with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=mnt / "ssd")) as server:
             admin = server.base_url.removesuffix("/v1")

@@ -26,6 +26,13 @@ def logprobs(response) -> list[float]:
     return [c["logprob"] for c in response["choices"][0]["logprobs"]["content"]]
 
 
+def wait_until_running(http, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while http.get("/stats").json()["scheduler"]["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def serve(tmp_path, model_dir, cache_dir, name: str, *extra: str) -> ServeProcess:
     return ServeProcess("--model", str(model_dir), "--model-name", "tiny", "--ssd-cache", str(cache_dir),
                         *extra, log_path=tmp_path / f"{name}.log")
@@ -84,10 +91,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, tiny_m
         worker = threading.Thread(target=long_request)
         worker.start()
         with proc.client() as http:
-            deadline = time.monotonic() + 30
-            while http.get("/stats").json()["scheduler"]["running"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until_running(http)
             proc.signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
             while http.get("/health").status_code != 503:
@@ -122,10 +126,7 @@ def test_second_signal_exits_at_once(tmp_path, tiny_model_dir):
         worker = threading.Thread(target=long_request)
         worker.start()
         with proc.client() as http:
-            deadline = time.monotonic() + 30
-            while http.get("/stats").json()["scheduler"]["running"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until_running(http)
         proc.signal(signal.SIGTERM)
         time.sleep(0.3)
         started = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.kv import file_format
 
-from serving import ServerThread, config_for
+from serving import ServerThread, config_for, mount_tmpfs
 
 SYSTEM = "Answer like a librarian who loves prefix caches. " * 12
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which shelf?"}]
@@ -131,18 +131,11 @@ def test_tmp_orphans_reaped_and_foreign_dirs_untouched(tiny_model_dir, tmp_path)
     assert all(p.exists() for p in good)
 
 
-def _mount(where: Path, options: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                       check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
 
 
 def test_flush_is_not_durable_when_storage_turns_read_only(tiny_model_dir, tmp_path):
     mnt = tmp_path / "mnt"
-    _mount(mnt, "size=32m,mode=0700")
+    mount_tmpfs(mnt, "size=32m,mode=0700")
     try:
         with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=mnt / "ssd")) as server:
             chat(server)
