@@ -354,11 +354,12 @@ class EngineActor:
 
         req = row.start.request
         hit = row.start.hit
-        usable = hit.usable if hit is not None else 0
-        lent = kinds.lend(hit.entry.payload, usable) if hit is not None else None
-        tier = "ram" if usable > 0 else "none"
         if row.start.restore is not None and row.start.restore.loaded is not None:
             lent, usable, tier = self._restore(row, notes)
+        else:
+            usable = hit.usable if hit is not None else 0
+            lent = kinds.lend(hit.entry.payload, usable) if hit is not None else None
+            tier = "ram" if usable > 0 else "none"
         caches = [lent] if lent is not None else None
         s = req.sampling
         stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
