@@ -691,7 +691,9 @@ async def writebehind_run(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix: st
 
         async def background() -> None:
             i = 0
-            while not done.is_set():
+            # A fixed count gives both servers the same work; otherwise a slower
+            # round admits more background requests, which slows it further.
+            while (i < args.bg_count) if args.bg_count else not done.is_set():
                 msgs = [{"role": "system", "content": prefix},
                         {"role": "user", "content": maker.make(90_000 + 1000 * rnd + i, args.bg_suffix_tokens)}]
                 bg_results.append(await stream_chat(client, server, msgs, 1))
@@ -719,6 +721,8 @@ async def writebehind_run(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix: st
             smp = asyncio.create_task(sample())
             results = await asyncio.gather(*[
                 stream_chat(client, server, [{"role": "user", "content": p}], args.decode_tokens) for p in prompts])
+            if args.bg_count:
+                await bg  # the same background work on both servers, inside the timed window
             wall = time.perf_counter() - t0
             done.set()
             await bg
@@ -840,6 +844,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bg-prefix-tokens", type=int, default=2000)
     p.add_argument("--bg-suffix-tokens", type=int, default=24)
     p.add_argument("--bg-gap", type=float, default=0.5, help="seconds between background requests")
+    p.add_argument("--bg-count", type=int, default=0,
+                   help="background requests per round (0 = keep sending until the decodes finish)")
     p.add_argument("--ssd-max-gb", type=float, default=3.0)
     p.add_argument("--wait-max", type=float, default=1200, help="max seconds to wait for bench_serving.py")
     p.add_argument("--work", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
