@@ -19,6 +19,8 @@ from mlx_lm.models import qwen3
 import mlxd  # noqa: F401  (before mlx: OpenBLAS preload)
 from mlxd.kv import file_format as ff
 
+from models import tiny_qwen3 as _tiny_qwen3
+
 META = dict(model_id="tiny", config_fingerprint="fp", namespace="", tokenizer_hash="tok")
 
 
@@ -166,24 +168,7 @@ def test_header_carries_identity_and_tokens(tmp_path):
 
 
 def tiny_qwen3() -> qwen3.Model:
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        rms_norm_eps=1e-6,
-        vocab_size=256,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        head_dim=16,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
-    mx.random.seed(0)
-    model = qwen3.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return _tiny_qwen3()
 
 
 def test_restored_cache_gives_identical_next_token_logits(tmp_path):

@@ -6,6 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import qwen3
+
+from models import tiny_qwen3 as _tiny_qwen3
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
@@ -226,24 +228,7 @@ def test_lend_rejects_bad_lengths():
 
 
 def tiny_qwen3() -> qwen3.Model:
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        rms_norm_eps=1e-6,
-        vocab_size=256,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        head_dim=64,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
-    mx.random.seed(0)
-    model = qwen3.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return _tiny_qwen3(head_dim=64, max_position_embeddings=4096)
 
 
 def model_caches(model, kind: str) -> list:
