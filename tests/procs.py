@@ -16,8 +16,7 @@ import httpx
 class ServeProcess:
     """`with ServeProcess(args) as p:` runs `mlxd serve --port 0 ...` and finds its URL."""
 
-    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.extra_env = env or {}
+    def __init__(self, *args: str, log_path: Path) -> None:
         self.args = [sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--log-format", "json", *args]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -25,7 +24,7 @@ class ServeProcess:
 
     def start(self, timeout: float = 120) -> ServeProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

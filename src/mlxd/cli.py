@@ -124,10 +124,8 @@ def serve_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from mlxd.runtime import hugepages
     from mlxd.runtime.logging import configure_logging
 
-    hugepages.reexec_if_useful()  # returns only when there is nothing to gain
     configure_logging(args.log_format, level=args.log_level)
     try:
         config = serve_config(args)
@@ -142,7 +140,6 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
     import trio
 
     from mlxd.http.app import serve_http
-    from mlxd.runtime import hugepages
     from mlxd.runtime.logging import get_logger
     from mlxd.runtime.supervisor import open_runtime
 
@@ -158,8 +155,7 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
             )
         )
         log.info("serve.listening", binds=binds, model=rt.info.model_name,
-                 api_key=config.api_key is not None, admin_key=config.admin_key is not None,
-                 **hugepages.status())
+                 api_key=config.api_key is not None, admin_key=config.admin_key is not None)
         _warn_if_exposed(args.host, config)
         print(f"mlxd: serving {rt.info.model_name} on {' '.join(binds)}", file=sys.stderr, flush=True)
         await stopped.wait()

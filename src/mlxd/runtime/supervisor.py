@@ -266,7 +266,6 @@ class Runtime:
         import attrs
 
         from mlxd import _blas
-        from mlxd.runtime import hugepages
 
         sched = attrs.asdict(self.scheduler.stats)
         sched["queued"] = ChannelStats.of(self._submit).as_dict()["queued"]
@@ -281,7 +280,6 @@ class Runtime:
             "cache": await self.cache_stats(),
             "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
             "blas": dict(_blas.status),
-            "memory": hugepages.status(),
         }
         if self.cold is not None:
             out["ssd_cache"] = await self.ssd_stats()
