@@ -3,7 +3,7 @@
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py restart      [--rounds 3] [--system-tokens 5000]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py overcapacity [--conversations 8] [--turns 3]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py bandwidth    [--tokens 8000] [--rounds 7]
-    /tmp/venv/bin/python benchmarks/bench_ssd_tier.py writebehind  [--rounds 3] [--concurrency 6]
+    /tmp/venv/bin/python benchmarks/bench_ssd_tier.py writebehind  [--rounds 10] [--concurrency 6] [--bg-count 16]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py all
 
 Model: the built-in "bench" preset (42M params, fp32, Qwen3-shaped, 12 layers x 4 KV heads x 64
@@ -34,10 +34,15 @@ file_format.write_snapshot; each round (order alternating) restores it (read_sna
 adopt) and reads a plain same-size copy sequentially (bench_ssd_io.raw_read), both with the
 page cache dropped first (fsync + posix_fadvise DONTNEED, checked with mincore).
 
-writebehind: two mlxd servers (with and without --ssd-cache). Per run, N concurrent long decodes
-(max_tokens D, EOS banned) while a paced stream of background requests (a cached ~2k-token
-prefix + a short unique suffix, max_tokens 1) keeps publishing ~50 MB checkpoints, which the SSD
-server writes behind. Aggregate decode tokens/s of the long decodes, A/B alternating per round.
+writebehind: two mlxd servers, identical but for --ssd-cache. W windows, server order ABBA. Per
+window and server: (1, untimed) B background requests on a cached P-token prefix + a unique short
+suffix, max_tokens 1: each publishes a full-length checkpoint (P x 24.6 kB), which the SSD server
+queues for write-behind; (2, timed) K concurrent decodes of D tokens (EOS banned): decode tokens/s
+over the span in which all K rows are decoding, from the arrival time of every streamed token. The
+SSD server's /stats before and after the decodes show whether writes were in flight throughout
+(pending spills > 0 at both ends) and how many bytes were written during the window; it is then
+flushed, so every SSD window starts alike. Reported: SSD / no-SSD decode tokens/s per window, the
+median and a bootstrap 95% interval of the median.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from bench_serving import (  # noqa: E402  (shared helpers of the serving benchmark)
+    EOS_BAN,
     OPENBLAS,
     Server,
     TextMaker,
@@ -679,84 +685,85 @@ def profile_restore(snap: Path, plain: Path, size: int, args: argparse.Namespace
 # --- write-behind overhead ------------------------------------------------------------------------------------
 
 
-async def writebehind_run(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix: str, rnd: int,
-                          args: argparse.Namespace) -> dict[str, Any]:
-    prompts = [maker.make(70_000 + 100 * rnd + i, 40) for i in range(args.concurrency)]
-    before = server.stats()
-    done = asyncio.Event()
-    bg_results: list[dict[str, Any]] = []
-    samples: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+async def stream_times(client: httpx.AsyncClient, server: Mlxd, messages: list[dict[str, str]],
+                       max_tokens: int) -> list[float]:
+    """A streaming chat completion (temperature 0, EOS banned); the arrival time of every content chunk."""
+    body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "logit_bias": EOS_BAN}
+    times: list[float] = []
+    async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{server.name}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) per OS thread name of a process (threads of one name summed)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def writer_state(server: Mlxd) -> dict[str, Any]:
+    s = server.stats().get("ssd_cache") or {}
+    w = s.get("writer") or {}
+    return {"pending_spills": s.get("pending_spills", 0), "pending_spill_bytes": s.get("pending_spill_bytes", 0),
+            "bytes_written": w.get("bytes_written", 0), "writes": w.get("writes", 0)}
+
+
+async def writebehind_window(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix: str, w: int,
+                             args: argparse.Namespace) -> dict[str, Any]:
+    """Queue checkpoints (untimed), then time pure decode while the SSD server writes them behind."""
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-
-        async def background() -> None:
-            i = 0
-            # A fixed count gives both servers the same work; otherwise a slower
-            # round admits more background requests, which slows it further.
-            while (i < args.bg_count) if args.bg_count else not done.is_set():
-                msgs = [{"role": "system", "content": prefix},
-                        {"role": "user", "content": maker.make(90_000 + 1000 * rnd + i, args.bg_suffix_tokens)}]
-                bg_results.append(await stream_chat(client, server, msgs, 1))
-                i += 1
-                try:
-                    await asyncio.wait_for(done.wait(), args.bg_gap)
-                except TimeoutError:
-                    pass
-
-        async def sample() -> None:
-            while not done.is_set():
-                try:
-                    s = (await client.get(server.base + "/stats")).json().get("ssd_cache") or {}
-                    samples.append({k: s.get(k) for k in ("pending_spills", "pending_spill_bytes")})
-                except httpx.HTTPError:
-                    pass
-                try:
-                    await asyncio.wait_for(done.wait(), 1.0)
-                except TimeoutError:
-                    pass
-
+        # 1. Load (untimed, identical on both servers): each request shares the cached prefix and adds a
+        #    unique suffix, so each publishes a full-length checkpoint of ~prefix x 24.6 kB.
+        for i in range(args.bg_count):
+            msgs = [{"role": "system", "content": prefix},
+                    {"role": "user", "content": maker.make(90_000 + 1000 * w + i, args.bg_suffix_tokens)}]
+            await stream_chat(client, server, msgs, 1)
+        before = writer_state(server)
+        # 2. Measure: K decodes of D tokens each; the window is the span in which all K rows decode.
+        prompts = [maker.make(70_000 + 100 * w + i, 40) for i in range(args.concurrency)]
+        cpu0 = thread_cpu(server.pid)
         with Load([server.pid, idle.pid]) as load:
-            t0 = time.perf_counter()
-            bg = asyncio.create_task(background())
-            smp = asyncio.create_task(sample())
-            results = await asyncio.gather(*[
-                stream_chat(client, server, [{"role": "user", "content": p}], args.decode_tokens) for p in prompts])
-            if args.bg_count:
-                await bg  # the same background work on both servers, inside the timed window
-            wall = time.perf_counter() - t0
-            done.set()
-            await bg
-            await smp
-    after = server.stats()
-    tokens = sum(r["completion_tokens"] for r in results)
-    starts = [r["ttft_s"] for r in results]
-    decode_window = max(r["total_s"] for r in results) - max(starts)
-    row = {
-        "server": server.name, "round": rnd, "wall_s": wall, "completion_tokens": tokens,
-        "aggregate_tok_s": tokens / wall,
-        "decode_tok_s_after_last_first_token": sum(r["completion_tokens"] - 1 for r in results) / (
-            max(r["total_s"] for r in results) - min(starts)) if results else None,
-        "decode_window_s": decode_window,
-        "per_request_decode_tok_s_median": statistics.median(
-            (r["completion_tokens"] - 1) / r["decode_s"] for r in results if r["decode_s"]),
-        "all_full_length": all(r["completion_tokens"] == args.decode_tokens for r in results),
-        "background_requests": len(bg_results),
-        "background_cached_tokens_mean": statistics.fmean(r["cached_tokens"] or 0 for r in bg_results)
-        if bg_results else None,
-        **load.result,
-    }
-    if "ssd_cache" in after:
-        w0, w1 = before["ssd_cache"]["writer"], after["ssd_cache"]["writer"]
-        row["ssd_writes"] = w1["writes"] - w0["writes"]
-        row["ssd_bytes_written"] = w1["bytes_written"] - w0["bytes_written"]
-        row["ssd_write_MBps_over_run"] = row["ssd_bytes_written"] / wall / 1e6
-        row["max_pending_spills"] = max((s["pending_spills"] or 0 for s in samples), default=0)
-        row["max_pending_spill_bytes"] = max((s["pending_spill_bytes"] or 0 for s in samples), default=0)
-        row["dropped_spills_total"] = after["ssd_cache"]["dropped_spills"]
-    print(f"  round {rnd} {server.name:9s} {tokens} tok in {wall:.2f}s = {row['aggregate_tok_s']:.1f} tok/s "
-          f"(per-req {row['per_request_decode_tok_s_median']:.1f}) bg {len(bg_results)} "
-          f"writes {row.get('ssd_writes', '-')} ({row.get('ssd_bytes_written', 0) / 1e6:.0f} MB) "
-          f"ext {row['external_cores']:.2f}", flush=True)
+            streams = await asyncio.gather(*[
+                stream_times(client, server, [{"role": "user", "content": p}], args.decode_tokens)
+                for p in prompts])
+        cpu1 = thread_cpu(server.pid)
+        after = writer_state(server)
+    start = max(t[0] for t in streams)
+    end = min(t[-1] for t in streams)
+    tokens = sum(1 for t in streams for x in t if start < x <= end)
+    row = {"server": server.name, "window": w, "decode_tok_s": tokens / (end - start), "window_s": end - start,
+           "window_tokens": tokens, "all_full_length": all(len(t) == args.decode_tokens for t in streams),
+           "thread_cpu_s": {k: round(v - cpu0.get(k, 0.0), 3) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0},
+           **load.result}
+    if server.name == "mlxd-ssd":
+        row.update(pending_spills_before=before["pending_spills"], pending_spills_after=after["pending_spills"],
+                   bytes_written_during=after["bytes_written"] - before["bytes_written"],
+                   writes_in_flight_throughout=before["pending_spills"] > 0 and after["pending_spills"] > 0)
+        code, rep = server.flush()  # drain before the next window: every SSD window starts alike
+        row["flush_after"] = code
+    print(f"  window {w} {server.name:10s} {row['decode_tok_s']:6.1f} tok/s over {row['window_s']:.2f}s"
+          + (f"  pending {row['pending_spills_before']}->{row['pending_spills_after']}, "
+             f"{row['bytes_written_during'] / 1e6:.0f} MB written in the window"
+             if "pending_spills_before" in row else "")
+          + f"  ext {row['external_cores']:.2f}  cpu {row['thread_cpu_s']}", flush=True)
     return row
 
 
@@ -777,49 +784,63 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
                     await chat(client, s, warmup_messages(), 4, "warm-up")
                     await chat(client, s, [{"role": "system", "content": prefix},
                                            {"role": "user", "content": "prime"}], 1, "prime background prefix")
-            code, rep = ssd.flush()
-            print(f"  flush after priming -> {code}", flush=True)
+            print(f"  flush after priming -> {ssd.flush()[0]}", flush=True)
 
         asyncio.run(prime())
-        for rnd in range(args.rounds):
-            order = (ssd, plain) if rnd % 2 == 0 else (plain, ssd)
+        for w in range(args.rounds):
+            order = (ssd, plain) if w % 4 in (0, 3) else (plain, ssd)  # ABBA: cancels linear drift
             for s in order:
-                other = plain if s is ssd else ssd
-                rows.append(asyncio.run(writebehind_run(s, other, maker, prefix, rnd, args)))
-                time.sleep(2.0)
+                rows.append(asyncio.run(writebehind_window(s, plain if s is ssd else ssd, maker, prefix, w, args)))
         final_stats = ssd.stats().get("ssd_cache")
     finally:
         ssd.stop()
         plain.stop()
         shutil.rmtree(work / "kv-wb", ignore_errors=True)
-    ratios = []
-    for rnd in range(args.rounds):
-        a = next(r for r in rows if r["round"] == rnd and r["server"] == "mlxd-ssd")
-        b = next(r for r in rows if r["round"] == rnd and r["server"] == "mlxd-noSSD")
-        ratios.append(a["aggregate_tok_s"] / b["aggregate_tok_s"])
+    pairs = []
+    for w in range(args.rounds):
+        a = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-ssd")
+        b = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-noSSD")
+        pairs.append({"window": w, "ratio": a["decode_tok_s"] / b["decode_tok_s"],
+                      "covered": a["writes_in_flight_throughout"],
+                      "quiet": max(a["external_cores"], b["external_cores"]) < 0.1})
+    ratios = [p["ratio"] for p in pairs]
+    covered = [p["ratio"] for p in pairs if p["covered"]]
     summary = {
-        "rounds": args.rounds, "concurrency": args.concurrency, "decode_tokens": args.decode_tokens,
-        "ratio_ssd_over_plain_per_round": ratios,
+        "windows": args.rounds, "concurrency": args.concurrency, "decode_tokens": args.decode_tokens,
+        "checkpoints_per_window": args.bg_count,
+        "ratio_ssd_over_plain_per_window": ratios,
         "median_ratio": statistics.median(ratios),
-        "median_aggregate_tok_s": {n: statistics.median(r["aggregate_tok_s"] for r in rows if r["server"] == n)
-                                   for n in ("mlxd-ssd", "mlxd-noSSD")},
-        "ssd_bytes_written_per_run_median": statistics.median(r["ssd_bytes_written"] for r in rows
-                                                              if r["server"] == "mlxd-ssd"),
+        "median_ratio_covered_windows": statistics.median(covered) if covered else None,
+        "covered_windows": len(covered),
+        "bootstrap_95ci_median": bootstrap_ci(ratios),
+        "median_decode_tok_s": {n: statistics.median(r["decode_tok_s"] for r in rows if r["server"] == n)
+                                for n in ("mlxd-ssd", "mlxd-noSSD")},
+        "median_MB_written_in_window": statistics.median(r["bytes_written_during"] for r in rows
+                                                         if r["server"] == "mlxd-ssd") / 1e6,
         "goal": "within 2% (ratio >= 0.98)",
     }
     summary["overhead_pct"] = (1 - summary["median_ratio"]) * 100
     summary["goal_met"] = summary["median_ratio"] >= 0.98
-    lines = ["| round | server | tokens | wall s | aggregate tok/s | per-request tok/s | background req | "
-             "SSD writes (MB) | max pending spills | ext. load |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['round']} | {r['server']} | {r['completion_tokens']} | {r['wall_s']:.2f} | "
-                     f"{r['aggregate_tok_s']:.1f} | {r['per_request_decode_tok_s_median']:.1f} | "
-                     f"{r['background_requests']} | "
-                     + (f"{r['ssd_writes']} ({r['ssd_bytes_written'] / 1e6:.0f})" if "ssd_writes" in r else "-")
-                     + f" | {r.get('max_pending_spills', '-')} | {r['external_cores']:.2f} |")
+    lines = ["| window | no SSD tok/s | SSD tok/s | ratio | MB written in window | pending before → after | "
+             "ext. load (cores) |", "|---|---|---|---|---|---|---|"]
+    for w, p in enumerate(pairs):
+        a = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-ssd")
+        b = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-noSSD")
+        lines.append(f"| {w} | {b['decode_tok_s']:.1f} | {a['decode_tok_s']:.1f} | {p['ratio']:.3f} | "
+                     f"{a['bytes_written_during'] / 1e6:.0f} | {a['pending_spills_before']} → "
+                     f"{a['pending_spills_after']} | {max(a['external_cores'], b['external_cores']):.2f} |")
     table = "\n".join(lines)
     print("\n" + table + "\n" + json.dumps(summary, indent=1), flush=True)
     return {"rows": rows, "summary": summary, "table": table, "ssd_stats_end": final_stats}
+
+
+def bootstrap_ci(xs: list[float], n: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of the median."""
+    import random
+
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return [meds[int(0.025 * n)], meds[int(0.975 * n) - 1]]
 
 
 # --- main ----------------------------------------------------------------------------------------------------------
@@ -829,7 +850,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("restart", "overcapacity", "bandwidth", "writebehind", "all"))
     p.add_argument("--preset", default="bench")
-    p.add_argument("--rounds", type=int, default=None, help="rounds (restart 3, bandwidth 7, writebehind 3)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (restart 3, bandwidth 7, writebehind windows 10)")
     p.add_argument("--system-tokens", type=int, default=None, help="restart 5000, overcapacity 1500")
     p.add_argument("--user-tokens", type=int, default=120)
     p.add_argument("--reply-tokens", type=int, default=16)
@@ -840,12 +861,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="bandwidth: where to write (default: the work dir)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--concurrency", type=int, default=6)
-    p.add_argument("--decode-tokens", type=int, default=256)
-    p.add_argument("--bg-prefix-tokens", type=int, default=2000)
-    p.add_argument("--bg-suffix-tokens", type=int, default=24)
-    p.add_argument("--bg-gap", type=float, default=0.5, help="seconds between background requests")
-    p.add_argument("--bg-count", type=int, default=0,
-                   help="background requests per round (0 = keep sending until the decodes finish)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="writebehind: tokens per decode row")
+    p.add_argument("--bg-prefix-tokens", type=int, default=4000, help="writebehind: shared prefix of the checkpoints")
+    p.add_argument("--bg-suffix-tokens", type=int, default=16)
+    p.add_argument("--bg-count", type=int, default=16, help="writebehind: checkpoints queued before each window")
     p.add_argument("--ssd-max-gb", type=float, default=3.0)
     p.add_argument("--wait-max", type=float, default=1200, help="max seconds to wait for bench_serving.py")
     p.add_argument("--work", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
@@ -857,7 +876,7 @@ DEFAULTS = {
     "restart": {"rounds": 3, "system_tokens": 5000, "cache_gb": 2.0},
     "overcapacity": {"rounds": 1, "system_tokens": 1500, "cache_gb": 0.08},
     "bandwidth": {"rounds": 7, "system_tokens": 0, "cache_gb": 0.0},
-    "writebehind": {"rounds": 3, "system_tokens": 0, "cache_gb": 2.0},
+    "writebehind": {"rounds": 10, "system_tokens": 0, "cache_gb": 2.0},
 }
 RUNNERS = {"restart": run_restart, "overcapacity": run_overcapacity, "bandwidth": run_bandwidth,
            "writebehind": run_writebehind}

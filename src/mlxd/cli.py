@@ -72,6 +72,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor hashes on every restore")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
+    p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
+                   help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
+                   "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")
     p.add_argument("--admin-key", help="require this bearer token on /admin/* (env MLXD_ADMIN_KEY); without "
@@ -92,7 +95,7 @@ def serve_config(args: argparse.Namespace):
 
     ssd = {}
     if args.ssd_cache is None:
-        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle"):
+        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
     else:
@@ -101,6 +104,7 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify,
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
+            **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
         }
     return RuntimeConfig(
         **ssd,

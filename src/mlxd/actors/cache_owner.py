@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import CacheEntry, PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
@@ -56,8 +57,10 @@ class CacheOwnerActor:
         inbox: trio.MemoryReceiveChannel[Any],
         store: SsdStore | None = None,
         advisor: RestoreAdvisor | None = None,
+        governor: WriteGovernor | None = None,
     ) -> None:
         self._config = config
+        self._governor = governor  # told when RAM is over its cap waiting for writes
         self._inbox = inbox
         self.cache = PromptCache(max_bytes=config.prompt_cache_bytes, policy=make_policy(config.retention))
         self.store = store
@@ -162,6 +165,8 @@ class CacheOwnerActor:
         eviction = self.cache.evict(may_evict=self._may_evict)
         for entry in eviction.evicted:
             self._evicted(entry)
+        if self._governor is not None:
+            self._governor.set_urgent("ram", self.cache.bytes > self.cache.max_bytes)
 
     def _evicted(self, entry: CacheEntry) -> None:
         if self.store is None:

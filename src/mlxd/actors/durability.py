@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
@@ -82,8 +83,14 @@ class DurabilityCoordinator:
         inbox: trio.MemoryReceiveChannel[Any],
         writer: trio.MemorySendChannel[WriteSnapshot],
         cache: trio.MemorySendChannel[Any],
+        governor: WriteGovernor | None = None,
+        backlog_bytes: int = 0,
     ) -> None:
         self._store = store
+        # Writing is urgent (full speed, even during decode) while a flush waits
+        # or the backlog exceeds backlog_bytes (0 = never by size).
+        self._governor = governor
+        self._backlog_bytes = backlog_bytes
         self._inbox = inbox
         self._writer = writer
         self._cache = cache
@@ -101,6 +108,7 @@ class DurabilityCoordinator:
                 await self._handle(msg)
                 await self._pump()
                 self._answer_flushes()
+                self._set_urgency()
 
     async def _handle(self, msg: Any) -> None:
         if isinstance(msg, MarkDirty):
@@ -207,6 +215,17 @@ class DurabilityCoordinator:
             seconds=round(time.monotonic() - waiter.started, 4),
             reason=reason,
         )
+
+    def _set_urgency(self) -> None:
+        if self._governor is None:
+            return
+        flushing = bool(self._waiters)
+        backlog = self._backlog_bytes > 0 and self._pending_bytes() >= self._backlog_bytes
+        self._governor.set_urgent("flush", flushing)
+        self._governor.set_urgent("backlog", backlog)
+
+    def _pending_bytes(self) -> int:
+        return sum(r.nbytes for r in self._records.values() if r.state in ("queued", "writing"))
 
     def snapshot_stats(self) -> dict[str, Any]:
         pending = [r for r in self._records.values() if r.state in ("queued", "writing")]

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
@@ -101,10 +102,13 @@ class EngineActor:
         *,
         inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
         publish: trio.MemorySendChannel[PublishPrefix],
+        governor: WriteGovernor | None = None,
     ) -> None:
         self._config = config
         self._inbox = inbox
         self._publish = publish
+        # Told whether rows are in the batch, so write-behind paces itself meanwhile.
+        self._governor = governor or WriteGovernor(busy_rate_bytes_per_s=None)
         self._thread: MlxThread | None = None
         # Thread-side state (touched only inside MlxThread jobs).
         self._model: Any = None
@@ -203,7 +207,9 @@ class EngineActor:
         assert self._thread is not None
         while True:
             if not self._rows and not self._pending:
+                self._governor.set_busy(False)
                 self._accept(await self._inbox.receive())
+            self._governor.set_busy(True)
             while True:
                 try:
                     self._accept(self._inbox.receive_nowait())

@@ -33,6 +33,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlc
 
+from mlxd.kv.pacing import Pacer, WriteInterrupted
+
 MAGIC = b"MLXDKV\r\n"  # \r\n catches text-mode mangling, like PNG's magic
 FORMAT_VERSION = 1
 EXTENSION = ".mlxkv"
@@ -484,32 +486,37 @@ def encode_header(header: FileHeader) -> tuple[bytes, str]:
     return head + blob, h.hexdigest()
 
 
-def write_snapshot(plan: SnapshotPlan, path: str | os.PathLike[str]) -> WrittenFile:
+def write_snapshot(plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: Pacer | None = None) -> WrittenFile:
     """Write `<path>.tmp`, hashing as it goes; fsync; rename onto `path`; fsync the dir.
 
-    No MLX calls. Raises DiskFull or StorageError; the tmp file is removed on failure.
+    No MLX calls. With a `pacer`, bytes go out in its slices at its rate.
+    Raises DiskFull or StorageError (or the pacer's WriteInterrupted); the tmp
+    file is removed on any failure.
     """
     t0 = time.perf_counter()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     layout = _layout(plan)
     try:
-        header = _write_tmp(plan, layout, tmp)
+        header = _write_tmp(plan, layout, tmp, pacer)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise storage_error(exc, f"writing {path}") from exc
+    except WriteInterrupted:
+        _unlink_quietly(tmp)
+        raise
     return WrittenFile(path, header.file_size, header, time.perf_counter() - t0)
 
 
-def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path) -> FileHeader:
+def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer | None) -> FileHeader:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with open(fd, "wb", buffering=0) as f:
         digests = []
         for (_, desc), buf in zip(layout.tensors(), plan.buffers, strict=True):
             f.seek(desc.offset)  # the gap stays a hole and reads back as zeros
-            digests.append(_write_hashed(f, buf))
+            digests.append(_write_hashed(f, buf, pacer))
         caches = _with_digests(layout.caches, iter(digests))
         header = attrs.evolve(layout, caches=caches)
         blob, digest = encode_header(header)
@@ -522,21 +529,23 @@ def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path) -> FileHeader:
     return attrs.evolve(header, digest=digest)
 
 
-def _write_hashed(f: Any, buf: memoryview) -> str:
+def _write_hashed(f: Any, buf: memoryview, pacer: Pacer | None) -> str:
     """Write one tensor's bytes in C order and return their sha256."""
     h = hashlib.sha256()
-    for piece in _byte_pieces(buf):
+    for piece in _byte_pieces(buf, pacer.slice_bytes if pacer is not None else _CHUNK):
         h.update(piece)
         _write_all(f, piece)
+        if pacer is not None:
+            pacer.done(piece.nbytes)
     return h.hexdigest()
 
 
-def _byte_pieces(buf: memoryview) -> Iterator[memoryview]:
-    """A tensor's bytes in C order: direct slices if contiguous, else packed rows."""
+def _byte_pieces(buf: memoryview, size: int) -> Iterator[memoryview]:
+    """A tensor's bytes in C order: direct slices (at most `size`) if contiguous, else packed rows."""
     if buf.c_contiguous:
         raw = buf.cast("B") if buf.ndim else memoryview(buf.tobytes())
-        for start in range(0, raw.nbytes, _CHUNK):
-            yield raw[start : start + _CHUNK]
+        for start in range(0, raw.nbytes, size):
+            yield raw[start : start + size]
         return
     arr = np.asarray(buf)  # strided view; pack one leading index at a time
     for idx in np.ndindex(arr.shape[:-2] if arr.ndim > 2 else ()):

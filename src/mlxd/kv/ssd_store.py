@@ -32,6 +32,7 @@ import attrs
 import structlog
 
 from mlxd.kv import file_format as ff
+from mlxd.kv.pacing import Pacer
 from mlxd.kv.prefix_index import PrefixIndex
 
 log = structlog.get_logger(__name__)
@@ -317,11 +318,11 @@ class SsdStore:
                 self._unlink(old.path)
         return CommitOutcome(entry, replaced, superseded)
 
-    def write(self, plan: ff.SnapshotPlan) -> CommitOutcome | None:
+    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> CommitOutcome | None:
         """(I/O) reserve + write + commit + enforce_cap; None when not stored (logged)."""
         meta = plan.meta
         try:
-            written = ff.write_snapshot(plan, self.reserve_path(meta.namespace))
+            written = ff.write_snapshot(plan, self.reserve_path(meta.namespace), pacer=pacer)
         except ff.StorageError as exc:
             self.note_write_failure(exc)
             return None

@@ -56,6 +56,13 @@ class RuntimeConfig:
     ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
     ssd_cache_verify: bool = False
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
+    # Write-behind pacing while the engine is decoding (bytes/s; 0 = never pace). At
+    # full speed the writer steals cores from decode (see kv/pacing.py); when the
+    # engine is idle, a flush waits, or the backlog passes ssd_backlog_bytes it
+    # writes at full speed.
+    ssd_write_rate_bytes: int = attrs.field(default=24 * 1024 * 1024, validator=_non_negative)
+    # Dirty bytes beyond which writing is urgent (0 = half the RAM tier).
+    ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
 
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
     # Bearer token required on the API (None = open); admin routes need admin_key.

@@ -8,7 +8,9 @@ result comes back through the trio token; no polling, no stop flags.
 
 from __future__ import annotations
 
+import ctypes
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -32,6 +34,7 @@ class MlxThread:
         self._thread.start()
 
     def _loop(self) -> None:
+        _name_os_thread(self._thread.name)
         while True:
             job = self._jobs.get()
             if job is _STOP:
@@ -64,3 +67,13 @@ class MlxThread:
         self._jobs.put(_STOP)
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._thread.join)
+
+
+def _name_os_thread(name: str) -> None:
+    """Show the thread's name to the OS (top -H, /proc/PID/task/TID/comm): 15 bytes max on Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -30,6 +30,7 @@ from mlxd.actors.engine import EngineActor, EngineInfo
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.runtime.channels import ChannelStats, Reply
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
@@ -311,7 +312,7 @@ class Runtime:
             "corrupt_removed": tier.get("corrupt_removed", 0),
             "disk_full": tier.get("disk_full", False),
             "prefetch": dict(self.cold.prefetcher.stats),
-            "writer": dict(self.cold.writer.stats),
+            "writer": {**self.cold.writer.stats, "pacing": self.cold.governor.as_dict()},
             "restore_decisions": tier.get("restore_decisions", {}),
         }
 
@@ -354,6 +355,7 @@ class ColdTier:
     durability_inbox: trio.MemorySendChannel[Any]
     prefetcher: PrefetcherActor
     prefetch_inbox: trio.MemorySendChannel[Any]
+    governor: WriteGovernor
 
 
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> Any:
@@ -375,19 +377,24 @@ async def _open_store(config: RuntimeConfig, info: EngineInfo) -> Any:
     return store
 
 
-def _cold_tier(config: RuntimeConfig, store: Any, cache_owner: CacheOwnerActor, cache_send: Any) -> ColdTier:
+def _cold_tier(
+    config: RuntimeConfig, store: Any, cache_owner: CacheOwnerActor, cache_send: Any, governor: WriteGovernor
+) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
     # writer's one-slot inbox, so it always drains. No cycle can deadlock.
     durability_send, durability_receive = trio.open_memory_channel[Any](math.inf)
     write_send, write_receive = trio.open_memory_channel[Any](1)
     prefetch_send, prefetch_receive = trio.open_memory_channel[Any](64)
-    writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone())
-    durability = DurabilityCoordinator(store, inbox=durability_receive, writer=write_send, cache=cache_send.clone())
+    writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone(), governor=governor)
+    durability = DurabilityCoordinator(
+        store, inbox=durability_receive, writer=write_send, cache=cache_send.clone(), governor=governor,
+        backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2,
+    )
     prefetcher = PrefetcherActor(
         store, cache_owner.cache, inbox=prefetch_receive, verify=config.ssd_cache_verify
     )
-    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send)
+    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor)
 
 
 @asynccontextmanager
@@ -397,12 +404,15 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](config.max_queue)
     engine_send, engine_receive = trio.open_memory_channel[Any](config.max_batch * 2 + 8)
     cache_send, cache_receive = trio.open_memory_channel[Any](64)
-    engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone())
+    # Shared by the engine (busy), the durability coordinator and cache owner
+    # (urgent) and the SSD writer (which paces itself by it).
+    governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes)
+    engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone(), governor=governor)
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
         store = await _open_store(config, info) if config.ssd_cache_dir else None
-        cache_owner = CacheOwnerActor(config, inbox=cache_receive, store=store)
-        cold = _cold_tier(config, store, cache_owner, cache_send) if store is not None else None
+        cache_owner = CacheOwnerActor(config, inbox=cache_receive, store=store, governor=governor)
+        cold = _cold_tier(config, store, cache_owner, cache_send, governor) if store is not None else None
         if cold is not None:
             cache_owner.attach_durability(cold.durability_inbox.clone())
             await nursery.start(cold.writer.run)

@@ -1,0 +1,123 @@
+"""Pace write-behind so that it does not slow decode down.
+
+Decode on a CPU keeps every core busy (the engine thread plus OpenBLAS's
+workers, which spin between matmuls); a writer that hashes and copies at full
+speed preempts one of them and the whole matmul waits, so decode loses far
+more than the writer's own CPU time (`benchmarks/bench_writer_interference.py`:
+sha256 back to back at nice 10 cut 6-row decode to 0.2x). Niceness does not
+help: any runnable thread steals slices from the spinning workers.
+
+So the writer works in slices and, while the engine is decoding, holds a byte
+rate (``busy_rate``); when the engine is idle, or when durability is urgent (a
+flush is waiting, or the dirty backlog has grown past its bound), it writes at
+full speed. The pacer itself knows nothing about engines: it asks a
+`WriteGovernor` before every slice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class WriteInterrupted(Exception):
+    """The write was asked to stop between two slices (shutdown)."""
+
+
+class WriteGovernor:
+    """What the writer's rate should be now; set from the event loop, read by the writer thread.
+
+    `busy` is the engine's state (rows in the batch). Urgency has reasons, each
+    owned by one actor: "flush" (a flush is waiting) and "backlog" (too many
+    dirty bytes) by the durability coordinator, "ram" (the RAM tier is over its
+    cap because its victims await their writes) by the cache owner. Each field
+    is replaced whole, so the writer thread reads a consistent value; the event
+    wakes a pacing wait early when anything changes.
+    """
+
+    def __init__(self, *, busy_rate_bytes_per_s: float | None) -> None:
+        self.busy_rate = busy_rate_bytes_per_s or None  # None (or 0): never pace
+        self._busy = False
+        self._urgent: frozenset[str] = frozenset()
+        self.changed = threading.Event()
+
+    def set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            self._busy = busy
+            self.changed.set()
+
+    def set_urgent(self, reason: str, on: bool) -> None:
+        urgent = self._urgent | {reason} if on else self._urgent - {reason}
+        if urgent != self._urgent:
+            self._urgent = urgent
+            self.changed.set()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    @property
+    def urgent(self) -> frozenset[str]:
+        return self._urgent
+
+    def rate(self) -> float | None:
+        """Bytes/s to hold now, or None for full speed."""
+        if self.busy_rate is None or self._urgent or not self._busy:
+            return None
+        return self.busy_rate
+
+    def as_dict(self) -> dict[str, object]:
+        return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
+                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None}
+
+
+class Pacer:
+    """Called by a writer after every slice; sleeps as needed to hold the governor's rate.
+
+    A token bucket without burst: when the writer falls behind (it was idle, or
+    slower than the rate), the schedule restarts from now, so time spent idle or
+    at full speed is never saved up and spent as a burst during decode.
+    """
+
+    def __init__(
+        self,
+        governor: WriteGovernor | None = None,
+        *,
+        rate_bytes_per_s: float | None = None,
+        slice_bytes: int = 2 << 20,
+        stop: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if governor is None:
+            governor = WriteGovernor(busy_rate_bytes_per_s=rate_bytes_per_s)
+            governor.set_busy(rate_bytes_per_s is not None)
+        self.governor = governor
+        self.slice_bytes = max(4096, slice_bytes)
+        self._stop = stop
+        self._clock = clock
+        self._due = 0.0  # when the bytes sent so far are paid for at the current rate
+        self.paced_s = 0.0  # total time spent waiting for the rate
+
+    def check(self) -> None:
+        """Raise WriteInterrupted if asked to stop."""
+        if self._stop():
+            raise WriteInterrupted("write interrupted")
+
+    def done(self, nbytes: int) -> None:
+        """Account for `nbytes` just written; wait until the rate allows more."""
+        self.check()
+        rate = self.governor.rate()
+        if rate is None:
+            return
+        now = self._clock()
+        self._due = max(self._due, now) + nbytes / rate
+        while (wait := self._due - self._clock()) > 0:
+            t0 = self._clock()
+            self.governor.changed.clear()
+            woke = self.governor.changed.wait(min(wait, 0.05))
+            self.paced_s += self._clock() - t0
+            self.check()
+            if woke and self.governor.rate() != rate:
+                self._due = self._clock()  # re-plan the next slice at the new rate
+                return
