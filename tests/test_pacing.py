@@ -1,0 +1,116 @@
+"""Write-behind pacing (kv/pacing.py): the governor's rules, real paced writes, and a live flush."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+import trio
+from mlx_lm.models import cache as mlc
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd.kv import file_format
+from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+
+MB = 1 << 20
+
+
+def test_governor_paces_only_a_busy_engine_without_urgency():
+    g = WriteGovernor(busy_rate_bytes_per_s=8 * MB)
+    assert g.rate() is None  # idle engine: full speed
+    g.set_busy(True)
+    assert g.rate() == 8 * MB
+    g.set_urgent("flush", True)
+    g.set_urgent("ram", True)
+    assert g.rate() is None and g.urgent == {"flush", "ram"}
+    g.set_urgent("flush", False)
+    assert g.rate() is None  # "ram" still urgent
+    g.set_urgent("ram", False)
+    assert g.rate() == 8 * MB
+    assert WriteGovernor(busy_rate_bytes_per_s=0).rate() is None  # 0 = never pace
+
+
+def _plan(tokens: int = 256) -> file_format.SnapshotPlan:
+    caches = []
+    for _ in range(2):
+        c = mlc.KVCache()
+        c.update_and_fetch(mx.random.normal((1, 4, tokens, 64)), mx.random.normal((1, 4, tokens, 64)))
+        caches.append(c)
+    meta = file_format.SnapshotMeta(model_id="m", config_fingerprint="f", namespace="", tokenizer_hash="t",
+                                    tokens=tuple(range(tokens)))
+    return file_format.plan_snapshot(caches, meta=meta)
+
+
+def test_paced_write_holds_the_rate_and_reads_back_equal(tmp_path):
+    plan = _plan()  # 4 tensors x 256 KiB = 1 MiB
+    governor = WriteGovernor(busy_rate_bytes_per_s=4 * MB)
+    governor.set_busy(True)
+    pacer = Pacer(governor, slice_bytes=64 * 1024)
+    t0 = time.monotonic()
+    written = file_format.write_snapshot(plan, tmp_path / "a.mlxkv", pacer=pacer)
+    elapsed = time.monotonic() - t0
+    assert elapsed >= 0.2  # 1 MiB at 4 MiB/s: ~0.25 s (the first slice is free)
+    assert pacer.paced_s > 0.1
+    unpaced = file_format.write_snapshot(plan, tmp_path / "b.mlxkv")
+    assert written.header.caches == unpaced.header.caches  # same tensor hashes: same bytes
+    loaded = file_format.read_snapshot(written.path, verify=True)
+    assert loaded.header.tokens == plan.meta.tokens
+
+
+def test_urgency_ends_the_pacing_of_a_write_in_progress(tmp_path):
+    plan = _plan()
+    governor = WriteGovernor(busy_rate_bytes_per_s=64 * 1024)  # 1 MiB would take 16 s
+    governor.set_busy(True)
+    threading.Timer(0.3, governor.set_urgent, args=("flush", True)).start()
+    t0 = time.monotonic()
+    file_format.write_snapshot(plan, tmp_path / "a.mlxkv", pacer=Pacer(governor, slice_bytes=64 * 1024))
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_an_interrupted_write_leaves_no_file(tmp_path):
+    plan = _plan()
+    governor = WriteGovernor(busy_rate_bytes_per_s=64 * 1024)
+    governor.set_busy(True)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(WriteInterrupted):
+        file_format.write_snapshot(plan, tmp_path / "a.mlxkv", pacer=Pacer(governor, slice_bytes=64 * 1024,
+                                                                           stop=stop.is_set))
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path):
+    """A crawl-paced writer (1 KiB/s while decoding) holds its write back; a flush still completes promptly."""
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", snapshot_min_tokens=16,
+                           ssd_write_rate_bytes=1024, max_batch=4)
+    async with open_runtime(config) as rt, trio.open_nursery() as nursery:
+        governor = rt.cold.governor
+        long_prompt = await rt.render_chat([{"role": "user", "content": "Count slowly."}])
+        no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
+        decoding = rt.submit(rt.request(long_prompt, sampling=SamplingParams(max_tokens=8000, logit_bias=no_eos)))
+
+        async def drain() -> None:
+            async with decoding:
+                await decoding.tokens()
+
+        nursery.start_soon(drain)
+        while not governor.busy:
+            await trio.sleep(0.01)
+        # A checkpoint published while the engine decodes: its write is paced.
+        prompt = await rt.render_chat([{"role": "user", "content": "Tell me about prefix caches. " * 20}])
+        async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
+            await stream.tokens()
+        await trio.sleep(1.0)
+        stats = await rt.ssd_stats()
+        assert stats["pending_spills"] >= 1, "the paced write is still in flight"
+        assert stats["writer"]["pacing"] == {
+            "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True}
+        with trio.fail_after(30):
+            report = await rt.flush()
+        assert report["durable"] and report["entries"] >= 1, report
+        assert governor.busy, "the decode was still running during the flush"
+        assert governor.urgent == frozenset()  # urgency ends with the flush
+        assert (await rt.ssd_stats())["writer"]["paced_s"] > 0.5
+        nursery.cancel_scope.cancel()
