@@ -54,6 +54,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -771,7 +772,8 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
     maker = TextMaker(model_dir)
     common = ["--max-batch", str(args.concurrency + 2), "--prompt-cache-gb", str(args.cache_gb)]
     ssd = Mlxd("mlxd-ssd", model_dir, [*common, "--ssd-cache", str(work / "kv-wb"), "--ssd-cache-max",
-                                       str(args.ssd_max_gb), "--ssd-demote-idle", "0"], work / "wb-ssd.log")
+                                       str(args.ssd_max_gb), "--ssd-demote-idle", "0",
+                                       *shlex.split(args.ssd_args)], work / "wb-ssd.log")
     plain = Mlxd("mlxd-noSSD", model_dir, common, work / "wb-plain.log")
     ssd.start()
     plain.start()
@@ -866,6 +868,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bg-suffix-tokens", type=int, default=16)
     p.add_argument("--bg-count", type=int, default=16, help="writebehind: checkpoints queued before each window")
     p.add_argument("--ssd-max-gb", type=float, default=3.0)
+    p.add_argument("--ssd-args", default="", help="writebehind: extra `mlxd serve` flags for the SSD server")
     p.add_argument("--wait-max", type=float, default=1200, help="max seconds to wait for bench_serving.py")
     p.add_argument("--work", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
     p.add_argument("--out", type=Path, default=HERE / "results")

@@ -2,8 +2,12 @@
 
 Layout: a 64-byte preamble (magic, format version, header length, header
 sha256), a JSON header, then every tensor at a 4096-byte aligned offset, in
-header order. The header hash is always checked on read; per-tensor sha256
-hashes (and the zero padding between tensors) only with `verify=True`.
+header order. The header hash is always checked on read; per-tensor CRC-32
+checksums (and the zero padding between tensors) only with `verify=True`.
+Tensors carry a CRC-32 rather than a sha256 since format 2: the writer runs
+beside decode, and CRC-32 costs it ~0.24 ms/MB against sha256's ~0.55 ms/MB
+(with SHA-NI); it detects the damage a cache can meet (bit rot, torn or
+truncated writes), and the header's sha256 still covers every descriptor.
 
 The work splits by thread:
 
@@ -24,6 +28,7 @@ import mmap
 import os
 import struct
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,14 +41,14 @@ from mlx_lm.models import cache as mlc
 from mlxd.kv.pacing import Pacer, WriteInterrupted
 
 MAGIC = b"MLXDKV\r\n"  # \r\n catches text-mode mangling, like PNG's magic
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tensor CRC-32 instead of sha256
 EXTENSION = ".mlxkv"
 PAGE = 4096  # tensor alignment in the file
 _PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, header_len, sha256, reserved
 _HASHED_PREAMBLE = 24  # magic..header_len are covered by the header hash
 _CHUNK = 16 << 20  # write/hash granularity: keeps each piece in cache between the two
 _MAX_HEADER = 256 << 20
-_ZERO_DIGEST = "0" * 64  # placeholder of the same width as a sha256 hex digest
+_ZERO_CRC = "0" * 8  # placeholder of the same width as a CRC-32 hex digest
 
 # dtype name in the file -> numpy dtype used to hold its bytes (bf16 as raw uint16)
 _NP_DTYPES = {
@@ -110,13 +115,13 @@ def storage_error(exc: OSError, what: str) -> StorageError:
 
 @attrs.frozen
 class TensorDesc:
-    """One tensor's place in the file. `offset` and `sha256` are set by the writer."""
+    """One tensor's place in the file. `offset` and `crc32` (8 hex digits) are set by the writer."""
 
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     offset: int = 0
-    sha256: str = _ZERO_DIGEST
+    crc32: str = _ZERO_CRC
 
 
 @attrs.frozen
@@ -287,7 +292,7 @@ def _parse_tensor(doc: dict[str, Any]) -> TensorDesc:
         raise ValueError(f"bad tensor {dtype} {shape}")
     if nbytes != math.prod(shape) * _NP_DTYPES[dtype].itemsize:  # type: ignore[attr-defined]
         raise ValueError("tensor nbytes does not match its shape")
-    return TensorDesc(dtype, shape, nbytes, _int(doc["offset"]), _str(doc["sha256"]))
+    return TensorDesc(dtype, shape, nbytes, _int(doc["offset"]), _str(doc["crc32"]))
 
 
 def _int(x: Any) -> int:
@@ -452,7 +457,7 @@ def _place(caches: Sequence[CacheDesc], start: int) -> tuple[tuple[CacheDesc, ..
         tensors = []
         for t in c.tensors:
             if t is not None:
-                t = attrs.evolve(t, offset=_align(pos), sha256=_ZERO_DIGEST)
+                t = attrs.evolve(t, offset=_align(pos), crc32=_ZERO_CRC)
                 pos = end = t.offset + t.nbytes
             tensors.append(t)
         children = tuple(place(x) for x in c.children)
@@ -469,7 +474,7 @@ def _align(n: int) -> int:
 def _with_digests(caches: Sequence[CacheDesc], digests: Iterator[str]) -> tuple[CacheDesc, ...]:
     def fill(c: CacheDesc) -> CacheDesc:
         tensors = tuple(
-            None if t is None else attrs.evolve(t, sha256=next(digests)) for t in c.tensors
+            None if t is None else attrs.evolve(t, crc32=next(digests)) for t in c.tensors
         )
         return attrs.evolve(c, tensors=tensors, children=tuple(fill(x) for x in c.children))
 
@@ -530,14 +535,14 @@ def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer |
 
 
 def _write_hashed(f: Any, buf: memoryview, pacer: Pacer | None) -> str:
-    """Write one tensor's bytes in C order and return their sha256."""
-    h = hashlib.sha256()
+    """Write one tensor's bytes in C order and return their CRC-32 (8 hex digits)."""
+    crc = 0
     for piece in _byte_pieces(buf, pacer.slice_bytes if pacer is not None else _CHUNK):
-        h.update(piece)
+        crc = zlib.crc32(piece, crc)
         _write_all(f, piece)
         if pacer is not None:
             pacer.done(piece.nbytes)
-    return h.hexdigest()
+    return f"{crc:08x}"
 
 
 def _byte_pieces(buf: memoryview, size: int) -> Iterator[memoryview]:
@@ -672,16 +677,16 @@ def _read_through(f: Any, header: FileHeader, *, verify: bool) -> None:
     pos = f.tell()
     for _, t in header.tensors():
         _skip_padding(f, t.offset - pos, verify=verify)
-        h = hashlib.sha256() if verify else None
+        crc = 0
         left = t.nbytes
         while left:
             chunk = scratch[: min(left, _CHUNK)]
             _readinto_all(f, chunk)
-            if h is not None:
-                h.update(chunk)
+            if verify:
+                crc = zlib.crc32(chunk, crc)
             left -= chunk.nbytes
-        if h is not None and h.hexdigest() != t.sha256:
-            raise CorruptFile(f"tensor at offset {t.offset} fails its hash")
+        if verify and f"{crc:08x}" != t.crc32:
+            raise CorruptFile(f"tensor at offset {t.offset} fails its CRC-32")
         pos = t.offset + t.nbytes
     _skip_padding(f, header.file_size - pos, verify=verify)  # a tensorless file's tail
 
