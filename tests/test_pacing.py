@@ -91,13 +91,16 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
         decoding = rt.submit(rt.request(long_prompt, sampling=SamplingParams(max_tokens=8000, logit_bias=no_eos)))
 
+        first_token = trio.Event()
+
         async def drain() -> None:
             async with decoding:
-                await decoding.tokens()
+                async for _ in decoding:
+                    first_token.set()
 
         nursery.start_soon(drain)
-        while not governor.busy:
-            await trio.sleep(0.01)
+        await first_token.wait()
+        assert governor.busy
         # A checkpoint published while the engine decodes: its write is paced.
         prompt = await rt.render_chat([{"role": "user", "content": "Tell me about prefix caches. " * 20}])
         async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
