@@ -723,7 +723,8 @@ def writer_state(server: Mlxd) -> dict[str, Any]:
     s = server.stats().get("ssd_cache") or {}
     w = s.get("writer") or {}
     return {"pending_spills": s.get("pending_spills", 0), "pending_spill_bytes": s.get("pending_spill_bytes", 0),
-            "bytes_written": w.get("bytes_written", 0), "writes": w.get("writes", 0)}
+            "bytes_written": w.get("bytes_written", 0), "writes": w.get("writes", 0),
+            "bytes_out": (w.get("pacing") or {}).get("bytes_out", 0)}
 
 
 async def writebehind_window(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix: str, w: int,
@@ -756,13 +757,14 @@ async def writebehind_window(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix:
            **load.result}
     if server.name == "mlxd-ssd":
         row.update(pending_spills_before=before["pending_spills"], pending_spills_after=after["pending_spills"],
-                   bytes_written_during=after["bytes_written"] - before["bytes_written"],
+                   bytes_written_during=after["bytes_out"] - before["bytes_out"],
+                   files_completed_during=after["writes"] - before["writes"],
                    writes_in_flight_throughout=before["pending_spills"] > 0 and after["pending_spills"] > 0)
         code, rep = server.flush()  # drain before the next window: every SSD window starts alike
         row["flush_after"] = code
     print(f"  window {w} {server.name:10s} {row['decode_tok_s']:6.1f} tok/s over {row['window_s']:.2f}s"
           + (f"  pending {row['pending_spills_before']}->{row['pending_spills_after']}, "
-             f"{row['bytes_written_during'] / 1e6:.0f} MB written in the window"
+             f"{row['bytes_written_during'] / 1e6:.0f} MB written in the window ({row['files_completed_during']} files done)"
              if "pending_spills_before" in row else "")
           + f"  ext {row['external_cores']:.2f}  cpu {row['thread_cpu_s']}", flush=True)
     return row
@@ -817,13 +819,13 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
         "bootstrap_95ci_median": bootstrap_ci(ratios),
         "median_decode_tok_s": {n: statistics.median(r["decode_tok_s"] for r in rows if r["server"] == n)
                                 for n in ("mlxd-ssd", "mlxd-noSSD")},
-        "median_MB_written_in_window": statistics.median(r["bytes_written_during"] for r in rows
+        "median_MB_written_during_decodes": statistics.median(r["bytes_written_during"] for r in rows
                                                          if r["server"] == "mlxd-ssd") / 1e6,
         "goal": "within 2% (ratio >= 0.98)",
     }
     summary["overhead_pct"] = (1 - summary["median_ratio"]) * 100
     summary["goal_met"] = summary["median_ratio"] >= 0.98
-    lines = ["| window | no SSD tok/s | SSD tok/s | ratio | MB written in window | pending before → after | "
+    lines = ["| window | no SSD tok/s | SSD tok/s | ratio | MB written during the decodes | pending before → after | "
              "ext. load (cores) |", "|---|---|---|---|---|---|---|"]
     for w, p in enumerate(pairs):
         a = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-ssd")

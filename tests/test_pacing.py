@@ -108,7 +108,9 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         await trio.sleep(1.0)
         stats = await rt.ssd_stats()
         assert stats["pending_spills"] >= 1, "the paced write is still in flight"
-        assert stats["writer"]["pacing"] == {
+        pacing = stats["writer"]["pacing"]
+        assert pacing["bytes_out"] > 0  # the first slice went out...
+        assert {k: v for k, v in pacing.items() if k != "bytes_out"} == {
             "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True}
         with trio.fail_after(30):
             report = await rt.flush()

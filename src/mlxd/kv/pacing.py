@@ -41,6 +41,7 @@ class WriteGovernor:
         self._busy = False
         self._urgent: frozenset[str] = frozenset()
         self.changed = threading.Event()
+        self.bytes_out = 0  # bytes handed to the OS by paced writers, slice by slice (for /stats)
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
@@ -69,7 +70,7 @@ class WriteGovernor:
 
     def as_dict(self) -> dict[str, object]:
         return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
-                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None}
+                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out}
 
 
 class Pacer:
@@ -106,6 +107,7 @@ class Pacer:
 
     def done(self, nbytes: int) -> None:
         """Account for `nbytes` just written; wait until the rate allows more."""
+        self.governor.bytes_out += nbytes
         self.check()
         rate = self.governor.rate()
         if rate is None:
