@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import platform
@@ -82,6 +81,8 @@ from bench_serving import (  # noqa: E402  (shared helpers of the serving benchm
     proc_cpu_seconds,
     stream_chat,
 )
+
+from mlxd.kv.ssd_store import resident_pages  # noqa: E402
 
 GIB = 1024**3
 
@@ -152,34 +153,6 @@ def machine_facts() -> dict[str, Any]:
 
 
 # --- page cache residency ----------------------------------------------------------------------
-
-
-def resident_pages(path: Path) -> tuple[int, int]:
-    """(resident, total) 4 KiB pages of a file in the page cache, via mmap + mincore."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0, 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            return sum(v & 1 for v in vec), pages
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 def dir_residency(root: Path) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +13,13 @@ import pytest
 from mlx_lm.models import cache as mlc
 
 from mlxd.kv import file_format as ff
-from mlxd.kv.ssd_store import SsdStore, StoreIdentity, compute_fingerprint, namespace_dir
+from mlxd.kv.ssd_store import (
+    SsdStore,
+    StoreIdentity,
+    compute_fingerprint,
+    namespace_dir,
+    resident_pages,
+)
 
 FP = compute_fingerprint({"config": "c1", "weights": "w1", "tokenizer": "t", "mlx": "0.32"})
 IDENTITY = StoreIdentity(model_id="tiny", fingerprint=FP, tokenizer_hash="tok")
@@ -234,3 +241,27 @@ def test_read_only_dir_is_a_storage_error(tmp_path):
         assert store.scan().indexed == 0
     finally:
         _umount(mnt)
+
+
+def test_restart_warms_the_page_cache_with_the_newest_files(tmp_path):
+    """After a restart the newest files (by mtime, the LRU clock) are read ahead, up to a budget."""
+    store = make_store(tmp_path)
+    old = put(store, list(range(40_000))).entry  # 5 MB each
+    new = put(store, list(range(1, 40_001))).entry
+    for entry in (old, new):  # start cold, whatever the write path left behind
+        fd = os.open(entry.path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if resident_pages(new.path)[0] or resident_pages(old.path)[0]:
+        pytest.skip("this filesystem keeps pages after DONTNEED")
+    fresh = make_store(tmp_path)
+    fresh.scan()
+    assert fresh.warm_page_cache(new.nbytes) == new.nbytes  # the budget fits the newest file only
+    deadline = time.monotonic() + 10
+    while resident_pages(new.path)[0] < resident_pages(new.path)[1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident_pages(new.path)[0] == resident_pages(new.path)[1]
+    resident, total = resident_pages(old.path)
+    assert resident < total // 4  # only what the header-only scan read (and its readahead)
+    assert fresh.warm_page_cache(0) == 0

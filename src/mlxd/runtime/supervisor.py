@@ -374,6 +374,10 @@ async def _open_store(config: RuntimeConfig, info: EngineInfo) -> Any:
         bytes=store.stats.bytes,
         **{f"removed_{k}": v for k, v in attrs.asdict(report).items() if k != "indexed"},
     )
+    # The most recent files, up to the RAM tier's size, start reading into the
+    # page cache now (kernel readahead), while the server is still idle.
+    warming = await trio.to_thread.run_sync(store.warm_page_cache, config.prompt_cache_bytes)
+    log.info("ssd.page_cache_warming", bytes=warming)
     return store
 
 
