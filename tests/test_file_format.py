@@ -331,13 +331,12 @@ def test_missing_directory_is_a_storage_error(tmp_path):
         ff.read_header(tmp_path / "missing.mlxkv")
 
 
-def test_direct_and_buffered_writes_produce_the_same_bytes(tmp_path, monkeypatch):
-    """O_DIRECT (through the aligned bounce buffer) and plain writes give identical files."""
+def test_direct_and_buffered_writes_produce_the_same_bytes(tmp_path):
+    """O_DIRECT (through the aligned bounce buffer) and page-cache writes give identical files."""
     caches = [filled_kv(300), filled_kv(5000, heads=1, dim=4)]  # strided slices, odd tensor sizes
     plan = ff.plan_snapshot(caches, meta=meta(tokens=range(5000)))
-    direct = ff.write_snapshot(plan, tmp_path / "direct.mlxkv")
-    monkeypatch.setattr(ff, "_set_direct", lambda fd, on: False)
-    plain = ff.write_snapshot(plan, tmp_path / "plain.mlxkv")
+    direct = ff.write_snapshot(plan, tmp_path / "direct.mlxkv", direct=True)
+    plain = ff.write_snapshot(plan, tmp_path / "plain.mlxkv", direct=False)
     assert direct.path.read_bytes() == plain.path.read_bytes()
     assert direct.nbytes == direct.path.stat().st_size == direct.header.file_size
     loaded = ff.read_snapshot(direct.path, verify=True)
@@ -345,16 +344,34 @@ def test_direct_and_buffered_writes_produce_the_same_bytes(tmp_path, monkeypatch
         assert buf.nbytes == t.nbytes
 
 
-def test_sink_uses_o_direct_where_the_filesystem_allows(tmp_path):
-    """On a filesystem that accepts O_DIRECT the writer bypasses the page cache (see _Sink)."""
-    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
+def _o_direct_works(directory: Path) -> bool:
+    fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        sink = ff._Sink(fd, start=0, size=4096)
+        sink = ff._Sink(fd, start=0, size=4096, want_direct=lambda: True)
         sink.write(memoryview(b"x" * 5000), None)
         sink.finish(None)
-        direct = sink.direct
+        return sink.direct_bytes == 8192
     finally:
         os.close(fd)
-    assert (tmp_path / "probe").read_bytes() == b"x" * 5000 + bytes(8192 - 5000)
-    if not direct:
-        pytest.skip("this filesystem refuses O_DIRECT; the buffered fallback wrote the bytes")
+        assert (directory / "probe").read_bytes() == b"x" * 5000 + bytes(8192 - 5000)
+        (directory / "probe").unlink()
+
+
+def test_paced_slices_bypass_the_page_cache_and_idle_ones_stay_in_it(tmp_path):
+    """While pacing (engine decoding) the writer uses O_DIRECT; at full speed it leaves the file cached."""
+    from mlxd.kv.pacing import Pacer, WriteGovernor
+    from mlxd.kv.ssd_store import resident_pages
+
+    if not _o_direct_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
+    plan = ff.plan_snapshot([filled_kv(20_000, heads=4, dim=16)], meta=meta(tokens=range(20_000)))  # 10 MB
+    governor = WriteGovernor(busy_rate_bytes_per_s=1 << 40)  # paces, but never waits
+    governor.set_busy(True)
+    paced = ff.write_snapshot(plan, tmp_path / "paced.mlxkv", pacer=Pacer(governor, slice_bytes=1 << 20))
+    governor.set_busy(False)
+    idle = ff.write_snapshot(plan, tmp_path / "idle.mlxkv", pacer=Pacer(governor, slice_bytes=1 << 20))
+    resident, total = resident_pages(paced.path)
+    assert resident <= 2  # only the header page went through the page cache
+    resident, total = resident_pages(idle.path)
+    assert resident == total
+    assert ff.read_snapshot(paced.path, verify=True).header.caches == idle.header.caches  # same CRCs

@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -492,19 +492,23 @@ def encode_header(header: FileHeader) -> tuple[bytes, str]:
     return head + blob, h.hexdigest()
 
 
-def write_snapshot(plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: Pacer | None = None) -> WrittenFile:
-    """Write `<path>.tmp`, hashing as it goes; fsync; rename onto `path`; fsync the dir.
+def write_snapshot(
+    plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: Pacer | None = None, direct: bool | None = None
+) -> WrittenFile:
+    """Write `<path>.tmp`, checksumming as it goes; fsync; rename onto `path`; fsync the dir.
 
     No MLX calls. With a `pacer`, bytes go out in its slices at its rate.
-    Raises DiskFull or StorageError (or the pacer's WriteInterrupted); the tmp
-    file is removed on any failure.
+    `direct` chooses O_DIRECT (True), the page cache (False), or (None) O_DIRECT
+    exactly while the pacer is pacing (see `_Sink`). Raises DiskFull or
+    StorageError (or the pacer's WriteInterrupted); the tmp file is removed on
+    any failure.
     """
     t0 = time.perf_counter()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     layout = _layout(plan)
     try:
-        header = _write_tmp(plan, layout, tmp, pacer)
+        header = _write_tmp(plan, layout, tmp, pacer, direct)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
@@ -516,10 +520,17 @@ def write_snapshot(plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: P
     return WrittenFile(path, header.file_size, header, time.perf_counter() - t0)
 
 
-def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer | None) -> FileHeader:
+def _write_tmp(
+    plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer | None, direct: bool | None
+) -> FileHeader:
+    if direct is not None:
+        want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
+    else:
+        want_direct = pacer.pacing if pacer is not None else (lambda: False)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        sink = _Sink(fd, start=layout.data_offset, size=pacer.slice_bytes if pacer is not None else _CHUNK)
+        size = pacer.slice_bytes if pacer is not None else _CHUNK
+        sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct)
         digests = []
         for (_, desc), buf in zip(layout.tensors(), plan.buffers, strict=True):
             sink.zeros(desc.offset - sink.position)  # padding up to the tensor's page
@@ -532,7 +543,7 @@ def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer |
         caches = _with_digests(layout.caches, iter(digests))
         header = attrs.evolve(layout, caches=caches)
         blob, digest = encode_header(header)
-        head = _Sink(fd, start=0, size=header.data_offset)
+        head = _Sink(fd, start=0, size=header.data_offset, want_direct=lambda: False)
         head.write(memoryview(blob), None)
         head.finish(None)  # zero-pads the header block up to data_offset
         os.ftruncate(fd, header.file_size)  # the last block was padded to the page
@@ -543,24 +554,37 @@ def _write_tmp(plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer |
 
 
 class _Sink:
-    """Streams bytes to a file from `start` on, through a page-aligned buffer, bypassing the page cache.
+    """Streams bytes to a file from `start` on, through a page-aligned buffer.
 
-    Buffered writes cost this VM ~2.7 ms of kernel CPU per MB in writeback;
-    O_DIRECT from an aligned buffer costs ~0.05 ms/MB plus the copy into the
-    buffer (~0.1 ms/MB), and that CPU is taken beside a decoding engine
-    (docs/benchmarks.md, write-behind). Falls back to ordinary writes where the
-    filesystem refuses O_DIRECT (tmpfs, some FUSE and network filesystems).
-    Every flush of a full buffer is one paced slice.
+    Each full buffer is one slice (one paced step). Before each slice the sink
+    asks `want_direct()` whether to bypass the page cache:
+
+    - O_DIRECT while write-behind is being paced beside a decoding engine:
+      buffered writes cost this VM ~2.7 ms of kernel CPU per MB (writeback),
+      O_DIRECT from the aligned buffer ~0.05 ms/MB plus the copy into it
+      (~0.1 ms/MB), and every millisecond is taken from decode
+      (docs/benchmarks.md, write-behind);
+    - buffered when the engine is idle or a flush is waiting: the CPU is free
+      then, and the pages stay in the page cache, so the checkpoint a
+      returning conversation (or a restart right after a flush) needs is read
+      from memory. A buffered slice is written back at once (fdatasync), so no
+      writeback burst is left for a decoding moment later.
+
+    Falls back to buffered writes where the filesystem refuses O_DIRECT
+    (tmpfs, some FUSE and network filesystems).
     """
 
-    def __init__(self, fd: int, *, start: int, size: int) -> None:
+    def __init__(self, fd: int, *, start: int, size: int, want_direct: Callable[[], bool]) -> None:
         self.fd = fd
         self.position = start  # file offset of the next byte
         self._flushed = start  # file offset of the buffer's first byte
         self._size = _align(max(size, PAGE))
         self._buf = _bounce(self._size)
         self._fill = 0
-        self.direct = _set_direct(fd, True)
+        self._want_direct = want_direct
+        self._refused = False  # the filesystem said no to O_DIRECT: stop asking
+        self.direct = False
+        self.direct_bytes = 0  # bytes written with O_DIRECT (for tests and stats)
 
     def write(self, data: memoryview, pacer: Pacer | None) -> None:
         while data.nbytes:
@@ -593,6 +617,10 @@ class _Sink:
             self._flush(pacer)
 
     def _flush(self, pacer: Pacer | None) -> None:
+        want = self._want_direct() and not self._refused
+        if want != self.direct:
+            self.direct = _set_direct(self.fd, want)
+            self._refused = want and not self.direct
         data = self._buf[: self._fill]
         offset = self._flushed
         while data.nbytes:
@@ -601,14 +629,22 @@ class _Sink:
             except OSError as exc:
                 if not (self.direct and exc.errno == errno.EINVAL):
                     raise
-                self.direct = _set_direct(self.fd, False)  # accepted at open, refused on write
+                self.direct = _set_direct(self.fd, False)  # accepted by fcntl, refused on write
+                self._refused = True
                 continue
             data = data[n:]
             offset += n
+        if self.direct:
+            self.direct_bytes += self._fill
+        elif self._fill >= _SYNC_SLICE:
+            os.fdatasync(self.fd)  # write back now, while the CPU is free
         self._flushed += self._fill
         written, self._fill = self._fill, 0
         if pacer is not None:
             pacer.done(written)
+
+
+_SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
 
 
 def _set_direct(fd: int, on: bool) -> bool:

@@ -100,6 +100,10 @@ class Pacer:
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate
         self.paced_s = 0.0  # total time spent waiting for the rate
 
+    def pacing(self) -> bool:
+        """Whether the writer is being held to a rate right now."""
+        return self.governor.rate() is not None
+
     def check(self) -> None:
         """Raise WriteInterrupted if asked to stop."""
         if self._stop():
