@@ -196,7 +196,7 @@ class DurabilityCoordinator:
 
     def _report(self, waiter: _FlushWaiter) -> FlushReport:
         failed = [r for k, r in self._records.items() if r.state == "failed"]
-        pending = sum(1 for r in self._records.values() if r.state in ("queued", "writing"))
+        pending = len(self._pending())
         dropped = self._dropped_since_flush
         s = self._store.stats
         reason = None
@@ -224,14 +224,16 @@ class DurabilityCoordinator:
         self._governor.set_urgent("flush", flushing)
         self._governor.set_urgent("backlog", backlog)
 
+    def _pending(self) -> list[_Record]:
+        return [r for r in self._records.values() if r.state in ("queued", "writing")]
+
     def _pending_bytes(self) -> int:
-        return sum(r.nbytes for r in self._records.values() if r.state in ("queued", "writing"))
+        return sum(r.nbytes for r in self._pending())
 
     def snapshot_stats(self) -> dict[str, Any]:
-        pending = [r for r in self._records.values() if r.state in ("queued", "writing")]
         return {
             **self.stats,
             "pending_snapshots": len(self._records),
-            "pending_spills": len(pending),
-            "pending_spill_bytes": sum(r.nbytes for r in pending),
+            "pending_spills": len(self._pending()),
+            "pending_spill_bytes": self._pending_bytes(),
         }
