@@ -3,6 +3,7 @@
 import attrs
 
 from mlxd.kv.cost_model import DEFAULT, CostModel
+from mlxd.kv.restore_decision import RestoreAdvisor
 
 
 def test_prefill_grows_with_context_and_length():
@@ -11,12 +12,15 @@ def test_prefill_grows_with_context_and_length():
     assert DEFAULT.prefill_seconds(2000) > 2 * DEFAULT.prefill_seconds(1000)  # attention
 
 
-def test_should_restore_compares_with_recompute():
+def test_the_one_restore_rule_starts_from_the_cost_model():
+    # Serving and simulation both decide with RestoreAdvisor (no second rule here).
     prefix, suffix = 8000, 100
     nbytes = DEFAULT.kv_bytes(prefix)
-    assert DEFAULT.should_restore(nbytes, prefix, suffix)
+    ask = dict(restore_bytes=nbytes, cold_tokens=prefix, warm_tokens=0, prompt_tokens=prefix + suffix)
+    assert RestoreAdvisor(base=DEFAULT).should_restore(**ask)
     slow_disk = attrs.evolve(DEFAULT, restore_bytes_per_s=1e3)
-    assert not slow_disk.should_restore(nbytes, prefix, suffix)
+    assert not RestoreAdvisor(base=slow_disk).should_restore(**ask)
+    assert not hasattr(CostModel, "should_restore")
 
 
 def test_json_round_trip(tmp_path):

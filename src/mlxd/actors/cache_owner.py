@@ -1,39 +1,47 @@
-"""The cache-owner actor: the RAM prefix cache, the SSD index, and the tier decisions.
+"""The cache-owner actor: a thin trio shell around `mlxd.kv.tiers.CacheTiers`.
 
-It answers lookups (RAM hit, or an SSD file worth restoring), takes
-publications from the engine, queues write-behind through the durability
-coordinator, and evicts with persist-before-demotion: a RAM victim without a
-durable SSD copy stays resident until its write commits. It never blocks on
-I/O and never computes on MLX arrays: entries are opaque payloads that the
-engine lends out on its own thread.
+It answers lookups, takes publications from the engine, and applies what the
+durability coordinator and the prefetcher report (a file committed, a write
+failed, a file lost). Every decision is the core's; this actor only carries
+out its effects: dirty records to the coordinator, files to delete on a
+worker thread, reads to start in the prefetcher. It never blocks on I/O and
+never computes on MLX arrays. An exception in one handler fails that
+message's reply (or is logged) and the actor keeps serving.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import attrs
 import trio
 
 from mlxd.kv.pacing import WriteGovernor
-from mlxd.kv.prompt_cache import CacheEntry, PromptCache
+from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
 from mlxd.kv.ssd_store import SsdStore
-from mlxd.kv.tiering import choose_source
+from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    CacheOwnerMessage,
+    CacheStatsSnapshot,
+    DurabilityMessage,
     EntryDurable,
     EntryNotPersisted,
     FindCheckpointTokens,
     ForgetDirty,
     LookupPrefix,
     MarkDirty,
+    MarkNotStored,
+    PrefetcherMessage,
+    PrefetchHint,
+    PrefetchRecord,
     PrefillMeasured,
-    PrefixLookup,
     PublishPrefix,
     QueryCacheStats,
+    RecordLost,
     RestoreMeasured,
 )
 
@@ -41,12 +49,10 @@ log = get_logger("mlxd.cache")
 
 
 @attrs.define
-class TierStats:
+class _Counters:
     restores: int = 0
     restore_ms_last: float | None = None
-    demotions: int = 0
-    idle_demotions: int = 0
-    dropped_unpersisted: int = 0
+    corrupt_removed: int = 0  # found by the startup scan; later losses are the core's
 
 
 class CacheOwnerActor:
@@ -54,164 +60,145 @@ class CacheOwnerActor:
         self,
         config: RuntimeConfig,
         *,
-        inbox: trio.MemoryReceiveChannel[Any],
+        inbox: trio.MemoryReceiveChannel[CacheOwnerMessage],
         store: SsdStore | None = None,
+        records: tuple[SsdRecord, ...] = (),
+        corrupt_at_start: int = 0,
         advisor: RestoreAdvisor | None = None,
         governor: WriteGovernor | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._config = config
         self._governor = governor  # told when RAM is over its cap waiting for writes
         self._inbox = inbox
-        self.cache = PromptCache(max_bytes=config.prompt_cache_bytes, policy=make_policy(config.retention))
-        self.store = store
-        # Sends to the coordinator never block (its inbox is drained by a task that
-        # never waits on us), so the two actors cannot deadlock.
-        self._durability: trio.MemorySendChannel[Any] | None = None
-        self.advisor = advisor or RestoreAdvisor()
-        self._unpersistable: set[tuple[str, Any]] = set()
+        ram = PromptCache(max_bytes=config.prompt_cache_bytes, policy=make_policy(config.retention))
+        if clock is not None:
+            ram.clock = clock
+        self.tiers = CacheTiers(
+            ram,
+            ssd=store is not None,
+            ssd_max_bytes=config.ssd_cache_max_bytes,
+            advisor=advisor or RestoreAdvisor(),
+            demote_idle_s=config.ssd_demote_idle_s,
+        )
+        self._store = store
+        self._startup = list(self.tiers.load_records(records))
+        # Sends to the coordinator and prefetcher never block (unbounded / dropped
+        # when full), so the actors cannot deadlock.
+        self._durability: trio.MemorySendChannel[DurabilityMessage] | None = None
+        self._prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None
+        self._nursery: trio.Nursery | None = None
         self.published = {"boundary": 0, "final": 0, "restore": 0}
-        self.tier = TierStats()
+        self._count = _Counters(corrupt_removed=corrupt_at_start)
 
-    def attach_durability(self, channel: trio.MemorySendChannel[Any]) -> None:
-        """Wire the coordinator's inbox (it needs this actor's RAM cache first)."""
-        self._durability = channel
+    @property
+    def cache(self) -> PromptCache:
+        """The RAM tier (for tests and the embedding API; actors never touch it)."""
+        return self.tiers.ram
+
+    def attach(
+        self,
+        *,
+        durability: trio.MemorySendChannel[DurabilityMessage],
+        prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
+    ) -> None:
+        """Wire the coordinator's and prefetcher's inboxes."""
+        self._durability = durability
+        self._prefetcher = prefetcher
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            if self.store is not None and self._config.ssd_demote_idle_s > 0:
+            self._nursery = nursery
+            self._apply(self._startup)
+            self._startup = []
+            if self._store is not None and self._config.ssd_demote_idle_s > 0:
                 nursery.start_soon(self._demote_idle_forever)
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
-                    self._handle(msg)
+                    self._handle_safely(msg)
             nursery.cancel_scope.cancel()
 
-    def _handle(self, msg: Any) -> None:
+    def _handle_safely(self, msg: CacheOwnerMessage) -> None:
+        try:
+            self._handle(msg)
+        except Exception as exc:  # one bad message fails its own reply, not the runtime
+            log.exception("cache.handler_failed", message=type(msg).__name__)
+            reply = getattr(msg, "reply", None)
+            if reply is not None:
+                reply.fail(exc)
+
+    def _handle(self, msg: CacheOwnerMessage) -> None:
+        tiers = self.tiers
         if isinstance(msg, LookupPrefix):
-            msg.reply.send(self._lookup(msg.tokens, msg.namespace))
+            msg.reply.send(tiers.lookup(msg.tokens, msg.namespace))
+        elif isinstance(msg, PrefetchHint):
+            record = tiers.prefetch_candidate(msg.tokens, msg.namespace)
+            if record is not None and self._prefetcher is not None:
+                try:  # a hint: dropped when the prefetcher is busy
+                    self._prefetcher.send_nowait(PrefetchRecord(record))
+                except trio.WouldBlock:
+                    pass
         elif isinstance(msg, PublishPrefix):
-            self._publish(msg)
+            self.published[msg.reason] += 1
+            self._apply(
+                tiers.publish(
+                    msg.tokens, msg.namespace, payload=msg.payload, nbytes=msg.nbytes, trimmable=msg.trimmable,
+                    plan=msg.plan, file_nbytes=None if msg.plan is None else msg.plan.nbytes, durable=msg.durable,
+                )
+            )
         elif isinstance(msg, EntryDurable):
-            self._durable(msg)
+            self._apply(tiers.durable(msg.record))
         elif isinstance(msg, EntryNotPersisted):
-            self._unpersistable.add((msg.namespace, msg.tokens))
-            self._evict()
+            self._apply(tiers.not_persisted(msg.namespace, msg.tokens))
+        elif isinstance(msg, RecordLost):
+            self._apply(tiers.lost(msg.record))
         elif isinstance(msg, PrefillMeasured):
-            self.advisor.observe_prefill(new_tokens=msg.new_tokens, context=msg.context, seconds=msg.seconds)
+            tiers.advisor.observe_prefill(new_tokens=msg.new_tokens, context=msg.context, seconds=msg.seconds)
         elif isinstance(msg, RestoreMeasured):
-            self.advisor.observe_restore(nbytes=msg.nbytes, seconds=msg.seconds)
-            self.tier.restores += 1
-            self.tier.restore_ms_last = round(msg.seconds * 1000, 3)
+            tiers.advisor.observe_restore(nbytes=msg.nbytes, seconds=msg.seconds)
+            self._count.restores += 1
+            self._count.restore_ms_last = round(msg.seconds * 1000, 3)
         elif isinstance(msg, FindCheckpointTokens):
-            msg.reply.send(self._checkpoint_tokens(msg.tokens, msg.namespace))
+            msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
 
-    # --- lookups ------------------------------------------------------------------
-
-    def _lookup(self, tokens: tuple[int, ...], namespace: str) -> PrefixLookup:
-        hit = self.cache.take(tokens, namespace)
-        if self.store is None:
-            return PrefixLookup(hit)
-        cold = self.store.find(tokens, namespace)
-        warm = hit.usable if hit is not None else 0
-        if cold is None or choose_source(warm, cold.usable) != "ssd":
-            return PrefixLookup(hit)
-        if not self.advisor.should_restore(
-            restore_bytes=cold.entry.nbytes, cold_tokens=cold.usable, warm_tokens=warm, prompt_tokens=len(tokens)
-        ):
-            return PrefixLookup(hit)
-        return PrefixLookup(hit, cold)
-
-    def _checkpoint_tokens(self, tokens: tuple[int, ...], namespace: str) -> list[tuple[int, ...]]:
-        """The best RAM and SSD checkpoints for `tokens` (token sequences, no accounting)."""
-        found: list[tuple[int, ...]] = []
-        hit = self.cache.peek(tokens, namespace)
-        if hit is not None:
-            found.append(tuple(hit.entry.tokens))
-        cold = self.store.find(tokens, namespace) if self.store is not None else None
-        if cold is not None and tuple(cold.entry.tokens) not in found:
-            found.append(tuple(cold.entry.tokens))
-        return found
-
-    # --- publications and durability ------------------------------------------------
-
-    def _publish(self, msg: PublishPrefix) -> None:
-        outcome = self.cache.put(
-            msg.tokens, msg.namespace, payload=msg.payload, nbytes=msg.nbytes, trimmable=msg.trimmable
-        )
-        self.published[msg.reason] += 1
-        entry = outcome.entry
-        if entry is not None and self.store is not None:
-            if msg.durable or self.store.find_exact(msg.tokens, msg.namespace) is not None:
-                entry.durable = True
-            elif msg.plan is not None and self._durability is not None:
-                self._durability.send_nowait(MarkDirty(msg.namespace, tuple(entry.tokens), msg.plan, msg.trimmable))
-        self._evict()
-
-    def _durable(self, msg: EntryDurable) -> None:
-        entry = self.cache.find_exact(msg.tokens, msg.namespace)
-        if entry is not None:
-            entry.durable = True
-        self._unpersistable.discard((msg.namespace, msg.tokens))
-        self._evict()
-
-    def _may_evict(self, entry: CacheEntry) -> bool:
-        if self.store is None or entry.durable:
-            return True
-        return (entry.namespace, tuple(entry.tokens)) in self._unpersistable
-
-    def _evict(self) -> None:
-        eviction = self.cache.evict(may_evict=self._may_evict)
-        for entry in eviction.evicted:
-            self._evicted(entry)
+    def _apply(self, effects: list[Effect]) -> None:
+        """Carry out the core's effects (never blocking)."""
+        for effect in effects:
+            if isinstance(effect, Persist):
+                if self._durability is None or effect.plan is None:
+                    self._apply(self.tiers.not_persisted(effect.namespace, effect.tokens))
+                    continue
+                self._durability.send_nowait(
+                    MarkDirty(effect.namespace, tuple(effect.tokens), effect.plan, effect.trimmable, effect.nbytes)
+                )
+            elif isinstance(effect, Forget):
+                if self._durability is not None:
+                    self._durability.send_nowait(ForgetDirty(effect.namespace, tuple(effect.tokens)))
+            elif isinstance(effect, NotStored):
+                log.warning("ssd.not_stored", tokens=len(effect.tokens), nbytes=effect.nbytes, reason=effect.reason)
+                if self._durability is not None:
+                    self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
+            elif isinstance(effect, Unlink):
+                if self._store is not None and self._nursery is not None:
+                    self._nursery.start_soon(trio.to_thread.run_sync, self._store.unlink, effect.record)
         if self._governor is not None:
-            self._governor.set_urgent("ram", self.cache.bytes > self.cache.max_bytes)
-
-    def _evicted(self, entry: CacheEntry) -> None:
-        if self.store is None:
-            return
-        if entry.durable:
-            self.tier.demotions += 1
-            return
-        key = (entry.namespace, tuple(entry.tokens))
-        self._unpersistable.discard(key)
-        self.tier.dropped_unpersisted += 1
-        if self._durability is not None:
-            self._durability.send_nowait(ForgetDirty(*key))
+            self._governor.set_urgent("ram", self.tiers.ram_over_cap)
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s
         while True:
             await trio.sleep(min(idle / 4, 5.0))
-            for entry in self.cache.idle_entries(idle_for=idle):
-                if entry.durable:
-                    self.cache.remove(entry, evicted=True)
-                    self.tier.idle_demotions += 1
-                    self.tier.demotions += 1
+            self._apply(self.tiers.demote_idle())
 
-    # --- stats ----------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        ram = attrs.asdict(self.cache.stats)
-        ram.update({f"published_{k}": v for k, v in self.published.items()})
-        out: dict[str, Any] = {"ram": ram}
-        if self.store is not None:
-            s = self.store.stats
-            out["ssd"] = {
-                "entries": s.entries,
-                "bytes": s.bytes,
-                "max_bytes": s.max_bytes,
-                "restores": self.tier.restores,
-                "restore_ms_last": self.tier.restore_ms_last,
-                "demotions": self.tier.demotions,
-                "idle_demotions": self.tier.idle_demotions,
-                "dropped_unpersisted": self.tier.dropped_unpersisted,
-                "longest_durable_prefix_tokens": s.longest_durable_prefix_tokens,
-                "corrupt_removed": s.corrupt_removed,
-                "evictions": s.evictions,
-                "write_failures": s.write_failures,
-                "disk_full": s.disk_full,
-                "restore_decisions": self.advisor.stats(),
-            }
-        return out
+    def stats(self) -> CacheStatsSnapshot:
+        tiers = self.tiers.stats()
+        return CacheStatsSnapshot(
+            tiers=tiers,
+            published=dict(self.published),
+            restores=self._count.restores,
+            restore_ms_last=self._count.restore_ms_last,
+            corrupt_removed=self._count.corrupt_removed + tiers.lost_files,
+        )

@@ -338,7 +338,7 @@ class EngineActor:
         t0 = time.perf_counter()
         caches = file_format.adopt(restore.loaded)
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
-        tokens = tuple(restore.entry.tokens)
+        tokens = tuple(restore.record.tokens)
         notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
         notes.append(
             PublishPrefix(

@@ -1,24 +1,35 @@
 """The prefetcher: reads cold-tier files on worker threads ahead of an engine slot.
 
-A request's arrival sends a hint; when the SSD holds a longer usable prefix
-than RAM, the file read starts at once, so it overlaps the wait for a batch
-slot. When the scheduler later decides to restore, `FetchSnapshot` returns the
-bytes already read (or waits for the read in flight). Reads never touch MLX;
-the engine adopts the bytes on its own thread.
+When a request arrives, the cache owner looks up the SSD record it will
+likely restore and sends it here (`PrefetchRecord`); the file read starts at
+once, so it overlaps the wait for a batch slot. When the scheduler later
+restores, `FetchSnapshot` returns the bytes already read (or waits for the
+read in flight). A file that cannot be read back is reported to the cache
+owner (`RecordLost`). Reads never touch MLX; the engine adopts the bytes on
+its own thread. This actor holds no other actor's state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
+import attrs
 import trio
 
-from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.file_format import LoadedSnapshot
 from mlxd.kv.ssd_store import SsdStore
+from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import FetchSnapshot, PrefetchHint
+from mlxd.runtime.messages import (
+    CacheOwnerMessage,
+    FetchSnapshot,
+    PrefetcherMessage,
+    PrefetchRecord,
+    PrefetchSnapshot,
+    PrefetchStats,
+    RecordLost,
+)
 
 log = get_logger("mlxd.prefetcher")
 
@@ -26,78 +37,79 @@ log = get_logger("mlxd.prefetcher")
 class _Read:
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.loaded: Any = None
+        self.loaded: LoadedSnapshot | None = None
 
 
 class PrefetcherActor:
     def __init__(
         self,
         store: SsdStore,
-        ram: PromptCache,
         *,
-        inbox: trio.MemoryReceiveChannel[PrefetchHint | FetchSnapshot],
+        inbox: trio.MemoryReceiveChannel[PrefetcherMessage],
+        cache: trio.MemorySendChannel[CacheOwnerMessage],
         verify: bool,
         max_ready: int = 4,
     ) -> None:
         self._store = store
-        self._ram = ram  # read-only peeks (same trio thread as the cache owner)
         self._inbox = inbox
+        self._cache = cache
         self._verify = verify
         self._max_ready = max_ready
-        self._reads: OrderedDict[Path, _Read] = OrderedDict()
+        self._reads: OrderedDict[Path | None, _Read] = OrderedDict()
         self._threads = trio.CapacityLimiter(2)
-        self.stats = {"prefetches": 0, "prefetch_hits": 0, "reads": 0, "read_failures": 0, "bytes_read": 0}
+        self._stats = PrefetchSnapshot()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
-            async with self._inbox:
+            async with self._inbox, self._cache:
                 async for msg in self._inbox:
-                    if isinstance(msg, PrefetchHint):
-                        self._hint(nursery, msg)
-                    else:
+                    if isinstance(msg, PrefetchRecord):
+                        if msg.record.path not in self._reads:
+                            self._count(prefetches=1)
+                            self._start(nursery, msg.record)
+                    elif isinstance(msg, FetchSnapshot):
                         nursery.start_soon(self._fetch, nursery, msg)
+                    elif isinstance(msg, PrefetchStats):
+                        msg.reply.send(self._stats)
 
-    def _hint(self, nursery: trio.Nursery, msg: PrefetchHint) -> None:
-        match = self._store.find(msg.tokens, msg.namespace)
-        if match is None:
-            return
-        ram = self._ram.peek(msg.tokens, msg.namespace)
-        if ram is not None and ram.usable >= match.usable:
-            return
-        if match.entry.path not in self._reads:
-            self.stats["prefetches"] += 1
-            self._start(nursery, match.entry)
+    def _count(self, **delta: int) -> None:
+        s = self._stats
+        self._stats = attrs.evolve(s, **{k: getattr(s, k) + v for k, v in delta.items()})
 
-    def _start(self, nursery: trio.Nursery, entry: Any) -> _Read:
+    def _start(self, nursery: trio.Nursery, record: SsdRecord) -> _Read:
         read = _Read()
-        self._reads[entry.path] = read
+        self._reads[record.path] = read
         while len(self._reads) > self._max_ready:
             self._reads.popitem(last=False)  # drop the oldest unclaimed read (its bytes)
-        nursery.start_soon(self._read, entry, read)
+        nursery.start_soon(self._read, record, read)
         return read
 
-    async def _read(self, entry: Any, read: _Read) -> None:
+    async def _read(self, record: SsdRecord, read: _Read) -> None:
         try:
             read.loaded = await trio.to_thread.run_sync(
-                lambda: self._store.load(entry, verify=self._verify), limiter=self._threads
+                lambda: self._store.load(record, verify=self._verify), limiter=self._threads
             )
         except Exception as exc:  # a failed read is a miss
-            log.warning("prefetch.read_failed", path=str(entry.path), error=repr(exc))
+            log.warning("prefetch.read_failed", path=str(record.path), error=repr(exc))
             read.loaded = None
-        self.stats["reads"] += 1
+        finally:
+            read.done.set()
         if read.loaded is None:
-            self.stats["read_failures"] += 1
+            self._count(reads=1, read_failures=1)
+            try:
+                self._cache.send_nowait(RecordLost(record))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the next read of it reports again
         else:
-            self.stats["bytes_read"] += read.loaded.nbytes
-        read.done.set()
+            self._count(reads=1, bytes_read=read.loaded.nbytes)
 
     async def _fetch(self, nursery: trio.Nursery, msg: FetchSnapshot) -> None:
-        read = self._reads.pop(msg.entry.path, None)
+        read = self._reads.pop(msg.record.path, None)
         if read is not None:
-            self.stats["prefetch_hits"] += 1
+            self._count(prefetch_hits=1)
         else:
-            read = self._start(nursery, msg.entry)
-            self._reads.pop(msg.entry.path, None)
+            read = self._start(nursery, msg.record)
+            self._reads.pop(msg.record.path, None)
         await read.done.wait()
         msg.reply.send(read.loaded)

@@ -12,28 +12,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import structlog
 import trio
 
+from mlxd.kv.tiers import PrefixLookup, SsdMatch
 from mlxd.runtime.channels import Reply
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    CacheOwnerMessage,
     CancelGeneration,
     FetchSnapshot,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     LookupPrefix,
+    PrefetcherMessage,
     PromptAccepted,
     RestoreSnapshot,
     StartGeneration,
     SubmitGeneration,
     TokenGenerated,
 )
+
+if TYPE_CHECKING:
+    from mlxd.kv.file_format import LoadedSnapshot
 
 log = get_logger("mlxd.scheduler")
 
@@ -96,8 +102,8 @@ class SchedulerActor:
         *,
         inbox: trio.MemoryReceiveChannel[SubmitGeneration],
         engine: trio.MemorySendChannel[StartGeneration | CancelGeneration],
-        cache: trio.MemorySendChannel[Any],
-        prefetcher: trio.MemorySendChannel[Any] | None = None,
+        cache: trio.MemorySendChannel[CacheOwnerMessage],
+        prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
     ) -> None:
         self._config = config
         self._prefetcher = prefetcher
@@ -175,7 +181,7 @@ class SchedulerActor:
             self.stats.cancelled += 1  # the client left while queued
             record.reason = "client_gone"
             return
-        reply: Reply[Any] = Reply()
+        reply: Reply[PrefixLookup] = Reply()
         await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
         lookup = await reply.wait()
         restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
@@ -202,14 +208,14 @@ class SchedulerActor:
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
 
-    async def _fetch(self, match: Any) -> RestoreSnapshot | None:
+    async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:
         """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""
         if self._prefetcher is None:
             return None
-        reply: Reply[Any] = Reply()
-        await self._prefetcher.send(FetchSnapshot(match.entry, reply))
+        reply: Reply[LoadedSnapshot | None] = Reply()
+        await self._prefetcher.send(FetchSnapshot(match.record, reply))
         loaded = await reply.wait()
-        return RestoreSnapshot(match.entry, match.usable, loaded) if loaded is not None else None
+        return RestoreSnapshot(match.record, match.usable, loaded) if loaded is not None else None
 
     def _count(self, event: GenerationEvent) -> None:
         s = self.stats

@@ -1,21 +1,26 @@
 """The SSD-writer actor: packs, hashes, writes, fsyncs and renames on a worker thread.
 
 It decides nothing about what to keep: it writes what the durability
-coordinator sends, one file at a time, and reports each outcome back. The
-thread never calls MLX; it reads evaluated host buffers (memoryviews).
+coordinator sends, one file at a time, and reports each outcome back as a
+message (`Stored(record)` or `Failed(error)`, with the OS's errno text) along
+with a frozen snapshot of its counters. The thread never calls MLX; it reads
+evaluated host buffers (memoryviews). A paced write stops between two slices
+when the runtime shuts down (its cancellation sets the pacer's stop flag).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
+import attrs
 import trio
 
-from mlxd.kv.pacing import Pacer, WriteGovernor
-from mlxd.kv.ssd_store import SsdStore
+from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import SnapshotWritten, WriteSnapshot
+from mlxd.runtime.messages import DurabilityMessage, SnapshotWritten, WriterStats, WriteSnapshot
 from mlxd.runtime.mlx_thread import MlxThread
 
 # Write-behind must not take CPU from decode: the writer thread runs at a lower
@@ -43,7 +48,7 @@ class SsdWriterActor:
         store: SsdStore,
         *,
         inbox: trio.MemoryReceiveChannel[WriteSnapshot],
-        outbox: trio.MemorySendChannel[SnapshotWritten],
+        outbox: trio.MemorySendChannel[DurabilityMessage],
         governor: WriteGovernor | None = None,
     ) -> None:
         self._store = store
@@ -51,7 +56,9 @@ class SsdWriterActor:
         self._inbox = inbox
         self._outbox = outbox
         self._thread: MlxThread | None = None
-        self.stats = {"writes": 0, "failures": 0, "bytes_written": 0, "write_s_last": 0.0, "paced_s": 0.0}
+        # Set when the runtime shuts down: a paced write in flight stops at its next slice.
+        self.stopping = threading.Event()
+        self._stats = WriterStats()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # A dedicated thread (no MLX calls on it, despite the helper's name).
@@ -63,29 +70,39 @@ class SsdWriterActor:
                 async for job in self._inbox:
                     await self._outbox.send(await self._write(job))
         finally:
+            self.stopping.set()
             await self._thread.aclose()
 
     async def _write(self, job: WriteSnapshot) -> SnapshotWritten:
         t0 = time.perf_counter()
+        plan = job.job.record.plan
+        pacer = None
         try:
-            # A cancelled caller still lets the file finish: a half-written tmp is
-            # reaped at startup anyway, but a finished write is worth keeping.
-            assert self._thread is not None
-            pacer = Pacer(self._governor, slice_bytes=PACE_SLICE) if self._governor is not None else None
-            outcome = await self._thread.run(self._store.write, job.plan, pacer)
-            if pacer is not None:
-                self.stats["paced_s"] = round(self.stats["paced_s"] + pacer.paced_s, 3)
+            assert self._thread is not None and plan is not None
+            pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set)
+            # Shutdown cancels us: the paced write stops at its next slice.
+            outcome: WriteOutcome = await self._thread.run(
+                self._store.write, plan, pacer, on_cancel=self.stopping.set
+            )
+        except WriteInterrupted as exc:
+            outcome = Failed(f"write interrupted: {exc}")
         except Exception as exc:  # every storage failure degrades to "not stored"
             log.warning("ssd.write_error", error=repr(exc))
-            outcome = None
-            error = repr(exc)
-        else:
-            error = None if outcome is not None else "write failed (see ssd_write_failed / ssd_disk_full)"
+            outcome = Failed(repr(exc))
         seconds = time.perf_counter() - t0
-        if outcome is None:
-            self.stats["failures"] += 1
-        else:
-            self.stats["writes"] += 1
-            self.stats["bytes_written"] += outcome.entry.nbytes
-            self.stats["write_s_last"] = round(seconds, 4)
-        return SnapshotWritten(job.key, job.version, outcome is not None, seconds, error)
+        self._stats = self._count(outcome, seconds, pacer)
+        return SnapshotWritten(job.job, outcome, seconds, self._stats)
+
+    def _count(self, outcome: WriteOutcome, seconds: float, pacer: Pacer | None) -> WriterStats:
+        s = self._stats
+        paced = round(s.paced_s + (pacer.paced_s if pacer is not None else 0.0), 3)
+        if isinstance(outcome, Stored):
+            return attrs.evolve(s, writes=s.writes + 1, bytes_written=s.bytes_written + outcome.record.nbytes,
+                                write_s_last=round(seconds, 4), paced_s=paced)
+        if outcome.error.startswith("write interrupted"):
+            log.info("ssd.write_interrupted", reason="shutdown")
+        elif outcome.disk_full and not s.disk_full:
+            log.warning("ssd_disk_full", dir=str(self._store.directory), error=outcome.error)
+        elif not outcome.disk_full:
+            log.warning("ssd_write_failed", dir=str(self._store.directory), error=outcome.error)
+        return attrs.evolve(s, failures=s.failures + 1, paced_s=paced, disk_full=s.disk_full or outcome.disk_full)

@@ -10,9 +10,9 @@ where `a` is the per-token cost of the matmuls and `b` the per-pair cost of
 attention. Decode is the same model one token at a time. Restoring a prefix
 from SSD costs `restore_fixed + bytes / restore_bytes_per_s`.
 
-The simulator (`mlxd simulate`) charges these costs in virtual time, and the
-serving cache owner uses `should_restore` to decide whether a cold entry is
-worth reading back. `mlxd simulate --calibrate` measures a model on this
+The simulator (`mlxd simulate`) charges these costs in virtual time, and
+`mlxd.kv.restore_decision.RestoreAdvisor` starts from them to decide whether a
+cold entry is worth reading back (serving and simulation alike). `mlxd simulate --calibrate` measures a model on this
 machine's real engine (see `mlxd.sim.calibrate`). This module is pure.
 """
 
@@ -63,13 +63,6 @@ class CostModel:
     def kv_bytes(self, tokens: int) -> int:
         """KV bytes of a `tokens`-token prefix."""
         return tokens * self.kv_bytes_per_token
-
-    def should_restore(self, restore_bytes: int, prefix_tokens: int, suffix_tokens: int) -> bool:
-        """True when restoring the prefix and prefilling the suffix beats a full prefill."""
-        with_restore = self.restore_seconds(restore_bytes) + self.prefill_seconds(
-            suffix_tokens, prefix_tokens
-        )
-        return with_restore < self.prefill_seconds(prefix_tokens + suffix_tokens, 0)
 
     def to_json(self) -> dict:
         return attrs.asdict(self)

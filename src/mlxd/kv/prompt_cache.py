@@ -252,6 +252,11 @@ class PromptCache:
         index = self._indexes.get(namespace)
         return None if index is None else index.get(tokens)
 
+    def strict_ancestors(self, tokens, namespace: str = "") -> list[CacheEntry]:
+        """Entries whose tokens are a strict prefix of `tokens`, shortest first."""
+        index = self._indexes.get(namespace)
+        return [] if index is None else index.strict_ancestors(tokens)
+
     def idle_entries(self, *, idle_for: float) -> list[CacheEntry]:
         """Entries unused for at least `idle_for` seconds, least recently used first."""
         cutoff = self.clock() - idle_for

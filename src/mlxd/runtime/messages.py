@@ -1,7 +1,12 @@
 """Messages between mlxd's actors: frozen attrs classes named for what they ask or report.
 
 Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
-      scheduler --LookupPrefix--> cache owner (reply: CacheHit | None)
+      scheduler --LookupPrefix--> cache owner (reply: PrefixLookup)
+      runtime --PrefetchHint--> cache owner --PrefetchRecord--> prefetcher
+      scheduler --FetchSnapshot--> prefetcher (reply: LoadedSnapshot | None)
+      cache owner --MarkDirty / ForgetDirty / MarkNotStored--> durability coordinator
+      durability coordinator --WriteSnapshot--> SSD writer --SnapshotWritten--> coordinator
+      coordinator --EntryDurable / EntryNotPersisted--> cache owner; prefetcher --RecordLost--> cache owner
       scheduler --StartGeneration / CancelGeneration--> engine
       engine --GenerationEvent--> the request's own channel (via the scheduler)
       engine --PublishPrefix--> cache owner
@@ -9,12 +14,19 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from mlxd.kv.prompt_cache import CacheHit
+from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
+from mlxd.kv.write_queue import WriteJob
 from mlxd.runtime.channels import Reply
+
+if TYPE_CHECKING:
+    from mlxd.kv.file_format import LoadedSnapshot, SnapshotPlan
+    from mlxd.kv.ssd_store import WriteOutcome
 
 
 @attrs.frozen(kw_only=True)
@@ -101,15 +113,15 @@ class SubmitGeneration:
 class RestoreSnapshot:
     """A cold-tier file read into host buffers, to adopt on the engine thread."""
 
-    entry: Any  # kv.ssd_store.SsdEntry
+    record: SsdRecord
     usable: int
-    loaded: Any  # kv.file_format.LoadedSnapshot
+    loaded: LoadedSnapshot
 
 
 @attrs.frozen(eq=False)
 class StartGeneration:
     request: GenerationRequest
-    hit: Any  # kv.prompt_cache.CacheHit | None: the prefix to lend
+    hit: CacheHit | None  # the prefix to lend
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float = 0.0
     restore: RestoreSnapshot | None = None  # wins over `hit` when present
@@ -129,7 +141,7 @@ class LookupPrefix:
 
     tokens: tuple[int, ...]
     namespace: str
-    reply: Reply[Any]
+    reply: Reply[PrefixLookup]
 
 
 @attrs.frozen(eq=False)
@@ -142,15 +154,15 @@ class FindCheckpointTokens:
 
     tokens: tuple[int, ...]
     namespace: str
-    reply: Reply[Any]
+    reply: Reply[list[tuple[int, ...]]]
 
 
 @attrs.frozen(eq=False)
-class PrefixLookup:
-    """Where a prompt's prefix comes from: a RAM hit, or an SSD file worth restoring."""
+class PrefetchHint:
+    """A request arrived: if the SSD holds its longest prefix, start reading it now."""
 
-    hit: Any  # kv.prompt_cache.CacheHit | None
-    restore: Any = None  # kv.ssd_store.SsdMatch | None (strictly longer than the RAM hit)
+    tokens: tuple[int, ...]
+    namespace: str
 
 
 @attrs.frozen(eq=False)
@@ -159,20 +171,19 @@ class PublishPrefix:
 
     tokens: tuple[int, ...]
     namespace: str
-    payload: Any  # list of mlx-lm caches
+    payload: list[Any]  # mlx-lm caches (opaque to the cache)
     nbytes: int
     trimmable: bool
     reason: str  # "boundary" (prompt-boundary snapshot), "final" (prompt + generation) or "restore"
-    plan: Any = None  # kv.file_format.SnapshotPlan for the SSD writer (None without an SSD tier)
+    plan: SnapshotPlan | None = None  # for the SSD writer (None without an SSD tier)
     durable: bool = False  # already on SSD (a restored file)
 
 
 @attrs.frozen(eq=False)
 class EntryDurable:
-    """The coordinator reports that an SSD file now covers exactly these tokens."""
+    """The coordinator reports that a file now holds exactly `record.tokens`."""
 
-    namespace: str
-    tokens: tuple[int, ...]
+    record: SsdRecord
 
 
 @attrs.frozen(eq=False)
@@ -182,6 +193,13 @@ class EntryNotPersisted:
     namespace: str
     tokens: tuple[int, ...]
     reason: str
+
+
+@attrs.frozen(eq=False)
+class RecordLost:
+    """A file could not be read back (corrupt, mismatched or gone): forget it."""
+
+    record: SsdRecord
 
 
 @attrs.frozen
@@ -201,6 +219,59 @@ class RestoreMeasured:
     seconds: float
 
 
+@attrs.frozen
+class CacheStatsSnapshot:
+    """The cache owner's counters, frozen at the time of the query."""
+
+    tiers: TierStats
+    published: dict[str, int]
+    restores: int
+    restore_ms_last: float | None
+    corrupt_removed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        t = self.tiers
+        ram = attrs.asdict(t.ram)
+        ram.update({f"published_{k}": v for k, v in self.published.items()})
+        out: dict[str, Any] = {"ram": ram}
+        if t.ssd_enabled:
+            out["ssd"] = {
+                "entries": t.ssd_entries,
+                "bytes": t.ssd_bytes,
+                "max_bytes": t.ssd_max_bytes,
+                "restores": self.restores,
+                "restore_ms_last": self.restore_ms_last,
+                "demotions": t.demotions,
+                "idle_demotions": t.idle_demotions,
+                "dropped_unpersisted": t.dropped_unpersisted,
+                "longest_durable_prefix_tokens": t.longest_durable_prefix_tokens,
+                "corrupt_removed": self.corrupt_removed,
+                "evictions": t.ssd_evictions,
+                "not_stored": t.not_stored,
+                "restore_decisions": t.restore_decisions,
+            }
+        return out
+
+
+@attrs.frozen(eq=False)
+class QueryCacheStats:
+    reply: Reply[CacheStatsSnapshot]
+
+
+CacheOwnerMessage = (
+    LookupPrefix
+    | FindCheckpointTokens
+    | PrefetchHint
+    | PublishPrefix
+    | EntryDurable
+    | EntryNotPersisted
+    | RecordLost
+    | PrefillMeasured
+    | RestoreMeasured
+    | QueryCacheStats
+)
+
+
 # --- durability coordinator and SSD writer ---------------------------------------
 
 
@@ -210,8 +281,9 @@ class MarkDirty:
 
     namespace: str
     tokens: tuple[int, ...]
-    plan: Any  # kv.file_format.SnapshotPlan
+    plan: SnapshotPlan
     trimmable: bool
+    nbytes: int
 
 
 @attrs.frozen(eq=False)
@@ -223,50 +295,110 @@ class ForgetDirty:
 
 
 @attrs.frozen(eq=False)
+class MarkNotStored:
+    """A checkpoint that will never be written (e.g. larger than the SSD cap): tell the next flush."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    reason: str
+
+
+@attrs.frozen(eq=False)
 class WriteSnapshot:
-    key: tuple[str, tuple[int, ...]]
-    version: int
-    plan: Any
+    job: WriteJob
+
+
+@attrs.frozen
+class WriterStats:
+    writes: int = 0
+    failures: int = 0
+    bytes_written: int = 0
+    write_s_last: float = 0.0
+    paced_s: float = 0.0
+    disk_full: bool = False  # a write hit ENOSPC/EDQUOT/EFBIG
 
 
 @attrs.frozen(eq=False)
 class SnapshotWritten:
-    key: tuple[str, tuple[int, ...]]
-    version: int
-    stored: bool
+    job: WriteJob
+    outcome: WriteOutcome
     seconds: float
-    error: str | None = None
+    stats: WriterStats
+
+
+@attrs.frozen
+class FlushReport:
+    durable: bool
+    pending: int
+    failed: int
+    dropped: int
+    entries: int
+    bytes: int
+    longest_durable_prefix_tokens: int
+    seconds: float
+    reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
 
 
 @attrs.frozen(eq=False)
 class FlushRequest:
-    reply: Reply[Any]
+    reply: Reply[FlushReport]
+
+
+@attrs.frozen
+class DurabilitySnapshot:
+    spills: int
+    failed_spills: int
+    dropped_spills: int
+    superseded: int
+    flushes: int
+    not_stored: int
+    pending_snapshots: int
+    pending_spills: int
+    pending_spill_bytes: int
+    writer: WriterStats
 
 
 @attrs.frozen(eq=False)
 class DurabilityStats:
-    reply: Reply[dict[str, Any]]
+    reply: Reply[DurabilitySnapshot]
+
+
+DurabilityMessage = MarkDirty | ForgetDirty | MarkNotStored | SnapshotWritten | FlushRequest | DurabilityStats
 
 
 # --- prefetcher --------------------------------------------------------------------
 
 
 @attrs.frozen(eq=False)
-class PrefetchHint:
-    """A request arrived: start reading its longest cold prefix now, if any."""
+class PrefetchRecord:
+    """The cache owner says: this record will likely be restored; read it now."""
 
-    tokens: tuple[int, ...]
-    namespace: str
+    record: SsdRecord
 
 
 @attrs.frozen(eq=False)
 class FetchSnapshot:
-    """Reply: a `kv.file_format.LoadedSnapshot`, or None when the read failed (a miss)."""
+    """Reply: the file's `LoadedSnapshot`, or None when the read failed (a miss)."""
 
-    entry: Any
-    reply: Reply[Any]
+    record: SsdRecord
+    reply: Reply[LoadedSnapshot | None]
+
+
+@attrs.frozen
+class PrefetchSnapshot:
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    reads: int = 0
+    read_failures: int = 0
+    bytes_read: int = 0
 
 
 @attrs.frozen(eq=False)
-class QueryCacheStats:
-    reply: Reply[dict[str, Any]]
+class PrefetchStats:
+    reply: Reply[PrefetchSnapshot]
+
+
+PrefetcherMessage = PrefetchRecord | FetchSnapshot | PrefetchStats

@@ -41,8 +41,12 @@ class MlxThread:
                 return
             job()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the thread; cancellation waits for it to finish."""
+    async def run(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], None] | None = None) -> T:
+        """Run ``fn(*args)`` on the thread; cancellation waits for it to finish.
+
+        ``on_cancel`` is called (on the trio thread) when the caller is
+        cancelled, e.g. to ask a long job to stop early.
+        """
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
 
@@ -58,6 +62,8 @@ class MlxThread:
         def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
             # Native work cannot be interrupted: the caller gets the result,
             # and the cancellation at its next checkpoint.
+            if on_cancel is not None:
+                on_cancel()
             return trio.lowlevel.Abort.FAILED
 
         # The outcome is unwrapped by trio: a value, or the job's exception raised here.

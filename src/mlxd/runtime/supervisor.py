@@ -25,29 +25,39 @@ import trio
 import trio.lowlevel
 
 from mlxd.actors.cache_owner import CacheOwnerActor
-from mlxd.actors.durability import DurabilityCoordinator, FlushReport
+from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.engine import EngineActor, EngineInfo
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.runtime.channels import ChannelStats, Reply
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    CacheOwnerMessage,
+    CacheStatsSnapshot,
+    DurabilityMessage,
+    DurabilitySnapshot,
     DurabilityStats,
     FindCheckpointTokens,
+    FlushReport,
     FlushRequest,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
     GenerationRequest,
+    PrefetcherMessage,
     PrefetchHint,
+    PrefetchSnapshot,
+    PrefetchStats,
     PromptAccepted,
     QueryCacheStats,
     SamplingParams,
     SubmitGeneration,
     TokenGenerated,
+    WriteSnapshot,
 )
 from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
@@ -119,7 +129,7 @@ class Runtime:
         *,
         info: EngineInfo,
         submit: trio.MemorySendChannel[SubmitGeneration],
-        cache: trio.MemorySendChannel[Any],
+        cache: trio.MemorySendChannel[CacheOwnerMessage],
         scheduler: SchedulerActor,
         engine: EngineActor,
         cache_owner: CacheOwnerActor,
@@ -176,7 +186,7 @@ class Runtime:
         if any(m.get("role") == "assistant" for m in messages):
             # Each round can move the alignment past one more re-tokenized reply.
             for _ in range(8):
-                reply: Reply[Any] = Reply()
+                reply: Reply[list[tuple[int, ...]]] = Reply()
                 await self._cache.send(FindCheckpointTokens(ids, namespace, reply))
                 better = best_realignment(self.tokenizer, text, ids, await reply.wait())
                 if better == ids:
@@ -250,8 +260,8 @@ class Runtime:
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)") from None
         self.scheduler.stats.submitted += 1
         if self.cold is not None:
-            try:  # a hint: dropped when the prefetcher is busy
-                self.cold.prefetch_inbox.send_nowait(PrefetchHint(request.prompt, request.namespace))
+            try:  # a hint: the cache owner tells the prefetcher what to read; dropped when busy
+                self._cache.send_nowait(PrefetchHint(request.prompt, request.namespace))
             except trio.WouldBlock:
                 pass
         return GenerationStream(receive, request)
@@ -259,13 +269,11 @@ class Runtime:
     # --- observing and stopping ------------------------------------------------
 
     async def cache_stats(self) -> dict[str, Any]:
-        reply: Reply[dict[str, Any]] = Reply()
+        reply: Reply[CacheStatsSnapshot] = Reply()
         await self._cache.send(QueryCacheStats(reply))
-        return await reply.wait()
+        return (await reply.wait()).as_dict()
 
     async def stats(self) -> dict[str, Any]:
-        import attrs
-
         from mlxd import _blas
 
         sched = attrs.asdict(self.scheduler.stats)
@@ -290,10 +298,14 @@ class Runtime:
         """The SSD tier's counters (seed §5.6 names), or {} without a cold tier."""
         if self.cold is None:
             return {}
-        reply: Reply[dict[str, Any]] = Reply()
+        reply: Reply[DurabilitySnapshot] = Reply()
         self.cold.durability_inbox.send_nowait(DurabilityStats(reply))
-        durability = await reply.wait()
+        durability = attrs.asdict(await reply.wait())
+        prefetch: Reply[PrefetchSnapshot] = Reply()
+        await self.cold.prefetch_inbox.send(PrefetchStats(prefetch))
+        prefetched = attrs.asdict(await prefetch.wait())
         tier = (await self.cache_stats()).get("ssd", {})
+        writer = durability["writer"]
         return {
             "entries": tier.get("entries", 0),
             "bytes": tier.get("bytes", 0),
@@ -310,9 +322,10 @@ class Runtime:
             "longest_durable_prefix_tokens": tier.get("longest_durable_prefix_tokens", 0),
             "superseded_spills": durability["superseded"],
             "corrupt_removed": tier.get("corrupt_removed", 0),
-            "disk_full": tier.get("disk_full", False),
-            "prefetch": dict(self.cold.prefetcher.stats),
-            "writer": {**self.cold.writer.stats, "pacing": self.cold.governor.as_dict()},
+            "disk_full": writer["disk_full"],
+            "not_stored": durability["not_stored"],
+            "prefetch": prefetched,
+            "writer": {**writer, "pacing": self.cold.governor.as_dict()},
             "restore_decisions": tier.get("restore_decisions", {}),
         }
 
@@ -349,54 +362,55 @@ class Runtime:
 class ColdTier:
     """The SSD tier's actors and their inboxes (absent without --ssd-cache)."""
 
-    store: Any
+    store: SsdStore
     writer: SsdWriterActor
     durability: DurabilityCoordinator
-    durability_inbox: trio.MemorySendChannel[Any]
+    durability_inbox: trio.MemorySendChannel[DurabilityMessage]
     prefetcher: PrefetcherActor
-    prefetch_inbox: trio.MemorySendChannel[Any]
+    prefetch_inbox: trio.MemorySendChannel[PrefetcherMessage]
     governor: WriteGovernor
 
 
-async def _open_store(config: RuntimeConfig, info: EngineInfo) -> Any:
+async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
     """Create the SSD store and scan its directory (header-only) on a worker thread."""
-    from mlxd.kv.ssd_store import SsdStore
-
     assert config.ssd_cache_dir is not None
-    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity, max_bytes=config.ssd_cache_max_bytes)
+    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity)
     t0 = time.perf_counter()
     log.info("ssd.scan_started", dir=str(store.directory))
-    report = await trio.to_thread.run_sync(store.scan)
+    scan = await trio.to_thread.run_sync(store.scan)
     log.info(
         "ssd.scan_finished",
         seconds=round(time.perf_counter() - t0, 3),
-        entries=len(store),
-        bytes=store.stats.bytes,
-        **{f"removed_{k}": v for k, v in attrs.asdict(report).items() if k != "indexed"},
+        entries=len(scan.records),
+        bytes=sum(r.nbytes for r in scan.records),
+        **{f"removed_{k}": v for k, v in attrs.asdict(scan.report).items() if k != "indexed"},
     )
     # The most recent files, up to the RAM tier's size, start reading into the
     # page cache now (kernel readahead), while the server is still idle.
-    warming = await trio.to_thread.run_sync(store.warm_page_cache, config.prompt_cache_bytes)
+    warming = await trio.to_thread.run_sync(store.warm_page_cache, scan.records, config.prompt_cache_bytes)
     log.info("ssd.page_cache_warming", bytes=warming)
-    return store
+    return store, scan
 
 
 def _cold_tier(
-    config: RuntimeConfig, store: Any, cache_owner: CacheOwnerActor, cache_send: Any, governor: WriteGovernor
+    config: RuntimeConfig,
+    store: SsdStore,
+    cache_send: trio.MemorySendChannel[CacheOwnerMessage],
+    governor: WriteGovernor,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
-    # writer's one-slot inbox, so it always drains. No cycle can deadlock.
-    durability_send, durability_receive = trio.open_memory_channel[Any](math.inf)
-    write_send, write_receive = trio.open_memory_channel[Any](1)
-    prefetch_send, prefetch_receive = trio.open_memory_channel[Any](64)
+    # writer's one-slot inbox and the cache owner's replies, so it always drains.
+    durability_send, durability_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
+    write_send, write_receive = trio.open_memory_channel[WriteSnapshot](1)
+    prefetch_send, prefetch_receive = trio.open_memory_channel[PrefetcherMessage](64)
     writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone(), governor=governor)
     durability = DurabilityCoordinator(
-        store, inbox=durability_receive, writer=write_send, cache=cache_send.clone(), governor=governor,
+        inbox=durability_receive, writer=write_send, cache=cache_send.clone(), governor=governor,
         backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2,
     )
     prefetcher = PrefetcherActor(
-        store, cache_owner.cache, inbox=prefetch_receive, verify=config.ssd_cache_verify
+        store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify
     )
     return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor)
 
@@ -407,18 +421,22 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     config = config or RuntimeConfig()
     submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](config.max_queue)
     engine_send, engine_receive = trio.open_memory_channel[Any](config.max_batch * 2 + 8)
-    cache_send, cache_receive = trio.open_memory_channel[Any](64)
+    cache_send, cache_receive = trio.open_memory_channel[CacheOwnerMessage](64)
     # Shared by the engine (busy), the durability coordinator and cache owner
     # (urgent) and the SSD writer (which paces itself by it).
     governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes)
     engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone(), governor=governor)
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
-        store = await _open_store(config, info) if config.ssd_cache_dir else None
-        cache_owner = CacheOwnerActor(config, inbox=cache_receive, store=store, governor=governor)
-        cold = _cold_tier(config, store, cache_owner, cache_send, governor) if store is not None else None
+        store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
+        cache_owner = CacheOwnerActor(
+            config, inbox=cache_receive, store=store, governor=governor,
+            records=scan.records if scan is not None else (),
+            corrupt_at_start=scan.report.corrupt if scan is not None else 0,
+        )
+        cold = _cold_tier(config, store, cache_send, governor) if store is not None else None
         if cold is not None:
-            cache_owner.attach_durability(cold.durability_inbox.clone())
+            cache_owner.attach(durability=cold.durability_inbox.clone(), prefetcher=cold.prefetch_inbox.clone())
             await nursery.start(cold.writer.run)
             await nursery.start(cold.durability.run)
             await nursery.start(cold.prefetcher.run)

@@ -1,19 +1,21 @@
-"""The `mlxd` cache model: replay a trace through the serving cache code in virtual time.
+"""The `mlxd` cache model: replay a trace through the serving cache core in virtual time.
 
-The RAM tier is `mlxd.kv.prompt_cache.PromptCache` with a `mlxd.kv.retention`
-policy, the SSD tier is `mlxd.kv.tiering.SsdIndex` with persist-before-demotion
-(`mlxd.kv.tiering.may_demote`), and the engine is simulated: a bounded number
-of slots, each request holding one for restore + prefill + decode, with costs
-from a `CostModel` charged as `trio.sleep` on a `trio.testing.MockClock`. An
-hour of trace replays in seconds and a run is deterministic.
+Both tiers and every decision between them are the serving code itself:
+`mlxd.kv.tiers.CacheTiers` (RAM `PromptCache`, SSD index, persist-before-
+demotion, supersession, SSD cap, restore-or-recompute) and the write-behind
+order of `mlxd.kv.write_queue.WriteQueue`. Only the engine and the SSD writer
+are simulated, with costs from a `CostModel` charged as `trio.sleep` on a
+`trio.testing.MockClock`: an hour of trace replays in seconds and a run is
+deterministic.
 
-Per request, when it gets a slot: look up RAM (`take`) and SSD (`find`); SSD
-serves only with a strictly longer usable prefix and only if restoring beats
-recomputing; an SSD hit is restored and published into RAM. After prefill the
-prompt is stored (the prompt-boundary snapshot) and the RAM tier evicted back
-under its byte cap, persisting victims to SSD first when there is an SSD tier.
-When the trace recorded the generated ids, prompt + output is stored after
-decode too, like the serving engine does.
+The simulated engine publishes what the serving engine publishes: a restored
+SSD record (durable), the prompt-boundary snapshot (the prompt minus its last
+token, when at least `snapshot_min_tokens` new tokens were prefilled) and the
+final checkpoint (prompt + generated ids; the prompt alone when the trace did
+not record the ids). The simulated writer writes dirty records one at a time
+in the queue's order and reports each commit back to the core, as the serving
+SSD writer does. A recorded flush (`mlxd serve --record-trace`) is a barrier:
+requests that arrived before it finish, then every pending write commits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import attrs
 import numpy as np
@@ -29,8 +32,10 @@ import trio.testing
 
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
 from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import CostPolicy, RetentionPolicy, make_policy
-from mlxd.kv.tiering import SsdIndex, choose_source, may_demote
+from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
+from mlxd.kv.write_queue import WriteQueue
 from mlxd.sim.results import RunResult, Tally
 from mlxd.sim.trace import TraceRequest, block_tokens, half_block_tokens
 
@@ -98,136 +103,166 @@ def seed_trio_scheduler(seed: int) -> None:
 
 @attrs.define
 class MlxdReplay:
-    """One replay run of the serving cache code against a trace."""
+    """One replay run of the serving cache core against a trace."""
 
     reqs: Sequence[TraceRequest]
     cost: CostModel
-    cache: PromptCache
-    ssd: SsdIndex | None
+    tiers: CacheTiers
     synth: TokenSynth | BlockSynth
     slots: int = 4
+    snapshot_min_tokens: int = 256
+    flushes: Sequence[float] = ()
     on_request: OnRequest | None = None
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
     )
+    _queue: WriteQueue = attrs.field(init=False, factory=WriteQueue)
+    _dirty: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _running: int = attrs.field(init=False, default=0)
+    _quiet: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     def now(self) -> float:
         return self._clock.current_time()
 
     async def main(self) -> None:
-        send, recv = trio.open_memory_channel(math.inf)  # the admission queue
+        send, recv = trio.open_memory_channel[TraceRequest | None](math.inf)  # the admission queue
         slots = trio.Semaphore(self.slots)
+        self._quiet.set()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer)
+            if self.tiers.ssd and self.tiers.demote_idle_s > 0:
+                nursery.start_soon(self._demote_idle)
             nursery.start_soon(self._arrivals, send)
             async with recv:
                 async for r in recv:  # first come, first served
+                    if r is None:  # a flush barrier: everything admitted so far finishes
+                        await self._barrier()
+                        continue
                     await slots.acquire()
+                    self._running += 1
+                    self._quiet = trio.Event()
                     nursery.start_soon(self._serve, r, slots)
+            await self._barrier()
+            nursery.cancel_scope.cancel()
 
-    async def _arrivals(self, send) -> None:
+    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | None]) -> None:
+        events = sorted(
+            [(r.t, 1, r) for r in self.reqs] + [(t, 0, None) for t in self.flushes],
+            key=lambda e: (e[0], e[1]),
+        )
         async with send:
-            for r in self.reqs:
-                await trio.sleep_until(r.t)
+            for t, _, r in events:
+                await trio.sleep_until(max(t, self.now()))
                 send.send_nowait(r)
+
+    async def _barrier(self) -> None:
+        """Wait for every admitted request, then for every pending write (a flush)."""
+        await self._quiet.wait()
+        while self._queue.pending():
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     async def _serve(self, r: TraceRequest, slots: trio.Semaphore) -> None:
         try:
             start = self.now()
             prompt = self.synth.prompt(r)
-            hit, source, restore_s = self._lookup(r, prompt)
+            real = partial(self.synth.hit_tokens, r)
+            lookup = self.tiers.lookup(prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length)
+            restore_s = 0.0
+            if lookup.restore is not None:
+                hit, source = real(lookup.restore.usable), "ssd"
+                restore_s = self._restore(lookup.restore.record, r.namespace)
+            elif lookup.hit is not None:
+                hit, source = real(lookup.hit.usable), "ram"
+            else:
+                hit, source = 0, "miss"
+            await trio.sleep(restore_s)
             prefill_s = self.cost.prefill_seconds(r.input_length - hit, hit)
-            await trio.sleep(restore_s + prefill_s)
-            self._store(prompt, r.namespace, r.input_length)
+            await trio.sleep(prefill_s)
+            if r.input_length - hit - 1 >= max(1, self.snapshot_min_tokens):
+                self._publish(prompt[:-1], r.namespace, r.input_length - 1)
             self.tally.add_request(r.input_length, hit, source=source)
             if self.on_request is not None:
                 self.on_request(r, hit, source)
-            decode_s = self.cost.decode_seconds(r.output_tokens, r.input_length)
-            await trio.sleep(decode_s)
+            await trio.sleep(self.cost.decode_seconds(r.output_tokens, r.input_length))
             self.tally.add_timing(
                 queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now()
             )
             if r.output_ids:
-                full = np.concatenate(
-                    [np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)]
-                )
-                self._store(full, r.namespace, len(full))
+                full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
+                self._publish(full, r.namespace, len(full))
+            else:  # the generated ids are unknown: the prompt stands in for prompt + generation
+                self._publish(prompt, r.namespace, r.input_length)
         finally:
             slots.release()
+            self._running -= 1
+            if self._running == 0:
+                self._quiet.set()
 
-    def _lookup(self, r: TraceRequest, prompt) -> tuple[int, str, float]:
-        """(hit tokens, "ram"|"ssd"|"miss", restore seconds) for a request."""
-        ram = self.cache.take(prompt, r.namespace)
-        ssd = self.ssd.find(prompt, r.namespace) if self.ssd is not None else None
-        source = choose_source(ram.usable if ram else 0, ssd.usable if ssd else 0)
-        if source == "ssd":
-            hit = self.synth.hit_tokens(r, ssd.usable)
-            if self.cost.should_restore(ssd.record.nbytes, hit, r.input_length - hit):
-                return hit, "ssd", self._restore(ssd.record)
-            source = "ram" if ram else "miss"
-        if source == "ram":
-            return self.synth.hit_tokens(r, ram.usable), "ram", 0.0
-        return 0, "miss", 0.0
-
-    def _restore(self, record) -> float:
-        """Read an SSD record back and publish it in RAM (it stays durable)."""
-        self.ssd.touch(record, self.now())
+    def _restore(self, record: SsdRecord, namespace: str) -> float:
+        """Read an SSD record back and publish it in RAM (durable)."""
         self.tally.ssd_bytes_read += record.nbytes
-        out = self.cache.put(
-            record.tokens,
-            record.namespace,
-            payload=None,
-            nbytes=record.nbytes,
-            trimmable=record.trimmable,
+        self._apply(
+            self.tiers.publish(
+                record.tokens, namespace, payload=None, nbytes=record.nbytes,
+                trimmable=record.trimmable, durable=True,
+            )
         )
-        if out.entry is not None:
-            out.entry.durable = True
-        self._evict()
         return self.cost.restore_seconds(record.nbytes)
 
-    def _store(self, tokens, namespace: str, num_tokens: int) -> None:
-        out = self.cache.put(
-            tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True
+    def _publish(self, tokens, namespace: str, num_tokens: int) -> None:
+        self._apply(
+            self.tiers.publish(
+                tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True
+            )
         )
-        if out.entry is not None and self.ssd is not None:
-            # an SSD file with exactly these tokens already makes the new entry durable
-            out.entry.durable = self.ssd.get(out.entry.tokens, namespace) is not None
-        self._evict()
 
-    def _evict(self) -> None:
-        """Evict under the byte cap, persisting refused victims to SSD first."""
-        may = may_demote(self.ssd)
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Persist):
+                self._queue.mark(
+                    effect.namespace, effect.tokens, plan=None, trimmable=effect.trimmable, nbytes=effect.nbytes
+                )
+                self._dirty.set()
+            elif isinstance(effect, Forget):
+                self._queue.forget(effect.namespace, effect.tokens)
+            elif isinstance(effect, NotStored | Unlink):
+                pass  # nothing to write or delete: the core already counted it
+
+    async def _writer(self) -> None:
+        """The SSD writer: one dirty record at a time, in the queue's order."""
         while True:
-            ev = self.cache.evict(may_evict=may)
-            for entry in ev.evicted:
-                if self.ssd is not None and entry.durable:
-                    self.tally.demotions += 1
-                else:
-                    self.tally.evictions += 1
-            if ev.blocked is None:
-                return
-            self._persist(ev.blocked)
+            job = self._queue.next_job()
+            if job is None:
+                self._idle.set()
+                self._dirty = trio.Event()
+                await self._dirty.wait()
+                continue
+            record = job.record
+            await trio.sleep(self.cost.restore_seconds(record.nbytes))  # write at read bandwidth
+            self._queue.written(job.key, job.version, stored=True)
+            self.tally.ssd_bytes_written += record.nbytes
+            stored = SsdRecord(record.namespace, record.tokens, record.nbytes, self.now(), record.trimmable)
+            self._apply(self.tiers.durable(stored))
 
-    def _persist(self, entry) -> None:
-        """Write a RAM entry to SSD (the simulated writer commits at once)."""
-        dropped = self.ssd.add(
-            entry.tokens,
-            entry.namespace,
-            nbytes=entry.nbytes,
-            now=self.now(),
-            trimmable=entry.trimmable,
-        )
-        self.tally.ssd_bytes_written += entry.nbytes
-        entry.durable = True
-        for record in dropped:
-            self.tally.ssd_evictions += 1
-            ram = self.cache.find_exact(record.tokens, record.namespace)
-            if ram is not None:
-                ram.durable = False
+    async def _demote_idle(self) -> None:
+        idle = self.tiers.demote_idle_s
+        while True:
+            await trio.sleep(min(idle / 4, 5.0))
+            self._apply(self.tiers.demote_idle())
 
     def run(self, *, seed: int = 0) -> Tally:
         seed_trio_scheduler(seed)
         trio.run(self.main, clock=self._clock)
+        stats = self.tiers.stats()
+        if self.tiers.ssd:
+            self.tally.evictions = stats.dropped_unpersisted
+            self.tally.demotions = stats.demotions
+            self.tally.ssd_evictions = stats.ssd_evictions
+        else:
+            self.tally.evictions = stats.ram.evictions
         return self.tally
 
 
@@ -242,9 +277,13 @@ def replay_mlxd(
     granularity: str = "auto",
     slots: int = 4,
     seed: int = 0,
+    snapshot_min_tokens: int = 256,
+    demote_idle_s: float = 0.0,
+    flushes: Sequence[float] = (),
     on_request: OnRequest | None = None,
 ) -> RunResult:
-    """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier."""
+    """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
+    (`ssd_bytes` None = unlimited)."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
@@ -253,13 +292,17 @@ def replay_mlxd(
         max_bytes=UNLIMITED_BYTES if ram_bytes is None else ram_bytes,
         policy=make_retention(policy, cost),
     )
+    tiers = CacheTiers(
+        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(base=cost), demote_idle_s=demote_idle_s
+    )
     replay = MlxdReplay(
         reqs,
         cost,
-        cache,
-        SsdIndex(ssd_bytes) if ssd else None,
+        tiers,
         BlockSynth() if use_blocks else TokenSynth(),
         slots=slots,
+        snapshot_min_tokens=snapshot_min_tokens,
+        flushes=flushes,
         on_request=on_request,
     )
     cache.clock = replay.now

@@ -1,0 +1,465 @@
+"""The cache tiers: one pure core for serving and simulation (seed §4, §5.1).
+
+`CacheTiers` owns the RAM `PromptCache`, the index of what the SSD tier
+holds, and every decision between the two:
+
+- lookup: a RAM hit, or an SSD record worth restoring. The SSD record must
+  serve a *strictly* longer usable prefix, and restoring it plus prefilling
+  the rest must beat prefilling on top of the RAM hit (`RestoreAdvisor`, the
+  one rule);
+- publish: a new RAM checkpoint is either durable already (an SSD file covers
+  its tokens) or must be persisted (`Persist`), or can never be (`NotStored`:
+  larger than the SSD cap);
+- persist-before-demotion: a RAM victim without a durable copy stays resident
+  until its write commits (`durable`) or fails (`not_persisted`);
+- supersession: a committed trimmable file replaces exact duplicates and
+  strict ancestors on SSD (`Unlink` them);
+- the SSD cap: least recently used by mtime first; an evicted file clears the
+  `durable` flag of RAM entries it was covering;
+- idle demotion: durable RAM entries unused for a while leave RAM.
+
+No trio, no threads, no files: every method returns the effects the caller
+must carry out (`Persist`, `Forget`, `Unlink`, `NotStored`) and time comes
+from the injected clock (wall time when serving, virtual time when simulating).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
+from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
+from mlxd.kv.restore_decision import RestoreAdvisor
+
+if TYPE_CHECKING:
+    from mlxd.kv.file_format import SnapshotPlan
+
+Key = tuple[str, TokenKey]
+
+
+def key_of(namespace: str, tokens: Tokens | TokenKey) -> Key:
+    return (namespace, token_key(tokens))
+
+
+@attrs.define(eq=False)
+class SsdRecord:
+    """One whole entry on SSD: the state after exactly `tokens` in `namespace`."""
+
+    namespace: str
+    tokens: Tokens
+    nbytes: int  # KV bytes in the file (what the SSD cap counts; = the RAM entry's nbytes)
+    mtime: float  # the LRU clock: set on write, refreshed on every restore
+    trimmable: bool = True
+    path: Path | None = None  # the file, when serving; None in the simulator
+
+
+@attrs.frozen
+class SsdMatch:
+    """A record that can serve `usable` tokens of a prompt (<= len(prompt) - 1)."""
+
+    record: SsdRecord
+    usable: int
+
+    @property
+    def needs_trim(self) -> bool:
+        return self.usable < len(self.record.tokens)
+
+
+@attrs.frozen(eq=False)
+class PrefixLookup:
+    """Where a prompt's prefix comes from: a RAM hit, or an SSD record worth restoring."""
+
+    hit: CacheHit | None
+    restore: SsdMatch | None = None  # strictly longer than the RAM hit, and worth it
+
+
+# --- effects: what the caller must do after a call ---------------------------------
+
+
+@attrs.frozen(eq=False)
+class Persist:
+    """Write this RAM checkpoint to SSD (write-behind; report back with `durable`)."""
+
+    namespace: str
+    tokens: Tokens
+    plan: SnapshotPlan | None  # None in the simulator
+    trimmable: bool
+    nbytes: int
+
+
+@attrs.frozen(eq=False)
+class Forget:
+    """This RAM checkpoint left RAM without a copy: stop trying to write it."""
+
+    namespace: str
+    tokens: Tokens
+
+
+@attrs.frozen(eq=False)
+class NotStored:
+    """This checkpoint will never be on SSD (e.g. larger than the whole SSD cap)."""
+
+    namespace: str
+    tokens: Tokens
+    nbytes: int
+    reason: str
+
+
+@attrs.frozen(eq=False)
+class Unlink:
+    """Delete this file: superseded, replaced, evicted for the cap, or never storable."""
+
+    record: SsdRecord
+
+
+Effect = Persist | Forget | NotStored | Unlink
+
+
+@attrs.frozen
+class TierStats:
+    """A snapshot of both tiers' counters (travels in replies; never shared)."""
+
+    ram: PromptCacheStats
+    ssd_enabled: bool
+    ssd_entries: int
+    ssd_bytes: int
+    ssd_max_bytes: int
+    longest_durable_prefix_tokens: int
+    demotions: int
+    idle_demotions: int
+    dropped_unpersisted: int
+    ssd_evictions: int
+    ssd_superseded: int
+    not_stored: int
+    lost_files: int
+    restore_decisions: dict[str, Any]
+
+
+@attrs.define
+class _SsdIndex:
+    """What the SSD holds: prefix lookups per namespace, LRU order by mtime, bytes."""
+
+    _indexes: dict[str, PrefixIndex] = attrs.field(factory=dict)
+    _lru: OrderedDict[Key, SsdRecord] = attrs.field(factory=OrderedDict)
+    bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def records(self) -> list[SsdRecord]:
+        return list(self._lru.values())
+
+    def find(self, tokens: Tokens, namespace: str, *, limit: int) -> SsdMatch | None:
+        index = self._indexes.get(namespace)
+        if index is None or limit <= 0:
+            return None
+        match = index.longest_usable(tokens, limit=limit)
+        return None if match is None else SsdMatch(match.value, match.usable)
+
+    def covers(self, tokens: Tokens, namespace: str) -> bool:
+        """Can some file restore exactly `tokens` (itself, or a trimmable descendant)?"""
+        n = len(tokens)
+        match = self.find(tokens, namespace, limit=n)
+        return match is not None and match.usable == n
+
+    def get(self, tokens: Tokens, namespace: str) -> SsdRecord | None:
+        return self._lru.get(key_of(namespace, tokens))
+
+    def add(self, record: SsdRecord) -> list[SsdRecord]:
+        """Index a record; returns the exact duplicate and (if trimmable) strict ancestors it replaces."""
+        index = self._indexes.setdefault(record.namespace, PrefixIndex())
+        gone = [self.get(record.tokens, record.namespace)]
+        if record.trimmable:
+            gone += index.strict_ancestors(record.tokens)
+        removed = [r for r in gone if r is not None]
+        for old in removed:
+            self.remove(old)
+        index = self._indexes.setdefault(record.namespace, PrefixIndex())
+        index.insert(record.tokens, record, trimmable=record.trimmable)
+        self._lru[key_of(record.namespace, record.tokens)] = record
+        self.bytes += record.nbytes
+        return removed
+
+    def remove(self, record: SsdRecord) -> bool:
+        key = key_of(record.namespace, record.tokens)
+        if self._lru.get(key) is not record:
+            return False
+        del self._lru[key]
+        self.bytes -= record.nbytes
+        index = self._indexes[record.namespace]
+        index.remove(record.tokens)
+        if not len(index):
+            del self._indexes[record.namespace]
+        return True
+
+    def touch(self, record: SsdRecord, now: float) -> None:
+        record.mtime = now
+        key = key_of(record.namespace, record.tokens)
+        if self._lru.get(key) is record:
+            self._lru.move_to_end(key)
+
+    def oldest(self) -> SsdRecord | None:
+        return next(iter(self._lru.values()), None)
+
+
+def _always(entry: CacheEntry) -> bool:
+    return True
+
+
+@attrs.define
+class CacheTiers:
+    """RAM and SSD tiers and the decisions between them; see the module docstring.
+
+    `ssd` False means a RAM-only cache (no SSD tier: victims are simply dropped).
+    `ssd_max_bytes` 0 means an unlimited SSD tier.
+    """
+
+    ram: PromptCache
+    ssd: bool = False
+    ssd_max_bytes: int = 0
+    advisor: RestoreAdvisor = attrs.Factory(RestoreAdvisor)
+    demote_idle_s: float = 0.0  # 0 = never demote idle entries
+    _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
+    _unpersistable: set[Key] = attrs.field(init=False, factory=set)
+    _demotions: int = attrs.field(init=False, default=0)
+    _idle_demotions: int = attrs.field(init=False, default=0)
+    _dropped_unpersisted: int = attrs.field(init=False, default=0)
+    _ssd_evictions: int = attrs.field(init=False, default=0)
+    _ssd_superseded: int = attrs.field(init=False, default=0)
+    _not_stored: int = attrs.field(init=False, default=0)
+    _lost: int = attrs.field(init=False, default=0)
+
+    @property
+    def now(self) -> float:
+        return self.ram.clock()
+
+    @property
+    def ram_over_cap(self) -> bool:
+        """RAM is above its cap because its victims wait for their writes."""
+        return self.ram.bytes > self.ram.max_bytes
+
+    def ssd_records(self) -> list[SsdRecord]:
+        """Every SSD record, least recently used first."""
+        return self._index.records()
+
+    def ssd_find(self, tokens: Tokens, namespace: str = "", *, limit: int | None = None) -> SsdMatch | None:
+        """The SSD record serving the longest usable prefix (default limit len - 1); no touch."""
+        cap = len(tokens) - 1 if limit is None else limit
+        return self._index.find(tokens, namespace, limit=cap) if self.ssd else None
+
+    def ssd_covers(self, tokens: Tokens, namespace: str = "") -> bool:
+        """Can some SSD file restore exactly `tokens` (itself or a trimmable descendant)?"""
+        return self.ssd and self._index.covers(tokens, namespace)
+
+    def ssd_fits(self, nbytes: int) -> bool:
+        return self.ssd_max_bytes <= 0 or nbytes <= self.ssd_max_bytes
+
+    # --- startup ----------------------------------------------------------------
+
+    def load_records(self, records: Iterable[SsdRecord]) -> list[Effect]:
+        """Index the files a startup scan found (oldest first); enforce the cap."""
+        effects: list[Effect] = []
+        for record in sorted(records, key=lambda r: r.mtime):
+            effects += self._add_record(record, count_superseded=False)
+        return effects
+
+    # --- lookups ----------------------------------------------------------------
+
+    def lookup(
+        self, tokens: Tokens, namespace: str = "", *, model_tokens: Callable[[int], int] | None = None
+    ) -> PrefixLookup:
+        """RAM hit (counted and refreshed), or an SSD record to restore (touched).
+
+        `model_tokens` maps index tokens to model tokens where they differ (the
+        simulator's block encoding); the restore decision is taken in model tokens.
+        """
+        hit = self.ram.take(tokens, namespace)
+        if not self.ssd:
+            return PrefixLookup(hit)
+        cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
+        warm = hit.usable if hit is not None else 0
+        if cold is None or cold.usable <= warm:
+            return PrefixLookup(hit)
+        real = model_tokens or (lambda n: n)
+        if not self.advisor.should_restore(
+            restore_bytes=cold.record.nbytes,
+            cold_tokens=real(cold.usable),
+            warm_tokens=real(warm),
+            prompt_tokens=real(len(tokens)),
+        ):
+            return PrefixLookup(hit)
+        self._index.touch(cold.record, self.now)
+        return PrefixLookup(hit, cold)
+
+    def prefetch_candidate(self, tokens: Tokens, namespace: str = "") -> SsdRecord | None:
+        """The SSD record a newly arrived prompt will likely restore (no accounting)."""
+        if not self.ssd:
+            return None
+        cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
+        if cold is None:
+            return None
+        warm = self.ram.peek(tokens, namespace)
+        if warm is not None and warm.usable >= cold.usable:
+            return None
+        return cold.record
+
+    def checkpoint_tokens(self, tokens: Tokens, namespace: str = "") -> list[tuple[int, ...]]:
+        """The exact tokens of the best RAM and SSD checkpoints for `tokens` (no accounting)."""
+        found: list[tuple[int, ...]] = []
+        hit = self.ram.peek(tokens, namespace)
+        if hit is not None:
+            found.append(tuple(int(t) for t in hit.entry.tokens))
+        if self.ssd:
+            cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
+            if cold is not None:
+                exact = tuple(int(t) for t in cold.record.tokens)
+                if exact not in found:
+                    found.append(exact)
+        return found
+
+    # --- publications and durability ------------------------------------------------
+
+    def publish(
+        self,
+        tokens: Tokens,
+        namespace: str = "",
+        *,
+        payload: Any,
+        nbytes: int,
+        trimmable: bool,
+        plan: SnapshotPlan | None = None,
+        file_nbytes: int | None = None,
+        durable: bool = False,
+    ) -> list[Effect]:
+        """Store a checkpoint in RAM; persist it unless a file covers it already; evict.
+
+        `durable` says the checkpoint came from SSD (a restore); `file_nbytes`
+        is its size on SSD (default: `nbytes`).
+        """
+        outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable)
+        entry = outcome.entry
+        effects: list[Effect] = []
+        if entry is not None and self.ssd:
+            if durable or self._index.covers(entry.tokens, namespace):
+                entry.durable = True
+            else:
+                size = nbytes if file_nbytes is None else file_nbytes
+                if self.ssd_fits(size):
+                    effects.append(Persist(namespace, entry.tokens, plan, trimmable, size))
+                else:
+                    effects.append(self._never_stored(entry.namespace, entry.tokens, size))
+        return effects + self._evict()
+
+    def durable(self, record: SsdRecord) -> list[Effect]:
+        """A write committed `record` (mtime = now): index it, supersede, enforce the cap."""
+        record.mtime = self.now
+        effects = self._add_record(record, count_superseded=True)
+        self._unpersistable.discard(key_of(record.namespace, record.tokens))
+        return effects + self._evict()
+
+    def not_persisted(self, namespace: str, tokens: Tokens) -> list[Effect]:
+        """A write failed: the RAM entry may now be dropped under pressure."""
+        self._unpersistable.add(key_of(namespace, tokens))
+        return self._evict()
+
+    def lost(self, record: SsdRecord) -> list[Effect]:
+        """A file turned out unreadable or gone (the reader removed it): forget it."""
+        if self._index.remove(record):
+            self._lost += 1
+            self._refresh_durable(record)
+        return []
+
+    def demote_idle(self) -> list[Effect]:
+        """Free RAM held by durable entries idle for `demote_idle_s` (their prefix stays on SSD)."""
+        if not self.ssd or self.demote_idle_s <= 0:
+            return []
+        for entry in self.ram.idle_entries(idle_for=self.demote_idle_s):
+            if entry.durable:
+                self.ram.remove(entry, evicted=True)
+                self._idle_demotions += 1
+                self._demotions += 1
+        return []
+
+    # --- internals ------------------------------------------------------------------
+
+    def _never_stored(self, namespace: str, tokens: Tokens, nbytes: int) -> NotStored:
+        self._unpersistable.add(key_of(namespace, tokens))
+        self._not_stored += 1
+        return NotStored(namespace, tokens, nbytes, f"{nbytes} bytes exceed the SSD cap of {self.ssd_max_bytes}")
+
+    def _add_record(self, record: SsdRecord, *, count_superseded: bool) -> list[Effect]:
+        if not self.ssd_fits(record.nbytes):
+            # Written, but it could never stay: delete it and say so.
+            return [Unlink(record), self._never_stored(record.namespace, record.tokens, record.nbytes)]
+        removed = self._index.add(record)
+        if count_superseded:
+            self._ssd_superseded += len(removed)
+        evicted = []
+        while self.ssd_max_bytes > 0 and self._index.bytes > self.ssd_max_bytes:
+            victim = self._index.oldest()
+            if victim is None or victim is record:
+                break
+            self._index.remove(victim)
+            evicted.append(victim)
+        self._ssd_evictions += len(evicted)
+        for gone in (*removed, *evicted):
+            self._refresh_durable(gone)
+        self._refresh_durable(record)
+        return [Unlink(r) for r in (*removed, *evicted)]
+
+    def _refresh_durable(self, record: SsdRecord) -> None:
+        """RAM entries at or below `record`'s tokens: durable iff some file still covers them."""
+        for entry in self._ram_prefixes(record.tokens, record.namespace):
+            entry.durable = self._index.covers(entry.tokens, entry.namespace)
+
+    def _ram_prefixes(self, tokens: Tokens, namespace: str) -> list[CacheEntry]:
+        exact = self.ram.find_exact(tokens, namespace)
+        ancestors = self.ram.strict_ancestors(tokens, namespace)
+        return ancestors + ([exact] if exact is not None else [])
+
+    def _may_evict(self, entry: CacheEntry) -> bool:
+        if not self.ssd or entry.durable:
+            return True
+        return key_of(entry.namespace, entry.tokens) in self._unpersistable
+
+    def _evict(self) -> list[Effect]:
+        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always)
+        effects: list[Effect] = []
+        for entry in eviction.evicted:
+            if not self.ssd:
+                continue
+            if entry.durable:
+                self._demotions += 1
+                continue
+            key = key_of(entry.namespace, entry.tokens)
+            if key in self._unpersistable:
+                self._unpersistable.discard(key)
+            self._dropped_unpersisted += 1
+            effects.append(Forget(entry.namespace, entry.tokens))
+        return effects
+
+    # --- stats ----------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        records = self._index.records()
+        return TierStats(
+            ram=self.ram.stats,
+            ssd_enabled=self.ssd,
+            ssd_entries=len(records),
+            ssd_bytes=self._index.bytes,
+            ssd_max_bytes=self.ssd_max_bytes,
+            longest_durable_prefix_tokens=max((len(r.tokens) for r in records), default=0),
+            demotions=self._demotions,
+            idle_demotions=self._idle_demotions,
+            dropped_unpersisted=self._dropped_unpersisted,
+            ssd_evictions=self._ssd_evictions,
+            ssd_superseded=self._ssd_superseded,
+            not_stored=self._not_stored,
+            lost_files=self._lost,
+            restore_decisions=self.advisor.stats(),
+        )

@@ -1,0 +1,146 @@
+"""Write-behind order: the dirty-record state machine behind the durability coordinator.
+
+Every RAM checkpoint that is not on SSD is a dirty record keyed by its
+namespace and *exact* tokens (two same-length conversations never cancel each
+other). Records are written one at a time, oldest first; a trimmable record
+supersedes its queued strict ancestors (it serves them by trimming). A failed
+write leaves its record failed until a flush retries it once. Pure: the
+serving coordinator and the simulator's writer drive the same class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+from mlxd.kv.prompt_cache import Tokens
+from mlxd.kv.tiers import Key, key_of
+
+if TYPE_CHECKING:
+    from mlxd.kv.file_format import SnapshotPlan
+
+State = Literal["queued", "writing", "failed"]
+
+
+@attrs.define
+class DirtyRecord:
+    namespace: str
+    tokens: Tokens
+    plan: SnapshotPlan | None
+    trimmable: bool
+    nbytes: int
+    version: int
+    state: State = "queued"
+    error: str | None = None
+
+
+@attrs.frozen(eq=False)
+class WriteJob:
+    """One write for the writer: `version` tells a stale outcome from a current one."""
+
+    key: Key
+    version: int
+    record: DirtyRecord
+
+
+@attrs.frozen
+class WriteCounters:
+    spills: int
+    failed_spills: int
+    dropped_spills: int
+    superseded: int
+
+
+@attrs.define
+class WriteQueue:
+    _records: OrderedDict[Key, DirtyRecord] = attrs.field(init=False, factory=OrderedDict)
+    _writing: Key | None = attrs.field(init=False, default=None)
+    _versions: int = attrs.field(init=False, default=0)
+    spills: int = attrs.field(init=False, default=0)
+    failed_spills: int = attrs.field(init=False, default=0)
+    dropped_spills: int = attrs.field(init=False, default=0)
+    superseded: int = attrs.field(init=False, default=0)
+    dropped_since_flush: int = attrs.field(init=False, default=0)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def writing(self) -> bool:
+        return self._writing is not None
+
+    def mark(self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | None, trimmable: bool, nbytes: int) -> None:
+        """A new checkpoint to write (a newer version of the same tokens replaces a queued one)."""
+        key = key_of(namespace, tokens)
+        self._versions += 1
+        self._records.pop(key, None)  # a version being written finishes; this one gets its own try
+        self._records[key] = DirtyRecord(namespace, tokens, plan, trimmable, nbytes, self._versions)
+        if trimmable:
+            for other, record in list(self._records.items()):
+                if record.state != "writing" and other[0] == namespace and _strict_prefix(other[1], key[1]):
+                    del self._records[other]
+                    self.superseded += 1
+
+    def forget(self, namespace: str, tokens: Tokens) -> None:
+        """The RAM entry left without a write: drop its record (counted against the next flush)."""
+        key = key_of(namespace, tokens)
+        record = self._records.get(key)
+        if record is not None and record.state != "writing":
+            del self._records[key]
+            self.dropped_spills += 1
+            self.dropped_since_flush += 1
+
+    def next_job(self) -> WriteJob | None:
+        """The next write, when none is in flight."""
+        if self._writing is not None:
+            return None
+        for key, record in self._records.items():
+            if record.state == "queued":
+                record.state = "writing"
+                self._writing = key
+                return WriteJob(key, record.version, record)
+        return None
+
+    def written(self, key: Key, version: int, *, stored: bool, error: str | None = None) -> bool:
+        """The writer's outcome; True when the failure is the record's current version."""
+        self._writing = None
+        record = self._records.get(key)
+        if stored:
+            self.spills += 1
+            if record is not None:
+                del self._records[key]  # same exact tokens: a newer queued version holds the same state
+            return False
+        self.failed_spills += 1
+        if record is not None and record.version == version:
+            record.state = "failed"
+            record.error = error
+            return True
+        return False
+
+    def retry_failed(self) -> set[Key]:
+        """A flush: one more try for each failed record; returns every key to wait for."""
+        for record in self._records.values():
+            if record.state == "failed":
+                record.state = "queued"
+        return set(self._records)
+
+    def busy(self, keys: set[Key]) -> bool:
+        return any(k in self._records and self._records[k].state != "failed" for k in keys)
+
+    def failed(self) -> list[DirtyRecord]:
+        return [r for r in self._records.values() if r.state == "failed"]
+
+    def pending(self) -> list[DirtyRecord]:
+        return [r for r in self._records.values() if r.state != "failed"]
+
+    def pending_bytes(self) -> int:
+        return sum(r.nbytes for r in self.pending())
+
+    def counters(self) -> WriteCounters:
+        return WriteCounters(self.spills, self.failed_spills, self.dropped_spills, self.superseded)
+
+
+def _strict_prefix(short: bytes, long: bytes) -> bool:
+    return len(short) < len(long) and long.startswith(short)
