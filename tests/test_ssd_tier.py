@@ -44,9 +44,10 @@ async def test_restored_tensors_equal_the_ram_entry(tiny_model_dir, tmp_path):
         ram = list(rt.cache_owner.cache.entries())
         assert ram
         for entry in ram:
-            cold = rt.cold.store.find_exact(entry.tokens, entry.namespace)
-            assert cold is not None, "every RAM checkpoint is durable after a flush"
-            restored = file_format.adopt(rt.cold.store.load(cold, verify=True))
+            assert entry.durable, "every RAM checkpoint is durable after a flush"
+            match = rt.cache_owner.tiers.ssd_find(entry.tokens, entry.namespace, limit=len(entry.tokens))
+            assert tuple(match.record.tokens) == tuple(entry.tokens)
+            restored = file_format.adopt(rt.cold.store.load(match.record, verify=True))
             assert len(restored) == len(entry.payload)
             for a, b in zip(entry.payload, restored, strict=True):
                 assert a.offset == b.offset

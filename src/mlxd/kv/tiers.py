@@ -413,9 +413,16 @@ class CacheTiers:
         return [Unlink(r) for r in (*removed, *evicted)]
 
     def _refresh_durable(self, record: SsdRecord) -> None:
-        """RAM entries at or below `record`'s tokens: durable iff some file still covers them."""
+        """RAM entries at or below `record`'s tokens: durable iff some file still covers them.
+
+        An entry whose only copy was deleted (the cap, a lost file) is not written
+        again: it may leave RAM without a copy, and is counted as a loss when it does.
+        """
         for entry in self._ram_prefixes(record.tokens, record.namespace):
-            entry.durable = self._index.covers(entry.tokens, entry.namespace)
+            covered = self._index.covers(entry.tokens, entry.namespace)
+            if entry.durable and not covered:
+                self._unpersistable.add(key_of(entry.namespace, entry.tokens))
+            entry.durable = covered
 
     def _ram_prefixes(self, tokens: Tokens, namespace: str) -> list[CacheEntry]:
         exact = self.ram.find_exact(tokens, namespace)

@@ -1,0 +1,226 @@
+"""The cache owner, the durability coordinator and the SSD writer as actors (trio, mock clock)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import trio
+import trio.testing
+from mlx_lm.models import cache as mlc
+
+from mlxd.actors.cache_owner import CacheOwnerActor
+from mlxd.actors.durability import DurabilityCoordinator
+from mlxd.actors.ssd_writer import SsdWriterActor
+from mlxd.kv import file_format as ff
+from mlxd.kv.pacing import WriteGovernor
+from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.ssd_store import Failed, SsdStore, Stored, StoreIdentity
+from mlxd.kv.tiers import CacheTiers, SsdRecord
+from mlxd.kv.write_queue import WriteQueue
+from mlxd.runtime.channels import Reply
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.messages import (
+    CacheOwnerMessage,
+    CacheStatsSnapshot,
+    DurabilityMessage,
+    DurabilitySnapshot,
+    DurabilityStats,
+    EntryDurable,
+    EntryNotPersisted,
+    FlushReport,
+    FlushRequest,
+    ForgetDirty,
+    LookupPrefix,
+    MarkDirty,
+    MarkNotStored,
+    PrefetcherMessage,
+    PrefetchHint,
+    PrefetchRecord,
+    PrefixLookup,
+    PublishPrefix,
+    QueryCacheStats,
+    SnapshotWritten,
+    WriterStats,
+    WriteSnapshot,
+)
+
+IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
+
+
+def plan_for(tokens: tuple[int, ...], n_heads: int = 1) -> ff.SnapshotPlan:
+    c = mlc.KVCache()
+    c.update_and_fetch(mx.zeros((1, n_heads, len(tokens), 8)), mx.zeros((1, n_heads, len(tokens), 8)))
+    return ff.plan_snapshot([c], meta=IDENTITY.meta(tokens, ""))
+
+
+def publish(tokens: tuple[int, ...], **kw) -> PublishPrefix:
+    plan = plan_for(tokens)
+    return PublishPrefix(tokens, "", payload=[], nbytes=plan.nbytes, trimmable=True, reason="final", plan=plan, **kw)
+
+
+async def ask(channel, make):
+    reply: Reply = Reply()
+    await channel.send(make(reply))
+    return await reply.wait()
+
+
+async def start_owner(nursery, config: RuntimeConfig, *, ssd: bool = True):
+    """A cache owner whose SSD store touches no files (the records here have no path)."""
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](64)
+    durable_send, durable_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
+    prefetch_send, prefetch_receive = trio.open_memory_channel[PrefetcherMessage](8)
+    store = SsdStore(Path("/nonexistent-mlxd-test"), IDENTITY) if ssd else None
+    owner = CacheOwnerActor(config, inbox=inbox, store=store)
+    owner.attach(durability=durable_send, prefetcher=prefetch_send)
+    await nursery.start(owner.run)
+    return owner, inbox_send, durable_receive, prefetch_receive
+
+
+async def test_cache_owner_persists_before_demotion_and_tells_the_prefetcher(autojump_clock):
+    config = RuntimeConfig(prompt_cache_bytes=600, ssd_cache_dir=Path("/unused"), ssd_demote_idle_s=0)
+    async with trio.open_nursery() as nursery:
+        owner, inbox, durability, prefetcher = await start_owner(nursery, config)
+        a, b = tuple(range(10)), tuple(range(100, 110))
+        await inbox.send(publish(a))
+        await inbox.send(publish(b))  # 2 x 320 bytes > 600: a waits for its write
+        marks = [await durability.receive(), await durability.receive()]
+        assert [type(m) for m in marks] == [MarkDirty, MarkDirty] and marks[0].tokens == a
+        stats = await ask(inbox, QueryCacheStats)
+        assert stats.tiers.ram.entries == 2
+        await inbox.send(EntryDurable(SsdRecord("", a, marks[0].nbytes, 0.0)))
+        stats = await ask(inbox, QueryCacheStats)
+        assert stats.tiers.ram.entries == 1 and stats.tiers.demotions == 1
+        # A returning prompt: the owner sends the prefetcher the record to read.
+        await inbox.send(PrefetchHint(a + (5,), ""))
+        msg = await prefetcher.receive()
+        assert isinstance(msg, PrefetchRecord) and msg.record.tokens == a
+        lookup = await ask(inbox, lambda r: LookupPrefix(a + (5,), "", r))
+        assert isinstance(lookup, PrefixLookup) and lookup.restore.usable == 10
+        nursery.cancel_scope.cancel()
+
+
+async def test_cache_owner_survives_a_failing_handler(autojump_clock):
+    config = RuntimeConfig(prompt_cache_bytes=10_000)
+    async with trio.open_nursery() as nursery:
+        _, inbox, _, _ = await start_owner(nursery, config, ssd=False)
+        bad = LookupPrefix(None, "", Reply())  # type: ignore[arg-type]
+        await inbox.send(bad)
+        try:
+            await bad.reply.wait()
+            raise AssertionError("the bad lookup should fail its reply")
+        except TypeError:
+            pass
+        ok = await ask(inbox, lambda r: LookupPrefix((1, 2, 3), "", r))
+        assert ok.hit is None  # the actor is still serving
+        nursery.cancel_scope.cancel()
+
+
+async def test_cache_owner_reports_an_entry_too_large_for_the_ssd_cap(autojump_clock):
+    config = RuntimeConfig(prompt_cache_bytes=10_000, ssd_cache_dir=Path("/unused"), ssd_cache_max_bytes=100)
+    async with trio.open_nursery() as nursery:
+        _, inbox, durability, _ = await start_owner(nursery, config)
+        await inbox.send(publish(tuple(range(10))))  # 320 bytes > the 100-byte cap
+        msg = await durability.receive()
+        assert isinstance(msg, MarkNotStored) and "SSD cap" in msg.reason
+        nursery.cancel_scope.cancel()
+
+
+async def start_coordinator(nursery):
+    inbox_send, inbox = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer_send, writer = trio.open_memory_channel[WriteSnapshot](1)
+    cache_send, cache = trio.open_memory_channel[CacheOwnerMessage](64)
+    coordinator = DurabilityCoordinator(inbox=inbox, writer=writer_send, cache=cache_send)
+    await nursery.start(coordinator.run)
+    return inbox_send, writer, cache
+
+
+async def answer_stats(cache, entries: int = 1) -> None:
+    """Play the cache owner's part of a flush: report what the SSD holds."""
+    msg = await cache.receive()
+    assert isinstance(msg, QueryCacheStats)
+    tiers = CacheTiers(PromptCache(max_bytes=1), ssd=True)
+    msg.reply.send(CacheStatsSnapshot(tiers.stats(), {}, 0, None, 0))
+
+
+async def test_flush_waits_for_writes_and_carries_the_cause_of_a_failure(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        inbox, writer, cache = await start_coordinator(nursery)
+        a, b = tuple(range(10)), tuple(range(20, 30))
+        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
+        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        job_a = await writer.receive()
+        assert job_a.job.record.tokens == a  # oldest first, one at a time
+        flush: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(flush))
+        answered: list[FlushReport] = []
+
+        async def wait_flush() -> None:
+            answered.append(await flush.wait())
+
+        nursery.start_soon(wait_flush)
+        await trio.sleep(5)
+        assert not answered  # two writes are pending: the flush waits
+        record = SsdRecord("", a, 320, 0.0)
+        await inbox.send(SnapshotWritten(job_a.job, Stored(record, 0.01), 0.01, WriterStats(writes=1)))
+        assert (await cache.receive()).record is record  # EntryDurable to the cache owner
+        job_b = await writer.receive()
+        error = "writing x.mlxkv.tmp: [Errno 30] Read-only file system"
+        await inbox.send(SnapshotWritten(job_b.job, Failed(error), 0.01, WriterStats(failures=1)))
+        not_persisted = await cache.receive()
+        assert isinstance(not_persisted, EntryNotPersisted) and not_persisted.reason == error
+        await answer_stats(cache)
+        await trio.testing.wait_all_tasks_blocked()
+        (report,) = answered
+        assert not report.durable and report.failed == 1 and report.reason == error
+        stats = await ask(inbox, DurabilityStats)
+        assert isinstance(stats, DurabilitySnapshot) and stats.spills == 1 and stats.failed_spills == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_flush_reports_dropped_and_never_stored_checkpoints(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        inbox, writer, cache = await start_coordinator(nursery)
+        a, b = tuple(range(10)), tuple(range(20, 30))
+        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
+        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        job_a = await writer.receive()
+        await inbox.send(ForgetDirty("", b))  # b left RAM before its write
+        await inbox.send(MarkNotStored("", (7,), "9 bytes exceed the SSD cap of 8"))
+        await inbox.send(SnapshotWritten(job_a.job, Stored(SsdRecord("", a, 320, 0.0), 0.0), 0.0, WriterStats()))
+        await cache.receive()
+        flush: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(flush))
+        await answer_stats(cache)
+        report = await flush.wait()
+        assert not report.durable and report.pending == 0 and report.dropped == 2
+        assert "SSD cap" in report.reason
+        # Reported once: the next flush, with nothing new, is durable.
+        again: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(again))
+        await answer_stats(cache)
+        assert (await again.wait()).durable
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_paced_write_stops_when_the_runtime_is_cancelled(tmp_path):
+    """Hole (c): a cancelled runtime must not keep a paced write crawling at its rate."""
+    store = SsdStore(tmp_path, IDENTITY)
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)  # 1 KiB/s: a 256 KiB file would take minutes
+    governor.set_busy(True)
+    inbox_send, inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=inbox, outbox=out_send, governor=governor)
+    tokens = tuple(range(2048))
+    queue = WriteQueue()
+    queue.mark("", tokens, plan=plan_for(tokens, n_heads=8), trimmable=True, nbytes=0)
+    job = queue.next_job()
+    with trio.fail_after(20):  # before the fix: the thread crawls on and this times out
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            await inbox_send.send(WriteSnapshot(job))
+            await trio.sleep(0.5)  # the first slice is out; the pacer is now waiting
+            nursery.cancel_scope.cancel()
+    assert writer.stopping.is_set()
+    assert not list(tmp_path.rglob("*.mlxkv")) and not list(tmp_path.rglob("*.tmp"))

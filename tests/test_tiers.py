@@ -1,0 +1,197 @@
+"""The cache-tier core: pure, synchronous, no files (the same object serves and simulates)."""
+
+from __future__ import annotations
+
+import attrs
+
+from mlxd.kv.cost_model import DEFAULT
+from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.restore_decision import RestoreAdvisor
+from mlxd.kv.tiers import CacheTiers, Forget, NotStored, Persist, SsdRecord, Unlink
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(ram: int = 1000, *, ssd: bool = True, ssd_max: int = 0, idle: float = 0.0, advisor=None):
+    clock = Clock()
+    tiers = CacheTiers(
+        PromptCache(max_bytes=ram, clock=clock), ssd=ssd, ssd_max_bytes=ssd_max,
+        advisor=advisor or RestoreAdvisor(), demote_idle_s=idle,
+    )
+    return tiers, clock
+
+
+def publish(tiers: CacheTiers, tokens, nbytes: int, *, ns: str = "", trimmable: bool = True, durable=False):
+    return tiers.publish(tuple(tokens), ns, payload=None, nbytes=nbytes, trimmable=trimmable, durable=durable)
+
+
+def commit(tiers: CacheTiers, effect: Persist) -> list:
+    """What the writer reports once a Persist is on disk."""
+    record = SsdRecord(effect.namespace, effect.tokens, effect.nbytes, 0.0, effect.trimmable)
+    return tiers.durable(record)
+
+
+def kinds(effects) -> list[str]:
+    return [type(e).__name__ for e in effects]
+
+
+def test_a_new_checkpoint_is_persisted_and_durable_once_committed():
+    tiers, _ = make()
+    (persist,) = publish(tiers, range(10), 100)
+    assert isinstance(persist, Persist) and persist.tokens == tuple(range(10))
+    entry = tiers.ram.find_exact(tuple(range(10)))
+    assert not entry.durable
+    assert commit(tiers, persist) == []
+    assert entry.durable and tiers.ssd_covers(tuple(range(10)))
+    # A checkpoint a file already covers is durable at once: no second write.
+    assert publish(tiers, range(5), 50) == []  # covered by trimming the 10-token file
+    assert tiers.ram.find_exact(tuple(range(5))).durable
+
+
+def test_persist_before_demotion_then_demote():
+    tiers, _ = make(ram=150)
+    (a,) = publish(tiers, range(10), 100)
+    effects = publish(tiers, range(100, 110), 100)  # over the cap: a must be written first
+    assert kinds(effects) == ["Persist"]
+    assert tiers.ram_over_cap and len(tiers.ram) == 2
+    assert commit(tiers, a) == []  # a is on SSD now: demoted from RAM
+    assert len(tiers.ram) == 1 and not tiers.ram_over_cap
+    assert tiers.stats().demotions == 1
+    # The demoted prefix is served from SSD, strictly longer than RAM's nothing.
+    lookup = tiers.lookup(tuple(range(12)))
+    assert lookup.hit is None and lookup.restore.usable == 10
+
+
+def test_a_failed_write_lets_the_victim_go_without_a_copy():
+    tiers, _ = make(ram=150)
+    publish(tiers, range(10), 100)
+    publish(tiers, range(100, 110), 100)
+    effects = tiers.not_persisted("", tuple(range(10)))
+    assert kinds(effects) == ["Forget"] and effects[0].tokens == tuple(range(10))
+    assert tiers.stats().dropped_unpersisted == 1 and not tiers.ram_over_cap
+
+
+def test_ssd_cap_eviction_clears_the_ram_durable_flag():
+    """Hole (a): no RAM entry is dropped believing a copy exists that the cap deleted."""
+    tiers, clock = make(ram=1000, ssd_max=150)
+    (a,) = publish(tiers, range(10), 100)
+    commit(tiers, a)
+    entry_a = tiers.ram.find_exact(tuple(range(10)))
+    assert entry_a.durable
+    clock.now = 1.0
+    (b,) = publish(tiers, range(100, 110), 100)
+    effects = commit(tiers, b)  # the cap holds one file: a's file goes
+    assert kinds(effects) == ["Unlink"] and effects[0].record.tokens == tuple(range(10))
+    assert not entry_a.durable
+    assert tiers.stats().ssd_evictions == 1
+    # Under RAM pressure a is now dropped *as a loss*, never counted as a demotion.
+    tiers.ram.max_bytes = 150
+    effects = publish(tiers, range(200, 201), 10)
+    assert "Forget" in kinds(effects)
+    stats = tiers.stats()
+    assert stats.demotions == 0 and stats.dropped_unpersisted == 1
+    assert tiers.lookup(tuple(range(12))).restore is None
+
+
+def test_an_entry_larger_than_the_ssd_cap_is_reported_not_stored():
+    """Hole (b): never written then evicted, never left dirty blocking a flush or RAM."""
+    tiers, _ = make(ram=150, ssd_max=80)
+    effects = publish(tiers, range(10), 100)
+    assert kinds(effects) == ["NotStored"] and "SSD cap" in effects[0].reason
+    # It does not block RAM eviction: the next publication drops it.
+    effects = publish(tiers, range(100, 105), 60)
+    assert kinds(effects) == ["Persist", "Forget"]
+    assert not tiers.ram_over_cap and tiers.stats().not_stored == 1
+    # A file that turns out larger than the cap once written is deleted and reported too.
+    effects = tiers.durable(SsdRecord("", (7, 8), 90, 0.0))
+    assert kinds(effects) == ["Unlink", "NotStored"] and not tiers.ssd_records()
+
+
+def test_trimmable_file_supersedes_ancestor_files_and_covers_ram_ancestors():
+    tiers, _ = make(ram=10_000)
+    short = SsdRecord("", (1, 2, 3), 30, 0.0)
+    assert tiers.durable(short) == []
+    untrimmable = SsdRecord("", (1, 2, 3, 4), 40, 0.0, trimmable=False)
+    assert tiers.durable(untrimmable) == []
+    effects = tiers.durable(SsdRecord("", (1, 2, 3, 4, 5, 6), 60, 0.0))
+    assert {e.record.tokens for e in effects if isinstance(e, Unlink)} == {(1, 2, 3), (1, 2, 3, 4)}
+    assert [r.tokens for r in tiers.ssd_records()] == [(1, 2, 3, 4, 5, 6)]
+    assert tiers.ssd_covers((1, 2)) and not tiers.ssd_covers((1, 2, 9))
+    # An exact duplicate replaces the older file.
+    effects = tiers.durable(SsdRecord("", (1, 2, 3, 4, 5, 6), 60, 0.0))
+    assert kinds(effects) == ["Unlink"] and len(tiers.ssd_records()) == 1
+    assert tiers.stats().ssd_superseded == 3
+
+
+def test_restore_rule_compares_with_prefill_on_top_of_the_ram_hit():
+    # A disk so slow that 10 more cached tokens are not worth reading 8000 tokens of KV.
+    slow = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=1e8))
+    tiers, _ = make(ram=10**12, advisor=slow)
+    prompt = tuple(range(8100))
+    publish(tiers, prompt[:8000], DEFAULT.kv_bytes(8000), durable=True)
+    tiers.durable(SsdRecord("", prompt[:8010], DEFAULT.kv_bytes(8010), 0.0))
+    lookup = tiers.lookup(prompt)
+    assert lookup.hit.usable == 8000 and lookup.restore is None  # recompute 100 on top of RAM
+    # From nothing, the same file is worth restoring (the rule is not "vs a prefill from zero" only).
+    tiers.ram.max_bytes = 0
+    tiers.ram.evict()
+    assert tiers.lookup(prompt).restore.usable == 8010
+    assert slow.recomputes_chosen == 1 and slow.restores_chosen == 1
+
+
+def test_ssd_serves_only_when_strictly_longer_than_ram():
+    tiers, _ = make(ram=10_000)
+    publish(tiers, range(10), 100, durable=True)
+    tiers.durable(SsdRecord("", tuple(range(10)), 100, 0.0))
+    lookup = tiers.lookup(tuple(range(12)))
+    assert lookup.hit.usable == 10 and lookup.restore is None
+    assert tiers.prefetch_candidate(tuple(range(12))) is None
+    tiers.durable(SsdRecord("", tuple(range(11)), 110, 0.0))
+    assert tiers.prefetch_candidate(tuple(range(12))).tokens == tuple(range(11))
+    assert tiers.lookup(tuple(range(12))).restore.usable == 11
+
+
+def test_lost_file_clears_durability_and_the_ssd_hit():
+    tiers, _ = make()
+    (a,) = publish(tiers, range(10), 100)
+    commit(tiers, a)
+    record = tiers.ssd_records()[0]
+    assert tiers.lost(record) == []
+    assert not tiers.ram.find_exact(tuple(range(10))).durable
+    assert tiers.ssd_records() == [] and tiers.stats().lost_files == 1
+
+
+def test_idle_durable_entries_demote_by_the_injected_clock():
+    tiers, clock = make(idle=30.0)
+    (a,) = publish(tiers, range(10), 100)
+    publish(tiers, range(50, 60), 100)  # dirty: never demoted while idle
+    commit(tiers, a)
+    clock.now = 29.0
+    tiers.demote_idle()
+    assert len(tiers.ram) == 2
+    clock.now = 31.0
+    tiers.demote_idle()
+    assert [tuple(e.tokens) for e in tiers.ram.entries()] == [tuple(range(50, 60))]
+    assert tiers.stats().idle_demotions == 1
+
+
+def test_startup_records_load_oldest_first_and_obey_the_cap():
+    tiers, _ = make(ssd_max=200)
+    records = [SsdRecord("", (i,), 100, float(t)) for i, t in ((1, 30), (2, 10), (3, 20))]
+    effects = tiers.load_records(records)
+    assert [e.record.tokens for e in effects if isinstance(e, Unlink)] == [(2,)]
+    assert [r.tokens for r in tiers.ssd_records()] == [(3,), (1,)]
+
+
+def test_ram_only_never_persists():
+    tiers, _ = make(ram=150, ssd=False)
+    assert publish(tiers, range(10), 100) == []
+    assert publish(tiers, range(50, 60), 100) == []  # the victim is simply dropped
+    assert len(tiers.ram) == 1 and tiers.lookup(tuple(range(12))).restore is None
+    assert not any(isinstance(e, Forget | NotStored) for e in publish(tiers, range(70, 80), 100))
