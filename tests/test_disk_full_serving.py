@@ -47,7 +47,9 @@ def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir,
             r = httpx.post(f"{admin}/admin/cache/flush", timeout=60)
             assert r.status_code == 503
             report = r.json()
-            assert report["durable"] is False and report["failed"] >= 1 and report["reason"] == "disk full"
+            assert report["durable"] is False and report["failed"] >= 1
+            # The cause travels with the report: the OS's own words.
+            assert report["reason"].startswith("disk full") and "No space left on device" in report["reason"]
             # Serving goes on from RAM: the repeats are cache hits.
             assert cached(chat(server, "volcanoes")) >= first["usage"]["prompt_tokens"] - 1
             assert cached(chat(server, "orchards")) >= second["usage"]["prompt_tokens"] - 1

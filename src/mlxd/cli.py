@@ -179,13 +179,16 @@ def _warn_if_exposed(host: str, config) -> None:
 
 
 def record_trace(rt, path: Path) -> None:
-    """Append each finished request to `path` (mlxd trace format), times from server start."""
+    """Append each finished request and each flush to `path` (mlxd trace format), times from
+    server start; the first line is the server's cache configuration, so `mlxd simulate FILE`
+    replays this server with no other flags."""
     import time
 
     from mlxd.sim.trace import TraceRecorder
 
     recorder = TraceRecorder(path)
     start = time.monotonic()
+    recorder.server(**server_record(rt))
 
     def observe(record) -> None:
         if record.reason in ("client_gone", "failed"):
@@ -196,10 +199,35 @@ def record_trace(rt, path: Path) -> None:
             output_tokens=record.completion_tokens,
             namespace=record.namespace,
             cached_tokens=record.cached_tokens,
+            cache_tier=record.cache_tier,
             output_ids=record.output_ids,
         )
 
+    def flushed(report: dict) -> None:
+        began = time.monotonic() - float(report.get("seconds") or 0.0)
+        recorder.flush(t=round(began - start, 6))
+
     rt.scheduler.observers.append(observe)
+    rt.flush_observers.append(flushed)
+
+
+def server_record(rt) -> dict:
+    """What a replay needs to know about this server's cache (the trace's first line)."""
+    c = rt.config
+    return {
+        "model": rt.info.model_name,
+        "kv_bytes_per_token": rt.info.kv_bytes_per_token,
+        "prompt_cache_bytes": c.prompt_cache_bytes,
+        "retention": c.retention,
+        "snapshot_min_tokens": c.snapshot_min_tokens,
+        "max_batch": c.max_batch,
+        "prefill_batch": c.prefill_batch,
+        "prefill_step_size": c.prefill_step_size,
+        "ssd": c.ssd_cache_dir is not None,
+        "ssd_cache_max_bytes": c.ssd_cache_max_bytes,
+        "ssd_demote_idle_s": c.ssd_demote_idle_s,
+        "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
+    }
 
 
 async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:

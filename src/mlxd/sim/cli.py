@@ -12,13 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 import mlxd  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 from mlxd.kv.cost_model import BLOCK_TOKENS, DEFAULT, CostModel
 from mlxd.sim import report
 from mlxd.sim.blocks import replay_blocks
 from mlxd.sim.replay import replay_mlxd
 from mlxd.sim.results import RunResult
-from mlxd.sim.trace import check_block_structure, is_mooncake, load_trace, utf8_tokens
+from mlxd.sim.trace import check_block_structure, is_mooncake, load_recording, utf8_tokens
 
 POLICIES = ("lru", "lfu", "cost")
 DEFAULT_SWEEP = (1000, 2000, 5000, 10000, 20000, 50000)  # blocks
@@ -48,15 +50,25 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         f"bare --sweep = {','.join(map(str, DEFAULT_SWEEP))}",
     )
     p.add_argument("--ssd-gb", type=float, help="add an SSD tier of this many GiB (mlxd model)")
-    p.add_argument("--policy", default=",".join(POLICIES), help="lru, lfu, cost, or a comma list")
     p.add_argument(
-        "--cache-model", choices=("blocks", "mlxd", "both"), default="both", help="default: both"
+        "--policy", default=None,
+        help=f"lru, lfu, cost, or a comma list (default: the recorded server's, else {','.join(POLICIES)})",
+    )
+    p.add_argument(
+        "--cache-model", choices=("blocks", "mlxd", "both"), default=None,
+        help="default: mlxd for a recorded server, else both",
     )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--out", type=Path, help="write results JSON and PNG plots here")
     p.add_argument("--name", default=None, help="file stem under --out (default: trace name)")
     p.add_argument("--cost-model", type=Path, help="cost model JSON (default: built-in)")
-    p.add_argument("--slots", type=int, default=4, help="simulated engine slots (default 4)")
+    p.add_argument(
+        "--slots", type=int, default=None, help="simulated engine slots (default: the recorded max_batch, else 4)"
+    )
+    p.add_argument(
+        "--snapshot-min-tokens", type=int, default=None,
+        help="prefilled tokens that publish a prompt-boundary snapshot (default: recorded, else 256)",
+    )
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--granularity", choices=("auto", "block", "token"), default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -98,7 +110,7 @@ def _tokenizer(model: Path | None):
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
-def run_all(args, reqs, cost: CostModel) -> list[RunResult]:
+def run_all(args, reqs, cost: CostModel, flushes: tuple[float, ...] = ()) -> list[RunResult]:
     policies = [p.strip() for p in args.policy.split(",")]
     unknown = set(policies) - set(POLICIES)
     if unknown:
@@ -108,11 +120,11 @@ def run_all(args, reqs, cost: CostModel) -> list[RunResult]:
         if args.cache_model == "blocks":
             raise SystemExit("the blocks model needs a Mooncake trace (hash_ids)")
         models.remove("blocks")
-    ssd_bytes = None if args.ssd_gb is None else int(args.ssd_gb * GIB)
+    ssd_bytes = None if args.ssd_gb is None else round(args.ssd_gb * GIB)
     runs = [(m, p, b) for m in models for p in policies for b in capacities(args)]
     results = []
     for i, (model, policy, blocks) in enumerate(runs, 1):
-        results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes))
+        results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes))
         _progress(i, len(runs), results[-1])
         if args.format == "json":
             print(report.json_lines(results[-1:]), flush=True)
@@ -130,7 +142,7 @@ def _progress(done: int, total: int, result: RunResult) -> None:
     )
 
 
-def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes) -> RunResult:
+def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> RunResult:
     started = time.perf_counter()
     ram_bytes = _ram_bytes(args, blocks, cost)
     if model == "blocks":
@@ -138,20 +150,55 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes) -> RunResult:
             blocks = ram_bytes // cost.kv_bytes(BLOCK_TOKENS)
         result = replay_blocks(reqs, capacity=blocks, policy=policy, cost=cost, slots=args.slots)
     else:
+        if ram_bytes is None and args.recorded_ram_bytes is not None:
+            ram_bytes = args.recorded_ram_bytes
         result = replay_mlxd(
             reqs,
             policy=policy,
             cost=cost,
             ram_bytes=ram_bytes,
             ssd_bytes=ssd_bytes,
-            ssd=args.ssd_gb is not None,
+            ssd=args.ssd_gb is not None or args.recorded_ssd,
             granularity=args.granularity,
             slots=args.slots,
             seed=args.seed,
+            snapshot_min_tokens=args.snapshot_min_tokens,
+            demote_idle_s=args.demote_idle_s,
+            flushes=flushes,
         )
-    import attrs
-
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
+
+
+def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostModel:
+    """Fill every option the user left unset from the recorded server (`--record-trace`).
+
+    Explicit flags win; without a recording the historical defaults apply.
+    """
+    args.recorded_ram_bytes = None
+    args.recorded_ssd = False
+    args.demote_idle_s = 0.0
+    if server is None:
+        args.policy = args.policy or ",".join(POLICIES)
+        args.cache_model = args.cache_model or "both"
+        args.slots = args.slots or 4
+        args.snapshot_min_tokens = 256 if args.snapshot_min_tokens is None else args.snapshot_min_tokens
+        return cost
+    args.policy = args.policy or server.get("retention", "lru")
+    args.cache_model = args.cache_model or "mlxd"
+    args.slots = args.slots or int(server.get("max_batch", 4))
+    if args.snapshot_min_tokens is None:
+        args.snapshot_min_tokens = int(server.get("snapshot_min_tokens", 256))
+    if args.ram_blocks is None and args.ram_gb is None and args.sweep is None:
+        args.recorded_ram_bytes = int(server["prompt_cache_bytes"])
+    if args.ssd_gb is None and server.get("ssd"):
+        args.recorded_ssd = True
+        args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
+    args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
+    if args.granularity == "auto":
+        args.granularity = "token"
+    if server.get("kv_bytes_per_token") and not args.cost_model:
+        cost = attrs.evolve(cost, kv_bytes_per_token=int(server["kv_bytes_per_token"]))
+    return cost
 
 
 def run_calibrate(args) -> int:
@@ -179,10 +226,12 @@ def run_simulate(args) -> int:
     if not args.trace:
         raise SystemExit("mlxd simulate: a TRACE is required (or --calibrate)")
     cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT
-    reqs = load_trace(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
+    recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
+    reqs = recording.reqs
+    cost = apply_recorded_server(args, recording.server, cost)
     if is_mooncake(reqs) and args.granularity != "token":
         check_block_structure(reqs)
-    results = run_all(args, reqs, cost)
+    results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))
     if args.out is not None:

@@ -6,8 +6,12 @@ every block before it, so equal leading ids mean a shared prefix.
 
 mlxd lines (docs/simulate.md) carry explicit tokens or text:
 `{"t": seconds, "namespace": "", "session": null, "tokens": [...] | "text": "...",
-"output_tokens": m, "cached_tokens": k | null, "output_ids": [...] (optional)}`.
-`TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`).
+"output_tokens": m, "cached_tokens": k | null, "cache_tier": "ram" | "ssd" | "none",
+"output_ids": [...] (optional)}`.
+`TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`),
+plus event lines: `{"event": "server", ...}` (the server's cache configuration,
+first) and `{"event": "flush", "t": seconds}` (an `/admin/cache/flush`), so a
+recording replays the recorded server with no other flags (`load_recording`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class TraceRequest:
     tokens: tuple[int, ...] | None = None  # mlxd format
     output_ids: tuple[int, ...] | None = None  # mlxd format: generated ids, when recorded
     cached_tokens: int | None = None  # what the live server reported, when recorded
+    cache_tier: str | None = None  # where the live server found it ("ram", "ssd", "none")
 
 
 def utf8_tokens(text: str) -> list[int]:
@@ -74,21 +79,49 @@ def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> Trace
         tokens=tokens,
         output_ids=None if out_ids is None else tuple(int(x) for x in out_ids),
         cached_tokens=obj.get("cached_tokens"),
+        cache_tier=obj.get("cache_tier"),
     )
+
+
+@attrs.frozen
+class Recording:
+    """A trace with what `mlxd serve --record-trace` adds: the server's configuration and its flushes."""
+
+    reqs: list[TraceRequest]
+    server: dict | None = None  # the `{"event": "server"}` line, when recorded
+    flushes: tuple[float, ...] = ()  # flush times, on the requests' rebased clock
+
+
+def load_recording(
+    path: str | Path, *, limit: int | None = None, tokenize: Tokenize = utf8_tokens
+) -> Recording:
+    """Every request of a JSONL trace (rebased, in arrival order), its server and its flushes."""
+    reqs: list[TraceRequest] = []
+    server = None
+    flushes: list[float] = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            event = obj.get("event")
+            if event == "server":
+                server = obj
+            elif event == "flush":
+                flushes.append(float(obj["t"]))
+            elif event is None and (limit is None or len(reqs) < limit):
+                reqs.append(parse_line(obj, len(reqs), tokenize))
+    t0 = min((r.t for r in reqs), default=0.0)
+    last = max((r.t for r in reqs), default=0.0)
+    kept = tuple(sorted(t - t0 for t in flushes if t <= last or limit is None))
+    return Recording(rebase(reqs), server, kept)
 
 
 def load_trace(
     path: str | Path, *, limit: int | None = None, tokenize: Tokenize = utf8_tokens
 ) -> list[TraceRequest]:
     """Every request of a JSONL trace, arrival times rebased to start at 0, in arrival order."""
-    reqs: list[TraceRequest] = []
-    with open(path) as f:
-        for line in f:
-            if limit is not None and len(reqs) >= limit:
-                break
-            if line.strip():
-                reqs.append(parse_line(json.loads(line), len(reqs), tokenize))
-    return rebase(reqs)
+    return load_recording(path, limit=limit, tokenize=tokenize).reqs
 
 
 def rebase(reqs: Iterable[TraceRequest]) -> list[TraceRequest]:
@@ -166,9 +199,10 @@ class TraceRecorder:
         namespace: str = "",
         session: str | None = None,
         cached_tokens: int | None = None,
+        cache_tier: str | None = None,
         output_ids: Sequence[int] | None = None,
     ) -> None:
-        line = {
+        line: dict[str, object] = {
             "t": t,
             "namespace": namespace,
             "session": session,
@@ -176,8 +210,21 @@ class TraceRecorder:
             "output_tokens": int(output_tokens),
             "cached_tokens": cached_tokens,
         }
+        if cache_tier is not None:
+            line["cache_tier"] = cache_tier
         if output_ids is not None:
             line["output_ids"] = [int(x) for x in output_ids]
+        self._write(line)
+
+    def server(self, **config: object) -> None:
+        """The recorded server's cache configuration (what `mlxd simulate` replays)."""
+        self._write({"event": "server", **config})
+
+    def flush(self, *, t: float) -> None:
+        """A flush started at `t` (a barrier when replayed)."""
+        self._write({"event": "flush", "t": t})
+
+    def _write(self, line: dict[str, object]) -> None:
         text = json.dumps(line, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is None:
