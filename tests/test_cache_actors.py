@@ -224,3 +224,13 @@ async def test_a_paced_write_stops_when_the_runtime_is_cancelled(tmp_path):
             nursery.cancel_scope.cancel()
     assert writer.stopping.is_set()
     assert not list(tmp_path.rglob("*.mlxkv")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_messages_are_typed_without_any():
+    import ast
+
+    import mlxd.runtime.messages as messages
+
+    tree = ast.parse(Path(messages.__file__).read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "Any" not in names  # every message field says what it carries

@@ -21,6 +21,7 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    CacheOwnerMessage,
     CancelGeneration,
     GenerationEvent,
     GenerationFailed,
@@ -101,7 +102,7 @@ class EngineActor:
         config: RuntimeConfig,
         *,
         inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
-        publish: trio.MemorySendChannel[PublishPrefix],
+        publish: trio.MemorySendChannel[CacheOwnerMessage],
         governor: WriteGovernor | None = None,
     ) -> None:
         self._config = config

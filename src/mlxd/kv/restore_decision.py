@@ -10,8 +10,6 @@ bandwidth. Pure: no trio, no MLX.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from mlxd.kv.cost_model import DEFAULT, CostModel
@@ -70,7 +68,7 @@ class RestoreAdvisor:
             self.recomputes_chosen += 1
         return choice
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, float]:
         return {
             "restores_chosen": self.restores_chosen,
             "recomputes_chosen": self.recomputes_chosen,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -137,7 +137,7 @@ class TierStats:
     ssd_superseded: int
     not_stored: int
     lost_files: int
-    restore_decisions: dict[str, Any]
+    restore_decisions: dict[str, float]
 
 
 @attrs.define
@@ -329,7 +329,7 @@ class CacheTiers:
         tokens: Tokens,
         namespace: str = "",
         *,
-        payload: Any,
+        payload: object,
         nbytes: int,
         trimmable: bool,
         plan: SnapshotPlan | None = None,

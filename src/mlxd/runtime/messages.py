@@ -14,7 +14,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -171,7 +171,7 @@ class PublishPrefix:
 
     tokens: tuple[int, ...]
     namespace: str
-    payload: list[Any]  # mlx-lm caches (opaque to the cache)
+    payload: list[object]  # mlx-lm caches (opaque to the cache)
     nbytes: int
     trimmable: bool
     reason: str  # "boundary" (prompt-boundary snapshot), "final" (prompt + generation) or "restore"
@@ -229,11 +229,11 @@ class CacheStatsSnapshot:
     restore_ms_last: float | None
     corrupt_removed: int
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         t = self.tiers
         ram = attrs.asdict(t.ram)
         ram.update({f"published_{k}": v for k, v in self.published.items()})
-        out: dict[str, Any] = {"ram": ram}
+        out: dict[str, object] = {"ram": ram}
         if t.ssd_enabled:
             out["ssd"] = {
                 "entries": t.ssd_entries,
@@ -338,7 +338,7 @@ class FlushReport:
     seconds: float
     reason: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)
 
 
