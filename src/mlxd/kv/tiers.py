@@ -356,8 +356,7 @@ class CacheTiers:
         return effects + self._evict()
 
     def durable(self, record: SsdRecord) -> list[Effect]:
-        """A write committed `record` (mtime = now): index it, supersede, enforce the cap."""
-        record.mtime = self.now
+        """A write committed `record`: index it as the most recently used, supersede, enforce the cap."""
         effects = self._add_record(record, count_superseded=True)
         self._unpersistable.discard(key_of(record.namespace, record.tokens))
         return effects + self._evict()
