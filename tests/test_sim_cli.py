@@ -61,3 +61,25 @@ def test_table_and_out_dir(tmp_path, capsys):
         "synthetic_trace_split.png",
         "synthetic_trace_ttft.png",
     ]
+
+
+def test_a_recording_replays_its_server_with_no_other_flags(tmp_path, capsys):
+    from mlxd.sim.trace import TraceRecorder
+
+    path = tmp_path / "live.jsonl"
+    rec = TraceRecorder(path)
+    rec.server(prompt_cache_bytes=40, retention="lfu", snapshot_min_tokens=4, max_batch=1, ssd=True,
+               ssd_cache_max_bytes=100, ssd_demote_idle_s=0, kv_bytes_per_token=1)
+    a, b = list(range(10, 30)), list(range(50, 80))
+    rec.record(t=0.0, tokens=a, output_tokens=1, output_ids=[5], cached_tokens=0, cache_tier="none")
+    rec.flush(t=0.5)
+    rec.record(t=1.0, tokens=b, output_tokens=1, output_ids=[6], cached_tokens=0, cache_tier="none")
+    rec.flush(t=1.5)
+    rec.record(t=2.0, tokens=a + [5, 7], output_tokens=1, output_ids=[8], cached_tokens=21, cache_tier="ssd")
+    rec.close()
+    assert main([str(path), "--format", "json"]) == 0
+    (run,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert run["cache_model"] == "mlxd" and run["policy"] == "lfu"
+    assert run["capacity_bytes"] == 40 and run["ssd_capacity_bytes"] == 100
+    # a's final checkpoint (21 tokens) was demoted to SSD by b and restored for the third request.
+    assert (run["ram_hit_tokens"], run["ssd_hit_tokens"]) == (0, 21)
