@@ -64,14 +64,22 @@ class PrefetcherActor:
             task_status.started()
             async with self._inbox, self._cache:
                 async for msg in self._inbox:
-                    if isinstance(msg, PrefetchRecord):
-                        if msg.record.path not in self._reads:
-                            self._count(prefetches=1)
-                            self._start(nursery, msg.record)
-                    elif isinstance(msg, FetchSnapshot):
-                        nursery.start_soon(self._fetch, nursery, msg)
-                    elif isinstance(msg, PrefetchStats):
-                        msg.reply.send(self._stats)
+                    try:
+                        self._handle(nursery, msg)
+                    except Exception as exc:  # one bad message fails its own reply, not the runtime
+                        log.exception("prefetch.handler_failed", message=type(msg).__name__)
+                        if isinstance(msg, FetchSnapshot | PrefetchStats):
+                            msg.reply.fail(exc)
+
+    def _handle(self, nursery: trio.Nursery, msg: PrefetcherMessage) -> None:
+        if isinstance(msg, PrefetchRecord):
+            if msg.record.path not in self._reads:
+                self._count(prefetches=1)
+                self._start(nursery, msg.record)
+        elif isinstance(msg, FetchSnapshot):
+            nursery.start_soon(self._fetch, nursery, msg)
+        elif isinstance(msg, PrefetchStats):
+            msg.reply.send(self._stats)
 
     def _count(self, **delta: int) -> None:
         s = self._stats
