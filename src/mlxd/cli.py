@@ -205,7 +205,11 @@ def record_trace(rt, path: Path) -> None:
 
     def flushed(report: dict) -> None:
         began = time.monotonic() - float(report.get("seconds") or 0.0)
-        recorder.flush(t=round(began - start, 6))
+        # The restore advisor's online calibration at this point, so a replay decides
+        # restore-or-recompute with the numbers this server used (read on the trio thread).
+        advisor = rt.cache_owner.tiers.advisor
+        calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s}
+        recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)
     rt.flush_observers.append(flushed)

@@ -31,6 +31,7 @@ from mlxd.runtime.messages import (
     EntryDurable,
     EntryNotPersisted,
     FindCheckpointTokens,
+    FlushThrough,
     ForgetDirty,
     LookupPrefix,
     MarkDirty,
@@ -163,6 +164,10 @@ class CacheOwnerActor:
             msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
+        elif isinstance(msg, FlushThrough):
+            if self._durability is None:
+                raise RuntimeError("no SSD tier to flush to")
+            self._durability.send_nowait(msg.flush)
 
     def _apply(self, effects: list[Effect]) -> None:
         """Carry out the core's effects (never blocking)."""

@@ -241,6 +241,10 @@ class EngineActor:
         self._cancelled.add(msg.request_id)
 
     async def _deliver(self, result: _StepResult) -> None:
+        # Checkpoints reach the cache owner before their requests finish, so a
+        # flush sent after a request is done always covers its checkpoints.
+        for note in result.notes:
+            await self._publish.send(note)
         for emit in result.emits:
             row = self._rows.get(emit.uid)
             if row is None:
@@ -251,8 +255,6 @@ class EngineActor:
             row = self._rows.pop(uid, None)
             if row is not None:
                 row.start.events.close()
-        for note in result.notes:
-            await self._publish.send(note)
         self.stats["batch_rows"] = len(self._rows)
 
     def _fail_all(self, message: str) -> None:

@@ -254,12 +254,21 @@ class CacheStatsSnapshot:
 
 
 @attrs.frozen(eq=False)
+class FlushThrough:
+    """A flush, routed through the cache owner: it reaches the coordinator after every
+    publication the owner already received, so the flush covers them."""
+
+    flush: FlushRequest
+
+
+@attrs.frozen(eq=False)
 class QueryCacheStats:
     reply: Reply[CacheStatsSnapshot]
 
 
 CacheOwnerMessage = (
-    LookupPrefix
+    FlushThrough
+    | LookupPrefix
     | FindCheckpointTokens
     | PrefetchHint
     | PublishPrefix

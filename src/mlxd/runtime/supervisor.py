@@ -44,6 +44,7 @@ from mlxd.runtime.messages import (
     FindCheckpointTokens,
     FlushReport,
     FlushRequest,
+    FlushThrough,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -340,7 +341,8 @@ class Runtime:
         if self.cold is None:
             return {"durable": False, "reason": "no SSD tier (start with --ssd-cache DIR)"}
         reply: Reply[FlushReport] = Reply()
-        self.cold.durability_inbox.send_nowait(FlushRequest(reply))
+        # Through the cache owner: every checkpoint it has received is marked dirty first.
+        await self._cache.send(FlushThrough(FlushRequest(reply)))
         report = await reply.wait()
         return report.as_dict()
 

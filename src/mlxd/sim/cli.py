@@ -165,6 +165,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             snapshot_min_tokens=args.snapshot_min_tokens,
             demote_idle_s=args.demote_idle_s,
             flushes=flushes,
+            calibrations=getattr(args, "calibrations", ()),
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -231,6 +232,7 @@ def run_simulate(args) -> int:
     cost = apply_recorded_server(args, recording.server, cost)
     if is_mooncake(reqs) and args.granularity != "token":
         check_block_structure(reqs)
+    args.calibrations = recording.calibrations
     results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))

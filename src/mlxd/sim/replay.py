@@ -112,6 +112,7 @@ class MlxdReplay:
     slots: int = 4
     snapshot_min_tokens: int = 256
     flushes: Sequence[float] = ()
+    calibrations: Sequence[dict | None] = ()  # the recorded advisor state at each flush
     on_request: OnRequest | None = None
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
@@ -127,7 +128,7 @@ class MlxdReplay:
         return self._clock.current_time()
 
     async def main(self) -> None:
-        send, recv = trio.open_memory_channel[TraceRequest | None](math.inf)  # the admission queue
+        send, recv = trio.open_memory_channel[TraceRequest | int](math.inf)  # the admission queue
         slots = trio.Semaphore(self.slots)
         self._quiet.set()
         async with trio.open_nursery() as nursery:
@@ -137,8 +138,9 @@ class MlxdReplay:
             nursery.start_soon(self._arrivals, send)
             async with recv:
                 async for r in recv:  # first come, first served
-                    if r is None:  # a flush barrier: everything admitted so far finishes
+                    if isinstance(r, int):  # flush number r: everything admitted so far finishes
                         await self._barrier()
+                        self._calibrate(r)
                         continue
                     await slots.acquire()
                     self._running += 1
@@ -147,9 +149,17 @@ class MlxdReplay:
             await self._barrier()
             nursery.cancel_scope.cancel()
 
-    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | None]) -> None:
-        events = sorted(
-            [(r.t, 1, r) for r in self.reqs] + [(t, 0, None) for t in self.flushes],
+    def _calibrate(self, flush: int) -> None:
+        """Take the restore advisor's calibration the recorded server had at this flush."""
+        cal = self.calibrations[flush] if flush < len(self.calibrations) else None
+        if cal:
+            advisor = self.tiers.advisor
+            advisor.prefill_scale = float(cal.get("prefill_scale", advisor.prefill_scale))
+            advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
+
+    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
+        events: list[tuple[float, int, TraceRequest | int]] = sorted(
+            [(r.t, 1, r) for r in self.reqs] + [(t, 0, i) for i, t in enumerate(self.flushes)],
             key=lambda e: (e[0], e[1]),
         )
         async with send:
@@ -280,6 +290,7 @@ def replay_mlxd(
     snapshot_min_tokens: int = 256,
     demote_idle_s: float = 0.0,
     flushes: Sequence[float] = (),
+    calibrations: Sequence[dict | None] = (),
     on_request: OnRequest | None = None,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
@@ -303,6 +314,7 @@ def replay_mlxd(
         slots=slots,
         snapshot_min_tokens=snapshot_min_tokens,
         flushes=flushes,
+        calibrations=calibrations,
         on_request=on_request,
     )
     cache.clock = replay.now

@@ -90,6 +90,7 @@ class Recording:
     reqs: list[TraceRequest]
     server: dict | None = None  # the `{"event": "server"}` line, when recorded
     flushes: tuple[float, ...] = ()  # flush times, on the requests' rebased clock
+    calibrations: tuple[dict | None, ...] = ()  # the restore advisor's state at each flush
 
 
 def load_recording(
@@ -98,7 +99,7 @@ def load_recording(
     """Every request of a JSONL trace (rebased, in arrival order), its server and its flushes."""
     reqs: list[TraceRequest] = []
     server = None
-    flushes: list[float] = []
+    flushes: list[tuple[float, dict | None]] = []
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -108,13 +109,13 @@ def load_recording(
             if event == "server":
                 server = obj
             elif event == "flush":
-                flushes.append(float(obj["t"]))
+                flushes.append((float(obj["t"]), obj.get("restore_advisor")))
             elif event is None and (limit is None or len(reqs) < limit):
                 reqs.append(parse_line(obj, len(reqs), tokenize))
     t0 = min((r.t for r in reqs), default=0.0)
     last = max((r.t for r in reqs), default=0.0)
-    kept = tuple(sorted(t - t0 for t in flushes if t <= last or limit is None))
-    return Recording(rebase(reqs), server, kept)
+    kept = sorted((t - t0, cal) for t, cal in flushes if t <= last or limit is None)
+    return Recording(rebase(reqs), server, tuple(t for t, _ in kept), tuple(cal for _, cal in kept))
 
 
 def load_trace(
@@ -220,9 +221,12 @@ class TraceRecorder:
         """The recorded server's cache configuration (what `mlxd simulate` replays)."""
         self._write({"event": "server", **config})
 
-    def flush(self, *, t: float) -> None:
-        """A flush started at `t` (a barrier when replayed)."""
-        self._write({"event": "flush", "t": t})
+    def flush(self, *, t: float, restore_advisor: dict[str, float] | None = None) -> None:
+        """A flush started at `t` (a barrier when replayed), with the restore advisor's calibration."""
+        line: dict[str, object] = {"event": "flush", "t": t}
+        if restore_advisor is not None:
+            line["restore_advisor"] = restore_advisor
+        self._write(line)
 
     def _write(self, line: dict[str, object]) -> None:
         text = json.dumps(line, separators=(",", ":")) + "\n"
