@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models import cache as mlc
 
 from mlxd.kv import file_format as ff
+from mlxd.kv import kinds
 from mlxd.kv.ssd_store import (
     SsdStore,
     StoreIdentity,
@@ -52,7 +53,7 @@ def rotating_full(n: int) -> list:
 
 def put(store: SsdStore, tokens, ns: str = "", caches=None):
     caches = kv(len(tokens)) if caches is None else caches
-    plan = ff.plan_snapshot(caches, meta=store.identity.meta(tokens, ns))
+    plan = kinds.plan_snapshot(caches, meta=store.identity.meta(tokens, ns))
     outcome = store.write(plan)
     assert outcome is not None
     return outcome
@@ -154,7 +155,7 @@ def test_load_verifies_and_a_corrupt_file_becomes_a_miss(tmp_path):
     store = make_store(tmp_path)
     entry = put(store, [1, 2, 3]).entry
     loaded = store.load(entry, verify=True)
-    (restored,) = ff.adopt(loaded)
+    (restored,) = kinds.adopt(loaded)
     assert restored.offset == 3
     t = loaded.header.tensors()[0][1]
     data = bytearray(entry.path.read_bytes())
@@ -215,7 +216,7 @@ def test_disk_full_on_a_real_small_filesystem_is_a_warn_once_miss(tmp_path, caps
     try:
         store = make_store(mnt)
         put(store, [1])  # a small file fits
-        plan = ff.plan_snapshot(kv(3000), meta=store.identity.meta([5, 6], ""))
+        plan = kinds.plan_snapshot(kv(3000), meta=store.identity.meta([5, 6], ""))
         with pytest.raises(ff.DiskFull):
             ff.write_snapshot(plan, store.reserve_path(""))
         assert store.write(plan) is None
@@ -236,7 +237,7 @@ def test_read_only_dir_is_a_storage_error(tmp_path):
         with pytest.raises(ff.StorageError) as info:
             store.reserve_path("")
         assert not isinstance(info.value, ff.DiskFull)
-        plan = ff.plan_snapshot(kv(2), meta=store.identity.meta([1, 2], ""))
+        plan = kinds.plan_snapshot(kv(2), meta=store.identity.meta([1, 2], ""))
         assert store.write(plan) is None and store.stats.write_failures == 1
         assert store.scan().indexed == 0
     finally:

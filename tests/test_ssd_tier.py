@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
-from mlxd.kv import file_format
+from mlxd.kv import file_format, kinds
 
 from serving import ServerThread, config_for, mount_tmpfs
 
@@ -46,7 +46,7 @@ async def test_restored_tensors_equal_the_ram_entry(tiny_model_dir, tmp_path):
         for entry in ram:
             cold = rt.cold.store.find_exact(entry.tokens, entry.namespace)
             assert cold is not None, "every RAM checkpoint is durable after a flush"
-            restored = file_format.adopt(rt.cold.store.load(cold, verify=True))
+            restored = kinds.adopt(rt.cold.store.load(cold, verify=True))
             assert len(restored) == len(entry.payload)
             for a, b in zip(entry.payload, restored, strict=True):
                 assert a.offset == b.offset

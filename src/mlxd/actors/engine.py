@@ -332,11 +332,11 @@ class EngineActor:
 
     def _restore(self, row: _Row, notes: list[Any]) -> tuple[list[Any], int, str]:
         """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
-        from mlxd.kv import file_format, kinds
+        from mlxd.kv import kinds
 
         restore = row.start.restore
         t0 = time.perf_counter()
-        caches = file_format.adopt(restore.loaded)
+        caches = kinds.adopt(restore.loaded)
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
         tokens = tuple(restore.entry.tokens)
         notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
@@ -351,7 +351,7 @@ class EngineActor:
                 durable=True,
             )
         )
-        return kinds.lend(caches, restore.usable), restore.usable, "ssd"
+        return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
 
     def _insert(self, row: _Row, notes: list[Any]) -> _Emit:
         from mlx_lm.generate import StopSequences
@@ -364,7 +364,7 @@ class EngineActor:
             lent, usable, tier = self._restore(row, notes)
         else:
             usable = hit.usable if hit is not None else 0
-            lent = kinds.lend(hit.entry.payload, usable) if hit is not None else None
+            lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens)) if hit is not None else None
             tier = "ram" if usable > 0 else "none"
         caches = [lent] if lent is not None else None
         s = req.sampling
@@ -397,13 +397,13 @@ class EngineActor:
         """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
         import mlx.core as mx
 
-        from mlxd.kv import file_format, kinds
+        from mlxd.kv import kinds
 
         mx.eval([c.state for c in caches])
         exact = tuple(tokens)
         plan = None
         if self._store_identity is not None:
-            plan = file_format.plan_snapshot(caches, meta=self._store_identity.meta(exact, namespace))
+            plan = kinds.plan_snapshot(caches, meta=self._store_identity.meta(exact, namespace))
         return PublishPrefix(
             tokens=exact,
             namespace=namespace,
