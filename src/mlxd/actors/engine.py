@@ -149,6 +149,7 @@ class EngineActor:
             if mx.default_device() == mx.cpu:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
+            _check_cache_kinds(model)
         self._model, self._tokenizer = model, tokenizer
         self._generator = self._new_generator()
         cfg = json.loads((path / "config.json").read_text())
@@ -492,6 +493,15 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     ]
     model.update(tree_unflatten(cast))
     mx.eval(model.parameters())
+
+
+def _check_cache_kinds(model: Any) -> None:
+    """Refuse at load, not at the first cache hit, a model whose caches mlxd cannot serve."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxd.kv import kinds
+
+    kinds.check_model_caches(make_prompt_cache(model))
 
 
 def _store_identity(name: str, model_identity: str, path: Path) -> Any:

@@ -1,0 +1,102 @@
+"""Every cache family through real HTTP: plain, sliding-window, hybrid and pure-recurrent models.
+
+Per architecture (random-weight mlx-lm models built offline): a follow-up turn
+hits the RAM tier, gives the logprobs a cold prefill gives, and a new process
+state restores it from SSD with the same tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxd.model import build_model
+
+from serving import ServerThread, config_for
+
+SYSTEM = "You answer briefly and keep every cached prefix. " * 8
+NO_EOS = {"0": -100, "1": -100, "2": -100}  # random weights: keep generating to max_tokens
+
+ARCHITECTURES = ["test", "test-gemma3", "test-qwen3next", "test-mamba2"]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / request.param, request.param, seed=0)
+
+
+def chat(server: ServerThread, messages: list[dict], **kw) -> dict:
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 6, "logprobs": True,
+            "top_logprobs": 3, "logit_bias": NO_EOS, **kw}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def text(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def logprobs(response: dict) -> list[float]:
+    return [c["logprob"] for c in response["choices"][0]["logprobs"]["content"]]
+
+
+def top(response: dict) -> list[list[tuple[str, float]]]:
+    return [[(t["token"], t["logprob"]) for t in c["top_logprobs"]]
+            for c in response["choices"][0]["logprobs"]["content"]]
+
+
+def flush(server: ServerThread) -> None:
+    r = httpx.post(f"{server.base_url.removesuffix('/v1')}/admin/cache/flush", timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def same(a: dict, b: dict) -> None:
+    """Same tokens and the same logprobs (greedy random models repeat tokens: compare logits too)."""
+    assert text(a) == text(b)
+    assert logprobs(a) == pytest.approx(logprobs(b), abs=2e-4)
+    for x, y in zip(top(a), top(b), strict=True):
+        assert [t for t, _ in x] == [t for t, _ in y], (x, y)
+        assert [v for _, v in x] == pytest.approx([v for _, v in y], abs=2e-4)
+
+
+def conversation(reply: str | None = None) -> list[list[dict]]:
+    """Three turns; turn 2 quotes a fixed reply (tokenized alike by every process)."""
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a prefix?"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "The start of a sequence."},
+             {"role": "user", "content": "And a suffix?"}]
+    turn3 = [*turn2, {"role": "assistant", "content": reply or ""}, {"role": "user", "content": "Thanks."}]
+    return [turn1, turn2, turn3]
+
+
+def test_follow_up_turns_hit_and_restore_exactly(arch_model_dir: Path, tmp_path: Path) -> None:
+    turn1, turn2, _ = conversation()
+    with ServerThread(config_for(arch_model_dir, prompt_cache_bytes=0)) as cold:
+        cold1, cold2 = chat(cold, turn1), chat(cold, turn2)
+        # turn 3 quotes turn 2's generated reply: its exact ids come from the reply history
+        cold3 = chat(cold, conversation(text(cold2))[2])
+        assert cached(cold3) == 0
+
+    ssd = tmp_path / "ssd"
+    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd)) as server:
+        same(chat(server, turn1), cold1)
+        warm2 = chat(server, turn2)  # turn 1's prompt-boundary checkpoint serves it
+        assert cached(warm2) >= warm2["usage"]["prompt_tokens"] - 40
+        same(warm2, cold2)
+        warm3 = chat(server, conversation(text(warm2))[2])  # turn 2's end-of-turn checkpoint serves it
+        assert cached(warm3) >= warm2["usage"]["prompt_tokens"] + warm2["usage"]["completion_tokens"] - 1
+        same(warm3, cold3)
+        flush(server)
+
+    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd)) as restarted:
+        restored = chat(restarted, turn2)  # no RAM state: restored from the SSD tier
+        assert cached(restored) == warm2["usage"]["prompt_tokens"] - 1
+        same(restored, cold2)
+        stats = httpx.get(f"{restarted.base_url.removesuffix('/v1')}/stats").json()["ssd_cache"]
+        assert stats["restores"] >= 1
