@@ -19,12 +19,15 @@ from serving import ServerThread, config_for
 SYSTEM = "You answer briefly and keep every cached prefix. " * 8
 NO_EOS = {"0": -100, "1": -100, "2": -100}  # random weights: keep generating to max_tokens
 
-ARCHITECTURES = ["test", "test-gemma3", "test-qwen3next", "test-mamba2"]
+# (preset, KV bits): plain attention, sliding window, hybrid, pure recurrent, quantized KV8 / KV4
+CASES = [("test", None), ("test-gemma3", None), ("test-qwen3next", None), ("test-mamba2", None),
+         ("test-wide", 8), ("test-wide", 4)]
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def arch_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("models") / request.param, request.param, seed=0)
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_model(root / name, name, seed=0) for name in dict(CASES)}
 
 
 def chat(server: ServerThread, messages: list[dict], **kw) -> dict:
@@ -75,16 +78,21 @@ def conversation(reply: str | None = None) -> list[list[dict]]:
     return [turn1, turn2, turn3]
 
 
-def test_follow_up_turns_hit_and_restore_exactly(arch_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("preset", "kv_bits"), CASES, ids=[f"{p}-kv{b}" if b else p for p, b in CASES])
+def test_follow_up_turns_hit_and_restore_exactly(
+    model_dirs: dict[str, Path], preset: str, kv_bits: int | None, tmp_path: Path
+) -> None:
+    arch_model_dir = model_dirs[preset]
+    scheme = {"kv_bits": kv_bits}
     turn1, turn2, _ = conversation()
-    with ServerThread(config_for(arch_model_dir, prompt_cache_bytes=0)) as cold:
+    with ServerThread(config_for(arch_model_dir, prompt_cache_bytes=0, **scheme)) as cold:
         cold1, cold2 = chat(cold, turn1), chat(cold, turn2)
         # turn 3 quotes turn 2's generated reply: its exact ids come from the reply history
         cold3 = chat(cold, conversation(text(cold2))[2])
         assert cached(cold3) == 0
 
     ssd = tmp_path / "ssd"
-    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd)) as server:
+    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd, **scheme)) as server:
         same(chat(server, turn1), cold1)
         warm2 = chat(server, turn2)  # turn 1's prompt-boundary checkpoint serves it
         assert cached(warm2) >= warm2["usage"]["prompt_tokens"] - 40
@@ -94,7 +102,7 @@ def test_follow_up_turns_hit_and_restore_exactly(arch_model_dir: Path, tmp_path:
         same(warm3, cold3)
         flush(server)
 
-    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd)) as restarted:
+    with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd, **scheme)) as restarted:
         restored = chat(restarted, turn2)  # no RAM state: restored from the SSD tier
         assert cached(restored) == warm2["usage"]["prompt_tokens"] - 1
         same(restored, cold2)

@@ -61,6 +61,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
     p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8),
+                   help="store attention KV affine-quantized to 4 or 8 bits (default: the model's precision)")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="quantization group size along head_dim for --kv-bits (default 64)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
@@ -113,6 +117,8 @@ def serve_config(args: argparse.Namespace):
         model_name=args.model_name,
         prompt_cache_bytes=args.prompt_cache_gb,
         retention=args.retention,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,

@@ -140,6 +140,7 @@ class EngineActor:
     def _load(self) -> EngineInfo:
         import mlx.core as mx
 
+        from mlxd.kv import kinds
         from mlxd.model.detok import load_model
 
         self._stream = mx.new_stream(mx.default_device())
@@ -149,8 +150,9 @@ class EngineActor:
             if mx.default_device() == mx.cpu:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
-            _check_cache_kinds(model)
         self._model, self._tokenizer = model, tokenizer
+        kinds.check_model_caches(self._fresh_caches())  # unsupported caches fail the load, not a request
+        kv_bytes_per_token = self._measure_kv_bytes_per_token()
         self._generator = self._new_generator()
         cfg = json.loads((path / "config.json").read_text())
         max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -159,14 +161,16 @@ class EngineActor:
             else self._config.model or f"mlxd-{self._config.model_preset}"
         )
         identity = _model_identity(path)
-        self._store_identity = _store_identity(name, identity, path) if self._config.ssd_cache_dir else None
+        self._store_identity = (
+            _store_identity(name, identity, path, self._config.kv_scheme) if self._config.ssd_cache_dir else None
+        )
         return EngineInfo(
             model_name=name,
             model_path=str(path),
             tokenizer=tokenizer,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
-            kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
+            kv_bytes_per_token=kv_bytes_per_token,
             vocab_size=int(cfg.get("vocab_size") or len(tokenizer._tokenizer)),
             model_identity=identity,
             store_identity=self._store_identity,
@@ -196,6 +200,43 @@ class EngineActor:
             prefill_step_size=self._config.prefill_step_size,
             stream=self._stream,
         )
+
+    def _fresh_caches(self) -> list[Any]:
+        """A new row's caches: the model's own, with plain KV layers quantized under --kv-bits."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxd.kv.quantized_batch import quantized_like
+
+        caches = make_prompt_cache(self._model)
+        if self._config.kv_bits is None:
+            return caches
+        return quantized_like(caches, group_size=self._config.kv_group_size, bits=self._config.kv_bits)
+
+    def _measure_kv_bytes_per_token(self) -> int:
+        """Cache bytes one more token of context costs, all layers, under the KV scheme (two short prefills)."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        sizes = []
+        with mx.stream(self._stream):
+            for n in (32, 64):
+                caches = self._fresh_caches()
+                try:
+                    self._model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+                except ValueError as exc:  # e.g. a head_dim that --kv-group-size does not divide
+                    raise ValueError(f"this model cannot run KV scheme {self._config.kv_scheme}: {exc}") from exc
+                mx.eval([c.state for c in caches])
+                sizes.append(kinds.nbytes(caches))
+        return max(0, (sizes[1] - sizes[0]) // 32)
+
+    def _row_caches(self, lent: list[Any] | None) -> list[Any] | None:
+        """What a row starts from: a lent prefix, or fresh caches; quantized ones made batchable."""
+        if self._config.kv_bits is None:
+            return lent
+        from mlxd.kv.quantized_batch import batchable
+
+        return batchable(lent if lent is not None else self._fresh_caches())
 
     def _close(self) -> None:
         if self._generator is not None:
@@ -367,7 +408,8 @@ class EngineActor:
             usable = hit.usable if hit is not None else 0
             lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens)) if hit is not None else None
             tier = "ram" if usable > 0 else "none"
-        caches = [lent] if lent is not None else None
+        row_caches = self._row_caches(lent)
+        caches = [row_caches] if row_caches is not None else None
         s = req.sampling
         stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
         (uid,) = self._generator.insert(
@@ -495,16 +537,7 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
-def _check_cache_kinds(model: Any) -> None:
-    """Refuse at load, not at the first cache hit, a model whose caches mlxd cannot serve."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlxd.kv import kinds
-
-    kinds.check_model_caches(make_prompt_cache(model))
-
-
-def _store_identity(name: str, model_identity: str, path: Path) -> Any:
+def _store_identity(name: str, model_identity: str, path: Path, kv_scheme: str) -> Any:
     """What every SSD file must match: model, tokenizer, KV dtype, MLX version and backend."""
     import hashlib
 
@@ -519,18 +552,11 @@ def _store_identity(name: str, model_identity: str, path: Path) -> Any:
         {
             "model": model_identity,
             "tokenizer": tokenizer_hash,
-            "kv_scheme": "fp32" if mx.default_device() == mx.cpu else "native",
+            # the native scheme keeps its older name, so existing caches stay valid
+            "kv_scheme": ("fp32" if mx.default_device() == mx.cpu else "native") if kv_scheme == "native" else kv_scheme,
             "mlx": getattr(mx, "__version__", "unknown"),
             "backend": str(mx.default_device()),
             "format": str(file_format.FORMAT_VERSION),
         }
     )
     return StoreIdentity(model_id=name, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
-
-
-def _kv_bytes_per_token(cfg: dict[str, Any], model: Any) -> int:
-    """KV bytes one token costs across all layers (fp32 on CPU)."""
-    layers = int(cfg.get("num_hidden_layers", 0))
-    kv_heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0)))
-    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))))
-    return layers * kv_heads * head_dim * 2 * 4

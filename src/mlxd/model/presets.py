@@ -94,6 +94,8 @@ _SMALL = {
 # One small preset per cache family, as small as "test": layer 0 is the special one.
 PRESETS.update(
     {
+        # "test" with head_dim 64: the quantized KV schemes need head_dim % group size == 0.
+        "test-wide": ModelPreset(name="test-wide", **{**_SMALL, "head_dim": 64}),
         # Sliding window: layer 0 a RotatingKVCache of 32 tokens, layer 1 global (KVCache).
         "test-gemma3": ModelPreset(
             name="test-gemma3",
