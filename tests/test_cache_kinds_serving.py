@@ -7,11 +7,13 @@ state restores it from SSD with the same tokens and logprobs.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
+from mlxd.kv import file_format
 from mlxd.model import build_model
 
 from serving import ServerThread, config_for
@@ -108,3 +110,42 @@ def test_follow_up_turns_hit_and_restore_exactly(
         same(restored, cold2)
         stats = httpx.get(f"{restarted.base_url.removesuffix('/v1')}/stats").json()["ssd_cache"]
         assert stats["restores"] >= 1
+
+
+def test_kv_schemes_have_their_own_ssd_files(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    ssd, wide = tmp_path / "ssd", model_dirs["test-wide"]
+    turn1, turn2, _ = conversation()
+    with ServerThread(config_for(wide, ssd_cache_dir=ssd, kv_bits=8)) as server:
+        chat(server, turn1)
+        flush(server)
+    headers = [file_format.read_header(p) for p in ssd.rglob("*.mlxkv")]
+    assert headers and all(set(h.signature) == {"quant:8:64"} for h in headers)
+    with ServerThread(config_for(wide, ssd_cache_dir=ssd, kv_bits=4)) as server:
+        assert cached(chat(server, turn2)) == 0  # another scheme's files are foreign
+    with ServerThread(config_for(wide, ssd_cache_dir=ssd)) as server:
+        assert cached(chat(server, turn2)) == 0  # and so to the model's own precision
+    with ServerThread(config_for(wide, ssd_cache_dir=ssd, kv_bits=8)) as server:
+        assert cached(chat(server, turn2)) > 0
+
+
+def test_concurrent_quantized_rows_batch_and_match_sequential(model_dirs: dict[str, Path]) -> None:
+    """KV4 rows of different lengths, some from cache hits, decode together; none fails."""
+    prompts = [conversation()[0], conversation()[1],
+               [{"role": "user", "content": "Short."}], [{"role": "user", "content": "Another short one, please."}]]
+    with ServerThread(config_for(model_dirs["test-wide"], kv_bits=4, prompt_cache_bytes=0)) as server:
+        sequential = [chat(server, p, max_tokens=12) for p in prompts]
+    with ServerThread(config_for(model_dirs["test-wide"], kv_bits=4)) as server:
+        chat(server, prompts[0])  # a checkpoint that the second prompt's row borrows
+        results: list[dict] = [{}] * len(prompts)
+
+        def run(i: int) -> None:
+            results[i] = chat(server, prompts[i], max_tokens=12)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert cached(results[1]) > 0
+    for got, want in zip(results, sequential, strict=True):
+        same(got, want)
