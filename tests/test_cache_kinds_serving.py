@@ -7,6 +7,9 @@ state restores it from SSD with the same tokens and logprobs.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +19,8 @@ import pytest
 from mlxd.kv import file_format
 from mlxd.model import build_model
 
+from models import chunked_llama4_dir
+from procs import ServeProcess
 from serving import ServerThread, config_for
 
 SYSTEM = "You answer briefly and keep every cached prefix. " * 8
@@ -149,3 +154,51 @@ def test_concurrent_quantized_rows_batch_and_match_sequential(model_dirs: dict[s
     assert cached(results[1]) > 0
     for got, want in zip(results, sequential, strict=True):
         same(got, want)
+
+
+def test_unsupported_cache_classes_are_refused_at_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """llama4 makes ChunkedKVCache layers: `mlxd serve` exits 2 naming them, before serving anything."""
+    model = chunked_llama4_dir(tiny_model_dir, tmp_path / "llama4")
+    out = subprocess.run([sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlxd serve: cannot serve") and "ChunkedKVCache (layers 0, 1)" in last, last
+    assert "Traceback" not in out.stderr
+
+
+def test_kv_scheme_the_model_cannot_run_is_refused_at_load(tiny_model_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "mlxd.cli", "serve", "--model", str(tiny_model_dir), "--port", "0",
+                          "--kv-bits", "4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "cannot run KV scheme affine4-g64" in out.stderr  # head_dim 16: no group of 64 fits
+
+
+def test_recurrent_preset_restarts_through_real_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mlxd serve --preset test-mamba2`: a follow-up hit, flush, SIGTERM, and a new process restores."""
+    monkeypatch.setenv("MLXD_CACHE_DIR", str(tmp_path / "models"))
+    # over the default 256 new tokens: turn 1's prompt boundary is checkpointed too
+    turn1 = [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": "What is a prefix?"}]
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 6, "logprobs": True, "logit_bias": NO_EOS}
+
+    def serve(name: str) -> ServeProcess:
+        return ServeProcess("--preset", "test-mamba2", "--model-name", "tiny", "--ssd-cache", str(tmp_path / "ssd"),
+                            log_path=tmp_path / f"{name}.log")
+
+    with serve("first") as first, first.client() as http:
+        first_reply = http.post("/v1/chat/completions", json={**body, "messages": turn1}).json()
+        # the client sends the reply back: its exact ids meet turn 1's end-of-turn checkpoint
+        turn2 = [*turn1, {"role": "assistant", "content": text(first_reply)}, {"role": "user", "content": "More?"}]
+        warm = http.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
+        assert cached(warm) >= first_reply["usage"]["prompt_tokens"] - 1
+        assert http.post("/admin/cache/flush").status_code == 200
+        first.signal(signal.SIGTERM)
+        assert first.wait() == 0
+    with serve("second") as second, second.client() as http:
+        # a new process tokenizes the reply itself, so its ids may part from the generated ones
+        # there: turn 1's prompt-boundary checkpoint (exact, restored from SSD) serves the prefix
+        again = http.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
+        assert cached(again) >= first_reply["usage"]["prompt_tokens"] - 1
+        assert http.get("/stats").json()["ssd_cache"]["restores"] == 1
+        second.signal(signal.SIGTERM)
+        assert second.wait() == 0

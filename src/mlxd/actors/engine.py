@@ -37,6 +37,10 @@ from mlxd.runtime.mlx_thread import MlxThread
 log = get_logger("mlxd.engine")
 
 
+class ModelRefused(Exception):
+    """The model cannot be served as configured (its cache classes, or the KV scheme); raised at load."""
+
+
 @attrs.frozen(kw_only=True)
 class EngineInfo:
     """What the rest of the runtime may know about the loaded model."""
@@ -151,8 +155,11 @@ class EngineActor:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
         self._model, self._tokenizer = model, tokenizer
-        kinds.check_model_caches(self._fresh_caches())  # unsupported caches fail the load, not a request
-        kv_bytes_per_token = self._measure_kv_bytes_per_token()
+        try:  # unsupported caches fail the load, not the first request or cache hit
+            kinds.check_model_caches(self._fresh_caches())
+            kv_bytes_per_token = self._measure_kv_bytes_per_token()
+        except (kinds.UnknownCacheKind, ValueError) as exc:
+            raise ModelRefused(f"cannot serve {path}: {exc}") from exc
         self._generator = self._new_generator()
         cfg = json.loads((path / "config.json").read_text())
         max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -282,6 +289,9 @@ class EngineActor:
         self._cancelled.add(msg.request_id)
 
     async def _deliver(self, result: _StepResult) -> None:
+        # Checkpoints first: a client that has its answer can count on its end-of-turn checkpoint.
+        for note in result.notes:
+            await self._publish.send(note)
         for emit in result.emits:
             row = self._rows.get(emit.uid)
             if row is None:
@@ -292,8 +302,6 @@ class EngineActor:
             row = self._rows.pop(uid, None)
             if row is not None:
                 row.start.events.close()
-        for note in result.notes:
-            await self._publish.send(note)
         self.stats["batch_rows"] = len(self._rows)
 
     def _fail_all(self, message: str) -> None:

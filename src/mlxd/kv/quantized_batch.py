@@ -30,8 +30,19 @@ def _map(fn: Any, parts: Parts) -> Parts:
     return tuple(fn(p) for p in parts)  # type: ignore[return-value]
 
 
+def _ints(a: mx.array) -> list[int]:
+    values: list[Any] = a.tolist()  # type: ignore[assignment]
+    return [int(v) for v in values]
+
+
 class BatchQuantizedKVCache(BatchKVCache):
     """A batch of quantized KV rows, left-padded (see BatchKVCache)."""
+
+    # BatchKVCache's state, typed here for mypy (mlx-lm is untyped)
+    _idx: int
+    offset: mx.array
+    left_padding: mx.array
+    _right_padding: mx.array | None
 
     def __init__(self, left_padding: list[int], *, group_size: int, bits: int) -> None:
         super().__init__(left_padding)
@@ -85,7 +96,7 @@ class BatchQuantizedKVCache(BatchKVCache):
             self.values = _map(lambda p: p[batch_indices], self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        min_left_pad = min(self.left_padding.tolist())  # type: ignore[type-var, call-overload]
+        min_left_pad = min(_ints(self.left_padding))
         if min_left_pad > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda p: p[..., min_left_pad:, :], self.keys)
@@ -129,7 +140,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         if self.keys is None or self.values is None:
             return cache
-        padding = int(self.left_padding[idx].item())
+        padding = _ints(self.left_padding)[idx]
         row = lambda p: mx.contiguous(p[idx : idx + 1, :, padding : self._idx])  # noqa: E731
         cache.keys, cache.values = _map(row, self.keys), _map(row, self.values)
         cache.offset = self._idx - padding

@@ -81,26 +81,18 @@ PRESETS: dict[str, ModelPreset] = {
     ),
 }
 
-_SMALL = {
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
+_TEST = PRESETS["test"]
 
 # One small preset per cache family, as small as "test": layer 0 is the special one.
 PRESETS.update(
     {
         # "test" with head_dim 64: the quantized KV schemes need head_dim % group size == 0.
-        "test-wide": ModelPreset(name="test-wide", **{**_SMALL, "head_dim": 64}),
+        "test-wide": attrs.evolve(_TEST, name="test-wide", head_dim=64),
         # Sliding window: layer 0 a RotatingKVCache of 32 tokens, layer 1 global (KVCache).
-        "test-gemma3": ModelPreset(
+        "test-gemma3": attrs.evolve(
+            _TEST,
             name="test-gemma3",
             architecture="gemma3_text",
-            **_SMALL,
             extra=(
                 ("sliding_window", 32),
                 ("sliding_window_pattern", 2),
@@ -109,11 +101,10 @@ PRESETS.update(
             ),
         ),
         # Hybrid: layer 0 gated delta-net (ArraysCache), layer 1 full attention (KVCache).
-        "test-qwen3next": ModelPreset(
+        "test-qwen3next": attrs.evolve(
+            _TEST,
             name="test-qwen3next",
             architecture="qwen3_next",
-            **_SMALL,
-            tie_word_embeddings=True,
             extra=(
                 ("linear_num_value_heads", 2),
                 ("linear_num_key_heads", 2),
@@ -131,10 +122,10 @@ PRESETS.update(
             ),
         ),
         # Pure recurrent: every layer an ArraysCache (conv + SSM state); no layer counts tokens.
-        "test-mamba2": ModelPreset(
+        "test-mamba2": attrs.evolve(
+            _TEST,
             name="test-mamba2",
             architecture="mamba2",
-            **_SMALL,
             extra=(
                 ("num_heads", 4),
                 ("expand", 1),  # transformers checks hidden_size * expand == num_heads * head_dim
