@@ -49,6 +49,18 @@ def _rss_bytes() -> int:
     return 0
 
 
+def _ssd_bytes_per_token(ssd: Path) -> float:
+    """The SSD files' bytes over the tokens they hold; removes the files."""
+    from mlxd.kv import file_format
+
+    files = list(ssd.rglob("*.mlxkv"))
+    tokens = sum(len(file_format.read_header(f).tokens) for f in files)
+    size = sum(f.stat().st_size for f in files)
+    for f in files:
+        f.unlink()
+    return size / max(1, tokens)
+
+
 async def _ttft(rt: Any, prompt: list[int]) -> tuple[float, int]:
     """Seconds from submit to the first generated token, and the cached tokens it reused."""
     from mlxd import SamplingParams
@@ -91,19 +103,12 @@ async def _one(args: argparse.Namespace, scheme: str) -> dict[str, Any]:
                 reused.append(hit)
         report = await rt.flush()
         assert report["durable"], report
-    files = list(ssd.rglob("*.mlxkv"))
-    from mlxd.kv import file_format
-
-    file_tokens = sum(len(file_format.read_header(f).tokens) for f in files)
-    file_bytes = sum(f.stat().st_size for f in files)
-    for f in files:
-        f.unlink()
     return {
         "scheme": scheme,
         "kv_bits": SCHEMES[scheme],
         "kv_bytes_per_token": rt.info.kv_bytes_per_token,
         "ram_bytes_per_token": sum(e.nbytes for e in ram) / sum(len(e.tokens) for e in ram),
-        "ssd_bytes_per_token": file_bytes / max(1, file_tokens),
+        "ssd_bytes_per_token": _ssd_bytes_per_token(ssd),
         "ram_entries_at_equal_context": len(ram),
         "mlx_active_bytes": active,
         "mlx_active_over_loaded_bytes": active - loaded_active,
