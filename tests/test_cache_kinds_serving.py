@@ -107,6 +107,12 @@ def test_follow_up_turns_hit_and_restore_exactly(
         warm3 = chat(server, conversation(text(warm2))[2])  # turn 2's end-of-turn checkpoint serves it
         assert cached(warm3) >= warm2["usage"]["prompt_tokens"] + warm2["usage"]["completion_tokens"] - 1
         same(warm3, cold3)
+        ram = httpx.get(f"{server.base_url.removesuffix('/v1')}/stats").json()["cache"]["ram"]
+        if preset in ("test", "test-wide"):
+            assert ram["superseded"] > 0  # a trimmable checkpoint covers its ancestors
+        else:
+            # window rings wrapped, recurrent state: no checkpoint can stand in for a shorter one
+            assert ram["superseded"] == 0 and ram["entries"] == ram["inserts"] - ram["replaced"]
         flush(server)
 
     with ServerThread(config_for(arch_model_dir, ssd_cache_dir=ssd, **scheme)) as restarted:
