@@ -231,9 +231,10 @@ class EngineActor:
                 caches = self._fresh_caches()
                 try:
                     self._model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
-                except ValueError as exc:  # e.g. a head_dim that --kv-group-size does not divide
+                    mx.eval([c.state for c in caches])
+                except (ValueError, TypeError, AttributeError) as exc:  # e.g. head_dim % group size, or
+                    # an attention that does not take quantized KV: refused at load, not at a request
                     raise ValueError(f"this model cannot run KV scheme {self._config.kv_scheme}: {exc}") from exc
-                mx.eval([c.state for c in caches])
                 sizes.append(kinds.nbytes(caches))
         return max(0, (sizes[1] - sizes[0]) // 32)
 
