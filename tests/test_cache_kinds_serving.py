@@ -208,3 +208,20 @@ def test_recurrent_preset_restarts_through_real_processes(tmp_path: Path, monkey
         assert http.get("/stats").json()["ssd_cache"]["restores"] == 1
         second.signal(signal.SIGTERM)
         second.wait()
+
+
+def test_sliding_window_reuses_a_trimmed_prefix_before_the_ring_wraps(model_dirs: dict[str, Path]) -> None:
+    """Window 32: a 20-odd-token checkpoint is a plain prefix cache, trimmed to serve a diverging turn."""
+    turn1 = [{"role": "user", "content": "Hi."}]
+    with ServerThread(config_for(model_dirs["test-gemma3"], prompt_cache_bytes=0)) as cold:
+        first = chat(cold, turn1, max_tokens=4)
+        turn2 = [*turn1, {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Bye."}]
+        want = chat(cold, turn2, max_tokens=4)
+    with ServerThread(config_for(model_dirs["test-gemma3"])) as server:
+        end_of_turn = first["usage"]["total_tokens"] - 1  # the checkpoint's tokens: prompt + 3 generated
+        assert end_of_turn < 32
+        chat(server, turn1, max_tokens=4)
+        got = chat(server, turn2, max_tokens=4)
+        # the turn-1 checkpoint (prompt + reply ids) diverges from turn 2 inside the reply: trimmed, not refused
+        assert first["usage"]["prompt_tokens"] <= cached(got) < end_of_turn
+        same(got, want)
