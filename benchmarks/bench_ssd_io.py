@@ -26,7 +26,8 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
 import mlxd  # noqa: F401  (OpenBLAS preload before mlx)
-from mlxd.kv import file_format as ff
+from mlxd.kv import file_format as ff  # noqa: E402
+from mlxd.kv import kinds  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 28, 8, 128
 MB = 1e6
@@ -66,7 +67,7 @@ def raw_read(path: Path) -> float:
 def one_round(caches, tokens: int, d: Path, rep: int) -> dict[str, float]:
     meta = ff.SnapshotMeta("bench", "fp", "", "tok", range(tokens))
     t0 = time.perf_counter()
-    plan = ff.plan_snapshot(caches, meta=meta)
+    plan = kinds.plan_snapshot(caches, meta=meta)
     t_plan = time.perf_counter() - t0
     written = ff.write_snapshot(plan, d / f"snap{rep}.mlxkv")
     del plan
@@ -78,7 +79,7 @@ def one_round(caches, tokens: int, d: Path, rep: int) -> dict[str, float]:
     loaded = ff.read_snapshot(written.path, verify=False)
     t_read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    restored = ff.adopt(loaded)
+    restored = kinds.adopt(loaded)
     t_adopt = time.perf_counter() - t0
     assert restored[0].offset == tokens
     del loaded, restored

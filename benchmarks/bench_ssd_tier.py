@@ -469,6 +469,7 @@ def run_bandwidth(args: argparse.Namespace, model_dir: Path, work: Path) -> dict
 
     import mlxd  # noqa: F401  (OpenBLAS preload)
     from mlxd.kv import file_format as ff
+    from mlxd.kv import kinds
 
     caches = []
     for _ in range(12):
@@ -479,7 +480,7 @@ def run_bandwidth(args: argparse.Namespace, model_dir: Path, work: Path) -> dict
         caches.append(c)
     meta = ff.SnapshotMeta("bench", "fp", "", "tok", range(args.tokens))
     d = Path(tempfile.mkdtemp(prefix="bw-", dir=args.dir or work))
-    plan = ff.plan_snapshot(caches, meta=meta)
+    plan = kinds.plan_snapshot(caches, meta=meta)
     written = ff.write_snapshot(plan, d / "snap.mlxkv")
     del plan
     plain = d / "plain.bin"
@@ -494,7 +495,7 @@ def run_bandwidth(args: argparse.Namespace, model_dir: Path, work: Path) -> dict
         t0 = time.perf_counter()
         loaded = ff.read_snapshot(written.path, verify=False)
         t1 = time.perf_counter()
-        restored = ff.adopt(loaded)
+        restored = kinds.adopt(loaded)
         t2 = time.perf_counter()
         assert restored[0].offset == args.tokens
         del loaded, restored
@@ -553,20 +554,21 @@ def pipelined_restore(path: Path) -> list[Any]:
     import mlx.core as mx
     import numpy as np
 
-    from mlxd.kv import file_format as ff
+    from mlxd.kv.file_format import header as ffh
+    from mlxd.kv.file_format import read as ffr
 
     q: queue.Queue[Any] = queue.Queue(maxsize=4)
 
     def reader() -> None:
         try:
             with open(path, "rb", buffering=0) as f:
-                header = ff._read_header(f)
+                header = ffr._read_header(f)
                 q.put(header)
                 pos = f.tell()
                 for _, t in header.tensors():
                     f.seek(t.offset - pos, os.SEEK_CUR)
-                    buf = np.empty(t.shape, dtype=np.dtype(ff._NP_DTYPES[t.dtype]))
-                    ff._readinto_all(f, memoryview(buf.reshape(-1)))
+                    buf = np.empty(t.shape, dtype=np.dtype(ffh.NP_DTYPES[t.dtype]))
+                    ffr._readinto_all(f, memoryview(buf.reshape(-1)))
                     q.put(buf)
                     pos = t.offset + t.nbytes
             q.put(None)
@@ -595,6 +597,7 @@ def profile_restore(snap: Path, plain: Path, size: int, args: argparse.Namespace
     import numpy as np
 
     from mlxd.kv import file_format as ff
+    from mlxd.kv import kinds
 
     def cold_time(path: Path, fn: Any) -> float:
         bench_ssd_io.drop_cache(path)
@@ -619,7 +622,7 @@ def profile_restore(snap: Path, plain: Path, size: int, args: argparse.Namespace
     def adopt_only() -> float:
         loaded = ff.read_snapshot(snap, verify=False)
         t0 = time.perf_counter()
-        ff.adopt(loaded)
+        kinds.adopt(loaded)
         return time.perf_counter() - t0
 
     def copy_into_mlx_warm() -> float:

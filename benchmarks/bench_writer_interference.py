@@ -109,7 +109,7 @@ def paced_cases(scratch: Path, rates: list[float], slice_mb: float) -> dict[str,
     import mlx.core as mx
     from mlx_lm.models import cache as mlc
 
-    from mlxd.kv import file_format
+    from mlxd.kv import file_format, kinds
     from mlxd.kv.pacing import Pacer, WriteInterrupted
 
     caches = []
@@ -120,7 +120,7 @@ def paced_cases(scratch: Path, rates: list[float], slice_mb: float) -> dict[str,
         caches.append(c)
     meta = file_format.SnapshotMeta(model_id="bench", config_fingerprint="probe", namespace="", tokenizer_hash="t",
                                     tokens=tuple(range(tokens)))
-    plan = file_format.plan_snapshot(caches, meta=meta)
+    plan = kinds.plan_snapshot(caches, meta=meta)
     cases: dict[str, Callable[[Side], None]] = {}
     for rate in rates:
 

@@ -1,8 +1,13 @@
-"""Test helper: a tiny random-weight qwen3 model built directly (no files, no tokenizer)."""
+"""Test helpers: a tiny random-weight qwen3 model built directly; a model mlxd must refuse."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 
 
@@ -26,3 +31,24 @@ def tiny_qwen3(*, head_dim: int = 16, max_position_embeddings: int = 512) -> qwe
     model = qwen3.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def chunked_llama4_dir(tokenizer_dir: Path, dest: Path) -> Path:
+    """A random 2-layer llama4 model directory: its make_cache() gives ChunkedKVCache layers."""
+    from mlx_lm.models import llama4
+
+    text = {
+        "attention_bias": False, "attention_chunk_size": 16, "head_dim": 16, "hidden_size": 64,
+        "interleave_moe_layer_step": 2, "intermediate_size": 64, "intermediate_size_mlp": 128,
+        "max_position_embeddings": 4096, "model_type": "llama4_text", "num_attention_heads": 4,
+        "num_experts_per_tok": 1, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 2,
+        "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "use_qk_norm": True, "vocab_size": 1024,
+    }
+    config = {"model_type": "llama4", "text_config": text}
+    dest.mkdir(parents=True, exist_ok=True)
+    model = llama4.Model(llama4.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, dest / name)
+    return dest

@@ -14,6 +14,7 @@ from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv import file_format as ff
+from mlxd.kv import kinds
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, StoreIdentity
@@ -52,7 +53,7 @@ IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
 def plan_for(tokens: tuple[int, ...], n_heads: int = 1) -> ff.SnapshotPlan:
     c = mlc.KVCache()
     c.update_and_fetch(mx.zeros((1, n_heads, len(tokens), 8)), mx.zeros((1, n_heads, len(tokens), 8)))
-    return ff.plan_snapshot([c], meta=IDENTITY.meta(tokens, ""))
+    return kinds.plan_snapshot([c], meta=IDENTITY.meta(tokens, ""))
 
 
 def publish(tokens: tuple[int, ...], **kw) -> PublishPrefix:

@@ -18,6 +18,8 @@ from mlx_lm.models import qwen3
 
 import mlxd  # noqa: F401  (before mlx: OpenBLAS preload)
 from mlxd.kv import file_format as ff
+from mlxd.kv import kinds
+from mlxd.kv.file_format import write as ffw
 
 from models import tiny_qwen3 as _tiny_qwen3
 
@@ -38,10 +40,10 @@ def filled_kv(n: int, dtype=mx.float32, heads: int = 2, dim: int = 8) -> mlc.KVC
 
 
 def round_trip(tmp_path: Path, caches, *, verify=True, tokens=(1, 2, 3)):
-    plan = ff.plan_snapshot(caches, meta=meta(tokens))
+    plan = kinds.plan_snapshot(caches, meta=meta(tokens))
     written = ff.write_snapshot(plan, tmp_path / "a.mlxkv")
     loaded = ff.read_snapshot(written.path, verify=verify)
-    return written, ff.adopt(loaded)
+    return written, kinds.adopt(loaded)
 
 
 def same(a: mx.array, b: mx.array) -> bool:
@@ -135,16 +137,16 @@ def test_empty_caches_round_trip(tmp_path):
 
 def test_unknown_cache_class_is_an_error(tmp_path):
     with pytest.raises(ff.UnsupportedCache):
-        ff.plan_snapshot([mlc.ChunkedKVCache(16)], meta=meta())
+        kinds.plan_snapshot([mlc.ChunkedKVCache(16)], meta=meta())
     with pytest.raises(ff.UnsupportedCache):
-        ff.plan_snapshot([object()], meta=meta())
+        kinds.plan_snapshot([object()], meta=meta())
 
 
 def test_writer_is_unaffected_by_later_in_place_decode(tmp_path):
     """The plan holds new array objects: the cache may trim and decode before the write."""
     c = filled_kv(10)
     want = np.array(c.keys[..., :10, :])
-    plan = ff.plan_snapshot([c], meta=meta())
+    plan = kinds.plan_snapshot([c], meta=meta())
     c.trim(3)
     c.update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))  # overwrites slot 7
     mx.eval(c.keys)
@@ -153,7 +155,7 @@ def test_writer_is_unaffected_by_later_in_place_decode(tmp_path):
 
 
 def test_header_carries_identity_and_tokens(tmp_path):
-    plan = ff.plan_snapshot([filled_kv(3)], meta=meta((5, 6, 7), namespace="lora-a"))
+    plan = kinds.plan_snapshot([filled_kv(3)], meta=meta((5, 6, 7), namespace="lora-a"))
     written = ff.write_snapshot(plan, tmp_path / "a.mlxkv")
     h = ff.read_header(written.path)
     assert h.tokens == (5, 6, 7) and h.namespace == "lora-a"
@@ -193,7 +195,7 @@ def test_restored_cache_gives_identical_next_token_logits(tmp_path):
 
 
 def small_file(tmp_path: Path) -> Path:
-    plan = ff.plan_snapshot([filled_kv(5), filled_kv(3, mx.bfloat16)], meta=meta())
+    plan = kinds.plan_snapshot([filled_kv(5), filled_kv(3, mx.bfloat16)], meta=meta())
     return ff.write_snapshot(plan, tmp_path / "a.mlxkv").path
 
 
@@ -298,11 +300,11 @@ _EFBIG_SCRIPT = """
 import resource, sys
 import mlxd, mlx.core as mx
 from mlx_lm.models import cache as mlc
-from mlxd.kv import file_format as ff
+from mlxd.kv import file_format as ff, kinds
 resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))  # SIGXFSZ is ignored by Python: EFBIG
 c = mlc.KVCache()
 c.update_and_fetch(mx.zeros((1, 2, 600, 8)), mx.zeros((1, 2, 600, 8)))
-plan = ff.plan_snapshot([c], meta=ff.SnapshotMeta("m", "fp", "", "tok", [1]))
+plan = kinds.plan_snapshot([c], meta=ff.SnapshotMeta("m", "fp", "", "tok", [1]))
 try:
     ff.write_snapshot(plan, sys.argv[1])
 except ff.DiskFull as exc:
@@ -323,7 +325,7 @@ def test_file_size_limit_is_disk_full_and_leaves_no_tmp(tmp_path):
 
 
 def test_missing_directory_is_a_storage_error(tmp_path):
-    plan = ff.plan_snapshot([filled_kv(2)], meta=meta())
+    plan = kinds.plan_snapshot([filled_kv(2)], meta=meta())
     with pytest.raises(ff.StorageError) as info:
         ff.write_snapshot(plan, tmp_path / "nope" / "a.mlxkv")
     assert not isinstance(info.value, ff.DiskFull)
@@ -334,7 +336,7 @@ def test_missing_directory_is_a_storage_error(tmp_path):
 def test_direct_and_buffered_writes_produce_the_same_bytes(tmp_path):
     """O_DIRECT (through the aligned bounce buffer) and page-cache writes give identical files."""
     caches = [filled_kv(300), filled_kv(5000, heads=1, dim=4)]  # strided slices, odd tensor sizes
-    plan = ff.plan_snapshot(caches, meta=meta(tokens=range(5000)))
+    plan = kinds.plan_snapshot(caches, meta=meta(tokens=range(5000)))
     direct = ff.write_snapshot(plan, tmp_path / "direct.mlxkv", direct=True)
     plain = ff.write_snapshot(plan, tmp_path / "plain.mlxkv", direct=False)
     assert direct.path.read_bytes() == plain.path.read_bytes()
@@ -347,7 +349,7 @@ def test_direct_and_buffered_writes_produce_the_same_bytes(tmp_path):
 def _o_direct_works(directory: Path) -> bool:
     fd = os.open(directory / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        sink = ff._Sink(fd, start=0, size=4096, want_direct=lambda: True)
+        sink = ffw._Sink(fd, start=0, size=4096, want_direct=lambda: True)
         sink.write(memoryview(b"x" * 5000), None)
         sink.finish(None)
         return sink.direct_bytes == 8192
@@ -364,7 +366,7 @@ def test_paced_slices_bypass_the_page_cache_and_idle_ones_stay_in_it(tmp_path):
 
     if not _o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
-    plan = ff.plan_snapshot([filled_kv(20_000, heads=4, dim=16)], meta=meta(tokens=range(20_000)))  # 10 MB
+    plan = kinds.plan_snapshot([filled_kv(20_000, heads=4, dim=16)], meta=meta(tokens=range(20_000)))  # 10 MB
     governor = WriteGovernor(busy_rate_bytes_per_s=1 << 40)  # paces, but never waits
     governor.set_busy(True)
     paced = ff.write_snapshot(plan, tmp_path / "paced.mlxkv", pacer=Pacer(governor, slice_bytes=1 << 20))
@@ -375,3 +377,37 @@ def test_paced_slices_bypass_the_page_cache_and_idle_ones_stay_in_it(tmp_path):
     resident, total = resident_pages(idle.path)
     assert resident == total
     assert ff.read_snapshot(paced.path, verify=True).header.caches == idle.header.caches  # same CRCs
+
+
+def test_file_format_modules_import_no_mlx():
+    """header / write / read run on worker threads and in the simulator: no MLX."""
+    code = (
+        "import sys; import mlxd.kv.file_format.header, mlxd.kv.file_format.write, mlxd.kv.file_format.read;"
+        " import mlxd.kv.file_format;"
+        " print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("kind", ["kv", "rotating", "wrapped", "quant", "arrays", "list"])
+def test_descriptor_signature_and_trimmability_match_the_live_cache(kind):
+    """The header's pure view of a cache agrees with kinds' table for the live one."""
+    state = mlc.ArraysCache(2)
+    state[0] = mx.ones((1, 3, 4))
+    made = {
+        "kv": filled_kv(5),
+        "rotating": _fed(mlc.RotatingKVCache(max_size=8, keep=2), 5),
+        "wrapped": _fed(mlc.RotatingKVCache(max_size=8, keep=2), 12),
+        "quant": _fed(mlc.QuantizedKVCache(group_size=32, bits=4), 5),
+        "arrays": state,
+        "list": mlc.CacheList(filled_kv(5), state),
+    }[kind]
+    (desc,) = kinds.plan_snapshot([made], meta=meta()).caches
+    assert desc.signature == kinds.signature(made)
+    assert desc.trimmable == kinds.is_trimmable([made])
+
+
+def _fed(cache, n: int):
+    cache.update_and_fetch(mx.ones((1, 2, n, 32)), mx.ones((1, 2, n, 32)))
+    return cache

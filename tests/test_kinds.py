@@ -123,6 +123,42 @@ def test_num_tokens():
         num_tokens([kv(3), kv(4)])
     with pytest.raises(ValueError, match="no layer"):
         num_tokens([ArraysCache(1)])
+    # a pure-recurrent entry's count is its key's length; tracked counts must agree with it
+    assert num_tokens([ArraysCache(1)], total=12) == 12
+    assert num_tokens([kv(7)], total=7) == 7
+    with pytest.raises(ValueError, match="key"):
+        num_tokens([kv(7)], total=8)
+
+
+def test_pure_recurrent_lends_only_its_exact_state():
+    state = ArraysCache(2)
+    state[0] = mx.random.normal((1, 4, 8))
+    state[1] = mx.random.normal((1, 3))
+    entry = [state, ArraysCache(1)]
+    before = snapshot(entry)
+    with pytest.raises(ValueError, match="no layer"):
+        lend(entry, 5)  # a layer cannot say how many tokens it holds: the key must
+    with pytest.raises(ValueError, match="cannot be trimmed"):
+        lend(entry, 4, total=5)
+    lent = lend(entry, 5, total=5)
+    assert lent[0][0] is not state[0] and data_pointer(lent[0][0]) == data_pointer(state[0])
+    lent[0][0] = lent[0][0] + 1
+    mx.eval(lent[0][0])
+    assert_unchanged(before, entry)
+
+
+def test_one_table_row_per_supported_class():
+    classes = [k.cls for k in kinds.KINDS]
+    assert classes == [KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList]
+    assert len({k.name for k in kinds.KINDS}) == len(kinds.KINDS)
+    for k in kinds.KINDS:
+        assert kinds.kind_of(k.cls.__new__(k.cls)) is k
+
+
+def test_model_caches_are_checked_at_load():
+    kinds.check_model_caches([KVCache(), RotatingKVCache(max_size=8), CacheList(ArraysCache(1), KVCache())])
+    with pytest.raises(UnknownCacheKind, match=r"ChunkedKVCache \(layers 1, 2\).*mlxd serves KVCache"):
+        kinds.check_model_caches([KVCache(), ChunkedKVCache(8), CacheList(ChunkedKVCache(8))])
 
 
 def test_nbytes_counts_up_to_offset_without_slack():

@@ -11,7 +11,7 @@ import trio
 from mlx_lm.models import cache as mlc
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
-from mlxd.kv import file_format
+from mlxd.kv import file_format, kinds
 from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
 
 MB = 1 << 20
@@ -40,7 +40,7 @@ def _plan(tokens: int = 256) -> file_format.SnapshotPlan:
         caches.append(c)
     meta = file_format.SnapshotMeta(model_id="m", config_fingerprint="f", namespace="", tokenizer_hash="t",
                                     tokens=tuple(range(tokens)))
-    return file_format.plan_snapshot(caches, meta=meta)
+    return kinds.plan_snapshot(caches, meta=meta)
 
 
 def test_paced_write_holds_the_rate_and_reads_back_equal(tmp_path):

@@ -96,7 +96,7 @@ def rotating_full(n: int) -> list:
 
 def put(store: Tier, tokens, ns: str = "", caches=None) -> SsdRecord:
     caches = kv(len(tokens)) if caches is None else caches
-    plan = ff.plan_snapshot(caches, meta=store.identity.meta(tokens, ns))
+    plan = kinds.plan_snapshot(caches, meta=store.identity.meta(tokens, ns))
     record = store.write(plan)
     assert record is not None
     return record
@@ -198,7 +198,7 @@ def test_load_verifies_and_a_corrupt_file_becomes_a_miss(tmp_path):
     store = make_store(tmp_path)
     entry = put(store, [1, 2, 3])
     loaded = store.load(entry, verify=True)
-    (restored,) = ff.adopt(loaded)
+    (restored,) = kinds.adopt(loaded)
     assert restored.offset == 3
     t = loaded.header.tensors()[0][1]
     data = bytearray(entry.path.read_bytes())
@@ -259,7 +259,7 @@ def test_disk_full_on_a_real_small_filesystem_is_a_failed_write_with_its_cause(t
     try:
         store = make_store(mnt)
         put(store, [1])  # a small file fits
-        plan = ff.plan_snapshot(kv(3000), meta=store.identity.meta([5, 6], ""))
+        plan = kinds.plan_snapshot(kv(3000), meta=store.identity.meta([5, 6], ""))
         with pytest.raises(ff.DiskFull):
             ff.write_snapshot(plan, store.store.reserve_path(""))
         outcome = store.store.write(plan)
@@ -279,7 +279,7 @@ def test_read_only_dir_is_a_storage_error(tmp_path):
         with pytest.raises(ff.StorageError) as info:
             store.store.reserve_path("")
         assert not isinstance(info.value, ff.DiskFull)
-        plan = ff.plan_snapshot(kv(2), meta=store.identity.meta([1, 2], ""))
+        plan = kinds.plan_snapshot(kv(2), meta=store.identity.meta([1, 2], ""))
         outcome = store.store.write(plan)
         assert isinstance(outcome, Failed) and not outcome.disk_full
         assert "Read-only file system" in outcome.error

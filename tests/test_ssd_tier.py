@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
-from mlxd.kv import file_format
+from mlxd.kv import file_format, kinds
 
 from serving import ServerThread, config_for, mount_tmpfs
 
@@ -47,7 +47,7 @@ async def test_restored_tensors_equal_the_ram_entry(tiny_model_dir, tmp_path):
             assert entry.durable, "every RAM checkpoint is durable after a flush"
             match = rt.cache_owner.tiers.ssd_find(entry.tokens, entry.namespace, limit=len(entry.tokens))
             assert tuple(match.record.tokens) == tuple(entry.tokens)
-            restored = file_format.adopt(rt.cold.store.load(match.record, verify=True))
+            restored = kinds.adopt(rt.cold.store.load(match.record, verify=True))
             assert len(restored) == len(entry.payload)
             for a, b in zip(entry.payload, restored, strict=True):
                 assert a.offset == b.offset

@@ -55,12 +55,18 @@ def _secret(flag: str | None, env: str) -> str | None:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", help="local model directory or Hugging Face repo id (default: a built-in model)")
-    p.add_argument("--preset", default="default", help="built-in model preset when --model is not given")
+    p.add_argument("--preset", default="default",
+                   help="built-in random-weight model when --model is not given: default, bench, test, test-wide, "
+                   "test-gemma3 (sliding window), test-qwen3next (hybrid), test-mamba2 (recurrent)")
     p.add_argument("--model-name", help="name to serve the model under (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
     p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8),
+                   help="store attention KV affine-quantized to 4 or 8 bits (default: the model's precision)")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="quantization group size along head_dim for --kv-bits (default 64)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
@@ -113,6 +119,8 @@ def serve_config(args: argparse.Namespace):
         model_name=args.model_name,
         prompt_cache_bytes=args.prompt_cache_gb,
         retention=args.retention,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
@@ -136,8 +144,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
-    trio.run(_serve_main, config, args)
-    return 0
+    from mlxd.actors.engine import ModelRefused
+
+    refused: list[BaseException] = []
+    try:
+        trio.run(_serve_main, config, args)
+    except* ModelRefused as group:
+        refused = list(group.exceptions)
+    for error in refused:
+        print(f"mlxd serve: {error}", file=sys.stderr)
+    return 2 if refused else 0
 
 
 async def _serve_main(config, args: argparse.Namespace) -> None:

@@ -38,6 +38,10 @@ from mlxd.runtime.mlx_thread import MlxThread
 log = get_logger("mlxd.engine")
 
 
+class ModelRefused(Exception):
+    """The model cannot be served as configured (its cache classes, or the KV scheme); raised at load."""
+
+
 @attrs.frozen(kw_only=True)
 class EngineInfo:
     """What the rest of the runtime may know about the loaded model."""
@@ -141,6 +145,7 @@ class EngineActor:
     def _load(self) -> EngineInfo:
         import mlx.core as mx
 
+        from mlxd.kv import kinds
         from mlxd.model.detok import load_model
 
         self._stream = mx.new_stream(mx.default_device())
@@ -151,6 +156,11 @@ class EngineActor:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
         self._model, self._tokenizer = model, tokenizer
+        try:  # unsupported caches fail the load, not the first request or cache hit
+            kinds.check_model_caches(self._fresh_caches())
+            kv_bytes_per_token = self._measure_kv_bytes_per_token()
+        except (kinds.UnknownCacheKind, ValueError) as exc:
+            raise ModelRefused(f"cannot serve {path}: {exc}") from exc
         self._generator = self._new_generator()
         cfg = json.loads((path / "config.json").read_text())
         max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -159,14 +169,16 @@ class EngineActor:
             else self._config.model or f"mlxd-{self._config.model_preset}"
         )
         identity = _model_identity(path)
-        self._store_identity = _store_identity(name, identity, path) if self._config.ssd_cache_dir else None
+        self._store_identity = (
+            _store_identity(name, identity, path, self._config.kv_scheme) if self._config.ssd_cache_dir else None
+        )
         return EngineInfo(
             model_name=name,
             model_path=str(path),
             tokenizer=tokenizer,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
-            kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
+            kv_bytes_per_token=kv_bytes_per_token,
             vocab_size=int(cfg.get("vocab_size") or len(tokenizer._tokenizer)),
             model_identity=identity,
             store_identity=self._store_identity,
@@ -196,6 +208,44 @@ class EngineActor:
             prefill_step_size=self._config.prefill_step_size,
             stream=self._stream,
         )
+
+    def _fresh_caches(self) -> list[Any]:
+        """A new row's caches: the model's own, with plain KV layers quantized under --kv-bits."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxd.kv.quantized_batch import quantized_like
+
+        caches = make_prompt_cache(self._model)
+        if self._config.kv_bits is None:
+            return caches
+        return quantized_like(caches, group_size=self._config.kv_group_size, bits=self._config.kv_bits)
+
+    def _measure_kv_bytes_per_token(self) -> int:
+        """Cache bytes one more token of context costs, all layers, under the KV scheme (two short prefills)."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        sizes = []
+        with mx.stream(self._stream):
+            for n in (32, 64):
+                caches = self._fresh_caches()
+                try:
+                    self._model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+                    mx.eval([c.state for c in caches])
+                except (ValueError, TypeError, AttributeError) as exc:  # e.g. head_dim % group size, or
+                    # an attention that does not take quantized KV: refused at load, not at a request
+                    raise ValueError(f"this model cannot run KV scheme {self._config.kv_scheme}: {exc}") from exc
+                sizes.append(kinds.nbytes(caches))
+        return max(0, (sizes[1] - sizes[0]) // 32)
+
+    def _row_caches(self, lent: list[Any] | None) -> list[Any] | None:
+        """What a row starts from: a lent prefix, or fresh caches; quantized ones made batchable."""
+        if self._config.kv_bits is None:
+            return lent
+        from mlxd.kv.quantized_batch import batchable
+
+        return batchable(lent if lent is not None else self._fresh_caches())
 
     def _close(self) -> None:
         if self._generator is not None:
@@ -335,11 +385,11 @@ class EngineActor:
 
     def _restore(self, row: _Row, notes: list[Any]) -> tuple[list[Any], int, str]:
         """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
-        from mlxd.kv import file_format, kinds
+        from mlxd.kv import kinds
 
         restore = row.start.restore
         t0 = time.perf_counter()
-        caches = file_format.adopt(restore.loaded)
+        caches = kinds.adopt(restore.loaded)
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
         tokens = tuple(restore.record.tokens)
         notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
@@ -354,7 +404,7 @@ class EngineActor:
                 durable=True,
             )
         )
-        return kinds.lend(caches, restore.usable), restore.usable, "ssd"
+        return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
 
     def _insert(self, row: _Row, notes: list[Any]) -> _Emit:
         from mlx_lm.generate import StopSequences
@@ -367,9 +417,10 @@ class EngineActor:
             lent, usable, tier = self._restore(row, notes)
         else:
             usable = hit.usable if hit is not None else 0
-            lent = kinds.lend(hit.entry.payload, usable) if hit is not None else None
+            lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens)) if hit is not None else None
             tier = "ram" if usable > 0 else "none"
-        caches = [lent] if lent is not None else None
+        row_caches = self._row_caches(lent)
+        caches = [row_caches] if row_caches is not None else None
         s = req.sampling
         stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
         (uid,) = self._generator.insert(
@@ -400,13 +451,13 @@ class EngineActor:
         """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
         import mlx.core as mx
 
-        from mlxd.kv import file_format, kinds
+        from mlxd.kv import kinds
 
         mx.eval([c.state for c in caches])
         exact = tuple(tokens)
         plan = None
         if self._store_identity is not None:
-            plan = file_format.plan_snapshot(caches, meta=self._store_identity.meta(exact, namespace))
+            plan = kinds.plan_snapshot(caches, meta=self._store_identity.meta(exact, namespace))
         return PublishPrefix(
             tokens=exact,
             namespace=namespace,
@@ -497,7 +548,7 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
-def _store_identity(name: str, model_identity: str, path: Path) -> Any:
+def _store_identity(name: str, model_identity: str, path: Path, kv_scheme: str) -> Any:
     """What every SSD file must match: model, tokenizer, KV dtype, MLX version and backend."""
     import hashlib
 
@@ -512,18 +563,11 @@ def _store_identity(name: str, model_identity: str, path: Path) -> Any:
         {
             "model": model_identity,
             "tokenizer": tokenizer_hash,
-            "kv_scheme": "fp32" if mx.default_device() == mx.cpu else "native",
+            # the native scheme keeps its older name, so existing caches stay valid
+            "kv_scheme": ("fp32" if mx.default_device() == mx.cpu else "native") if kv_scheme == "native" else kv_scheme,
             "mlx": getattr(mx, "__version__", "unknown"),
             "backend": str(mx.default_device()),
             "format": str(file_format.FORMAT_VERSION),
         }
     )
     return StoreIdentity(model_id=name, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
-
-
-def _kv_bytes_per_token(cfg: dict[str, Any], model: Any) -> int:
-    """KV bytes one token costs across all layers (fp32 on CPU)."""
-    layers = int(cfg.get("num_hidden_layers", 0))
-    kv_heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0)))
-    head_dim = int(cfg.get("head_dim") or (cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))))
-    return layers * kv_heads * head_dim * 2 * 4

@@ -1,10 +1,15 @@
 """Shapes of the random-weight models mlxd builds offline.
 
-Every preset is a Qwen3-shaped decoder so `mlx_lm.models.qwen3` loads it. Weights
+Most presets are Qwen3-shaped decoders (`mlx_lm.models.qwen3`); the `test-*`
+architecture presets build mlx-lm's own sliding-window (`gemma3_text`), hybrid
+linear + full attention (`qwen3_next`) and pure recurrent (`mamba2`) classes,
+so every cache kind a real model creates is served by the test suite. Weights
 are fp32: on the Linux CPU backend bf16 matmuls are ~40x slower than fp32 ones.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 
@@ -27,6 +32,8 @@ class ModelPreset:
     tie_word_embeddings: bool = True
     # Std of the logits at init: large enough that sampling is not uniform noise.
     logit_scale: float = 4.0
+    architecture: str = "qwen3"  # the mlx_lm.models module that builds and loads it
+    extra: tuple[tuple[str, Any], ...] = ()  # architecture-specific config.json fields
 
     def param_count(self) -> int:
         """Parameters of the built model (tied embeddings counted once)."""
@@ -73,6 +80,67 @@ PRESETS: dict[str, ModelPreset] = {
         head_dim=64,
     ),
 }
+
+_TEST = PRESETS["test"]
+
+# One small preset per cache family, as small as "test": layer 0 is the special one.
+PRESETS.update(
+    {
+        # "test" with head_dim 64: the quantized KV schemes need head_dim % group size == 0.
+        "test-wide": attrs.evolve(_TEST, name="test-wide", head_dim=64),
+        # Sliding window: layer 0 a RotatingKVCache of 32 tokens, layer 1 global (KVCache).
+        "test-gemma3": attrs.evolve(
+            _TEST,
+            name="test-gemma3",
+            architecture="gemma3_text",
+            extra=(
+                ("sliding_window", 32),
+                ("sliding_window_pattern", 2),
+                ("query_pre_attn_scalar", 16),
+                ("rope_local_base_freq", 10_000.0),
+            ),
+        ),
+        # Hybrid: layer 0 gated delta-net (ArraysCache), layer 1 full attention (KVCache).
+        "test-qwen3next": attrs.evolve(
+            _TEST,
+            name="test-qwen3next",
+            architecture="qwen3_next",
+            extra=(
+                ("linear_num_value_heads", 2),
+                ("linear_num_key_heads", 2),
+                ("linear_key_head_dim", 16),
+                ("linear_value_head_dim", 16),
+                ("linear_conv_kernel_dim", 4),
+                ("num_experts", 0),
+                ("num_experts_per_tok", 1),
+                ("decoder_sparse_step", 1),
+                ("shared_expert_intermediate_size", 128),
+                ("mlp_only_layers", ()),
+                ("moe_intermediate_size", 128),
+                ("partial_rotary_factor", 0.25),
+                ("full_attention_interval", 2),
+            ),
+        ),
+        # Pure recurrent: every layer an ArraysCache (conv + SSM state); no layer counts tokens.
+        "test-mamba2": attrs.evolve(
+            _TEST,
+            name="test-mamba2",
+            architecture="mamba2",
+            extra=(
+                ("num_heads", 4),
+                ("expand", 1),  # transformers checks hidden_size * expand == num_heads * head_dim
+                ("state_size", 16),
+                ("n_groups", 1),
+                ("conv_kernel", 4),
+                ("use_bias", False),
+                ("use_conv_bias", True),
+                ("layer_norm_epsilon", 1e-5),
+                ("time_step_limit", (0.0, 1000.0)),
+                ("time_step_rank", "auto"),
+            ),
+        ),
+    }
+)
 
 
 def get_preset(name: str) -> ModelPreset:

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -21,14 +22,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3
 
 from mlxd.model import bpe
-from mlxd.model.presets import ModelPreset, get_preset
+from mlxd.model.presets import PRESETS, ModelPreset, get_preset
 
 Progress = Callable[[str, float], None]
 
@@ -44,8 +45,11 @@ def stderr_progress(stage: str, fraction: float) -> None:
 
 def build_id(preset: ModelPreset, *, seed: int = 0) -> str:
     """Short hash of everything that defines a build."""
+    # fields at their defaults are left out, so adding one keeps older builds' ids
+    unset = ("architecture", "extra")
+    fields = attrs.asdict(preset, filter=lambda a, v: not (a.name in unset and v == a.default))
     recipe = {
-        "preset": attrs.asdict(preset),
+        "preset": fields,
         "seed": seed,
         "recipe": RECIPE_VERSION,
         "corpus": bpe.corpus_sha256(),
@@ -90,23 +94,48 @@ def model_config(preset: ModelPreset) -> dict:
         "bos_token_id": None,
         "eos_token_id": bpe.SPECIAL_TOKENS.index(bpe.IM_END),
         "pad_token_id": bpe.SPECIAL_TOKENS.index(bpe.ENDOFTEXT),
-    }
+    } | _architecture_config(preset)
+
+
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "qwen3_next": "Qwen3NextForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+
+
+def _architecture_config(preset: ModelPreset) -> dict:
+    """config.json fields of a non-Qwen3 preset (its model_type and extra fields)."""
+    if preset.architecture == "qwen3":
+        return {}
+    extra = {k: list(v) if isinstance(v, tuple) else v for k, v in preset.extra}
+    return {"architectures": [_ARCHITECTURES[preset.architecture]], "model_type": preset.architecture} | extra
+
+
+def _model_class(preset: ModelPreset) -> Any:
+    """The mlx-lm model module of the preset's architecture."""
+    return importlib.import_module(f"mlx_lm.models.{preset.architecture}")
+
+
+def _embedding(model: Any) -> Any:
+    inner = getattr(model, "model", None) or model.backbone  # mamba2 names its trunk "backbone"
+    return getattr(inner, "embed_tokens", None) or inner.embeddings
 
 
 def random_weights(preset: ModelPreset, *, seed: int, progress: Progress) -> dict[str, mx.array]:
-    """Deterministic random fp32 weights for `preset`, keyed like mlx-lm's qwen3."""
+    """Deterministic random fp32 weights for `preset`, keyed like its mlx-lm model."""
     mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(model_config(preset)))
+    arch = _model_class(preset)
+    model = arch.Model(arch.ModelArgs.from_dict(model_config(preset)))
     # Linear layers keep mlx's uniform(+-1/sqrt(fan_in)) init. The (tied) embedding
     # is rescaled so logits = norm(h) @ E.T have std ~logit_scale: peaked, not flat.
-    embed = model.model.embed_tokens
+    embed = _embedding(model)
     scale = preset.logit_scale / preset.hidden_size**0.5
     embed.weight = mx.random.normal(embed.weight.shape, scale=scale)
     mx.eval(embed.parameters())
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.layers):
         mx.eval(layer.parameters())
-        progress("weights", (i + 1) / len(model.model.layers))
+        progress("weights", (i + 1) / len(model.layers))
     weights = dict(tree_flatten(model.parameters()))
+    if preset.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # gemma3_text ties when the file has no lm_head
     mx.eval(weights)
     return weights
 
@@ -242,7 +271,7 @@ def ensure_model(
 def main_build_model(argv: list[str] | None = None) -> int:
     """`mlxd build-model [--preset P] [--out DIR] [--seed N]`: print the model dir."""
     parser = argparse.ArgumentParser(prog="mlxd build-model", description=__doc__)
-    parser.add_argument("--preset", default="default", help="test, default or bench")
+    parser.add_argument("--preset", default="default", help="one of: " + ", ".join(sorted(PRESETS)))
     parser.add_argument("--out", type=Path, help="build here (default: the user cache)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

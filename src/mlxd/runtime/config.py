@@ -38,6 +38,12 @@ class RuntimeConfig:
     # A prefill of at least this many new tokens publishes a prompt-boundary snapshot.
     snapshot_min_tokens: int = attrs.field(default=256, validator=_non_negative)
 
+    # KV scheme: None keeps the model's precision; 4 or 8 stores every plain attention
+    # layer's KV affine-quantized (mlx-lm's QuantizedKVCache, groups of kv_group_size
+    # along head_dim) while generating, in the RAM tier and on SSD.
+    kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
+    kv_group_size: int = attrs.field(default=64, validator=attrs.validators.in_((32, 64, 128)))
+
     # Continuous batching: rows decoding together, and rows prefilling together.
     max_batch: int = attrs.field(default=8, validator=_positive)
     prefill_batch: int = attrs.field(default=8, validator=_positive)
@@ -73,6 +79,11 @@ class RuntimeConfig:
     request_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
     # Largest request body accepted (larger ones get 413).
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+
+    @property
+    def kv_scheme(self) -> str:
+        """The KV scheme's name, part of the SSD fingerprint: "native" or e.g. "affine4-g64"."""
+        return "native" if self.kv_bits is None else f"affine{self.kv_bits}-g{self.kv_group_size}"
 
     def __attrs_post_init__(self) -> None:
         if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:

@@ -1,0 +1,326 @@
+"""Writing `.mlxkv` files (writer worker thread; no MLX calls).
+
+`plan` (built on the engine thread by `kinds.plan_snapshot`) carries the
+descriptors and one zero-copy buffer per tensor; `write_snapshot` lays them
+out page-aligned, checksums them as they stream out, and commits atomically.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from mlxd.kv.file_format.header import (
+    PAGE,
+    PREAMBLE,
+    ZERO_CRC,
+    CacheDesc,
+    FileHeader,
+    SnapshotMeta,
+    align,
+    encode_header,
+    header_json,
+    storage_error,
+)
+from mlxd.kv.pacing import Pacer, WriteInterrupted
+
+_CHUNK = 16 << 20  # write granularity: one bounce buffer, one paced slice
+
+
+@attrs.frozen
+class SnapshotPlan:
+    """What the writer needs: descriptors plus one buffer per tensor, in file order.
+
+    Buffers are memoryviews of evaluated MLX arrays (zero-copy, possibly
+    strided); each keeps its array alive. Nothing here needs MLX any more.
+    """
+
+    meta: SnapshotMeta
+    caches: tuple[CacheDesc, ...]
+    buffers: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def trimmable(self) -> bool:
+        return all(c.trimmable for c in self.caches)
+
+
+
+@attrs.frozen
+class WrittenFile:
+    """A snapshot that is durably on disk under its final name."""
+
+    path: Path
+    nbytes: int  # file size
+    header: FileHeader
+    seconds: float
+
+    @property
+    def digest(self) -> str:
+        return self.header.digest
+
+
+def _layout(plan: SnapshotPlan) -> FileHeader:
+    """Assign page-aligned offsets; hashes stay placeholders of their final width."""
+    caches, data_offset = plan.caches, PAGE
+    for _ in range(8):  # offsets change the header length, which can move the data start
+        caches, end = _place(plan.caches, data_offset)
+        size = max(end, data_offset)  # a file without tensors ends at the data offset
+        draft = FileHeader(meta=plan.meta, caches=caches, data_offset=data_offset, file_size=size)
+        header_end = PREAMBLE.size + len(header_json(draft))
+        if header_end <= data_offset:
+            return draft
+        data_offset = align(header_end)
+    raise AssertionError("header layout did not converge")
+
+
+def _place(caches: Sequence[CacheDesc], start: int) -> tuple[tuple[CacheDesc, ...], int]:
+    """Offsets for every tensor from `start`; returns the placed caches and the data end."""
+    pos, end = start, 0
+
+    def place(c: CacheDesc) -> CacheDesc:
+        nonlocal pos, end
+        tensors = []
+        for t in c.tensors:
+            if t is not None:
+                t = attrs.evolve(t, offset=align(pos), crc32=ZERO_CRC)
+                pos = end = t.offset + t.nbytes
+            tensors.append(t)
+        children = tuple(place(x) for x in c.children)
+        return attrs.evolve(c, tensors=tuple(tensors), children=children)
+
+    placed = tuple(place(c) for c in caches)
+    return placed, end
+
+
+
+def _with_digests(caches: Sequence[CacheDesc], digests: Iterator[str]) -> tuple[CacheDesc, ...]:
+    def fill(c: CacheDesc) -> CacheDesc:
+        tensors = tuple(
+            None if t is None else attrs.evolve(t, crc32=next(digests)) for t in c.tensors
+        )
+        return attrs.evolve(c, tensors=tensors, children=tuple(fill(x) for x in c.children))
+
+    return tuple(fill(c) for c in caches)
+
+def write_snapshot(
+    plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: Pacer | None = None, direct: bool | None = None
+) -> WrittenFile:
+    """Write `<path>.tmp`, checksumming as it goes; fsync; rename onto `path`; fsync the dir.
+
+    No MLX calls. With a `pacer`, bytes go out in its slices at its rate.
+    `direct` chooses O_DIRECT (True), the page cache (False), or (None) O_DIRECT
+    exactly while the pacer is pacing (see `_Sink`). Raises DiskFull or
+    StorageError (or the pacer's WriteInterrupted); the tmp file is removed on
+    any failure.
+    """
+    t0 = time.perf_counter()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    layout = _layout(plan)
+    try:
+        header = _write_tmp(plan, layout, tmp, pacer, direct)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise storage_error(exc, f"writing {path}") from exc
+    except WriteInterrupted:
+        _unlink_quietly(tmp)
+        raise
+    return WrittenFile(path, header.file_size, header, time.perf_counter() - t0)
+
+
+def _write_tmp(
+    plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer | None, direct: bool | None
+) -> FileHeader:
+    if direct is not None:
+        want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
+    else:
+        want_direct = pacer.pacing if pacer is not None else (lambda: False)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        size = pacer.slice_bytes if pacer is not None else _CHUNK
+        sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct)
+        digests = []
+        for (_, desc), buf in zip(layout.tensors(), plan.buffers, strict=True):
+            sink.zeros(desc.offset - sink.position)  # padding up to the tensor's page
+            crc = 0
+            for piece in _byte_pieces(buf, _CHUNK):
+                crc = zlib.crc32(piece, crc)
+                sink.write(piece, pacer)
+            digests.append(f"{crc:08x}")
+        sink.finish(pacer)
+        caches = _with_digests(layout.caches, iter(digests))
+        header = attrs.evolve(layout, caches=caches)
+        blob, digest = encode_header(header)
+        head = _Sink(fd, start=0, size=header.data_offset, want_direct=lambda: False)
+        head.write(memoryview(blob), None)
+        head.finish(None)  # zero-pads the header block up to data_offset
+        os.ftruncate(fd, header.file_size)  # the last block was padded to the page
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return attrs.evolve(header, digest=digest)
+
+
+class _Sink:
+    """Streams bytes to a file from `start` on, through a page-aligned buffer.
+
+    Each full buffer is one slice (one paced step). Before each slice the sink
+    asks `want_direct()` whether to bypass the page cache:
+
+    - O_DIRECT while write-behind is being paced beside a decoding engine:
+      buffered writes cost this VM ~2.7 ms of kernel CPU per MB (writeback),
+      O_DIRECT from the aligned buffer ~0.05 ms/MB plus the copy into it
+      (~0.1 ms/MB), and every millisecond is taken from decode
+      (docs/benchmarks.md, write-behind);
+    - buffered when the engine is idle or a flush is waiting: the CPU is free
+      then, and the pages stay in the page cache, so the checkpoint a
+      returning conversation (or a restart right after a flush) needs is read
+      from memory. A buffered slice is written back at once (fdatasync), so no
+      writeback burst is left for a decoding moment later.
+
+    Falls back to buffered writes where the filesystem refuses O_DIRECT
+    (tmpfs, some FUSE and network filesystems).
+    """
+
+    def __init__(self, fd: int, *, start: int, size: int, want_direct: Callable[[], bool]) -> None:
+        self.fd = fd
+        self.position = start  # file offset of the next byte
+        self._flushed = start  # file offset of the buffer's first byte
+        self._size = align(max(size, PAGE))
+        self._buf = _bounce(self._size)
+        self._fill = 0
+        self._want_direct = want_direct
+        self._refused = False  # the filesystem said no to O_DIRECT: stop asking
+        self.direct = False
+        self.direct_bytes = 0  # bytes written with O_DIRECT (for tests and stats)
+
+    def write(self, data: memoryview, pacer: Pacer | None) -> None:
+        while data.nbytes:
+            n = min(data.nbytes, self._size - self._fill)
+            self._buf[self._fill : self._fill + n] = data[:n]
+            self._fill += n
+            self.position += n
+            data = data[n:]
+            if self._fill == self._size:
+                self._flush(pacer)
+
+    def zeros(self, n: int) -> None:
+        if n < 0:
+            raise AssertionError("tensors out of file order")
+        while n:
+            k = min(n, self._size - self._fill)
+            self._buf[self._fill : self._fill + k] = bytes(k)
+            self._fill += k
+            self.position += k
+            n -= k
+            if self._fill == self._size:
+                self._flush(None)
+
+    def finish(self, pacer: Pacer | None) -> None:
+        """Flush the rest, zero-padded to a whole page (the caller truncates the file)."""
+        if self._fill:
+            pad = align(self._fill) - self._fill
+            self._buf[self._fill : self._fill + pad] = bytes(pad)
+            self._fill += pad
+            self._flush(pacer)
+
+    def _flush(self, pacer: Pacer | None) -> None:
+        want = self._want_direct() and not self._refused
+        if want != self.direct:
+            self.direct = _set_direct(self.fd, want)
+            self._refused = want and not self.direct
+        data = self._buf[: self._fill]
+        offset = self._flushed
+        while data.nbytes:
+            try:
+                n = os.pwrite(self.fd, data, offset)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                self.direct = _set_direct(self.fd, False)  # accepted by fcntl, refused on write
+                self._refused = True
+                continue
+            data = data[n:]
+            offset += n
+        if self.direct:
+            self.direct_bytes += self._fill
+        elif self._fill >= _SYNC_SLICE:
+            os.fdatasync(self.fd)  # write back now, while the CPU is free
+        self._flushed += self._fill
+        written, self._fill = self._fill, 0
+        if pacer is not None:
+            pacer.done(written)
+
+
+_SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; whether it is now on."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    import fcntl
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+    except OSError:
+        return False
+    return on
+
+
+_bounces = threading.local()
+
+
+def _bounce(size: int) -> memoryview:
+    """A page-aligned buffer of at least `size` bytes, reused per thread (an anonymous mapping)."""
+    cached = getattr(_bounces, "buf", None)
+    if cached is None or len(cached) < size:
+        cached = mmap.mmap(-1, size)
+        _bounces.buf = cached
+    return memoryview(cached)[:size]
+
+
+def _byte_pieces(buf: memoryview, size: int) -> Iterator[memoryview]:
+    """A tensor's bytes in C order: direct slices (at most `size`) if contiguous, else packed rows."""
+    if buf.c_contiguous:
+        raw = buf.cast("B") if buf.ndim else memoryview(buf.tobytes())
+        for start in range(0, raw.nbytes, size):
+            yield raw[start : start + size]
+        return
+    arr = np.asarray(buf)  # strided view; pack one leading index at a time
+    for idx in np.ndindex(arr.shape[:-2] if arr.ndim > 2 else ()):
+        yield memoryview(np.ascontiguousarray(arr[idx])).cast("B")  # type: ignore[arg-type]
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
