@@ -95,6 +95,8 @@ class GenerationStream:
             elif isinstance(event, GenerationFailed):
                 raise GenerationError(event.message)
             yield event
+        if self.finished is None:  # every generation ends with an answer, never with silence
+            raise GenerationError("the generation ended without a result")
 
     async def tokens(self) -> list[int]:
         """Drain the stream and return the generated token ids."""
