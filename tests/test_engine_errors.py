@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import trio
+from tests.serving import ServerThread, config_for
 
 from mlxd import GenerationError, RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
 from mlxd.actors.scheduler import SchedulerActor
@@ -26,7 +27,6 @@ from mlxd.runtime.messages import (
     StartGeneration,
     SubmitGeneration,
 )
-from tests.serving import ServerThread, config_for
 
 POISON = 7  # a prompt holding this token id makes the model's forward raise
 
