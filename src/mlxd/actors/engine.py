@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.model.identity import model_identity
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
@@ -55,7 +56,7 @@ class EngineInfo:
     max_context: int
     kv_bytes_per_token: int
     vocab_size: int  # rows of the embedding: every valid token id is below this
-    model_identity: str  # hash of config + weights metadata + tokenizer
+    model_identity: str  # sha256 of the weights', config's and tokenizer's bytes
     store_identity: StoreIdentity | None = None  # when the SSD tier is on
 
 
@@ -95,22 +96,6 @@ class _Row:
     want_snapshot: bool = False
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
-
-
-def _model_identity(path: Path) -> str:
-    """A stable id for the model files: config, tokenizer and weight sizes/names."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = path / name
-        if p.exists():
-            h.update(name.encode())
-            h.update(p.read_bytes())
-    for p in sorted(path.glob("*.safetensors")):
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 class EngineActor:
@@ -184,8 +169,8 @@ class EngineActor:
             Path(self._config.model).name if self._config.model and Path(self._config.model).exists()
             else self._config.model or f"mlxd-{self._config.model_preset}"
         )
-        identity = _model_identity(path)
-        self._store_identity = _store_identity(name, identity, path) if self._config.ssd_cache_dir else None
+        identity = model_identity(path)  # content hash (memoized per file); the served name is no part of it
+        self._store_identity = _store_identity(identity, path) if self._config.ssd_cache_dir else None
         return EngineInfo(
             model_name=name,
             model_path=str(path),
@@ -555,8 +540,11 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
-def _store_identity(name: str, model_identity: str, path: Path) -> StoreIdentity:
-    """What every SSD file must match: model, tokenizer, KV dtype, MLX version and backend."""
+def _store_identity(model_identity: str, path: Path) -> StoreIdentity:
+    """What every SSD file must match: model content, tokenizer, KV dtype, MLX version and backend.
+
+    The served name is no part of it: renaming a model keeps its cache.
+    """
     import hashlib
 
     import mlx.core as mx
@@ -576,7 +564,7 @@ def _store_identity(name: str, model_identity: str, path: Path) -> StoreIdentity
             "format": str(file_format.FORMAT_VERSION),
         }
     )
-    return StoreIdentity(model_id=name, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
+    return StoreIdentity(model_id=model_identity, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
 
 
 def _kv_bytes_per_token(cfg: dict[str, Any], model: Any) -> int:
