@@ -53,7 +53,7 @@ def poison(rt) -> None:
 
 
 def config(model_dir, **kw) -> RuntimeConfig:
-    return RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, **kw)
+    return RuntimeConfig(model=str(model_dir), model_name="tiny", **{"snapshot_min_tokens": 16, **kw})
 
 
 def endless(rt, max_tokens: int = 400) -> SamplingParams:
@@ -167,3 +167,21 @@ async def test_an_exception_in_one_lifecycle_fails_that_request_only():
         assert isinstance(served[-1], GenerationFinished)
         assert scheduler.stats.failed == 1 and scheduler.stats.completed == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_flush_right_after_a_reply_covers_that_reply(tiny_model_dir, tmp_path):
+    """The engine publishes a row's final checkpoint before the client sees it finish,
+    and a flush first drains what the cache owner already holds: the flush that follows
+    a reply makes that reply's checkpoint durable (the crash loop's promise)."""
+    from mlxd.kv import file_format as ff
+
+    ssd = tmp_path / "ssd"
+    async with open_runtime(config(tiny_model_dir, ssd_cache_dir=str(ssd), snapshot_min_tokens=10**6)) as rt:
+        for i in range(12):
+            prompt = rt.encode(f"Conversation {i}. You are an expert on gardens. " * 4)
+            async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
+                await stream.tokens()
+            report = await rt.flush()
+            assert report["durable"] is True
+            covered = [ff.read_header(p).tokens for p in ssd.rglob("*.mlxkv")]
+            assert any(tuple(t[: len(prompt)]) == tuple(prompt) for t in covered), f"reply {i} is not durable"

@@ -255,6 +255,10 @@ class EngineActor:
         self._cancelled.add(msg.request_id)
 
     async def _deliver(self, result: _StepResult) -> None:
+        # Checkpoints first: a client that flushes right after its reply must find
+        # that reply's checkpoint already with the cache owner.
+        for note in result.notes:
+            await self._publish.send(note)
         for row, message in result.rejected:
             _send(row.start.events, GenerationFailed(message))
             row.start.events.close()
@@ -268,8 +272,6 @@ class EngineActor:
             row = self._rows.pop(uid, None)
             if row is not None:
                 row.start.events.close()
-        for note in result.notes:
-            await self._publish.send(note)
         self.stats["batch_rows"] = len(self._rows)
 
     def _fail_all(self, message: str, *, also: Sequence[_Row] = ()) -> None:

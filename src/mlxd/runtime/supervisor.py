@@ -335,6 +335,10 @@ class Runtime:
     async def _flush(self) -> dict[str, Any]:
         if self.cold is None:
             return {"durable": False, "reason": "no SSD tier (start with --ssd-cache DIR)"}
+        # A barrier: the cache owner handles its inbox in order and marks each
+        # published checkpoint dirty as it handles it, so after this round trip
+        # every checkpoint published before the flush is known to the coordinator.
+        await self.cache_stats()
         reply: Reply[FlushReport] = Reply()
         self.cold.durability_inbox.send_nowait(FlushRequest(reply))
         report = await reply.wait()
