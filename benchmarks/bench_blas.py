@@ -3,14 +3,18 @@
     python benchmarks/bench_blas.py
 
 Each arm runs in a fresh subprocess (the BLAS is chosen before MLX loads), alternating.
+The medians go to benchmarks/results/blas-<timestamp>.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 PROBE = """
 import time, mlxd, mlx.core as mx
@@ -38,7 +42,17 @@ def main() -> None:
             results[choice].append(g)
     for choice, values in results.items():
         print(f"MLXD_BLAS={choice:9s} {statistics.median(values):8.1f} GFLOP/s  (library: {libs[choice]})")
-    print(f"ratio auto/reference: {statistics.median(results['auto']) / statistics.median(results['reference']):.1f}x")
+    ratio = statistics.median(results["auto"]) / statistics.median(results["reference"])
+    print(f"ratio auto/reference: {ratio:.1f}x")
+    out = Path(__file__).resolve().parent / "results" / f"blas-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({
+        "command": "python benchmarks/bench_blas.py",
+        "gflops": results,
+        "median_gflops": {c: statistics.median(v) for c, v in results.items()},
+        "libraries": libs,
+        "ratio_auto_over_reference": ratio,
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

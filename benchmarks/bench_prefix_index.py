@@ -6,14 +6,19 @@ mix what a chat server sees: 80% continue a cached conversation (its tokens
 plus a 256-token new turn: an exact-prefix hit of 8,192), 15% open a new
 conversation on a known system prompt (a trimmed hit of 2,048), 5% are cold.
 
-    /tmp/venv/bin/python benchmarks/bench_prefix_index.py [--entries 10000] [--requests 5000]
+    python benchmarks/bench_prefix_index.py [--entries 10000] [--requests 5000]
+
+The timings go to benchmarks/results/prefix_index-<timestamp>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
@@ -119,9 +124,18 @@ def main() -> None:
         ("insert 8,192-token entry (numpy)", insert_ns),
         ("remove entry", remove_ns),
     ]
+    table = {}
     for name, samples in rows:
         mean, p50, p99 = percentiles(samples)
+        table[name] = {"mean_us": mean, "p50_us": p50, "p99_us": p99, "n": len(samples)}
         print(f"{name:<44}{mean:>10.1f}{p50:>10.1f}{p99:>10.1f}")
+    out = Path(__file__).resolve().parent / "results" / f"prefix_index-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({
+        "command": " ".join(["python", "benchmarks/bench_prefix_index.py", *sys.argv[1:]]),
+        "entries": systems * convs, "requests": args.requests, "timings": table,
+        "index_bytes": held, "distinct_tokens": unique_tokens,
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
     print(
         f"index memory: {held / 2**20:.0f} MiB for {unique_tokens / 1e6:.1f}M distinct tokens "
         f"({held / unique_tokens:.2f} bytes/token)"

@@ -10,14 +10,17 @@ themselves), so reads come from the disk, not the page cache. The raw
 baseline reads a plain copy of the same bytes, dropped the same way, with
 16 MiB readinto calls into one preallocated buffer, once just before and once
 after the snapshot reads of the same round (mean of the two).
+The rounds go to benchmarks/results/ssd_io-<timestamp>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -127,6 +130,16 @@ def main() -> None:
     raw = size / med["raw_read_s"]
     print(f"median of rounds 1..{len(rounds) - 1}: read+adopt {both:.0f} MB/s,", end=" ")
     print(f"raw read {raw:.0f} MB/s, ratio {both / raw:.2f}")
+    out = Path(__file__).resolve().parent / "results" / f"ssd_io-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({
+        "command": " ".join(["python", "benchmarks/bench_ssd_io.py", *sys.argv[1:]]),
+        "file_format_version": ff.FORMAT_VERSION,
+        "snapshot_mb": size,
+        "rounds": rounds,
+        "median_rounds_1_on": {"read_adopt_mb_s": both, "raw_read_mb_s": raw, "ratio": both / raw,
+                               "write_mb_s": size / med["write_s"], "verify_read_mb_s": size / med["verify_read_s"]},
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

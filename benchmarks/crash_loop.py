@@ -1,6 +1,8 @@
 """Crash consistency: SIGKILL a real `mlxd serve --ssd-cache` at random moments, restart, check.
 
-    python benchmarks/crash_loop.py --kills 200 --json /tmp/crash.json
+    python benchmarks/crash_loop.py --kills 200
+
+The tally goes to benchmarks/results/crash_loop-<timestamp>.json (--out DIR).
 
 Each round starts the server on the same cache directory, checks what the
 startup scan left (no *.tmp survives, every file is a complete valid snapshot
@@ -328,8 +330,10 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, help="where the cache and log go (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=3600.0, help="stop after this many seconds")
-    p.add_argument("--json", type=Path, help="write the tally here")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="directory for the result JSON")
     args = p.parse_args()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mlxd-crash-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -338,10 +342,13 @@ def main() -> int:
 
         model = build_model(workdir / "model", "test", seed=0)
     tally = CrashLoop(model, workdir, seed=args.seed).run(args.kills, time_limit=args.time_limit, progress=True)
-    out = attrs.asdict(tally)
+    out = {"command": " ".join(["python", "benchmarks/crash_loop.py", *sys.argv[1:]]), "started": started,
+           "kills_asked": args.kills, "seed": args.seed, "tally": attrs.asdict(tally)}
     print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"crash_loop-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
     return 1 if tally.failures or tally.kills < args.kills else 0
 
 

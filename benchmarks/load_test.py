@@ -2,6 +2,8 @@
 
     python benchmarks/load_test.py --clients 48 --seconds 60 --sigterm
 
+The report goes to benchmarks/results/load-<timestamp>.json (--out DIR).
+
 Every client holds a multi-turn conversation of streaming chat requests over
 loopback for a bounded time. Every request must complete ([DONE] after a
 finish_reason) or be refused cleanly (503/429 with an OpenAI-style error).
@@ -226,6 +228,8 @@ def main() -> int:
     p.add_argument("--sigterm", action="store_true", help="then SIGTERM under load, restart, next turns")
     p.add_argument("--model", type=Path, help="model dir (default: build the 'test' preset)")
     p.add_argument("--workdir", type=Path)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="directory for the result JSON")
     args = p.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mlxd-load-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +241,11 @@ def main() -> int:
     sargs = serve_args(model, workdir / "ssd", max_batch=args.max_batch, max_queue=args.max_queue,
                        cache_gb=args.prompt_cache_gb)
     clients = new_clients(args.clients)
-    report: dict[str, Any] = {"config": vars(args) | {"model": str(model), "workdir": str(workdir)}}
+    report: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/load_test.py", *sys.argv[1:]]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": vars(args) | {"model": str(model), "workdir": str(workdir), "out": str(args.out)},
+    }
     with ServeProc(sargs, workdir / "serve.log") as proc:
         report["load"] = run_load(proc, clients, args.seconds, max_tokens=args.max_tokens)
         cap_mb = args.prompt_cache_gb * 1024 + SLACK_BYTES / 2**20
@@ -256,6 +264,10 @@ def main() -> int:
             "cached_tokens_min": min((t["cached"] for t in turns), default=0),
         }
     print(json.dumps(report, indent=2, default=str))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"load-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

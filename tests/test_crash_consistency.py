@@ -1,7 +1,7 @@
 """Crash consistency, quick version: SIGKILL a real `mlxd serve --ssd-cache` 5 times.
 
-The long version (200 kills) is `python benchmarks/crash_loop.py --kills 200`;
-its results are in docs/reliability.md.
+The long version is `python benchmarks/crash_loop.py --kills N`; it writes
+benchmarks/results/crash_loop-*.json, and docs/reliability.md cites them.
 """
 
 from __future__ import annotations

@@ -69,3 +69,15 @@ async def test_invalid_requests_raise(tiny_model_dir):
         rt.stop_admission()
         with pytest.raises(mlxd.ShuttingDown):
             rt.submit(rt.request([5, 6, 7]))
+
+
+async def test_serve_runtime_is_a_service(tiny_model_dir):
+    """`await nursery.start(serve_runtime, config)` returns a ready Runtime; cancelling stops it."""
+    async with trio.open_nursery() as nursery:
+        rt = await nursery.start(mlxd.serve_runtime, config(tiny_model_dir))
+        assert isinstance(rt, mlxd.Runtime)
+        async with rt.submit(rt.request(rt.encode("hello"), sampling=SamplingParams(max_tokens=3))) as stream:
+            assert len(await stream.tokens()) == 3
+        nursery.cancel_scope.cancel()
+    with pytest.raises(trio.BrokenResourceError):  # the actors are gone: nobody reads the admission queue
+        rt.submit(rt.request(rt.encode("hello")))

@@ -15,19 +15,13 @@ from mlxd.runtime.logging import configure_logging
 from mlxd.runtime.text import TextAssembler
 
 
-async def run_mlxd(config, *, task_status=trio.TASK_STATUS_IGNORED):
-    """Own the runtime for as long as this task lives; hand it out once it is up."""
-    async with mlxd.open_runtime(config) as rt:
-        task_status.started(rt)
-        await trio.sleep_forever()  # cancelling this task shuts every actor down
-
-
 async def main():
     ssd_dir = tempfile.mkdtemp(prefix="mlxd-ssd-")
     config = mlxd.RuntimeConfig(model=os.environ.get("MLXD_MODEL"), ssd_cache_dir=ssd_dir, snapshot_min_tokens=16)
 
     async with trio.open_nursery() as nursery:  # your program's nursery
-        rt = await nursery.start(run_mlxd, config)
+        # serve_runtime reports the Runtime once every actor is up, then runs until cancelled.
+        rt = await nursery.start(mlxd.serve_runtime, config)
         print("model:", rt.info.model_name)
 
         # Stream tokens of one chat turn, detokenizing as they arrive.

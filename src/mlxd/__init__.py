@@ -5,10 +5,14 @@ Embed it in a trio program:
     import mlxd
 
     async with mlxd.open_runtime(mlxd.RuntimeConfig()) as rt:
-        request = rt.request(rt.render_chat([{"role": "user", "content": "Hi"}]))
+        request = rt.request(await rt.render_chat([{"role": "user", "content": "Hi"}]))
         async with rt.submit(request) as stream:
             async for event in stream:
                 ...
+
+or start it as a service in a nursery you already have:
+
+    rt = await nursery.start(mlxd.serve_runtime, mlxd.RuntimeConfig())
 """
 
 from mlxd import _blas
@@ -32,6 +36,7 @@ from mlxd.runtime.supervisor import (  # noqa: E402
     Runtime,
     ShuttingDown,
     open_runtime,
+    serve_runtime,
 )
 
 __version__ = "0.1.0"
@@ -52,4 +57,5 @@ __all__ = [
     "TokenGenerated",
     "__version__",
     "open_runtime",
+    "serve_runtime",
 ]

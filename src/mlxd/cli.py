@@ -75,7 +75,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
     p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier cap in GB of KV bytes (default: unlimited)")
-    p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor hashes on every restore")
+    p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor CRC-32 checksums on every restore")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",

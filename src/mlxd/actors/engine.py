@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.model.identity import model_identity
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
-    CacheOwnerMessage,
-    CancelGeneration,
+    EngineInbox,
+    EngineNote,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -34,6 +36,11 @@ from mlxd.runtime.messages import (
     TokenGenerated,
 )
 from mlxd.runtime.mlx_thread import MlxThread
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlxd.kv.ssd_store import StoreIdentity
 
 log = get_logger("mlxd.engine")
 
@@ -48,13 +55,13 @@ class EngineInfo:
 
     model_name: str
     model_path: str
-    tokenizer: Any  # mlx-lm TokenizerWrapper; thread-safe for encode/decode/templates
+    tokenizer: TokenizerWrapper  # thread-safe for encode/decode/templates
     eos_token_ids: frozenset[int]
     max_context: int
     kv_bytes_per_token: int
     vocab_size: int  # rows of the embedding: every valid token id is below this
-    model_identity: str  # hash of config + weights metadata + tokenizer
-    store_identity: Any = None  # kv.ssd_store.StoreIdentity when the SSD tier is on
+    model_identity: str  # sha256 of the weights', config's and tokenizer's bytes
+    store_identity: StoreIdentity | None = None  # when the SSD tier is on
 
 
 @attrs.frozen
@@ -68,8 +75,21 @@ class _Emit:
 @attrs.frozen
 class _StepResult:
     emits: list[_Emit]
-    notes: list[Any]  # messages for the cache owner: publications and timings
+    notes: list[EngineNote]  # messages for the cache owner: publications and timings
     finished: list[int]  # uids that left the batch
+    rejected: list[tuple[_Row, str]] = attrs.Factory(list)  # rows refused before joining the batch
+
+
+@attrs.frozen(kw_only=True)
+class _Prepared:
+    """What a row brings to the batch, built before the generator sees it."""
+
+    caches: list[Any] | None  # the lent prefix (mlx-lm caches), or None for a cold start
+    usable: int
+    tier: str
+    sampler: Any
+    processors: list[Any]
+    stops: Any  # mlx_lm.generate.StopSequences
 
 
 @attrs.define
@@ -82,22 +102,6 @@ class _Row:
     prefilled: int = 0  # prompt tokens processed so far in this insert
 
 
-def _model_identity(path: Path) -> str:
-    """A stable id for the model files: config, tokenizer and weight sizes/names."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = path / name
-        if p.exists():
-            h.update(name.encode())
-            h.update(p.read_bytes())
-    for p in sorted(path.glob("*.safetensors")):
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}".encode())
-    return h.hexdigest()[:16]
-
-
 class EngineActor:
     """Run generations for the scheduler; publish checkpoints to the cache owner."""
 
@@ -105,8 +109,8 @@ class EngineActor:
         self,
         config: RuntimeConfig,
         *,
-        inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
-        publish: trio.MemorySendChannel[CacheOwnerMessage],
+        inbox: trio.MemoryReceiveChannel[EngineInbox],
+        publish: trio.MemorySendChannel[EngineNote],
         governor: WriteGovernor | None = None,
     ) -> None:
         self._config = config
@@ -120,12 +124,19 @@ class EngineActor:
         self._tokenizer: Any = None
         self._generator: Any = None
         self._stream: Any = None
-        self._store_identity: Any = None
+        self._store_identity: StoreIdentity | None = None
         # Task-side state.
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
-        self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats = {
+            "steps": 0,
+            "batch_rows": 0,
+            "generated_tokens": 0,
+            "prompt_tokens": 0,
+            "failed_steps": 0,
+            "checkpoints_skipped": 0,
+        }
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -168,9 +179,9 @@ class EngineActor:
             Path(self._config.model).name if self._config.model and Path(self._config.model).exists()
             else self._config.model or f"mlxd-{self._config.model_preset}"
         )
-        identity = _model_identity(path)
+        identity = model_identity(path)  # content hash (memoized per file); the served name is no part of it
         self._store_identity = (
-            _store_identity(name, identity, path, self._config.kv_scheme) if self._config.ssd_cache_dir else None
+            _store_identity(identity, path, self._config.kv_scheme) if self._config.ssd_cache_dir else None
         )
         return EngineInfo(
             model_name=name,
@@ -272,13 +283,16 @@ class EngineActor:
             try:
                 result = await self._thread.run(self._step, starts, cancels)
             except Exception as exc:  # a model error must not take the server down
-                log.exception("engine.step_failed")
-                self._fail_all(f"generation failed: {exc}")
+                # The generator's state is unknown now: every row in it, and every
+                # row of this step not yet inserted, gets its answer at once.
+                log.exception("engine.step_failed", rows=len(self._rows), starting=len(starts))
+                self.stats["failed_steps"] += 1
+                self._fail_all(f"generation failed: {type(exc).__name__}: {exc}", also=starts)
                 await self._thread.run(self._reset)
                 continue
             await self._deliver(result)
 
-    def _accept(self, msg: StartGeneration | CancelGeneration) -> None:
+    def _accept(self, msg: EngineInbox) -> None:
         if isinstance(msg, StartGeneration):
             self._pending.append(_Row(start=msg))
             return
@@ -291,10 +305,13 @@ class EngineActor:
         self._cancelled.add(msg.request_id)
 
     async def _deliver(self, result: _StepResult) -> None:
-        # Checkpoints reach the cache owner before their requests finish, so a
-        # flush sent after a request is done always covers its checkpoints.
+        # Checkpoints first: a client that flushes right after its reply must find
+        # that reply's checkpoint already with the cache owner.
         for note in result.notes:
             await self._publish.send(note)
+        for row, message in result.rejected:
+            _send(row.start.events, GenerationFailed(message))
+            row.start.events.close()
         for emit in result.emits:
             row = self._rows.get(emit.uid)
             if row is None:
@@ -307,8 +324,10 @@ class EngineActor:
                 row.start.events.close()
         self.stats["batch_rows"] = len(self._rows)
 
-    def _fail_all(self, message: str) -> None:
-        for row in [*self._rows.values(), *self._pending]:
+    def _fail_all(self, message: str, *, also: Sequence[_Row] = ()) -> None:
+        """Answer every row the engine holds (and `also`, rows taken for a step) with an error."""
+        rows = {id(row): row for row in [*self._rows.values(), *self._pending, *also]}
+        for row in rows.values():
             _send(row.start.events, GenerationFailed(message))
             row.start.events.close()
         self._rows.clear()
@@ -324,11 +343,18 @@ class EngineActor:
         import mlx.core as mx
 
         emits: list[_Emit] = []
-        notes: list[Any] = []
+        notes: list[EngineNote] = []
         finished: list[int] = []
+        rejected: list[tuple[_Row, str]] = []
         with mx.stream(self._stream):
             for row in starts:
-                emits.append(self._insert(row, notes))
+                try:  # what a row brings (its prefix, sampler) is built before the generator sees it
+                    prepared = self._prepare(row, notes)
+                except Exception as exc:  # fails this request only; the batch is untouched
+                    log.exception("engine.request_failed", request_id=row.start.request.request_id)
+                    rejected.append((row, f"generation failed: {type(exc).__name__}: {exc}"))
+                    continue
+                emits.append(self._insert(row, prepared))
             if cancels:
                 self._generator.remove(cancels)
                 for uid in cancels:
@@ -340,7 +366,7 @@ class EngineActor:
                     finished.append(uid)
             live = set(self._rows) - set(cancels)
             if not live:
-                return _StepResult(emits, notes, finished)
+                return _StepResult(emits, notes, finished, rejected)
             decoding = any(r.generated for r in self._rows.values())
             t0 = time.perf_counter()
             prompt_responses, gen_responses = self._generator.next()
@@ -353,7 +379,7 @@ class EngineActor:
                 row = self._rows.get(r.uid)
                 if row is not None and row.want_snapshot and r.end_of_segment and not r.end_of_prompt:
                     row.want_snapshot = False
-                    notes.append(self._boundary_snapshot(row))
+                    self._checkpoint(notes, self._boundary_snapshot, row)
             for r in gen_responses:
                 row = self._rows.get(r.uid)
                 if row is None:
@@ -371,10 +397,18 @@ class EngineActor:
                     )
                     finished.append(r.uid)
                     if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
-                        notes.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
-        return _StepResult(emits, notes, finished)
+                        self._checkpoint(notes, self._snapshot, r.all_tokens, req.namespace, r.prompt_cache, "final")
+        return _StepResult(emits, notes, finished, rejected)
 
-    def _measure_prefill(self, r: Any, seconds: float, notes: list[Any]) -> None:
+    def _checkpoint(self, notes: list[EngineNote], make: Callable[..., PublishPrefix], *args: Any) -> None:
+        """Publish a checkpoint; one that cannot be taken is skipped and logged, never fails its batch."""
+        try:
+            notes.append(make(*args))
+        except Exception:
+            log.exception("engine.checkpoint_skipped", kind=getattr(make, "__name__", "snapshot"))
+            self.stats["checkpoints_skipped"] += 1
+
+    def _measure_prefill(self, r: Any, seconds: float, notes: list[EngineNote]) -> None:
         row = self._rows.get(r.uid)
         if row is None:
             return
@@ -383,7 +417,7 @@ class EngineActor:
         notes.append(PrefillMeasured(new, row.cached_tokens + row.prefilled, seconds))
         row.prefilled = done
 
-    def _restore(self, row: _Row, notes: list[Any]) -> tuple[list[Any], int, str]:
+    def _restore(self, row: _Row, notes: list[EngineNote]) -> tuple[list[Any], int, str]:
         """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
         from mlxd.kv import kinds
 
@@ -406,12 +440,12 @@ class EngineActor:
         )
         return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
 
-    def _insert(self, row: _Row, notes: list[Any]) -> _Emit:
+    def _prepare(self, row: _Row, notes: list[EngineNote]) -> _Prepared:
+        """The lent prefix, sampler and processors of a row; raises without touching the generator."""
         from mlx_lm.generate import StopSequences
 
         from mlxd.kv import kinds
 
-        req = row.start.request
         hit = row.start.hit
         if row.start.restore is not None and row.start.restore.loaded is not None:
             lent, usable, tier = self._restore(row, notes)
@@ -420,17 +454,28 @@ class EngineActor:
             lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens)) if hit is not None else None
             tier = "ram" if usable > 0 else "none"
         row_caches = self._row_caches(lent)
-        caches = [row_caches] if row_caches is not None else None
-        s = req.sampling
+        s = row.start.request.sampling
         stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
+        return _Prepared(
+            caches=[row_caches] if row_caches is not None else None,
+            usable=usable,
+            tier=tier,
+            sampler=make_sampler(s),
+            processors=make_processors(s),
+            stops=StopSequences(stops),
+        )
+
+    def _insert(self, row: _Row, prepared: _Prepared) -> _Emit:
+        req = row.start.request
+        usable = prepared.usable
         (uid,) = self._generator.insert(
             [list(req.prompt[usable:])],
-            max_tokens=[s.max_tokens],
-            caches=caches,
+            max_tokens=[req.sampling.max_tokens],
+            caches=prepared.caches,
             all_tokens=[list(req.prompt[:usable])],
-            samplers=[make_sampler(s)],
-            logits_processors=[make_processors(s)],
-            stop_sequences=[StopSequences(stops)],
+            samplers=[prepared.sampler],
+            logits_processors=[prepared.processors],
+            stop_sequences=[prepared.stops],
         )
         row.uid = uid
         row.cached_tokens = usable
@@ -441,7 +486,7 @@ class EngineActor:
         self._rows[uid] = row
         self.stats["prompt_tokens"] += len(req.prompt) - usable
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
-        return _Emit(uid, PromptAccepted(len(req.prompt), usable, tier, queued))
+        return _Emit(uid, PromptAccepted(len(req.prompt), usable, prepared.tier, queued))
 
     def _boundary_snapshot(self, row: _Row) -> PublishPrefix:
         (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
@@ -548,8 +593,11 @@ def _cast_float_weights(model: Any, dtype: Any) -> None:
     mx.eval(model.parameters())
 
 
-def _store_identity(name: str, model_identity: str, path: Path, kv_scheme: str) -> Any:
-    """What every SSD file must match: model, tokenizer, KV dtype, MLX version and backend."""
+def _store_identity(model_identity: str, path: Path, kv_scheme: str) -> StoreIdentity:
+    """What every SSD file must match: model content, tokenizer, KV dtype, MLX version and backend.
+
+    The served name is no part of it: renaming a model keeps its cache.
+    """
     import hashlib
 
     import mlx.core as mx
@@ -570,4 +618,4 @@ def _store_identity(name: str, model_identity: str, path: Path, kv_scheme: str) 
             "format": str(file_format.FORMAT_VERSION),
         }
     )
-    return StoreIdentity(model_id=name, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)
+    return StoreIdentity(model_id=model_identity, fingerprint=fingerprint, tokenizer_hash=tokenizer_hash)

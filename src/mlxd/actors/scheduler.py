@@ -25,6 +25,7 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CancelGeneration,
+    EngineInbox,
     FetchSnapshot,
     GenerationEvent,
     GenerationFailed,
@@ -32,9 +33,10 @@ from mlxd.runtime.messages import (
     LookupPrefix,
     PrefetcherMessage,
     PromptAccepted,
+    RequestRecord,
     RestoreSnapshot,
+    SchedulerInbox,
     StartGeneration,
-    SubmitGeneration,
     TokenGenerated,
 )
 
@@ -42,43 +44,6 @@ if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot
 
 log = get_logger("mlxd.scheduler")
-
-
-@attrs.define
-class RequestRecord:
-    """One finished request: what the per-request log line, metrics and trace recorder see."""
-
-    request_id: str
-    namespace: str
-    prompt: tuple[int, ...]
-    submitted_at: float  # time.monotonic()
-    started_at: float | None = None  # got a batch slot
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    cached_tokens: int = 0
-    cache_tier: str = "none"
-    completion_tokens: int = 0
-    reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
-    output_ids: list[int] = attrs.Factory(list)
-
-    @property
-    def queued_s(self) -> float | None:
-        return None if self.started_at is None else self.started_at - self.submitted_at
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
-
-    @property
-    def total_s(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.submitted_at
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
-            return None
-        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
 
 
 @attrs.define
@@ -100,8 +65,8 @@ class SchedulerActor:
         self,
         config: RuntimeConfig,
         *,
-        inbox: trio.MemoryReceiveChannel[SubmitGeneration],
-        engine: trio.MemorySendChannel[StartGeneration | CancelGeneration],
+        inbox: trio.MemoryReceiveChannel[SchedulerInbox],
+        engine: trio.MemorySendChannel[EngineInbox],
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
     ) -> None:
@@ -130,7 +95,7 @@ class SchedulerActor:
                         return
                     self._start(nursery, submit)
 
-    def _start(self, nursery: trio.Nursery, submit: SubmitGeneration) -> None:
+    def _start(self, nursery: trio.Nursery, submit: SchedulerInbox) -> None:
         self.stats.running += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         nursery.start_soon(self._lifecycle, submit)
@@ -141,13 +106,23 @@ class SchedulerActor:
             return
         await self._idle.wait()
 
-    async def _lifecycle(self, submit: SubmitGeneration) -> None:
+    async def _lifecycle(self, submit: SchedulerInbox) -> None:
         request = submit.request
         record = RequestRecord(request.request_id, request.namespace, request.prompt, submit.submitted_at)
         record.started_at = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             try:
                 await self._serve(submit, record)
+            except Exception as exc:  # fails this request only, never the scheduler
+                log.exception("request.failed")
+                self.stats.failed += 1
+                record.reason = "failed"
+                try:
+                    submit.events.send_nowait(GenerationFailed(f"request failed: {type(exc).__name__}: {exc}"))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    pass  # the client is gone, or its buffer is full; closing below ends its stream
+                with trio.CancelScope(shield=True):  # the engine may still hold a row for it
+                    await self._engine.send(CancelGeneration(request.request_id))
             finally:
                 submit.events.close()
                 self._slots.release()
@@ -175,7 +150,7 @@ class SchedulerActor:
             except Exception:  # an observer must never break serving
                 log.exception("request.observer_failed")
 
-    async def _serve(self, submit: SubmitGeneration, record: RequestRecord) -> None:
+    async def _serve(self, submit: SchedulerInbox, record: RequestRecord) -> None:
         request = submit.request
         if submit.events.statistics().open_receive_channels == 0:
             self.stats.cancelled += 1  # the client left while queued

@@ -106,6 +106,46 @@ class SubmitGeneration:
     submitted_at: float
 
 
+SchedulerInbox = SubmitGeneration  # the admission queue carries only submissions
+
+
+@attrs.define
+class RequestRecord:
+    """One finished request: what the per-request log line, metrics and trace recorder see."""
+
+    request_id: str
+    namespace: str
+    prompt: tuple[int, ...]
+    submitted_at: float  # time.monotonic()
+    started_at: float | None = None  # got a batch slot
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cached_tokens: int = 0
+    cache_tier: str = "none"
+    completion_tokens: int = 0
+    reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
+    output_ids: list[int] = attrs.Factory(list)
+
+    @property
+    def queued_s(self) -> float | None:
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
+
+
 # --- engine inbox --------------------------------------------------------------
 
 
@@ -121,7 +161,7 @@ class RestoreSnapshot:
 @attrs.frozen(eq=False)
 class StartGeneration:
     request: GenerationRequest
-    hit: CacheHit | None  # the prefix to lend
+    hit: CacheHit | None  # the RAM prefix to lend
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float = 0.0
     restore: RestoreSnapshot | None = None  # wins over `hit` when present
@@ -130,6 +170,9 @@ class StartGeneration:
 @attrs.frozen
 class CancelGeneration:
     request_id: str
+
+
+EngineInbox = StartGeneration | CancelGeneration
 
 
 # --- cache owner inbox ---------------------------------------------------------
@@ -279,6 +322,9 @@ CacheOwnerMessage = (
     | RestoreMeasured
     | QueryCacheStats
 )
+
+# What the engine sends the cache owner (a part of the cache owner's inbox).
+EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured
 
 
 # --- durability coordinator and SSD writer ---------------------------------------

@@ -1,9 +1,14 @@
 """The supervisor: starts the actors in one nursery and hands out a `Runtime`.
 
     async with mlxd.open_runtime(RuntimeConfig()) as rt:
-        async with rt.submit(rt.chat_request([{"role": "user", "content": "hi"}])) as stream:
+        prompt = await rt.render_chat([{"role": "user", "content": "hi"}])
+        async with rt.submit(rt.request(prompt)) as stream:
             async for event in stream:
                 ...
+
+or, as a service in a nursery you already have:
+
+    rt = await nursery.start(mlxd.serve_runtime, RuntimeConfig())
 
 No signal handlers are installed here; the CLI adds them. Shutdown is
 cancellation: leaving the `async with` cancels every actor.
@@ -41,6 +46,7 @@ from mlxd.runtime.messages import (
     DurabilityMessage,
     DurabilitySnapshot,
     DurabilityStats,
+    EngineInbox,
     FindCheckpointTokens,
     FlushReport,
     FlushRequest,
@@ -56,6 +62,7 @@ from mlxd.runtime.messages import (
     PromptAccepted,
     QueryCacheStats,
     SamplingParams,
+    SchedulerInbox,
     SubmitGeneration,
     TokenGenerated,
     WriteSnapshot,
@@ -106,6 +113,8 @@ class GenerationStream:
             elif isinstance(event, GenerationFailed):
                 raise GenerationError(event.message)
             yield event
+        if self.finished is None:  # every generation ends with an answer, never with silence
+            raise GenerationError("the generation ended without a result")
 
     async def tokens(self) -> list[int]:
         """Drain the stream and return the generated token ids."""
@@ -129,7 +138,7 @@ class Runtime:
         config: RuntimeConfig,
         *,
         info: EngineInfo,
-        submit: trio.MemorySendChannel[SubmitGeneration],
+        submit: trio.MemorySendChannel[SchedulerInbox],
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         scheduler: SchedulerActor,
         engine: EngineActor,
@@ -421,8 +430,8 @@ def _cold_tier(
 async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
     """Start every actor; yield a ready Runtime; cancel them all on exit."""
     config = config or RuntimeConfig()
-    submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](config.max_queue)
-    engine_send, engine_receive = trio.open_memory_channel[Any](config.max_batch * 2 + 8)
+    submit_send, submit_receive = trio.open_memory_channel[SchedulerInbox](config.max_queue)
+    engine_send, engine_receive = trio.open_memory_channel[EngineInbox](config.max_batch * 2 + 8)
     cache_send, cache_receive = trio.open_memory_channel[CacheOwnerMessage](64)
     # Shared by the engine (busy), the durability coordinator and cache owner
     # (urgent) and the SSD writer (which paces itself by it).
@@ -465,3 +474,16 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             yield runtime
         finally:
             nursery.cancel_scope.cancel()
+
+
+async def serve_runtime(
+    config: RuntimeConfig | None = None, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The runtime as a service: `rt = await nursery.start(serve_runtime, config)`.
+
+    Reports the Runtime once every actor is up, then runs until cancelled;
+    cancelling the nursery that started it shuts every actor down.
+    """
+    async with open_runtime(config) as rt:
+        task_status.started(rt)
+        await trio.sleep_forever()
