@@ -277,6 +277,7 @@ class EngineActor:
             for row in starts:
                 emits.append(self._insert(row, notes))
             if cancels:
+                notes.extend(self._cut_snapshots(cancels))
                 self._generator.remove(cancels)
                 for uid in cancels:
                     row = self._rows[uid]
@@ -320,6 +321,23 @@ class EngineActor:
                     if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
                         notes.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
         return _StepResult(emits, notes, finished)
+
+    def _cut_snapshots(self, uids: list[int]) -> list[PublishPrefix]:
+        """Checkpoints of decoding rows cut by their client (a stop string, a disconnect).
+
+        Published like a normal end ("final"), with every token the KV holds: the
+        prompt and all generated tokens, a few of which may lie past where a stop
+        string cut the text. A later lookup lends only the prefix it shares.
+        """
+        if self._config.prompt_cache_bytes <= 0:
+            return []
+        decoding = [uid for uid in uids if self._rows[uid].generated > 0]
+        if not decoding:
+            return []
+        extracted = self._generator.extract_cache(decoding)
+        namespace = {uid: self._rows[uid].start.request.namespace for uid in decoding}
+        return [self._snapshot(list(tokens), namespace[uid], caches, "final")
+                for uid, (caches, tokens) in extracted.items() if caches and tokens]
 
     def _measure_prefill(self, r: Any, seconds: float, notes: list[Any]) -> None:
         row = self._rows.get(r.uid)
