@@ -10,15 +10,15 @@ From the last token of an assistant generation prompt the model emits, by
 greedy decoding, `TOOL_CALL_TEXT` (a Hermes-style tool call), then <|im_end|>.
 Its second choice there (reached when `<tool_call>` is banned with logit_bias)
 is `ANSWER_TEXT`: reasoning in <think>...</think>, then an answer. A bigram
-needs each token to have one successor, so the scripts are spelled with token
-ids found by a search (any ids whose text is the script's text).
+needs each token to have one successor, so the scripts are spelled in pieces
+whose tokens never repeat (checked when the model is built).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -53,7 +53,6 @@ def build_scripted_model(dest: Path) -> Path:
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
     (dest / "config.json").write_text(json.dumps(model_config(preset), indent=2))
     tok = load_tokenizer(dest, eos_token_ids=eos_ids)
-    vocab = [tok.decode([i]) for i in range(len(tok._tokenizer))]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
     start = prompt[-1]

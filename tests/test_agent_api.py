@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from scripted_model import ANSWER, REASONING, build_scripted_model
+
 from serving import ServerThread, config_for
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 12

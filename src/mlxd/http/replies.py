@@ -76,7 +76,9 @@ class ReplyReader:
         return delta
 
     def _collect(self, segments: list[tuple[str | None, str]]) -> ReplyDelta:
-        content, reasoning, calls = [], [], []
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
         for state, text in segments:
             if state == "tool":
                 self._tool_text += text
