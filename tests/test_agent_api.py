@@ -293,3 +293,50 @@ def test_unknown_paths_get_a_quiet_404(server, capfd):
     out = capfd.readouterr()
     logged = (out.out + out.err).lower()
     assert "error" not in logged and "traceback" not in logged, logged
+
+
+# --- reading replies (mlx-lm's state machine and parser on the built-in tokenizer) -------------
+
+
+def read_all(tokenizer, pieces: list[str], *, initial: str = "normal"):
+    from mlxd.http.replies import ReplyReader
+
+    reader = ReplyReader(tokenizer, tools=TOOLS, parse_tools=True, initial=initial)
+    deltas = [reader.feed(p) for p in pieces] + [reader.finish()]
+    content = "".join(d.content for d in deltas)
+    reasoning = "".join(d.reasoning for d in deltas)
+    return content, reasoning, [c for d in deltas for c in d.tool_calls]
+
+
+def test_markers_split_across_deltas_still_make_one_call(tiny_model):
+    _, tok = tiny_model
+    content, reasoning, calls = read_all(
+        tok, ["Sure. <tool", '_call>{"name": "get_weather", "arg', 'uments": {"city": "Paris"}}</tool', "_call>"])
+    assert content == "Sure. " and reasoning == ""
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+
+
+def test_malformed_call_text_falls_back_to_content(tiny_model):
+    _, tok = tiny_model
+    content, _, calls = read_all(tok, ["<tool_call>{not json</tool_call> ok"])
+    assert calls == []
+    assert content == "<tool_call>{not json</tool_call> ok"
+
+
+def test_unterminated_call_is_parsed_at_the_end(tiny_model):
+    _, tok = tiny_model
+    _, _, calls = read_all(tok, ['<tool_call>{"name": "get_weather", "arguments": {}}'])
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_a_prompt_that_opens_a_think_block_starts_in_reasoning(tiny_model):
+    from mlxd.http.replies import initial_state
+
+    _, tok = tiny_model
+    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert initial_state(tok, closed) == "normal"
+    opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert initial_state(tok, opened) == "reasoning"
+    content, reasoning, _ = read_all(tok, ["weighing it", "</think>Yes."], initial="reasoning")
+    assert (reasoning, content) == ("weighing it", "Yes.")
