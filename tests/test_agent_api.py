@@ -193,11 +193,17 @@ def test_a_stop_string_cut_publishes_its_checkpoint(server, tiny_model_dir):
         text = chat(cold, messages, **kw).choices[0].message.content
     stop = text[-4:]
     assert text.find(stop) >= 6, text  # a cut after a few tokens
-    published = server.call(server.runtime.stats)["cache"]["ram"]["published_final"]
+    before = server.call(server.runtime.stats)
+    published = before["cache"]["ram"]["published_final"]
     # Room for far more tokens: the row is still decoding when the stop string cuts it.
     cut = chat(server, messages, stop=[stop], **{**kw, "max_tokens": 1000})
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[:text.find(stop)]
+    assert cut.usage.completion_tokens < 12
+    # The engine ended the row as a normal stop: completed, not cancelled.
+    after = server.call(server.runtime.stats)
+    assert after["scheduler"]["completed"] == before["scheduler"]["completed"] + 1
+    assert after["scheduler"]["cancelled"] == before["scheduler"]["cancelled"]
     deadline = time.monotonic() + 30
     while server.call(server.runtime.stats)["cache"]["ram"]["published_final"] == published:
         assert time.monotonic() < deadline, "the cut generation published nothing"

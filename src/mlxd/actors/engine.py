@@ -120,6 +120,7 @@ class EngineActor:
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
+        self._stopping: set[str] = set()  # to end as a normal "stop" (a client's stop string)
         self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0}
 
     # --- lifecycle -------------------------------------------------------------
@@ -217,9 +218,12 @@ class EngineActor:
                     break
             starts, self._pending = self._pending, []
             cancels = [r.uid for r in self._rows.values() if r.start.request.request_id in self._cancelled]
+            stops = [r.uid for r in self._rows.values()
+                     if r.start.request.request_id in self._stopping and r.uid not in cancels]
             self._cancelled.clear()
+            self._stopping.clear()
             try:
-                result = await self._thread.run(self._step, starts, cancels)
+                result = await self._thread.run(self._step, starts, cancels, stops)
             except Exception as exc:  # a model error must not take the server down
                 log.exception("engine.step_failed")
                 self._fail_all(f"generation failed: {exc}")
@@ -267,7 +271,15 @@ class EngineActor:
         self._close()
         self._generator = self._new_generator()
 
-    def _step(self, starts: list[_Row], cancels: list[int]) -> _StepResult:
+    def stop_early(self, request_id: str) -> None:
+        """End a decoding generation as a normal stop (its client matched a stop string).
+
+        At the next step the row leaves the batch with reason "stop" and its
+        checkpoint is published, as for an end token.
+        """
+        self._stopping.add(request_id)
+
+    def _step(self, starts: list[_Row], cancels: list[int], stops: list[int]) -> _StepResult:
         import mlx.core as mx
 
         emits: list[_Emit] = []
@@ -276,17 +288,19 @@ class EngineActor:
         with mx.stream(self._stream):
             for row in starts:
                 emits.append(self._insert(row, notes))
-            if cancels:
-                notes.extend(self._cut_snapshots(cancels))
-                self._generator.remove(cancels)
-                for uid in cancels:
+            for ended, reason in ((cancels, "cancelled"), (stops, "stop")):
+                if not ended:
+                    continue
+                notes.extend(self._cut_snapshots(ended))
+                self._generator.remove(ended)
+                for uid in ended:
                     row = self._rows[uid]
                     req = row.start.request
                     emits.append(
-                        _Emit(uid, GenerationFinished("cancelled", len(req.prompt), row.cached_tokens, row.generated))
+                        _Emit(uid, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated))
                     )
                     finished.append(uid)
-            live = set(self._rows) - set(cancels)
+            live = set(self._rows) - set(cancels) - set(stops)
             if not live:
                 return _StepResult(emits, notes, finished)
             decoding = any(r.generated for r in self._rows.values())
@@ -323,7 +337,7 @@ class EngineActor:
         return _StepResult(emits, notes, finished)
 
     def _cut_snapshots(self, uids: list[int]) -> list[PublishPrefix]:
-        """Checkpoints of decoding rows cut by their client (a stop string, a disconnect).
+        """Checkpoints of decoding rows ended early (a stop string, a disconnect).
 
         Published like a normal end ("final"), with every token the KV holds: the
         prompt and all generated tokens, a few of which may lie past where a stop

@@ -103,6 +103,8 @@ class _Choice:
                 if isinstance(event, PromptAccepted):
                     self.accepted = event
                 elif isinstance(event, TokenGenerated):
+                    if self.text.done:
+                        continue  # decoded past a stop string before the engine ended the row
                     self.completion_tokens += 1
                     self.token_ids.append(event.token)
                     delta = self._read(self.text.add(event.token))
@@ -111,9 +113,9 @@ class _Choice:
                     if delta or entries:
                         yield delta, entries
                     if self.text.stopped_by_string:
-                        # Leaving the stream ends the generation; the engine still
-                        # publishes its checkpoint, so the next turn reuses it.
-                        break
+                        # The engine ends the row as a normal stop and publishes its
+                        # checkpoint (the next turn reuses it); wait for that end.
+                        self.rt.engine.stop_early(self.stream.request.request_id)
                 elif isinstance(event, GenerationFinished):
                     self.finished = event
         tail = self._read(self.text.finish(), final=True)
