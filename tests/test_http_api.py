@@ -174,7 +174,7 @@ def test_models_health_and_stats(server):
          "temperature"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}', 404,
          "does not exist"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n=1"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 17}', 400, "'n' must be"),
         ("/v1/completions", b'{"prompt": [1, "a"]}', 400, "prompt"),
         ("/v1/completions", b'{"prompt": [999999999]}', 400, "token ids"),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4096}', 400, "context"),

@@ -137,6 +137,33 @@ def test_chat_template_renders_chatml(tiny_model):
     assert ids[0] == specials[0] and ids.count(specials[1]) == 2
 
 
+def test_chat_template_renders_tools_calls_results_and_thinking(tiny_model):
+    _, tokenizer = tiny_model
+    # mlx-lm infers the Hermes-style JSON tool parser and <think> reasoning.
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    assert tokenizer.has_thinking and tokenizer.think_start == "<think>"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": "", "reasoning_content": "hm",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "f"' in text
+    assert text.count("<|im_start|>system") == 1
+    assert ('<|im_start|>assistant\n<think>hm</think><tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n") in text
+    off = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids = tokenizer.encode("<think>x</think><tool_call>", add_special_tokens=False)
+    assert len(ids) == 4  # the markers are single tokens
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_round_trips(tiny_model, text):
     _, tokenizer = tiny_model

@@ -129,6 +129,7 @@ class EngineActor:
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
+        self._stopping: set[str] = set()  # to end as a normal "stop" (a client's stop string)
         self.stats = {
             "steps": 0,
             "batch_rows": 0,
@@ -279,9 +280,12 @@ class EngineActor:
                     break
             starts, self._pending = self._pending, []
             cancels = [r.uid for r in self._rows.values() if r.start.request.request_id in self._cancelled]
+            stops = [r.uid for r in self._rows.values()
+                     if r.start.request.request_id in self._stopping and r.uid not in cancels]
             self._cancelled.clear()
+            self._stopping.clear()
             try:
-                result = await self._thread.run(self._step, starts, cancels)
+                result = await self._thread.run(self._step, starts, cancels, stops)
             except Exception as exc:  # a model error must not take the server down
                 # The generator's state is unknown now: every row in it, and every
                 # row of this step not yet inserted, gets its answer at once.
@@ -339,7 +343,15 @@ class EngineActor:
         self._close()
         self._generator = self._new_generator()
 
-    def _step(self, starts: list[_Row], cancels: list[int]) -> _StepResult:
+    def stop_early(self, request_id: str) -> None:
+        """End a decoding generation as a normal stop (its client matched a stop string).
+
+        At the next step the row leaves the batch with reason "stop" and its
+        checkpoint is published, as for an end token.
+        """
+        self._stopping.add(request_id)
+
+    def _step(self, starts: list[_Row], cancels: list[int], stops: list[int]) -> _StepResult:
         import mlx.core as mx
 
         emits: list[_Emit] = []
@@ -355,16 +367,19 @@ class EngineActor:
                     rejected.append((row, f"generation failed: {type(exc).__name__}: {exc}"))
                     continue
                 emits.append(self._insert(row, prepared))
-            if cancels:
-                self._generator.remove(cancels)
-                for uid in cancels:
+            for ended, reason in ((cancels, "cancelled"), (stops, "stop")):
+                if not ended:
+                    continue
+                notes.extend(self._cut_snapshots(ended))
+                self._generator.remove(ended)
+                for uid in ended:
                     row = self._rows[uid]
                     req = row.start.request
                     emits.append(
-                        _Emit(uid, GenerationFinished("cancelled", len(req.prompt), row.cached_tokens, row.generated))
+                        _Emit(uid, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated))
                     )
                     finished.append(uid)
-            live = set(self._rows) - set(cancels)
+            live = set(self._rows) - set(cancels) - set(stops)
             if not live:
                 return _StepResult(emits, notes, finished, rejected)
             decoding = any(r.generated for r in self._rows.values())
@@ -407,6 +422,31 @@ class EngineActor:
         except Exception:
             log.exception("engine.checkpoint_skipped", kind=getattr(make, "__name__", "snapshot"))
             self.stats["checkpoints_skipped"] += 1
+
+    def _cut_snapshots(self, uids: list[int]) -> list[EngineNote]:
+        """Checkpoints of decoding rows ended early (a stop string, a disconnect).
+
+        Published like a normal end ("final"), with every token the KV holds: the
+        prompt and all generated tokens, a few of which may lie past where a stop
+        string cut the text. A later lookup lends only the prefix it shares.
+        """
+        if self._config.prompt_cache_bytes <= 0:
+            return []
+        decoding = [uid for uid in uids if self._rows[uid].generated > 0]
+        if not decoding:
+            return []
+        try:
+            extracted = self._generator.extract_cache(decoding)
+        except Exception:  # a checkpoint that cannot be taken never fails the rows
+            log.exception("engine.checkpoint_skipped", kind="cut")
+            self.stats["checkpoints_skipped"] += 1
+            return []
+        namespace = {uid: self._rows[uid].start.request.namespace for uid in decoding}
+        notes: list[EngineNote] = []
+        for uid, (caches, tokens) in extracted.items():
+            if caches and tokens:
+                self._checkpoint(notes, self._snapshot, list(tokens), namespace[uid], caches, "final")
+        return notes
 
     def _measure_prefill(self, r: Any, seconds: float, notes: list[EngineNote]) -> None:
         row = self._rows.get(r.uid)

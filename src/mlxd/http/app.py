@@ -9,16 +9,26 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxd.http.openapi import openapi_document
-from mlxd.http.schemas import ApiError, ParsedRequest, parse_common, parse_messages, parse_prompt
+from mlxd.http.replies import ReplyDelta, ReplyReader, initial_state
+from mlxd.http.schemas import (
+    ApiError,
+    ChatOptions,
+    ParsedRequest,
+    parse_chat_options,
+    parse_common,
+    parse_messages,
+    parse_prompt,
+)
 from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import GenerationFinished, PromptAccepted, TokenGenerated
+from mlxd.runtime.messages import GenerationFinished, PromptAccepted, SamplingParams, TokenGenerated
 from mlxd.runtime.supervisor import (
     GenerationError,
     GenerationStream,
@@ -42,58 +52,110 @@ def _error(err: ApiError) -> Response:
     return _json(err.body(), err.status, err.headers)
 
 
-class _Completion:
-    """Runs one generation and shapes its events into OpenAI chunks or a body."""
+async def _close(choices: list[_Choice]) -> None:
+    with trio.CancelScope(shield=True):
+        for c in choices:
+            await c.stream.aclose()
+
+
+class _Choice:
+    """One generation of a request: its events as text, reasoning and tool calls."""
 
     def __init__(
-        self, rt: Runtime, stream: GenerationStream, parsed: ParsedRequest, *, chat: bool,
-        deadline: float = math.inf,
+        self, rt: Runtime, stream: GenerationStream, parsed: ParsedRequest, *, index: int, chat: bool,
+        options: ChatOptions, deadline: float = math.inf,
     ) -> None:
         self.rt = rt
         self.deadline = deadline  # trio clock; past it the generation ends with "length"
         self.timed_out = False
         self.stream = stream
         self.parsed = parsed
+        self.index = index
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
         self.text = TextAssembler(rt.tokenizer, stop=parsed.stop, eos_ids=rt.info.eos_token_ids)
+        parse_tools = chat and bool(options.tools) and options.tool_choice != "none"
+        self.reader = ReplyReader(
+            rt.tokenizer, tools=options.tools, parse_tools=parse_tools,
+            initial=initial_state(rt.tokenizer, stream.request.prompt),
+        ) if chat else None
         self.accepted: PromptAccepted | None = None
         self.finished: GenerationFinished | None = None
         self.completion_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
+        self._events: AsyncIterator[Any] | None = None
+        self._primed: list[Any] = []
 
-    async def deltas(self) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-        """Yield (text delta, logprob entries) until the generation ends or a stop string hits."""
+    async def prime(self) -> None:
+        """Read events up to the first generated token: the prompt's KV is published by then."""
+        self._events = aiter(self.stream)
+        while (event := await self._next_event()) is not None:
+            self._primed.append(event)
+            if isinstance(event, TokenGenerated | GenerationFinished):
+                return
+
+    async def deltas(self) -> AsyncIterator[tuple[ReplyDelta, list[dict[str, Any]]]]:
+        """Yield (reply delta, logprob entries) until the generation ends or a stop string hits."""
         async with self.stream:
-            events = aiter(self.stream)
-            while (event := await self._next_event(events)) is not None:
+            if self._events is None:
+                self._events = aiter(self.stream)
+            while (event := await self._take()) is not None:
                 if isinstance(event, PromptAccepted):
                     self.accepted = event
                 elif isinstance(event, TokenGenerated):
+                    if self.text.done:
+                        continue  # decoded past a stop string before the engine ended the row
                     self.completion_tokens += 1
                     self.token_ids.append(event.token)
-                    delta = self.text.add(event.token)
+                    delta = self._read(self.text.add(event.token))
                     entries = self._logprob_entries(event)
                     self.logprobs.extend(entries)
                     if delta or entries:
                         yield delta, entries
                     if self.text.stopped_by_string:
-                        break  # leaving the stream cancels the generation
+                        # The engine ends the row as a normal stop and publishes its
+                        # checkpoint (the next turn reuses it); wait for that end.
+                        self.rt.engine.stop_early(self.stream.request.request_id)
                 elif isinstance(event, GenerationFinished):
                     self.finished = event
-        tail = self.text.finish()
+        tail = self._read(self.text.finish(), final=True)
         if tail:
             yield tail, []
-        if self.chat and not self.text.stopped_by_string:
-            self.rt.remember_reply(self.text.text, self.token_ids)
+        if self.chat:
+            self._remember()
 
-    async def _next_event(self, events: AsyncIterator[Any]) -> Any:
+    def _read(self, text: str, *, final: bool = False) -> ReplyDelta:
+        if self.reader is None:
+            return ReplyDelta(content=text)
+        delta = self.reader.feed(text)
+        if final:
+            rest = self.reader.finish()
+            delta = ReplyDelta(delta.content + rest.content, delta.reasoning + rest.reasoning,
+                               delta.tool_calls + rest.tool_calls)
+        return delta
+
+    def _remember(self) -> None:
+        """Keep the reply's exact ids (cut to the shown text after a stop string)."""
+        shown, ids = self.text.text, self.token_ids
+        if self.text.stopped_by_string:
+            tok = self.rt.tokenizer
+            k = len(ids)
+            while k > 0 and len(text := tok.decode(ids[:k])) >= len(shown) and text != shown:
+                k -= 1
+            ids = ids[:k]
+        self.rt.remember_reply(shown, ids)
+
+    async def _take(self) -> Any:
+        if self._primed:
+            return self._primed.pop(0)
+        return await self._next_event()
+
+    async def _next_event(self) -> Any:
         """The next event; None at the end or past the deadline (leaving cancels the generation)."""
+        assert self._events is not None
         with trio.move_on_at(self.deadline):
             try:
-                return await anext(events)
+                return await anext(self._events)
             except StopAsyncIteration:
                 return None
         self.timed_out = True
@@ -102,6 +164,10 @@ class _Completion:
         return None
 
     def finish_reason(self) -> str:
+        if self.reader is not None and self.reader.calls and not self.timed_out and (
+            self.finished is None or self.finished.reason != "length"
+        ):
+            return "tool_calls"
         if self.text.stopped_by_string:
             return "stop"
         if self.timed_out:
@@ -109,16 +175,6 @@ class _Completion:
         if self.finished is not None and self.finished.reason in ("stop", "length"):
             return self.finished.reason
         return "stop"
-
-    def usage(self) -> dict[str, Any]:
-        prompt = len(self.stream.request.prompt)
-        cached = self.accepted.cached_tokens if self.accepted else 0
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
 
     def _logprob_entries(self, event: TokenGenerated) -> list[dict[str, Any]]:
         if event.logprob is None:
@@ -130,7 +186,42 @@ class _Completion:
         return [{"token": text, "logprob": event.logprob, "bytes": list(text.encode()), "id": event.token,
                  "top_logprobs": top}]
 
-    # --- chat shapes ------------------------------------------------------------
+
+def _chat_delta(delta: ReplyDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = list(delta.tool_calls)
+    return out
+
+
+class _Completion:
+    """Runs a request's generations (its choices) and shapes them into OpenAI chunks or a body."""
+
+    def __init__(self, rt: Runtime, choices: list[_Choice], parsed: ParsedRequest, *, chat: bool) -> None:
+        self.rt = rt
+        self.choices = choices
+        self.parsed = parsed
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def usage(self) -> dict[str, Any]:
+        first = self.choices[0]
+        prompt = len(first.stream.request.prompt)
+        cached = first.accepted.cached_tokens if first.accepted else 0
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # --- shapes ------------------------------------------------------------------
 
     def chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -145,14 +236,18 @@ class _Completion:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    def choice(self, delta: str, entries: list[dict[str, Any]], finish: str | None) -> dict[str, Any]:
+    def choice_chunk(
+        self, c: _Choice, delta: ReplyDelta, entries: list[dict[str, Any]], finish: str | None
+    ) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta or finish is None else {},
-                                      "finish_reason": finish}
+            fields = _chat_delta(delta)
+            if finish is None and not fields:
+                fields = {"content": ""}
+            choice: dict[str, Any] = {"index": c.index, "delta": fields, "finish_reason": finish}
             if self.parsed.sampling.logprobs:
                 choice["logprobs"] = {"content": entries} if entries else None
             return choice
-        choice = {"index": 0, "text": delta, "finish_reason": finish}
+        choice = {"index": c.index, "text": delta.content, "finish_reason": finish}
         choice["logprobs"] = self._completion_logprobs(entries) if self.parsed.sampling.logprobs else None
         return choice
 
@@ -164,47 +259,94 @@ class _Completion:
             "text_offset": [],
         }
 
-    async def sse(self) -> AsyncIterator[str]:
+    # --- streaming ---------------------------------------------------------------
+
+    async def _choice_sse(self, c: _Choice) -> AsyncIterator[str]:
+        """One choice's chunks (an error becomes an error event)."""
         try:
             if self.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield self.chunk(first)
-            async for delta, entries in self.deltas():
-                yield self.chunk(self.choice(delta, entries, None))
-            yield self.chunk(self.choice("", [], self.finish_reason()))
-            if self.parsed.include_usage:
-                yield self.chunk({}, self.usage())
+            async for delta, entries in c.deltas():
+                yield self.chunk(self.choice_chunk(c, delta, entries, None))
+            yield self.chunk(self.choice_chunk(c, ReplyDelta(), [], c.finish_reason()))
         except GenerationError as exc:
             yield f"data: {json.dumps(ApiError(500, str(exc), type='server_error').body())}\n\n"
         except Exception as exc:
-            log.exception("http.stream_failed", request_id=self.stream.request.request_id)
-            yield f"data: {json.dumps(ApiError(500, f'internal error: {type(exc).__name__}', type='server_error').body())}\n\n"
+            log.exception("http.stream_failed", request_id=c.stream.request.request_id)
+            error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
+
+    async def _pump(self, c: _Choice, send: trio.MemorySendChannel[str]) -> None:
+        async with send:
+            try:
+                async for chunk in self._choice_sse(c):
+                    await send.send(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client left
+            finally:
+                await c.stream.aclose()
+
+    async def sse(self, spawn: Callable[..., Any]) -> AsyncIterator[str]:
+        """The event stream; several choices run as tasks of `spawn` and interleave."""
+        if len(self.choices) == 1:
+            async for chunk in self._choice_sse(self.choices[0]):
+                yield chunk
+        else:
+            send, receive = trio.open_memory_channel[str](0)
+            for c in self.choices:
+                spawn(self._pump, c, send.clone())
+            send.close()
+            try:
+                async for chunk in receive:
+                    yield chunk
+            finally:
+                receive.close()
+        if self.parsed.include_usage:
+            yield self.chunk({}, self.usage())
         yield "data: [DONE]\n\n"
 
+    # --- one body ---------------------------------------------------------------
+
+    async def _choice_body(self, c: _Choice) -> dict[str, Any]:
+        parts = [d async for d, _ in c.deltas()]
+        content = "".join(d.content for d in parts)
+        if not self.chat:
+            return {
+                "index": c.index,
+                "text": content,
+                "finish_reason": c.finish_reason(),
+                "logprobs": self._completion_logprobs(c.logprobs) if self.parsed.sampling.logprobs else None,
+            }
+        calls = [{k: v for k, v in call.items() if k != "index"} for d in parts for call in d.tool_calls]
+        reasoning = "".join(d.reasoning for d in parts)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "index": c.index,
+            "message": message,
+            "finish_reason": c.finish_reason(),
+            "logprobs": {"content": c.logprobs} if self.parsed.sampling.logprobs else None,
+        }
+
     async def body(self) -> dict[str, Any]:
-        text = "".join([d async for d, _ in self.deltas()])
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": self.finish_reason(),
-                "logprobs": {"content": self.logprobs} if self.parsed.sampling.logprobs else None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "finish_reason": self.finish_reason(),
-                "logprobs": self._completion_logprobs(self.logprobs) if self.parsed.sampling.logprobs else None,
-            }
-            obj = "text_completion"
+        bodies: list[dict[str, Any]] = [{} for _ in self.choices]
+
+        async def one(c: _Choice) -> None:
+            bodies[c.index] = await self._choice_body(c)
+
+        async with trio.open_nursery() as nursery:
+            for c in self.choices:
+                nursery.start_soon(one, c)
         return {
             "id": self.id,
-            "object": obj,
+            "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.rt.info.model_name,
-            "choices": [choice],
+            "choices": bodies,
             "usage": self.usage(),
         }
 
@@ -260,20 +402,54 @@ def create_app(
             )
 
 
-    async def run(parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool) -> Response:
-        check_model(parsed.model)
+    def submit(prompt: tuple[int, ...], sampling: SamplingParams) -> GenerationStream:
         try:
-            req = rt.request(prompt, sampling=parsed.sampling)
-            stream = rt.submit(req)
+            return rt.submit(rt.request(prompt, sampling=sampling))
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
             raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
-        completion = _Completion(rt, stream, parsed, chat=chat, deadline=g.deadline)
+
+    async def start_choices(
+        parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool
+    ) -> list[_Choice]:
+        """Submit the request's generations: the first alone, then (n > 1) the rest.
+
+        The rest start once the first has a token, when its prompt's checkpoint is
+        in the cache: they share that prefill (the cache lends it to each row).
+        Each samples with its own seed (seed, seed + 1, ... when one is given).
+        """
+        sampling = parsed.sampling
+        if chat and options.tools and options.tool_choice == "none":
+            start = rt.tokenizer.tool_call_start_tokens if rt.tokenizer.has_tool_calling else None
+            if start and len(start) == 1:  # the model cannot open a call
+                sampling = attrs.evolve(sampling, logit_bias=(*sampling.logit_bias, (start[0], -100.0)))
+        choices: list[_Choice] = []
+        try:
+            for i in range(parsed.n):
+                seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
+                stream = submit(prompt, attrs.evolve(sampling, seed=seed))
+                choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
+                if i == 0 and parsed.n > 1:
+                    await choices[0].prime()
+        except GenerationError as exc:
+            await _close(choices)
+            raise ApiError(500, str(exc), type="server_error") from None
+        except BaseException:
+            await _close(choices)
+            raise
+        return choices
+
+    async def run(
+        parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool, options: ChatOptions | None = None
+    ) -> Response:
+        check_model(parsed.model)
+        choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat)
+        completion = _Completion(rt, choices, parsed, chat=chat)
         if parsed.stream:
-            response = Response(completion.sse(), content_type="text/event-stream")
+            response = Response(completion.sse(app.nursery.start_soon), content_type="text/event-stream")
             response.headers["Cache-Control"] = "no-cache"
             response.timeout = None
             return response
@@ -281,6 +457,8 @@ def create_app(
             return _json(await completion.body())
         except GenerationError as exc:
             raise ApiError(500, str(exc), type="server_error") from None
+        finally:
+            await _close(choices)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -290,11 +468,12 @@ def create_app(
             max_tokens_limit=rt.config.max_tokens_limit, chat=True,
         )
         messages = parse_messages(body)
+        options = parse_chat_options(body)
         try:
-            prompt = await rt.render_chat(messages)
+            prompt = await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return await run(parsed, prompt, chat=True)
+        return await run(parsed, prompt, chat=True, options=options)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -57,11 +57,46 @@ _COMPLETION = {
     },
 }
 
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+
 _MESSAGE = {
     "type": "object",
     "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/ToolCall"},
+                       "description": "an assistant turn's calls, as the server returned them"},
+        "tool_call_id": {"type": "string"},
+        "reasoning_content": {"type": "string", "nullable": True},
         "content": {
             "nullable": True,
             "oneOf": [
@@ -90,7 +125,8 @@ def _sampling(max_tokens_limit: int) -> dict[str, Any]:
         "top_p": {**number, "minimum": 0, "maximum": 1, "nullable": True},
         "top_k": {"type": "integer", "minimum": 0, "nullable": True},
         "seed": {"type": "integer", "nullable": True},
-        "n": {"type": "integer", "enum": [1], "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": 16, "nullable": True,
+              "description": "choices; they share one prefill, choice i samples with seed + i"},
         "presence_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
         "frequency_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
         "repetition_penalty": {**number, "minimum": 0, "maximum": 10, "nullable": True},
@@ -110,6 +146,13 @@ def _sampling(max_tokens_limit: int) -> dict[str, Any]:
             "nullable": True,
             "properties": {"include_usage": {"type": "boolean"}},
         },
+        "response_format": {
+            "type": "object",
+            "nullable": True,
+            "required": ["type"],
+            "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}},
+            "description": "only 'text' is served; the JSON modes get a 400 (no constrained decoding)",
+        },
     }
 
 
@@ -120,8 +163,20 @@ def _chat_request(max_tokens_limit: int) -> dict[str, Any]:
         "max_completion_tokens": props["max_tokens"],
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
+        "tools": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Tool"},
+                  "description": "rendered into the prompt by the chat template"},
+        "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True,
+                        "description": "'none' keeps the model from opening a call; 'required' and a named "
+                        "function get a 400"},
+        "chat_template_kwargs": {"type": "object", "nullable": True,
+                                 "description": "extra template variables, e.g. {'enable_thinking': false}"},
     })
-    return {"type": "object", "required": ["messages"], "properties": props}
+    return {
+        "type": "object",
+        "required": ["messages"],
+        "properties": props,
+        "description": "fields not listed here are ignored",
+    }
 
 
 def _completion_request(max_tokens_limit: int) -> dict[str, Any]:
@@ -217,6 +272,8 @@ def openapi_document(*, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT) -> dic
                 "Usage": _USAGE,
                 "Completion": _COMPLETION,
                 "Message": _MESSAGE,
+                "Tool": _TOOL,
+                "ToolCall": _TOOL_CALL,
                 "ChatRequest": _chat_request(max_tokens_limit),
                 "CompletionRequest": _completion_request(max_tokens_limit),
             },

@@ -36,6 +36,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_CHOICES = 16
+
+
 @attrs.frozen
 class ParsedRequest:
     sampling: SamplingParams
@@ -43,6 +46,16 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    n: int = 1
+
+
+@attrs.frozen
+class ChatOptions:
+    """What a chat request adds to the prompt and to how the reply is read."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"  # "auto" or "none"
+    template_kwargs: dict[str, Any] = attrs.Factory(dict)
 
 
 def _num(body: dict[str, Any], name: str, default: float | None, *, lo: float, hi: float) -> float | None:
@@ -103,9 +116,9 @@ def parse_common(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
-    n = _int(body, "n", 1, lo=1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
+    assert n is not None
+    _response_format(body)
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name, default_max_tokens, lo=1)
     assert max_tokens is not None
@@ -146,7 +159,59 @@ def parse_common(
         logprobs=logprobs,
         top_logprobs=top,
     )
-    return ParsedRequest(sampling, _stop(body), stream, include_usage, model)
+    return ParsedRequest(sampling, _stop(body), stream, include_usage, model, n)
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    """Only plain text: JSON modes are refused rather than silently ignored."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise ApiError(
+            400, f"response_format '{kind}' is not supported: this server does not constrain decoding "
+            "(ask for JSON in the prompt, or use tools)", param="response_format", code="unsupported_parameter",
+        )
+    raise ApiError(400, "'response_format' must be an object with 'type': 'text', 'json_object' or 'json_schema'",
+                   param="response_format")
+
+
+def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
+    """`tools`, `tool_choice` and `chat_template_kwargs` of a chat request."""
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list", param="tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be an object", param="tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if choice not in ("auto", "none"):
+        if choice == "required" or isinstance(choice, dict):
+            raise ApiError(400, "tool_choice 'required' or a named function is not supported (this server "
+                           "does not constrain decoding); use 'auto' or 'none'", param="tool_choice",
+                           code="unsupported_parameter")
+        raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or an object", param="tool_choice")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "conversation"} & kwargs.keys()
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+    return ChatOptions(tuple(tools), choice, dict(kwargs))
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -172,8 +237,42 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            message.update(_assistant_extras(m, i))
+        elif role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(m.get(key), str):
+                    message[key] = m[key]
+        out.append(message)
     return out
+
+
+def _assistant_extras(m: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant turn's tool calls and reasoning, as the chat template reads them."""
+    extras: dict[str, Any] = {}
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if isinstance(reasoning, str) and reasoning:
+        extras["reasoning_content"] = reasoning
+    calls = m.get("tool_calls")
+    if calls is None:
+        return extras
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}] needs function.name", param="messages")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str | dict):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string",
+                           param="messages")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    if out:
+        extras["tool_calls"] = out
+    return extras
 
 
 def parse_prompt(body: dict[str, Any]) -> str | list[int]:

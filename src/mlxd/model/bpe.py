@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
@@ -27,17 +27,62 @@ SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ChatML; a content given as a list of parts contributes its text parts.
+# Markers of the Hermes/Qwen tool-calling and reasoning format: ordinary added
+# tokens (shown when decoded, like Qwen3's), so mlx-lm infers its `json_tools`
+# parser and `<think>` reasoning from the vocabulary and template.
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+MARKER_TOKENS = (THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)  # the last ids
+
+# ChatML, with Hermes/Qwen-style tools: the tool list in the system turn, an
+# assistant's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>,
+# tool results as <tool_response> blocks in a user turn, reasoning as
+# <think>...</think>, and `enable_thinking=false` closing an empty think block.
+# A content given as a list of parts contributes its text parts.
 CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- text(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n"
+    "<tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- elif message['content'] %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.get('reasoning_content') %}"
+    "{{- '<think>' + message['reasoning_content'] + '</think>' }}"
+    "{%- endif %}"
+    "{{- text(message['content']) }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set tool_call = call['function'] if call.get('function') else call %}"
+    "{{- '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -53,7 +98,11 @@ def corpus_chunks(chunk_chars: int = 4096) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with exactly `vocab_size` tokens, specials included."""
+    """Train a byte-level BPE with exactly `vocab_size` tokens, specials and markers included.
+
+    The marker tokens (`<think>`, `<tool_call>`, ...) take the last ids and stay
+    whole in any input, like Qwen's added tokens.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -63,20 +112,21 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(MARKER_TOKENS),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus_chunks(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
     got = tokenizer.get_vocab_size()
     if got != vocab_size:
         raise RuntimeError(f"corpus too small: trained {got} tokens, wanted {vocab_size}")
     return tokenizer
 
 
-def tokenizer_config(model_max_length: int) -> dict:
+def tokenizer_config(model_max_length: int, vocab_size: int) -> dict:
     """tokenizer_config.json: ChatML template, eos <|im_end|>, no bos."""
     added = {
         str(i): {
@@ -89,6 +139,8 @@ def tokenizer_config(model_max_length: int) -> dict:
         }
         for i, tok in enumerate(SPECIAL_TOKENS)
     }
+    for i, tok in enumerate(MARKER_TOKENS, start=vocab_size - len(MARKER_TOKENS)):
+        added[str(i)] = {**added["0"], "content": tok, "special": False}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
@@ -108,5 +160,5 @@ def tokenizer_config(model_max_length: int) -> dict:
 def write_tokenizer(dest: Path, tokenizer: Tokenizer, *, model_max_length: int) -> None:
     """Write tokenizer.json and tokenizer_config.json into `dest`."""
     tokenizer.save(str(dest / "tokenizer.json"), pretty=False)
-    config = tokenizer_config(model_max_length)
+    config = tokenizer_config(model_max_length, tokenizer.get_vocab_size())
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -34,7 +34,7 @@ from mlxd.model.presets import PRESETS, ModelPreset, get_preset
 Progress = Callable[[str, float], None]
 
 # Bump when the build recipe changes in a way the preset fields don't capture.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: tool-call and reasoning markers, tools in the chat template
 MANIFEST = "mlxd-model.json"
 
 

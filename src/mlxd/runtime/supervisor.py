@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +179,18 @@ class Runtime:
     def new_request_id(self) -> str:
         return f"req-{uuid.uuid4().hex[:12]}"
 
-    async def render_chat(self, messages: Sequence[dict[str, Any]], *, namespace: str = "") -> tuple[int, ...]:
+    async def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        namespace: str = "",
+        tools: Sequence[dict[str, Any]] = (),
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[int, ...]:
         """Apply the model's chat template (with the generation prompt) and tokenize.
+
+        `tools` (OpenAI function specs) and `template_kwargs` (e.g. `enable_thinking`)
+        are passed to the template.
 
         Generated replies keep their original token ids (see `token_history`):
         from this process's history, or else from the cached checkpoint (RAM or
@@ -189,7 +200,10 @@ class Runtime:
         """
         try:
             # Rendering and tokenizing a long conversation is CPU work: off the event loop.
-            text, plain = await trio.to_thread.run_sync(render, self.tokenizer, messages)
+            kwargs = dict(template_kwargs or {})
+            if tools:
+                kwargs["tools"] = list(tools)
+            text, plain = await trio.to_thread.run_sync(partial(render, self.tokenizer, messages, **kwargs))
             ids, _ = encode_chat(self.tokenizer, messages, self.history, self.info.eos_token_ids, (text, plain))
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc

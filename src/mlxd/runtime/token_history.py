@@ -90,9 +90,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
-    """The chat template's text (with the generation prompt) and its canonical ids."""
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+def render(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> tuple[str, tuple[int, ...]]:
+    """The chat template's text (with the generation prompt) and its canonical ids.
+
+    `template_kwargs` (e.g. `tools`, `enable_thinking`) go to the template as variables.
+    """
+    text = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
     return text, tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
