@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
@@ -50,6 +51,7 @@ class EngineInfo:
     vocab_size: int  # rows of the embedding: every valid token id is below this
     model_identity: str  # hash of config + weights metadata + tokenizer
     store_identity: Any = None  # kv.ssd_store.StoreIdentity when the SSD tier is on
+    probe: DeviceProbe | None = None  # the startup device probe, when it ran
 
 
 @attrs.frozen
@@ -116,6 +118,7 @@ class EngineActor:
         self._generator: Any = None
         self._stream: Any = None
         self._store_identity: Any = None
+        self._prefill_step_size = config.prefill_step_size
         # Task-side state.
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
@@ -159,17 +162,54 @@ class EngineActor:
         )
         identity = _model_identity(path)
         self._store_identity = _store_identity(name, identity, path) if self._config.ssd_cache_dir else None
+        kv_bytes_per_token = _kv_bytes_per_token(cfg, model)
+        vocab_size = int(cfg.get("vocab_size") or len(tokenizer._tokenizer))
+        probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if self._wants_probe() else None
         return EngineInfo(
             model_name=name,
             model_path=str(path),
             tokenizer=tokenizer,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
-            kv_bytes_per_token=_kv_bytes_per_token(cfg, model),
-            vocab_size=int(cfg.get("vocab_size") or len(tokenizer._tokenizer)),
+            kv_bytes_per_token=kv_bytes_per_token,
+            vocab_size=vocab_size,
             model_identity=identity,
             store_identity=self._store_identity,
+            probe=probe,
         )
+
+    def _wants_probe(self) -> bool:
+        mode = self._config.device_probe
+        if mode == "off":
+            return False
+        return mode == "on" or self._config.ssd_cache_dir is not None or bool(self._config.tune_prefill_step)
+
+    def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
+        """Measure this device (seconds) before serving; see actors/device_probe.py."""
+        import mlx.core as mx
+
+        from mlxd.actors.device_probe import probe_device
+
+        tune = self._config.tune_prefill_step
+        if tune is None:
+            tune = mx.default_device() != mx.cpu
+        with mx.stream(self._stream):
+            probe = probe_device(
+                self._generator,
+                vocab_size=vocab_size,
+                max_context=max_context,
+                kv_bytes_per_token=kv_bytes_per_token,
+                budget_s=self._config.device_probe_budget_s,
+                restore_dir=Path(self._config.ssd_cache_dir) if self._config.ssd_cache_dir else None,
+                tune_step=tune,
+            )
+        # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size.
+        self._close()
+        self._generator = self._new_generator(probe.prefill_step_size)
+        summary = probe.as_dict()
+        summary.pop("cost_model")
+        log.info("engine.device_probe", **summary)
+        return probe
 
     def _resolve_model_path(self) -> Path:
         if self._config.model is None:
@@ -183,8 +223,11 @@ class EngineActor:
 
         return Path(_download(self._config.model))
 
-    def _new_generator(self) -> Any:
+    def _new_generator(self, prefill_step_size: int | None = None) -> Any:
         from mlx_lm.generate import BatchGenerator
+
+        if prefill_step_size is not None:
+            self._prefill_step_size = prefill_step_size
 
         return BatchGenerator(
             self._model,
@@ -192,7 +235,7 @@ class EngineActor:
             stop_tokens=[[t] for t in sorted(self._tokenizer.eos_token_ids)],
             completion_batch_size=self._config.max_batch,
             prefill_batch_size=min(self._config.prefill_batch, self._config.max_batch),
-            prefill_step_size=self._config.prefill_step_size,
+            prefill_step_size=self._prefill_step_size,
             stream=self._stream,
         )
 
@@ -200,6 +243,10 @@ class EngineActor:
         if self._generator is not None:
             self._generator.close()
             self._generator = None
+        if self._stream is not None:
+            import mlx.core as mx
+
+            mx.synchronize(self._stream)  # no work in flight when the thread's streams go
 
     # --- the serving loop -----------------------------------------------------------
 
