@@ -134,32 +134,40 @@ def cache_for(gen: Any, prompt: list[int]) -> list[Any]:
 def phase_prefill(model: Any, n: int, steps: list[int]) -> dict[str, Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxd.model import fast_mask
+
     out: dict[str, Any] = {"tokens": n}
     prompt = mx.array(tokens(n, 1))[None]
-    for i in range(3):  # plain forward pass, whole prompt at once (warm-up first)
+
+    def chunked(step: int, *, prealloc: bool = False, clear: bool = False) -> float:
         cache = make_prompt_cache(model)
-        mx.synchronize()
-        t0 = time.perf_counter()
-        logits = model(prompt, cache=cache)
-        mx.eval(logits[:, -1, :], [c.state for c in cache])
-        if i:
-            out.setdefault("plain_forward_s", []).append(time.perf_counter() - t0)
-        del logits, cache
-    for step in steps:  # plain chunked forward, no BatchGenerator
-        cache = make_prompt_cache(model)
+        if prealloc:
+            for c in cache:
+                c.step = n  # one allocation per layer instead of one per chunk
         mx.synchronize()
         t0 = time.perf_counter()
         for s in range(0, n, step):
             logits = model(prompt[:, s : s + step], cache=cache)
             mx.eval(logits[:, -1, :], [c.state for c in cache])
-        out.setdefault("plain_chunked_s", {})[step] = time.perf_counter() - t0
-        del logits, cache
-    for step in steps:
-        gen = generator(model, step)
-        first_token(gen, tokens(256, 2))  # warm-up
-        out.setdefault("batch_generator_s", {})[step] = [first_token(gen, tokens(n, 3 + r)) for r in range(2)]
-        gen.close()
-    mx.clear_cache()
+            if clear:
+                mx.clear_cache()  # as mlx-lm's BatchGenerator does after each chunk
+        return time.perf_counter() - t0
+
+    chunked(n)  # warm-up
+    out["plain_forward_s"] = [chunked(n) for _ in range(2)]
+    out["plain_chunked_s"] = {step: chunked(step) for step in steps}
+    out["plain_chunked_2048_prealloc_s"] = chunked(2048, prealloc=True)
+    out["plain_chunked_2048_clear_cache_s"] = chunked(2048, clear=True)
+    out["plain_chunked_2048_prealloc_clear_s"] = chunked(2048, prealloc=True, clear=True)
+    for label, patched in (("batch_generator_mlx_lm_mask_s", False), ("batch_generator_fast_mask_s", True)):
+        (fast_mask.install if patched else fast_mask.uninstall)()
+        for step in steps:
+            gen = generator(model, step)
+            first_token(gen, tokens(min(n, 4096), 2))  # warm-up
+            out.setdefault(label, {})[step] = [first_token(gen, tokens(n, 3 + r)) for r in range(2)]
+            gen.close()
+            mx.clear_cache()
+    fast_mask.install()
     log("prefill", json.dumps(out))
     return out
 
@@ -242,6 +250,8 @@ def phase_arms(model: Any, probe: Any, ssd: Path, prefixes: list[int], suffixes:
                 "advisor": "restore" if choice else "recompute", "faster": faster,
             }
             row["right"] = row["advisor"] == faster
+            chosen = r["total_s"] if choice else recompute
+            row["regret_s"] = chosen - min(r["total_s"], recompute)
             rows.append(row)
             log(
                 f"arms P={p} S={s}: restore {r['total_s']:.3f}s (read {r['read_s']:.3f} adopt {r['adopt_s']:.3f}) "
@@ -299,6 +309,36 @@ def phase_bandwidth(model: Any, ssd: Path, n: int) -> dict[str, Any]:
         mx.eval(a.sum())
         out["first_use_sum_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
         del a
+    # Straight into MLX memory: read into an evaluated array's own buffer (no host copy).
+    for label, cold in (("cold", True), ("warm", False)):
+        if cold:
+            drop_cache(path)
+        t0 = time.perf_counter()
+        dst = mx.zeros((nbytes,), dtype=mx.uint8)
+        mx.eval(dst)
+        mx.synchronize()
+        t1 = time.perf_counter()
+        try:
+            target = np.array(dst, copy=False)
+            with open(path, "rb", buffering=0) as f:
+                view = memoryview(target)
+                pos = 0
+                while pos < nbytes:
+                    got = f.readinto(view[pos : pos + (64 << 20)])
+                    if not got:
+                        break
+                    pos += got
+            t2 = time.perf_counter()
+            check = int(dst[: 1 << 20].astype(mx.uint32).sum().item())
+            t3 = time.perf_counter()
+            out[f"direct_into_mlx_{label}"] = {
+                "alloc_s": t1 - t0, "read_GBps": nbytes / (t2 - t1) / 1e9, "first_use_s": t3 - t2,
+                "total_GBps": nbytes / (t3 - t0) / 1e9,
+                "bytes_match": check == int(np.frombuffer(buf, dtype=np.uint8, count=1 << 20).astype(np.uint64).sum()),
+            }
+        except Exception as exc:  # the backend may not expose its memory
+            out[f"direct_into_mlx_{label}"] = {"error": f"{type(exc).__name__}: {exc}"}
+        del dst
     # The serving path: read_snapshot (cold), then adopt, then a first use on the device.
     for label, cold in (("cold", True), ("warm", False)):
         if cold:
@@ -535,7 +575,7 @@ def main() -> int:
     long_n = 1024 if small else 16384
     prefixes = [256, 1024] if small else [1024, 4096, 8192, 16384, 32768]
     suffixes = [16, 512] if small else [64, 1024, 4096]
-    steps = [512, 2048] if small else [1024, 2048, 4096, 8192, 16384]
+    steps = [512, 1024] if small else [2048, 4096, 8192, 16384]
     phases = set(args.phases.split(","))
     result: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),

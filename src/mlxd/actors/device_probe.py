@@ -28,9 +28,9 @@ log = get_logger("mlxd.probe")
 
 FIRST_TOKENS = 64
 GROWTH = 4
-MAX_TOKENS = 8192
+MAX_TOKENS = 16384
 DECODE_STEPS = 8
-STEP_CANDIDATES = (1024, 2048, 4096, 8192)
+STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 
 
 def probe_device(
@@ -49,7 +49,9 @@ def probe_device(
     t0 = time.perf_counter()
     rng = _Tokens(vocab_size)
     limit = max(16, min(MAX_TOKENS, max_context - DECODE_STEPS - 2))
-    _run(generator, rng.take(16), decode=2)  # warm-up: kernels compiled, buffers allocated
+    # Warm-up at the first length: kernels compiled and buffers allocated for
+    # these shapes, so the first measured point is not a start-up outlier.
+    _run(generator, rng.take(min(FIRST_TOKENS, limit)), decode=2)
     prefill: list[tuple[int, float]] = []
     decode: list[float] = []
     caches: list[tuple[int, list[Any]]] = []

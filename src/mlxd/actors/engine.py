@@ -145,6 +145,9 @@ class EngineActor:
 
         from mlxd.model.detok import load_model
 
+        from mlxd.model import fast_mask
+
+        fast_mask.install()  # fused causal attention for unpadded prefill chunks
         self._stream = mx.new_stream(mx.default_device())
         with mx.stream(self._stream):
             path = self._resolve_model_path()
