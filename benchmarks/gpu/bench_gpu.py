@@ -563,6 +563,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="scratch dir (models, SSD files)")
     ap.add_argument("--phases", default="prefill,probe,arms,bandwidth,ramhit,servers,exit")
     ap.add_argument("--exit-runs", type=int, default=6)
+    ap.add_argument("--keep-work", action="store_true", help="keep --work (and reuse a model built there)")
     ap.add_argument("--model-8b", action="store_true", help="also the 8B-shaped model (prefill + arms only)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -616,7 +617,8 @@ def main() -> int:
             result.setdefault("phase_seconds", {})[name] = round(time.perf_counter() - t0, 2)
             save()
 
-    model_dir = build(preset, work / "model")
+    built = work / "model" / "config.json"
+    model_dir = work / "model" if args.keep_work and built.exists() else build(preset, work / "model")
     model, _ = load(model_dir)
     kv_per_token = preset.num_hidden_layers * preset.num_key_value_heads * preset.head_dim * 2 * (
         4 if mx.default_device() == mx.cpu else 2
@@ -641,7 +643,8 @@ def main() -> int:
         if probe8 is not None:
             run("arms_8b", lambda: phase_arms(model, probe8, ssd, [4096, 16384], [64, 4096], probe8.prefill_step_size))
     save()
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
     log("wrote", out_path)
     return 0
 
