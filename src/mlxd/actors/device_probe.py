@@ -31,6 +31,7 @@ GROWTH = 4
 MAX_TOKENS = 16384
 DECODE_STEPS = 8
 STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
+RESTORE_MAX_BYTES = 512 << 20
 
 
 def probe_device(
@@ -79,7 +80,9 @@ def probe_device(
     restore: list[tuple[int, float]] = []
     if restore_dir is not None:
         # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
-        restore = _probe_restore(restore_dir, [caches[0], caches[0], caches[-1]])[1:]
+        # The large point is the longest probe whose KV fits RESTORE_MAX_BYTES (startup time).
+        fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
+        restore = _probe_restore(restore_dir, [caches[0], caches[0], fits[-1]])[1:]
     decode.sort()
     probe = DeviceProbe(
         device=str(mx.default_device()),
