@@ -143,9 +143,8 @@ class EngineActor:
     def _load(self) -> EngineInfo:
         import mlx.core as mx
 
-        from mlxd.model.detok import load_model
-
         from mlxd.model import fast_mask
+        from mlxd.model.detok import load_model
 
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         self._stream = mx.new_stream(mx.default_device())

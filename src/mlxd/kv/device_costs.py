@@ -93,7 +93,7 @@ def fit_linear(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def _best_nonnegative(rows: list[tuple[float, ...]], k: int) -> list[float]:
+def _best_nonnegative(rows: Sequence[tuple[float, ...]], k: int) -> list[float]:
     import numpy as np
 
     a = np.array([r[:k] for r in rows], dtype=np.float64)
