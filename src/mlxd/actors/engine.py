@@ -248,7 +248,10 @@ class EngineActor:
         if self._stream is not None:
             import mlx.core as mx
 
-            mx.synchronize(self._stream)  # no work in flight when the thread's streams go
+            try:
+                mx.synchronize(self._stream)  # no work in flight when the thread's streams go
+            except RuntimeError:
+                log.warning("engine.synchronize_failed")
 
     # --- the serving loop -----------------------------------------------------------
 
