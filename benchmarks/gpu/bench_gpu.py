@@ -620,6 +620,9 @@ def main() -> int:
     built = work / "model" / "config.json"
     model_dir = work / "model" if args.keep_work and built.exists() else build(preset, work / "model")
     model, _ = load(model_dir)
+    from mlxd.model import fast_mask
+
+    fast_mask.install()  # as the engine does (phase "prefill" also measures without it)
     kv_per_token = preset.num_hidden_layers * preset.num_key_value_heads * preset.head_dim * 2 * (
         4 if mx.default_device() == mx.cpu else 2
     )
