@@ -9,7 +9,9 @@ must therefore be imported before anything imports ``mlx``; ``mlxd/__init__``
 does that first thing.
 
 Set ``MLXD_BLAS=reference`` to keep MLX's own BLAS, or ``MLXD_BLAS=/path/to/lib.so``
-to choose a library.
+to choose a library.  With MLX's CUDA backend installed (``mlxd[cuda]``) matmuls
+run on the GPU through cuBLAS, so nothing is preloaded unless ``MLXD_BLAS`` names
+a library.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def _find_openblas() -> str | None:
     return ctypes.util.find_library("openblas")
 
 
+def cuda_backend() -> str | None:
+    """The installed MLX CUDA backend distribution (e.g. ``mlx-cuda-13``), if any; no MLX import."""
+    from importlib import metadata
+
+    for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return name
+    return None
+
+
 def preload() -> dict[str, str | None]:
     """Load an optimized BLAS globally, once; report what was loaded."""
     if status["reason"] != "not attempted":
@@ -48,6 +63,9 @@ def preload() -> dict[str, str | None]:
         return status
     if choice == "reference":
         status.update(library=None, reason="MLXD_BLAS=reference")
+        return status
+    if choice == "auto" and (cuda := cuda_backend()) is not None:
+        status.update(library=None, reason=f"{cuda} installed: MLX runs matmuls on the GPU (cuBLAS)")
         return status
     if "mlx.core" in sys.modules:
         status.update(library=None, reason="mlx was imported before mlxd; reference BLAS in use")

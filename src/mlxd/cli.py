@@ -25,6 +25,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _prefill_step(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -71,7 +75,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
     p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
-    p.add_argument("--prefill-step-size", type=_positive_int, default=2048, help="prefill chunk size in tokens")
+    p.add_argument(
+        "--prefill-step-size", type=_prefill_step, default=None,
+        help="prefill chunk size in tokens, or 'auto' (default: 2048; on a GPU timed at startup when the device probe runs)",
+    )
+    p.add_argument(
+        "--device-probe", choices=("auto", "on", "off"), default="auto",
+        help="measure prefill, decode and restore speed before listening (auto: with --ssd-cache)",
+    )
+    p.add_argument(
+        "--device-probe-budget", type=float, default=3.0, metavar="S",
+        help="seconds the startup device probe may spend on prefills (default 3)",
+    )
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
     p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier cap in GB of KV bytes (default: unlimited)")
@@ -124,7 +139,10 @@ def serve_config(args: argparse.Namespace):
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
-        prefill_step_size=args.prefill_step_size,
+        prefill_step_size=args.prefill_step_size if isinstance(args.prefill_step_size, int) else 2048,
+        tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),
+        device_probe=args.device_probe,
+        device_probe_budget_s=args.device_probe_budget,
         max_tokens_limit=args.max_tokens_limit,
         api_key=_secret(args.api_key, "MLXD_API_KEY"),
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.model.identity import model_identity
 from mlxd.runtime.config import RuntimeConfig
@@ -62,6 +63,7 @@ class EngineInfo:
     vocab_size: int  # rows of the embedding: every valid token id is below this
     model_identity: str  # sha256 of the weights', config's and tokenizer's bytes
     store_identity: StoreIdentity | None = None  # when the SSD tier is on
+    probe: DeviceProbe | None = None  # the startup device probe, when it ran
 
 
 @attrs.frozen
@@ -125,6 +127,7 @@ class EngineActor:
         self._generator: Any = None
         self._stream: Any = None
         self._store_identity: StoreIdentity | None = None
+        self._prefill_step_size = config.prefill_step_size
         # Task-side state.
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
@@ -158,8 +161,10 @@ class EngineActor:
         import mlx.core as mx
 
         from mlxd.kv import kinds
+        from mlxd.model import fast_mask
         from mlxd.model.detok import load_model
 
+        fast_mask.install()  # fused causal attention for unpadded prefill chunks
         self._stream = mx.new_stream(mx.default_device())
         with mx.stream(self._stream):
             path = self._resolve_model_path()
@@ -184,6 +189,8 @@ class EngineActor:
         self._store_identity = (
             _store_identity(identity, path, self._config.kv_scheme) if self._config.ssd_cache_dir else None
         )
+        vocab_size = int(cfg.get("vocab_size") or len(tokenizer._tokenizer))
+        probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if self._wants_probe() else None
         return EngineInfo(
             model_name=name,
             model_path=str(path),
@@ -191,10 +198,44 @@ class EngineActor:
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
             max_context=max_context,
             kv_bytes_per_token=kv_bytes_per_token,
-            vocab_size=int(cfg.get("vocab_size") or len(tokenizer._tokenizer)),
+            vocab_size=vocab_size,
             model_identity=identity,
             store_identity=self._store_identity,
+            probe=probe,
         )
+
+    def _wants_probe(self) -> bool:
+        mode = self._config.device_probe
+        if mode == "off":
+            return False
+        return mode == "on" or self._config.ssd_cache_dir is not None or bool(self._config.tune_prefill_step)
+
+    def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
+        """Measure this device (seconds) before serving; see actors/device_probe.py."""
+        import mlx.core as mx
+
+        from mlxd.actors.device_probe import probe_device
+
+        tune = self._config.tune_prefill_step
+        if tune is None:
+            tune = mx.default_device() != mx.cpu
+        with mx.stream(self._stream):
+            probe = probe_device(
+                self._generator,
+                vocab_size=vocab_size,
+                max_context=max_context,
+                kv_bytes_per_token=kv_bytes_per_token,
+                budget_s=self._config.device_probe_budget_s,
+                restore_dir=Path(self._config.ssd_cache_dir) if self._config.ssd_cache_dir else None,
+                tune_step=tune,
+            )
+        # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size.
+        self._close()
+        self._generator = self._new_generator(probe.prefill_step_size)
+        summary = probe.as_dict()
+        summary.pop("cost_model")
+        log.info("engine.device_probe", **summary)
+        return probe
 
     def _resolve_model_path(self) -> Path:
         if self._config.model is None:
@@ -208,8 +249,11 @@ class EngineActor:
 
         return Path(_download(self._config.model))
 
-    def _new_generator(self) -> Any:
+    def _new_generator(self, prefill_step_size: int | None = None) -> Any:
         from mlx_lm.generate import BatchGenerator
+
+        if prefill_step_size is not None:
+            self._prefill_step_size = prefill_step_size
 
         return BatchGenerator(
             self._model,
@@ -217,7 +261,7 @@ class EngineActor:
             stop_tokens=[[t] for t in sorted(self._tokenizer.eos_token_ids)],
             completion_batch_size=self._config.max_batch,
             prefill_batch_size=min(self._config.prefill_batch, self._config.max_batch),
-            prefill_step_size=self._config.prefill_step_size,
+            prefill_step_size=self._prefill_step_size,
             stream=self._stream,
         )
 
@@ -263,6 +307,13 @@ class EngineActor:
         if self._generator is not None:
             self._generator.close()
             self._generator = None
+        if self._stream is not None:
+            import mlx.core as mx
+
+            try:
+                mx.synchronize(self._stream)  # no work in flight when the thread's streams go
+            except RuntimeError:
+                log.warning("engine.synchronize_failed")
 
     # --- the serving loop -----------------------------------------------------------
 

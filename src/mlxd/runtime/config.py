@@ -48,6 +48,13 @@ class RuntimeConfig:
     max_batch: int = attrs.field(default=8, validator=_positive)
     prefill_batch: int = attrs.field(default=8, validator=_positive)
     prefill_step_size: int = attrs.field(default=2048, validator=_positive)
+    # Pick the prefill chunk size by timing candidates at startup (None = on GPU
+    # devices whenever the device probe runs; see actors/device_probe.py).
+    tune_prefill_step: bool | None = None
+    # Measure prefill, decode and restore on the device before serving, so the
+    # first restore-or-recompute choice is right: "auto" = with the SSD tier.
+    device_probe: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
+    device_probe_budget_s: float = attrs.field(default=3.0, validator=_positive)
     # Admitted requests waiting for a batch slot; beyond this, requests are refused (503).
     max_queue: int = attrs.field(default=32, validator=_non_negative)
 

@@ -38,6 +38,7 @@ class MlxThread:
         while True:
             job = self._jobs.get()
             if job is _STOP:
+                _release_thread_streams()
                 return
             job()
 
@@ -73,6 +74,24 @@ class MlxThread:
         self._jobs.put(_STOP)
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._thread.join)
+
+
+def _release_thread_streams() -> None:
+    """Finish this thread's MLX work and destroy the streams it created, on this thread.
+
+    MLX keeps streams (and, on CUDA, their worker threads and events) in
+    thread-local state. Left alone, they are destroyed while the interpreter
+    finalizes, after CUDA has begun tearing down, and the process aborts
+    ("terminate called without an active exception") instead of exiting 0.
+    """
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return  # this thread never touched MLX
+    try:
+        mx.synchronize()
+        mx.clear_streams()
+    except RuntimeError:
+        pass  # nothing left to synchronize with; exiting anyway
 
 
 def _name_os_thread(name: str) -> None:

@@ -37,6 +37,7 @@ from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.runtime.channels import ChannelStats, Reply
 from mlxd.runtime.config import RuntimeConfig
@@ -314,6 +315,8 @@ class Runtime:
             "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
             "blas": dict(_blas.status),
         }
+        if self.info.probe is not None:
+            out["device_probe"] = self.info.probe.as_dict()
         if self.cold is not None:
             out["ssd_cache"] = await self.ssd_stats()
         return out
@@ -454,8 +457,10 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
         store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
+        # The restore advisor starts from what the startup probe measured on this device.
+        advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
         cache_owner = CacheOwnerActor(
-            config, inbox=cache_receive, store=store, governor=governor,
+            config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
             records=scan.records if scan is not None else (),
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
         )

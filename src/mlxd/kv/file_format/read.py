@@ -38,10 +38,9 @@ from mlxd.kv.file_format.header import (
 class LoadedSnapshot:
     """A header plus one numpy array per tensor (file order, exact shapes), ready for `adopt()`.
 
-    Without verification the arrays are read-only views of a private mapping of
-    the file, whose pages the reader already brought into the page cache: the
-    only copy left is the engine's copy into MLX memory (seed §5.2: a streamed
-    copy; nothing outlives the adoption but the MLX arrays).
+    The arrays are views of one page-aligned private buffer the file was read
+    into: the only copy left is the engine's copy into MLX memory (seed §5.2:
+    a streamed copy; nothing outlives the adoption but the MLX arrays).
     """
 
     header: FileHeader
@@ -102,60 +101,72 @@ def _readinto_all(f: Any, dest: memoryview) -> None:
 def read_snapshot(path: str | os.PathLike[str], *, verify: bool) -> LoadedSnapshot:
     """Read a whole file for adoption (reader thread; no MLX calls).
 
-    The file is read sequentially once, at disk speed, into a small reused
-    buffer: that brings it into the page cache (and hashes each tensor when
-    `verify`, checking that padding is zero). The tensors are then views of a
-    read-only mapping of those cached pages, so adopting them is one copy into
-    MLX memory, not two.
+    The file is read sequentially once, in large reads, straight into one
+    page-aligned anonymous buffer (hashing each tensor and checking that
+    padding is zero when `verify`). The tensors are views of that buffer, so
+    adopting them is one copy into MLX memory. Reading into private memory
+    rather than mapping the file avoids a page fault per 4 KiB page at adopt
+    time, which capped restores at ~1 GB/s on an H200 host.
     """
     t0 = time.perf_counter()
     try:
         with open(path, "rb", buffering=0) as f:
             header = _read_header(f)
-            _read_through(f, header, verify=verify)
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if header.file_size else None
+            header_end = f.tell()
+            buffer = _aligned_buffer(header.file_size) if header.file_size else None
+            if buffer is not None:
+                f.seek(0)
+                _readinto_chunks(f, memoryview(buffer))
     except OSError as exc:
         raise storage_error(exc, f"reading {path}") from exc
-    buffers = tuple(_view(mapping, t) for _, t in header.tensors())
+    if verify and buffer is not None:
+        _verify(memoryview(buffer), header, header_end)
+    buffers = tuple(_view(buffer, t) for _, t in header.tensors())
     return LoadedSnapshot(header, buffers, time.perf_counter() - t0)
 
 
-_READ_CHUNK = 8 << 20  # read size: large enough for full disk speed, small enough to stay in cache
+_READ_CHUNK = 64 << 20  # bytes per read() call: full disk speed, bounded syscall size
 
 
-def _read_through(f: Any, header: FileHeader, *, verify: bool) -> None:
-    """Read every tensor byte once (page cache warm-up), hashing each tensor when verifying."""
-    scratch = memoryview(bytearray(_READ_CHUNK))
-    pos = f.tell()
+def _aligned_buffer(size: int) -> mmap.mmap:
+    """Private anonymous memory (page-aligned), faulted in at once where the OS allows.
+
+    One MAP_POPULATE call instead of a page fault per 4 KiB page during the
+    read: 1.5x faster end to end on this repo's (sandboxed) CPU host.
+    """
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if populate:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+        try:
+            return mmap.mmap(-1, size, flags=flags)
+        except OSError:
+            pass
+    return mmap.mmap(-1, size)
+
+
+def _readinto_chunks(f: Any, dest: memoryview) -> None:
+    for start in range(0, dest.nbytes, _READ_CHUNK):
+        _readinto_all(f, dest[start : start + _READ_CHUNK])
+
+
+def _verify(data: memoryview, header: FileHeader, pos: int) -> None:
+    """Each tensor's CRC-32, and zero padding after the header, between tensors and at the tail."""
     for _, t in header.tensors():
-        _skip_padding(f, t.offset - pos, verify=verify)
-        crc = 0
-        left = t.nbytes
-        while left:
-            chunk = scratch[: min(left, _READ_CHUNK)]
-            _readinto_all(f, chunk)
-            if verify:
-                crc = zlib.crc32(chunk, crc)
-            left -= chunk.nbytes
-        if verify and f"{crc:08x}" != t.crc32:
+        _check_zero(data[pos : t.offset])
+        if f"{zlib.crc32(data[t.offset : t.offset + t.nbytes]):08x}" != t.crc32:
             raise CorruptFile(f"tensor at offset {t.offset} fails its CRC-32")
         pos = t.offset + t.nbytes
-    _skip_padding(f, header.file_size - pos, verify=verify)  # a tensorless file's tail
+    _check_zero(data[pos : header.file_size])
 
 
-def _view(mapping: mmap.mmap | None, t: TensorDesc) -> np.ndarray:
-    dtype = np.dtype(NP_DTYPES[t.dtype])  # type: ignore[call-overload]
-    count = math.prod(t.shape)
-    if mapping is None or count == 0:
-        return np.zeros(t.shape, dtype=dtype)
-    return np.frombuffer(mapping, dtype=dtype, count=count, offset=t.offset).reshape(t.shape)
-
-
-def _skip_padding(f: Any, n: int, *, verify: bool) -> None:
-    if not verify:
-        f.seek(n, os.SEEK_CUR)
-        return
-    pad = _read_exact(f, n)
-    if pad.count(0) != n:
+def _check_zero(pad: memoryview) -> None:
+    if bytes(pad).count(0) != pad.nbytes:
         raise CorruptFile("nonzero padding between tensors")
 
+
+def _view(buffer: mmap.mmap | None, t: TensorDesc) -> np.ndarray:
+    dtype = np.dtype(NP_DTYPES[t.dtype])  # type: ignore[call-overload]
+    count = math.prod(t.shape)
+    if buffer is None or count == 0:
+        return np.zeros(t.shape, dtype=dtype)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=t.offset).reshape(t.shape)

@@ -1,0 +1,200 @@
+"""The startup probe: measure this device before the server listens (engine thread).
+
+Runs real prefills through the engine's own `BatchGenerator` (the same
+chunking and caches serving uses) at growing lengths until a time budget is
+spent, a few decode steps, and, with an SSD tier, a cold restore of real
+snapshot files (written, dropped from the page cache, read back and adopted
+by the same code a restore uses). `kv.device_costs` fits a cost model to the
+numbers; the restore advisor starts from it and keeps refining online.
+
+Optionally it also picks the prefill chunk size: the same prefill timed at
+each candidate chunk size, the fastest kept (GPU only by default: on a CPU
+the chunk size barely moves throughput and each trial costs seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlxd.kv.device_costs import DeviceProbe
+from mlxd.runtime.logging import get_logger
+
+log = get_logger("mlxd.probe")
+
+FIRST_TOKENS = 64
+GROWTH = 4
+MAX_TOKENS = 16384
+DECODE_STEPS = 8
+STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
+RESTORE_MAX_BYTES = 512 << 20
+
+
+def probe_device(
+    generator: Any,
+    *,
+    vocab_size: int,
+    max_context: int,
+    kv_bytes_per_token: int,
+    budget_s: float,
+    restore_dir: Path | None,
+    tune_step: bool,
+) -> DeviceProbe:
+    """Measure prefill, decode and (with `restore_dir`) restore on this thread's device."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    rng = _Tokens(vocab_size)
+    limit = max(16, min(MAX_TOKENS, max_context - DECODE_STEPS - 2))
+    # Warm-up at the first length: kernels compiled and buffers allocated for
+    # these shapes, so the first measured point is not a start-up outlier.
+    _run(generator, rng.take(min(FIRST_TOKENS, limit)), decode=2)
+    budget_start = time.perf_counter()  # one-time start-up (kernel JIT on CUDA) is not the budget's
+    prefill: list[tuple[int, float]] = []
+    decode: list[float] = []
+    caches: list[tuple[int, list[Any]]] = []
+    n = min(FIRST_TOKENS, limit)
+    while True:
+        # Twice per length, the faster kept: a new shape's first run can pay one-time
+        # costs (on CUDA, attention plans and kernels built per shape: 3-6x here).
+        first, steps, _ = _run(generator, rng.take(n), decode=DECODE_STEPS)
+        seconds, more, cache = _run(generator, rng.take(n), decode=DECODE_STEPS)
+        seconds = min(first, seconds)
+        prefill.append((n, seconds))
+        decode.extend(steps + more)
+        caches.append((n, cache))
+        if n >= limit:
+            break
+        # Three lengths at least (three coefficients to fit); beyond that, grow
+        # while the next probe is predicted to fit in what is left of the budget.
+        left = budget_s - (time.perf_counter() - budget_start)
+        grow = GROWTH
+        while grow > 2 and 2 * seconds * grow**1.5 > left:
+            grow //= 2
+        if len(prefill) >= 3 and 2 * seconds * grow**1.5 > left:
+            break
+        n = min(n * grow, limit)
+    step = generator.prefill_step_size
+    trials: list[tuple[int, float]] = []
+    if tune_step:
+        step, trials = _tune_step(generator, rng, prefill[-1][0])
+    restore: list[tuple[int, float]] = []
+    if restore_dir is not None:
+        # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
+        # The large point is the longest probe whose KV fits RESTORE_MAX_BYTES (startup time).
+        fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
+        restore = _probe_restore(restore_dir, [caches[0], caches[0], fits[-1]])[1:]
+    decode.sort()
+    probe = DeviceProbe(
+        device=str(mx.default_device()),
+        prefill=tuple(prefill),
+        decode_s_per_token=decode[len(decode) // 2] if decode else 0.0,
+        restore=tuple(restore),
+        kv_bytes_per_token=kv_bytes_per_token,
+        prefill_step_size=step,
+        step_trials=tuple(trials),
+        seconds=time.perf_counter() - t0,
+    )
+    return probe
+
+
+class _Tokens:
+    """Random prompt tokens (fresh each call, so no probe reuses another's cache)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        import numpy as np
+
+        self._rng = np.random.default_rng(0)
+        self._vocab = max(2, vocab_size)
+
+    def take(self, n: int) -> list[int]:
+        return [int(x) for x in self._rng.integers(1, self._vocab, size=n)]
+
+
+def _run(generator: Any, prompt: list[int], *, decode: int) -> tuple[float, list[float], list[Any]]:
+    """Prefill `prompt`, decode `decode` tokens: (prefill seconds, per-step decode seconds, cache)."""
+    t0 = time.perf_counter()
+    (uid,) = generator.insert([prompt], max_tokens=[decode])
+    prefill: float | None = None
+    steps: list[float] = []
+    cache: list[Any] = []
+    last = t0
+    while True:
+        _, gen = generator.next()
+        now = time.perf_counter()
+        mine = [r for r in gen if r.uid == uid]
+        if mine:
+            if prefill is None:
+                prefill = now - t0  # through the first token, as a request sees it
+            else:
+                steps.append(now - last)
+            last = now
+            if mine[0].finish_reason is not None:
+                cache = list(mine[0].prompt_cache or [])
+                break
+    assert prefill is not None
+    return prefill, steps, cache
+
+
+def _tune_step(generator: Any, rng: _Tokens, tokens: int) -> tuple[int, list[tuple[int, float]]]:
+    """Time the same-length prefill at each candidate chunk size; keep the fastest."""
+    original = generator.prefill_step_size
+    trials: list[tuple[int, float]] = []
+    for step in sorted({*(s for s in STEP_CANDIDATES if s <= tokens), original}):
+        generator.prefill_step_size = step
+        seconds = min(_run(generator, rng.take(tokens), decode=1)[0] for _ in range(2))
+        trials.append((step, seconds))
+    best = min(trials, key=lambda t: t[1])[0]
+    generator.prefill_step_size = best
+    if best != original:
+        log.info("probe.prefill_step_chosen", step=best, was=original, trials=trials)
+    return best, trials
+
+
+def _probe_restore(root: Path, caches: list[tuple[int, list[Any]]]) -> list[tuple[int, float]]:
+    """Write each cache as a real snapshot file, drop it from the page cache, read it back cold."""
+    import mlx.core as mx
+
+    from mlxd.kv import file_format, kinds
+
+    root.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=".device-probe-", dir=root))
+    out: list[tuple[int, float]] = []
+    try:
+        for i, (n, cache) in enumerate(caches):
+            if not cache:
+                continue
+            meta = file_format.SnapshotMeta(
+                model_id="probe", config_fingerprint="probe", namespace="", tokenizer_hash="probe",
+                tokens=range(n),
+            )
+            plan = kinds.plan_snapshot(cache, meta=meta)
+            path = workdir / f"{i}{file_format.EXTENSION}"
+            written = file_format.write_snapshot(plan, path, direct=False)
+            _drop_page_cache(path)
+            t0 = time.perf_counter()
+            loaded = file_format.read_snapshot(path, verify=False)
+            adopted = kinds.adopt(loaded)
+            mx.eval([c.state for c in adopted])
+            out.append((written.nbytes, time.perf_counter() - t0))
+    except (file_format.SnapshotError, OSError) as exc:
+        log.warning("probe.restore_failed", error=str(exc))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Ask the kernel to forget the file's (clean, fsynced) pages, so the read is cold."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

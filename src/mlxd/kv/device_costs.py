@@ -1,0 +1,119 @@
+"""What the startup probe measured on this device, and the cost model fitted to it.
+
+The restore advisor (`kv.restore_decision`) needs to know, before the first
+request, how long this device takes to prefill and to restore: a CPU and an
+H200 differ by two orders of magnitude in prefill speed, so a model carried
+over from another machine makes the first choices wrong (on an H200 the CPU
+model predicted 38-69 s to recompute 16k tokens that took 1-3 s). The engine
+measures a few prefills from an empty context (seconds, at growing lengths), a
+few decode steps, and a cold restore of a real snapshot file; this module fits
+`fixed + a*n + b*n*n/2` to the prefills and `fixed + bytes/bandwidth` to the
+restores. Pure: no trio, no MLX.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from mlxd.kv.cost_model import DEFAULT, CostModel
+
+
+@attrs.frozen(kw_only=True)
+class DeviceProbe:
+    """One startup probe's measurements on the serving device."""
+
+    device: str
+    prefill: tuple[tuple[int, float], ...]  # (prompt tokens from empty context, seconds)
+    decode_s_per_token: float
+    restore: tuple[tuple[int, float], ...] = ()  # (file bytes, seconds to read cold + adopt)
+    kv_bytes_per_token: int
+    prefill_step_size: int  # the chunk size prefill runs with (chosen by the probe if tuned)
+    step_trials: tuple[tuple[int, float], ...] = ()  # (chunk size, seconds for the same prefill)
+    seconds: float = 0.0  # wall time of the whole probe
+
+    def cost_model(self) -> CostModel:
+        fixed, per_token, per_pair = fit_prefill(self.prefill)
+        if self.restore:
+            restore_fixed, per_byte = fit_linear(self.restore)
+            restore_bw = 1.0 / per_byte if per_byte > 0 else DEFAULT.restore_bytes_per_s
+        else:
+            restore_fixed, restore_bw = DEFAULT.restore_fixed, DEFAULT.restore_bytes_per_s
+        return CostModel(
+            model=f"probe:{self.device}",
+            prefill_fixed=fixed,
+            prefill_per_token=per_token,
+            prefill_per_pair=per_pair,
+            decode_per_token=self.decode_s_per_token,
+            decode_per_pair=0.0,  # not probed: decode does not enter restore decisions
+            restore_fixed=restore_fixed,
+            restore_bytes_per_s=restore_bw,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        model = self.cost_model()
+        return {
+            "device": self.device,
+            "seconds": round(self.seconds, 3),
+            "prefill": [{"tokens": n, "seconds": round(s, 5)} for n, s in self.prefill],
+            "prefill_tokens_per_s": round(self.prefill[-1][0] / self.prefill[-1][1], 1) if self.prefill else None,
+            "decode_tokens_per_s": round(1.0 / self.decode_s_per_token, 2) if self.decode_s_per_token > 0 else None,
+            "restore": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.restore],
+            "restore_bytes_per_s": round(model.restore_bytes_per_s) if self.restore else None,
+            "prefill_step_size": self.prefill_step_size,
+            "step_trials": [{"step": n, "seconds": round(s, 5)} for n, s in self.step_trials],
+            "cost_model": model.to_json(),
+        }
+
+
+def fit_prefill(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
+    """(fixed, per_token, per_pair) >= 0 for `t = fixed + a*n + b*n*n/2`, least relative error.
+
+    Each point is weighted by 1/t, so a 100 ms probe counts as much as a 2 s one;
+    coefficients that would come out negative are dropped (the best fit over the
+    non-negative subsets wins).
+    """
+    rows = [(1.0, float(n), float(n) * n / 2.0, float(t)) for n, t in points if n > 0 and t > 0]
+    if not rows:
+        raise ValueError("no prefill measurements to fit")
+    best = _best_nonnegative(rows, 3)
+    return best[0], best[1], best[2]
+
+
+def fit_linear(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed, per_unit) >= 0 for `t = fixed + per_unit * x`, least relative error."""
+    rows = [(1.0, float(x), float(t)) for x, t in points if x > 0 and t > 0]
+    if not rows:
+        raise ValueError("no measurements to fit")
+    best = _best_nonnegative(rows, 2)
+    return best[0], best[1]
+
+
+def _best_nonnegative(rows: Sequence[tuple[float, ...]], k: int) -> list[float]:
+    import numpy as np
+
+    a = np.array([r[:k] for r in rows], dtype=np.float64)
+    t = np.array([r[k] for r in rows], dtype=np.float64)
+    w = 1.0 / t  # relative error
+    best: tuple[float, list[float]] | None = None
+    for size in range(k, 0, -1):
+        for cols in itertools.combinations(range(k), size):
+            if len(rows) < size:
+                continue
+            sub = a[:, cols] * w[:, None]
+            coef, *_ = np.linalg.lstsq(sub, t * w, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = [0.0] * k
+            for c, v in zip(cols, coef, strict=True):
+                full[c] = float(v)
+            err = float(np.sum(((a @ np.array(full)) - t) ** 2 * w**2))
+            if best is None or err < best[0] - 1e-12:
+                best = (err, full)
+    if best is None:  # one point and every single column negative: impossible for t > 0
+        raise ValueError("no non-negative fit")
+    return best[1]

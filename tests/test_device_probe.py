@@ -1,0 +1,155 @@
+"""The startup device probe: measure prefill/decode/restore here, fit, and start the advisor from it.
+
+GPU code paths run on CPU here (CI has no GPU): the probe drives the same
+BatchGenerator, snapshot writer/reader and adopt as serving, on whatever
+device MLX has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+
+from mlxd.kv.cost_model import CostModel
+from mlxd.kv.device_costs import DeviceProbe, fit_linear, fit_prefill
+from mlxd.kv.restore_decision import RestoreAdvisor
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.messages import SamplingParams
+from mlxd.runtime.supervisor import open_runtime
+
+KV = 114_688
+
+
+def _points(model: CostModel, lengths: list[int]) -> tuple[tuple[int, float], ...]:
+    return tuple((n, model.prefill_seconds(n, 0)) for n in lengths)
+
+
+def test_fit_recovers_a_quadratic_prefill_cost():
+    truth = CostModel(
+        prefill_fixed=0.02, prefill_per_token=5e-5, prefill_per_pair=2e-9, decode_per_token=0.01,
+        decode_per_pair=0.0, restore_fixed=0.0, restore_bytes_per_s=1e9, kv_bytes_per_token=KV,
+    )
+    fixed, a, b = fit_prefill(_points(truth, [64, 256, 1024, 4096]))
+    assert fixed == pytest.approx(0.02, rel=1e-6)
+    assert a == pytest.approx(5e-5, rel=1e-6)
+    assert b == pytest.approx(2e-9, rel=1e-6)
+
+
+def test_fit_never_returns_negative_coefficients():
+    # Noisy small probes that a plain least-squares fit would answer with a negative term.
+    fixed, a, b = fit_prefill([(64, 0.05), (256, 0.04), (1024, 0.2)])
+    assert min(fixed, a, b) >= 0
+    c, per_byte = fit_linear([(1 << 20, 0.002), (16 << 20, 0.011)])
+    assert c >= 0 and per_byte > 0
+
+
+def _gpu_like_probe() -> DeviceProbe:
+    # The shape of what an H200 showed: 16k tokens in ~1.2 s of chunked prefill; restore ~1.5 GB/s.
+    return DeviceProbe(
+        device="Device(gpu, 0)",
+        prefill=((64, 0.012), (256, 0.02), (1024, 0.06), (4096, 0.25), (8192, 0.55)),
+        decode_s_per_token=0.009,
+        restore=((7_340_032, 0.006), (939_524_096, 0.62)),
+        kv_bytes_per_token=KV,
+        prefill_step_size=2048,
+    )
+
+
+def test_an_advisor_started_from_a_gpu_probe_recomputes_long_prefixes_from_the_first_request():
+    advisor = RestoreAdvisor(base=_gpu_like_probe().cost_model())
+    predicted = advisor.prefill_seconds(16_000, 0)
+    assert 0.5 < predicted < 3.0  # not the CPU model's tens of seconds
+    # 16k cold tokens: ~1.2 s of prefill against ~1.2 s of restore + a short suffix: close;
+    # with half the bandwidth it must recompute.
+    slow = RestoreAdvisor(base=attrs_evolve_bw(_gpu_like_probe().cost_model(), 0.7e9))
+    assert not slow.should_restore(
+        restore_bytes=16_000 * KV, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_100
+    )
+
+
+def attrs_evolve_bw(model: CostModel, bw: float) -> CostModel:
+    import attrs
+
+    return attrs.evolve(model, restore_bytes_per_s=bw)
+
+
+def test_a_cpu_probe_restores():
+    cpu = DeviceProbe(
+        device="Device(cpu, 0)",
+        prefill=((64, 0.05), (256, 0.2), (1024, 1.1)),
+        decode_s_per_token=0.012,
+        restore=((1 << 20, 0.002), (16 << 20, 0.011)),
+        kv_bytes_per_token=8192,
+        prefill_step_size=2048,
+    )
+    advisor = RestoreAdvisor(base=cpu.cost_model())
+    assert advisor.should_restore(restore_bytes=4000 * 8192, cold_tokens=4000, warm_tokens=0, prompt_tokens=4100)
+    stats = cpu.as_dict()
+    assert stats["restore_bytes_per_s"] > 1e9 and stats["prefill"][0] == {"tokens": 64, "seconds": 0.05}
+
+
+async def test_startup_probe_measures_this_device_and_seeds_the_advisor(tiny_model_dir: Path, tmp_path: Path):
+    ssd = tmp_path / "ssd"
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=ssd, device_probe_budget_s=1.0)
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None
+        assert len(probe.prefill) >= 3 and all(s > 0 for _, s in probe.prefill)
+        assert [n for n, _ in probe.prefill] == sorted(n for n, _ in probe.prefill)
+        assert probe.decode_s_per_token > 0
+        assert len(probe.restore) == 2 and probe.restore[1][0] > probe.restore[0][0]
+        assert rt.cache_owner.advisor.base == probe.cost_model()
+        stats = await rt.stats()
+        assert stats["device_probe"]["device"] == probe.device
+        assert stats["device_probe"]["cost_model"]["prefill_per_token"] == probe.cost_model().prefill_per_token
+        # The probe's own snapshot files are gone; serving still works.
+        leftovers = [p for p in ssd.rglob("*") if p.is_file()]
+        assert leftovers == []
+        tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
+        assert len(tokens) == 3
+
+
+async def test_probe_can_tune_the_prefill_chunk_size(tiny_model_dir: Path):
+    config = RuntimeConfig(
+        model=str(tiny_model_dir), device_probe="on", tune_prefill_step=True, device_probe_budget_s=0.5,
+    )
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None and probe.restore == ()
+        trials = dict(probe.step_trials)
+        assert probe.prefill_step_size in trials
+        assert trials[probe.prefill_step_size] == min(trials.values())
+        assert rt.engine._generator.prefill_step_size == probe.prefill_step_size
+
+
+async def test_no_probe_without_the_ssd_tier_by_default(tiny_model_dir: Path):
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir))) as rt:
+        assert rt.info.probe is None
+        assert "device_probe" not in await rt.stats()
+    await trio.lowlevel.checkpoint()
+
+
+def test_blas_preload_is_skipped_where_mlx_has_its_cuda_backend(tmp_path: Path):
+    # A real (empty) distribution record, as `pip install mlx[cuda13]` leaves one.
+    dist = tmp_path / "mlx_cuda_13-0.32.4.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-13\nVersion: 0.32.4\n")
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import mlxd._blas as b
+        print(json.dumps(b.preload()))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLXD_BLAS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", ""), str(Path(__file__).parents[1] / "src")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    status = json.loads(out.stdout.strip().splitlines()[-1])
+    assert status["library"] is None and "mlx-cuda-13" in status["reason"]
