@@ -23,6 +23,9 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CancelGeneration,
+    CheckpointGeneration,
+    GenerationAbandoned,
+    GenerationCompleted,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -76,6 +79,7 @@ class _Row:
     want_snapshot: bool = False
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
+    sampler: Any = None  # gen_hook.SeededSampler, or None for greedy
 
 
 def _model_identity(path: Path) -> str:
@@ -104,10 +108,13 @@ class EngineActor:
         inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
         publish: trio.MemorySendChannel[CacheOwnerMessage],
         governor: WriteGovernor | None = None,
+        checkpoints: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
         self._config = config
         self._inbox = inbox
         self._publish = publish
+        # The generation checkpointer's inbox (--generation-checkpoint N), or None.
+        self._checkpoints = checkpoints
         # Told whether rows are in the batch, so write-behind paces itself meanwhile.
         self._governor = governor or WriteGovernor(busy_rate_bytes_per_s=None)
         self._thread: MlxThread | None = None
@@ -121,6 +128,7 @@ class EngineActor:
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
+        self._done_uid = 0  # negative uids for resumed rows that finish without decoding
         self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0}
 
     # --- lifecycle -------------------------------------------------------------
@@ -244,7 +252,11 @@ class EngineActor:
         # Checkpoints reach the cache owner before their requests finish, so a
         # flush sent after a request is done always covers its checkpoints.
         for note in result.notes:
-            await self._publish.send(note)
+            if isinstance(note, CheckpointGeneration | GenerationCompleted | GenerationAbandoned):
+                if self._checkpoints is not None:
+                    await self._checkpoints.send(note)
+            else:
+                await self._publish.send(note)
         for emit in result.emits:
             row = self._rows.get(emit.uid)
             if row is None:
@@ -278,17 +290,20 @@ class EngineActor:
         finished: list[int] = []
         with mx.stream(self._stream):
             for row in starts:
-                emits.append(self._insert(row, notes))
+                emits.extend(self._insert(row, notes))
+            finished.extend(uid for uid in self._rows if uid < 0)  # resumed rows that had nothing left
             if cancels:
                 self._generator.remove(cancels)
                 for uid in cancels:
                     row = self._rows[uid]
                     req = row.start.request
+                    if row.start.checkpoint_key is not None:
+                        notes.append(GenerationAbandoned(row.start.checkpoint_key, req.request_id))
                     emits.append(
                         _Emit(uid, GenerationFinished("cancelled", len(req.prompt), row.cached_tokens, row.generated))
                     )
                     finished.append(uid)
-            live = set(self._rows) - set(cancels)
+            live = set(self._rows) - set(cancels) - set(finished)
             if not live:
                 return _StepResult(emits, notes, finished)
             decoding = any(r.generated for r in self._rows.values())
@@ -311,6 +326,8 @@ class EngineActor:
                 row.generated += 1
                 self.stats["generated_tokens"] += 1
                 emits.append(_Emit(r.uid, self._token_event(row, r)))
+                if row.start.checkpoint_key is not None:
+                    self._checkpoint_hook(row, r.finish_reason, notes)
                 if r.finish_reason is not None:
                     req = row.start.request
                     emits.append(
@@ -356,11 +373,16 @@ class EngineActor:
         )
         return kinds.lend(caches, restore.usable), restore.usable, "ssd"
 
-    def _insert(self, row: _Row, notes: list[Any]) -> _Emit:
+    def _stop_ids(self, s: Any) -> set[int]:
+        return set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids)
+
+    def _insert(self, row: _Row, notes: list[Any]) -> list[_Emit]:
         from mlx_lm.generate import StopSequences
 
         from mlxd.kv import kinds
 
+        if row.start.resume is not None:
+            return self._resume(row, notes)
         req = row.start.request
         hit = row.start.hit
         if row.start.restore is not None and row.start.restore.loaded is not None:
@@ -371,13 +393,14 @@ class EngineActor:
             tier = "ram" if usable > 0 else "none"
         caches = [lent] if lent is not None else None
         s = req.sampling
-        stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
+        stops = [[t] for t in sorted(self._stop_ids(s))]
+        row.sampler = make_sampler(s)
         (uid,) = self._generator.insert(
             [list(req.prompt[usable:])],
             max_tokens=[s.max_tokens],
             caches=caches,
             all_tokens=[list(req.prompt[:usable])],
-            samplers=[make_sampler(s)],
+            samplers=[row.sampler],
             logits_processors=[make_processors(s)],
             stop_sequences=[StopSequences(stops)],
         )
@@ -390,7 +413,85 @@ class EngineActor:
         self._rows[uid] = row
         self.stats["prompt_tokens"] += len(req.prompt) - usable
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
-        return _Emit(uid, PromptAccepted(len(req.prompt), usable, tier, queued))
+        return [_Emit(uid, PromptAccepted(len(req.prompt), usable, tier, queued))]
+
+    # --- generation checkpoints (seed §5.7; kv/gen_checkpoint.py) ----------------------
+
+    def _checkpoint_hook(self, row: _Row, finish_reason: str | None, notes: list[Any]) -> None:
+        """Every N tokens, snapshot the row for the SSD; on a normal finish, drop its checkpoint."""
+        key, rid = row.start.checkpoint_key, row.start.request.request_id
+        assert key is not None
+        if finish_reason is not None:
+            notes.append(GenerationCompleted(key, rid))
+            return
+        every = self._config.generation_checkpoint
+        if every <= 0 or row.generated % every or self._store_identity is None:
+            return
+        try:
+            notes.append(self._generation_snapshot(row, key))
+        except Exception:  # a checkpoint is an optimization: never fail the generation for it
+            log.exception("engine.generation_checkpoint_failed")
+
+    def _generation_snapshot(self, row: _Row, key: str) -> CheckpointGeneration:
+        from mlxd.kv import file_format
+        from mlxd.kv.gen_checkpoint import GenerationRecord
+        from mlxd.runtime.gen_hook import snapshot_row
+
+        req = row.start.request
+        snap = snapshot_row(self._generator, row.uid)
+        if snap is None:
+            raise RuntimeError("row is not decoding")
+        rng = row.sampler.state() if row.sampler is not None else None
+        record = GenerationRecord(
+            key=key, prompt_tokens=len(req.prompt), emitted=snap.tokens[len(req.prompt):],
+            pending=snap.pending, rng_key=rng,
+        )
+        meta = attrs.evolve(self._store_identity.meta(snap.tokens, req.namespace), generation=record.as_doc())
+        plan = file_format.plan_snapshot(snap.caches, meta=meta)
+        return CheckpointGeneration(key, req.request_id, plan, len(record.emitted))
+
+    def _resume(self, row: _Row, notes: list[Any]) -> list[_Emit]:
+        """Continue a checkpointed generation: replay its tokens, then decode from the pending one."""
+        from mlx_lm.generate import StopSequences
+
+        from mlxd.kv import file_format
+        from mlxd.runtime.gen_hook import SeededSampler
+
+        resume = row.start.resume
+        assert resume is not None
+        req, record, s = row.start.request, resume.record, row.start.request.sampling
+        t0 = time.perf_counter()
+        caches = file_format.adopt(resume.loaded)
+        notes.append(RestoreMeasured(resume.loaded.nbytes, resume.loaded.seconds + time.perf_counter() - t0))
+        replay = [*record.emitted, record.pending]
+        row.generated = len(replay)
+        row.cached_tokens = len(req.prompt)
+        self.stats["generated_tokens"] += len(replay)
+        queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
+        finish = "stop" if record.pending in self._stop_ids(s) else "length" if row.generated >= s.max_tokens else None
+        if finish is None:
+            if s.temperature > 0 and record.rng_key is not None:
+                row.sampler = SeededSampler.restore(s, record.rng_key)
+            (uid,) = self._generator.insert(
+                [[record.pending]],
+                max_tokens=[s.max_tokens - row.generated],
+                caches=[caches],
+                all_tokens=[list(req.prompt) + list(record.emitted)],
+                samplers=[row.sampler],
+                logits_processors=[make_processors(s)],
+                stop_sequences=[StopSequences([[t] for t in sorted(self._stop_ids(s))])],
+            )
+        else:
+            uid = self._done_uid = self._done_uid - 1  # never in the batch: finished this step
+        row.uid = uid
+        self._rows[uid] = row
+        emits = [_Emit(uid, PromptAccepted(len(req.prompt), len(req.prompt), "checkpoint", queued))]
+        emits += [_Emit(uid, TokenGenerated(t)) for t in replay]
+        if finish is not None:
+            emits.append(_Emit(uid, GenerationFinished(finish, len(req.prompt), row.cached_tokens, row.generated)))
+            assert row.start.checkpoint_key is not None
+            notes.append(GenerationCompleted(row.start.checkpoint_key, req.request_id))
+        return emits
 
     def _boundary_snapshot(self, row: _Row) -> PublishPrefix:
         (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
@@ -452,23 +553,9 @@ def make_sampler(s: Any) -> Any:
     """None (the batch's shared greedy sampler) or a per-request sampler with its own RNG key."""
     if s.temperature <= 0:
         return None
-    import mlx.core as mx
-    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+    from mlxd.runtime.gen_hook import SeededSampler
 
-    seed = s.seed if s.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
-    state = {"key": mx.random.key(seed)}
-    inv_temp = 1.0 / s.temperature
-
-    def sample(logprobs: Any) -> Any:
-        if 0 < s.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, s.top_p)
-        if s.top_k > 0:
-            logprobs = apply_top_k(logprobs, s.top_k)
-        key, sub = mx.random.split(state["key"])
-        state["key"] = key
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
+    return SeededSampler.seeded(s)  # its key after k samples is a value (generation checkpoints)
 
 
 def make_processors(s: Any) -> list[Any]:

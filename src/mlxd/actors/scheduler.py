@@ -26,6 +26,9 @@ from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CancelGeneration,
     FetchSnapshot,
+    FindGenerationCheckpoint,
+    GenCheckpointMessage,
+    GenerationRequest,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -33,6 +36,7 @@ from mlxd.runtime.messages import (
     PrefetcherMessage,
     PromptAccepted,
     RestoreSnapshot,
+    ResumeGeneration,
     StartGeneration,
     SubmitGeneration,
     TokenGenerated,
@@ -104,9 +108,11 @@ class SchedulerActor:
         engine: trio.MemorySendChannel[StartGeneration | CancelGeneration],
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
+        checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
     ) -> None:
         self._config = config
         self._prefetcher = prefetcher
+        self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
         self._inbox = inbox
         self._engine = engine
         self._cache = cache
@@ -181,13 +187,20 @@ class SchedulerActor:
             self.stats.cancelled += 1  # the client left while queued
             record.reason = "client_gone"
             return
-        reply: Reply[PrefixLookup] = Reply()
-        await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
-        lookup = await reply.wait()
-        restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
+        key = self._checkpoint_key(request)
+        resume = await self._find_checkpoint(request, key) if key is not None else None
+        hit = restore = None
+        if resume is None:
+            reply: Reply[PrefixLookup] = Reply()
+            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
+            lookup = await reply.wait()
+            hit = lookup.hit
+            restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
-        await self._engine.send(StartGeneration(request, lookup.hit, send, submit.submitted_at, restore))
+        await self._engine.send(
+            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume)
+        )
         client_gone = False
         first_token_at: float | None = None
         async with receive:
@@ -207,6 +220,23 @@ class SchedulerActor:
                     log.info("request.client_gone", why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
+
+    def _checkpoint_key(self, request: GenerationRequest) -> str | None:
+        """The request key when this request is checkpointed (kv/gen_checkpoint.py), else None."""
+        from mlxd.kv import gen_checkpoint
+
+        if self._checkpoints is None or not gen_checkpoint.checkpointable(request.sampling):
+            return None
+        return gen_checkpoint.request_key(request.prompt, request.namespace, request.sampling)
+
+    async def _find_checkpoint(self, request: GenerationRequest, key: str) -> ResumeGeneration | None:
+        """An in-flight checkpoint of this exact request left by an earlier attempt, or None."""
+        assert self._checkpoints is not None
+        reply: Reply[ResumeGeneration | None] = Reply()
+        await self._checkpoints.send(
+            FindGenerationCheckpoint(key, request.request_id, request.prompt, request.namespace, reply)
+        )
+        return await reply.wait()
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:
         """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""

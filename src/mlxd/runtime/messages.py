@@ -119,12 +119,23 @@ class RestoreSnapshot:
 
 
 @attrs.frozen(eq=False)
+class ResumeGeneration:
+    """An in-flight generation checkpoint read from disk, to continue on the engine thread."""
+
+    record: Any  # kv.gen_checkpoint.GenerationRecord
+    loaded: Any  # kv.file_format.LoadedSnapshot
+
+
+@attrs.frozen(eq=False)
 class StartGeneration:
     request: GenerationRequest
     hit: CacheHit | None  # the prefix to lend
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float = 0.0
     restore: RestoreSnapshot | None = None  # wins over `hit` when present
+    # The request key when generation checkpoints are on (kv.gen_checkpoint.request_key).
+    checkpoint_key: str | None = None
+    resume: ResumeGeneration | None = None  # wins over `hit` and `restore`
 
 
 @attrs.frozen
@@ -376,6 +387,49 @@ class DurabilityStats:
 
 
 DurabilityMessage = MarkDirty | ForgetDirty | MarkNotStored | SnapshotWritten | FlushRequest | DurabilityStats
+
+
+# --- generation checkpointer ------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class CheckpointGeneration:
+    """A running row's snapshot (prompt + emitted, pending token in the record), for the SSD."""
+
+    key: str
+    request_id: str
+    plan: Any  # kv.file_format.SnapshotPlan whose meta carries the generation record
+    emitted: int
+
+
+@attrs.frozen
+class GenerationCompleted:
+    """The request finished normally: its checkpoint is no longer needed."""
+
+    key: str
+    request_id: str
+
+
+@attrs.frozen
+class GenerationAbandoned:
+    """The request left early (cancelled, client gone, failed): its checkpoint stays for a retry."""
+
+    key: str
+    request_id: str
+
+
+@attrs.frozen(eq=False)
+class FindGenerationCheckpoint:
+    """Reply: a `ResumeGeneration` for this exact request, or None."""
+
+    key: str
+    request_id: str
+    prompt: tuple[int, ...]
+    namespace: str
+    reply: Reply[ResumeGeneration | None]
+
+
+GenCheckpointMessage = CheckpointGeneration | GenerationCompleted | GenerationAbandoned | FindGenerationCheckpoint
 
 
 # --- prefetcher --------------------------------------------------------------------

@@ -27,6 +27,7 @@ import trio.lowlevel
 from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.engine import EngineActor, EngineInfo
+from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
@@ -45,6 +46,7 @@ from mlxd.runtime.messages import (
     FlushReport,
     FlushRequest,
     FlushThrough,
+    GenCheckpointMessage,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -293,6 +295,8 @@ class Runtime:
         }
         if self.cold is not None:
             out["ssd_cache"] = await self.ssd_stats()
+        if self.cold is not None and self.cold.checkpointer is not None:
+            out["generation_checkpoints"] = self.cold.checkpointer.snapshot_stats()
         return out
 
     async def ssd_stats(self) -> dict[str, Any]:
@@ -371,6 +375,7 @@ class ColdTier:
     prefetcher: PrefetcherActor
     prefetch_inbox: trio.MemorySendChannel[PrefetcherMessage]
     governor: WriteGovernor
+    checkpointer: GenerationCheckpointer | None = None  # --generation-checkpoint N
 
 
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
@@ -399,6 +404,7 @@ def _cold_tier(
     store: SsdStore,
     cache_send: trio.MemorySendChannel[CacheOwnerMessage],
     governor: WriteGovernor,
+    gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None = None,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
@@ -414,7 +420,13 @@ def _cold_tier(
     prefetcher = PrefetcherActor(
         store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify
     )
-    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor)
+    checkpointer = None
+    if gen_inbox is not None:
+        directory = checkpoint_dir(Path(config.ssd_cache_dir or "."), store.identity.fingerprint)
+        checkpointer = GenerationCheckpointer(
+            directory, store.identity, inbox=gen_inbox, governor=governor, keep=4 * config.max_batch + 16
+        )
+    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor, checkpointer)
 
 
 @asynccontextmanager
@@ -427,7 +439,13 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     # Shared by the engine (busy), the durability coordinator and cache owner
     # (urgent) and the SSD writer (which paces itself by it).
     governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes)
-    engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone(), governor=governor)
+    # In-flight generation checkpoints: engine -> checkpointer (drained without I/O, so never stuck).
+    gen_send, gen_receive = (
+        trio.open_memory_channel[GenCheckpointMessage](64) if config.generation_checkpoint else (None, None)
+    )
+    engine = EngineActor(
+        config, inbox=engine_receive, publish=cache_send.clone(), governor=governor, checkpoints=gen_send
+    )
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
         store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
@@ -436,12 +454,14 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             records=scan.records if scan is not None else (),
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
         )
-        cold = _cold_tier(config, store, cache_send, governor) if store is not None else None
+        cold = _cold_tier(config, store, cache_send, governor, gen_receive) if store is not None else None
         if cold is not None:
             cache_owner.attach(durability=cold.durability_inbox.clone(), prefetcher=cold.prefetch_inbox.clone())
             await nursery.start(cold.writer.run)
             await nursery.start(cold.durability.run)
             await nursery.start(cold.prefetcher.run)
+            if cold.checkpointer is not None:
+                await nursery.start(cold.checkpointer.run)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,
@@ -449,6 +469,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             engine=engine_send,
             cache=cache_send.clone(),
             prefetcher=cold.prefetch_inbox.clone() if cold else None,
+            checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         )
         await nursery.start(scheduler.run)
         runtime = Runtime(
