@@ -21,8 +21,8 @@ an older attempt never erases a newer attempt's checkpoint.
 from __future__ import annotations
 
 import hashlib
-from array import array
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
