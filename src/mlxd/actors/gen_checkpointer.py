@@ -65,6 +65,7 @@ class GenerationCheckpointer:
         self._queue = gc.CheckpointQueue()
         self._entries: dict[str, gc.CheckpointEntry] = {}
         self._wake = trio.Event()
+        self._writing = False  # a write or removal is on the thread
         self._thread: MlxThread | None = None
         self.stats = {
             "written": 0, "resumed": 0, "removed": 0, "write_failures": 0, "read_failures": 0,
@@ -78,6 +79,7 @@ class GenerationCheckpointer:
             "entries": len(self._entries),
             "pending": len(self._queue),
             "pending_bytes": self._queue.pending_bytes(),
+            "writing": self._writing,
         }
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -152,10 +154,14 @@ class GenerationCheckpointer:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            if isinstance(job, gc.WriteJob):
-                await self._write(job)
-            else:
-                await self._remove(job.key)
+            self._writing = True
+            try:
+                if isinstance(job, gc.WriteJob):
+                    await self._write(job)
+                else:
+                    await self._remove(job.key)
+            finally:
+                self._writing = False
 
     async def _write(self, job: gc.WriteJob) -> None:
         assert self._thread is not None
