@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
@@ -122,8 +123,8 @@ class RestoreSnapshot:
 class ResumeGeneration:
     """An in-flight generation checkpoint read from disk, to continue on the engine thread."""
 
-    record: Any  # kv.gen_checkpoint.GenerationRecord
-    loaded: Any  # kv.file_format.LoadedSnapshot
+    record: GenerationRecord
+    loaded: LoadedSnapshot
 
 
 @attrs.frozen(eq=False)
@@ -398,7 +399,7 @@ class CheckpointGeneration:
 
     key: str
     request_id: str
-    plan: Any  # kv.file_format.SnapshotPlan whose meta carries the generation record
+    plan: SnapshotPlan  # its meta carries the generation record
     emitted: int
 
 
