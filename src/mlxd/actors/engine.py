@@ -338,7 +338,9 @@ class EngineActor:
                     )
                     finished.append(r.uid)
                     if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
-                        notes.append(self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final"))
+                        notes.append(
+                            self._snapshot(r.all_tokens, req.namespace, r.prompt_cache, "final", session=req.session)
+                        )
         return _StepResult(emits, notes, finished)
 
     def _measure_prefill(self, r: Any, seconds: float, notes: list[Any]) -> None:
@@ -369,6 +371,7 @@ class EngineActor:
                 trimmable=kinds.is_trimmable(caches),
                 reason="restore",
                 durable=True,
+                session=row.start.request.session,
             )
         )
         return kinds.lend(caches, restore.usable), restore.usable, "ssd"
@@ -407,9 +410,9 @@ class EngineActor:
         row.uid = uid
         row.cached_tokens = usable
         new_tokens = len(req.prompt) - usable - 1
-        row.want_snapshot = (
-            self._config.prompt_cache_bytes > 0 and new_tokens >= max(1, self._config.snapshot_min_tokens)
-        )
+        # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
+        threshold = 1 if req.session is not None else max(1, self._config.snapshot_min_tokens)
+        row.want_snapshot = self._config.prompt_cache_bytes > 0 and new_tokens >= threshold
         self._rows[uid] = row
         self.stats["prompt_tokens"] += len(req.prompt) - usable
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
@@ -495,9 +498,12 @@ class EngineActor:
 
     def _boundary_snapshot(self, row: _Row) -> PublishPrefix:
         (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
-        return self._snapshot(tokens, row.start.request.namespace, caches, "boundary")
+        req = row.start.request
+        return self._snapshot(tokens, req.namespace, caches, "boundary", session=req.session)
 
-    def _snapshot(self, tokens: list[int], namespace: str, caches: list[Any], reason: str) -> PublishPrefix:
+    def _snapshot(
+        self, tokens: list[int], namespace: str, caches: list[Any], reason: str, *, session: str | None = None
+    ) -> PublishPrefix:
         """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
         import mlx.core as mx
 
@@ -516,6 +522,7 @@ class EngineActor:
             trimmable=kinds.is_trimmable(caches),
             reason=reason,
             plan=plan,
+            session=session,
         )
 
     def _token_event(self, row: _Row, r: Any) -> TokenGenerated:

@@ -192,7 +192,7 @@ class SchedulerActor:
         hit = restore = None
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
-            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
+            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
             hit = lookup.hit
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None

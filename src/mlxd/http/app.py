@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 from mlxd.http.openapi import openapi_document
 from mlxd.http.schemas import ApiError, ParsedRequest, parse_common, parse_messages, parse_prompt
 from mlxd.http.security import AccessPolicy, is_loopback
+from mlxd.http.sessions import install_sessions, session_id
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import GenerationFinished, PromptAccepted, TokenGenerated
 from mlxd.runtime.supervisor import (
@@ -260,10 +261,10 @@ def create_app(
             )
 
 
-    async def run(parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool) -> Response:
+    async def run(parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool, session: str | None = None) -> Response:
         check_model(parsed.model)
         try:
-            req = rt.request(prompt, sampling=parsed.sampling)
+            req = rt.request(prompt, sampling=parsed.sampling, session=session)
             stream = rt.submit(req)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
@@ -294,7 +295,7 @@ def create_app(
             prompt = await rt.render_chat(messages)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return await run(parsed, prompt, chat=True)
+        return await run(parsed, prompt, chat=True, session=session_id(request.headers, body))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -307,7 +308,7 @@ def create_app(
             raise ApiError(400, "'echo' is not supported", param="echo")
         prompt = parse_prompt(body)
         ids = rt.encode(prompt) if isinstance(prompt, str) else tuple(prompt)
-        return await run(parsed, ids, chat=False)
+        return await run(parsed, ids, chat=False, session=session_id(request.headers, body))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -346,6 +347,7 @@ def create_app(
     from mlxd.http.metrics import install_metrics
     from mlxd.http.status import install_status_page
 
+    install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}
     install_metrics(app, rt)  # GET /metrics
     install_status_page(app, rt)  # GET /
     return app

@@ -10,7 +10,6 @@ anyone whose prompt matches it). Session metadata lives in this process only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from quart import Response
@@ -21,7 +20,7 @@ SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
 
 
-def session_id(headers: Mapping[str, str], body: Any) -> str | None:
+def session_id(headers: Any, body: Any) -> str | None:
     """The request's session: the header, else the body's `user` field, else None."""
     raw = headers.get(SESSION_HEADER)
     where = SESSION_HEADER

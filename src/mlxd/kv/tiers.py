@@ -35,6 +35,7 @@ import attrs
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.restore_decision import RestoreAdvisor
+from mlxd.kv.sessions import SessionIndex, SessionStats
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import SnapshotPlan
@@ -138,6 +139,7 @@ class TierStats:
     not_stored: int
     lost_files: int
     restore_decisions: dict[str, float]
+    sessions: SessionStats | None = None
 
 
 @attrs.define
@@ -225,6 +227,8 @@ class CacheTiers:
     advisor: RestoreAdvisor = attrs.Factory(RestoreAdvisor)
     demote_idle_s: float = 0.0  # 0 = never demote idle entries
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
+    # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
+    sessions: SessionIndex = attrs.field(init=False, factory=SessionIndex)
     _unpersistable: set[Key] = attrs.field(init=False, factory=set)
     _demotions: int = attrs.field(init=False, default=0)
     _idle_demotions: int = attrs.field(init=False, default=0)
@@ -271,13 +275,29 @@ class CacheTiers:
     # --- lookups ----------------------------------------------------------------
 
     def lookup(
-        self, tokens: Tokens, namespace: str = "", *, model_tokens: Callable[[int], int] | None = None
+        self,
+        tokens: Tokens,
+        namespace: str = "",
+        *,
+        model_tokens: Callable[[int], int] | None = None,
+        session: str | None = None,
     ) -> PrefixLookup:
         """RAM hit (counted and refreshed), or an SSD record to restore (touched).
 
         `model_tokens` maps index tokens to model tokens where they differ (the
         simulator's block encoding); the restore decision is taken in model tokens.
+        A `session` whose latest checkpoint prefixes the prompt and is resident
+        in RAM is served from it directly, without a candidate scan; otherwise
+        (no reference, an edited history, a checkpoint no longer in RAM) the
+        ordinary lookup runs.
         """
+        if session is not None:
+            ref = self.sessions.usable_for(session, namespace, token_key(tokens))
+            if ref is not None:
+                direct = self.ram.take_exact(ref, namespace, prompt_tokens=len(tokens))
+                if direct is not None:
+                    return PrefixLookup(direct)
+                self.sessions.fallback()
         hit = self.ram.take(tokens, namespace)
         if not self.ssd:
             return PrefixLookup(hit)
@@ -335,14 +355,18 @@ class CacheTiers:
         plan: SnapshotPlan | None = None,
         file_nbytes: int | None = None,
         durable: bool = False,
+        session: str | None = None,
     ) -> list[Effect]:
         """Store a checkpoint in RAM; persist it unless a file covers it already; evict.
 
         `durable` says the checkpoint came from SSD (a restore); `file_nbytes`
-        is its size on SSD (default: `nbytes`).
+        is its size on SSD (default: `nbytes`). A `session`'s reference advances
+        to this checkpoint.
         """
         outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable)
         entry = outcome.entry
+        if entry is not None and session is not None:
+            self.sessions.advance(session, namespace, entry.tokens)
         effects: list[Effect] = []
         if entry is not None and self.ssd:
             if durable or self._index.covers(entry.tokens, namespace):
@@ -372,6 +396,10 @@ class CacheTiers:
             self._lost += 1
             self._refresh_durable(record)
         return []
+
+    def close_session(self, session: str) -> bool:
+        """Drop a session's references (its cached state stays); False if it is unknown."""
+        return self.sessions.close(session)
 
     def demote_idle(self) -> list[Effect]:
         """Free RAM held by durable entries idle for `demote_idle_s` (their prefix stays on SSD)."""
@@ -428,13 +456,18 @@ class CacheTiers:
         ancestors = self.ram.strict_ancestors(tokens, namespace)
         return ancestors + ([exact] if exact is not None else [])
 
+    def _unreferenced(self, entry: CacheEntry) -> bool:
+        """Eviction considers entries no session points at first."""
+        return not self.sessions.referenced(entry.namespace, entry.tokens)
+
     def _may_evict(self, entry: CacheEntry) -> bool:
         if not self.ssd or entry.durable:
             return True
         return key_of(entry.namespace, entry.tokens) in self._unpersistable
 
     def _evict(self) -> list[Effect]:
-        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always)
+        prefer = self._unreferenced if len(self.sessions) else None
+        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always, prefer=prefer)
         effects: list[Effect] = []
         for entry in eviction.evicted:
             if not self.ssd:
@@ -468,4 +501,5 @@ class CacheTiers:
             not_stored=self._not_stored,
             lost_files=self._lost,
             restore_decisions=self.advisor.stats(),
+            sessions=self.sessions.stats,
         )

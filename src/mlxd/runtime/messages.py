@@ -154,6 +154,7 @@ class LookupPrefix:
     tokens: tuple[int, ...]
     namespace: str
     reply: Reply[PrefixLookup]
+    session: str | None = None  # its latest checkpoint is tried first (seed §5.12)
 
 
 @attrs.frozen(eq=False)
@@ -189,6 +190,7 @@ class PublishPrefix:
     reason: str  # "boundary" (prompt-boundary snapshot), "final" (prompt + generation) or "restore"
     plan: SnapshotPlan | None = None  # for the SSD writer (None without an SSD tier)
     durable: bool = False  # already on SSD (a restored file)
+    session: str | None = None  # the session whose latest checkpoint this becomes
 
 
 @attrs.frozen(eq=False)
@@ -246,6 +248,8 @@ class CacheStatsSnapshot:
         ram = attrs.asdict(t.ram)
         ram.update({f"published_{k}": v for k, v in self.published.items()})
         out: dict[str, object] = {"ram": ram}
+        if t.sessions is not None:
+            out["sessions"] = attrs.asdict(t.sessions)
         if t.ssd_enabled:
             out["ssd"] = {
                 "entries": t.ssd_entries,
@@ -278,6 +282,14 @@ class QueryCacheStats:
     reply: Reply[CacheStatsSnapshot]
 
 
+@attrs.frozen(eq=False)
+class CloseSession:
+    """Drop a session's references (cached state stays). Reply: False if the session is unknown."""
+
+    session: str
+    reply: Reply[bool]
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -290,6 +302,7 @@ CacheOwnerMessage = (
     | PrefillMeasured
     | RestoreMeasured
     | QueryCacheStats
+    | CloseSession
 )
 
 

@@ -39,6 +39,7 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
+    CloseSession,
     DurabilityMessage,
     DurabilitySnapshot,
     DurabilityStats,
@@ -213,8 +214,9 @@ class Runtime:
         sampling: SamplingParams | None = None,
         namespace: str = "",
         request_id: str | None = None,
+        session: str | None = None,
     ) -> GenerationRequest:
-        """Validate and build a request for exact prompt token ids."""
+        """Validate and build a request for exact prompt token ids (`session`: seed §5.12)."""
         prompt = tuple(int(t) for t in prompt)
         if sampling is None:
             room = self.info.max_context - len(prompt)
@@ -244,7 +246,8 @@ class Runtime:
         if sampling.top_k >= vocab:
             sampling = attrs.evolve(sampling, top_k=0)  # covering the vocabulary = no top-k
         return GenerationRequest(
-            request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace
+            request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace,
+            session=session,
         )
 
     # --- submitting --------------------------------------------------------------
@@ -270,6 +273,12 @@ class Runtime:
         return GenerationStream(receive, request)
 
     # --- observing and stopping ------------------------------------------------
+
+    async def close_session(self, session: str) -> bool:
+        """Drop a session's cache references (its cached state stays); False if it is unknown."""
+        reply: Reply[bool] = Reply()
+        await self._cache.send(CloseSession(session, reply))
+        return await reply.wait()
 
     async def cache_stats(self) -> dict[str, Any]:
         reply: Reply[CacheStatsSnapshot] = Reply()
