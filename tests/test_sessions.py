@@ -72,3 +72,103 @@ def test_take_exact_counts_a_hit_without_a_scan():
     assert cache.take_exact((1, 2), "", prompt_tokens=5) is None
     # Not resident: nothing counted (the caller falls back to `take`, which counts).
     assert (cache.stats.hits, cache.stats.misses, cache.stats.hit_tokens) == (1, 0, 3)
+
+
+# --- a live server: the header, DELETE, eviction pressure ---------------------------------------
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime  # noqa: E402
+
+from serving import ServerThread, config_for  # noqa: E402
+
+SYSTEM = "You answer briefly and keep track of the conversation. "
+TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+
+
+def _chat(server: ServerThread, messages, headers=None, **kw) -> dict:
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, **kw}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=headers or {}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stats(server: ServerThread) -> dict:
+    return httpx.get(f"{server.base_url.removesuffix('/v1')}/stats", timeout=30).json()
+
+
+def _delete(server: ServerThread, sid: str) -> httpx.Response:
+    return httpx.delete(f"{server.base_url}/sessions/{sid}", timeout=30)
+
+
+def test_a_session_follow_up_hits_its_checkpoint_and_delete_drops_only_the_reference(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, snapshot_min_tokens=256)) as server:
+        anon = _chat(server, TURN1)
+        assert _stats(server)["cache"]["ram"]["published_boundary"] == 0, "short prompt: below the threshold"
+        r1 = _chat(server, TURN1 + [{"role": "user", "content": "Again."}], headers={"X-Session-Id": "s-1"})
+        ram = _stats(server)["cache"]["ram"]
+        assert ram["published_boundary"] == 1, "a session keeps checkpoints below the anonymous threshold"
+        turn2 = TURN1 + [{"role": "user", "content": "Again."},
+                         {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And another one?"}]
+        r2 = _chat(server, turn2, headers={"X-Session-Id": "s-1"})
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= r1["usage"]["prompt_tokens"]
+        sessions = _stats(server)["cache"]["sessions"]
+        assert sessions["hits"] == 1 and sessions["sessions"] == 1 and sessions["fallbacks"] == 0
+        # An edited history falls back to ordinary prefix matching (still a hit on the shared prefix).
+        edited = TURN1 + [{"role": "user", "content": "Something else entirely."}]
+        r3 = _chat(server, edited, headers={"X-Session-Id": "s-1"})
+        assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert _stats(server)["cache"]["sessions"]["fallbacks"] == 1
+
+        deleted = _delete(server, "s-1")
+        assert deleted.status_code == 200 and deleted.json() == {"id": "s-1", "object": "session", "deleted": True}
+        again = _delete(server, "s-1")
+        assert again.status_code == 404 and again.json()["error"]["type"] == "not_found_error"
+        assert _delete(server, "never-seen").status_code == 404
+        assert _stats(server)["cache"]["sessions"]["sessions"] == 0
+        # The cached state stays: the same conversation, now anonymous, still hits.
+        r4 = _chat(server, turn2)
+        assert r4["usage"]["prompt_tokens_details"]["cached_tokens"] >= r1["usage"]["prompt_tokens"]
+        assert anon["usage"]["prompt_tokens"] > 0
+
+
+def test_the_header_wins_over_the_body_user_field(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir)) as server:
+        _chat(server, TURN1, headers={"X-Session-Id": "from-header"}, user="from-body")
+        _chat(server, TURN1 + [{"role": "user", "content": "More."}], user="only-body")
+        assert _delete(server, "from-body").status_code == 404
+        assert _delete(server, "from-header").status_code == 200
+        assert _delete(server, "only-body").status_code == 200
+        bad = httpx.post(f"{server.base_url}/chat/completions", timeout=30,
+                         json={"messages": TURN1, "max_tokens": 2, "user": 7})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "user"
+
+
+async def test_sessions_survive_eviction_pressure_better_than_anonymous_entries(tiny_model_dir):
+    rng = np.random.default_rng(0)
+    prompts = [tuple(int(t) for t in rng.integers(10, 1000, size=64)) for _ in range(8)]
+    sampling = SamplingParams(max_tokens=4)
+
+    async def run(rt, prompt, session=None):
+        async with rt.submit(rt.request(prompt, sampling=sampling, session=session)) as stream:
+            out = await stream.tokens()
+        return out, stream.accepted
+
+    # One conversation's checkpoint size, to size a RAM tier that holds about four.
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir))) as probe:
+        await run(probe, prompts[0])
+        entry_bytes = (await probe.cache_stats())["ram"]["bytes"]
+    config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=int(entry_bytes * 4.5))
+    async with open_runtime(config) as rt:
+        gen_s, _ = await run(rt, prompts[0], session="kept")  # the oldest entry belongs to a session
+        gen_a, _ = await run(rt, prompts[1])  # the next oldest is anonymous
+        for filler in prompts[2:]:
+            await run(rt, filler)  # pressure: six more conversations than fit
+        assert (await rt.cache_stats())["ram"]["evictions"] >= 3
+        _, s_hit = await run(rt, prompts[0] + tuple(gen_s) + (5, 6, 7), session="kept")
+        _, a_hit = await run(rt, prompts[1] + tuple(gen_a) + (5, 6, 7))
+        assert s_hit.cache_tier == "ram" and s_hit.cached_tokens >= len(prompts[0])
+        assert a_hit.cached_tokens == 0, "the anonymous conversation of the same age was evicted"
+        assert (await rt.cache_stats())["sessions"]["hits"] == 1
