@@ -172,3 +172,39 @@ async def test_sessions_survive_eviction_pressure_better_than_anonymous_entries(
         assert s_hit.cache_tier == "ram" and s_hit.cached_tokens >= len(prompts[0])
         assert a_hit.cached_tokens == 0, "the anonymous conversation of the same age was evicted"
         assert (await rt.cache_stats())["sessions"]["hits"] == 1
+
+
+def _session_trace(path) -> None:
+    """Three multi-turn sessions interleaved with one-off anonymous prompts (RAM pressure)."""
+    import json
+
+    rng = np.random.default_rng(1)
+    lines, t = [], 0.0
+    convo = {s: [int(x) for x in rng.integers(10, 1000, 600)] for s in ("a", "b", "c")}
+    for _turn in range(4):
+        for s in convo:
+            out = [int(x) for x in rng.integers(10, 1000, 40)]
+            lines.append({"t": t, "session": s, "tokens": convo[s], "output_tokens": 40, "output_ids": out})
+            convo[s] = convo[s] + out + [int(x) for x in rng.integers(10, 1000, 60)]
+            t += 1.0
+            for _ in range(3):
+                lines.append({"t": t, "tokens": [int(x) for x in rng.integers(10, 1000, 700)], "output_tokens": 8})
+                t += 1.0
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_simulate_reports_what_the_session_index_changes(tmp_path, capsys):
+    from mlxd.sim.cli import main
+
+    trace = tmp_path / "sessions.jsonl"
+    _session_trace(trace)
+    argv = [str(trace), "--cache-model", "mlxd", "--policy", "lru", "--ram-blocks", "8", "--granularity", "token"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "session index (3 sessions in the trace)" in out
+    policy, blocks, session_hits, fallbacks, tok_hit, ram_hits, *_ = out.splitlines()[-1].split()
+    assert int(session_hits) == 9, "every follow-up turn finds its session's checkpoint"
+    with_ram, without_ram = (int(x) for x in ram_hits.split("/"))
+    assert with_ram == 9 and without_ram == 0, "under pressure only the session entries survive"
+    assert main([*argv, "--no-sessions"]) == 0
+    assert "session index" not in capsys.readouterr().out

@@ -202,6 +202,7 @@ def record_trace(rt, path: Path) -> None:
             tokens=record.prompt,
             output_tokens=record.completion_tokens,
             namespace=record.namespace,
+            session=record.session,
             cached_tokens=record.cached_tokens,
             cache_tier=record.cache_tier,
             output_ids=record.output_ids,

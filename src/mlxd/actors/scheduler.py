@@ -64,6 +64,7 @@ class RequestRecord:
     completion_tokens: int = 0
     reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
     output_ids: list[int] = attrs.Factory(list)
+    session: str | None = None
 
     @property
     def queued_s(self) -> float | None:
@@ -150,6 +151,7 @@ class SchedulerActor:
     async def _lifecycle(self, submit: SubmitGeneration) -> None:
         request = submit.request
         record = RequestRecord(request.request_id, request.namespace, request.prompt, submit.submitted_at)
+        record.session = request.session
         record.started_at = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             try:
