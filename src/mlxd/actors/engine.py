@@ -129,7 +129,7 @@ class EngineActor:
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
         self._done_uid = 0  # negative uids for resumed rows that finish without decoding
-        self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats = {"steps": 0, "batch_rows": 0, "generated_tokens": 0, "prompt_tokens": 0, "checkpoint_s": 0.0}
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -430,10 +430,12 @@ class EngineActor:
         every = self._config.generation_checkpoint
         if every <= 0 or row.generated % every or self._store_identity is None:
             return
+        t0 = time.perf_counter()
         try:
             notes.append(self._generation_snapshot(row, key))
         except Exception:  # a checkpoint is an optimization: never fail the generation for it
             log.exception("engine.generation_checkpoint_failed")
+        self.stats["checkpoint_s"] += time.perf_counter() - t0  # engine-thread time taken from decode
 
     def _generation_snapshot(self, row: _Row, key: str) -> CheckpointGeneration:
         from mlxd.kv import file_format
