@@ -471,7 +471,6 @@ class EngineActor:
         replay = [*record.emitted, record.pending]
         row.generated = len(replay)
         row.cached_tokens = len(req.prompt)
-        self.stats["generated_tokens"] += len(replay)
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
         finish = "stop" if record.pending in self._stop_ids(s) else "length" if row.generated >= s.max_tokens else None
         if finish is None:
