@@ -229,3 +229,26 @@ def test_stream_resumes_with_the_saved_tokens_first(tmp_path, tiny_model_dir):
                     text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
         assert text == plain
         assert http.get("/stats").json()["generation_checkpoints"]["resumed"] == 1
+
+
+async def test_a_damaged_checkpoint_is_removed_and_the_request_runs_from_the_start(tiny_model_dir, tmp_path):
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16)
+    sampling = SamplingParams(max_tokens=400, logit_bias=NO_EOS)
+    async with open_runtime(config) as rt:
+        prompt = rt.encode("A checkpoint that will not survive the disk. " * 2)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated) and rt.cold.checkpointer.snapshot_stats()["entries"]:
+                    break
+        await _settle(rt.cold.checkpointer)
+        (path,) = rt.cold.checkpointer.directory.glob("*.mlxgen")
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0xFF  # inside the hashed header
+    path.write_bytes(bytes(raw))
+    (path.parent / "orphan.mlxgen.tmp").write_bytes(b"half a write")
+    async with open_runtime(config) as rt:
+        assert not list(path.parent.iterdir()), "the damaged file and the tmp orphan are reaped at startup"
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            tokens = await stream.tokens()
+            assert stream.accepted.cache_tier != "checkpoint"
+        assert len(tokens) == 400 and rt.cold.checkpointer.stats["resumed"] == 0
