@@ -24,6 +24,7 @@ from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CancelGeneration,
     CheckpointGeneration,
+    GenCheckpointMessage,
     GenerationAbandoned,
     GenerationCompleted,
     GenerationEvent,
@@ -108,7 +109,7 @@ class EngineActor:
         inbox: trio.MemoryReceiveChannel[StartGeneration | CancelGeneration],
         publish: trio.MemorySendChannel[CacheOwnerMessage],
         governor: WriteGovernor | None = None,
-        checkpoints: trio.MemorySendChannel[Any] | None = None,
+        checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
     ) -> None:
         self._config = config
         self._inbox = inbox
