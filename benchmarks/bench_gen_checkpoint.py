@@ -122,6 +122,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             result["cases"][name]["ratio_to_off"] = result["cases"][name]["median_tok_s"] / off
             per_round = [row[name]["decode_tok_s"] / row["off"]["decode_tok_s"] for row in result["rounds"]]
             result["cases"][name]["ratio_per_round"] = per_round
+            result["cases"][name]["ratio_per_round_median"] = statistics.median(per_round)
         result["checkpoints_written"] = written
         result["checkpointer"] = rt.cold.checkpointer.snapshot_stats()
 
