@@ -91,8 +91,13 @@ class _Plan:
 
 async def test_a_dropped_client_leaves_a_checkpoint_that_the_retry_resumes(tiny_model_dir, tmp_path):
     config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16)
-    for sampling in (SamplingParams(max_tokens=90, logit_bias=NO_EOS),
-                     SamplingParams(max_tokens=90, temperature=0.9, top_p=0.95, seed=5, logit_bias=NO_EOS)):
+    for sampling in (
+        SamplingParams(max_tokens=90, logit_bias=NO_EOS),
+        SamplingParams(max_tokens=90, temperature=0.9, top_p=0.95, seed=5, logit_bias=NO_EOS),
+        # History-dependent processors see prompt + emitted tokens after a resume too.
+        SamplingParams(max_tokens=90, temperature=0.7, seed=9, repetition_penalty=2.0, presence_penalty=2.0,
+                       frequency_penalty=1.0, logit_bias=NO_EOS),
+    ):
         async with open_runtime(config) as rt:
             ckpt = rt.cold.checkpointer
             prompt = rt.encode("Please keep talking about durable caches for a while. " * 2)
