@@ -106,15 +106,19 @@ async def test_a_dropped_client_leaves_a_checkpoint_that_the_retry_resumes(tiny_
             await _settle(ckpt)
             assert ckpt.stats["written"] >= 1 and not list(ckpt.directory.glob("*.mlxgen")), "completion removes it"
 
-            seen = []
-            async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
-                async for event in stream:
-                    if isinstance(event, TokenGenerated):
-                        seen.append(event.token)
-                        if len(seen) == 40:
-                            break  # the client goes away
-            await _settle(ckpt)
-            assert len(list(ckpt.directory.glob("*.mlxgen"))) == 1, "the last checkpoint stays"
+            # The client goes away twice: the second attempt resumes the first one's checkpoint
+            # and checkpoints further; each time the last checkpoint stays.
+            for drop_at in (40, 70):
+                seen = []
+                async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+                    async for event in stream:
+                        if isinstance(event, TokenGenerated):
+                            seen.append(event.token)
+                            if len(seen) == drop_at:
+                                break
+                assert seen == full[:drop_at]
+                await _settle(ckpt)
+                assert len(list(ckpt.directory.glob("*.mlxgen"))) == 1, "the last checkpoint stays"
 
             async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
                 again = await stream.tokens()
@@ -122,7 +126,7 @@ async def test_a_dropped_client_leaves_a_checkpoint_that_the_retry_resumes(tiny_
                 assert stream.accepted.cached_tokens == len(prompt)
                 assert stream.finished.completion_tokens == len(full)
             assert again == full
-            assert ckpt.stats["resumed"] == 1
+            assert ckpt.stats["resumed"] == 2
             await _settle(ckpt)
             assert not list(ckpt.directory.glob("*.mlxgen"))
 
