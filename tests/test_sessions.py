@@ -208,3 +208,24 @@ def test_simulate_reports_what_the_session_index_changes(tmp_path, capsys):
     assert with_ram == 9 and without_ram == 0, "under pressure only the session entries survive"
     assert main([*argv, "--no-sessions"]) == 0
     assert "session index" not in capsys.readouterr().out
+
+
+def test_a_session_checkpoint_evicted_to_ssd_is_the_restore_candidate_without_a_scan():
+    from mlxd.kv.prompt_cache import PromptCache as _PC
+    from mlxd.kv.restore_decision import RestoreAdvisor
+    from mlxd.kv.tiers import CacheTiers, Persist, SsdRecord
+
+    tiers = CacheTiers(_PC(max_bytes=150), ssd=True, advisor=RestoreAdvisor())
+    convo = tuple(range(100))
+    (persist,) = tiers.publish(convo, "", payload=None, nbytes=100, trimmable=True, session="s")
+    tiers.durable(SsdRecord("", persist.tokens, 100, 0.0, True))
+    for i in range(3):  # anonymous entries push the (durable) session entry out of RAM
+        for effect in tiers.publish(tuple(range(1000 * (i + 1), 1000 * (i + 1) + 100)), "", payload=None,
+                                    nbytes=100, trimmable=True):
+            if isinstance(effect, Persist):
+                tiers.durable(SsdRecord("", effect.tokens, 100, 0.0, True))
+    assert tiers.ram.find_exact(convo) is None
+    lookup = tiers.lookup(convo + (7, 8, 9), "", session="s")
+    assert lookup.restore is not None and tuple(lookup.restore.record.tokens) == convo
+    assert lookup.restore.usable == len(convo)
+    assert tiers.sessions.stats.hits == 1 and tiers.sessions.stats.fallbacks == 0

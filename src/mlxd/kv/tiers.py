@@ -169,7 +169,7 @@ class _SsdIndex:
         match = self.find(tokens, namespace, limit=n)
         return match is not None and match.usable == n
 
-    def get(self, tokens: Tokens, namespace: str) -> SsdRecord | None:
+    def get(self, tokens: Tokens | TokenKey, namespace: str) -> SsdRecord | None:
         return self._lru.get(key_of(namespace, tokens))
 
     def add(self, record: SsdRecord) -> list[SsdRecord]:
@@ -286,32 +286,41 @@ class CacheTiers:
 
         `model_tokens` maps index tokens to model tokens where they differ (the
         simulator's block encoding); the restore decision is taken in model tokens.
-        A `session` whose latest checkpoint prefixes the prompt and is resident
-        in RAM is served from it directly, without a candidate scan; otherwise
-        (no reference, an edited history, a checkpoint no longer in RAM) the
-        ordinary lookup runs.
+        A `session` whose latest checkpoint prefixes the prompt is served from
+        it without a candidate scan: from RAM when resident, else its exact SSD
+        record is the restore candidate (the restore rule still decides).
+        Otherwise (no reference, an edited history, a checkpoint gone from both
+        tiers) the ordinary lookup runs.
         """
-        if session is not None:
-            ref = self.sessions.usable_for(session, namespace, token_key(tokens))
-            if ref is not None:
-                direct = self.ram.take_exact(ref, namespace, prompt_tokens=len(tokens))
-                if direct is not None:
-                    return PrefixLookup(direct)
-                self.sessions.fallback()
+        ref = self.sessions.usable_for(session, namespace, token_key(tokens)) if session is not None else None
+        if ref is not None:
+            direct = self.ram.take_exact(ref, namespace, prompt_tokens=len(tokens))
+            if direct is not None:
+                return PrefixLookup(direct)
         hit = self.ram.take(tokens, namespace)
+        record = self._index.get(ref, namespace) if ref is not None and self.ssd else None
+        if ref is not None and record is None:
+            self.sessions.fallback()
         if not self.ssd:
             return PrefixLookup(hit)
-        cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
+        if record is not None and ref is not None:
+            cold: SsdMatch | None = SsdMatch(record, ref.num_tokens)
+        else:
+            cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
         warm = hit.usable if hit is not None else 0
-        if cold is None or cold.usable <= warm:
-            return PrefixLookup(hit)
         real = model_tokens or (lambda n: n)
-        if not self.advisor.should_restore(
-            restore_bytes=cold.record.nbytes,
-            cold_tokens=real(cold.usable),
-            warm_tokens=real(warm),
-            prompt_tokens=real(len(tokens)),
+        if (
+            cold is None
+            or cold.usable <= warm
+            or not self.advisor.should_restore(
+                restore_bytes=cold.record.nbytes,
+                cold_tokens=real(cold.usable),
+                warm_tokens=real(warm),
+                prompt_tokens=real(len(tokens)),
+            )
         ):
+            if record is not None:
+                self.sessions.fallback()  # the session's file was not worth restoring
             return PrefixLookup(hit)
         self._index.touch(cold.record, self.now)
         return PrefixLookup(hit, cold)
