@@ -261,3 +261,28 @@ async def test_a_damaged_checkpoint_is_removed_and_the_request_runs_from_the_sta
             tokens = await stream.tokens()
             assert stream.accepted.cache_tier != "checkpoint"
         assert len(tokens) == 400 and rt.cold.checkpointer.stats["resumed"] == 0
+
+
+async def test_a_live_identical_request_is_never_resumed_from(tiny_model_dir, tmp_path):
+    """n identical unseeded samples must stay independent: only an abandoned checkpoint is resumed."""
+    import trio
+
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16)
+    sampling = SamplingParams(max_tokens=400, temperature=1.0, logit_bias=NO_EOS)  # no seed
+    async with open_runtime(config) as rt:
+        prompt = rt.encode("Two samples of the same prompt. " * 2)
+        tiers: list[str] = []
+
+        async def sample(wait_for_checkpoint: bool) -> None:
+            if wait_for_checkpoint:
+                with trio.fail_after(30):
+                    while not rt.cold.checkpointer.snapshot_stats()["entries"]:  # noqa: ASYNC110
+                        await trio.sleep(0.005)
+            async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+                await stream.tokens()
+                tiers.append(stream.accepted.cache_tier)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sample, False)
+            nursery.start_soon(sample, True)
+        assert "checkpoint" not in tiers and rt.cold.checkpointer.stats["resumed"] == 0

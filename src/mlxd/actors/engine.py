@@ -246,6 +246,7 @@ class EngineActor:
                 self._pending.remove(row)
                 _send(row.start.events, GenerationFinished("cancelled", len(row.start.request.prompt), 0, 0))
                 row.start.events.close()
+                self._abandon(row)
                 return
         self._cancelled.add(msg.request_id)
 
@@ -274,8 +275,18 @@ class EngineActor:
         for row in [*self._rows.values(), *self._pending]:
             _send(row.start.events, GenerationFailed(message))
             row.start.events.close()
+            self._abandon(row)
         self._rows.clear()
         self._pending.clear()
+
+    def _abandon(self, row: _Row) -> None:
+        """A request leaves without completing: its checkpoint becomes resumable by a retry."""
+        key = row.start.checkpoint_key
+        if key is not None and self._checkpoints is not None:
+            try:
+                self._checkpoints.send_nowait(GenerationAbandoned(key, row.start.request.request_id))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the key stays owned until this process ends: no resume, never a wrong one
 
     # --- thread side -----------------------------------------------------------------
 

@@ -110,7 +110,9 @@ class GenerationCheckpointer:
             self._queue.release(msg.key, msg.request_id)
         elif isinstance(msg, FindGenerationCheckpoint):
             entry = self._entries.get(msg.key)
-            if entry is None:
+            if entry is None or self._queue.owned(msg.key):
+                # A live identical request (e.g. one of n samples) keeps its own state:
+                # only an abandoned or pre-restart checkpoint is resumed.
                 msg.reply.send(None)
             else:
                 self._queue.adopt(msg.key, msg.request_id)

@@ -181,6 +181,10 @@ class CheckpointQueue:
         if self._owners.get(key) == request_id:
             del self._owners[key]
 
+    def owned(self, key: str) -> bool:
+        """Is a live request writing or continuing this key's checkpoint?"""
+        return key in self._owners
+
     def removing(self, key: str) -> bool:
         """Is a removal of `key` queued (its request completed)?"""
         return isinstance(self._jobs.get(key), RemoveJob)
