@@ -78,7 +78,11 @@ def test_queue_keeps_the_newest_job_and_lets_only_the_owner_remove():
     job = q.take()
     assert isinstance(job, gc.RemoveJob) and q.take() is None
     q.adopt("b", "r3")  # r3 resumed b's checkpoint
+    assert q.owned("b"), "a live request owns it: no one else resumes it"
     assert not q.remove("b", "r-old") and q.remove("b", "r3")
+    q.write(gc.WriteJob("c", "r4", _Plan(5), 16))
+    q.release("c", "r4")  # r4 was cancelled: its checkpoint stays, resumable
+    assert not q.owned("c") and len(q) == 2
 
 
 @attrs.frozen
