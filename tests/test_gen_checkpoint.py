@@ -290,3 +290,17 @@ async def test_a_live_identical_request_is_never_resumed_from(tiny_model_dir, tm
             nursery.start_soon(sample, False)
             nursery.start_soon(sample, True)
         assert "checkpoint" not in tiers and rt.cold.checkpointer.stats["resumed"] == 0
+
+
+async def test_a_flush_waits_for_queued_checkpoint_work(tiny_model_dir, tmp_path):
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=8)
+    async with open_runtime(config) as rt:
+        prompt = rt.encode("Flush me. " * 4)
+        async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=200, logit_bias=NO_EOS))) as s:
+            await s.tokens()
+        report = await rt.flush()  # right after completion: its removal may still be queued
+        assert report["durable"] and report["generation_checkpoints_pending"] == 0
+        stats = rt.cold.checkpointer.snapshot_stats()
+        assert stats["pending"] == 0 and stats["entries"] == 0 and stats["removed"] >= 1
+        assert not list(rt.cold.checkpointer.directory.glob("*.mlxgen"))
+        assert "generation_checkpoints" not in rt.cold.governor.urgent

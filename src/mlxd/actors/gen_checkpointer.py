@@ -35,6 +35,7 @@ from mlxd.runtime.messages import (
     GenerationAbandoned,
     GenerationCompleted,
     ResumeGeneration,
+    SettleCheckpoints,
 )
 from mlxd.runtime.mlx_thread import MlxThread
 
@@ -66,6 +67,7 @@ class GenerationCheckpointer:
         self._entries: dict[str, gc.CheckpointEntry] = {}
         self._wake = trio.Event()
         self._writing = False  # a write or removal is on the thread
+        self._settle: list[SettleCheckpoints] = []  # flushes waiting for the queue to empty
         self._thread: MlxThread | None = None
         self.stats = {
             "written": 0, "resumed": 0, "removed": 0, "write_failures": 0, "read_failures": 0,
@@ -108,6 +110,11 @@ class GenerationCheckpointer:
                 self._wake.set()
         elif isinstance(msg, GenerationAbandoned):
             self._queue.release(msg.key, msg.request_id)
+        elif isinstance(msg, SettleCheckpoints):
+            self._settle.append(msg)
+            if self._governor is not None:
+                self._governor.set_urgent("generation_checkpoints", True)  # full speed while a flush waits
+            self._wake.set()
         elif isinstance(msg, FindGenerationCheckpoint):
             entry = self._entries.get(msg.key)
             if entry is None or self._queue.owned(msg.key):
@@ -153,6 +160,7 @@ class GenerationCheckpointer:
         while True:
             job = self._queue.take()
             if job is None:
+                self._answer_settle()
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
@@ -164,6 +172,14 @@ class GenerationCheckpointer:
                     await self._remove(job.key)
             finally:
                 self._writing = False
+
+    def _answer_settle(self) -> None:
+        """Everything queued is done: answer the waiting flushes."""
+        for msg in self._settle:
+            msg.reply.send(len(self._queue))
+        self._settle.clear()
+        if self._governor is not None:
+            self._governor.set_urgent("generation_checkpoints", False)
 
     async def _write(self, job: gc.WriteJob) -> None:
         assert self._thread is not None

@@ -443,7 +443,16 @@ class FindGenerationCheckpoint:
     reply: Reply[ResumeGeneration | None]
 
 
-GenCheckpointMessage = CheckpointGeneration | GenerationCompleted | GenerationAbandoned | FindGenerationCheckpoint
+@attrs.frozen(eq=False)
+class SettleCheckpoints:
+    """Reply (the number of jobs still queued: 0) once every queued checkpoint write and removal is done."""
+
+    reply: Reply[int]
+
+
+GenCheckpointMessage = (
+    CheckpointGeneration | GenerationCompleted | GenerationAbandoned | FindGenerationCheckpoint | SettleCheckpoints
+)
 
 
 # --- prefetcher --------------------------------------------------------------------

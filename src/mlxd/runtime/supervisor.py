@@ -59,6 +59,7 @@ from mlxd.runtime.messages import (
     PromptAccepted,
     QueryCacheStats,
     SamplingParams,
+    SettleCheckpoints,
     SubmitGeneration,
     TokenGenerated,
     WriteSnapshot,
@@ -66,6 +67,9 @@ from mlxd.runtime.messages import (
 from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
+
+
+GEN_SETTLE_S = 30.0  # longest a flush waits for queued generation checkpoints
 
 
 class QueueFull(Exception):
@@ -356,8 +360,17 @@ class Runtime:
         reply: Reply[FlushReport] = Reply()
         # Through the cache owner: every checkpoint it has received is marked dirty first.
         await self._cache.send(FlushThrough(FlushRequest(reply)))
-        report = await reply.wait()
-        return report.as_dict()
+        report = (await reply.wait()).as_dict()
+        if self.cold.checkpointer is not None and self.cold.gen_inbox is not None:
+            # Generation checkpoints are written (and finished ones removed) too, at full speed;
+            # running requests keep adding snapshots, so the wait is bounded.
+            settled: Reply[int] = Reply()
+            await self.cold.gen_inbox.send(SettleCheckpoints(settled))
+            pending = self.cold.checkpointer.snapshot_stats()["pending"]
+            with trio.move_on_after(GEN_SETTLE_S):
+                pending = await settled.wait()
+            report["generation_checkpoints_pending"] = pending
+        return report
 
     def stop_admission(self) -> None:
         self.admitting = False
@@ -385,6 +398,7 @@ class ColdTier:
     prefetch_inbox: trio.MemorySendChannel[PrefetcherMessage]
     governor: WriteGovernor
     checkpointer: GenerationCheckpointer | None = None  # --generation-checkpoint N
+    gen_inbox: trio.MemorySendChannel[GenCheckpointMessage] | None = None  # its inbox (flush settles it)
 
 
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
@@ -414,6 +428,7 @@ def _cold_tier(
     cache_send: trio.MemorySendChannel[CacheOwnerMessage],
     governor: WriteGovernor,
     gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None = None,
+    gen_send: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
@@ -435,7 +450,9 @@ def _cold_tier(
         checkpointer = GenerationCheckpointer(
             directory, store.identity, inbox=gen_inbox, governor=governor, keep=4 * config.max_batch + 16
         )
-    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor, checkpointer)
+    return ColdTier(
+        store, writer, durability, durability_send, prefetcher, prefetch_send, governor, checkpointer, gen_send
+    )
 
 
 @asynccontextmanager
@@ -463,7 +480,10 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             records=scan.records if scan is not None else (),
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
         )
-        cold = _cold_tier(config, store, cache_send, governor, gen_receive) if store is not None else None
+        cold = (
+            _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None)
+            if store is not None else None
+        )
         if cold is not None:
             cache_owner.attach(durability=cold.durability_inbox.clone(), prefetcher=cold.prefetch_inbox.clone())
             await nursery.start(cold.writer.run)
