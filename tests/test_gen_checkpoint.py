@@ -242,6 +242,9 @@ def test_stream_resumes_with_the_saved_tokens_first(tmp_path, tiny_model_dir):
                     text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
         assert text == plain
         assert http.get("/stats").json()["generation_checkpoints"]["resumed"] == 1
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0
+    assert not list((tmp_path / "ssd").rglob("*.mlxgen")), "a graceful shutdown leaves no checkpoint behind"
 
 
 async def test_a_damaged_checkpoint_is_removed_and_the_request_runs_from_the_start(tiny_model_dir, tmp_path):
