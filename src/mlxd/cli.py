@@ -96,6 +96,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
                    help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
                    "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
+    p.add_argument("--generation-checkpoint", type=_non_negative_int, default=0, metavar="N",
+                   help="checkpoint running generations every N tokens to the SSD tier, so an identical "
+                        "request resumes after a crash or disconnect (default 0: off; needs --ssd-cache)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")
     p.add_argument("--admin-key", help="require this bearer token on /admin/* (env MLXD_ADMIN_KEY); without "
@@ -148,6 +151,7 @@ def serve_config(args: argparse.Namespace):
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        generation_checkpoint=args.generation_checkpoint,
     )
 
 
@@ -232,6 +236,7 @@ def record_trace(rt, path: Path) -> None:
             tokens=record.prompt,
             output_tokens=record.completion_tokens,
             namespace=record.namespace,
+            session=record.session,
             cached_tokens=record.cached_tokens,
             cache_tier=record.cache_tier,
             output_ids=record.output_ids,

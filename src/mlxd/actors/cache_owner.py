@@ -27,6 +27,7 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
+    CloseSession,
     DurabilityMessage,
     EntryDurable,
     EntryNotPersisted,
@@ -132,7 +133,7 @@ class CacheOwnerActor:
     def _handle(self, msg: CacheOwnerMessage) -> None:
         tiers = self.tiers
         if isinstance(msg, LookupPrefix):
-            msg.reply.send(tiers.lookup(msg.tokens, msg.namespace))
+            msg.reply.send(tiers.lookup(msg.tokens, msg.namespace, session=msg.session))
         elif isinstance(msg, PrefetchHint):
             record = tiers.prefetch_candidate(msg.tokens, msg.namespace)
             if record is not None and self._prefetcher is not None:
@@ -146,6 +147,7 @@ class CacheOwnerActor:
                 tiers.publish(
                     msg.tokens, msg.namespace, payload=msg.payload, nbytes=msg.nbytes, trimmable=msg.trimmable,
                     plan=msg.plan, file_nbytes=None if msg.plan is None else msg.plan.nbytes, durable=msg.durable,
+                    session=msg.session,
                 )
             )
         elif isinstance(msg, EntryDurable):
@@ -162,6 +164,8 @@ class CacheOwnerActor:
             self._count.restore_ms_last = round(msg.seconds * 1000, 3)
         elif isinstance(msg, FindCheckpointTokens):
             msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
+        elif isinstance(msg, CloseSession):
+            msg.reply.send(tiers.close_session(msg.session))
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
         elif isinstance(msg, FlushThrough):

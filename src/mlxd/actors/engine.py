@@ -24,8 +24,12 @@ from mlxd.model.identity import model_identity
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
+    CheckpointGeneration,
     EngineInbox,
     EngineNote,
+    GenCheckpointMessage,
+    GenerationAbandoned,
+    GenerationCompleted,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -44,6 +48,9 @@ if TYPE_CHECKING:
     from mlxd.kv.ssd_store import StoreIdentity
 
 log = get_logger("mlxd.engine")
+
+# What a step produces for others: the cache owner's notes and the generation checkpointer's.
+_Note = EngineNote | CheckpointGeneration | GenerationCompleted | GenerationAbandoned
 
 
 class ModelRefused(Exception):
@@ -77,7 +84,7 @@ class _Emit:
 @attrs.frozen
 class _StepResult:
     emits: list[_Emit]
-    notes: list[EngineNote]  # messages for the cache owner: publications and timings
+    notes: list[_Note]  # publications and timings (cache owner), generation checkpoints (checkpointer)
     finished: list[int]  # uids that left the batch
     rejected: list[tuple[_Row, str]] = attrs.Factory(list)  # rows refused before joining the batch
 
@@ -102,6 +109,7 @@ class _Row:
     want_snapshot: bool = False
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
+    sampler: Any = None  # gen_hook.SeededSampler, or None for greedy
 
 
 class EngineActor:
@@ -114,10 +122,13 @@ class EngineActor:
         inbox: trio.MemoryReceiveChannel[EngineInbox],
         publish: trio.MemorySendChannel[EngineNote],
         governor: WriteGovernor | None = None,
+        checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
     ) -> None:
         self._config = config
         self._inbox = inbox
         self._publish = publish
+        # The generation checkpointer's inbox (--generation-checkpoint N), or None.
+        self._checkpoints = checkpoints
         # Told whether rows are in the batch, so write-behind paces itself meanwhile.
         self._governor = governor or WriteGovernor(busy_rate_bytes_per_s=None)
         self._thread: MlxThread | None = None
@@ -140,7 +151,9 @@ class EngineActor:
             "prompt_tokens": 0,
             "failed_steps": 0,
             "checkpoints_skipped": 0,
+            "checkpoint_s": 0.0,
         }
+        self._done_uid = 0  # negative uids for resumed rows that finish without decoding
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -356,6 +369,7 @@ class EngineActor:
                 self._pending.remove(row)
                 _send(row.start.events, GenerationFinished("cancelled", len(row.start.request.prompt), 0, 0))
                 row.start.events.close()
+                self._abandon(row)
                 return
         self._cancelled.add(msg.request_id)
 
@@ -363,10 +377,15 @@ class EngineActor:
         # Checkpoints first: a client that flushes right after its reply must find
         # that reply's checkpoint already with the cache owner.
         for note in result.notes:
-            await self._publish.send(note)
+            if isinstance(note, CheckpointGeneration | GenerationCompleted | GenerationAbandoned):
+                if self._checkpoints is not None:
+                    await self._checkpoints.send(note)
+            else:
+                await self._publish.send(note)
         for row, message in result.rejected:
             _send(row.start.events, GenerationFailed(message))
             row.start.events.close()
+            self._abandon(row)
         for emit in result.emits:
             row = self._rows.get(emit.uid)
             if row is None:
@@ -385,8 +404,18 @@ class EngineActor:
         for row in rows.values():
             _send(row.start.events, GenerationFailed(message))
             row.start.events.close()
+            self._abandon(row)
         self._rows.clear()
         self._pending.clear()
+
+    def _abandon(self, row: _Row) -> None:
+        """A request leaves without completing: its checkpoint becomes resumable by a retry."""
+        key = row.start.checkpoint_key
+        if key is not None and self._checkpoints is not None:
+            try:
+                self._checkpoints.send_nowait(GenerationAbandoned(key, row.start.request.request_id))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the key stays owned until this process ends: no resume, never a wrong one
 
     # --- thread side -----------------------------------------------------------------
 
@@ -406,18 +435,22 @@ class EngineActor:
         import mlx.core as mx
 
         emits: list[_Emit] = []
-        notes: list[EngineNote] = []
+        notes: list[_Note] = []
         finished: list[int] = []
         rejected: list[tuple[_Row, str]] = []
         with mx.stream(self._stream):
             for row in starts:
                 try:  # what a row brings (its prefix, sampler) is built before the generator sees it
+                    if row.start.resume is not None:
+                        emits.extend(self._resume(row, notes))
+                        continue
                     prepared = self._prepare(row, notes)
                 except Exception as exc:  # fails this request only; the batch is untouched
                     log.exception("engine.request_failed", request_id=row.start.request.request_id)
                     rejected.append((row, f"generation failed: {type(exc).__name__}: {exc}"))
                     continue
                 emits.append(self._insert(row, prepared))
+            finished.extend(uid for uid in self._rows if uid < 0)  # resumed rows that had nothing left
             for ended, reason in ((cancels, "cancelled"), (stops, "stop")):
                 if not ended:
                     continue
@@ -426,11 +459,14 @@ class EngineActor:
                 for uid in ended:
                     row = self._rows[uid]
                     req = row.start.request
+                    if row.start.checkpoint_key is not None:  # a stop string ends it; a cancel leaves it resumable
+                        end = GenerationCompleted if reason == "stop" else GenerationAbandoned
+                        notes.append(end(row.start.checkpoint_key, req.request_id))
                     emits.append(
                         _Emit(uid, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated))
                     )
                     finished.append(uid)
-            live = set(self._rows) - set(cancels) - set(stops)
+            live = set(self._rows) - set(cancels) - set(stops) - set(finished)
             if not live:
                 return _StepResult(emits, notes, finished, rejected)
             decoding = any(r.generated for r in self._rows.values())
@@ -453,6 +489,8 @@ class EngineActor:
                 row.generated += 1
                 self.stats["generated_tokens"] += 1
                 emits.append(_Emit(r.uid, self._token_event(row, r)))
+                if row.start.checkpoint_key is not None:
+                    self._checkpoint_hook(row, r.finish_reason, notes)
                 if r.finish_reason is not None:
                     req = row.start.request
                     emits.append(
@@ -463,18 +501,23 @@ class EngineActor:
                     )
                     finished.append(r.uid)
                     if self._config.prompt_cache_bytes > 0 and r.prompt_cache is not None:
-                        self._checkpoint(notes, self._snapshot, r.all_tokens, req.namespace, r.prompt_cache, "final")
+                        self._checkpoint(
+                            notes, self._snapshot, r.all_tokens, req.namespace, r.prompt_cache, "final",
+                            session=req.session,
+                        )
         return _StepResult(emits, notes, finished, rejected)
 
-    def _checkpoint(self, notes: list[EngineNote], make: Callable[..., PublishPrefix], *args: Any) -> None:
+    def _checkpoint(
+        self, notes: list[_Note], make: Callable[..., PublishPrefix], *args: Any, **kwargs: Any
+    ) -> None:
         """Publish a checkpoint; one that cannot be taken is skipped and logged, never fails its batch."""
         try:
-            notes.append(make(*args))
+            notes.append(make(*args, **kwargs))
         except Exception:
             log.exception("engine.checkpoint_skipped", kind=getattr(make, "__name__", "snapshot"))
             self.stats["checkpoints_skipped"] += 1
 
-    def _cut_snapshots(self, uids: list[int]) -> list[EngineNote]:
+    def _cut_snapshots(self, uids: list[int]) -> list[_Note]:
         """Checkpoints of decoding rows ended early (a stop string, a disconnect).
 
         Published like a normal end ("final"), with every token the KV holds: the
@@ -492,14 +535,14 @@ class EngineActor:
             log.exception("engine.checkpoint_skipped", kind="cut")
             self.stats["checkpoints_skipped"] += 1
             return []
-        namespace = {uid: self._rows[uid].start.request.namespace for uid in decoding}
-        notes: list[EngineNote] = []
+        notes: list[_Note] = []
         for uid, (caches, tokens) in extracted.items():
             if caches and tokens:
-                self._checkpoint(notes, self._snapshot, list(tokens), namespace[uid], caches, "final")
+                req = self._rows[uid].start.request
+                self._checkpoint(notes, self._snapshot, list(tokens), req.namespace, caches, "final", session=req.session)
         return notes
 
-    def _measure_prefill(self, r: Any, seconds: float, notes: list[EngineNote]) -> None:
+    def _measure_prefill(self, r: Any, seconds: float, notes: list[_Note]) -> None:
         row = self._rows.get(r.uid)
         if row is None:
             return
@@ -508,7 +551,7 @@ class EngineActor:
         notes.append(PrefillMeasured(new, row.cached_tokens + row.prefilled, seconds))
         row.prefilled = done
 
-    def _restore(self, row: _Row, notes: list[EngineNote]) -> tuple[list[Any], int, str]:
+    def _restore(self, row: _Row, notes: list[_Note]) -> tuple[list[Any], int, str]:
         """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
         from mlxd.kv import kinds
 
@@ -527,11 +570,15 @@ class EngineActor:
                 trimmable=kinds.is_trimmable(caches),
                 reason="restore",
                 durable=True,
+                session=row.start.request.session,
             )
         )
         return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
 
-    def _prepare(self, row: _Row, notes: list[EngineNote]) -> _Prepared:
+    def _stop_ids(self, s: Any) -> set[int]:
+        return set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids)
+
+    def _prepare(self, row: _Row, notes: list[_Note]) -> _Prepared:
         """The lent prefix, sampler and processors of a row; raises without touching the generator."""
         from mlx_lm.generate import StopSequences
 
@@ -546,7 +593,7 @@ class EngineActor:
             tier = "ram" if usable > 0 else "none"
         row_caches = self._row_caches(lent)
         s = row.start.request.sampling
-        stops = [[t] for t in sorted(set(self._tokenizer.eos_token_ids) | set(s.stop_token_ids))]
+        stops = [[t] for t in sorted(self._stop_ids(s))]
         return _Prepared(
             caches=[row_caches] if row_caches is not None else None,
             usable=usable,
@@ -559,6 +606,7 @@ class EngineActor:
     def _insert(self, row: _Row, prepared: _Prepared) -> _Emit:
         req = row.start.request
         usable = prepared.usable
+        row.sampler = prepared.sampler  # a generation checkpoint saves its RNG state
         (uid,) = self._generator.insert(
             [list(req.prompt[usable:])],
             max_tokens=[req.sampling.max_tokens],
@@ -571,19 +619,101 @@ class EngineActor:
         row.uid = uid
         row.cached_tokens = usable
         new_tokens = len(req.prompt) - usable - 1
-        row.want_snapshot = (
-            self._config.prompt_cache_bytes > 0 and new_tokens >= max(1, self._config.snapshot_min_tokens)
-        )
+        # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
+        threshold = 1 if req.session is not None else max(1, self._config.snapshot_min_tokens)
+        row.want_snapshot = self._config.prompt_cache_bytes > 0 and new_tokens >= threshold
         self._rows[uid] = row
         self.stats["prompt_tokens"] += len(req.prompt) - usable
         queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
         return _Emit(uid, PromptAccepted(len(req.prompt), usable, prepared.tier, queued))
 
+    # --- generation checkpoints (seed §5.7; kv/gen_checkpoint.py) ----------------------
+
+    def _checkpoint_hook(self, row: _Row, finish_reason: str | None, notes: list[_Note]) -> None:
+        """Every N tokens, snapshot the row for the SSD; on a normal finish, drop its checkpoint."""
+        key, rid = row.start.checkpoint_key, row.start.request.request_id
+        assert key is not None
+        if finish_reason is not None:
+            notes.append(GenerationCompleted(key, rid))
+            return
+        every = self._config.generation_checkpoint
+        if every <= 0 or row.generated % every or self._store_identity is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            notes.append(self._generation_snapshot(row, key))
+        except Exception:  # a checkpoint is an optimization: never fail the generation for it
+            log.exception("engine.generation_checkpoint_failed")
+        self.stats["checkpoint_s"] += time.perf_counter() - t0  # engine-thread time taken from decode
+
+    def _generation_snapshot(self, row: _Row, key: str) -> CheckpointGeneration:
+        from mlxd.kv import kinds
+        from mlxd.kv.gen_checkpoint import GenerationRecord
+        from mlxd.runtime.gen_hook import snapshot_row
+
+        req = row.start.request
+        snap = snapshot_row(self._generator, row.uid)
+        if snap is None:
+            raise RuntimeError("row is not decoding")
+        rng = row.sampler.state() if row.sampler is not None else None
+        record = GenerationRecord(
+            key=key, prompt_tokens=len(req.prompt), emitted=snap.tokens[len(req.prompt):],
+            pending=snap.pending, rng_key=rng,
+        )
+        meta = attrs.evolve(self._store_identity.meta(snap.tokens, req.namespace), generation=record.as_doc())
+        plan = kinds.plan_snapshot(snap.caches, meta=meta)
+        return CheckpointGeneration(key, req.request_id, plan, len(record.emitted))
+
+    def _resume(self, row: _Row, notes: list[_Note]) -> list[_Emit]:
+        """Continue a checkpointed generation: replay its tokens, then decode from the pending one."""
+        from mlx_lm.generate import StopSequences
+
+        from mlxd.kv import kinds
+        from mlxd.runtime.gen_hook import SeededSampler
+
+        resume = row.start.resume
+        assert resume is not None
+        req, record, s = row.start.request, resume.record, row.start.request.sampling
+        t0 = time.perf_counter()
+        caches = kinds.adopt(resume.loaded)
+        notes.append(RestoreMeasured(resume.loaded.nbytes, resume.loaded.seconds + time.perf_counter() - t0))
+        replay = [*record.emitted, record.pending]
+        row.generated = len(replay)
+        row.cached_tokens = len(req.prompt)
+        queued = time.monotonic() - row.start.submitted_at if row.start.submitted_at else 0.0
+        finish = "stop" if record.pending in self._stop_ids(s) else "length" if row.generated >= s.max_tokens else None
+        if finish is None:
+            if s.temperature > 0 and record.rng_key is not None:
+                row.sampler = SeededSampler.restore(s, record.rng_key)
+            (uid,) = self._generator.insert(
+                [[record.pending]],
+                max_tokens=[s.max_tokens - row.generated],
+                caches=[self._row_caches(caches)],
+                all_tokens=[list(req.prompt) + list(record.emitted)],
+                samplers=[row.sampler],
+                logits_processors=[make_processors(s)],
+                stop_sequences=[StopSequences([[t] for t in sorted(self._stop_ids(s))])],
+            )
+        else:
+            uid = self._done_uid = self._done_uid - 1  # never in the batch: finished this step
+        row.uid = uid
+        self._rows[uid] = row
+        emits = [_Emit(uid, PromptAccepted(len(req.prompt), len(req.prompt), "checkpoint", queued))]
+        emits += [_Emit(uid, TokenGenerated(t)) for t in replay]
+        if finish is not None:
+            emits.append(_Emit(uid, GenerationFinished(finish, len(req.prompt), row.cached_tokens, row.generated)))
+            assert row.start.checkpoint_key is not None
+            notes.append(GenerationCompleted(row.start.checkpoint_key, req.request_id))
+        return emits
+
     def _boundary_snapshot(self, row: _Row) -> PublishPrefix:
         (caches, tokens) = self._generator.extract_cache([row.uid])[row.uid]
-        return self._snapshot(tokens, row.start.request.namespace, caches, "boundary")
+        req = row.start.request
+        return self._snapshot(tokens, req.namespace, caches, "boundary", session=req.session)
 
-    def _snapshot(self, tokens: list[int], namespace: str, caches: list[Any], reason: str) -> PublishPrefix:
+    def _snapshot(
+        self, tokens: list[int], namespace: str, caches: list[Any], reason: str, *, session: str | None = None
+    ) -> PublishPrefix:
         """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
         import mlx.core as mx
 
@@ -602,6 +732,7 @@ class EngineActor:
             trimmable=kinds.is_trimmable(caches),
             reason=reason,
             plan=plan,
+            session=session,
         )
 
     def _token_event(self, row: _Row, r: Any) -> TokenGenerated:
@@ -639,23 +770,9 @@ def make_sampler(s: Any) -> Any:
     """None (the batch's shared greedy sampler) or a per-request sampler with its own RNG key."""
     if s.temperature <= 0:
         return None
-    import mlx.core as mx
-    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+    from mlxd.runtime.gen_hook import SeededSampler
 
-    seed = s.seed if s.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
-    state = {"key": mx.random.key(seed)}
-    inv_temp = 1.0 / s.temperature
-
-    def sample(logprobs: Any) -> Any:
-        if 0 < s.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, s.top_p)
-        if s.top_k > 0:
-            logprobs = apply_top_k(logprobs, s.top_k)
-        key, sub = mx.random.split(state["key"])
-        state["key"] = key
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
+    return SeededSampler.seeded(s)  # its key after k samples is a value (generation checkpoints)
 
 
 def make_processors(s: Any) -> list[Any]:

@@ -27,14 +27,18 @@ from mlxd.runtime.messages import (
     CancelGeneration,
     EngineInbox,
     FetchSnapshot,
+    FindGenerationCheckpoint,
+    GenCheckpointMessage,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
+    GenerationRequest,
     LookupPrefix,
     PrefetcherMessage,
     PromptAccepted,
     RequestRecord,
     RestoreSnapshot,
+    ResumeGeneration,
     SchedulerInbox,
     StartGeneration,
     TokenGenerated,
@@ -69,9 +73,11 @@ class SchedulerActor:
         engine: trio.MemorySendChannel[EngineInbox],
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
+        checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
     ) -> None:
         self._config = config
         self._prefetcher = prefetcher
+        self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
         self._inbox = inbox
         self._engine = engine
         self._cache = cache
@@ -109,6 +115,7 @@ class SchedulerActor:
     async def _lifecycle(self, submit: SchedulerInbox) -> None:
         request = submit.request
         record = RequestRecord(request.request_id, request.namespace, request.prompt, submit.submitted_at)
+        record.session = request.session
         record.started_at = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             try:
@@ -156,13 +163,20 @@ class SchedulerActor:
             self.stats.cancelled += 1  # the client left while queued
             record.reason = "client_gone"
             return
-        reply: Reply[PrefixLookup] = Reply()
-        await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply))
-        lookup = await reply.wait()
-        restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
+        key = self._checkpoint_key(request)
+        resume = await self._find_checkpoint(request, key) if key is not None else None
+        hit = restore = None
+        if resume is None:
+            reply: Reply[PrefixLookup] = Reply()
+            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
+            lookup = await reply.wait()
+            hit = lookup.hit
+            restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
-        await self._engine.send(StartGeneration(request, lookup.hit, send, submit.submitted_at, restore))
+        await self._engine.send(
+            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume)
+        )
         client_gone = False
         first_token_at: float | None = None
         async with receive:
@@ -182,6 +196,23 @@ class SchedulerActor:
                     log.info("request.client_gone", why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
+
+    def _checkpoint_key(self, request: GenerationRequest) -> str | None:
+        """The request key when this request is checkpointed (kv/gen_checkpoint.py), else None."""
+        from mlxd.kv import gen_checkpoint
+
+        if self._checkpoints is None or not gen_checkpoint.checkpointable(request.sampling):
+            return None
+        return gen_checkpoint.request_key(request.prompt, request.namespace, request.sampling)
+
+    async def _find_checkpoint(self, request: GenerationRequest, key: str) -> ResumeGeneration | None:
+        """An in-flight checkpoint of this exact request left by an earlier attempt, or None."""
+        assert self._checkpoints is not None
+        reply: Reply[ResumeGeneration | None] = Reply()
+        await self._checkpoints.send(
+            FindGenerationCheckpoint(key, request.request_id, request.prompt, request.namespace, reply)
+        )
+        return await reply.wait()
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:
         """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""

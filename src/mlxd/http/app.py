@@ -27,6 +27,7 @@ from mlxd.http.schemas import (
     parse_prompt,
 )
 from mlxd.http.security import AccessPolicy, is_loopback
+from mlxd.http.sessions import install_sessions, session_id
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import GenerationFinished, PromptAccepted, SamplingParams, TokenGenerated
 from mlxd.runtime.supervisor import (
@@ -402,9 +403,9 @@ def create_app(
             )
 
 
-    def submit(prompt: tuple[int, ...], sampling: SamplingParams) -> GenerationStream:
+    def submit(prompt: tuple[int, ...], sampling: SamplingParams, session: str | None) -> GenerationStream:
         try:
-            return rt.submit(rt.request(prompt, sampling=sampling))
+            return rt.submit(rt.request(prompt, sampling=sampling, session=session))
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
@@ -413,7 +414,7 @@ def create_app(
             raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
 
     async def start_choices(
-        parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool
+        parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool, session: str | None
     ) -> list[_Choice]:
         """Submit the request's generations: the first alone, then (n > 1) the rest.
 
@@ -430,7 +431,7 @@ def create_app(
         try:
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
-                stream = submit(prompt, attrs.evolve(sampling, seed=seed))
+                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session)
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and parsed.n > 1:
                     await choices[0].prime()
@@ -443,10 +444,15 @@ def create_app(
         return choices
 
     async def run(
-        parsed: ParsedRequest, prompt: tuple[int, ...], *, chat: bool, options: ChatOptions | None = None
+        parsed: ParsedRequest,
+        prompt: tuple[int, ...],
+        *,
+        chat: bool,
+        options: ChatOptions | None = None,
+        session: str | None = None,
     ) -> Response:
         check_model(parsed.model)
-        choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat)
+        choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat, session=session)
         completion = _Completion(rt, choices, parsed, chat=chat)
         if parsed.stream:
             response = Response(completion.sse(app.nursery.start_soon), content_type="text/event-stream")
@@ -473,7 +479,7 @@ def create_app(
             prompt = await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        return await run(parsed, prompt, chat=True, options=options)
+        return await run(parsed, prompt, chat=True, options=options, session=session_id(request.headers, body))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -486,7 +492,7 @@ def create_app(
             raise ApiError(400, "'echo' is not supported", param="echo")
         prompt = parse_prompt(body)
         ids = rt.encode(prompt) if isinstance(prompt, str) else tuple(prompt)
-        return await run(parsed, ids, chat=False)
+        return await run(parsed, ids, chat=False, session=session_id(request.headers, body))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -525,6 +531,7 @@ def create_app(
     from mlxd.http.metrics import install_metrics
     from mlxd.http.status import install_status_page
 
+    install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}
     install_metrics(app, rt)  # GET /metrics
     install_status_page(app, rt)  # GET /
     return app

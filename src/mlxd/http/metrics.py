@@ -47,7 +47,8 @@ class RequestMetrics:
         self.prompt = hist("mlxd_request_prompt_tokens", "Prompt length of each request.", TOKEN_BUCKETS)
         self.generated = hist("mlxd_request_generated_tokens", "Tokens generated per request.", TOKEN_BUCKETS)
         self.cache = Counter(
-            "mlxd_cache_requests", "Requests by where their prefix came from (ram, ssd, none = miss).",
+            "mlxd_cache_requests",
+            "Requests by where their prefix came from (ram, ssd, checkpoint = a resumed generation, none = miss).",
             ["tier"], registry=registry,
         )
         self.cached_tokens = Counter(

@@ -157,7 +157,19 @@ class PromptCache:
         """`peek`, and count the hit or miss; a hit refreshes the entry in the policy."""
         key = token_key(tokens)
         hit = self._lookup(key, namespace, limit)
-        self._count.lookup_tokens += key.num_tokens
+        return self._account(hit, key.num_tokens)
+
+    def take_exact(self, tokens, namespace: str, *, prompt_tokens: int) -> CacheHit | None:
+        """The entry of exactly `tokens` serving a prompt it prefixes (no scan), counted like `take`.
+
+        The caller checked that `tokens` is a prefix of the prompt, shorter than it.
+        """
+        entry = self.find_exact(tokens, namespace)
+        hit = None if entry is None else CacheHit(entry, token_key(tokens).num_tokens)
+        return self._account(hit, prompt_tokens) if hit is not None else None
+
+    def _account(self, hit: CacheHit | None, prompt_tokens: int) -> CacheHit | None:
+        self._count.lookup_tokens += prompt_tokens
         if hit is None:
             self._count.misses += 1
             return None
@@ -225,28 +237,50 @@ class PromptCache:
         if not len(index):
             del self._indexes[entry.namespace]
 
-    def evict(self, *, may_evict: Callable[[CacheEntry], bool] = _evict_anything) -> Eviction:
-        """Evict coldest-first until within max_bytes; stop at the first refused victim."""
+    def evict(
+        self,
+        *,
+        may_evict: Callable[[CacheEntry], bool] = _evict_anything,
+        prefer: Callable[[CacheEntry], bool] | None = None,
+    ) -> Eviction:
+        """Evict coldest-first until within max_bytes; stop at the first refused victim.
+
+        With `prefer`, a first pass considers only preferred victims (in policy
+        order, e.g. entries no session references), and the rest only if that
+        was not enough: a preference, not a pin.
+        """
         evicted: list[CacheEntry] = []
         blocked = None
-        victims = self.policy.victims()
-        try:
-            while self._bytes > self.max_bytes:
-                victim = next(victims, None)
-                if victim is None:
-                    break
-                if not may_evict(victim):
-                    blocked = victim
-                    break
-                self.remove(victim, evicted=True)
-                evicted.append(victim)
-        finally:
-            getattr(victims, "close", lambda: None)()  # hand unevicted victims back
+        for only in ((prefer, None) if prefer is not None else (None,)):
+            blocked = self._evict_pass(may_evict, only, evicted)
+            if self._bytes <= self.max_bytes:
+                break
         freed = sum(e.nbytes for e in evicted)
         self._count.evictions += len(evicted)
         self._count.evicted_bytes += freed
         self._count.blocked += blocked is not None
         return Eviction(tuple(evicted), blocked, freed)
+
+    def _evict_pass(
+        self, may_evict: Callable[[CacheEntry], bool], only: Callable[[CacheEntry], bool] | None,
+        evicted: list[CacheEntry],
+    ) -> CacheEntry | None:
+        """Evict victims (those `only` accepts) until within max_bytes; the refused victim, if any."""
+        victims = self.policy.victims()
+        try:
+            while self._bytes > self.max_bytes:
+                victim = next(victims, None)
+                if victim is None:
+                    return None
+                if only is not None and not only(victim):
+                    continue
+                if not may_evict(victim):
+                    return victim
+                self.remove(victim, evicted=True)
+                evicted.append(victim)
+        finally:
+            getattr(victims, "close", lambda: None)()  # hand unevicted victims back
+        return None
 
     def find_exact(self, tokens, namespace: str = "") -> CacheEntry | None:
         index = self._indexes.get(namespace)

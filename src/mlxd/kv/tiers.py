@@ -35,6 +35,7 @@ import attrs
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.restore_decision import RestoreAdvisor
+from mlxd.kv.sessions import SessionIndex, SessionStats
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import SnapshotPlan
@@ -138,6 +139,7 @@ class TierStats:
     not_stored: int
     lost_files: int
     restore_decisions: dict[str, float]
+    sessions: SessionStats | None = None
 
 
 @attrs.define
@@ -167,7 +169,7 @@ class _SsdIndex:
         match = self.find(tokens, namespace, limit=n)
         return match is not None and match.usable == n
 
-    def get(self, tokens: Tokens, namespace: str) -> SsdRecord | None:
+    def get(self, tokens: Tokens | TokenKey, namespace: str) -> SsdRecord | None:
         return self._lru.get(key_of(namespace, tokens))
 
     def add(self, record: SsdRecord) -> list[SsdRecord]:
@@ -225,6 +227,8 @@ class CacheTiers:
     advisor: RestoreAdvisor = attrs.Factory(RestoreAdvisor)
     demote_idle_s: float = 0.0  # 0 = never demote idle entries
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
+    # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
+    sessions: SessionIndex = attrs.field(init=False, factory=SessionIndex)
     _unpersistable: set[Key] = attrs.field(init=False, factory=set)
     _demotions: int = attrs.field(init=False, default=0)
     _idle_demotions: int = attrs.field(init=False, default=0)
@@ -271,27 +275,52 @@ class CacheTiers:
     # --- lookups ----------------------------------------------------------------
 
     def lookup(
-        self, tokens: Tokens, namespace: str = "", *, model_tokens: Callable[[int], int] | None = None
+        self,
+        tokens: Tokens,
+        namespace: str = "",
+        *,
+        model_tokens: Callable[[int], int] | None = None,
+        session: str | None = None,
     ) -> PrefixLookup:
         """RAM hit (counted and refreshed), or an SSD record to restore (touched).
 
         `model_tokens` maps index tokens to model tokens where they differ (the
         simulator's block encoding); the restore decision is taken in model tokens.
+        A `session` whose latest checkpoint prefixes the prompt is served from
+        it without a candidate scan: from RAM when resident, else its exact SSD
+        record is the restore candidate (the restore rule still decides).
+        Otherwise (no reference, an edited history, a checkpoint gone from both
+        tiers) the ordinary lookup runs.
         """
+        ref = self.sessions.usable_for(session, namespace, token_key(tokens)) if session is not None else None
+        if ref is not None:
+            direct = self.ram.take_exact(ref, namespace, prompt_tokens=len(tokens))
+            if direct is not None:
+                return PrefixLookup(direct)
         hit = self.ram.take(tokens, namespace)
+        record = self._index.get(ref, namespace) if ref is not None and self.ssd else None
+        if ref is not None and record is None:
+            self.sessions.fallback()
         if not self.ssd:
             return PrefixLookup(hit)
-        cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
+        if record is not None and ref is not None:
+            cold: SsdMatch | None = SsdMatch(record, ref.num_tokens)
+        else:
+            cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
         warm = hit.usable if hit is not None else 0
-        if cold is None or cold.usable <= warm:
-            return PrefixLookup(hit)
         real = model_tokens or (lambda n: n)
-        if not self.advisor.should_restore(
-            restore_bytes=cold.record.nbytes,
-            cold_tokens=real(cold.usable),
-            warm_tokens=real(warm),
-            prompt_tokens=real(len(tokens)),
+        if (
+            cold is None
+            or cold.usable <= warm
+            or not self.advisor.should_restore(
+                restore_bytes=cold.record.nbytes,
+                cold_tokens=real(cold.usable),
+                warm_tokens=real(warm),
+                prompt_tokens=real(len(tokens)),
+            )
         ):
+            if record is not None:
+                self.sessions.fallback()  # the session's file was not worth restoring
             return PrefixLookup(hit)
         self._index.touch(cold.record, self.now)
         return PrefixLookup(hit, cold)
@@ -335,14 +364,18 @@ class CacheTiers:
         plan: SnapshotPlan | None = None,
         file_nbytes: int | None = None,
         durable: bool = False,
+        session: str | None = None,
     ) -> list[Effect]:
         """Store a checkpoint in RAM; persist it unless a file covers it already; evict.
 
         `durable` says the checkpoint came from SSD (a restore); `file_nbytes`
-        is its size on SSD (default: `nbytes`).
+        is its size on SSD (default: `nbytes`). A `session`'s reference advances
+        to this checkpoint.
         """
         outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable)
         entry = outcome.entry
+        if entry is not None and session is not None:
+            self.sessions.advance(session, namespace, entry.tokens)
         effects: list[Effect] = []
         if entry is not None and self.ssd:
             if durable or self._index.covers(entry.tokens, namespace):
@@ -372,6 +405,10 @@ class CacheTiers:
             self._lost += 1
             self._refresh_durable(record)
         return []
+
+    def close_session(self, session: str) -> bool:
+        """Drop a session's references (its cached state stays); False if it is unknown."""
+        return self.sessions.close(session)
 
     def demote_idle(self) -> list[Effect]:
         """Free RAM held by durable entries idle for `demote_idle_s` (their prefix stays on SSD)."""
@@ -428,13 +465,18 @@ class CacheTiers:
         ancestors = self.ram.strict_ancestors(tokens, namespace)
         return ancestors + ([exact] if exact is not None else [])
 
+    def _unreferenced(self, entry: CacheEntry) -> bool:
+        """Eviction considers entries no session points at first."""
+        return not self.sessions.referenced(entry.namespace, entry.tokens)
+
     def _may_evict(self, entry: CacheEntry) -> bool:
         if not self.ssd or entry.durable:
             return True
         return key_of(entry.namespace, entry.tokens) in self._unpersistable
 
     def _evict(self) -> list[Effect]:
-        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always)
+        prefer = self._unreferenced if len(self.sessions) else None
+        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always, prefer=prefer)
         effects: list[Effect] = []
         for entry in eviction.evicted:
             if not self.ssd:
@@ -468,4 +510,5 @@ class CacheTiers:
             not_stored=self._not_stored,
             lost_files=self._lost,
             restore_decisions=self.advisor.stats(),
+            sessions=self.sessions.stats,
         )

@@ -76,6 +76,9 @@ class RuntimeConfig:
     ssd_write_rate_bytes: int = attrs.field(default=24 * 1024 * 1024, validator=_non_negative)
     # Dirty bytes beyond which writing is urgent (0 = half the RAM tier).
     ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
+    # Checkpoint a running generation every N generated tokens so an identical
+    # request resumes it after a crash or a client drop (0 = off; needs the SSD tier).
+    generation_checkpoint: int = attrs.field(default=0, validator=_non_negative)
 
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
     # Bearer token required on the API (None = open); admin routes need admin_key.
@@ -95,3 +98,5 @@ class RuntimeConfig:
     def __attrs_post_init__(self) -> None:
         if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
+        if self.generation_checkpoint > 0 and self.ssd_cache_dir is None:
+            raise ValueError("--generation-checkpoint needs the SSD tier: set --ssd-cache DIR")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
@@ -125,6 +126,7 @@ class RequestRecord:
     completion_tokens: int = 0
     reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
     output_ids: list[int] = attrs.Factory(list)
+    session: str | None = None
 
     @property
     def queued_s(self) -> float | None:
@@ -159,12 +161,23 @@ class RestoreSnapshot:
 
 
 @attrs.frozen(eq=False)
+class ResumeGeneration:
+    """An in-flight generation checkpoint read from disk, to continue on the engine thread."""
+
+    record: GenerationRecord
+    loaded: LoadedSnapshot
+
+
+@attrs.frozen(eq=False)
 class StartGeneration:
     request: GenerationRequest
     hit: CacheHit | None  # the RAM prefix to lend
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float = 0.0
     restore: RestoreSnapshot | None = None  # wins over `hit` when present
+    # The request key when generation checkpoints are on (kv.gen_checkpoint.request_key).
+    checkpoint_key: str | None = None
+    resume: ResumeGeneration | None = None  # wins over `hit` and `restore`
 
 
 @attrs.frozen
@@ -185,6 +198,7 @@ class LookupPrefix:
     tokens: tuple[int, ...]
     namespace: str
     reply: Reply[PrefixLookup]
+    session: str | None = None  # its latest checkpoint is tried first (seed §5.12)
 
 
 @attrs.frozen(eq=False)
@@ -220,6 +234,7 @@ class PublishPrefix:
     reason: str  # "boundary" (prompt-boundary snapshot), "final" (prompt + generation) or "restore"
     plan: SnapshotPlan | None = None  # for the SSD writer (None without an SSD tier)
     durable: bool = False  # already on SSD (a restored file)
+    session: str | None = None  # the session whose latest checkpoint this becomes
 
 
 @attrs.frozen(eq=False)
@@ -277,6 +292,8 @@ class CacheStatsSnapshot:
         ram = attrs.asdict(t.ram)
         ram.update({f"published_{k}": v for k, v in self.published.items()})
         out: dict[str, object] = {"ram": ram}
+        if t.sessions is not None:
+            out["sessions"] = attrs.asdict(t.sessions)
         if t.ssd_enabled:
             out["ssd"] = {
                 "entries": t.ssd_entries,
@@ -309,6 +326,14 @@ class QueryCacheStats:
     reply: Reply[CacheStatsSnapshot]
 
 
+@attrs.frozen(eq=False)
+class CloseSession:
+    """Drop a session's references (cached state stays). Reply: False if the session is unknown."""
+
+    session: str
+    reply: Reply[bool]
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -321,6 +346,7 @@ CacheOwnerMessage = (
     | PrefillMeasured
     | RestoreMeasured
     | QueryCacheStats
+    | CloseSession
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
@@ -422,6 +448,58 @@ class DurabilityStats:
 
 
 DurabilityMessage = MarkDirty | ForgetDirty | MarkNotStored | SnapshotWritten | FlushRequest | DurabilityStats
+
+
+# --- generation checkpointer ------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class CheckpointGeneration:
+    """A running row's snapshot (prompt + emitted, pending token in the record), for the SSD."""
+
+    key: str
+    request_id: str
+    plan: SnapshotPlan  # its meta carries the generation record
+    emitted: int
+
+
+@attrs.frozen
+class GenerationCompleted:
+    """The request finished normally: its checkpoint is no longer needed."""
+
+    key: str
+    request_id: str
+
+
+@attrs.frozen
+class GenerationAbandoned:
+    """The request left early (cancelled, client gone, failed): its checkpoint stays for a retry."""
+
+    key: str
+    request_id: str
+
+
+@attrs.frozen(eq=False)
+class FindGenerationCheckpoint:
+    """Reply: a `ResumeGeneration` for this exact request, or None."""
+
+    key: str
+    request_id: str
+    prompt: tuple[int, ...]
+    namespace: str
+    reply: Reply[ResumeGeneration | None]
+
+
+@attrs.frozen(eq=False)
+class SettleCheckpoints:
+    """Reply (the number of jobs still queued: 0) once every queued checkpoint write and removal is done."""
+
+    reply: Reply[int]
+
+
+GenCheckpointMessage = (
+    CheckpointGeneration | GenerationCompleted | GenerationAbandoned | FindGenerationCheckpoint | SettleCheckpoints
+)
 
 
 # --- prefetcher --------------------------------------------------------------------

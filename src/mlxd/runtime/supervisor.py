@@ -33,6 +33,7 @@ import trio.lowlevel
 from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.engine import EngineActor, EngineInfo
+from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
@@ -45,6 +46,7 @@ from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
+    CloseSession,
     DurabilityMessage,
     DurabilitySnapshot,
     DurabilityStats,
@@ -53,6 +55,7 @@ from mlxd.runtime.messages import (
     FlushReport,
     FlushRequest,
     FlushThrough,
+    GenCheckpointMessage,
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
@@ -65,6 +68,7 @@ from mlxd.runtime.messages import (
     QueryCacheStats,
     SamplingParams,
     SchedulerInbox,
+    SettleCheckpoints,
     SubmitGeneration,
     TokenGenerated,
     WriteSnapshot,
@@ -72,6 +76,9 @@ from mlxd.runtime.messages import (
 from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
+
+
+GEN_SETTLE_S = 30.0  # longest a flush waits for queued generation checkpoints
 
 
 class QueueFull(Exception):
@@ -235,8 +242,9 @@ class Runtime:
         sampling: SamplingParams | None = None,
         namespace: str = "",
         request_id: str | None = None,
+        session: str | None = None,
     ) -> GenerationRequest:
-        """Validate and build a request for exact prompt token ids."""
+        """Validate and build a request for exact prompt token ids (`session`: seed §5.12)."""
         prompt = tuple(int(t) for t in prompt)
         if sampling is None:
             room = self.info.max_context - len(prompt)
@@ -266,7 +274,8 @@ class Runtime:
         if sampling.top_k >= vocab:
             sampling = attrs.evolve(sampling, top_k=0)  # covering the vocabulary = no top-k
         return GenerationRequest(
-            request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace
+            request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace,
+            session=session,
         )
 
     # --- submitting --------------------------------------------------------------
@@ -292,6 +301,12 @@ class Runtime:
         return GenerationStream(receive, request)
 
     # --- observing and stopping ------------------------------------------------
+
+    async def close_session(self, session: str) -> bool:
+        """Drop a session's cache references (its cached state stays); False if it is unknown."""
+        reply: Reply[bool] = Reply()
+        await self._cache.send(CloseSession(session, reply))
+        return await reply.wait()
 
     async def cache_stats(self) -> dict[str, Any]:
         reply: Reply[CacheStatsSnapshot] = Reply()
@@ -319,6 +334,8 @@ class Runtime:
             out["device_probe"] = self.info.probe.as_dict()
         if self.cold is not None:
             out["ssd_cache"] = await self.ssd_stats()
+        if self.cold is not None and self.cold.checkpointer is not None:
+            out["generation_checkpoints"] = self.cold.checkpointer.snapshot_stats()
         return out
 
     async def ssd_stats(self) -> dict[str, Any]:
@@ -369,8 +386,17 @@ class Runtime:
         reply: Reply[FlushReport] = Reply()
         # Through the cache owner: every checkpoint it has received is marked dirty first.
         await self._cache.send(FlushThrough(FlushRequest(reply)))
-        report = await reply.wait()
-        return report.as_dict()
+        report = (await reply.wait()).as_dict()
+        if self.cold.checkpointer is not None and self.cold.gen_inbox is not None:
+            # Generation checkpoints are written (and finished ones removed) too, at full speed;
+            # running requests keep adding snapshots, so the wait is bounded.
+            settled: Reply[int] = Reply()
+            await self.cold.gen_inbox.send(SettleCheckpoints(settled))
+            pending = self.cold.checkpointer.snapshot_stats()["pending"]
+            with trio.move_on_after(GEN_SETTLE_S):
+                pending = await settled.wait()
+            report["generation_checkpoints_pending"] = pending
+        return report
 
     def stop_admission(self) -> None:
         self.admitting = False
@@ -397,6 +423,8 @@ class ColdTier:
     prefetcher: PrefetcherActor
     prefetch_inbox: trio.MemorySendChannel[PrefetcherMessage]
     governor: WriteGovernor
+    checkpointer: GenerationCheckpointer | None = None  # --generation-checkpoint N
+    gen_inbox: trio.MemorySendChannel[GenCheckpointMessage] | None = None  # its inbox (flush settles it)
 
 
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
@@ -425,6 +453,8 @@ def _cold_tier(
     store: SsdStore,
     cache_send: trio.MemorySendChannel[CacheOwnerMessage],
     governor: WriteGovernor,
+    gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None = None,
+    gen_send: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
@@ -440,7 +470,15 @@ def _cold_tier(
     prefetcher = PrefetcherActor(
         store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify
     )
-    return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor)
+    checkpointer = None
+    if gen_inbox is not None:
+        directory = checkpoint_dir(Path(config.ssd_cache_dir or "."), store.identity.fingerprint)
+        checkpointer = GenerationCheckpointer(
+            directory, store.identity, inbox=gen_inbox, governor=governor, keep=4 * config.max_batch + 16
+        )
+    return ColdTier(
+        store, writer, durability, durability_send, prefetcher, prefetch_send, governor, checkpointer, gen_send
+    )
 
 
 @asynccontextmanager
@@ -453,7 +491,13 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     # Shared by the engine (busy), the durability coordinator and cache owner
     # (urgent) and the SSD writer (which paces itself by it).
     governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes)
-    engine = EngineActor(config, inbox=engine_receive, publish=cache_send.clone(), governor=governor)
+    # In-flight generation checkpoints: engine -> checkpointer (drained without I/O, so never stuck).
+    gen_send, gen_receive = (
+        trio.open_memory_channel[GenCheckpointMessage](64) if config.generation_checkpoint else (None, None)
+    )
+    engine = EngineActor(
+        config, inbox=engine_receive, publish=cache_send.clone(), governor=governor, checkpoints=gen_send
+    )
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
         store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
@@ -464,12 +508,17 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             records=scan.records if scan is not None else (),
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
         )
-        cold = _cold_tier(config, store, cache_send, governor) if store is not None else None
+        cold = (
+            _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None)
+            if store is not None else None
+        )
         if cold is not None:
             cache_owner.attach(durability=cold.durability_inbox.clone(), prefetcher=cold.prefetch_inbox.clone())
             await nursery.start(cold.writer.run)
             await nursery.start(cold.durability.run)
             await nursery.start(cold.prefetcher.run)
+            if cold.checkpointer is not None:
+                await nursery.start(cold.checkpointer.run)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,
@@ -477,6 +526,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             engine=engine_send,
             cache=cache_send.clone(),
             prefetcher=cold.prefetch_inbox.clone() if cold else None,
+            checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         )
         await nursery.start(scheduler.run)
         runtime = Runtime(

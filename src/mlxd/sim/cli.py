@@ -70,6 +70,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="prefilled tokens that publish a prompt-boundary snapshot (default: recorded, else 256)",
     )
     p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument(
+        "--no-sessions", action="store_true",
+        help="ignore the trace's session field (no session index); by default a trace with sessions is "
+             "replayed with the index, and each mlxd run is compared with a twin run without it",
+    )
     p.add_argument("--granularity", choices=("auto", "block", "token"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -166,8 +171,20 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             demote_idle_s=args.demote_idle_s,
             flushes=flushes,
             calibrations=getattr(args, "calibrations", ()),
+            sessions=not getattr(args, "no_sessions", False),
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
+
+
+def _without_sessions(args, reqs, cost, result: RunResult, flushes) -> RunResult:
+    """The same mlxd run with the trace's session field ignored (what the index changes)."""
+    ssd_bytes = result.ssd_capacity_bytes
+    twin = _copy_args(args, no_sessions=True)
+    return run_one(twin, reqs, cost, "mlxd", result.policy, result.capacity_blocks, ssd_bytes, flushes)
+
+
+def _copy_args(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostModel:
@@ -236,6 +253,14 @@ def run_simulate(args) -> int:
     results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))
+    sessions = len({r.session for r in reqs if r.session is not None})
+    if sessions and not args.no_sessions:
+        pairs = [(r, _without_sessions(args, reqs, cost, r, recording.flushes)) for r in results
+                 if r.cache_model == "mlxd"]
+        if args.format == "table":
+            print(report.session_table(pairs, sessions))
+        else:
+            print(json.dumps({"session_index": report.session_json(pairs, sessions)}), flush=True)
     if args.out is not None:
         meta = {
             "trace": Path(args.trace).name,

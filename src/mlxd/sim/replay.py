@@ -114,6 +114,7 @@ class MlxdReplay:
     flushes: Sequence[float] = ()
     calibrations: Sequence[dict | None] = ()  # the recorded advisor state at each flush
     on_request: OnRequest | None = None
+    sessions: bool = True  # honour the trace's session field (the session index, seed §5.12)
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -179,7 +180,11 @@ class MlxdReplay:
             start = self.now()
             prompt = self.synth.prompt(r)
             real = partial(self.synth.hit_tokens, r)
-            lookup = self.tiers.lookup(prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length)
+            session = r.session if self.sessions else None
+            lookup = self.tiers.lookup(
+                prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
+                session=session,
+            )
             restore_s = 0.0
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
@@ -191,8 +196,9 @@ class MlxdReplay:
             await trio.sleep(restore_s)
             prefill_s = self.cost.prefill_seconds(r.input_length - hit, hit)
             await trio.sleep(prefill_s)
-            if r.input_length - hit - 1 >= max(1, self.snapshot_min_tokens):
-                self._publish(prompt[:-1], r.namespace, r.input_length - 1)
+            threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
+            if r.input_length - hit - 1 >= threshold:
+                self._publish(prompt[:-1], r.namespace, r.input_length - 1, session)
             self.tally.add_request(r.input_length, hit, source=source)
             if self.on_request is not None:
                 self.on_request(r, hit, source)
@@ -202,9 +208,9 @@ class MlxdReplay:
             )
             if r.output_ids:
                 full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
-                self._publish(full, r.namespace, len(full))
+                self._publish(full, r.namespace, len(full), session)
             else:  # the generated ids are unknown: the prompt stands in for prompt + generation
-                self._publish(prompt, r.namespace, r.input_length)
+                self._publish(prompt, r.namespace, r.input_length, session)
         finally:
             slots.release()
             self._running -= 1
@@ -222,10 +228,11 @@ class MlxdReplay:
         )
         return self.cost.restore_seconds(record.nbytes)
 
-    def _publish(self, tokens, namespace: str, num_tokens: int) -> None:
+    def _publish(self, tokens, namespace: str, num_tokens: int, session: str | None = None) -> None:
         self._apply(
             self.tiers.publish(
-                tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True
+                tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True,
+                session=session,
             )
         )
 
@@ -273,6 +280,9 @@ class MlxdReplay:
             self.tally.ssd_evictions = stats.ssd_evictions
         else:
             self.tally.evictions = stats.ram.evictions
+        if stats.sessions is not None:
+            self.tally.session_hits = stats.sessions.hits
+            self.tally.session_fallbacks = stats.sessions.fallbacks
         return self.tally
 
 
@@ -292,6 +302,7 @@ def replay_mlxd(
     flushes: Sequence[float] = (),
     calibrations: Sequence[dict | None] = (),
     on_request: OnRequest | None = None,
+    sessions: bool = True,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited)."""
@@ -316,6 +327,7 @@ def replay_mlxd(
         flushes=flushes,
         calibrations=calibrations,
         on_request=on_request,
+        sessions=sessions,
     )
     cache.clock = replay.now
     started = time.perf_counter()

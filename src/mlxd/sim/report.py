@@ -33,6 +33,30 @@ def table(results: Sequence[RunResult]) -> str:
     return "\n".join(rows)
 
 
+def session_table(pairs: Sequence[tuple[RunResult, RunResult]], sessions: int) -> str:
+    """What the session index changes: each mlxd run with the index against its twin without."""
+    head = (
+        f"session index ({sessions} sessions in the trace): with vs without\n"
+        f"{'policy':6} {'blocks':>7} {'sess hit':>8} {'fallback':>8} {'tok hit':>15} {'ram hits':>13} "
+        f"{'evict':>13} {'ttft p50':>15}"
+    )
+    rows = [head, "-" * len(head.splitlines()[-1])]
+    for w, wo in pairs:
+        rows.append(
+            f"{w.policy:6} {_cap(w):>7} {w.session_hits:8d} {w.session_fallbacks:8d} "
+            f"{w.token_hit_rate:7.3f}/{wo.token_hit_rate:<7.3f} {w.ram_hits:6d}/{wo.ram_hits:<6d} "
+            f"{w.evictions:6d}/{wo.evictions:<6d} {w.ttft_s['p50']:7.2f}/{wo.ttft_s['p50']:<7.2f}"
+        )
+    return "\n".join(rows)
+
+
+def session_json(pairs: Sequence[tuple[RunResult, RunResult]], sessions: int) -> dict:
+    return {
+        "sessions": sessions,
+        "runs": [{"with": w.to_json(), "without": wo.to_json()} for w, wo in pairs],
+    }
+
+
 def json_lines(results: Sequence[RunResult]) -> str:
     return "\n".join(json.dumps(r.to_json(), sort_keys=True) for r in results)
 

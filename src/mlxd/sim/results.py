@@ -36,6 +36,8 @@ class RunResult:
     ttft_s: dict[str, float]
     makespan_s: float
     wall_s: float = 0.0
+    session_hits: int = 0  # follow-ups served from their session's checkpoint without a scan
+    session_fallbacks: int = 0  # session references that no longer fit or were evicted
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -71,6 +73,8 @@ class Tally:
     evictions: int = 0
     demotions: int = 0
     ssd_evictions: int = 0
+    session_hits: int = 0
+    session_fallbacks: int = 0
     queue: list[float] = attrs.Factory(list)
     ttft: list[float] = attrs.Factory(list)
     end: float = 0.0
@@ -109,5 +113,7 @@ class Tally:
             queue_delay_s=percentiles(self.queue),
             ttft_s=percentiles(self.ttft),
             makespan_s=self.end,
+            session_hits=self.session_hits,
+            session_fallbacks=self.session_fallbacks,
             **fields,
         )

@@ -153,6 +153,8 @@ class SnapshotMeta:
     tokenizer_hash: str
     tokens: tuple[int, ...] = attrs.field(converter=lambda t: tuple(int(x) for x in t))
     created_at: float = attrs.field(factory=time.time)
+    # An in-flight generation checkpoint's record (kv.gen_checkpoint); None for a prefix snapshot.
+    generation: dict[str, Any] | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -208,6 +210,8 @@ def header_json(header: FileHeader) -> bytes:
         "file_size": header.file_size,
         "caches": [_cache_doc(c) for c in header.caches],
     }
+    if m.generation is not None:
+        doc["generation"] = m.generation
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -233,6 +237,7 @@ def parse_header(blob: bytes, digest: str) -> FileHeader:
             tokenizer_hash=_str(doc["tokenizer_hash"]),
             tokens=[_int(t) for t in doc["tokens"]],
             created_at=float(doc["created_at"]),
+            generation=_dict_or_none(doc.get("generation")),
         )
         caches = tuple(_parse_cache(c) for c in doc["caches"])
         return FileHeader(
@@ -273,6 +278,12 @@ def _parse_tensor(doc: dict[str, Any]) -> TensorDesc:
 def _int(x: Any) -> int:
     if type(x) is not int:
         raise TypeError(f"expected int, got {type(x).__name__}")
+    return x
+
+
+def _dict_or_none(x: Any) -> dict[str, Any] | None:
+    if x is not None and type(x) is not dict:
+        raise TypeError(f"expected an object, got {type(x).__name__}")
     return x
 
 

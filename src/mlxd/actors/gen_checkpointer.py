@@ -1,0 +1,269 @@
+"""The generation checkpointer: in-flight generation checkpoints on the SSD (seed §5.7).
+
+The engine sends a running row's snapshot every `--generation-checkpoint N`
+tokens; this actor keeps only the newest per request key (a queued older
+snapshot is replaced, never written), writes one file at a time on its own
+low-priority thread, paced beside decode like write-behind, and removes a
+request's file when it completes normally. A cancelled or failed request keeps
+its last checkpoint: an identical retry resumes from it.
+
+Files live in `<ssd dir>/generations/<fingerprint>/<request key>.mlxgen`: the
+`.mlxkv` format, whose hashed header carries the generation record. One
+fixed name per key, written as tmp + fsync + rename, so the previous
+checkpoint stays valid until the new one is durable. At most `keep` files are
+kept (oldest removed first). Every failure degrades to "no checkpoint".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from mlxd.actors.ssd_writer import PACE_SLICE, _lower_priority
+from mlxd.kv import file_format as ff
+from mlxd.kv import gen_checkpoint as gc
+from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.messages import (
+    CheckpointGeneration,
+    FindGenerationCheckpoint,
+    GenCheckpointMessage,
+    GenerationAbandoned,
+    GenerationCompleted,
+    ResumeGeneration,
+    SettleCheckpoints,
+)
+from mlxd.runtime.mlx_thread import MlxThread
+
+log = get_logger("mlxd.gen_checkpoints")
+
+Message = GenCheckpointMessage
+
+
+def checkpoint_dir(ssd_root: Path, fingerprint: str) -> Path:
+    return Path(ssd_root) / "generations" / fingerprint
+
+
+class GenerationCheckpointer:
+    def __init__(
+        self,
+        directory: Path,
+        identity: Any,  # kv.ssd_store.StoreIdentity
+        *,
+        inbox: trio.MemoryReceiveChannel[Message],
+        governor: WriteGovernor | None = None,
+        keep: int = 64,
+    ) -> None:
+        self.directory = Path(directory)
+        self._identity = identity
+        self._inbox = inbox
+        self._governor = governor
+        self._keep = keep
+        self._queue = gc.CheckpointQueue()
+        self._entries: dict[str, gc.CheckpointEntry] = {}
+        self._wake = trio.Event()
+        self._writing = False  # a write or removal is on the thread
+        self._settle: list[SettleCheckpoints] = []  # flushes waiting for the queue to empty
+        self._thread: MlxThread | None = None
+        self.stats = {
+            "written": 0, "resumed": 0, "removed": 0, "write_failures": 0, "read_failures": 0,
+            "superseded": 0, "bytes_written": 0, "write_s_last": 0.0,
+        }
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "superseded": self._queue.superseded,
+            "entries": len(self._entries),
+            "pending": len(self._queue),
+            "pending_bytes": self._queue.pending_bytes(),
+            "writing": self._writing,
+        }
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._thread = MlxThread("mlxd-gen-ckpt")  # no MLX calls on it, despite the helper's name
+        try:
+            await self._thread.run(_lower_priority)
+            await self._thread.run(self._scan)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_forever)
+                task_status.started()
+                async with self._inbox:
+                    async for msg in self._inbox:
+                        self._handle(nursery, msg)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._thread.aclose()
+
+    def _handle(self, nursery: trio.Nursery, msg: Message) -> None:
+        if isinstance(msg, CheckpointGeneration):
+            self._queue.write(gc.WriteJob(msg.key, msg.request_id, msg.plan, msg.emitted))
+            self._wake.set()
+        elif isinstance(msg, GenerationCompleted):
+            if self._queue.remove(msg.key, msg.request_id):
+                self._entries.pop(msg.key, None)  # no longer resumable; the file goes next
+                self._wake.set()
+        elif isinstance(msg, GenerationAbandoned):
+            self._queue.release(msg.key, msg.request_id)
+        elif isinstance(msg, SettleCheckpoints):
+            self._settle.append(msg)
+            if self._governor is not None:
+                self._governor.set_urgent("generation_checkpoints", True)  # full speed while a flush waits
+            self._wake.set()
+        elif isinstance(msg, FindGenerationCheckpoint):
+            entry = self._entries.get(msg.key)
+            if entry is None or self._queue.owned(msg.key):
+                # A live identical request (e.g. one of n samples) keeps its own state:
+                # only an abandoned or pre-restart checkpoint is resumed.
+                msg.reply.send(None)
+            else:
+                self._queue.adopt(msg.key, msg.request_id)
+                nursery.start_soon(self._read, entry, msg)
+
+    # --- reads (worker threads, not the writer's: a paced write must not delay a resume) ---
+
+    async def _read(self, entry: gc.CheckpointEntry, msg: FindGenerationCheckpoint) -> None:
+        try:
+            loaded = await trio.to_thread.run_sync(_read_file, entry.path)
+            record = self._check(loaded.header, msg)
+        except (ff.StorageError, ValueError) as exc:
+            self.stats["read_failures"] += 1
+            log.warning("gen_checkpoint.unusable", path=str(entry.path), error=str(exc))
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+                await trio.to_thread.run_sync(_unlink, entry.path)
+            msg.reply.send(None)
+            return
+        self.stats["resumed"] += 1
+        log.info("gen_checkpoint.resume", key=msg.key, emitted=len(record.emitted))
+        msg.reply.send(ResumeGeneration(record, loaded))
+
+    def _check(self, header: ff.FileHeader, msg: FindGenerationCheckpoint) -> gc.GenerationRecord:
+        meta = header.meta
+        if meta.config_fingerprint != self._identity.fingerprint or meta.model_id != self._identity.model_id:
+            raise ValueError("checkpoint of another model")
+        record = gc.GenerationRecord.from_header(meta.generation, meta.tokens)
+        if record.key != msg.key or meta.namespace != msg.namespace:
+            raise ValueError("checkpoint of another request")
+        if meta.tokens[: record.prompt_tokens] != msg.prompt or record.prompt_tokens != len(msg.prompt):
+            raise ValueError("checkpoint prompt differs from the request")
+        return record
+
+    # --- writes and removals (the checkpointer's thread, one at a time) ---------------
+
+    async def _write_forever(self) -> None:
+        while True:
+            job = self._queue.take()
+            if job is None:
+                self._answer_settle()
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            self._writing = True
+            try:
+                if isinstance(job, gc.WriteJob):
+                    await self._write(job)
+                else:
+                    await self._remove(job.key)
+            finally:
+                self._writing = False
+
+    def _answer_settle(self) -> None:
+        """Everything queued is done: answer the waiting flushes."""
+        for msg in self._settle:
+            msg.reply.send(len(self._queue))
+        self._settle.clear()
+        if self._governor is not None:
+            self._governor.set_urgent("generation_checkpoints", False)
+
+    async def _write(self, job: gc.WriteJob) -> None:
+        assert self._thread is not None
+        path = self.directory / gc.file_name(job.key)
+        t0 = time.perf_counter()
+        pacer = Pacer(self._governor, slice_bytes=PACE_SLICE) if self._governor is not None else None
+        try:
+            written = await self._thread.run(_write_file, job.plan, path, pacer)
+        except (ff.StorageError, WriteInterrupted) as exc:
+            self.stats["write_failures"] += 1
+            log.warning("gen_checkpoint.write_failed", error=str(exc))
+            return
+        self.stats["written"] += 1
+        self.stats["bytes_written"] += written.nbytes
+        self.stats["write_s_last"] = round(time.perf_counter() - t0, 4)
+        if not self._queue.removing(job.key):  # completed while this write was in flight
+            self._entries[job.key] = gc.CheckpointEntry(job.key, path, job.emitted, written.nbytes, time.time())
+        await self._enforce_keep()
+
+    async def _remove(self, key: str) -> None:
+        assert self._thread is not None
+        self._entries.pop(key, None)
+        await self._thread.run(_unlink, self.directory / gc.file_name(key))
+        self.stats["removed"] += 1
+
+    async def _enforce_keep(self) -> None:
+        while len(self._entries) > self._keep:
+            oldest = min(self._entries.values(), key=lambda e: e.mtime)
+            await self._remove(oldest.key)
+
+    # --- startup ----------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """(I/O) Index the checkpoints a previous process left; reap tmp files and bad ones."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("gen_checkpoint.scan_failed", dir=str(self.directory), error=str(exc))
+            return
+        for name in names:
+            path = self.directory / name
+            if name.endswith(".tmp"):
+                _unlink(path)
+                continue
+            if not name.endswith(gc.EXTENSION):
+                continue
+            try:
+                header = ff.read_header(path)
+                record = gc.GenerationRecord.from_header(header.meta.generation, header.meta.tokens)
+                if record.key + gc.EXTENSION != name or header.meta.config_fingerprint != self._identity.fingerprint:
+                    raise ValueError("name or fingerprint mismatch")
+                st = path.stat()
+            except (ff.StorageError, ValueError, OSError) as exc:
+                log.warning("gen_checkpoint.removed_unreadable", path=str(path), error=str(exc))
+                _unlink(path)
+                continue
+            self._entries[record.key] = gc.CheckpointEntry(
+                record.key, path, len(record.emitted), st.st_size, st.st_mtime
+            )
+        if self._entries:
+            log.info("gen_checkpoint.scan", entries=len(self._entries))
+
+
+def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.WrittenFile:
+    """(I/O) The directory (0700), then tmp + fsync + rename onto the key's fixed name."""
+    try:
+        for d in (path.parent.parent.parent, path.parent.parent, path.parent):
+            if not d.is_dir():
+                d.mkdir(mode=0o700, exist_ok=True)
+                os.chmod(d, 0o700)
+    except OSError as exc:
+        raise ff.storage_error(exc, f"creating {path.parent}") from exc
+    _unlink(path.with_name(path.name + ".tmp"))  # a tmp left by a failed attempt
+    return ff.write_snapshot(plan, path, pacer=pacer)
+
+
+def _read_file(path: Path) -> ff.LoadedSnapshot:
+    return ff.read_snapshot(path, verify=False)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("gen_checkpoint.unlink_failed", path=str(path), error=str(exc))

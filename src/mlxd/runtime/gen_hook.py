@@ -1,0 +1,77 @@
+"""The engine-thread half of generation checkpoints (MLX calls; see kv/gen_checkpoint.py).
+
+- `SeededSampler`: a per-request sampler whose RNG state is a value (the key
+  after n samples), so a resumed request continues the very same random stream.
+- `snapshot_row`: a running row's caches, tokens and pending token, read from
+  mlx-lm's `BatchGenerator` between two steps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+
+class SeededSampler:
+    """Temperature / top-p / top-k sampling from a split chain of one RNG key.
+
+    Each call splits the key: the state after k samples is `key` after k
+    splits, and `state()` returns it as two integers (None-free, JSON-able).
+    """
+
+    def __init__(self, sampling: Any, key: mx.array) -> None:
+        self._top_p = sampling.top_p
+        self._top_k = sampling.top_k
+        self._inv_temp = 1.0 / sampling.temperature
+        self.key = key
+
+    @classmethod
+    def seeded(cls, sampling: Any) -> SeededSampler:
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        return cls(sampling, mx.random.key(seed))
+
+    @classmethod
+    def restore(cls, sampling: Any, state: tuple[int, ...]) -> SeededSampler:
+        return cls(sampling, mx.array(list(state), dtype=mx.uint32))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self._top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self._top_p)
+        if self._top_k > 0:
+            logprobs = apply_top_k(logprobs, self._top_k)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * self._inv_temp, key=sub)
+
+    def state(self) -> tuple[int, ...]:
+        values: list[int] = self.key.tolist()  # type: ignore[assignment]
+        return tuple(int(v) for v in values)
+
+
+@attrs.frozen(eq=False)
+class RowSnapshot:
+    """One decoding row at a token boundary: caches cover `tokens`; `pending` is sampled, not emitted."""
+
+    caches: list[Any]
+    tokens: list[int]
+    pending: int
+
+
+def snapshot_row(generator: Any, uid: int) -> RowSnapshot | None:
+    """Read a decoding row out of mlx-lm's BatchGenerator (None if it is not decoding).
+
+    mlx-lm 0.32 keeps the already-sampled next token of each row in its
+    generation batch (`_next_tokens`); no public accessor exists, so this is
+    the one place that reads it. `extract_cache` returns new arrays, so the
+    row keeps decoding in place while the snapshot is written.
+    """
+    batch = generator._generation_batch
+    if uid not in batch.uids or batch._next_tokens is None:
+        return None
+    i = batch.uids.index(uid)
+    caches = batch.extract_cache(i)
+    pending = int(batch._next_tokens[i].item())
+    return RowSnapshot(caches, list(batch.tokens[i]), pending)
