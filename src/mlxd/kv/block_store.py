@@ -1,0 +1,764 @@
+"""File I/O of the block store (seed §5.11 C1; the pure part is `mlxd.kv.blocks`).
+
+Layout under the fingerprint directory (as whole files, `mlxd.kv.ssd_store`):
+
+    <root>/<fingerprint>/blocks/<name>.mlxblk      a block: an `.mlxkv` format-2 file
+    <root>/<fingerprint>/<ns-hash>/<uuid>.mlxmf    a manifest: one checkpoint
+    <root>/<fingerprint>/<ns-hash>/<uuid>.mlxkv    a whole-file checkpoint (still read)
+    <root>/<fingerprint>/blocks.lock               serializes collection with writes
+
+A block is an ordinary snapshot file (hashed header, per-tensor CRC-32) of
+its span's tensors, so it is written and verified exactly as a whole file is.
+A manifest is a hashed JSON document (sha256, like a file header).
+
+Ordering: every block a manifest names is committed (tmp + fsync + rename,
+then the blocks directory is fsynced) before the manifest is written the same
+way, so a crash never leaves a manifest naming a missing block. A writer
+holds the lock file shared from its first existence probe to its manifest's
+rename; collection holds it exclusively and removes only blocks that no
+manifest on disk names (and tmp files, which only a dead writer can leave
+while nobody holds the lock). One writer thread per process does both, and
+`flock` serializes processes sharing the directory.
+
+The store keeps no index (the cache tiers do): `scan()` returns records,
+`write()` returns `Stored` or `Failed`, `load()` returns the loaded snapshot
+or None (a miss; what is damaged is removed), `unlink()` removes a manifest
+or a whole file, `collect()` removes garbage blocks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import structlog
+
+from mlxd.kv import blocks as bk
+from mlxd.kv import file_format as ff
+from mlxd.kv.pacing import Pacer
+from mlxd.kv.ssd_store import StoreIdentity, namespace_dir
+
+log = structlog.get_logger(__name__)
+
+# The file format's descriptor codec and header reader, shared rather than copied.
+_cache_doc = ff._cache_doc
+_parse_cache = ff._parse_cache
+_read_header = ff._read_header
+_NP_DTYPES = ff._NP_DTYPES
+
+BLOCK_EXT = ".mlxblk"
+MANIFEST_EXT = ".mlxmf"
+MANIFEST_MAGIC = b"MLXDMF\r\n"
+MANIFEST_VERSION = 1
+_PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, body_len, sha256, reserved
+_MAX_MANIFEST = 64 << 20
+_READ_CHUNK = 8 << 20
+
+
+# ------------------------------------------------------------- records
+
+
+@attrs.define(eq=False)
+class StoredCheckpoint:
+    """One checkpoint on disk: a manifest (blocks) or, from before blocks, a whole file."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    nbytes: int  # every block it uses (or the whole file's size)
+    mtime: float
+    trimmable: bool
+    path: Path  # the manifest or the whole file
+    manifest: bk.Manifest | None = None  # None: a whole file
+
+
+@attrs.frozen
+class Stored:
+    """A write committed: the record, and what it cost."""
+
+    record: StoredCheckpoint
+    written_bytes: int  # new blocks + the manifest
+    new_blocks: int
+    reused_blocks: int
+    seconds: float
+
+
+@attrs.frozen
+class Failed:
+    """A write stored nothing (every block it wrote stays valid; collection removes them)."""
+
+    error: ff.StorageError
+
+
+@attrs.frozen
+class ScanReport:
+    manifests: int = 0
+    whole_files: int = 0
+    blocks: int = 0
+    block_bytes: int = 0
+    corrupt: int = 0  # unreadable manifests and whole files, and manifests naming a missing block
+    orphans: int = 0  # tmp files of interrupted writes
+    collected: int = 0  # blocks no manifest names
+
+
+@attrs.frozen
+class ScanResult:
+    records: tuple[StoredCheckpoint, ...]
+    report: ScanReport
+
+
+@attrs.frozen
+class GcReport:
+    removed: int = 0
+    removed_bytes: int = 0
+    orphans: int = 0
+    kept: int = 0  # candidates a manifest still names
+
+
+# ------------------------------------------------------------ manifests
+
+
+def encode_manifest(m: bk.Manifest) -> bytes:
+    meta = m.meta
+    doc = {
+        "manifest_version": MANIFEST_VERSION,
+        "block_format_version": ff.FORMAT_VERSION,
+        "model_id": meta.model_id,
+        "config_fingerprint": meta.config_fingerprint,
+        "namespace": meta.namespace,
+        "tokenizer_hash": meta.tokenizer_hash,
+        "created_at": meta.created_at,
+        "tokens": list(meta.tokens),
+        "block_tokens": m.block_tokens,
+        "caches": [_cache_doc(c) for c in m.caches],
+        "blocks": [[b.name, b.start, b.end, b.nbytes, int(b.state)] for b in m.blocks],
+    }
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
+    head = _PREAMBLE.pack(MANIFEST_MAGIC, MANIFEST_VERSION, 0, len(body), b"\0" * 32)
+    digest = hashlib.sha256(head[:24] + body).digest()
+    return _PREAMBLE.pack(MANIFEST_MAGIC, MANIFEST_VERSION, 0, len(body), digest) + body
+
+
+def decode_manifest(data: bytes) -> bk.Manifest:
+    """Parse and hash-check a manifest; any surprise is CorruptFile."""
+    if len(data) < _PREAMBLE.size:
+        raise ff.CorruptFile("manifest ends early")
+    magic, version, flags, n, digest = _PREAMBLE.unpack(data[: _PREAMBLE.size])
+    if magic != MANIFEST_MAGIC:
+        raise ff.CorruptFile("not a manifest (bad magic)")
+    if version != MANIFEST_VERSION:
+        raise ff.UnsupportedVersion(f"manifest version {version}, this build reads {MANIFEST_VERSION}")
+    body = data[_PREAMBLE.size :]
+    if flags or n != len(body) or n > _MAX_MANIFEST:
+        raise ff.CorruptFile("bad manifest preamble or size")
+    if hashlib.sha256(data[:24] + body).digest() != digest:
+        raise ff.CorruptFile("manifest hash mismatch")
+    try:
+        doc = json.loads(body)
+        if doc["block_format_version"] != ff.FORMAT_VERSION:
+            raise ff.UnsupportedVersion("blocks of another file format version")
+        meta = ff.SnapshotMeta(
+            model_id=_typed(doc["model_id"], str),
+            config_fingerprint=_typed(doc["config_fingerprint"], str),
+            namespace=_typed(doc["namespace"], str),
+            tokenizer_hash=_typed(doc["tokenizer_hash"], str),
+            tokens=[_typed(t, int) for t in doc["tokens"]],
+            created_at=float(doc["created_at"]),
+        )
+        refs = tuple(
+            bk.BlockRef(_typed(b[0], str), _typed(b[1], int), _typed(b[2], int), _typed(b[3], int), bool(b[4]))
+            for b in doc["blocks"]
+        )
+        manifest = bk.Manifest(
+            meta=meta,
+            caches=tuple(_parse_cache(c) for c in doc["caches"]),
+            blocks=refs,
+            block_tokens=_typed(doc["block_tokens"], int),
+        )
+    except ff.CorruptFile:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as exc:
+        raise ff.CorruptFile(f"malformed manifest: {exc!r}") from exc
+    if not all(bk.is_block_name(b.name) for b in refs):
+        raise ff.CorruptFile("bad block name in manifest")
+    problem = bk.check_chain(manifest)
+    if problem:
+        raise ff.CorruptFile(problem)
+    return manifest
+
+
+def _typed(x: Any, kind: type) -> Any:
+    if type(x) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {type(x).__name__}")
+    return x
+
+
+def read_manifest(path: Path) -> bk.Manifest:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_MANIFEST + _PREAMBLE.size + 1)
+    except OSError as exc:
+        raise ff.storage_error(exc, f"reading {path}") from exc
+    return decode_manifest(data)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """tmp (O_EXCL) + fsync + rename + fsync of the directory. Raises OSError."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    ff.fsync_dir(path.parent)
+
+
+# -------------------------------------------------------------- the store
+
+
+@attrs.define
+class BlockStore:
+    """Blocks and manifests in one fingerprint directory. Every method is (I/O): a worker thread's."""
+
+    root: Path = attrs.field(converter=Path)
+    identity: StoreIdentity
+    block_tokens: int = bk.BLOCK_TOKENS
+    _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
+
+    @property
+    def directory(self) -> Path:
+        return self.root / self.identity.fingerprint
+
+    @property
+    def blocks_dir(self) -> Path:
+        return self.directory / "blocks"
+
+    def block_path(self, name: str) -> Path:
+        return self.blocks_dir / (name + BLOCK_EXT)
+
+    # ------------------------------------------------------------ locking
+
+    @contextmanager
+    def _locked(self, *, exclusive: bool) -> Iterator[None]:
+        """Shared for writers, exclusive for collection and the startup scan (flock: per open file)."""
+        self._make_dirs()
+        fd = os.open(self.directory / "blocks.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _make_dirs(self, *more: Path) -> None:
+        d = self.root
+        try:
+            for d in (self.root, self.directory, self.blocks_dir, *more):
+                if not d.is_dir():
+                    d.mkdir(mode=0o700, exist_ok=True)
+                    os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
+        except OSError as exc:
+            raise ff.storage_error(exc, f"creating {d}") from exc
+
+    # ------------------------------------------------------------- writes
+
+    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> Stored | Failed:
+        """Commit the plan's new blocks, then its manifest. Never raises StorageError."""
+        t0 = time.perf_counter()
+        meta = plan.meta
+        ns_dir = self.directory / namespace_dir(meta.namespace)
+        try:
+            self._make_dirs(ns_dir)
+            with self._locked(exclusive=False):
+                refs, written, new = self._write_blocks(plan, pacer)
+                manifest = bk.Manifest(meta, bk.blank(plan.caches), tuple(refs), self.block_tokens)
+                data = encode_manifest(manifest)
+                path = ns_dir / (uuid.uuid4().hex + MANIFEST_EXT)
+                try:
+                    _write_durably(path, data)
+                except OSError as exc:
+                    raise ff.storage_error(exc, f"writing {path}") from exc
+        except ff.StorageError as exc:
+            return Failed(exc)
+        record = StoredCheckpoint(
+            meta.namespace, meta.tokens, manifest.nbytes, time.time(), manifest.trimmable, path, manifest
+        )
+        return Stored(record, written + len(data), new, len(refs) - new, time.perf_counter() - t0)
+
+    def _write_blocks(self, plan: ff.SnapshotPlan, pacer: Pacer | None) -> tuple[list[bk.BlockRef], int, int]:
+        meta = plan.meta
+        n = len(meta.tokens)
+        sizes: dict[str, int] = {}
+
+        def exists(name: str) -> bool:
+            try:
+                sizes[name] = os.stat(self.block_path(name)).st_size
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise ff.storage_error(exc, f"probing block {name}") from exc
+            return True
+
+        views = _LeafViews(plan)
+        refs: list[bk.BlockRef] = []
+        written = new = 0
+        if views.spanned:
+            spans = bk.choose_spans(
+                meta.tokens,
+                namespace=meta.namespace,
+                fingerprint=meta.config_fingerprint,
+                exists=exists,
+                block_tokens=self.block_tokens,
+            )
+            for s in spans:
+                if s.exists:
+                    refs.append(bk.BlockRef(s.name, s.start, s.end, sizes[s.name]))
+                    continue
+                block = views.span_plan(meta, s.start, s.end)
+                size = self._write_block(s.name, block, pacer)
+                refs.append(bk.BlockRef(s.name, s.start, s.end, size))
+                written, new = written + size, new + 1
+        if views.whole:
+            name = bk.state_hash(meta.tokens, namespace=meta.namespace, fingerprint=meta.config_fingerprint)
+            if exists(name):
+                refs.append(bk.BlockRef(name, n, n, sizes[name], state=True))
+            else:
+                size = self._write_block(name, views.state_plan(meta), pacer)
+                refs.append(bk.BlockRef(name, n, n, size, state=True))
+                written, new = written + size, new + 1
+        try:
+            ff.fsync_dir(self.blocks_dir)  # blocks reused from another writer are durable too
+        except OSError as exc:
+            raise ff.storage_error(exc, f"syncing {self.blocks_dir}") from exc
+        return refs, written, new
+
+    def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
+        return ff.write_snapshot(plan, self.block_path(name), pacer=pacer).nbytes
+
+    # -------------------------------------------------------------- reads
+
+    def load(self, record: StoredCheckpoint, *, verify: bool = False) -> ff.LoadedSnapshot | None:
+        """Read a checkpoint for adoption; None (a miss) when anything is missing or damaged.
+
+        A damaged block is removed with the manifest that led to it; the other
+        manifests naming it miss in turn when they are loaded.
+        """
+        if record.manifest is None:
+            return self._load_whole(record, verify=verify)
+        t0 = time.perf_counter()
+        manifest = record.manifest
+        try:
+            buffers = _read_blocks(self, manifest, verify=verify)
+        except _BadBlock as bad:
+            log.warning("ssd_corrupt_block_removed", block=bad.name, manifest=str(record.path), reason=str(bad))
+            _unlink_quietly(self.block_path(bad.name))
+            _unlink_quietly(record.path)
+            return None
+        except ff.StorageError as exc:
+            log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
+            return None
+        header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
+        _touch(record)
+        return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0)
+
+    def _load_whole(self, record: StoredCheckpoint, *, verify: bool) -> ff.LoadedSnapshot | None:
+        try:
+            loaded = ff.read_snapshot(record.path, verify=verify)
+        except ff.CorruptFile as exc:
+            log.warning("ssd_corrupt_file_removed", path=str(record.path), reason=str(exc))
+            _unlink_quietly(record.path)
+            return None
+        except ff.StorageError as exc:
+            log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
+            return None
+        if loaded.header.tokens != record.tokens or loaded.header.namespace != record.namespace:
+            log.warning("ssd_corrupt_file_removed", path=str(record.path), reason="file no longer matches its record")
+            _unlink_quietly(record.path)
+            return None
+        _touch(record)
+        return loaded
+
+    def unlink(self, record: StoredCheckpoint) -> None:
+        """Remove a manifest (its blocks stay until `collect`) or a whole file."""
+        try:
+            record.path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("ssd_unlink_failed", path=str(record.path), error=str(exc))
+
+    # ------------------------------------------------- scan and collection
+
+    def scan(self) -> ScanResult:
+        """Startup recovery: reap tmp files, read every manifest and whole file, collect garbage."""
+        records: list[StoredCheckpoint] = []
+        counts = {"corrupt": 0, "orphans": 0}
+        with self._locked(exclusive=True):
+            blocks = self._stored_blocks(counts)
+            for ns_dir in self._ns_dirs():
+                for path in _listdir(ns_dir):
+                    record = self._scan_file(path, ns_dir.name, blocks, counts)
+                    if record is not None:
+                        records.append(record)
+            live: set[str] = set()
+            for r in records:
+                if r.manifest is not None:
+                    live.update(b.name for b in r.manifest.blocks)
+            garbage = set(blocks) - live
+            for name in garbage:
+                _unlink_quietly(self.block_path(name))
+            if garbage:
+                ff.fsync_dir(self.blocks_dir)
+        report = ScanReport(
+            manifests=sum(r.manifest is not None for r in records),
+            whole_files=sum(r.manifest is None for r in records),
+            blocks=len(blocks) - len(garbage),
+            block_bytes=sum(size for name, size in blocks.items() if name not in garbage),
+            corrupt=counts["corrupt"],
+            orphans=counts["orphans"],
+            collected=len(garbage),
+        )
+        log.info("ssd_scan", dir=str(self.directory), **attrs.asdict(report))
+        if report.whole_files:
+            log.info("ssd_whole_files_kept", files=report.whole_files,
+                     note="checkpoints from before content-addressed blocks stay readable as whole files")
+        return ScanResult(tuple(records), report)
+
+    def _scan_file(
+        self, path: Path, ns_name: str, blocks: dict[str, int], counts: dict[str, int]
+    ) -> StoredCheckpoint | None:
+        name = path.name
+        if name.endswith(".tmp"):
+            _unlink_quietly(path)
+            counts["orphans"] += 1
+            return None
+        if path.suffix not in (MANIFEST_EXT, ff.EXTENSION):
+            return None
+        try:
+            mtime = path.stat().st_mtime
+            if path.suffix == ff.EXTENSION:
+                header = ff.read_header(path)
+                meta, manifest, nbytes, trimmable = header.meta, None, header.file_size, header.trimmable
+            else:
+                manifest = read_manifest(path)
+                meta, nbytes, trimmable = manifest.meta, manifest.nbytes, manifest.trimmable
+        except ff.CorruptFile as exc:
+            self._drop(path, str(exc), counts)
+            return None
+        except (ff.StorageError, OSError) as exc:
+            log.warning("ssd_scan_unreadable", path=str(path), error=str(exc))
+            return None
+        problem = self._mismatch(meta, ns_name)
+        if problem is None and manifest is not None:
+            missing = [b.name for b in manifest.blocks if blocks.get(b.name) != b.nbytes]
+            if missing:
+                problem = f"names {len(missing)} missing or resized blocks"
+        if problem:
+            self._drop(path, problem, counts)
+            return None
+        return StoredCheckpoint(meta.namespace, meta.tokens, nbytes, mtime, trimmable, path, manifest)
+
+    def _drop(self, path: Path, why: str, counts: dict[str, int]) -> None:
+        log.warning("ssd_corrupt_file_removed", path=str(path), reason=why)
+        _unlink_quietly(path)
+        counts["corrupt"] += 1
+
+    def _mismatch(self, meta: ff.SnapshotMeta, ns_name: str) -> str | None:
+        want = self.identity
+        if meta.config_fingerprint != want.fingerprint:
+            return "config fingerprint mismatch"
+        if meta.model_id != want.model_id or meta.tokenizer_hash != want.tokenizer_hash:
+            return "model or tokenizer mismatch"
+        if namespace_dir(meta.namespace) != ns_name:
+            return "namespace does not match its directory"
+        return None
+
+    def _ns_dirs(self) -> Iterator[Path]:
+        if self.directory.is_dir():
+            yield from (p for p in _listdir(self.directory) if p.is_dir() and p != self.blocks_dir)
+
+    def _stored_blocks(self, counts: dict[str, int]) -> dict[str, int]:
+        """name -> size of every committed block; tmp files are reaped (call with the lock exclusive)."""
+        found = {}
+        for path in _listdir(self.blocks_dir):
+            if path.name.endswith(".tmp"):
+                _unlink_quietly(path)
+                counts["orphans"] += 1
+            elif path.suffix == BLOCK_EXT and bk.is_block_name(path.stem):
+                try:
+                    found[path.stem] = path.stat().st_size
+                except OSError:
+                    continue
+        return found
+
+    def referenced(self) -> set[str]:
+        """Every block name a manifest on disk names (unreadable manifests name none)."""
+        live: set[str] = set()
+        seen: set[Path] = set()
+        for ns_dir in self._ns_dirs():
+            for path in _listdir(ns_dir):
+                if path.suffix != MANIFEST_EXT:
+                    continue
+                seen.add(path)
+                try:
+                    st = path.stat()
+                    cached = self._manifest_cache.get(path)
+                    if cached is None or cached[:2] != (st.st_mtime_ns, st.st_size):
+                        names = tuple(b.name for b in read_manifest(path).blocks)
+                        cached = self._manifest_cache[path] = (st.st_mtime_ns, st.st_size, names)
+                except (ff.StorageError, OSError):
+                    continue
+                live.update(cached[2])
+        for gone in set(self._manifest_cache) - seen:
+            del self._manifest_cache[gone]
+        return live
+
+    def collect(self, candidates: Iterable[str] | None = None) -> GcReport:
+        """Remove blocks no manifest on disk names: `candidates` only, or every stored block.
+
+        Holds the lock exclusively: no writer is between its probes and its
+        manifest, so a block a new manifest is about to name is not removed,
+        and every tmp file present belongs to a dead writer.
+        """
+        counts = {"corrupt": 0, "orphans": 0}
+        try:
+            with self._locked(exclusive=True):
+                stored = self._stored_blocks(counts)
+                live = self.referenced()
+                wanted = set(stored) if candidates is None else set(candidates) & set(stored)
+                victims = wanted - live
+                for name in victims:
+                    _unlink_quietly(self.block_path(name))
+                if victims:
+                    ff.fsync_dir(self.blocks_dir)
+        except (ff.StorageError, OSError) as exc:
+            log.warning("ssd_collect_failed", dir=str(self.directory), error=str(exc))
+            return GcReport()
+        return GcReport(
+            removed=len(victims),
+            removed_bytes=sum(stored[n] for n in victims),
+            orphans=counts["orphans"],
+            kept=len(wanted) - len(victims),
+        )
+
+    def stored_block_bytes(self) -> int:
+        """Bytes of every block file on disk (for benchmarks and tests)."""
+        total = 0
+        for path in _listdir(self.blocks_dir):
+            if path.suffix == BLOCK_EXT:
+                total += path.stat().st_size
+        return total
+
+
+# ----------------------------------------------------- splitting a plan
+
+
+class _LeafViews:
+    """The plan's tensors as numpy views, by leaf cache: spanned ones cut per span, others whole."""
+
+    def __init__(self, plan: ff.SnapshotPlan) -> None:
+        n = len(plan.meta.tokens)
+        bufs = iter(plan.buffers)
+        self.caches = plan.caches
+        self.n = n
+        self.spanned: list[tuple[ff.CacheDesc, list[np.ndarray | None]]] = []
+        self.whole: list[tuple[ff.CacheDesc, list[memoryview | None]]] = []
+        for leaf in bk.leaves(plan.caches):
+            if bk.spanned(leaf, n):
+                self.spanned.append((leaf, [None if t is None else np.asarray(next(bufs)) for t in leaf.tensors]))
+            else:
+                self.whole.append((leaf, [None if t is None else next(bufs) for t in leaf.tensors]))
+        if next(bufs, None) is not None:
+            raise ValueError("plan has more buffers than tensors")
+
+    def span_plan(self, meta: ff.SnapshotMeta, start: int, end: int) -> ff.SnapshotPlan:
+        descs = bk.span_descs(self.caches, self.n, start, end)
+        buffers = tuple(
+            memoryview(a[..., start:end, :])  # type: ignore[arg-type]
+            for _, arrays in self.spanned
+            for a in arrays
+            if a is not None
+        )
+        return ff.SnapshotPlan(meta=attrs.evolve(meta, tokens=meta.tokens[start:end]), caches=descs, buffers=buffers)
+
+    def state_plan(self, meta: ff.SnapshotMeta) -> ff.SnapshotPlan:
+        descs = bk.state_descs(self.caches, self.n)
+        buffers = tuple(b for _, views in self.whole for b in views if b is not None)
+        return ff.SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
+
+
+# ------------------------------------------------------- reading blocks
+
+
+class _BadBlock(Exception):
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(why)
+        self.name = name
+
+
+def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> tuple[np.ndarray, ...]:
+    """Read every block of a manifest, in order, straight into the checkpoint's full tensors."""
+    n = len(manifest.tokens)
+    full: list[np.ndarray] = []
+    spanned_dest: list[np.ndarray] = []
+    whole_dest: list[np.ndarray] = []
+    for leaf in bk.leaves(manifest.caches):
+        target = spanned_dest if bk.spanned(leaf, n) else whole_dest
+        for t in leaf.tensors:
+            if t is not None:
+                a: np.ndarray = np.empty(t.shape, dtype=_NP_DTYPES[t.dtype])
+                full.append(a)
+                target.append(a)
+    meta = manifest.meta
+    for b in manifest.blocks:
+        if b.state:
+            want_tokens = meta.tokens
+            want = bk.state_descs(manifest.caches, n)
+            dests = [memoryview(a).cast("B") if a.size else None for a in whole_dest]  # type: ignore[arg-type]
+            pieces: list[list[memoryview]] = [[d] if d is not None else [] for d in dests]
+        else:
+            want_tokens = meta.tokens[b.start : b.end]
+            want = bk.span_descs(manifest.caches, n, b.start, b.end)
+            pieces = [_rows(a, b.start, b.end) for a in spanned_dest]
+        _read_block(store, b, meta.namespace, want_tokens, want, pieces, verify=verify)
+    return tuple(full)
+
+
+def _rows(a: np.ndarray, start: int, end: int) -> list[memoryview]:
+    """The contiguous runs of a[..., start:end, :] in C order (one per leading index)."""
+    if a.size == 0 or start == end:
+        return []
+    rows = a.reshape(-1, a.shape[-2], a.shape[-1])
+    return [memoryview(rows[i, start:end, :]).cast("B") for i in range(rows.shape[0])]  # type: ignore[arg-type]
+
+
+def _read_block(
+    store: BlockStore,
+    ref: bk.BlockRef,
+    namespace: str,
+    tokens: Sequence[int],
+    want: tuple[ff.CacheDesc, ...],
+    pieces: list[list[memoryview]],
+    *,
+    verify: bool,
+) -> None:
+    path = store.block_path(ref.name)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            try:
+                header = _read_header(f)
+            except ff.CorruptFile as exc:
+                raise _BadBlock(ref.name, str(exc)) from exc
+            meta, ident = header.meta, store.identity
+            if (
+                header.file_size != ref.nbytes
+                or meta.tokens != tuple(tokens)
+                or meta.namespace != namespace
+                or meta.config_fingerprint != ident.fingerprint
+                or meta.model_id != ident.model_id
+                or meta.tokenizer_hash != ident.tokenizer_hash
+                or bk.blank(header.caches) != want
+            ):
+                raise _BadBlock(ref.name, "block does not match its manifest")
+            tensors = [t for _, t in header.tensors()]
+            if len(tensors) != len(pieces):
+                raise _BadBlock(ref.name, "block has the wrong number of tensors")
+            pos = f.tell()
+            for t, runs in zip(tensors, pieces, strict=True):
+                _skip(f, t.offset - pos, verify=verify, name=ref.name)
+                crc = 0
+                for run in runs:
+                    _readinto_all(f, run, ref.name)
+                    if verify:
+                        crc = zlib.crc32(run, crc)
+                if verify and f"{crc:08x}" != t.crc32:
+                    raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
+                pos = t.offset + t.nbytes
+    except FileNotFoundError as exc:
+        raise _BadBlock(ref.name, "block file is missing") from exc
+    except OSError as exc:
+        raise ff.storage_error(exc, f"reading {path}") from exc
+
+
+def _readinto_all(f: Any, dest: memoryview, name: str) -> None:
+    while dest.nbytes:
+        n = f.readinto(dest)
+        if not n:
+            raise _BadBlock(name, "block file ends early")
+        dest = dest[n:]
+
+
+def _skip(f: Any, n: int, *, verify: bool, name: str) -> None:
+    if n < 0:
+        raise _BadBlock(name, "tensors out of order")
+    if not verify:
+        f.seek(n, os.SEEK_CUR)
+        return
+    pad = bytearray(n)
+    _readinto_all(f, memoryview(pad), name)
+    if pad.count(0) != n:
+        raise _BadBlock(name, "nonzero padding between tensors")
+
+
+def _touch(record: StoredCheckpoint) -> None:
+    """A hit: the manifest's mtime is the LRU clock (as a whole file's is)."""
+    now = time.time()
+    try:
+        os.utime(record.path, (now, now))
+    except OSError:
+        return
+    record.mtime = now
+
+
+def _listdir(d: Path) -> list[Path]:
+    try:
+        return sorted(d.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
+        return []
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("ssd_unlink_failed", path=str(path), error=str(exc))
+
+
+__all__ = [
+    "BLOCK_EXT",
+    "MANIFEST_EXT",
+    "BlockStore",
+    "Failed",
+    "GcReport",
+    "ScanReport",
+    "ScanResult",
+    "Stored",
+    "StoredCheckpoint",
+    "decode_manifest",
+    "encode_manifest",
+    "read_manifest",
+]
