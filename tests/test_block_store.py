@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -172,7 +173,7 @@ def test_growing_conversation_writes_only_new_tokens(tmp_path):
             assert blocks_bytes <= new * per_token + 2 * stored.new_blocks * ff.PAGE * 4
         tokens += list(range(1000 * turn, 1000 * turn + 11 + 7 * turn))
     # Every checkpoint restores exactly, the shared blocks once on disk.
-    for toks, caches, rec in records:
+    for _, caches, rec in records:
         loaded = store.load(rec, verify=True)
         assert loaded is not None
         assert_same_caches(ff.adopt(loaded), caches)
@@ -297,15 +298,22 @@ def test_collect_removes_only_unreferenced_candidates(tmp_path):
     assert store.load(b.record, verify=True) is not None
 
 
-def test_disk_full_is_failed_not_raised(tmp_path):
-    store = make_store(tmp_path)
-    store._make_dirs()
-    os.chmod(store.blocks_dir, 0o500)
+def test_disk_full_is_failed_not_raised_and_nothing_names_a_partial_block(tmp_path):
+    from serving import mount_tmpfs
+
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "size=96k,mode=0700")
     try:
-        if os.access(store.blocks_dir, os.W_OK):
-            pytest.skip("running as root: permissions do not stop writes")
-        result = store.write(plan_of(conversation_kv(list(range(40))), list(range(40))))
+        store = make_store(mnt)
+        ok = write(store, list(range(16)))  # one block fits
+        tokens = list(range(16)) + list(range(100, 400))  # needs ~300 KB more
+        result = store.write(plan_of(conversation_kv(tokens), tokens))
+        assert isinstance(result, Failed) and isinstance(result.error, ff.DiskFull)
+        assert not list(mnt.rglob("*.tmp"))
+        assert [p for p in mnt.rglob("*" + MANIFEST_EXT)] == [ok.record.path]
+        # What was committed before the failure is collected; what the manifest names stays.
+        store.collect()
+        assert store.load(ok.record, verify=True) is not None
+        assert {p.stem for p in block_files(store)} == {b.name for b in ok.record.manifest.blocks}
     finally:
-        os.chmod(store.blocks_dir, 0o700)
-    assert isinstance(result, Failed)
-    assert not list(store.directory.rglob("*" + MANIFEST_EXT))
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -28,6 +28,7 @@ or a whole file, `collect()` removes garbage blocks.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -354,7 +355,23 @@ class BlockStore:
         return refs, written, new
 
     def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
-        return ff.write_snapshot(plan, self.block_path(name), pacer=pacer).nbytes
+        path = self.block_path(name)
+        try:
+            return ff.write_snapshot(plan, path, pacer=pacer).nbytes
+        except ff.StorageError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+        # Another process sharing the directory is writing the same block right now: write
+        # a private copy (a tmp name, reaped if we die) and rename it over; both are identical.
+        private = path.with_name(f"{name}.{uuid.uuid4().hex[:8]}{BLOCK_EXT}.tmp")
+        written = ff.write_snapshot(plan, private, pacer=pacer)
+        try:
+            os.replace(private, path)
+            ff.fsync_dir(path.parent)
+        except OSError as exc:
+            _unlink_quietly(private)
+            raise ff.storage_error(exc, f"writing {path}") from exc
+        return written.nbytes
 
     # -------------------------------------------------------------- reads
 
