@@ -1,0 +1,341 @@
+"""Content-addressed blocks vs whole files, side by side in one run (seed §5.11 C1).
+
+    python benchmarks/bench_ssd_blocks.py [--dir DIR] [--conversations 8] [--turns 3]
+
+Workload (issue 14's): `--conversations` conversations share a
+`--system-tokens` system prompt (an agent's tools and rules); each turn adds
+a user message and a reply, and the checkpoint after every prompt and every
+reply is flushed to SSD (write-behind with flush after every turn). Then
+`--branches` conversations branch at an earlier turn (a retry or an edit).
+Both stores see the same checkpoints, in the same order, and apply the cache
+tiers' supersession rule: a trimmable checkpoint replaces every stored
+checkpoint whose tokens are a prefix of its own (for blocks: their manifests
+go, their blocks stay while another manifest names them; garbage is
+collected right away).
+
+Measured per store: bytes written per checkpoint (for follow-ups in the same
+conversation, against the KV of the tokens added since its previous
+checkpoint), bytes retained at the end (every file on disk) against the
+deduplicated KV (the KV of the distinct prefixes of every retained
+checkpoint, each token once), and restore bandwidth of the longest
+checkpoint — read + adopt into MLX from a cold page cache — against the raw
+sequential read of a plain file of the same size (alternating order, median).
+
+KV shape: `--layers` x `--kv-heads` x `--head-dim`, fp32 (8 KiB per token by
+default; ratios do not depend on the shape beyond per-block page padding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_ssd_io  # noqa: E402
+
+import mlxd  # noqa: E402, F401  (OpenBLAS preload before mlx)
+from mlxd.kv import block_store as bs  # noqa: E402
+from mlxd.kv import blocks as bk  # noqa: E402
+from mlxd.kv import file_format as ff  # noqa: E402
+from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint  # noqa: E402
+
+IDENTITY = StoreIdentity("bench", compute_fingerprint({"bench": "ssd_blocks"}), "tok")
+
+
+class Conversation:
+    """Token ids plus K/V arrays per layer that grow with them (numpy, as a plan needs them)."""
+
+    def __init__(self, tokens: list[int], kv: list[np.ndarray]) -> None:
+        self.tokens = tokens
+        self.kv = kv  # per layer: K then V, each (1, H, n, D)
+
+    def extend(self, new: list[int], rng: np.random.Generator) -> None:
+        shape = self.kv[0].shape
+        add = [rng.standard_normal((1, shape[1], len(new), shape[3]), dtype=np.float32) for _ in self.kv]
+        self.kv = [np.concatenate([a, b], axis=2) for a, b in zip(self.kv, add, strict=True)]
+        self.tokens = self.tokens + new
+
+    def branch(self, at: int) -> Conversation:
+        return Conversation(self.tokens[:at], [np.ascontiguousarray(a[:, :, :at, :]) for a in self.kv])
+
+    def plan(self) -> ff.SnapshotPlan:
+        n = len(self.tokens)
+        caches = tuple(
+            ff.CacheDesc(
+                kind="kv", offset=n,
+                tensors=tuple(ff.TensorDesc("float32", a.shape, a.nbytes) for a in self.kv[i : i + 2]),
+            )
+            for i in range(0, len(self.kv), 2)
+        )
+        return ff.SnapshotPlan(IDENTITY.meta(self.tokens, ""), caches, tuple(memoryview(a) for a in self.kv))
+
+
+def workload(args: argparse.Namespace) -> list[tuple[str, int, Conversation]]:
+    """The checkpoints in order: (kind, new tokens since the conversation's last checkpoint, state)."""
+    rng = random.Random(args.seed)
+    nrng = np.random.default_rng(args.seed)
+    layers = [np.zeros((1, args.kv_heads, 0, args.head_dim), np.float32) for _ in range(2 * args.layers)]
+    system = Conversation([], layers)
+    system.extend([rng.randrange(100, 30000) for _ in range(args.system_tokens)], nrng)
+    convs = [system.branch(len(system.tokens)) for _ in range(args.conversations)]
+    turn_ends: list[list[int]] = [[] for _ in convs]
+    out: list[tuple[str, int, Conversation]] = []
+
+    def words(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(100, 30000) for _ in range(rng.randint(lo, hi))]
+
+    for turn in range(args.turns):
+        for i, c in enumerate(convs):
+            before = len(c.tokens)
+            c.extend(words(*args.user_tokens), nrng)
+            kind = "first" if turn == 0 else "follow-up"
+            out.append((kind, len(c.tokens) - before, c.branch(len(c.tokens))))
+            before = len(c.tokens)
+            c.extend(words(*args.reply_tokens), nrng)
+            out.append(("follow-up", len(c.tokens) - before, c.branch(len(c.tokens))))
+            turn_ends[i].append(len(c.tokens))
+    for b in range(args.branches):
+        i = b % len(convs)
+        at = turn_ends[i][0]  # retry the second turn with another question
+        c = convs[i].branch(at)
+        c.extend(words(*args.user_tokens), nrng)
+        out.append(("branch", len(c.tokens) - at, c))
+    return out
+
+
+class Supersession:
+    """The tiers' rule: a new trimmable checkpoint replaces stored checkpoints that are prefixes of it."""
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[int, ...], Any] = {}
+
+    def commit(self, tokens: tuple[int, ...], record: Any) -> list[Any]:
+        gone = [r for t, r in self.live.items() if tokens[: len(t)] == t]
+        self.live = {t: r for t, r in self.live.items() if tokens[: len(t)] != t}
+        self.live[tokens] = record
+        return gone
+
+
+def dedup_tokens(token_lists: list[tuple[int, ...]]) -> int:
+    """Distinct prefixes over all lists (trie nodes): every token of shared prefixes once."""
+    seen: set[tuple[int, ...]] = set()
+    root: dict[int, Any] = {}
+    count = 0
+    for toks in token_lists:
+        node = root
+        for t in toks:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                count += 1
+            node = nxt
+    del seen
+    return count
+
+
+def du(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    checkpoints = workload(args)
+    per_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
+    whole_dir, block_dir = work / "whole", work / "blocks"
+    whole_dir.mkdir()
+    store = bs.BlockStore(block_dir, IDENTITY, block_tokens=args.block_tokens)
+    whole_live, block_live = Supersession(), Supersession()
+    ledger = bk.BlockLedger()
+    rows = []
+    for n, (kind, new, conv) in enumerate(checkpoints):
+        plan = conv.plan()
+        tokens = plan.meta.tokens
+        t0 = time.perf_counter()
+        written = ff.write_snapshot(plan, whole_dir / f"{n:05d}.mlxkv")
+        t_whole = time.perf_counter() - t0
+        for old in whole_live.commit(tokens, written.path):
+            old.unlink()
+        t0 = time.perf_counter()
+        result = store.write(plan)
+        t_blocks = time.perf_counter() - t0
+        assert isinstance(result, bs.Stored), result
+        ledger.add(result.record.manifest.blocks)
+        garbage: list[str] = []
+        for old in block_live.commit(tokens, result.record):
+            store.unlink(old)
+            garbage += ledger.remove(old.manifest.blocks)
+        if garbage:
+            store.collect(garbage)
+        rows.append({
+            "kind": kind, "tokens": len(tokens), "new_tokens": new, "new_kv_bytes": new * per_token,
+            "whole_written": written.nbytes, "blocks_written": result.written_bytes,
+            "blocks_new": result.new_blocks, "blocks_reused": result.reused_blocks,
+            "whole_write_s": t_whole, "blocks_write_s": t_blocks,
+        })
+    live_tokens = list(block_live.live)
+    assert sorted(live_tokens) == sorted(whole_live.live)
+    dedup = dedup_tokens(live_tokens) * per_token
+    follow = [r for r in rows if r["kind"] == "follow-up"]
+
+    def ratio(key: str, rs: list[dict[str, Any]]) -> dict[str, float]:
+        xs = [r[key] / r["new_kv_bytes"] for r in rs]
+        return {"median": statistics.median(xs), "max": max(xs), "mean": statistics.fmean(xs)}
+
+    whole_retained, block_retained = du(whole_dir), du(block_dir)
+    summary = {
+        "checkpoints": len(rows), "kv_bytes_per_token": per_token, "block_tokens": args.block_tokens,
+        "retained_checkpoints": len(live_tokens),
+        "dedup_kv_bytes": dedup,
+        "whole_retained_bytes": whole_retained, "blocks_retained_bytes": block_retained,
+        "ledger_unique_bytes": ledger.bytes,
+        "whole_retained_over_dedup": whole_retained / dedup, "blocks_retained_over_dedup": block_retained / dedup,
+        "whole_written_bytes": sum(r["whole_written"] for r in rows),
+        "blocks_written_bytes": sum(r["blocks_written"] for r in rows),
+        "followup_written_over_new_kv": {"whole": ratio("whole_written", follow), "blocks": ratio("blocks_written", follow)},
+        "branch_written_over_new_kv": {
+            "whole": ratio("whole_written", [r for r in rows if r["kind"] == "branch"]),
+            "blocks": ratio("blocks_written", [r for r in rows if r["kind"] == "branch"]),
+        } if args.branches else None,
+        "median_write_s": {"whole": statistics.median(r["whole_write_s"] for r in rows),
+                           "blocks": statistics.median(r["blocks_write_s"] for r in rows)},
+        "goal_retained_max": 1.5, "goal_followup_written_max": 1.5,
+    }
+    summary["goal_retained_met"] = summary["blocks_retained_over_dedup"] <= 1.5
+    summary["goal_followup_met"] = summary["followup_written_over_new_kv"]["blocks"]["max"] <= 1.5
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rows": rows, "summary": summary, "store": store, "records": list(block_live.live.values()),
+            "whole": list(whole_live.live.values())}
+
+
+def run_bandwidth(args: argparse.Namespace, work: Path, storage: dict[str, Any]) -> dict[str, Any]:
+    import gc
+
+    store: bs.BlockStore = storage["store"]
+    record = max(storage["records"], key=lambda r: len(r.tokens))
+    whole_path = next(p for p in storage["whole"] if ff.read_header(p).tokens == record.tokens)
+    size = ff.read_header(whole_path).file_size
+    plain = work / "plain.bin"
+    shutil.copyfile(whole_path, plain)
+    block_paths = [store.block_path(b.name) for b in record.manifest.blocks]
+
+    def cold(paths: list[Path]) -> None:
+        for p in paths:
+            bench_ssd_io.drop_cache(p)
+
+    def blocks() -> dict[str, float]:
+        cold(block_paths + [record.path])
+        t0 = time.perf_counter()
+        loaded = store.load(record, verify=args.verify)
+        t1 = time.perf_counter()
+        restored = ff.adopt(loaded)
+        t2 = time.perf_counter()
+        assert restored[0].offset == len(record.tokens)
+        del loaded, restored
+        gc.collect()
+        return {"blocks_read_s": t1 - t0, "blocks_restore_s": t2 - t0}
+
+    def whole() -> dict[str, float]:
+        cold([whole_path])
+        t0 = time.perf_counter()
+        loaded = ff.read_snapshot(whole_path, verify=args.verify)
+        t1 = time.perf_counter()
+        restored = ff.adopt(loaded)
+        t2 = time.perf_counter()
+        del loaded, restored
+        gc.collect()
+        return {"whole_read_s": t1 - t0, "whole_restore_s": t2 - t0}
+
+    def raw() -> dict[str, float]:
+        return {"raw_s": bench_ssd_io.raw_read(plain)}
+
+    blocks(), whole()  # first touch of fresh memory, reported by neither
+    steps = [raw, blocks, whole]
+    rounds = []
+    for r in range(args.rounds):
+        row: dict[str, Any] = {"round": r}
+        for step in steps[r % 3 :] + steps[: r % 3]:
+            row.update(step())
+        for k in ("blocks", "whole"):
+            row[f"{k}_restore_MBps"] = size / row[f"{k}_restore_s"] / 1e6
+            row[f"{k}_ratio"] = row["raw_s"] / row[f"{k}_restore_s"]
+        row["raw_MBps"] = size / row["raw_s"] / 1e6
+        rounds.append(row)
+        print(f"  round {r}: blocks {row['blocks_restore_MBps']:6.0f} MB/s  whole {row['whole_restore_MBps']:6.0f} MB/s"
+              f"  raw {row['raw_MBps']:6.0f} MB/s  ratios {row['blocks_ratio']:.2f} / {row['whole_ratio']:.2f}",
+              flush=True)
+    summary = {
+        "tokens": len(record.tokens), "bytes": size, "blocks": len(block_paths), "verify": args.verify,
+        "median_raw_MBps": statistics.median(r["raw_MBps"] for r in rounds),
+        "median_blocks_restore_MBps": statistics.median(r["blocks_restore_MBps"] for r in rounds),
+        "median_whole_restore_MBps": statistics.median(r["whole_restore_MBps"] for r in rounds),
+        "median_blocks_ratio": statistics.median(r["blocks_ratio"] for r in rounds),
+        "median_whole_ratio": statistics.median(r["whole_ratio"] for r in rounds),
+        "goal_ratio_min": 0.8,
+    }
+    summary["goal_met"] = summary["median_blocks_ratio"] >= 0.8
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rounds": rounds, "summary": summary}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--branches", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=4759)
+    p.add_argument("--user-tokens", type=int, nargs=2, default=(40, 200), metavar=("MIN", "MAX"))
+    p.add_argument("--reply-tokens", type=int, nargs=2, default=(100, 400), metavar=("MIN", "MAX"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, default=bk.BLOCK_TOKENS)
+    p.add_argument("--rounds", type=int, default=6, help="restore bandwidth rounds")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
+                   help="restore with per-tensor CRC-32 checks (the tier's default is off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_ssd_blocks-", dir=args.dir))
+    t0 = time.perf_counter()
+    try:
+        print(f"=== storage: {args.conversations} conversations x {args.turns} turns, {args.branches} branches "
+              f"(work dir {work}) ===", flush=True)
+        storage = run_storage(args, work)
+        print("=== restore bandwidth ===", flush=True)
+        bandwidth = run_bandwidth(args, work, storage)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "command": "ssd_blocks", "storage": {"rows": storage["rows"], "summary": storage["summary"]},
+        "bandwidth": bandwidth, "runtime_s": time.perf_counter() - t0, "loadavg": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"ssd_blocks-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out} ({result['runtime_s']:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
