@@ -3,9 +3,9 @@
     python benchmarks/bench_ssd_blocks.py [--dir DIR] [--conversations 8] [--turns 3]
 
 Workload (issue 14's): `--conversations` conversations share a
-`--system-tokens` system prompt (an agent's tools and rules); each turn adds
-a user message and a reply, and the checkpoint after every prompt and every
-reply is flushed to SSD (write-behind with flush after every turn). Then
+`--system-tokens` system prompt (an agent's tools and rules); each turn's
+prompt adds the previous reply and a new user message, and its prompt
+checkpoint is flushed to SSD (write-behind with a flush after every turn). Then
 `--branches` conversations branch at an earlier turn (a retry or an edit).
 Both stores see the same checkpoints, in the same order, and apply the cache
 tiers' supersession rule: a trimmable checkpoint replaces every stored
@@ -98,16 +98,15 @@ def workload(args: argparse.Namespace) -> list[tuple[str, int, Conversation]]:
     def words(lo: int, hi: int) -> list[int]:
         return [rng.randrange(100, 30000) for _ in range(rng.randint(lo, hi))]
 
+    last = [0] * len(convs)  # tokens at each conversation's previous checkpoint
     for turn in range(args.turns):
         for i, c in enumerate(convs):
-            before = len(c.tokens)
-            c.extend(words(*args.user_tokens), nrng)
+            c.extend(words(*args.user_tokens), nrng)  # the prompt: history + a new user message
             kind = "first" if turn == 0 else "follow-up"
-            out.append((kind, len(c.tokens) - before, c.branch(len(c.tokens))))
-            before = len(c.tokens)
-            c.extend(words(*args.reply_tokens), nrng)
-            out.append(("follow-up", len(c.tokens) - before, c.branch(len(c.tokens))))
+            out.append((kind, len(c.tokens) - (last[i] or len(system.tokens)), c.branch(len(c.tokens))))
+            last[i] = len(c.tokens)
             turn_ends[i].append(len(c.tokens))
+            c.extend(words(*args.reply_tokens), nrng)  # the reply, part of the next prompt
     for b in range(args.branches):
         i = b % len(convs)
         at = turn_ends[i][0]  # retry the second turn with another question
@@ -154,73 +153,92 @@ def du(root: Path) -> int:
 def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     checkpoints = workload(args)
     per_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
-    whole_dir, block_dir = work / "whole", work / "blocks"
+    whole_dir = work / "whole"
     whole_dir.mkdir()
-    store = bs.BlockStore(block_dir, IDENTITY, block_tokens=args.block_tokens)
-    whole_live, block_live = Supersession(), Supersession()
-    ledger = bk.BlockLedger()
+    whole_live = Supersession()
+    arms = {
+        bt: (bs.BlockStore(work / f"blocks-{bt}", IDENTITY, block_tokens=bt), Supersession(), bk.BlockLedger())
+        for bt in args.block_tokens
+    }
     rows = []
     for n, (kind, new, conv) in enumerate(checkpoints):
         plan = conv.plan()
         tokens = plan.meta.tokens
         t0 = time.perf_counter()
         written = ff.write_snapshot(plan, whole_dir / f"{n:05d}.mlxkv")
-        t_whole = time.perf_counter() - t0
+        row: dict[str, Any] = {
+            "kind": kind, "tokens": len(tokens), "new_tokens": new, "new_kv_bytes": new * per_token,
+            "whole_written": written.nbytes, "whole_write_s": time.perf_counter() - t0,
+        }
         for old in whole_live.commit(tokens, written.path):
             old.unlink()
-        t0 = time.perf_counter()
-        result = store.write(plan)
-        t_blocks = time.perf_counter() - t0
-        assert isinstance(result, bs.Stored), result
-        ledger.add(result.record.manifest.blocks)
-        garbage: list[str] = []
-        for old in block_live.commit(tokens, result.record):
-            store.unlink(old)
-            garbage += ledger.remove(old.manifest.blocks)
-        if garbage:
-            store.collect(garbage)
-        rows.append({
-            "kind": kind, "tokens": len(tokens), "new_tokens": new, "new_kv_bytes": new * per_token,
-            "whole_written": written.nbytes, "blocks_written": result.written_bytes,
-            "blocks_new": result.new_blocks, "blocks_reused": result.reused_blocks,
-            "whole_write_s": t_whole, "blocks_write_s": t_blocks,
-        })
-    live_tokens = list(block_live.live)
-    assert sorted(live_tokens) == sorted(whole_live.live)
+        for bt, (store, live, ledger) in arms.items():
+            t0 = time.perf_counter()
+            result = store.write(plan)
+            assert isinstance(result, bs.Stored), result
+            ledger.add(result.record.manifest.blocks)
+            garbage: list[str] = []
+            for old in live.commit(tokens, result.record):
+                store.unlink(old)
+                garbage += ledger.remove(old.manifest.blocks)
+            if garbage:
+                store.collect(garbage)
+            row.update({
+                f"blocks{bt}_written": result.written_bytes, f"blocks{bt}_write_s": time.perf_counter() - t0,
+                f"blocks{bt}_new": result.new_blocks, f"blocks{bt}_reused": result.reused_blocks,
+                f"blocks{bt}_files": len(result.record.manifest.blocks),
+            })
+        rows.append(row)
+    live_tokens = list(whole_live.live)
     dedup = dedup_tokens(live_tokens) * per_token
     follow = [r for r in rows if r["kind"] == "follow-up"]
+    branches = [r for r in rows if r["kind"] == "branch"]
 
-    def ratio(key: str, rs: list[dict[str, Any]]) -> dict[str, float]:
+    def ratio(key: str, rs: list[dict[str, Any]]) -> dict[str, float] | None:
         xs = [r[key] / r["new_kv_bytes"] for r in rs]
-        return {"median": statistics.median(xs), "max": max(xs), "mean": statistics.fmean(xs)}
+        return {"median": statistics.median(xs), "max": max(xs), "mean": statistics.fmean(xs)} if xs else None
 
-    whole_retained, block_retained = du(whole_dir), du(block_dir)
-    summary = {
-        "checkpoints": len(rows), "kv_bytes_per_token": per_token, "block_tokens": args.block_tokens,
-        "retained_checkpoints": len(live_tokens),
+    whole_retained = du(whole_dir)
+    summary: dict[str, Any] = {
+        "checkpoints": len(rows), "kv_bytes_per_token": per_token, "retained_checkpoints": len(live_tokens),
         "dedup_kv_bytes": dedup,
-        "whole_retained_bytes": whole_retained, "blocks_retained_bytes": block_retained,
-        "ledger_unique_bytes": ledger.bytes,
-        "whole_retained_over_dedup": whole_retained / dedup, "blocks_retained_over_dedup": block_retained / dedup,
-        "whole_written_bytes": sum(r["whole_written"] for r in rows),
-        "blocks_written_bytes": sum(r["blocks_written"] for r in rows),
-        "followup_written_over_new_kv": {"whole": ratio("whole_written", follow), "blocks": ratio("blocks_written", follow)},
-        "branch_written_over_new_kv": {
-            "whole": ratio("whole_written", [r for r in rows if r["kind"] == "branch"]),
-            "blocks": ratio("blocks_written", [r for r in rows if r["kind"] == "branch"]),
-        } if args.branches else None,
-        "median_write_s": {"whole": statistics.median(r["whole_write_s"] for r in rows),
-                           "blocks": statistics.median(r["blocks_write_s"] for r in rows)},
+        "whole": {
+            "retained_bytes": whole_retained, "retained_over_dedup": whole_retained / dedup,
+            "written_bytes": sum(r["whole_written"] for r in rows),
+            "followup_written_over_new_kv": ratio("whole_written", follow),
+            "branch_written_over_new_kv": ratio("whole_written", branches),
+            "median_write_s": statistics.median(r["whole_write_s"] for r in rows),
+        },
         "goal_retained_max": 1.5, "goal_followup_written_max": 1.5,
     }
-    summary["goal_retained_met"] = summary["blocks_retained_over_dedup"] <= 1.5
-    summary["goal_followup_met"] = summary["followup_written_over_new_kv"]["blocks"]["max"] <= 1.5
+    for bt, (store, live, ledger) in arms.items():
+        assert sorted(live.live) == sorted(live_tokens)
+        retained = du(store.directory)
+        arm = {
+            "block_tokens": bt, "block_bytes": bt * per_token,
+            "retained_bytes": retained, "retained_over_dedup": retained / dedup, "ledger_unique_bytes": ledger.bytes,
+            "written_bytes": sum(r[f"blocks{bt}_written"] for r in rows),
+            "followup_written_over_new_kv": ratio(f"blocks{bt}_written", follow),
+            "branch_written_over_new_kv": ratio(f"blocks{bt}_written", branches),
+            "median_write_s": statistics.median(r[f"blocks{bt}_write_s"] for r in rows),
+            "max_files_per_restore": max(len(r.manifest.blocks) for r in live.live.values()),
+        }
+        arm["goal_retained_met"] = arm["retained_over_dedup"] <= 1.5
+        arm["goal_followup_met"] = arm["followup_written_over_new_kv"]["max"] <= 1.5
+        summary[f"blocks_{bt}"] = arm
     print(json.dumps(summary, indent=1), flush=True)
-    return {"rows": rows, "summary": summary}
+    longest = max(live_tokens, key=len)
+    conv_restores = {
+        "whole": whole_live.live[longest],
+        **{bt: (store, live.live[longest]) for bt, (store, live, _) in arms.items()},
+    }
+    return {"rows": rows, "summary": summary, "longest": conv_restores}
 
 
-def run_bandwidth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Restore one long checkpoint cold: whole file vs blocks of each size vs raw read, alternating."""
+def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any]) -> dict[str, Any]:
+    """Restore cold, alternating: a fresh long checkpoint (whole file, blocks of each size), the
+    longest conversation of the storage run as each store left it (partial blocks included),
+    and the raw sequential read of a plain copy. Each against the raw read of the same round."""
     import gc
 
     nrng = np.random.default_rng(args.seed)
@@ -229,45 +247,48 @@ def run_bandwidth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     conv.extend(list(range(1, args.bandwidth_tokens + 1)), nrng)
     plan = conv.plan()
     whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
-    size = whole_path.stat().st_size
     plain = work / "plain.bin"
     shutil.copyfile(whole_path, plain)
-    stores = {}
-    for bt in args.bandwidth_block_tokens:
+    stores: dict[str, tuple[bs.BlockStore, bs.StoredCheckpoint]] = {}
+    for bt in args.block_tokens:
         store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
         result = store.write(plan)
         assert isinstance(result, bs.Stored)
-        stores[bt] = (store, result.record)
+        stores[f"blocks_{bt}"] = (store, result.record)
+        stores[f"conversation_blocks_{bt}"] = longest[bt]
     del plan
 
     def cold(paths: list[Path]) -> None:
         for p in paths:
             bench_ssd_io.drop_cache(p)
 
-    def restore_blocks(bt: int) -> float:
-        store, record = stores[bt]
+    def restore_blocks(store: bs.BlockStore, record: bs.StoredCheckpoint) -> tuple[float, int]:
         cold([store.block_path(b.name) for b in record.manifest.blocks] + [record.path])
         t0 = time.perf_counter()
         restored = ff.adopt(store.load(record, verify=args.verify))
         seconds = time.perf_counter() - t0
-        assert restored[0].offset == args.bandwidth_tokens
+        assert restored[0].offset == len(record.tokens)
         del restored
         gc.collect()
-        return seconds
+        return seconds, record.manifest.nbytes
 
-    def restore_whole() -> float:
-        cold([whole_path])
+    def restore_whole(path: Path) -> tuple[float, int]:
+        cold([path])
         t0 = time.perf_counter()
-        restored = ff.adopt(ff.read_snapshot(whole_path, verify=args.verify))
+        restored = ff.adopt(ff.read_snapshot(path, verify=args.verify))
         seconds = time.perf_counter() - t0
         del restored
         gc.collect()
-        return seconds
+        return seconds, path.stat().st_size
 
-    steps: dict[str, Any] = {"raw": lambda: bench_ssd_io.raw_read(plain), "whole": restore_whole}
-    steps.update({f"blocks_{bt}": (lambda bt=bt: restore_blocks(bt)) for bt in stores})
-    for fn in steps.values():
-        if fn is not steps["raw"]:
+    steps: dict[str, Any] = {
+        "raw": lambda: (bench_ssd_io.raw_read(plain), plain.stat().st_size),
+        "whole": lambda: restore_whole(whole_path),
+        "conversation_whole": lambda: restore_whole(longest["whole"]),
+    }
+    steps.update({name: (lambda sr=sr: restore_blocks(*sr)) for name, sr in stores.items()})
+    for name, fn in steps.items():
+        if name != "raw":
             fn()  # first touch of fresh memory, not measured
     names = list(steps)
     rounds = []
@@ -275,15 +296,16 @@ def run_bandwidth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         order = names[r % len(names) :] + names[: r % len(names)]
         row: dict[str, Any] = {"round": r, "order": order}
         for name in order:
-            row[f"{name}_s"] = steps[name]()
+            seconds, nbytes = steps[name]()
+            row[f"{name}_MBps"] = nbytes / seconds / 1e6
         for name in names:
-            row[f"{name}_MBps"] = size / row[f"{name}_s"] / 1e6
-            row[f"{name}_ratio"] = row["raw_s"] / row[f"{name}_s"]
+            row[f"{name}_ratio"] = row[f"{name}_MBps"] / row["raw_MBps"]
         rounds.append(row)
-        print(f"  round {r}: " + "  ".join(f"{k} {row[k + '_MBps']:.0f} MB/s" for k in names), flush=True)
+        print(f"  round {r}: " + "  ".join(f"{k} {row[k + '_MBps']:.0f}" for k in names) + " MB/s", flush=True)
     summary: dict[str, Any] = {
-        "tokens": args.bandwidth_tokens, "bytes": size, "verify": args.verify,
-        "blocks": {bt: len(stores[bt][1].manifest.blocks) for bt in stores},
+        "tokens": args.bandwidth_tokens, "bytes": whole_path.stat().st_size, "verify": args.verify,
+        "conversation_tokens": len(longest[args.block_tokens[0]][1].tokens),
+        "files": {k: len(rec.manifest.blocks) for k, (_, rec) in stores.items()},
         "median_MBps": {k: statistics.median(r[f"{k}_MBps"] for r in rounds) for k in names},
         "median_ratio_to_raw": {k: statistics.median(r[f"{k}_ratio"] for r in rounds) for k in names},
         "goal_ratio_min": 0.8,
@@ -304,10 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-tokens", type=int, default=bk.BLOCK_TOKENS)
+    p.add_argument("--block-tokens", type=int, nargs="+", default=[256, 1024], help="block spans to compare")
     p.add_argument("--rounds", type=int, default=8, help="restore bandwidth rounds")
     p.add_argument("--bandwidth-tokens", type=int, default=8000, help="restore bandwidth: checkpoint tokens")
-    p.add_argument("--bandwidth-block-tokens", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                    help="restore with per-tensor CRC-32 checks (the tier's default is off)")
     p.add_argument("--seed", type=int, default=0)
@@ -326,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(work dir {work}) ===", flush=True)
         storage = run_storage(args, work)
         print("=== restore bandwidth ===", flush=True)
-        bandwidth = run_bandwidth(args, work)
+        bandwidth = run_bandwidth(args, work, storage.pop("longest"))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -37,7 +37,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -55,10 +54,9 @@ from mlxd.kv.ssd_store import StoreIdentity, namespace_dir
 
 log = structlog.get_logger(__name__)
 
-# The file format's descriptor codec and header reader, shared rather than copied.
+# The file format's descriptor codec, shared rather than copied.
 _cache_doc = ff._cache_doc
 _parse_cache = ff._parse_cache
-_read_header = ff._read_header
 _NP_DTYPES = ff._NP_DTYPES
 
 BLOCK_EXT = ".mlxblk"
@@ -635,7 +633,7 @@ class _BadBlock(Exception):
 
 
 def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> tuple[np.ndarray, ...]:
-    """Read every block of a manifest, in order, straight into the checkpoint's full tensors."""
+    """Read every block of a manifest, in order, into the checkpoint's full tensors."""
     n = len(manifest.tokens)
     full: list[np.ndarray] = []
     spanned_dest: list[np.ndarray] = []
@@ -648,22 +646,16 @@ def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> t
                 full.append(a)
                 target.append(a)
     meta = manifest.meta
-    jobs = []
+    jobs: list[tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[np.ndarray]]] = []
     for b in manifest.blocks:
         if b.state:
-            want_tokens = meta.tokens
-            want = bk.state_descs(manifest.caches, n)
-            dests = [memoryview(a).cast("B") if a.size else None for a in whole_dest]  # type: ignore[arg-type]
-            pieces: list[list[memoryview]] = [[d] if d is not None else [] for d in dests]
+            jobs.append((b, meta.tokens, bk.state_descs(manifest.caches, n), whole_dest))
         else:
-            want_tokens = meta.tokens[b.start : b.end]
-            want = bk.span_descs(manifest.caches, n, b.start, b.end)
-            pieces = [_rows(a, b.start, b.end) for a in spanned_dest]
-        jobs.append((b, want_tokens, want, pieces))
+            dests = [a[..., b.start : b.end, :] for a in spanned_dest]
+            jobs.append((b, meta.tokens[b.start : b.end], bk.span_descs(manifest.caches, n, b.start, b.end), dests))
 
-    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]) -> None:
-        b, want_tokens, want, pieces = job
-        _read_block(store, b, meta.namespace, want_tokens, want, pieces, verify=verify)
+    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[np.ndarray]]) -> None:
+        _read_block(store, meta.namespace, *job, verify=verify)
 
     if READERS <= 1 or len(jobs) <= 1:
         for job in jobs:
@@ -674,7 +666,7 @@ def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> t
     return tuple(full)
 
 
-READERS = 4  # blocks read concurrently by one load (their destinations are disjoint)
+READERS = 2  # blocks read concurrently by one load (their destinations are disjoint)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -687,99 +679,40 @@ def _reader_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _rows(a: np.ndarray, start: int, end: int) -> list[memoryview]:
-    """The contiguous runs of a[..., start:end, :] in C order (one per leading index)."""
-    if a.size == 0 or start == end:
-        return []
-    rows = a.reshape(-1, a.shape[-2], a.shape[-1])
-    return [memoryview(rows[i, start:end, :]).cast("B") for i in range(rows.shape[0])]  # type: ignore[arg-type]
-
-
 def _read_block(
     store: BlockStore,
-    ref: bk.BlockRef,
     namespace: str,
+    ref: bk.BlockRef,
     tokens: Sequence[int],
     want: tuple[ff.CacheDesc, ...],
-    pieces: list[list[memoryview]],
+    dests: list[np.ndarray],
     *,
     verify: bool,
 ) -> None:
+    """Read one block as a snapshot file (same checks as a whole file), then copy it into place."""
     path = store.block_path(ref.name)
     try:
-        with open(path, "rb", buffering=0) as f:
-            try:
-                header = _read_header(f)
-            except ff.CorruptFile as exc:
-                raise _BadBlock(ref.name, str(exc)) from exc
-            meta, ident = header.meta, store.identity
-            if (
-                header.file_size != ref.nbytes
-                or meta.tokens != tuple(tokens)
-                or meta.namespace != namespace
-                or meta.config_fingerprint != ident.fingerprint
-                or meta.model_id != ident.model_id
-                or meta.tokenizer_hash != ident.tokenizer_hash
-                or bk.blank(header.caches) != want
-            ):
-                raise _BadBlock(ref.name, "block does not match its manifest")
-            tensors = [t for _, t in header.tensors()]
-            if len(tensors) != len(pieces):
-                raise _BadBlock(ref.name, "block has the wrong number of tensors")
-            # The whole data region in one read (one large request for the disk), then a copy
-            # of each tensor's rows into the checkpoint's tensors.
-            start = f.tell()
-            data = _scratch(header.file_size - start)
-            _readinto_all(f, data, ref.name)
-            pos = start
-            for t, runs in zip(tensors, pieces, strict=True):
-                if t.offset < pos:
-                    raise _BadBlock(ref.name, "tensors out of order")
-                if verify and data[pos - start : t.offset - start].tobytes().count(0) != t.offset - pos:
-                    raise _BadBlock(ref.name, "nonzero padding between tensors")
-                src = data[t.offset - start : t.offset - start + t.nbytes]
-                if verify and f"{zlib.crc32(src):08x}" != t.crc32:
-                    raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
-                at = 0
-                for run in runs:
-                    run[:] = src[at : at + run.nbytes]
-                    at += run.nbytes
-                pos = t.offset + t.nbytes
-    except FileNotFoundError as exc:
-        raise _BadBlock(ref.name, "block file is missing") from exc
-    except OSError as exc:
-        raise ff.storage_error(exc, f"reading {path}") from exc
-
-
-_scratches = threading.local()
-
-
-def _scratch(size: int) -> memoryview:
-    """A reused read buffer of `size` bytes (per reader thread)."""
-    buf = getattr(_scratches, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _scratches.buf = bytearray(max(size, 1 << 20))
-    return memoryview(buf)[:size]
-
-
-def _readinto_all(f: Any, dest: memoryview, name: str) -> None:
-    while dest.nbytes:
-        n = f.readinto(dest)
-        if not n:
-            raise _BadBlock(name, "block file ends early")
-        dest = dest[n:]
-
-
-def _skip(f: Any, n: int, *, verify: bool, name: str) -> None:
-    if n < 0:
-        raise _BadBlock(name, "tensors out of order")
-    if not verify:
-        f.seek(n, os.SEEK_CUR)
-        return
-    pad = bytearray(n)
-    _readinto_all(f, memoryview(pad), name)
-    if pad.count(0) != n:
-        raise _BadBlock(name, "nonzero padding between tensors")
+        loaded = ff.read_snapshot(path, verify=verify)
+    except ff.CorruptFile as exc:
+        raise _BadBlock(ref.name, str(exc)) from exc
+    except ff.StorageError as exc:
+        if exc.errno == errno.ENOENT:
+            raise _BadBlock(ref.name, "block file is missing") from exc
+        raise
+    header, meta, ident = loaded.header, loaded.header.meta, store.identity
+    if (
+        header.file_size != ref.nbytes
+        or meta.tokens != tuple(tokens)
+        or meta.namespace != namespace
+        or meta.config_fingerprint != ident.fingerprint
+        or meta.model_id != ident.model_id
+        or meta.tokenizer_hash != ident.tokenizer_hash
+        or bk.blank(header.caches) != want
+        or len(loaded.buffers) != len(dests)
+    ):
+        raise _BadBlock(ref.name, "block does not match its manifest")
+    for src, dest in zip(loaded.buffers, dests, strict=True):
+        np.copyto(dest, src)
 
 
 def _touch(record: StoredCheckpoint) -> None:
