@@ -317,3 +317,16 @@ def test_disk_full_is_failed_not_raised_and_nothing_names_a_partial_block(tmp_pa
         assert {p.stem for p in block_files(store)} == {b.name for b in ok.record.manifest.blocks}
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_modeled_blocks_match_the_store_and_count_shared_bytes_once():
+    ledger = bk.BlockLedger()
+    a = bk.model_blocks(list(range(40)), namespace="", fingerprint=FP, stored=ledger.__contains__,
+                        bytes_per_token=10, block_tokens=B)
+    assert [(r.start, r.end, r.nbytes) for r in a] == [(0, 16, 160), (16, 32, 160), (32, 40, 80)]
+    assert ledger.add(a) == 400
+    b = bk.model_blocks(list(range(50)), namespace="", fingerprint=FP, stored=ledger.__contains__,
+                        bytes_per_token=10, state_bytes=7, block_tokens=B)
+    assert [(r.start, r.end, r.state) for r in b] == [(0, 16, False), (16, 32, False), (32, 40, False),
+                                                        (40, 48, False), (48, 50, False), (50, 50, True)]
+    assert ledger.new_bytes(b) == 100 + 7  # only the ten new tokens and the state

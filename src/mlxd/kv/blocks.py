@@ -314,3 +314,28 @@ def unreferenced(stored: Iterable[str], manifests: Iterable[Iterable[str]]) -> s
     for names in manifests:
         live.update(names)
     return set(stored) - live
+
+
+def model_blocks(
+    tokens: Sequence[int],
+    *,
+    namespace: str,
+    fingerprint: str,
+    stored: Callable[[str], bool],
+    bytes_per_token: int,
+    state_bytes: int = 0,
+    block_tokens: int = BLOCK_TOKENS,
+) -> tuple[BlockRef, ...]:
+    """The blocks a checkpoint of `tokens` would use, with modeled sizes (the simulator's store).
+
+    Same spans as the block store writes (`choose_spans`, `stored` standing
+    for the files on disk); a span block is `bytes_per_token` per token, the
+    state block (when `state_bytes`) is `state_bytes`. Page padding and block
+    headers are left out.
+    """
+    spans = choose_spans(tokens, namespace=namespace, fingerprint=fingerprint, exists=stored, block_tokens=block_tokens)
+    refs = [BlockRef(s.name, s.start, s.end, (s.end - s.start) * bytes_per_token) for s in spans]
+    if state_bytes:
+        n = len(tokens)
+        refs.append(BlockRef(state_hash(tokens, namespace=namespace, fingerprint=fingerprint), n, n, state_bytes, True))
+    return tuple(refs)
