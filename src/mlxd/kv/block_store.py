@@ -32,11 +32,14 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
+import mmap
 import os
 import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,10 +57,11 @@ from mlxd.kv.ssd_store import StoreIdentity, namespace_dir
 
 log = structlog.get_logger(__name__)
 
-# The file format's descriptor codec, shared rather than copied.
+# The file format's descriptor codec and header reader, shared rather than copied.
 _cache_doc = ff._cache_doc
 _parse_cache = ff._parse_cache
 _NP_DTYPES = ff._NP_DTYPES
+_read_header = ff._read_header
 
 BLOCK_EXT = ".mlxblk"
 MANIFEST_EXT = ".mlxmf"
@@ -633,36 +637,30 @@ class _BadBlock(Exception):
 
 
 def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> tuple[np.ndarray, ...]:
-    """Read every block of a manifest, in order, into the checkpoint's full tensors."""
+    """Read every block of a manifest, in chain order, straight into the checkpoint's full tensors."""
     n = len(manifest.tokens)
-    full: list[np.ndarray] = []
-    spanned_dest: list[np.ndarray] = []
-    whole_dest: list[np.ndarray] = []
-    for leaf in bk.leaves(manifest.caches):
-        target = spanned_dest if bk.spanned(leaf, n) else whole_dest
-        for t in leaf.tensors:
-            if t is not None:
-                a: np.ndarray = np.empty(t.shape, dtype=_NP_DTYPES[t.dtype])
-                full.append(a)
-                target.append(a)
+    descs = [(leaf, t) for leaf in bk.leaves(manifest.caches) for t in leaf.tensors if t is not None]
+    full = _allocate([t for _, t in descs])
+    spanned_dest = [a for (leaf, _), a in zip(descs, full, strict=True) if bk.spanned(leaf, n)]
+    whole_dest = [a for (leaf, _), a in zip(descs, full, strict=True) if not bk.spanned(leaf, n)]
     meta = manifest.meta
-    jobs: list[tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[np.ndarray]]] = []
+    jobs: list[tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]] = []
     for b in manifest.blocks:
         if b.state:
-            jobs.append((b, meta.tokens, bk.state_descs(manifest.caches, n), whole_dest))
+            runs = [[memoryview(a).cast("B")] if a.size else [] for a in whole_dest]  # type: ignore[arg-type]
+            jobs.append((b, meta.tokens, bk.state_descs(manifest.caches, n), runs))
         else:
-            dests = [a[..., b.start : b.end, :] for a in spanned_dest]
-            jobs.append((b, meta.tokens[b.start : b.end], bk.span_descs(manifest.caches, n, b.start, b.end), dests))
+            runs = [_runs(a, b.start, b.end) for a in spanned_dest]
+            jobs.append((b, meta.tokens[b.start : b.end], bk.span_descs(manifest.caches, n, b.start, b.end), runs))
 
-    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[np.ndarray]]) -> None:
+    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]) -> None:
         _read_block(store, meta.namespace, *job, verify=verify)
 
     if READERS <= 1 or len(jobs) <= 1:
         for job in jobs:
             read(job)
     else:
-        # A few blocks in flight at once: one file at a time leaves the disk idle between files.
-        list(_reader_pool().map(read, jobs))
+        list(_reader_pool().map(read, jobs))  # a few files in flight hide each file's first-read latency
     return tuple(full)
 
 
@@ -679,40 +677,109 @@ def _reader_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+_HUGE = 2 << 20
+
+
+def _allocate(tensors: Sequence[ff.TensorDesc]) -> list[np.ndarray]:
+    """The checkpoint's tensors in one anonymous mapping, on huge pages where the kernel allows.
+
+    Reading into fresh memory faults once per page; with 2 MiB pages (THP in
+    "madvise" mode, the common default) that is 512x fewer faults, which on
+    this VM was the difference between ~500 and ~800 MB/s.
+    """
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.nbytes // ff.PAGE) * ff.PAGE
+    if total == 0:
+        return [np.zeros(t.shape, dtype=_NP_DTYPES[t.dtype]) for t in tensors]
+    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if total >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    out = []
+    for t, off in zip(tensors, offsets, strict=True):
+        dtype = np.dtype(_NP_DTYPES[t.dtype])  # type: ignore[call-overload]
+        out.append(np.frombuffer(arena, dtype=dtype, count=math.prod(t.shape), offset=off).reshape(t.shape))
+    return out
+
+
+def _runs(a: np.ndarray, start: int, end: int) -> list[memoryview]:
+    """The contiguous runs of a[..., start:end, :] in C order (one per leading index)."""
+    if a.size == 0 or start == end:
+        return []
+    rows = a.reshape(-1, a.shape[-2], a.shape[-1])
+    return [memoryview(rows[i, start:end, :]).cast("B") for i in range(rows.shape[0])]  # type: ignore[arg-type]
+
+
 def _read_block(
     store: BlockStore,
     namespace: str,
     ref: bk.BlockRef,
     tokens: Sequence[int],
     want: tuple[ff.CacheDesc, ...],
-    dests: list[np.ndarray],
+    runs: list[list[memoryview]],
     *,
     verify: bool,
 ) -> None:
-    """Read one block as a snapshot file (same checks as a whole file), then copy it into place."""
+    """Read one block (same checks as a whole file) with its tensor rows going straight into place."""
     path = store.block_path(ref.name)
     try:
-        loaded = ff.read_snapshot(path, verify=verify)
-    except ff.CorruptFile as exc:
-        raise _BadBlock(ref.name, str(exc)) from exc
-    except ff.StorageError as exc:
-        if exc.errno == errno.ENOENT:
-            raise _BadBlock(ref.name, "block file is missing") from exc
-        raise
-    header, meta, ident = loaded.header, loaded.header.meta, store.identity
-    if (
-        header.file_size != ref.nbytes
-        or meta.tokens != tuple(tokens)
-        or meta.namespace != namespace
-        or meta.config_fingerprint != ident.fingerprint
-        or meta.model_id != ident.model_id
-        or meta.tokenizer_hash != ident.tokenizer_hash
-        or bk.blank(header.caches) != want
-        or len(loaded.buffers) != len(dests)
-    ):
-        raise _BadBlock(ref.name, "block does not match its manifest")
-    for src, dest in zip(loaded.buffers, dests, strict=True):
-        np.copyto(dest, src)
+        with open(path, "rb", buffering=0) as f:
+            try:
+                header = _read_header(f)
+            except ff.CorruptFile as exc:
+                raise _BadBlock(ref.name, str(exc)) from exc
+            meta, ident = header.meta, store.identity
+            tensors = [t for _, t in header.tensors()]
+            if (
+                header.file_size != ref.nbytes
+                or meta.tokens != tuple(tokens)
+                or meta.namespace != namespace
+                or meta.config_fingerprint != ident.fingerprint
+                or meta.model_id != ident.model_id
+                or meta.tokenizer_hash != ident.tokenizer_hash
+                or bk.blank(header.caches) != want
+                or len(tensors) != len(runs)
+            ):
+                raise _BadBlock(ref.name, "block does not match its manifest")
+            pos = f.tell()
+            for t, rows in zip(tensors, runs, strict=True):
+                _skip(f, t.offset - pos, verify=verify, name=ref.name)
+                crc = 0
+                for row in rows:
+                    _readinto_all(f, row, ref.name)
+                    if verify:
+                        crc = zlib.crc32(row, crc)
+                if verify and f"{crc:08x}" != t.crc32:
+                    raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
+                pos = t.offset + t.nbytes
+    except FileNotFoundError as exc:
+        raise _BadBlock(ref.name, "block file is missing") from exc
+    except OSError as exc:
+        raise ff.storage_error(exc, f"reading {path}") from exc
+
+
+def _readinto_all(f: Any, dest: memoryview, name: str) -> None:
+    while dest.nbytes:
+        n = f.readinto(dest)
+        if not n:
+            raise _BadBlock(name, "block file ends early")
+        dest = dest[n:]
+
+
+def _skip(f: Any, n: int, *, verify: bool, name: str) -> None:
+    if n < 0:
+        raise _BadBlock(name, "tensors out of order")
+    if not verify:
+        f.seek(n, os.SEEK_CUR)
+        return
+    pad = bytearray(n)
+    _readinto_all(f, memoryview(pad), name)
+    if pad.count(0) != n:
+        raise _BadBlock(name, "nonzero padding between tensors")
 
 
 def _touch(record: StoredCheckpoint) -> None:
