@@ -52,6 +52,7 @@ from mlxd.kv import block_store as bs  # noqa: E402
 from mlxd.kv import blocks as bk  # noqa: E402
 from mlxd.kv import file_format as ff  # noqa: E402
 from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint  # noqa: E402
+from mlxd.kv.tiers import SsdRecord  # noqa: E402
 
 IDENTITY = StoreIdentity("bench", compute_fingerprint({"bench": "ssd_blocks"}), "tok")
 
@@ -175,18 +176,17 @@ def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for bt, (store, live, ledger) in arms.items():
             t0 = time.perf_counter()
             result = store.write(plan)
-            assert isinstance(result, bs.Stored), result
-            ledger.add(result.record.manifest.blocks)
+            ledger.add(result.record.blocks)
             garbage: list[str] = []
             for old in live.commit(tokens, result.record):
-                store.unlink(old)
-                garbage += ledger.remove(old.manifest.blocks)
+                old.path.unlink()
+                garbage += ledger.remove(old.blocks)
             if garbage:
                 store.collect(garbage)
             row.update({
                 f"blocks{bt}_written": result.written_bytes, f"blocks{bt}_write_s": time.perf_counter() - t0,
                 f"blocks{bt}_new": result.new_blocks, f"blocks{bt}_reused": result.reused_blocks,
-                f"blocks{bt}_files": len(result.record.manifest.blocks),
+                f"blocks{bt}_files": len(result.record.blocks),
             })
         rows.append(row)
     live_tokens = list(whole_live.live)
@@ -221,7 +221,7 @@ def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "followup_written_over_new_kv": ratio(f"blocks{bt}_written", follow),
             "branch_written_over_new_kv": ratio(f"blocks{bt}_written", branches),
             "median_write_s": statistics.median(r[f"blocks{bt}_write_s"] for r in rows),
-            "max_files_per_restore": max(len(r.manifest.blocks) for r in live.live.values()),
+            "max_files_per_restore": max(len(r.blocks) for r in live.live.values()),
         }
         arm["goal_retained_met"] = arm["retained_over_dedup"] <= 1.5
         arm["goal_followup_met"] = arm["followup_written_over_new_kv"]["max"] <= 1.5
@@ -249,12 +249,10 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
     plain = work / "plain.bin"
     shutil.copyfile(whole_path, plain)
-    stores: dict[str, tuple[bs.BlockStore, bs.StoredCheckpoint]] = {}
+    stores: dict[str, tuple[bs.BlockStore, SsdRecord]] = {}
     for bt in args.block_tokens:
         store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
-        result = store.write(plan)
-        assert isinstance(result, bs.Stored)
-        stores[f"blocks_{bt}"] = (store, result.record)
+        stores[f"blocks_{bt}"] = (store, store.write(plan).record)
         stores[f"conversation_blocks_{bt}"] = longest[bt]
     del plan
 
@@ -262,15 +260,15 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
         for p in paths:
             bench_ssd_io.drop_cache(p)
 
-    def restore_blocks(store: bs.BlockStore, record: bs.StoredCheckpoint) -> tuple[float, int]:
-        cold([store.block_path(b.name) for b in record.manifest.blocks] + [record.path])
+    def restore_blocks(store: bs.BlockStore, record: SsdRecord) -> tuple[float, int]:
+        cold([store.block_path(b.name) for b in record.blocks] + [record.path])
         t0 = time.perf_counter()
         restored = ff.adopt(store.load(record, verify=args.verify))
         seconds = time.perf_counter() - t0
         assert restored[0].offset == len(record.tokens)
         del restored
         gc.collect()
-        return seconds, record.manifest.nbytes
+        return seconds, sum(b.file_bytes for b in record.blocks)
 
     def restore_whole(path: Path) -> tuple[float, int]:
         cold([path])
@@ -305,7 +303,7 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     summary: dict[str, Any] = {
         "tokens": args.bandwidth_tokens, "bytes": whole_path.stat().st_size, "verify": args.verify,
         "conversation_tokens": len(longest[args.block_tokens[0]][1].tokens),
-        "files": {k: len(rec.manifest.blocks) for k, (_, rec) in stores.items()},
+        "files": {k: len(rec.blocks) for k, (_, rec) in stores.items()},
         "median_MBps": {k: statistics.median(r[f"{k}_MBps"] for r in rounds) for k in names},
         "median_ratio_to_raw": {k: statistics.median(r[f"{k}_ratio"] for r in rounds) for k in names},
         "goal_ratio_min": 0.8,

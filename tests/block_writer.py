@@ -32,8 +32,10 @@ import numpy as np
 
 from mlxd.kv import block_store as bs
 from mlxd.kv import file_format as ff
+from mlxd.kv.blocks import BlockLedger
 from mlxd.kv.pacing import Pacer
-from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
+from mlxd.kv.ssd_store import Failed, SsdStore, StoreIdentity, compute_fingerprint
+from mlxd.kv.tiers import SsdRecord
 
 IDENTITY = StoreIdentity("crash", compute_fingerprint({"test": "block-crash"}), "tok")
 BLOCK_TOKENS = 64
@@ -96,7 +98,7 @@ class KillingPacer(Pacer):
 
 def main(root: str, seed: int, mode: str, max_writes: int) -> None:
     rng = random.Random(seed)
-    store = bs.BlockStore(Path(root), IDENTITY, block_tokens=BLOCK_TOKENS)
+    store = SsdStore(Path(root), IDENTITY, layout="blocks", block_tokens=BLOCK_TOKENS)
     pacer = KillingPacer(rng.randint(3, 40) if mode == "block" else None)
     manifest_kill = rng.randint(1, 6) if mode == "manifest" else None
     gc_kill = mode == "gc"
@@ -119,7 +121,8 @@ def main(root: str, seed: int, mode: str, max_writes: int) -> None:
     if manifest_kill is not None:
         bs._write_durably = partial_manifest  # type: ignore[assignment]
     conversations: list[list[int]] = []
-    live: list[bs.StoredCheckpoint] = []
+    live: list[SsdRecord] = []
+    ledger = BlockLedger()  # as the cache tiers count them
     for step in range(max_writes):
         choice = rng.random()
         if not conversations or choice < 0.3:
@@ -133,18 +136,18 @@ def main(root: str, seed: int, mode: str, max_writes: int) -> None:
             tokens = base[: rng.randint(len(SYSTEM), len(base))] + [rng.randrange(2000, 3000)]
             conversations.append(tokens)
         result = store.write(plan(tokens), pacer)
-        if isinstance(result, bs.Failed):
-            say(failed=str(result.error))
+        if isinstance(result, Failed):
+            say(failed=result.error)
             continue
         say(durable=str(result.record.path), digest=digest(tokens))
         live.append(result.record)
+        ledger.add(result.record.blocks)
         if step % 5 == 4 and len(live) > 2:
             old = live.pop(rng.randrange(len(live) - 1))
             say(dropping=str(old.path))
-            store.unlink(old)
             if gc_kill:
                 bs._unlink_quietly = unlink_then_die  # type: ignore[assignment]
-            store.collect()
+            store.unlink(old, ledger.remove(old.blocks))  # the manifest, then its garbage
     say(done=True)
 
 

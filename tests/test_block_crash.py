@@ -55,10 +55,11 @@ def check_directory(root: Path, promised: dict[str, str]) -> dict[str, int]:
     """What a restart must find; returns counts. Checks run before the scan repairs anything."""
     store = bs.BlockStore(root, bw.IDENTITY, block_tokens=bw.BLOCK_TOKENS)
     manifests = sorted(store.directory.rglob("*" + bs.MANIFEST_EXT))
+    # (what a restart's SsdStore.scan runs for the blocks layout)
     for path in manifests:  # committed manifests are whole and name only committed blocks
         m = bs.read_manifest(path)
         for b in m.blocks:
-            assert store.block_path(b.name).stat().st_size == b.nbytes, f"{path} names missing block {b.name}"
+            assert store.block_path(b.name).stat().st_size == b.file_bytes, f"{path} names missing block {b.name}"
     result = store.scan()
     assert result.report.corrupt == 0
     assert not list(root.rglob("*.tmp"))
@@ -74,7 +75,7 @@ def check_directory(root: Path, promised: dict[str, str]) -> dict[str, int]:
             assert np.array_equal(got, want)
         loads += 1
     # Nothing is left that no manifest names.
-    names = {b.name for r in result.records for b in r.manifest.blocks}
+    names = {b.name for r in result.records for b in r.blocks}
     assert {p.stem for p in store.blocks_dir.glob("*" + bs.BLOCK_EXT)} == names
     return {"manifests": len(manifests), "loads": loads, "orphans": result.report.orphans}
 

@@ -18,13 +18,19 @@ from mlxd.kv.block_store import (
     BLOCK_EXT,
     MANIFEST_EXT,
     BlockStore,
-    Failed,
-    Stored,
+    BlocksWritten,
     decode_manifest,
     encode_manifest,
     read_manifest,
 )
-from mlxd.kv.ssd_store import SsdStore, StoreIdentity, compute_fingerprint, namespace_dir
+from mlxd.kv.ssd_store import (
+    Failed,
+    SsdStore,
+    Stored,
+    StoreIdentity,
+    compute_fingerprint,
+    namespace_dir,
+)
 
 FP = compute_fingerprint({"config": "blocks-test"})
 IDENTITY = StoreIdentity(model_id="tiny", fingerprint=FP, tokenizer_hash="tok")
@@ -52,11 +58,13 @@ def plan_of(caches, tokens, ns: str = "") -> ff.SnapshotPlan:
     return ff.plan_snapshot(caches, meta=IDENTITY.meta(tokens, ns))
 
 
-def write(store: BlockStore, tokens, ns: str = "", caches=None) -> Stored:
+def write(store: BlockStore, tokens, ns: str = "", caches=None) -> BlocksWritten:
     caches = conversation_kv(tokens) if caches is None else caches
-    result = store.write(plan_of(caches, tokens, ns))
-    assert isinstance(result, Stored), result
-    return result
+    return store.write(plan_of(caches, tokens, ns))
+
+
+def manifest_of(written: BlocksWritten) -> bk.Manifest:
+    return read_manifest(written.record.path)
 
 
 def assert_same_caches(restored, original) -> None:
@@ -118,7 +126,7 @@ def test_ledger_counts_unique_blocks_and_reports_garbage():
 def test_manifest_round_trip_and_damage_is_corrupt(tmp_path):
     store = make_store(tmp_path)
     stored = write(store, list(range(40)))
-    manifest = stored.record.manifest
+    manifest = manifest_of(stored)
     data = encode_manifest(manifest)
     assert decode_manifest(data) == manifest
     assert read_manifest(stored.record.path) == manifest
@@ -141,7 +149,8 @@ def test_layout_restore_and_permissions(tmp_path):
     stored = write(store, tokens, "lora", caches)
     rec = stored.record
     assert rec.path.parent == tmp_path / FP / namespace_dir("lora") and rec.path.suffix == MANIFEST_EXT
-    assert [(b.start, b.end) for b in rec.manifest.blocks] == [(0, 16), (16, 32), (32, 40)]
+    assert [(b.start, b.end) for b in rec.blocks] == [(0, 16), (16, 32), (32, 40)]
+    assert rec.nbytes == sum(b.nbytes for b in rec.blocks) == ff.plan_snapshot(caches, meta=IDENTITY.meta([], "")).nbytes
     assert stored.new_blocks == 3 and stored.reused_blocks == 0
     assert len(block_files(store)) == 3
     for p in (rec.path, *block_files(store)):
@@ -165,7 +174,7 @@ def test_growing_conversation_writes_only_new_tokens(tmp_path):
         records.append((list(tokens), caches, stored.record))
         blocks_bytes = stored.written_bytes - stored.record.path.stat().st_size
         if per_token is None:
-            per_token = stored.record.manifest.nbytes / len(tokens)
+            per_token = manifest_of(stored).nbytes / len(tokens)
         else:
             new = len(tokens) - len(records[-2][0])
             assert stored.reused_blocks >= 1
@@ -177,7 +186,7 @@ def test_growing_conversation_writes_only_new_tokens(tmp_path):
         loaded = store.load(rec, verify=True)
         assert loaded is not None
         assert_same_caches(ff.adopt(loaded), caches)
-    names = {b.name for *_, r in records for b in r.manifest.blocks}
+    names = {b.name for *_, r in records for b in r.blocks}
     assert {p.stem for p in block_files(store)} == names
 
 
@@ -186,7 +195,7 @@ def test_branches_share_their_common_prefix(tmp_path):
     system = list(range(50))  # 3 full blocks + 2 tokens shared
     a = write(store, system + [1, 2, 3, 4, 5])
     b = write(store, system + [7, 8, 9])
-    shared = {x.name for x in a.record.manifest.blocks} & {x.name for x in b.record.manifest.blocks}
+    shared = {x.name for x in a.record.blocks} & {x.name for x in b.record.blocks}
     assert len(shared) == 3
     assert b.reused_blocks == 3 and b.new_blocks == 1
 
@@ -205,7 +214,7 @@ def test_quantized_rotating_and_arrays_state(tmp_path):
     kvc = conversation_kv(tokens, layers=1, dtype=mx.bfloat16)[0]
     caches = [q, rot, arr, mlc.CacheList(kvc, mlc.ArraysCache(1))]
     stored = write(store, tokens, caches=caches)
-    manifest = stored.record.manifest
+    manifest = manifest_of(stored)
     assert manifest.state is not None and len(manifest.spans) == 3
     assert not manifest.trimmable
     loaded = store.load(stored.record, verify=True)
@@ -237,7 +246,7 @@ def test_real_model_caches_restore_bit_identical(tmp_path):
 def test_damaged_block_is_a_miss_and_removed(tmp_path):
     store = make_store(tmp_path)
     stored = write(store, list(range(40)))
-    victim = store.block_path(stored.record.manifest.blocks[1].name)
+    victim = store.block_path(manifest_of(stored).blocks[1].name)
     with open(victim, "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\xff\xff\xff")
@@ -249,72 +258,74 @@ def test_missing_block_is_a_miss_and_scan_drops_its_manifest(tmp_path):
     store = make_store(tmp_path)
     a = write(store, list(range(40)))
     b = write(store, list(range(20)) + [9, 9])
-    store.block_path(a.record.manifest.blocks[2].name).unlink()
+    store.block_path(a.record.blocks[2].name).unlink()
     assert store.load(a.record) is None
     again = make_store(tmp_path).scan()
     assert [r.tokens for r in again.records] == [b.record.tokens]
     # Blocks only the dropped manifest used were collected.
-    assert {p.stem for p in block_files(store)} == {x.name for x in b.record.manifest.blocks}
+    assert {p.stem for p in block_files(store)} == {x.name for x in b.record.blocks}
 
 
-def test_scan_reaps_orphans_collects_garbage_and_reads_whole_files(tmp_path):
-    # A whole file from before blocks, in the same directory.
-    legacy = SsdStore(tmp_path, IDENTITY)
+def test_one_directory_holds_whole_files_and_blocks(tmp_path):
+    """Whole files stay readable beside blocks; the scan reaps orphans and collects garbage."""
+    whole_store = SsdStore(tmp_path, IDENTITY)
     old_tokens = list(range(500, 530))
     old_caches = conversation_kv(old_tokens)
-    assert legacy.write(plan_of(old_caches, old_tokens)) is not None
-    store = make_store(tmp_path)
-    kept = write(store, list(range(40)))
-    gone = write(store, list(range(16)) + [5] * 20)
-    store.unlink(gone.record)
-    (store.blocks_dir / ("a" * 32 + BLOCK_EXT + ".tmp")).write_bytes(b"partial")
+    assert isinstance(whole_store.write(plan_of(old_caches, old_tokens)), Stored)
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=B)
+    kept = store.write(plan_of(conversation_kv(list(range(40))), list(range(40))))
+    gone = store.write(plan_of(conversation_kv(list(range(16)) + [5] * 20), list(range(16)) + [5] * 20))
+    assert isinstance(kept, Stored) and isinstance(gone, Stored)
+    assert kept.written > 0 and gone.reused_blocks == 1
+    gone.record.path.unlink()  # a manifest removed, its blocks left behind
+    (store.blocks.blocks_dir / ("a" * 32 + BLOCK_EXT + ".tmp")).write_bytes(b"partial")
     (kept.record.path.parent / ("b" * 32 + MANIFEST_EXT + ".tmp")).write_bytes(b"partial")
-    result = make_store(tmp_path).scan()
-    assert result.report.orphans == 2 and result.report.collected == 2
-    assert result.report.manifests == 1 and result.report.whole_files == 1
-    by_tokens = {r.tokens: r for r in result.records}
+    for layout in ("whole", "blocks"):  # either layout reads both kinds
+        scan = SsdStore(tmp_path, IDENTITY, layout=layout, block_tokens=B).scan()
+        assert len(scan.records) == 2 and scan.report.corrupt == 0
+    by_tokens = {tuple(r.tokens): r for r in scan.records}
     whole = by_tokens[tuple(old_tokens)]
-    assert whole.manifest is None
+    assert whole.blocks == () and whole.path.suffix == ff.EXTENSION
     assert_same_caches(ff.adopt(store.load(whole)), old_caches)
-    assert {p.stem for p in block_files(store)} == {x.name for x in kept.record.manifest.blocks}
-    # The whole-file store's own scan leaves blocks and manifests alone.
-    legacy.scan()
-    assert {p.stem for p in block_files(store)} == {x.name for x in kept.record.manifest.blocks}
-    assert kept.record.path.exists()
+    assert by_tokens[tuple(range(40))].blocks == kept.record.blocks
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert {p.stem for p in block_files(store.blocks)} == {x.name for x in kept.record.blocks}
+    assert store.load(kept.record, verify=True) is not None
 
 
 def test_collect_removes_only_unreferenced_candidates(tmp_path):
     store = make_store(tmp_path)
     a = write(store, list(range(40)))
     b = write(store, list(range(20)) + [3, 3, 3])
-    store.unlink(a.record)
+    a.record.path.unlink()
     ledger = bk.BlockLedger()
-    ledger.add(a.record.manifest.blocks)
-    ledger.add(b.record.manifest.blocks)
-    garbage = ledger.remove(a.record.manifest.blocks)
+    ledger.add(a.record.blocks)
+    ledger.add(b.record.blocks)
+    garbage = ledger.remove(a.record.blocks)
     assert len(garbage) == 2  # [16, 32) and [32, 40): [0, 16) is still b's
-    report = store.collect(garbage + [b.record.manifest.blocks[0].name])
+    report = store.collect(garbage + [b.record.blocks[0].name])
     assert report.removed == 2 and report.kept == 1  # a candidate b still names stays
     assert store.load(b.record, verify=True) is not None
 
 
-def test_disk_full_is_failed_not_raised_and_nothing_names_a_partial_block(tmp_path):
+def test_disk_full_is_a_failed_write_and_nothing_names_a_partial_block(tmp_path):
     from serving import mount_tmpfs
 
     mnt = tmp_path / "small"
     mount_tmpfs(mnt, "size=96k,mode=0700")
     try:
-        store = make_store(mnt)
-        ok = write(store, list(range(16)))  # one block fits
+        store = SsdStore(mnt, IDENTITY, layout="blocks", block_tokens=B)
+        ok = store.write(plan_of(conversation_kv(list(range(16))), list(range(16))))  # one block fits
+        assert isinstance(ok, Stored)
         tokens = list(range(16)) + list(range(100, 400))  # needs ~300 KB more
         result = store.write(plan_of(conversation_kv(tokens), tokens))
-        assert isinstance(result, Failed) and isinstance(result.error, ff.DiskFull)
+        assert isinstance(result, Failed) and result.disk_full
         assert not list(mnt.rglob("*.tmp"))
         assert [p for p in mnt.rglob("*" + MANIFEST_EXT)] == [ok.record.path]
         # What was committed before the failure is collected; what the manifest names stays.
-        store.collect()
+        store.blocks.collect()
         assert store.load(ok.record, verify=True) is not None
-        assert {p.stem for p in block_files(store)} == {b.name for b in ok.record.manifest.blocks}
+        assert {p.stem for p in block_files(store.blocks)} == {b.name for b in ok.record.blocks}
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 

@@ -20,10 +20,11 @@ manifest on disk names (and tmp files, which only a dead writer can leave
 while nobody holds the lock). One writer thread per process does both, and
 `flock` serializes processes sharing the directory.
 
-The store keeps no index (the cache tiers do): `scan()` returns records,
-`write()` returns `Stored` or `Failed`, `load()` returns the loaded snapshot
-or None (a miss; what is damaged is removed), `unlink()` removes a manifest
-or a whole file, `collect()` removes garbage blocks.
+The store keeps no index (the cache tiers do, with `blocks.BlockLedger`):
+`scan()` returns the manifests' records, `write()` commits one checkpoint,
+`load()` returns the loaded snapshot or None (a miss; what is damaged is
+removed), `collect()` removes garbage blocks. `mlxd.kv.ssd_store.SsdStore`
+uses it for its "blocks" layout, beside its whole files.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -53,7 +54,10 @@ import structlog
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
 from mlxd.kv.pacing import Pacer
-from mlxd.kv.ssd_store import StoreIdentity, namespace_dir
+from mlxd.kv.tiers import SsdRecord
+
+if TYPE_CHECKING:
+    from mlxd.kv.ssd_store import StoreIdentity
 
 log = structlog.get_logger(__name__)
 
@@ -75,51 +79,30 @@ _READ_CHUNK = 8 << 20
 # ------------------------------------------------------------- records
 
 
-@attrs.define(eq=False)
-class StoredCheckpoint:
-    """One checkpoint on disk: a manifest (blocks) or, from before blocks, a whole file."""
-
-    namespace: str
-    tokens: tuple[int, ...]
-    nbytes: int  # every block it uses (or the whole file's size)
-    mtime: float
-    trimmable: bool
-    path: Path  # the manifest or the whole file
-    manifest: bk.Manifest | None = None  # None: a whole file
-
-
 @attrs.frozen
-class Stored:
-    """A write committed: the record, and what it cost."""
+class BlocksWritten:
+    """A checkpoint committed as blocks + manifest: its record, and what it cost."""
 
-    record: StoredCheckpoint
-    written_bytes: int  # new blocks + the manifest
+    record: SsdRecord
+    written_bytes: int  # new block files + the manifest
     new_blocks: int
     reused_blocks: int
     seconds: float
 
 
 @attrs.frozen
-class Failed:
-    """A write stored nothing (every block it wrote stays valid; collection removes them)."""
-
-    error: ff.StorageError
-
-
-@attrs.frozen
 class ScanReport:
     manifests: int = 0
-    whole_files: int = 0
     blocks: int = 0
     block_bytes: int = 0
-    corrupt: int = 0  # unreadable manifests and whole files, and manifests naming a missing block
+    corrupt: int = 0  # unreadable manifests, and manifests naming a missing block
     orphans: int = 0  # tmp files of interrupted writes
     collected: int = 0  # blocks no manifest names
 
 
 @attrs.frozen
-class ScanResult:
-    records: tuple[StoredCheckpoint, ...]
+class BlockScan:
+    records: tuple[SsdRecord, ...]
     report: ScanReport
 
 
@@ -147,7 +130,7 @@ def encode_manifest(m: bk.Manifest) -> bytes:
         "tokens": list(meta.tokens),
         "block_tokens": m.block_tokens,
         "caches": [_cache_doc(c) for c in m.caches],
-        "blocks": [[b.name, b.start, b.end, b.nbytes, int(b.state)] for b in m.blocks],
+        "blocks": [[b.name, b.start, b.end, b.nbytes, b.file_bytes, int(b.state)] for b in m.blocks],
     }
     body = json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
     head = _PREAMBLE.pack(MANIFEST_MAGIC, MANIFEST_VERSION, 0, len(body), b"\0" * 32)
@@ -182,7 +165,10 @@ def decode_manifest(data: bytes) -> bk.Manifest:
             created_at=float(doc["created_at"]),
         )
         refs = tuple(
-            bk.BlockRef(_typed(b[0], str), _typed(b[1], int), _typed(b[2], int), _typed(b[3], int), bool(b[4]))
+            bk.BlockRef(
+                _typed(b[0], str), _typed(b[1], int), _typed(b[2], int), _typed(b[3], int), _typed(b[4], int),
+                bool(_typed(b[5], int)),
+            )
             for b in doc["blocks"]
         )
         manifest = bk.Manifest(
@@ -288,28 +274,26 @@ class BlockStore:
 
     # ------------------------------------------------------------- writes
 
-    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> Stored | Failed:
-        """Commit the plan's new blocks, then its manifest. Never raises StorageError."""
+    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> BlocksWritten:
+        """Commit the plan's new blocks, then its manifest. Raises StorageError (blocks it
+        committed stay valid until collected) or the pacer's WriteInterrupted."""
         t0 = time.perf_counter()
         meta = plan.meta
-        ns_dir = self.directory / namespace_dir(meta.namespace)
-        try:
-            self._make_dirs(ns_dir)
-            with self._locked(exclusive=False):
-                refs, written, new = self._write_blocks(plan, pacer)
-                manifest = bk.Manifest(meta, bk.blank(plan.caches), tuple(refs), self.block_tokens)
-                data = encode_manifest(manifest)
-                path = ns_dir / (uuid.uuid4().hex + MANIFEST_EXT)
-                try:
-                    _write_durably(path, data)
-                except OSError as exc:
-                    raise ff.storage_error(exc, f"writing {path}") from exc
-        except ff.StorageError as exc:
-            return Failed(exc)
-        record = StoredCheckpoint(
-            meta.namespace, meta.tokens, manifest.nbytes, time.time(), manifest.trimmable, path, manifest
+        ns_dir = self.directory / _namespace_dir(meta.namespace)
+        self._make_dirs(ns_dir)
+        with self._locked(exclusive=False):
+            refs, written, new = self._write_blocks(plan, pacer)
+            manifest = bk.Manifest(meta, bk.blank(plan.caches), tuple(refs), self.block_tokens)
+            data = encode_manifest(manifest)
+            path = ns_dir / (uuid.uuid4().hex + MANIFEST_EXT)
+            try:
+                _write_durably(path, data)
+            except OSError as exc:
+                raise ff.storage_error(exc, f"writing {path}") from exc
+        record = SsdRecord(
+            meta.namespace, meta.tokens, manifest.nbytes, time.time(), manifest.trimmable, path, tuple(refs)
         )
-        return Stored(record, written + len(data), new, len(refs) - new, time.perf_counter() - t0)
+        return BlocksWritten(record, written + len(data), new, len(refs) - new, time.perf_counter() - t0)
 
     def _write_blocks(self, plan: ff.SnapshotPlan, pacer: Pacer | None) -> tuple[list[bk.BlockRef], int, int]:
         meta = plan.meta
@@ -337,20 +321,21 @@ class BlockStore:
                 block_tokens=self.block_tokens,
             )
             for s in spans:
+                payload = _payload(bk.span_descs(plan.caches, n, s.start, s.end))
                 if s.exists:
-                    refs.append(bk.BlockRef(s.name, s.start, s.end, sizes[s.name]))
+                    refs.append(bk.BlockRef(s.name, s.start, s.end, payload, sizes[s.name]))
                     continue
-                block = views.span_plan(meta, s.start, s.end)
-                size = self._write_block(s.name, block, pacer)
-                refs.append(bk.BlockRef(s.name, s.start, s.end, size))
+                size = self._write_block(s.name, views.span_plan(meta, s.start, s.end), pacer)
+                refs.append(bk.BlockRef(s.name, s.start, s.end, payload, size))
                 written, new = written + size, new + 1
         if views.whole:
             name = bk.state_hash(meta.tokens, namespace=meta.namespace, fingerprint=meta.config_fingerprint)
+            payload = _payload(bk.state_descs(plan.caches, n))
             if exists(name):
-                refs.append(bk.BlockRef(name, n, n, sizes[name], state=True))
+                refs.append(bk.BlockRef(name, n, n, payload, sizes[name], state=True))
             else:
                 size = self._write_block(name, views.state_plan(meta), pacer)
-                refs.append(bk.BlockRef(name, n, n, size, state=True))
+                refs.append(bk.BlockRef(name, n, n, payload, size, state=True))
                 written, new = written + size, new + 1
         try:
             ff.fsync_dir(self.blocks_dir)  # blocks reused from another writer are durable too
@@ -379,21 +364,27 @@ class BlockStore:
 
     # -------------------------------------------------------------- reads
 
-    def load(self, record: StoredCheckpoint, *, verify: bool = False) -> ff.LoadedSnapshot | None:
-        """Read a checkpoint for adoption; None (a miss) when anything is missing or damaged.
-
-        A damaged block is removed with the manifest that led to it; the other
-        manifests naming it miss in turn when they are loaded.
-        """
-        if record.manifest is None:
-            return self._load_whole(record, verify=verify)
+    def load(self, record: SsdRecord, *, verify: bool = False) -> ff.LoadedSnapshot | None:
+        """Read a checkpoint's manifest and blocks for adoption; None (a miss) when anything is
+        missing or damaged. A damaged block is removed with the manifest that led to it; the
+        other manifests naming it miss in turn when they are loaded."""
+        assert record.path is not None
         t0 = time.perf_counter()
-        manifest = record.manifest
         try:
+            manifest = read_manifest(record.path)
+            if manifest.tokens != tuple(record.tokens) or manifest.namespace != record.namespace:
+                raise ff.CorruptFile("manifest no longer matches its record")
+            problem = self._mismatch(manifest.meta, record.path.parent.name)
+            if problem:
+                raise ff.CorruptFile(problem)
             buffers = _read_blocks(self, manifest, verify=verify)
         except _BadBlock as bad:
             log.warning("ssd_corrupt_block_removed", block=bad.name, manifest=str(record.path), reason=str(bad))
             _unlink_quietly(self.block_path(bad.name))
+            _unlink_quietly(record.path)
+            return None
+        except ff.CorruptFile as exc:
+            log.warning("ssd_corrupt_file_removed", path=str(record.path), reason=str(exc))
             _unlink_quietly(record.path)
             return None
         except ff.StorageError as exc:
@@ -403,35 +394,14 @@ class BlockStore:
         _touch(record)
         return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0)
 
-    def _load_whole(self, record: StoredCheckpoint, *, verify: bool) -> ff.LoadedSnapshot | None:
-        try:
-            loaded = ff.read_snapshot(record.path, verify=verify)
-        except ff.CorruptFile as exc:
-            log.warning("ssd_corrupt_file_removed", path=str(record.path), reason=str(exc))
-            _unlink_quietly(record.path)
-            return None
-        except ff.StorageError as exc:
-            log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
-            return None
-        if loaded.header.tokens != record.tokens or loaded.header.namespace != record.namespace:
-            log.warning("ssd_corrupt_file_removed", path=str(record.path), reason="file no longer matches its record")
-            _unlink_quietly(record.path)
-            return None
-        _touch(record)
-        return loaded
-
-    def unlink(self, record: StoredCheckpoint) -> None:
-        """Remove a manifest (its blocks stay until `collect`) or a whole file."""
-        try:
-            record.path.unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("ssd_unlink_failed", path=str(record.path), error=str(exc))
+    def block_paths(self, record: SsdRecord) -> list[Path]:
+        return [self.block_path(b.name) for b in record.blocks]
 
     # ------------------------------------------------- scan and collection
 
-    def scan(self) -> ScanResult:
-        """Startup recovery: reap tmp files, read every manifest and whole file, collect garbage."""
-        records: list[StoredCheckpoint] = []
+    def scan(self) -> BlockScan:
+        """Startup recovery: reap tmp files, read every manifest, collect unreferenced blocks."""
+        records: list[SsdRecord] = []
         counts = {"corrupt": 0, "orphans": 0}
         with self._locked(exclusive=True):
             blocks = self._stored_blocks(counts)
@@ -440,63 +410,51 @@ class BlockStore:
                     record = self._scan_file(path, ns_dir.name, blocks, counts)
                     if record is not None:
                         records.append(record)
-            live: set[str] = set()
-            for r in records:
-                if r.manifest is not None:
-                    live.update(b.name for b in r.manifest.blocks)
+            live = {b.name for r in records for b in r.blocks}
             garbage = set(blocks) - live
             for name in garbage:
                 _unlink_quietly(self.block_path(name))
             if garbage:
                 ff.fsync_dir(self.blocks_dir)
         report = ScanReport(
-            manifests=sum(r.manifest is not None for r in records),
-            whole_files=sum(r.manifest is None for r in records),
+            manifests=len(records),
             blocks=len(blocks) - len(garbage),
             block_bytes=sum(size for name, size in blocks.items() if name not in garbage),
             corrupt=counts["corrupt"],
             orphans=counts["orphans"],
             collected=len(garbage),
         )
-        log.info("ssd_scan", dir=str(self.directory), **attrs.asdict(report))
-        if report.whole_files:
-            log.info("ssd_whole_files_kept", files=report.whole_files,
-                     note="checkpoints from before content-addressed blocks stay readable as whole files")
-        return ScanResult(tuple(records), report)
+        log.info("ssd_block_scan", dir=str(self.directory), **attrs.asdict(report))
+        return BlockScan(tuple(records), report)
 
     def _scan_file(
         self, path: Path, ns_name: str, blocks: dict[str, int], counts: dict[str, int]
-    ) -> StoredCheckpoint | None:
-        name = path.name
-        if name.endswith(".tmp"):
+    ) -> SsdRecord | None:
+        if path.name.endswith(MANIFEST_EXT + ".tmp"):
             _unlink_quietly(path)
             counts["orphans"] += 1
             return None
-        if path.suffix not in (MANIFEST_EXT, ff.EXTENSION):
-            return None
+        if path.suffix != MANIFEST_EXT:
+            return None  # whole files are the whole-file store's
         try:
             mtime = path.stat().st_mtime
-            if path.suffix == ff.EXTENSION:
-                header = ff.read_header(path)
-                meta, manifest, nbytes, trimmable = header.meta, None, header.file_size, header.trimmable
-            else:
-                manifest = read_manifest(path)
-                meta, nbytes, trimmable = manifest.meta, manifest.nbytes, manifest.trimmable
+            manifest = read_manifest(path)
         except ff.CorruptFile as exc:
             self._drop(path, str(exc), counts)
             return None
         except (ff.StorageError, OSError) as exc:
             log.warning("ssd_scan_unreadable", path=str(path), error=str(exc))
             return None
-        problem = self._mismatch(meta, ns_name)
-        if problem is None and manifest is not None:
-            missing = [b.name for b in manifest.blocks if blocks.get(b.name) != b.nbytes]
+        problem = self._mismatch(manifest.meta, ns_name)
+        if problem is None:
+            missing = [b.name for b in manifest.blocks if blocks.get(b.name) != b.file_bytes]
             if missing:
                 problem = f"names {len(missing)} missing or resized blocks"
         if problem:
             self._drop(path, problem, counts)
             return None
-        return StoredCheckpoint(meta.namespace, meta.tokens, nbytes, mtime, trimmable, path, manifest)
+        m = manifest
+        return SsdRecord(m.namespace, m.tokens, m.nbytes, mtime, m.trimmable, path, m.blocks)
 
     def _drop(self, path: Path, why: str, counts: dict[str, int]) -> None:
         log.warning("ssd_corrupt_file_removed", path=str(path), reason=why)
@@ -509,7 +467,7 @@ class BlockStore:
             return "config fingerprint mismatch"
         if meta.model_id != want.model_id or meta.tokenizer_hash != want.tokenizer_hash:
             return "model or tokenizer mismatch"
-        if namespace_dir(meta.namespace) != ns_name:
+        if _namespace_dir(meta.namespace) != ns_name:
             return "namespace does not match its directory"
         return None
 
@@ -735,7 +693,7 @@ def _read_block(
             meta, ident = header.meta, store.identity
             tensors = [t for _, t in header.tensors()]
             if (
-                header.file_size != ref.nbytes
+                header.file_size != ref.file_bytes
                 or meta.tokens != tuple(tokens)
                 or meta.namespace != namespace
                 or meta.config_fingerprint != ident.fingerprint
@@ -782,14 +740,24 @@ def _skip(f: Any, n: int, *, verify: bool, name: str) -> None:
         raise _BadBlock(name, "nonzero padding between tensors")
 
 
-def _touch(record: StoredCheckpoint) -> None:
-    """A hit: the manifest's mtime is the LRU clock (as a whole file's is)."""
+def _touch(record: SsdRecord) -> None:
+    """A hit: the manifest's mtime is the LRU clock across restarts (as a whole file's is)."""
     now = time.time()
     try:
-        os.utime(record.path, (now, now))
+        os.utime(record.path, (now, now))  # type: ignore[arg-type]
     except OSError:
         return
-    record.mtime = now
+
+
+def _payload(descs: Sequence[ff.CacheDesc]) -> int:
+    """KV bytes of a block's tensors (what the cap counts)."""
+    return sum(t.nbytes for c in descs for t in c.tensors if t is not None)
+
+
+def _namespace_dir(namespace: str) -> str:
+    from mlxd.kv.ssd_store import namespace_dir  # ssd_store imports this module
+
+    return namespace_dir(namespace)
 
 
 def _listdir(d: Path) -> list[Path]:
@@ -814,13 +782,11 @@ def _unlink_quietly(path: Path) -> None:
 __all__ = [
     "BLOCK_EXT",
     "MANIFEST_EXT",
+    "BlockScan",
     "BlockStore",
-    "Failed",
+    "BlocksWritten",
     "GcReport",
     "ScanReport",
-    "ScanResult",
-    "Stored",
-    "StoredCheckpoint",
     "decode_manifest",
     "encode_manifest",
     "read_manifest",

@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
-from mlxd.kv import file_format as ff
+if TYPE_CHECKING:  # descriptors only; the simulator and the tier core use this module without MLX
+    from mlxd.kv import file_format as ff
 
-BLOCK_TOKENS = 256  # default span: 256 tokens of every attention layer
+BLOCK_TOKENS = 256  # the smallest default span (tokens of every attention layer)
+MAX_BLOCK_TOKENS = 4096
+TARGET_BLOCK_BYTES = 16 << 20
 ROOT = "0" * 32  # the parent of a chain's first block
 _NAME_CHARS = frozenset("0123456789abcdef")
 _SPANNED_KINDS = ("kv", "quant")  # token axis -2, trimmable
@@ -56,6 +60,21 @@ def state_hash(tokens: Sequence[int], *, namespace: str, fingerprint: str) -> st
     return h.hexdigest()[:32]
 
 
+def span_for(kv_bytes_per_token: int, *, target_bytes: int = TARGET_BLOCK_BYTES) -> int:
+    """The default span: the smallest power of two >= 256 tokens whose block holds >= `target_bytes`.
+
+    Each block is a file, and a restore pays a first-read latency per file:
+    on this project's VM disk 6 MB files read at about half the speed of one
+    large file and 24 MB files at about full speed (docs/benchmarks.md), so
+    blocks are sized by bytes. The span must stay fixed for a store
+    directory (names depend on it); the model fixes bytes per token there.
+    """
+    span = BLOCK_TOKENS
+    while span < MAX_BLOCK_TOKENS and span * max(1, kv_bytes_per_token) < target_bytes:
+        span *= 2
+    return span
+
+
 def is_block_name(name: str) -> bool:
     return len(name) == 32 and set(name) <= _NAME_CHARS
 
@@ -67,7 +86,8 @@ class BlockRef:
     name: str
     start: int
     end: int
-    nbytes: int  # the block file's size
+    nbytes: int  # KV bytes it holds (what the SSD cap counts: headers and padding excluded)
+    file_bytes: int = 0  # the block file's size (0 in the simulator)
     state: bool = False
 
 
@@ -99,7 +119,7 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every block it uses (shared or not)."""
+        """KV bytes of every block it uses (shared or not): the checkpoint's payload."""
         return sum(b.nbytes for b in self.blocks)
 
     @property
@@ -155,12 +175,12 @@ def state_descs(caches: Sequence[ff.CacheDesc], n_tokens: int) -> tuple[ff.Cache
 def _span_tensor(t: ff.TensorDesc, n: int) -> ff.TensorDesc:
     shape = (*t.shape[:-2], n, t.shape[-1])
     per_token = t.nbytes // t.shape[-2]
-    return ff.TensorDesc(t.dtype, shape, per_token * n)
+    return attrs.evolve(t, shape=shape, nbytes=per_token * n, offset=0, crc32="0" * 8)
 
 
 def _blank(c: ff.CacheDesc) -> ff.CacheDesc:
     """A descriptor without file offsets or checksums (what a manifest and a layout compare)."""
-    tensors = tuple(None if t is None else ff.TensorDesc(t.dtype, t.shape, t.nbytes) for t in c.tensors)
+    tensors = tuple(None if t is None else attrs.evolve(t, offset=0, crc32="0" * 8) for t in c.tensors)
     return attrs.evolve(c, tensors=tensors, children=tuple(_blank(x) for x in c.children))
 
 
@@ -337,5 +357,6 @@ def model_blocks(
     refs = [BlockRef(s.name, s.start, s.end, (s.end - s.start) * bytes_per_token) for s in spans]
     if state_bytes:
         n = len(tokens)
-        refs.append(BlockRef(state_hash(tokens, namespace=namespace, fingerprint=fingerprint), n, n, state_bytes, True))
+        name = state_hash(tokens, namespace=namespace, fingerprint=fingerprint)
+        refs.append(BlockRef(name, n, n, state_bytes, state=True))
     return tuple(refs)
