@@ -293,6 +293,10 @@ class CacheTiers:
         """Can some SSD file restore exactly `tokens` (itself or a trimmable descendant)?"""
         return self.ssd and self._index.covers(tokens, namespace)
 
+    def ssd_has_block(self, name: str) -> bool:
+        """Does an indexed record name this block (the simulator's stand-in for the block files)?"""
+        return self._index.has_block(name)
+
     def ssd_fits(self, nbytes: int) -> bool:
         return self.ssd_max_bytes <= 0 or nbytes <= self.ssd_max_bytes
 
