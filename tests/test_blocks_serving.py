@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from mlxd.kv.block_store import BLOCK_EXT, MANIFEST_EXT
+
 from procs import ServeProcess
 
 SYSTEM = "You are the agent. Tools: search, read, write, run. Rules: be brief, cite files, never guess. " * 8

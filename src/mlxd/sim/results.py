@@ -36,6 +36,8 @@ class RunResult:
     ttft_s: dict[str, float]
     makespan_s: float
     wall_s: float = 0.0
+    ssd_layout: str = "whole"
+    ssd_bytes_retained: int = 0  # what the SSD tier holds at the end (blocks: each block once)
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -68,6 +70,7 @@ class Tally:
     hit_tokens_by: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
     ssd_bytes_written: int = 0
     ssd_bytes_read: int = 0
+    ssd_bytes_retained: int = 0
     evictions: int = 0
     demotions: int = 0
     ssd_evictions: int = 0
@@ -103,6 +106,7 @@ class Tally:
             ssd_hit_tokens=self.hit_tokens_by["ssd"],
             ssd_bytes_written=self.ssd_bytes_written,
             ssd_bytes_read=self.ssd_bytes_read,
+            ssd_bytes_retained=self.ssd_bytes_retained,
             evictions=self.evictions,
             demotions=self.demotions,
             ssd_evictions=self.ssd_evictions,
