@@ -20,6 +20,8 @@ deduplicated KV (the KV of the distinct prefixes of every retained
 checkpoint, each token once), and restore bandwidth of the longest
 checkpoint — read + adopt into MLX from a cold page cache — against the raw
 sequential read of a plain file of the same size (alternating order, median).
+A last probe reads the same 192 MiB cold as 6 MiB files, 24 MiB files and one
+file, to separate the disk's cost per file from the block reader's.
 
 KV shape: `--layers` x `--kv-heads` x `--head-dim`, fp32 (24 KiB per token by
 default, as the "bench" model preset; ratios do not depend on the shape beyond
@@ -313,6 +315,42 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     return {"rounds": rounds, "summary": summary}
 
 
+def run_file_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Is it the files? Cold sequential reads of the same bytes as many small files or one big one."""
+    total = 192 << 20
+    chunk = os.urandom(8 << 20)
+    probe = work / "probe"
+    probe.mkdir()
+    sets: dict[str, list[Path]] = {}
+    for size in (6 << 20, 24 << 20, total):
+        paths = []
+        for i in range(total // size):
+            path = probe / f"{size}-{i}"
+            with open(path, "wb") as f:
+                for off in range(0, size, len(chunk)):
+                    f.write(chunk[: min(len(chunk), size - off)])
+                f.flush()
+                os.fsync(f.fileno())
+            paths.append(path)
+        sets[f"{size >> 20}MB_files"] = paths
+    buf = memoryview(bytearray(8 << 20))
+    rates: dict[str, list[float]] = {k: [] for k in sets}
+    for _ in range(args.rounds):
+        for name, paths in sets.items():
+            for p in paths:
+                bench_ssd_io.drop_cache(p)
+            t0 = time.perf_counter()
+            for p in paths:
+                with open(p, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+            rates[name].append(total / (time.perf_counter() - t0) / 1e6)
+    shutil.rmtree(probe, ignore_errors=True)
+    summary = {k: {"median_MBps": statistics.median(v), "best_MBps": max(v)} for k, v in rates.items()}
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rates_MBps": rates, "summary": summary}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=8)
@@ -346,12 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         storage = run_storage(args, work)
         print("=== restore bandwidth ===", flush=True)
         bandwidth = run_bandwidth(args, work, storage.pop("longest"))
+        print("=== file-size probe: 192 MiB as 6 MiB files, 24 MiB files, one file ===", flush=True)
+        probe = run_file_probe(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     result = {
         "command": "ssd_blocks", "storage": {"rows": storage["rows"], "summary": storage["summary"]},
-        "bandwidth": bandwidth, "runtime_s": time.perf_counter() - t0, "loadavg": os.getloadavg(),
+        "bandwidth": bandwidth, "file_probe": probe, "runtime_s": time.perf_counter() - t0, "loadavg": os.getloadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }

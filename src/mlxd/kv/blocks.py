@@ -133,7 +133,12 @@ class Manifest:
     @property
     def chain(self) -> tuple[tuple[str, int, int], ...]:
         """(block name, first token, end token) of every span block: the hash chain to publish."""
-        return tuple((b.name, b.start, b.end) for b in self.spans)
+        return chain(self.blocks)
+
+
+def chain(blocks: Iterable[BlockRef]) -> tuple[tuple[str, int, int], ...]:
+    """The hash chain of a checkpoint's blocks (e.g. `SsdRecord.blocks`): names for KV events."""
+    return tuple((b.name, b.start, b.end) for b in blocks if not b.state)
 
 
 # ------------------------------------------------------------- splitting
