@@ -562,7 +562,7 @@ def pipelined_restore(path: Path) -> list[Any]:
     def reader() -> None:
         try:
             with open(path, "rb", buffering=0) as f:
-                header = ffr._read_header(f)
+                header = ffr.read_open_header(f)
                 q.put(header)
                 pos = f.tell()
                 for _, t in header.tensors():

@@ -99,6 +99,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--generation-checkpoint", type=_non_negative_int, default=0, metavar="N",
                    help="checkpoint running generations every N tokens to the SSD tier, so an identical "
                         "request resumes after a crash or disconnect (default 0: off; needs --ssd-cache)")
+    p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
+                   help="store new checkpoints as whole files (default) or as shared content-addressed blocks "
+                   "plus a manifest (a shared prefix is stored once); both are always read")
+    p.add_argument("--ssd-block-tokens", type=_positive_int, metavar="N",
+                   help="tokens per block with --ssd-layout blocks (default: sized to ~16 MiB of KV, >= 256)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")
     p.add_argument("--admin-key", help="require this bearer token on /admin/* (env MLXD_ADMIN_KEY); without "
@@ -119,7 +124,8 @@ def serve_config(args: argparse.Namespace):
 
     ssd = {}
     if args.ssd_cache is None:
-        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate"):
+        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_layout",
+                     "ssd_block_tokens"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
     else:
@@ -129,6 +135,8 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_verify": args.ssd_cache_verify,
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
             **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
+            **({} if args.ssd_layout is None else {"ssd_layout": args.ssd_layout}),
+            **({} if args.ssd_block_tokens is None else {"ssd_block_tokens": args.ssd_block_tokens}),
         }
     return RuntimeConfig(
         **ssd,
@@ -270,6 +278,8 @@ def server_record(rt) -> dict:
         "ssd_cache_max_bytes": c.ssd_cache_max_bytes,
         "ssd_demote_idle_s": c.ssd_demote_idle_s,
         "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
+        "ssd_layout": c.ssd_layout,
+        "ssd_block_tokens": rt.ssd_block_tokens,
     }
 
 

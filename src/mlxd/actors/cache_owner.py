@@ -192,7 +192,9 @@ class CacheOwnerActor:
                     self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
             elif isinstance(effect, Unlink):
                 if self._store is not None and self._nursery is not None:
-                    self._nursery.start_soon(trio.to_thread.run_sync, self._store.unlink, effect.record)
+                    self._nursery.start_soon(
+                        trio.to_thread.run_sync, self._store.unlink, effect.record, effect.garbage
+                    )
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
 

@@ -97,7 +97,7 @@ class SsdWriterActor:
         s = self._stats
         paced = round(s.paced_s + (pacer.paced_s if pacer is not None else 0.0), 3)
         if isinstance(outcome, Stored):
-            return attrs.evolve(s, writes=s.writes + 1, bytes_written=s.bytes_written + outcome.record.nbytes,
+            return attrs.evolve(s, writes=s.writes + 1, bytes_written=s.bytes_written + outcome.written,
                                 write_s_last=round(seconds, 4), paced_s=paced)
         if outcome.error.startswith("write interrupted"):
             log.info("ssd.write_interrupted", reason="shutdown")

@@ -218,6 +218,11 @@ def _ssd_families(ssd: dict[str, Any]) -> Iterator[Metric]:
     )
     yield _counter("mlxd_ssd_corrupt_removed", "Damaged cache files unlinked.", ssd.get("corrupt_removed"))
     yield _gauge("mlxd_ssd_disk_full", "1 after a write hit a full disk.", 1 if ssd.get("disk_full") else 0)
+    yield _gauge("mlxd_ssd_blocks", "Content-addressed blocks the SSD tier's checkpoints name.", ssd.get("blocks"))
+    yield _gauge(
+        "mlxd_ssd_checkpoint_bytes", "KV bytes of the SSD checkpoints before block sharing.",
+        ssd.get("checkpoint_bytes"),
+    )
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_restore_decisions", "Restore-or-recompute choices.", "choice",
         {"restore": decisions.get("restores_chosen"), "recompute": decisions.get("recomputes_chosen")},

@@ -11,6 +11,12 @@ returns `Stored(record)` or `Failed(error)`, `load()` reads one back (None
 when it cannot), `unlink()` deletes one. What the tier holds, and which files
 to delete, is decided by the cache owner's `mlxd.kv.tiers.CacheTiers`.
 
+Two layouts share the directory: whole files (one `.mlxkv` per checkpoint)
+and content-addressed blocks (`layout="blocks"`: `mlxd.kv.block_store`, one
+manifest per checkpoint naming shared blocks). New checkpoints are written in
+the configured layout; both kinds are scanned and read, so a directory
+written by either keeps serving after the layout changes.
+
 Every failure degrades to "miss" or "not stored": corrupt files are unlinked
 on sight, and a storage error carries its cause (the OS's errno text).
 """
@@ -30,6 +36,7 @@ import attrs
 import structlog
 
 from mlxd.kv import file_format as ff
+from mlxd.kv.block_store import BlockStore
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 
@@ -95,6 +102,12 @@ class Stored:
 
     record: SsdRecord
     seconds: float
+    written_bytes: int | None = None  # bytes this write put on disk (blocks: only new ones); None = the record's
+    reused_blocks: int = 0
+
+    @property
+    def written(self) -> int:
+        return self.record.nbytes if self.written_bytes is None else self.written_bytes
 
 
 @attrs.frozen
@@ -115,11 +128,21 @@ class SsdStore:
     root: Path = attrs.field(converter=Path)
     identity: StoreIdentity
     clock: Callable[[], float] = time.time
+    layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
+    block_tokens: int = 256  # the blocks layout's span (fixed per directory: names depend on it)
+    _blocks: BlockStore = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._blocks = BlockStore(self.root, self.identity, block_tokens=self.block_tokens)
 
     @property
     def directory(self) -> Path:
         """Our fingerprint dir; other fingerprints' dirs are never touched."""
         return self.root / self.identity.fingerprint
+
+    @property
+    def blocks(self) -> BlockStore:
+        return self._blocks
 
     # ------------------------------------------------------- startup scan
 
@@ -147,15 +170,35 @@ class SsdStore:
                     counts[outcome] += 1
                 if seen % 1000 == 0:  # progress on a large cache directory
                     log.info("ssd_scan_progress", files=seen, indexed=counts["indexed"])
+        whole_files = len(found)
+        blocks = self._blocks.scan() if (self._blocks.blocks_dir.is_dir() or self.layout == "blocks") else None
+        for record in blocks.records if blocks is not None else ():
+            key = (record.namespace, tuple(record.tokens))
+            old = found.get(key)
+            if old is None:
+                found[key] = record
+                continue
+            loser = old if old.mtime <= record.mtime else record
+            found[key] = record if loser is old else old
+            self.unlink(loser)
+            counts["duplicates"] += 1
+        if blocks is not None:
+            counts["corrupt"] += blocks.report.corrupt
+            counts["orphans"] += blocks.report.orphans
+            if counts["duplicates"]:
+                self._blocks.collect()
         counts.pop("other", None)
         counts["indexed"] = len(found)
         report = ScanReport(**counts)
-        log.info("ssd_scan", dir=str(self.directory), **attrs.asdict(report))
+        log.info("ssd_scan", dir=str(self.directory), layout=self.layout, **attrs.asdict(report))
+        if whole_files and self.layout == "blocks":
+            log.info("ssd_whole_files_kept", files=whole_files,
+                     note="checkpoints written as whole files stay readable; new ones are written as blocks")
         return Scan(tuple(found.values()), report)
 
     def _ns_dirs(self) -> Iterator[Path]:
         if self.directory.is_dir():
-            yield from (p for p in _listdir(self.directory) if p.is_dir())
+            yield from (p for p in _listdir(self.directory) if p.is_dir() and p.name != "blocks")
 
     def _scan_file(self, path: Path, ns_name: str) -> SsdRecord | str:
         if path.name.endswith(TMP_SUFFIX):
@@ -209,17 +252,19 @@ class SsdStore:
                 break
             if record.path is None:
                 continue
-            try:
-                fd = os.open(record.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                continue  # vanished or unreadable: the restore will treat it as a miss
-            try:
-                advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                asked += record.nbytes
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            paths = self._blocks.block_paths(record) if record.blocks else [record.path]
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue  # vanished or unreadable: the restore will treat it as a miss
+                try:
+                    advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+            asked += record.nbytes
         return asked
 
     # ------------------------------------------------------------- writes
@@ -239,6 +284,12 @@ class SsdStore:
     def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> WriteOutcome:
         """Write one snapshot (tmp + fsync + rename); `Stored` or `Failed` with the cause."""
         meta = plan.meta
+        if self.layout == "blocks":
+            try:
+                done = self._blocks.write(plan, pacer)
+            except ff.StorageError as exc:
+                return Failed(str(exc), disk_full=isinstance(exc, ff.DiskFull))
+            return Stored(done.record, done.seconds, done.written_bytes, done.reused_blocks)
         try:
             written = ff.write_snapshot(plan, self.reserve_path(meta.namespace), pacer=pacer)
         except ff.StorageError as exc:
@@ -258,6 +309,8 @@ class SsdStore:
         the record lost to the cache owner.
         """
         assert record.path is not None
+        if record.blocks:
+            return self._blocks.load(record, verify=verify)
         try:
             loaded = ff.read_snapshot(record.path, verify=verify)
         except ff.CorruptFile as exc:
@@ -284,9 +337,12 @@ class SsdStore:
         except OSError as exc:
             log.warning("ssd_touch_failed", path=str(record.path), error=str(exc))
 
-    def unlink(self, record: SsdRecord) -> None:
+    def unlink(self, record: SsdRecord, garbage: Sequence[str] = ()) -> None:
+        """Delete a file or manifest, then the blocks it leaves unnamed (`Unlink.garbage`)."""
         if record.path is not None:
             _unlink(record.path)
+        if garbage:
+            self._blocks.collect(garbage)
 
 
 def payload_bytes(header: ff.FileHeader) -> int:

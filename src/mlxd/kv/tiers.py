@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from mlxd.kv.blocks import BlockLedger, BlockRef
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -49,14 +50,20 @@ def key_of(namespace: str, tokens: Tokens | TokenKey) -> Key:
 
 @attrs.define(eq=False)
 class SsdRecord:
-    """One whole entry on SSD: the state after exactly `tokens` in `namespace`."""
+    """One entry on SSD: the state after exactly `tokens` in `namespace`.
+
+    A whole file, or (with `blocks`) a manifest naming shared content-addressed
+    blocks (`mlxd.kv.blocks`): then the SSD cap counts each block once, however
+    many records name it.
+    """
 
     namespace: str
     tokens: Tokens
-    nbytes: int  # KV bytes in the file (what the SSD cap counts; = the RAM entry's nbytes)
+    nbytes: int  # KV bytes of the checkpoint (= the RAM entry's nbytes)
     mtime: float  # the LRU clock: set on write, refreshed on every restore
     trimmable: bool = True
-    path: Path | None = None  # the file, when serving; None in the simulator
+    path: Path | None = None  # the file or manifest, when serving; None in the simulator
+    blocks: tuple[BlockRef, ...] = ()  # a manifest's blocks; () for a whole file
 
 
 @attrs.frozen
@@ -113,9 +120,13 @@ class NotStored:
 
 @attrs.frozen(eq=False)
 class Unlink:
-    """Delete this file: superseded, replaced, evicted for the cap, or never storable."""
+    """Delete this file: superseded, replaced, evicted for the cap, or never storable.
+
+    `garbage`: blocks no record names any more once this one is gone (collect them after).
+    """
 
     record: SsdRecord
+    garbage: tuple[str, ...] = ()
 
 
 Effect = Persist | Forget | NotStored | Unlink
@@ -140,15 +151,25 @@ class TierStats:
     lost_files: int
     restore_decisions: dict[str, float]
     sessions: SessionStats | None = None
+    ssd_blocks: int = 0  # unique blocks the records name (blocks layout)
+    ssd_checkpoint_bytes: int = 0  # KV bytes of every record, shared blocks counted per record
 
 
 @attrs.define
 class _SsdIndex:
-    """What the SSD holds: prefix lookups per namespace, LRU order by mtime, bytes."""
+    """What the SSD holds: prefix lookups per namespace, LRU order by mtime, bytes.
+
+    `bytes` counts whole files by their size and blocks once each (the ledger).
+    """
 
     _indexes: dict[str, PrefixIndex] = attrs.field(factory=dict)
     _lru: OrderedDict[Key, SsdRecord] = attrs.field(factory=OrderedDict)
-    bytes: int = 0
+    _whole_bytes: int = 0
+    ledger: BlockLedger = attrs.Factory(BlockLedger)
+
+    @property
+    def bytes(self) -> int:
+        return self._whole_bytes + self.ledger.bytes
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -172,32 +193,48 @@ class _SsdIndex:
     def get(self, tokens: Tokens | TokenKey, namespace: str) -> SsdRecord | None:
         return self._lru.get(key_of(namespace, tokens))
 
-    def add(self, record: SsdRecord) -> list[SsdRecord]:
-        """Index a record; returns the exact duplicate and (if trimmable) strict ancestors it replaces."""
+    def add(self, record: SsdRecord) -> list[tuple[SsdRecord, tuple[str, ...]]]:
+        """Index a record; returns the exact duplicate and (if trimmable) strict ancestors it
+        replaces, each with the blocks that nothing names any more."""
         index = self._indexes.setdefault(record.namespace, PrefixIndex())
         gone = [self.get(record.tokens, record.namespace)]
         if record.trimmable:
             gone += index.strict_ancestors(record.tokens)
-        removed = [r for r in gone if r is not None]
-        for old in removed:
-            self.remove(old)
+        self._count(record)  # before the replaced ones let go of the blocks they share
+        removed = []
+        for old in gone:
+            if old is not None:
+                garbage = self.remove(old)
+                if garbage is not None:
+                    removed.append((old, garbage))
         index = self._indexes.setdefault(record.namespace, PrefixIndex())
         index.insert(record.tokens, record, trimmable=record.trimmable)
         self._lru[key_of(record.namespace, record.tokens)] = record
-        self.bytes += record.nbytes
         return removed
 
-    def remove(self, record: SsdRecord) -> bool:
+    def remove(self, record: SsdRecord) -> tuple[str, ...] | None:
+        """Forget a record; None if it was not indexed, else the blocks nothing names any more."""
         key = key_of(record.namespace, record.tokens)
         if self._lru.get(key) is not record:
-            return False
+            return None
         del self._lru[key]
-        self.bytes -= record.nbytes
         index = self._indexes[record.namespace]
         index.remove(record.tokens)
         if not len(index):
             del self._indexes[record.namespace]
-        return True
+        if not record.blocks:
+            self._whole_bytes -= record.nbytes
+            return ()
+        return tuple(self.ledger.remove(record.blocks))
+
+    def _count(self, record: SsdRecord) -> None:
+        if record.blocks:
+            self.ledger.add(record.blocks)
+        else:
+            self._whole_bytes += record.nbytes
+
+    def has_block(self, name: str) -> bool:
+        return name in self.ledger
 
     def touch(self, record: SsdRecord, now: float) -> None:
         record.mtime = now
@@ -259,6 +296,10 @@ class CacheTiers:
     def ssd_covers(self, tokens: Tokens, namespace: str = "") -> bool:
         """Can some SSD file restore exactly `tokens` (itself or a trimmable descendant)?"""
         return self.ssd and self._index.covers(tokens, namespace)
+
+    def ssd_has_block(self, name: str) -> bool:
+        """Does an indexed record name this block (the simulator's stand-in for the block files)?"""
+        return self._index.has_block(name)
 
     def ssd_fits(self, nbytes: int) -> bool:
         return self.ssd_max_bytes <= 0 or nbytes <= self.ssd_max_bytes
@@ -401,10 +442,12 @@ class CacheTiers:
 
     def lost(self, record: SsdRecord) -> list[Effect]:
         """A file turned out unreadable or gone (the reader removed it): forget it."""
-        if self._index.remove(record):
-            self._lost += 1
-            self._refresh_durable(record)
-        return []
+        garbage = self._index.remove(record)
+        if garbage is None:
+            return []
+        self._lost += 1
+        self._refresh_durable(record)
+        return [Unlink(record, garbage)] if garbage else []
 
     def close_session(self, session: str) -> bool:
         """Drop a session's references (its cached state stays); False if it is unknown."""
@@ -431,7 +474,8 @@ class CacheTiers:
     def _add_record(self, record: SsdRecord, *, count_superseded: bool) -> list[Effect]:
         if not self.ssd_fits(record.nbytes):
             # Written, but it could never stay: delete it and say so.
-            return [Unlink(record), self._never_stored(record.namespace, record.tokens, record.nbytes)]
+            garbage = tuple(b.name for b in record.blocks if not self._index.has_block(b.name))
+            return [Unlink(record, garbage), self._never_stored(record.namespace, record.tokens, record.nbytes)]
         removed = self._index.add(record)
         if count_superseded:
             self._ssd_superseded += len(removed)
@@ -440,13 +484,12 @@ class CacheTiers:
             victim = self._index.oldest()
             if victim is None or victim is record:
                 break
-            self._index.remove(victim)
-            evicted.append(victim)
+            evicted.append((victim, self._index.remove(victim) or ()))
         self._ssd_evictions += len(evicted)
-        for gone in (*removed, *evicted):
+        for gone, _ in (*removed, *evicted):
             self._refresh_durable(gone)
         self._refresh_durable(record)
-        return [Unlink(r) for r in (*removed, *evicted)]
+        return [Unlink(r, garbage) for r, garbage in (*removed, *evicted)]
 
     def _refresh_durable(self, record: SsdRecord) -> None:
         """RAM entries at or below `record`'s tokens: durable iff some file still covers them.
@@ -499,6 +542,8 @@ class CacheTiers:
             ram=self.ram.stats,
             ssd_enabled=self.ssd,
             ssd_entries=len(records),
+            ssd_blocks=len(self._index.ledger),
+            ssd_checkpoint_bytes=sum(r.nbytes for r in records),
             ssd_bytes=self._index.bytes,
             ssd_max_bytes=self.ssd_max_bytes,
             longest_durable_prefix_tokens=max((len(r.tokens) for r in records), default=0),

@@ -298,6 +298,8 @@ class CacheStatsSnapshot:
             out["ssd"] = {
                 "entries": t.ssd_entries,
                 "bytes": t.ssd_bytes,
+                "blocks": t.ssd_blocks,
+                "checkpoint_bytes": t.ssd_checkpoint_bytes,
                 "max_bytes": t.ssd_max_bytes,
                 "restores": self.restores,
                 "restore_ms_last": self.restore_ms_last,

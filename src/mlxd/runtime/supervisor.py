@@ -37,6 +37,7 @@ from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
+from mlxd.kv.blocks import span_for
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
@@ -168,6 +169,11 @@ class Runtime:
         self._ids = itertools.count()
         # Called with each flush report (metrics); must not block.
         self.flush_observers: list[Callable[[dict[str, Any]], None]] = []
+
+    @property
+    def ssd_block_tokens(self) -> int | None:
+        """The span of the SSD tier's blocks (None without an SSD tier)."""
+        return None if self.cold is None else self.cold.store.block_tokens
 
     @property
     def tokenizer(self) -> Any:
@@ -353,6 +359,10 @@ class Runtime:
         return {
             "entries": tier.get("entries", 0),
             "bytes": tier.get("bytes", 0),
+            "layout": self.cold.store.layout,
+            "block_tokens": self.cold.store.block_tokens if self.cold.store.layout == "blocks" else None,
+            "blocks": tier.get("blocks", 0),
+            "checkpoint_bytes": tier.get("checkpoint_bytes", 0),
             "max_bytes": tier.get("max_bytes", 0),
             "restores": tier.get("restores", 0),
             "spills": durability["spills"],
@@ -430,7 +440,9 @@ class ColdTier:
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
     """Create the SSD store and scan its directory (header-only) on a worker thread."""
     assert config.ssd_cache_dir is not None
-    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity)
+    block_tokens = config.ssd_block_tokens or span_for(info.kv_bytes_per_token)
+    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity, layout=config.ssd_layout,
+                     block_tokens=block_tokens)
     t0 = time.perf_counter()
     log.info("ssd.scan_started", dir=str(store.directory))
     scan = await trio.to_thread.run_sync(store.scan)

@@ -50,6 +50,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         f"bare --sweep = {','.join(map(str, DEFAULT_SWEEP))}",
     )
     p.add_argument("--ssd-gb", type=float, help="add an SSD tier of this many GiB (mlxd model)")
+    p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
+                   help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
+    p.add_argument("--ssd-block-tokens", type=int, default=None,
+                   help="tokens per block with --ssd-layout blocks (default: recorded, else 1024)")
     p.add_argument(
         "--policy", default=None,
         help=f"lru, lfu, cost, or a comma list (default: the recorded server's, else {','.join(POLICIES)})",
@@ -172,6 +176,8 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             flushes=flushes,
             calibrations=getattr(args, "calibrations", ()),
             sessions=not getattr(args, "no_sessions", False),
+            ssd_layout=args.ssd_layout or "whole",
+            ssd_block_tokens=args.ssd_block_tokens or 1024,
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -212,6 +218,8 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.recorded_ssd = True
         args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
     args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
+    args.ssd_layout = args.ssd_layout or server.get("ssd_layout")
+    args.ssd_block_tokens = args.ssd_block_tokens or server.get("ssd_block_tokens")
     if args.granularity == "auto":
         args.granularity = "token"
     if server.get("kv_bytes_per_token") and not args.cost_model:
@@ -268,6 +276,7 @@ def run_simulate(args) -> int:
             "cost_model": cost.to_json(),
             "slots": args.slots,
             "ssd_gb": args.ssd_gb,
+            "ssd_layout": args.ssd_layout or "whole",
             "seed": args.seed,
             "command": " ".join(sys.argv),
         }

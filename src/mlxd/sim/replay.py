@@ -30,6 +30,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from mlxd.kv.blocks import BlockRef, model_blocks
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -115,6 +116,8 @@ class MlxdReplay:
     calibrations: Sequence[dict | None] = ()  # the recorded advisor state at each flush
     on_request: OnRequest | None = None
     sessions: bool = True  # honour the trace's session field (the session index, seed §5.12)
+    ssd_layout: str = "whole"  # or "blocks": content-addressed blocks, as `--ssd-layout blocks` serves
+    ssd_block_tokens: int = 1024  # real tokens per block
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -258,11 +261,31 @@ class MlxdReplay:
                 await self._dirty.wait()
                 continue
             record = job.record
-            await trio.sleep(self.cost.restore_seconds(record.nbytes))  # write at read bandwidth
+            blocks = self._blocks(record.tokens, record.namespace) if self.ssd_layout == "blocks" else ()
+            written = self._new_bytes(blocks) if blocks else record.nbytes
+            await trio.sleep(self.cost.restore_seconds(written))  # write at read bandwidth
             self._queue.written(job.key, job.version, stored=True)
-            self.tally.ssd_bytes_written += record.nbytes
-            stored = SsdRecord(record.namespace, record.tokens, record.nbytes, self.now(), record.trimmable)
+            self.tally.ssd_bytes_written += written
+            stored = SsdRecord(
+                record.namespace, record.tokens, record.nbytes, self.now(), record.trimmable, None, blocks
+            )
             self._apply(self.tiers.durable(stored))
+
+    def _blocks(self, tokens, namespace: str) -> tuple[BlockRef, ...]:
+        """The blocks the block store would write for `tokens`, given what the tier holds.
+
+        Block-granular prompts (Mooncake) carry two index tokens per 512 real
+        ones, so a span and the bytes per index token scale by 256; a trace's
+        final partial block is counted as full there.
+        """
+        real = 1 if self.synth.granularity == "token" else BLOCK_TOKENS // 2
+        return model_blocks(
+            [int(t) for t in tokens], namespace=namespace, fingerprint="sim", stored=self.tiers.ssd_has_block,
+            bytes_per_token=self.cost.kv_bytes(real), block_tokens=max(1, self.ssd_block_tokens // real),
+        )
+
+    def _new_bytes(self, blocks: tuple[BlockRef, ...]) -> int:
+        return sum({b.name: b.nbytes for b in blocks if not self.tiers.ssd_has_block(b.name)}.values())
 
     async def _demote_idle(self) -> None:
         idle = self.tiers.demote_idle_s
@@ -278,6 +301,7 @@ class MlxdReplay:
             self.tally.evictions = stats.dropped_unpersisted
             self.tally.demotions = stats.demotions
             self.tally.ssd_evictions = stats.ssd_evictions
+            self.tally.ssd_bytes_retained = stats.ssd_bytes
         else:
             self.tally.evictions = stats.ram.evictions
         if stats.sessions is not None:
@@ -303,6 +327,8 @@ def replay_mlxd(
     calibrations: Sequence[dict | None] = (),
     on_request: OnRequest | None = None,
     sessions: bool = True,
+    ssd_layout: str = "whole",
+    ssd_block_tokens: int = 1024,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited)."""
@@ -328,6 +354,8 @@ def replay_mlxd(
         calibrations=calibrations,
         on_request=on_request,
         sessions=sessions,
+        ssd_layout=ssd_layout,
+        ssd_block_tokens=ssd_block_tokens,
     )
     cache.clock = replay.now
     started = time.perf_counter()
@@ -340,4 +368,5 @@ def replay_mlxd(
         capacity_bytes=ram_bytes,
         ssd_capacity_bytes=ssd_bytes if ssd else None,
         wall_s=time.perf_counter() - started,
+        ssd_layout=ssd_layout if ssd else "whole",
     )

@@ -19,7 +19,7 @@ def table(results: Sequence[RunResult]) -> str:
     """A fixed-width summary, one row per run."""
     head = (
         f"{'model':6} {'policy':6} {'blocks':>7} {'tok hit':>7} {'req hit':>7} "
-        f"{'ram':>6} {'ssd':>6} {'miss':>6} {'ssdW GB':>8} {'ssdR GB':>8} "
+        f"{'ram':>6} {'ssd':>6} {'miss':>6} {'ssdW GB':>8} {'ssdR GB':>8} {'ssdK GB':>8} "
         f"{'evict':>7} {'demote':>7} {'ttft p50':>9} {'ttft p99':>9} {'wall s':>6}"
     )
     rows = [head, "-" * len(head)]
@@ -27,7 +27,8 @@ def table(results: Sequence[RunResult]) -> str:
         rows.append(
             f"{r.cache_model:6} {r.policy:6} {_cap(r):>7} {r.token_hit_rate:7.3f} "
             f"{r.mean_request_hit_rate:7.3f} {r.ram_hits:6d} {r.ssd_hits:6d} {r.misses:6d} "
-            f"{r.ssd_bytes_written / GB:8.1f} {r.ssd_bytes_read / GB:8.1f} {r.evictions:7d} "
+            f"{r.ssd_bytes_written / GB:8.1f} {r.ssd_bytes_read / GB:8.1f} {r.ssd_bytes_retained / GB:8.1f} "
+            f"{r.evictions:7d} "
             f"{r.demotions:7d} {r.ttft_s['p50']:9.2f} {r.ttft_s['p99']:9.2f} {r.wall_s:6.1f}"
         )
     return "\n".join(rows)

@@ -38,6 +38,8 @@ class RunResult:
     wall_s: float = 0.0
     session_hits: int = 0  # follow-ups served from their session's checkpoint without a scan
     session_fallbacks: int = 0  # session references that no longer fit or were evicted
+    ssd_layout: str = "whole"
+    ssd_bytes_retained: int = 0  # what the SSD tier holds at the end (blocks: each block once)
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -70,6 +72,7 @@ class Tally:
     hit_tokens_by: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
     ssd_bytes_written: int = 0
     ssd_bytes_read: int = 0
+    ssd_bytes_retained: int = 0
     evictions: int = 0
     demotions: int = 0
     ssd_evictions: int = 0
@@ -107,6 +110,7 @@ class Tally:
             ssd_hit_tokens=self.hit_tokens_by["ssd"],
             ssd_bytes_written=self.ssd_bytes_written,
             ssd_bytes_read=self.ssd_bytes_read,
+            ssd_bytes_retained=self.ssd_bytes_retained,
             evictions=self.evictions,
             demotions=self.demotions,
             ssd_evictions=self.ssd_evictions,

@@ -208,21 +208,21 @@ def header_json(header: FileHeader) -> bytes:
         "tokens": list(m.tokens),
         "data_offset": header.data_offset,
         "file_size": header.file_size,
-        "caches": [_cache_doc(c) for c in header.caches],
+        "caches": [cache_doc(c) for c in header.caches],
     }
     if m.generation is not None:
         doc["generation"] = m.generation
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _cache_doc(c: CacheDesc) -> dict[str, Any]:
+def cache_doc(c: CacheDesc) -> dict[str, Any]:
     doc: dict[str, Any] = {"kind": c.kind, "signature": c.signature, "offset": c.offset}
     for name in ("max_size", "keep", "idx", "bits", "group_size"):
         if getattr(c, name) is not None:
             doc[name] = getattr(c, name)
     doc["tensors"] = [None if t is None else attrs.asdict(t) for t in c.tensors]
     if c.kind == "list":
-        doc["caches"] = [_cache_doc(x) for x in c.children]
+        doc["caches"] = [cache_doc(x) for x in c.children]
     return doc
 
 
@@ -239,7 +239,7 @@ def parse_header(blob: bytes, digest: str) -> FileHeader:
             created_at=float(doc["created_at"]),
             generation=_dict_or_none(doc.get("generation")),
         )
-        caches = tuple(_parse_cache(c) for c in doc["caches"])
+        caches = tuple(parse_cache(c) for c in doc["caches"])
         return FileHeader(
             meta=meta,
             caches=caches,
@@ -252,13 +252,13 @@ def parse_header(blob: bytes, digest: str) -> FileHeader:
         raise CorruptFile(f"malformed header: {exc!r}") from exc
 
 
-def _parse_cache(doc: dict[str, Any]) -> CacheDesc:
+def parse_cache(doc: dict[str, Any]) -> CacheDesc:
     kind = _str(doc["kind"])
     if kind not in ("kv", "rotating", "quant", "arrays", "list"):
         raise ValueError(f"unknown cache kind {kind!r}")
     opt = {k: _int(doc[k]) for k in ("max_size", "keep", "idx", "bits", "group_size") if k in doc}
     tensors = tuple(None if t is None else _parse_tensor(t) for t in doc["tensors"])
-    children = tuple(_parse_cache(c) for c in doc.get("caches", ()))
+    children = tuple(parse_cache(c) for c in doc.get("caches", ()))
     return CacheDesc(
         kind=kind, offset=_int(doc["offset"]), tensors=tensors, children=children, **opt
     )

@@ -56,12 +56,13 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     """Read and hash-check the header only (plus the file size). No MLX calls."""
     try:
         with open(path, "rb", buffering=0) as f:
-            return _read_header(f)
+            return read_open_header(f)
     except OSError as exc:
         raise storage_error(exc, f"reading {path}") from exc
 
 
-def _read_header(f: Any) -> FileHeader:
+def read_open_header(f: Any) -> FileHeader:
+    """The header of a file open for reading at offset 0; leaves `f` just past it."""
     size = os.fstat(f.fileno()).st_size
     head = _read_exact(f, PREAMBLE.size)
     magic, version, flags, header_len, digest = PREAMBLE.unpack(head)
@@ -111,7 +112,7 @@ def read_snapshot(path: str | os.PathLike[str], *, verify: bool) -> LoadedSnapsh
     t0 = time.perf_counter()
     try:
         with open(path, "rb", buffering=0) as f:
-            header = _read_header(f)
+            header = read_open_header(f)
             header_end = f.tell()
             buffer = _aligned_buffer(header.file_size) if header.file_size else None
             if buffer is not None:

@@ -1,0 +1,406 @@
+"""Content-addressed blocks vs whole files, side by side in one run (seed §5.11 C1).
+
+    python benchmarks/bench_ssd_blocks.py [--dir DIR] [--conversations 8] [--turns 3]
+
+Workload (issue 14's): `--conversations` conversations share a
+`--system-tokens` system prompt (an agent's tools and rules); each turn's
+prompt adds the previous reply and a new user message, and its prompt
+checkpoint is flushed to SSD (write-behind with a flush after every turn). Then
+`--branches` conversations branch at an earlier turn (a retry or an edit).
+Both stores see the same checkpoints, in the same order, and apply the cache
+tiers' supersession rule: a trimmable checkpoint replaces every stored
+checkpoint whose tokens are a prefix of its own (for blocks: their manifests
+go, their blocks stay while another manifest names them; garbage is
+collected right away).
+
+Measured per store: bytes written per checkpoint (for follow-ups in the same
+conversation, against the KV of the tokens added since its previous
+checkpoint), bytes retained at the end (every file on disk) against the
+deduplicated KV (the KV of the distinct prefixes of every retained
+checkpoint, each token once), and restore bandwidth of the longest
+checkpoint — read + adopt into MLX from a cold page cache — against the raw
+sequential read of a plain file of the same size (alternating order, median).
+A last probe reads the same 192 MiB cold as 6 MiB files, 24 MiB files and one
+file, to separate the disk's cost per file from the block reader's.
+
+KV shape: `--layers` x `--kv-heads` x `--head-dim`, fp32 (24 KiB per token by
+default, as the "bench" model preset; ratios do not depend on the shape beyond
+per-block page padding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_ssd_io  # noqa: E402
+
+import mlxd  # noqa: E402, F401  (OpenBLAS preload before mlx)
+from mlxd.kv import block_store as bs  # noqa: E402
+from mlxd.kv import blocks as bk  # noqa: E402
+from mlxd.kv import file_format as ff  # noqa: E402
+from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint  # noqa: E402
+from mlxd.kv.tiers import SsdRecord  # noqa: E402
+
+IDENTITY = StoreIdentity("bench", compute_fingerprint({"bench": "ssd_blocks"}), "tok")
+
+
+class Conversation:
+    """Token ids plus K/V arrays per layer that grow with them (numpy, as a plan needs them)."""
+
+    def __init__(self, tokens: list[int], kv: list[np.ndarray]) -> None:
+        self.tokens = tokens
+        self.kv = kv  # per layer: K then V, each (1, H, n, D)
+
+    def extend(self, new: list[int], rng: np.random.Generator) -> None:
+        shape = self.kv[0].shape
+        add = [rng.standard_normal((1, shape[1], len(new), shape[3]), dtype=np.float32) for _ in self.kv]
+        self.kv = [np.concatenate([a, b], axis=2) for a, b in zip(self.kv, add, strict=True)]
+        self.tokens = self.tokens + new
+
+    def branch(self, at: int) -> Conversation:
+        return Conversation(self.tokens[:at], [np.ascontiguousarray(a[:, :, :at, :]) for a in self.kv])
+
+    def plan(self) -> ff.SnapshotPlan:
+        n = len(self.tokens)
+        caches = tuple(
+            ff.CacheDesc(
+                kind="kv", offset=n,
+                tensors=tuple(ff.TensorDesc("float32", a.shape, a.nbytes) for a in self.kv[i : i + 2]),
+            )
+            for i in range(0, len(self.kv), 2)
+        )
+        return ff.SnapshotPlan(IDENTITY.meta(self.tokens, ""), caches, tuple(memoryview(a) for a in self.kv))
+
+
+def workload(args: argparse.Namespace) -> list[tuple[str, int, Conversation]]:
+    """The checkpoints in order: (kind, new tokens since the conversation's last checkpoint, state)."""
+    rng = random.Random(args.seed)
+    nrng = np.random.default_rng(args.seed)
+    layers = [np.zeros((1, args.kv_heads, 0, args.head_dim), np.float32) for _ in range(2 * args.layers)]
+    system = Conversation([], layers)
+    system.extend([rng.randrange(100, 30000) for _ in range(args.system_tokens)], nrng)
+    convs = [system.branch(len(system.tokens)) for _ in range(args.conversations)]
+    turn_ends: list[list[int]] = [[] for _ in convs]
+    out: list[tuple[str, int, Conversation]] = []
+
+    def words(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(100, 30000) for _ in range(rng.randint(lo, hi))]
+
+    last = [0] * len(convs)  # tokens at each conversation's previous checkpoint
+    for turn in range(args.turns):
+        for i, c in enumerate(convs):
+            c.extend(words(*args.user_tokens), nrng)  # the prompt: history + a new user message
+            kind = "first" if turn == 0 else "follow-up"
+            out.append((kind, len(c.tokens) - (last[i] or len(system.tokens)), c.branch(len(c.tokens))))
+            last[i] = len(c.tokens)
+            turn_ends[i].append(len(c.tokens))
+            c.extend(words(*args.reply_tokens), nrng)  # the reply, part of the next prompt
+    for b in range(args.branches):
+        i = b % len(convs)
+        at = turn_ends[i][0]  # retry the second turn with another question
+        c = convs[i].branch(at)
+        c.extend(words(*args.user_tokens), nrng)
+        out.append(("branch", len(c.tokens) - at, c))
+    return out
+
+
+class Supersession:
+    """The tiers' rule: a new trimmable checkpoint replaces stored checkpoints that are prefixes of it."""
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[int, ...], Any] = {}
+
+    def commit(self, tokens: tuple[int, ...], record: Any) -> list[Any]:
+        gone = [r for t, r in self.live.items() if tokens[: len(t)] == t]
+        self.live = {t: r for t, r in self.live.items() if tokens[: len(t)] != t}
+        self.live[tokens] = record
+        return gone
+
+
+def dedup_tokens(token_lists: list[tuple[int, ...]]) -> int:
+    """Distinct prefixes over all lists (trie nodes): every token of shared prefixes once."""
+    seen: set[tuple[int, ...]] = set()
+    root: dict[int, Any] = {}
+    count = 0
+    for toks in token_lists:
+        node = root
+        for t in toks:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                count += 1
+            node = nxt
+    del seen
+    return count
+
+
+def du(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    checkpoints = workload(args)
+    per_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
+    whole_dir = work / "whole"
+    whole_dir.mkdir()
+    whole_live = Supersession()
+    arms = {
+        bt: (bs.BlockStore(work / f"blocks-{bt}", IDENTITY, block_tokens=bt), Supersession(), bk.BlockLedger())
+        for bt in args.block_tokens
+    }
+    rows = []
+    for n, (kind, new, conv) in enumerate(checkpoints):
+        plan = conv.plan()
+        tokens = plan.meta.tokens
+        t0 = time.perf_counter()
+        written = ff.write_snapshot(plan, whole_dir / f"{n:05d}.mlxkv")
+        row: dict[str, Any] = {
+            "kind": kind, "tokens": len(tokens), "new_tokens": new, "new_kv_bytes": new * per_token,
+            "whole_written": written.nbytes, "whole_write_s": time.perf_counter() - t0,
+        }
+        for old in whole_live.commit(tokens, written.path):
+            old.unlink()
+        for bt, (store, live, ledger) in arms.items():
+            t0 = time.perf_counter()
+            result = store.write(plan)
+            ledger.add(result.record.blocks)
+            garbage: list[str] = []
+            for old in live.commit(tokens, result.record):
+                old.path.unlink()
+                garbage += ledger.remove(old.blocks)
+            if garbage:
+                store.collect(garbage)
+            row.update({
+                f"blocks{bt}_written": result.written_bytes, f"blocks{bt}_write_s": time.perf_counter() - t0,
+                f"blocks{bt}_new": result.new_blocks, f"blocks{bt}_reused": result.reused_blocks,
+                f"blocks{bt}_files": len(result.record.blocks),
+            })
+        rows.append(row)
+    live_tokens = list(whole_live.live)
+    dedup = dedup_tokens(live_tokens) * per_token
+    follow = [r for r in rows if r["kind"] == "follow-up"]
+    branches = [r for r in rows if r["kind"] == "branch"]
+
+    def ratio(key: str, rs: list[dict[str, Any]]) -> dict[str, float] | None:
+        xs = [r[key] / r["new_kv_bytes"] for r in rs]
+        return {"median": statistics.median(xs), "max": max(xs), "mean": statistics.fmean(xs)} if xs else None
+
+    whole_retained = du(whole_dir)
+    summary: dict[str, Any] = {
+        "checkpoints": len(rows), "kv_bytes_per_token": per_token, "retained_checkpoints": len(live_tokens),
+        "dedup_kv_bytes": dedup,
+        "whole": {
+            "retained_bytes": whole_retained, "retained_over_dedup": whole_retained / dedup,
+            "written_bytes": sum(r["whole_written"] for r in rows),
+            "followup_written_over_new_kv": ratio("whole_written", follow),
+            "branch_written_over_new_kv": ratio("whole_written", branches),
+            "median_write_s": statistics.median(r["whole_write_s"] for r in rows),
+        },
+        "goal_retained_max": 1.5, "goal_followup_written_max": 1.5,
+    }
+    for bt, (store, live, ledger) in arms.items():
+        assert sorted(live.live) == sorted(live_tokens)
+        retained = du(store.directory)
+        arm = {
+            "block_tokens": bt, "block_bytes": bt * per_token,
+            "retained_bytes": retained, "retained_over_dedup": retained / dedup, "ledger_unique_bytes": ledger.bytes,
+            "written_bytes": sum(r[f"blocks{bt}_written"] for r in rows),
+            "followup_written_over_new_kv": ratio(f"blocks{bt}_written", follow),
+            "branch_written_over_new_kv": ratio(f"blocks{bt}_written", branches),
+            "median_write_s": statistics.median(r[f"blocks{bt}_write_s"] for r in rows),
+            "max_files_per_restore": max(len(r.blocks) for r in live.live.values()),
+        }
+        arm["goal_retained_met"] = arm["retained_over_dedup"] <= 1.5
+        arm["goal_followup_met"] = arm["followup_written_over_new_kv"]["max"] <= 1.5
+        summary[f"blocks_{bt}"] = arm
+    print(json.dumps(summary, indent=1), flush=True)
+    longest = max(live_tokens, key=len)
+    conv_restores = {
+        "whole": whole_live.live[longest],
+        **{bt: (store, live.live[longest]) for bt, (store, live, _) in arms.items()},
+    }
+    return {"rows": rows, "summary": summary, "longest": conv_restores}
+
+
+def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any]) -> dict[str, Any]:
+    """Restore cold, alternating: a fresh long checkpoint (whole file, blocks of each size), the
+    longest conversation of the storage run as each store left it (partial blocks included),
+    and the raw sequential read of a plain copy. Each against the raw read of the same round."""
+    import gc
+
+    nrng = np.random.default_rng(args.seed)
+    layers = [np.zeros((1, args.kv_heads, 0, args.head_dim), np.float32) for _ in range(2 * args.layers)]
+    conv = Conversation([], layers)
+    conv.extend(list(range(1, args.bandwidth_tokens + 1)), nrng)
+    plan = conv.plan()
+    whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
+    plain = work / "plain.bin"
+    shutil.copyfile(whole_path, plain)
+    stores: dict[str, tuple[bs.BlockStore, SsdRecord]] = {}
+    for bt in args.block_tokens:
+        store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
+        stores[f"blocks_{bt}"] = (store, store.write(plan).record)
+        stores[f"conversation_blocks_{bt}"] = longest[bt]
+    del plan
+
+    def cold(paths: list[Path]) -> None:
+        for p in paths:
+            bench_ssd_io.drop_cache(p)
+
+    def restore_blocks(store: bs.BlockStore, record: SsdRecord) -> tuple[float, int]:
+        cold([store.block_path(b.name) for b in record.blocks] + [record.path])
+        t0 = time.perf_counter()
+        restored = ff.adopt(store.load(record, verify=args.verify))
+        seconds = time.perf_counter() - t0
+        assert restored[0].offset == len(record.tokens)
+        del restored
+        gc.collect()
+        return seconds, sum(b.file_bytes for b in record.blocks)
+
+    def restore_whole(path: Path) -> tuple[float, int]:
+        cold([path])
+        t0 = time.perf_counter()
+        restored = ff.adopt(ff.read_snapshot(path, verify=args.verify))
+        seconds = time.perf_counter() - t0
+        del restored
+        gc.collect()
+        return seconds, path.stat().st_size
+
+    steps: dict[str, Any] = {
+        "raw": lambda: (bench_ssd_io.raw_read(plain), plain.stat().st_size),
+        "whole": lambda: restore_whole(whole_path),
+        "conversation_whole": lambda: restore_whole(longest["whole"]),
+    }
+    steps.update({name: (lambda sr=sr: restore_blocks(*sr)) for name, sr in stores.items()})
+    for name, fn in steps.items():
+        if name != "raw":
+            fn()  # first touch of fresh memory, not measured
+    names = list(steps)
+    rounds = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        row: dict[str, Any] = {"round": r, "order": order}
+        for name in order:
+            seconds, nbytes = steps[name]()
+            row[f"{name}_MBps"] = nbytes / seconds / 1e6
+        for name in names:
+            row[f"{name}_ratio"] = row[f"{name}_MBps"] / row["raw_MBps"]
+        rounds.append(row)
+        print(f"  round {r}: " + "  ".join(f"{k} {row[k + '_MBps']:.0f}" for k in names) + " MB/s", flush=True)
+    summary: dict[str, Any] = {
+        "tokens": args.bandwidth_tokens, "bytes": whole_path.stat().st_size, "verify": args.verify,
+        "conversation_tokens": len(longest[args.block_tokens[0]][1].tokens),
+        "files": {k: len(rec.blocks) for k, (_, rec) in stores.items()},
+        "median_MBps": {k: statistics.median(r[f"{k}_MBps"] for r in rounds) for k in names},
+        "median_ratio_to_raw": {k: statistics.median(r[f"{k}_ratio"] for r in rounds) for k in names},
+        "goal_ratio_min": 0.8,
+    }
+    summary["goal_met"] = {k: v >= 0.8 for k, v in summary["median_ratio_to_raw"].items() if k != "raw"}
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rounds": rounds, "summary": summary}
+
+
+def run_file_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Is it the files? Cold sequential reads of the same bytes as many small files or one big one."""
+    total = 192 << 20
+    chunk = os.urandom(8 << 20)
+    probe = work / "probe"
+    probe.mkdir()
+    sets: dict[str, list[Path]] = {}
+    for size in (6 << 20, 24 << 20, total):
+        paths = []
+        for i in range(total // size):
+            path = probe / f"{size}-{i}"
+            with open(path, "wb") as f:
+                for off in range(0, size, len(chunk)):
+                    f.write(chunk[: min(len(chunk), size - off)])
+                f.flush()
+                os.fsync(f.fileno())
+            paths.append(path)
+        sets[f"{size >> 20}MB_files"] = paths
+    buf = memoryview(bytearray(8 << 20))
+    rates: dict[str, list[float]] = {k: [] for k in sets}
+    for _ in range(args.rounds):
+        for name, paths in sets.items():
+            for p in paths:
+                bench_ssd_io.drop_cache(p)
+            t0 = time.perf_counter()
+            for p in paths:
+                with open(p, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+            rates[name].append(total / (time.perf_counter() - t0) / 1e6)
+    shutil.rmtree(probe, ignore_errors=True)
+    summary = {k: {"median_MBps": statistics.median(v), "best_MBps": max(v)} for k, v in rates.items()}
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"rates_MBps": rates, "summary": summary}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--branches", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=4759)
+    p.add_argument("--user-tokens", type=int, nargs=2, default=(40, 200), metavar=("MIN", "MAX"))
+    p.add_argument("--reply-tokens", type=int, nargs=2, default=(100, 400), metavar=("MIN", "MAX"))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-tokens", type=int, nargs="+", default=[256, 1024], help="block spans to compare")
+    p.add_argument("--rounds", type=int, default=8, help="restore bandwidth rounds")
+    p.add_argument("--bandwidth-tokens", type=int, default=8000, help="restore bandwidth: checkpoint tokens")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
+                   help="restore with per-tensor CRC-32 checks (the tier's default is off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--keep", action="store_true", help="keep the work dir")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench_ssd_blocks-", dir=args.dir))
+    t0 = time.perf_counter()
+    try:
+        print(f"=== storage: {args.conversations} conversations x {args.turns} turns, {args.branches} branches "
+              f"(work dir {work}) ===", flush=True)
+        storage = run_storage(args, work)
+        print("=== restore bandwidth ===", flush=True)
+        bandwidth = run_bandwidth(args, work, storage.pop("longest"))
+        print("=== file-size probe: 192 MiB as 6 MiB files, 24 MiB files, one file ===", flush=True)
+        probe = run_file_probe(args, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "command": "ssd_blocks", "storage": {"rows": storage["rows"], "summary": storage["summary"]},
+        "bandwidth": bandwidth, "file_probe": probe, "runtime_s": time.perf_counter() - t0, "loadavg": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"ssd_blocks-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out} ({result['runtime_s']:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
