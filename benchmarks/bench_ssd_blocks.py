@@ -53,6 +53,7 @@ import mlxd  # noqa: E402, F401  (OpenBLAS preload before mlx)
 from mlxd.kv import block_store as bs  # noqa: E402
 from mlxd.kv import blocks as bk  # noqa: E402
 from mlxd.kv import file_format as ff  # noqa: E402
+from mlxd.kv import kinds  # noqa: E402
 from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint  # noqa: E402
 from mlxd.kv.tiers import SsdRecord  # noqa: E402
 
@@ -265,7 +266,7 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     def restore_blocks(store: bs.BlockStore, record: SsdRecord) -> tuple[float, int]:
         cold([store.block_path(b.name) for b in record.blocks] + [record.path])
         t0 = time.perf_counter()
-        restored = ff.adopt(store.load(record, verify=args.verify))
+        restored = kinds.adopt(store.load(record, verify=args.verify))
         seconds = time.perf_counter() - t0
         assert restored[0].offset == len(record.tokens)
         del restored
@@ -275,7 +276,7 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     def restore_whole(path: Path) -> tuple[float, int]:
         cold([path])
         t0 = time.perf_counter()
-        restored = ff.adopt(ff.read_snapshot(path, verify=args.verify))
+        restored = kinds.adopt(ff.read_snapshot(path, verify=args.verify))
         seconds = time.perf_counter() - t0
         del restored
         gc.collect()

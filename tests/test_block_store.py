@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
+from mlxd.kv import kinds
 from mlxd.kv.block_store import (
     BLOCK_EXT,
     MANIFEST_EXT,
@@ -55,7 +56,7 @@ def conversation_kv(tokens, layers: int = 2, dtype=mx.float32) -> list:
 
 
 def plan_of(caches, tokens, ns: str = "") -> ff.SnapshotPlan:
-    return ff.plan_snapshot(caches, meta=IDENTITY.meta(tokens, ns))
+    return kinds.plan_snapshot(caches, meta=IDENTITY.meta(tokens, ns))
 
 
 def write(store: BlockStore, tokens, ns: str = "", caches=None) -> BlocksWritten:
@@ -70,7 +71,7 @@ def manifest_of(written: BlocksWritten) -> bk.Manifest:
 def assert_same_caches(restored, original) -> None:
     """Same descriptors and bytes, compared through the file format's own view of the caches."""
     meta = IDENTITY.meta([], "")
-    a, b = ff.plan_snapshot(restored, meta=meta), ff.plan_snapshot(original, meta=meta)
+    a, b = kinds.plan_snapshot(restored, meta=meta), kinds.plan_snapshot(original, meta=meta)
     assert bk.blank(a.caches) == bk.blank(b.caches)
     for x, y in zip(a.buffers, b.buffers, strict=True):
         assert np.array_equal(np.asarray(x), np.asarray(y))
@@ -150,7 +151,7 @@ def test_layout_restore_and_permissions(tmp_path):
     rec = stored.record
     assert rec.path.parent == tmp_path / FP / namespace_dir("lora") and rec.path.suffix == MANIFEST_EXT
     assert [(b.start, b.end) for b in rec.blocks] == [(0, 16), (16, 32), (32, 40)]
-    assert rec.nbytes == sum(b.nbytes for b in rec.blocks) == ff.plan_snapshot(caches, meta=IDENTITY.meta([], "")).nbytes
+    assert rec.nbytes == sum(b.nbytes for b in rec.blocks) == kinds.plan_snapshot(caches, meta=IDENTITY.meta([], "")).nbytes
     assert stored.new_blocks == 3 and stored.reused_blocks == 0
     assert len(block_files(store)) == 3
     for p in (rec.path, *block_files(store)):
@@ -160,7 +161,7 @@ def test_layout_restore_and_permissions(tmp_path):
         loaded = store.load(rec, verify=verify)
         assert loaded is not None
         assert loaded.header.tokens == tuple(tokens)
-        assert_same_caches(ff.adopt(loaded), caches)
+        assert_same_caches(kinds.adopt(loaded), caches)
 
 
 def test_growing_conversation_writes_only_new_tokens(tmp_path):
@@ -185,7 +186,7 @@ def test_growing_conversation_writes_only_new_tokens(tmp_path):
     for _, caches, rec in records:
         loaded = store.load(rec, verify=True)
         assert loaded is not None
-        assert_same_caches(ff.adopt(loaded), caches)
+        assert_same_caches(kinds.adopt(loaded), caches)
     names = {b.name for *_, r in records for b in r.blocks}
     assert {p.stem for p in block_files(store)} == names
 
@@ -219,7 +220,7 @@ def test_quantized_rotating_and_arrays_state(tmp_path):
     assert not manifest.trimmable
     loaded = store.load(stored.record, verify=True)
     assert loaded is not None
-    restored = ff.adopt(loaded)
+    restored = kinds.adopt(loaded)
     assert_same_caches(restored, caches)
     # The same checkpoint again reuses every block, the state block included.
     again = write(store, tokens, caches=caches)
@@ -237,7 +238,7 @@ def test_real_model_caches_restore_bit_identical(tmp_path):
     mx.eval([c.state for c in caches])
     stored = write(store, tokens, caches=caches)
     loaded = store.load(stored.record, verify=True)
-    restored = ff.adopt(loaded)
+    restored = kinds.adopt(loaded)
     assert_same_caches(restored, caches)
     nxt = mx.array([[5]])
     assert mx.array_equal(model(nxt, cache=restored), model(nxt, cache=caches))
@@ -286,7 +287,7 @@ def test_one_directory_holds_whole_files_and_blocks(tmp_path):
     by_tokens = {tuple(r.tokens): r for r in scan.records}
     whole = by_tokens[tuple(old_tokens)]
     assert whole.blocks == () and whole.path.suffix == ff.EXTENSION
-    assert_same_caches(ff.adopt(store.load(whole)), old_caches)
+    assert_same_caches(kinds.adopt(store.load(whole)), old_caches)
     assert by_tokens[tuple(range(40))].blocks == kept.record.blocks
     assert not list(tmp_path.rglob("*.tmp"))
     assert {p.stem for p in block_files(store.blocks)} == {x.name for x in kept.record.blocks}
