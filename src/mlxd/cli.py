@@ -84,6 +84,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "'length' (0 = no limit)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
+    p.add_argument("--kv-events-endpoint", metavar="URL",
+                   help="publish KV cache block events in vLLM's ZMQ format, e.g. tcp://*:5557 (bind) or "
+                   "tcp://indexer:5557 (connect); needs pyzmq and msgpack (pip install 'mlxd[fleet]')")
+    p.add_argument("--kv-events-block-size", type=_positive_int, default=16, metavar="TOKENS",
+                   help="tokens per announced KV block (default 16)")
     p.add_argument("--record-trace", type=Path, metavar="FILE",
                    help="append every finished request to FILE in mlxd's trace format (for `mlxd simulate`)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
@@ -122,6 +127,8 @@ def serve_config(args: argparse.Namespace):
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_block_size=args.kv_events_block_size,
     )
 
 

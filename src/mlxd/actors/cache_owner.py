@@ -11,11 +11,14 @@ message's reply (or is logged) and the actor keeps serving.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import trio
 
+from mlxd.kv.kv_events import RAM, SSD, ResidencyLedger
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -40,6 +43,7 @@ from mlxd.runtime.messages import (
     PrefetchHint,
     PrefetchRecord,
     PrefillMeasured,
+    PublishKvEvents,
     PublishPrefix,
     QueryCacheStats,
     RecordLost,
@@ -91,6 +95,28 @@ class CacheOwnerActor:
         self._nursery: trio.Nursery | None = None
         self.published = {"boundary": 0, "final": 0, "restore": 0}
         self._count = _Counters(corrupt_removed=corrupt_at_start)
+        self._kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None
+        self._ledger = ResidencyLedger()
+        self._kv_pending: list[Any] = []
+
+    def attach_kv_events(self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int) -> None:
+        """Announce every change of what RAM and SSD hold as KV block events (kv/kv_events.py)."""
+        self._kv_events = channel
+        self._ledger = ResidencyLedger(block_size=block_size)
+
+    def _announce_residency(self) -> None:
+        if self._kv_events is None:
+            return
+        events = self._ledger.sync(RAM, self.tiers.ram.entries())
+        if self.tiers.ssd:
+            events += self._ledger.sync(SSD, self.tiers.ssd_records())
+        self._kv_pending.extend(events)
+        if self._kv_pending:
+            try:
+                self._kv_events.send_nowait(PublishKvEvents(time.time(), tuple(self._kv_pending)))
+                self._kv_pending.clear()
+            except trio.WouldBlock:
+                pass  # the publisher is behind (it never blocks): these go with the next batch
 
     @property
     def cache(self) -> PromptCache:
@@ -112,12 +138,14 @@ class CacheOwnerActor:
             self._nursery = nursery
             self._apply(self._startup)
             self._startup = []
+            self._announce_residency()
             if self._store is not None and self._config.ssd_demote_idle_s > 0:
                 nursery.start_soon(self._demote_idle_forever)
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
+                    self._announce_residency()
             nursery.cancel_scope.cancel()
 
     def _handle_safely(self, msg: CacheOwnerMessage) -> None:
@@ -197,6 +225,7 @@ class CacheOwnerActor:
         while True:
             await trio.sleep(min(idle / 4, 5.0))
             self._apply(self.tiers.demote_idle())
+            self._announce_residency()
 
     def stats(self) -> CacheStatsSnapshot:
         tiers = self.tiers.stats()

@@ -64,6 +64,11 @@ class RuntimeConfig:
     # Dirty bytes beyond which writing is urgent (0 = half the RAM tier).
     ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
 
+    # KV cache events (vLLM's ZMQ format) for fleet routers and indexers; None = off.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_block_size: int = attrs.field(default=16, validator=_positive)
+
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
     # Bearer token required on the API (None = open); admin routes need admin_key.
     api_key: str | None = attrs.field(default=None, repr=False)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
@@ -411,3 +412,11 @@ class PrefetchStats:
 
 
 PrefetcherMessage = PrefetchRecord | FetchSnapshot | PrefetchStats
+
+
+@attrs.frozen(eq=False)
+class PublishKvEvents:
+    """Cache owner -> KV-event publisher: block events of one change to the tiers (kv/kv_events.py)."""
+
+    ts: float
+    events: tuple[BlockStored | BlockRemoved | AllBlocksCleared, ...]

@@ -417,6 +417,15 @@ def _cold_tier(
     return ColdTier(store, writer, durability, durability_send, prefetcher, prefetch_send, governor)
 
 
+async def _start_kv_events(nursery: trio.Nursery, config: RuntimeConfig, cache_owner: CacheOwnerActor) -> None:
+    from mlxd.actors.kv_publisher import KvEventPublisherActor
+
+    send, receive = trio.open_memory_channel[Any](64)
+    publisher = KvEventPublisherActor(config.kv_events_endpoint or "", inbox=receive, topic=config.kv_events_topic)
+    await nursery.start(publisher.run)
+    cache_owner.attach_kv_events(send, block_size=config.kv_events_block_size)
+
+
 @asynccontextmanager
 async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
     """Start every actor; yield a ready Runtime; cancel them all on exit."""
@@ -442,6 +451,8 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             await nursery.start(cold.writer.run)
             await nursery.start(cold.durability.run)
             await nursery.start(cold.prefetcher.run)
+        if config.kv_events_endpoint:
+            await _start_kv_events(nursery, config, cache_owner)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,
