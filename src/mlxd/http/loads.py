@@ -50,7 +50,8 @@ def loads_body(stats: dict[str, Any]) -> dict[str, Any]:
     }
     ssd = stats.get("ssd_cache")
     if ssd:
-        mlxd["cache_utilization"]["ssd"] = _ratio(ssd["bytes"], ssd["max_bytes"])
+        # None: no cap (--ssd-cache-max unset), so no fill ratio.
+        mlxd["cache_utilization"]["ssd"] = _ratio(ssd["bytes"], ssd["max_bytes"]) if ssd["max_bytes"] else None
         mlxd["ssd_cache"] = {"entries": ssd["entries"], "bytes": ssd["bytes"], "max_bytes": ssd["max_bytes"]}
     return {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
