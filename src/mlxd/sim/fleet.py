@@ -273,7 +273,7 @@ def save(out: Path, results: Sequence[FleetResult], meta: dict, *, name: str) ->
     axes[2].set_ylabel("prefilled tokens per replica (M)")
     axes[2].legend(fontsize=6)
     for ax in axes:
-        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_xticks(list(xs), labels, fontsize=6, rotation=30)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{meta.get('trace', '')}: {n} replicas by router")
     fig.tight_layout()
