@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from mlxd.kv.shared_dir import DeletionGuard, DirWatch
+
+from procs import ServeProcess
 
 HOLD_LOCK = """
 import sys, time
@@ -78,3 +83,53 @@ def test_dir_watch_reports_new_and_vanished_files(tmp_path):
     (tmp_path / "ns2").mkdir()
     (tmp_path / "ns2" / "c.mlxkv").write_bytes(b"c")
     assert watch.poll().found == ("c.mlxkv",)
+
+
+SYSTEM = "You are a meticulous assistant who keeps notes on every conversation. " * 8
+
+
+def chat(http, messages):
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "logprobs": True,
+            "logit_bias": {"0": -100, "2": -100}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def logprobs(response) -> list[float]:
+    return [c["logprob"] for c in response["choices"][0]["logprobs"]["content"]]
+
+
+def test_failover_a_conversation_flushed_by_one_replica_hits_on_another(tmp_path, tiny_model_dir):
+    cache = tmp_path / "ssd"
+    common = ("--model", str(tiny_model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
+              "--ssd-shared", "--ssd-rescan", "0.2")
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What did we decide?"}]
+    with ServeProcess(*common, log_path=tmp_path / "a.log") as a, ServeProcess(*common, log_path=tmp_path / "b.log") as b:
+        with a.client() as http:
+            r1 = chat(http, turn1)
+            turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "And after that?"}]
+            warm = chat(http, turn2)
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert http.post("/admin/cache/flush").json()["durable"] is True
+        a.signal(signal.SIGTERM)
+        assert a.wait() == 0
+        written = set(cache.rglob("*.mlxkv"))
+        assert written
+        with b.client() as http:
+            deadline = time.monotonic() + 30
+            while (shared := http.get("/stats").json()["ssd_cache"]["shared"])["discovered"] < len(written):
+                assert time.monotonic() < deadline, shared
+                time.sleep(0.1)
+            # Replica B never saw this conversation: it restores A's checkpoint...
+            again = chat(http, turn2)
+            usage = again["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+            # ...and continues exactly as A did.
+            assert again["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
+            assert logprobs(again) == pytest.approx(logprobs(warm), abs=1e-4)
+            stats = http.get("/stats").json()["ssd_cache"]
+            assert stats["restores"] == 1 and stats["shared"]["vanished"] == 0
+        # B deleted none of A's files (they are too fresh for any collector).
+        assert written <= set(cache.rglob("*.mlxkv"))
