@@ -69,6 +69,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
     p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier cap in GB of KV bytes (default: unlimited)")
+    p.add_argument("--ssd-shared", action="store_true",
+                   help="other replicas use the same --ssd-cache directory: pick up their files, and delete "
+                   "only as the directory's one collector (see docs/fleet.md)")
+    p.add_argument("--ssd-rescan", type=_positive_float, metavar="SEC",
+                   help="with --ssd-shared: how often to look for other replicas' files (default 1)")
     p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor hashes on every restore")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
@@ -100,7 +105,8 @@ def serve_config(args: argparse.Namespace):
 
     ssd = {}
     if args.ssd_cache is None:
-        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate"):
+        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_shared",
+                     "ssd_rescan"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
     else:
@@ -108,6 +114,8 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_dir": args.ssd_cache,
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify,
+            "ssd_shared": args.ssd_shared,
+            **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
             **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
         }

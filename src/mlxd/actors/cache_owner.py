@@ -23,6 +23,7 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
+from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
 from mlxd.runtime.config import RuntimeConfig
@@ -58,6 +59,8 @@ class _Counters:
     restores: int = 0
     restore_ms_last: float | None = None
     corrupt_removed: int = 0  # found by the startup scan; later losses are the core's
+    discovered: int = 0  # shared directory: other replicas' files indexed after startup
+    vanished: int = 0  # shared directory: indexed files another replica deleted
 
 
 class CacheOwnerActor:
@@ -87,6 +90,13 @@ class CacheOwnerActor:
             demote_idle_s=config.ssd_demote_idle_s,
         )
         self._store = store
+        # A shared directory (kv/shared_dir.py): other replicas' files come and go.
+        self._guard: DeletionGuard | None = None
+        self._watch: DirWatch | None = None
+        if store is not None and config.ssd_shared:
+            self._guard = DeletionGuard(store.directory, grace_s=config.ssd_shared_grace_s)
+            self._watch = DirWatch(store.directory, store.read_record)
+            self._watch.know(r.path for r in records if r.path is not None)
         self._startup = list(self.tiers.load_records(records))
         # Sends to the coordinator and prefetcher never block (unbounded / dropped
         # when full), so the actors cannot deadlock.
@@ -141,6 +151,8 @@ class CacheOwnerActor:
             self._announce_residency()
             if self._store is not None and self._config.ssd_demote_idle_s > 0:
                 nursery.start_soon(self._demote_idle_forever)
+            if self._watch is not None:
+                nursery.start_soon(self._watch_shared_dir)
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
@@ -215,10 +227,32 @@ class CacheOwnerActor:
                 if self._durability is not None:
                     self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
             elif isinstance(effect, Unlink):
-                if self._store is not None and self._nursery is not None:
+                if self._store is None or self._nursery is None or effect.record.path is None:
+                    continue
+                if self._guard is None:
                     self._nursery.start_soon(trio.to_thread.run_sync, self._store.unlink, effect.record)
+                elif effect.record.path not in {r.path for r in self.tiers.ssd_records()}:
+                    # Shared: only the collector deletes, and only files unused for the grace.
+                    self._nursery.start_soon(trio.to_thread.run_sync, self._guard.unlink, effect.record.path)
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
+
+    async def _watch_shared_dir(self) -> None:
+        """Index the files other replicas publish; forget the ones they delete."""
+        assert self._watch is not None
+        while True:
+            await trio.sleep(self._config.ssd_rescan_s)
+            changes = await trio.to_thread.run_sync(self._watch.poll)
+            indexed = {r.path: r for r in self.tiers.ssd_records()}
+            found = [r for r in changes.found if r.path not in indexed]  # not our own commits
+            if found:
+                self._count.discovered += len(found)
+                self._apply(self.tiers.load_records(found))
+            for path in changes.gone:
+                record = indexed.get(path)
+                if record is not None:
+                    self._count.vanished += 1
+                    self._apply(self.tiers.lost(record))
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s
@@ -234,5 +268,11 @@ class CacheOwnerActor:
             published=dict(self.published),
             restores=self._count.restores,
             restore_ms_last=self._count.restore_ms_last,
-            corrupt_removed=self._count.corrupt_removed + tiers.lost_files,
+            corrupt_removed=self._count.corrupt_removed + tiers.lost_files - self._count.vanished,
+            shared=None if self._guard is None else {
+                "collector": self._guard.is_collector,
+                "discovered": self._count.discovered,
+                "vanished": self._count.vanished,
+                "deletions_refused": self._guard.refused,
+            },
         )

@@ -56,6 +56,11 @@ class RuntimeConfig:
     ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
     ssd_cache_verify: bool = False
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
+    # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files
+    # every ssd_rescan_s; delete only as the collector, only files unused for the grace.
+    ssd_shared: bool = False
+    ssd_rescan_s: float = attrs.field(default=1.0, validator=_positive)
+    ssd_shared_grace_s: float = attrs.field(default=60.0, validator=_non_negative)
     # Write-behind pacing while the engine is decoding (bytes/s; 0 = never pace). At
     # full speed the writer steals cores from decode (see kv/pacing.py); when the
     # engine is idle, a flush waits, or the backlog passes ssd_backlog_bytes it

@@ -229,6 +229,7 @@ class CacheStatsSnapshot:
     restores: int
     restore_ms_last: float | None
     corrupt_removed: int
+    shared: dict[str, Any] | None = None  # a directory shared with other replicas (--ssd-shared)
 
     def as_dict(self) -> dict[str, object]:
         t = self.tiers
@@ -251,6 +252,8 @@ class CacheStatsSnapshot:
                 "not_stored": t.not_stored,
                 "restore_decisions": t.restore_decisions,
             }
+            if self.shared is not None:
+                out["ssd"]["shared"] = self.shared
         return out
 
 

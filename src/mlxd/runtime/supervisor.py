@@ -328,6 +328,7 @@ class Runtime:
             "prefetch": prefetched,
             "writer": {**writer, "pacing": self.cold.governor.as_dict()},
             "restore_decisions": tier.get("restore_decisions", {}),
+            **({"shared": tier["shared"]} if "shared" in tier else {}),
         }
 
     async def flush(self) -> dict[str, Any]:
@@ -376,7 +377,8 @@ class ColdTier:
 async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore, Scan]:
     """Create the SSD store and scan its directory (header-only) on a worker thread."""
     assert config.ssd_cache_dir is not None
-    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity)
+    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity,
+                     shared_grace_s=config.ssd_shared_grace_s if config.ssd_shared else None)
     t0 = time.perf_counter()
     log.info("ssd.scan_started", dir=str(store.directory))
     scan = await trio.to_thread.run_sync(store.scan)
