@@ -253,6 +253,7 @@ class CacheOwnerActor:
                 if record is not None:
                     self._count.vanished += 1
                     self._apply(self.tiers.lost(record))
+            self._announce_residency()
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s
