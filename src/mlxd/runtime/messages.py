@@ -229,7 +229,7 @@ class CacheStatsSnapshot:
     restores: int
     restore_ms_last: float | None
     corrupt_removed: int
-    shared: dict[str, Any] | None = None  # a directory shared with other replicas (--ssd-shared)
+    shared: dict[str, int | bool] | None = None  # a directory shared with other replicas (--ssd-shared)
 
     def as_dict(self) -> dict[str, object]:
         t = self.tiers
@@ -237,7 +237,7 @@ class CacheStatsSnapshot:
         ram.update({f"published_{k}": v for k, v in self.published.items()})
         out: dict[str, object] = {"ram": ram}
         if t.ssd_enabled:
-            out["ssd"] = {
+            ssd: dict[str, object] = {
                 "entries": t.ssd_entries,
                 "bytes": t.ssd_bytes,
                 "max_bytes": t.ssd_max_bytes,
@@ -253,7 +253,8 @@ class CacheStatsSnapshot:
                 "restore_decisions": t.restore_decisions,
             }
             if self.shared is not None:
-                out["ssd"]["shared"] = self.shared
+                ssd["shared"] = self.shared
+            out["ssd"] = ssd
         return out
 
 
