@@ -19,7 +19,7 @@ import sys, time
 from pathlib import Path
 from mlxd.kv.shared_dir import DeletionGuard
 guard = DeletionGuard(Path(sys.argv[1]))
-print(guard.is_collector, flush=True)
+print(guard.acquire(), flush=True)
 time.sleep(float(sys.argv[2]))
 """
 
@@ -30,7 +30,7 @@ def test_one_collector_at_a_time_across_processes(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "True"
         here = DeletionGuard(tmp_path, grace_s=0)
-        assert not here.is_collector
+        assert not here.acquire() and not here.is_collector
         old = tmp_path / "old.mlxkv"
         old.write_bytes(b"x")
         os.utime(old, (time.time() - 3600, time.time() - 3600))
@@ -39,7 +39,7 @@ def test_one_collector_at_a_time_across_processes(tmp_path):
         holder.kill()
         holder.wait()
     # The holder died: the kernel dropped its lock, and the next replica takes over.
-    assert here.is_collector
+    assert here.acquire() and here.is_collector
     assert here.unlink(old) and not old.exists()
     other = subprocess.run([sys.executable, "-c", HOLD_LOCK, str(tmp_path), "0"], capture_output=True, text=True)
     assert other.stdout.strip() == "False"

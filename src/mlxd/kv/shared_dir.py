@@ -49,7 +49,11 @@ class DeletionGuard:
 
     @property
     def is_collector(self) -> bool:
-        """Hold the collector lock (taken on first call when free; kept until the process exits)."""
+        """This replica holds the collector lock."""
+        return self._fd is not None
+
+    def acquire(self) -> bool:
+        """Take the collector lock if it is free (then keep it until the process exits); True if held."""
         if self._fd is None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -65,7 +69,7 @@ class DeletionGuard:
         return True
 
     def may_delete(self, path: Path) -> bool:
-        if not self.is_collector:
+        if not self.acquire():
             return False
         try:
             mtime = path.stat().st_mtime
