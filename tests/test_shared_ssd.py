@@ -83,6 +83,12 @@ def test_dir_watch_reports_new_and_vanished_files(tmp_path):
     (tmp_path / "ns2").mkdir()
     (tmp_path / "ns2" / "c.mlxkv").write_bytes(b"c")
     assert watch.poll().found == ("c.mlxkv",)
+    # A file whose directory mtime did not move (a coarse clock) is found by the periodic full listing.
+    d = (tmp_path / "ns2").stat()
+    (tmp_path / "ns2" / "d.mlxkv").write_bytes(b"d")
+    os.utime(tmp_path / "ns2", ns=(d.st_atime_ns, d.st_mtime_ns))
+    polls = [watch.poll().found for _ in range(watch.full_every)]
+    assert [f for f in polls if f] == [("d.mlxkv",)]
 
 
 SYSTEM = "You are a meticulous assistant who keeps notes on every conversation. " * 8

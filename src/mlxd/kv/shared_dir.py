@@ -109,8 +109,12 @@ class DirWatch:
     directory: Path  # the fingerprint directory
     read: Callable[[Path], Any | None]  # header-only read of one file -> a record, or None
     suffix: str = ".mlxkv"
+    # Every this many polls, list every directory even if its mtime did not move
+    # (filesystems with coarse timestamps can hide a second change within one tick).
+    full_every: int = 30
     _seen: set[Path] = attrs.Factory(set)
     _dir_mtimes: dict[Path, float] = attrs.Factory(dict)
+    _polls: int = 0
 
     def know(self, paths: Iterable[Path]) -> None:
         """Files this replica already knows (its startup scan, its own writes)."""
@@ -121,13 +125,15 @@ class DirWatch:
             ns_dirs = [p for p in self.directory.iterdir() if p.is_dir()]
         except OSError:
             return DirChanges((), frozenset())
+        self._polls += 1
+        full = self._polls % self.full_every == 0
         changed = []
         for d in ns_dirs:
             try:
                 mtime = d.stat().st_mtime_ns / 1e9
             except OSError:
                 continue
-            if self._dir_mtimes.get(d) != mtime:
+            if full or self._dir_mtimes.get(d) != mtime:
                 changed.append((d, mtime))
         found = []
         gone: set[Path] = set()
