@@ -150,3 +150,10 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
         assert sub.seqs == sorted(sub.seqs) and len(set(sub.seqs)) == len(sub.seqs)
     finally:
         sub.close()
+
+
+def test_a_bad_endpoint_is_refused_before_serving(capsys):
+    from mlxd.cli import main
+
+    assert main(["serve", "--kv-events-endpoint", "localhost:5557"]) == 2
+    assert "expected tcp://HOST:PORT" in capsys.readouterr().err

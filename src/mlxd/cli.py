@@ -100,9 +100,22 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _check_kv_events(endpoint: str | None) -> None:
+    if endpoint is None:
+        return
+    import importlib.util
+
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"--kv-events-endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"--kv-events-endpoint needs {' and '.join(missing)}: pip install 'mlxd[fleet]'")
+
+
 def serve_config(args: argparse.Namespace):
     from mlxd.runtime.config import RuntimeConfig
 
+    _check_kv_events(args.kv_events_endpoint)
     ssd = {}
     if args.ssd_cache is None:
         for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_shared",
