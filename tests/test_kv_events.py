@@ -7,6 +7,7 @@ import time
 import attrs
 import httpx
 import msgpack
+import pytest
 import zmq
 
 from mlxd.kv.kv_events import (
@@ -152,8 +153,8 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
         sub.close()
 
 
-def test_a_bad_endpoint_is_refused_before_serving(capsys):
-    from mlxd.cli import main
+def test_a_bad_endpoint_is_refused_before_serving():
+    from mlxd.cli import build_parser, serve_config
 
-    assert main(["serve", "--kv-events-endpoint", "localhost:5557"]) == 2
-    assert "expected tcp://HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+        serve_config(build_parser().parse_args(["serve", "--kv-events-endpoint", "localhost:5557"]))
