@@ -24,3 +24,12 @@ $SIM $T/conversation_trace.jsonl --cache-model mlxd --sweep --ssd-gb 400 --name 
 $SIM $T/conversation_trace.jsonl --cache-model mlxd --sweep --ssd-gb 400 --slots 64 \
     --cost-model simulations/cost_models/h200-qwen3-1.7b-estimate.json \
     --name conversation_mlxd_ssd400_h200est --out $R
+
+# 5. A fleet: 4 replicas (16 slots and 2,000 or 10,000 blocks of RAM each) behind each router,
+#    GPU-like cost model; and one server with the whole fleet's RAM and slots for reference.
+$SIM $T/conversation_trace.jsonl --replicas 4 --router round_robin,session,cache_aware --policy lru \
+    --sweep 2000,10000 --slots 16 --cost-model simulations/cost_models/h200-qwen3-1.7b-estimate.json \
+    --name conversation_fleet4_h200est --out $R
+$SIM $T/conversation_trace.jsonl --cache-model mlxd --policy lru --sweep 8000,40000 --slots 64 \
+    --cost-model simulations/cost_models/h200-qwen3-1.7b-estimate.json \
+    --name conversation_one_server_4x_h200est --out $R

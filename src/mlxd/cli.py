@@ -90,6 +90,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
     p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier cap in GB of KV bytes (default: unlimited)")
+    p.add_argument("--ssd-shared", action="store_true",
+                   help="other replicas use the same --ssd-cache directory: pick up their files, and delete "
+                   "only as the directory's one collector (see docs/fleet.md)")
+    p.add_argument("--ssd-rescan", type=_positive_float, metavar="SEC",
+                   help="with --ssd-shared: how often to look for other replicas' files (default 1)")
     p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor CRC-32 checksums on every restore")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
@@ -113,19 +118,37 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "'length' (0 = no limit)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
+    p.add_argument("--kv-events-endpoint", metavar="URL",
+                   help="publish KV cache block events in vLLM's ZMQ format, e.g. tcp://*:5557 (bind) or "
+                   "tcp://indexer:5557 (connect); needs pyzmq and msgpack (pip install 'mlxd[fleet]')")
+    p.add_argument("--kv-events-block-size", type=_positive_int, default=16, metavar="TOKENS",
+                   help="tokens per announced KV block (default 16)")
     p.add_argument("--record-trace", type=Path, metavar="FILE",
                    help="append every finished request to FILE in mlxd's trace format (for `mlxd simulate`)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
     p.add_argument("--log-level", default="info")
 
 
+def _check_kv_events(endpoint: str | None) -> None:
+    if endpoint is None:
+        return
+    import importlib.util
+
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"--kv-events-endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"--kv-events-endpoint needs {' and '.join(missing)}: pip install 'mlxd[fleet]'")
+
+
 def serve_config(args: argparse.Namespace):
     from mlxd.runtime.config import RuntimeConfig
 
+    _check_kv_events(args.kv_events_endpoint)
     ssd = {}
     if args.ssd_cache is None:
         for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_layout",
-                     "ssd_block_tokens"):
+                     "ssd_block_tokens", "ssd_shared", "ssd_rescan"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
     else:
@@ -133,6 +156,8 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_dir": args.ssd_cache,
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify,
+            "ssd_shared": args.ssd_shared,
+            **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
             **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
             **({} if args.ssd_layout is None else {"ssd_layout": args.ssd_layout}),
@@ -160,6 +185,8 @@ def serve_config(args: argparse.Namespace):
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         generation_checkpoint=args.generation_checkpoint,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_block_size=args.kv_events_block_size,
     )
 
 

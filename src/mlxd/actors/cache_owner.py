@@ -11,15 +11,19 @@ message's reply (or is logged) and the actor keeps serving.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import trio
 
+from mlxd.kv.kv_events import RAM, SSD, ResidencyLedger
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
+from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
 from mlxd.runtime.config import RuntimeConfig
@@ -41,6 +45,7 @@ from mlxd.runtime.messages import (
     PrefetchHint,
     PrefetchRecord,
     PrefillMeasured,
+    PublishKvEvents,
     PublishPrefix,
     QueryCacheStats,
     RecordLost,
@@ -55,6 +60,8 @@ class _Counters:
     restores: int = 0
     restore_ms_last: float | None = None
     corrupt_removed: int = 0  # found by the startup scan; later losses are the core's
+    discovered: int = 0  # shared directory: other replicas' files indexed after startup
+    vanished: int = 0  # shared directory: indexed files another replica deleted
 
 
 class CacheOwnerActor:
@@ -84,6 +91,13 @@ class CacheOwnerActor:
             demote_idle_s=config.ssd_demote_idle_s,
         )
         self._store = store
+        # A shared directory (kv/shared_dir.py): other replicas' files come and go.
+        self._guard: DeletionGuard | None = None
+        self._watch: DirWatch | None = None
+        if store is not None and config.ssd_shared:
+            self._guard = DeletionGuard(store.directory, grace_s=config.ssd_shared_grace_s)
+            self._watch = DirWatch(store.directory, store.read_record)
+            self._watch.know(r.path for r in records if r.path is not None)
         self._startup = list(self.tiers.load_records(records))
         # Sends to the coordinator and prefetcher never block (unbounded / dropped
         # when full), so the actors cannot deadlock.
@@ -92,6 +106,28 @@ class CacheOwnerActor:
         self._nursery: trio.Nursery | None = None
         self.published = {"boundary": 0, "final": 0, "restore": 0}
         self._count = _Counters(corrupt_removed=corrupt_at_start)
+        self._kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None
+        self._ledger = ResidencyLedger()
+        self._kv_pending: list[Any] = []
+
+    def attach_kv_events(self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int) -> None:
+        """Announce every change of what RAM and SSD hold as KV block events (kv/kv_events.py)."""
+        self._kv_events = channel
+        self._ledger = ResidencyLedger(block_size=block_size)
+
+    def _announce_residency(self) -> None:
+        if self._kv_events is None:
+            return
+        events = self._ledger.sync(RAM, self.tiers.ram.entries())
+        if self.tiers.ssd:
+            events += self._ledger.sync(SSD, self.tiers.ssd_records())
+        self._kv_pending.extend(events)
+        if self._kv_pending:
+            try:
+                self._kv_events.send_nowait(PublishKvEvents(time.time(), tuple(self._kv_pending)))
+                self._kv_pending.clear()
+            except trio.WouldBlock:
+                pass  # the publisher is behind (it never blocks): these go with the next batch
 
     @property
     def cache(self) -> PromptCache:
@@ -113,12 +149,16 @@ class CacheOwnerActor:
             self._nursery = nursery
             self._apply(self._startup)
             self._startup = []
+            self._announce_residency()
             if self._store is not None and self._config.ssd_demote_idle_s > 0:
                 nursery.start_soon(self._demote_idle_forever)
+            if self._watch is not None:
+                nursery.start_soon(self._watch_shared_dir)
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
+                    self._announce_residency()
             nursery.cancel_scope.cancel()
 
     def _handle_safely(self, msg: CacheOwnerMessage) -> None:
@@ -191,18 +231,42 @@ class CacheOwnerActor:
                 if self._durability is not None:
                     self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
             elif isinstance(effect, Unlink):
-                if self._store is not None and self._nursery is not None:
+                if self._store is None or self._nursery is None or effect.record.path is None:
+                    continue
+                if self._guard is None:
                     self._nursery.start_soon(
                         trio.to_thread.run_sync, self._store.unlink, effect.record, effect.garbage
                     )
+                elif effect.record.path not in {r.path for r in self.tiers.ssd_records()}:
+                    # Shared: only the collector deletes, and only files unused for the grace.
+                    self._nursery.start_soon(trio.to_thread.run_sync, self._guard.unlink, effect.record.path)
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
+
+    async def _watch_shared_dir(self) -> None:
+        """Index the files other replicas publish; forget the ones they delete."""
+        assert self._watch is not None
+        while True:
+            await trio.sleep(self._config.ssd_rescan_s)
+            changes = await trio.to_thread.run_sync(self._watch.poll)
+            indexed = {r.path: r for r in self.tiers.ssd_records()}
+            found = [r for r in changes.found if r.path not in indexed]  # not our own commits
+            if found:
+                self._count.discovered += len(found)
+                self._apply(self.tiers.load_records(found))
+            for path in changes.gone:
+                record = indexed.get(path)
+                if record is not None:
+                    self._count.vanished += 1
+                    self._apply(self.tiers.lost(record))
+            self._announce_residency()
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s
         while True:
             await trio.sleep(min(idle / 4, 5.0))
             self._apply(self.tiers.demote_idle())
+            self._announce_residency()
 
     def stats(self) -> CacheStatsSnapshot:
         tiers = self.tiers.stats()
@@ -211,5 +275,11 @@ class CacheOwnerActor:
             published=dict(self.published),
             restores=self._count.restores,
             restore_ms_last=self._count.restore_ms_last,
-            corrupt_removed=self._count.corrupt_removed + tiers.lost_files,
+            corrupt_removed=self._count.corrupt_removed + tiers.lost_files - self._count.vanished,
+            shared=None if self._guard is None else {
+                "collector": self._guard.is_collector,
+                "discovered": self._count.discovered,
+                "vanished": self._count.vanished,
+                "deletions_refused": self._guard.refused,
+            },
         )

@@ -528,12 +528,14 @@ def create_app(
             data.update(extra_stats())
         return _json(data)
 
+    from mlxd.http.loads import install_loads
     from mlxd.http.metrics import install_metrics
     from mlxd.http.status import install_status_page
 
     install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}
     install_metrics(app, rt)  # GET /metrics
     install_status_page(app, rt)  # GET /
+    install_loads(app, rt)  # GET /v1/loads (gateways' load polling)
     return app
 
 

@@ -128,6 +128,9 @@ class SsdStore:
     root: Path = attrs.field(converter=Path)
     identity: StoreIdentity
     clock: Callable[[], float] = time.time
+    # Several replicas share the directory (kv/shared_dir.py): the scan deletes no
+    # duplicate, and no temporary file younger than this (another replica may be writing it).
+    shared_grace_s: float | None = None
     layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
     block_tokens: int = 256  # the blocks layout's span (fixed per directory: names depend on it)
     _blocks: BlockStore = attrs.field(init=False)
@@ -164,7 +167,8 @@ class SsdStore:
                     else:
                         loser = old if old.mtime <= outcome.mtime else outcome
                         found[key] = outcome if loser is old else old
-                        self.unlink(loser)
+                        if self.shared_grace_s is None:  # shared: the collector deletes it
+                            self.unlink(loser)
                         counts["duplicates"] += 1
                 else:
                     counts[outcome] += 1
@@ -202,6 +206,8 @@ class SsdStore:
 
     def _scan_file(self, path: Path, ns_name: str) -> SsdRecord | str:
         if path.name.endswith(TMP_SUFFIX):
+            if self.shared_grace_s is not None and not _older_than(path, self.clock() - self.shared_grace_s):
+                return "other"  # maybe another replica's write in progress
             _unlink(path)
             return "orphans"
         if path.suffix != ff.EXTENSION:
@@ -217,6 +223,19 @@ class SsdStore:
         problem = self._mismatch(header, ns_name)
         if problem:
             return self._drop_corrupt(path, problem)
+        return SsdRecord(header.namespace, header.tokens, payload_bytes(header), mtime, header.trimmable, path)
+
+    def read_record(self, path: Path) -> SsdRecord | None:
+        """Header-only read of one published file (e.g. another replica's); deletes nothing."""
+        if path.suffix != ff.EXTENSION:
+            return None
+        try:
+            header = ff.read_header(path)
+            mtime, _size = _stat(path)
+        except (ff.CorruptFile, ff.StorageError, OSError):
+            return None
+        if self._mismatch(header, path.parent.name):
+            return None
         return SsdRecord(header.namespace, header.tokens, payload_bytes(header), mtime, header.trimmable, path)
 
     def _mismatch(self, header: ff.FileHeader, ns_name: str) -> str | None:
@@ -367,6 +386,13 @@ def _listdir(d: Path) -> list[Path]:
     except OSError as exc:
         log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
         return []
+
+
+def _older_than(path: Path, when: float) -> bool:
+    try:
+        return path.stat().st_mtime < when
+    except OSError:
+        return False
 
 
 def _stat(path: Path) -> tuple[float, int]:

@@ -69,6 +69,11 @@ class RuntimeConfig:
     ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
     ssd_cache_verify: bool = False
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
+    # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files
+    # every ssd_rescan_s; delete only as the collector, only files unused for the grace.
+    ssd_shared: bool = False
+    ssd_rescan_s: float = attrs.field(default=1.0, validator=_positive)
+    ssd_shared_grace_s: float = attrs.field(default=60.0, validator=_non_negative)
     # Write-behind pacing while the engine is decoding (bytes/s; 0 = never pace). At
     # full speed the writer steals cores from decode (see kv/pacing.py); when the
     # engine is idle, a flush waits, or the backlog passes ssd_backlog_bytes it
@@ -84,6 +89,11 @@ class RuntimeConfig:
     ssd_layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
     # Tokens per block (0 = sized from the model's KV bytes per token: blocks.span_for).
     ssd_block_tokens: int = attrs.field(default=0, validator=_non_negative)
+
+    # KV cache events (vLLM's ZMQ format) for fleet routers and indexers; None = off.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_block_size: int = attrs.field(default=16, validator=_positive)
 
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
     # Bearer token required on the API (None = open); admin routes need admin_key.
@@ -105,3 +115,7 @@ class RuntimeConfig:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
         if self.generation_checkpoint > 0 and self.ssd_cache_dir is None:
             raise ValueError("--generation-checkpoint needs the SSD tier: set --ssd-cache DIR")
+        if self.ssd_shared and self.ssd_layout == "blocks":
+            # A shared directory's collector deletes whole files only; blocks named by
+            # another replica's manifests would need a fleet-wide block ledger.
+            raise ValueError("--ssd-shared works with --ssd-layout whole only (blocks are per replica for now)")

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from mlxd.kv.gen_checkpoint import GenerationRecord
+from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
@@ -286,6 +287,7 @@ class CacheStatsSnapshot:
     restores: int
     restore_ms_last: float | None
     corrupt_removed: int
+    shared: dict[str, int | bool] | None = None  # a directory shared with other replicas (--ssd-shared)
 
     def as_dict(self) -> dict[str, object]:
         t = self.tiers
@@ -295,7 +297,7 @@ class CacheStatsSnapshot:
         if t.sessions is not None:
             out["sessions"] = attrs.asdict(t.sessions)
         if t.ssd_enabled:
-            out["ssd"] = {
+            ssd: dict[str, object] = {
                 "entries": t.ssd_entries,
                 "bytes": t.ssd_bytes,
                 "blocks": t.ssd_blocks,
@@ -312,6 +314,9 @@ class CacheStatsSnapshot:
                 "not_stored": t.not_stored,
                 "restore_decisions": t.restore_decisions,
             }
+            if self.shared is not None:
+                ssd["shared"] = self.shared
+            out["ssd"] = ssd
         return out
 
 
@@ -537,3 +542,11 @@ class PrefetchStats:
 
 
 PrefetcherMessage = PrefetchRecord | FetchSnapshot | PrefetchStats
+
+
+@attrs.frozen(eq=False)
+class PublishKvEvents:
+    """Cache owner -> KV-event publisher: block events of one change to the tiers (kv/kv_events.py)."""
+
+    ts: float
+    events: tuple[BlockStored | BlockRemoved | AllBlocksCleared, ...]

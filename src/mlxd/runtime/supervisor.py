@@ -381,6 +381,7 @@ class Runtime:
             "prefetch": prefetched,
             "writer": {**writer, "pacing": self.cold.governor.as_dict()},
             "restore_decisions": tier.get("restore_decisions", {}),
+            **({"shared": tier["shared"]} if "shared" in tier else {}),
         }
 
     async def flush(self) -> dict[str, Any]:
@@ -441,8 +442,10 @@ async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore
     """Create the SSD store and scan its directory (header-only) on a worker thread."""
     assert config.ssd_cache_dir is not None
     block_tokens = config.ssd_block_tokens or span_for(info.kv_bytes_per_token)
-    store = SsdStore(Path(config.ssd_cache_dir), info.store_identity, layout=config.ssd_layout,
-                     block_tokens=block_tokens)
+    store = SsdStore(
+        Path(config.ssd_cache_dir), info.store_identity, layout=config.ssd_layout, block_tokens=block_tokens,
+        shared_grace_s=config.ssd_shared_grace_s if config.ssd_shared else None,
+    )
     t0 = time.perf_counter()
     log.info("ssd.scan_started", dir=str(store.directory))
     scan = await trio.to_thread.run_sync(store.scan)
@@ -493,6 +496,15 @@ def _cold_tier(
     )
 
 
+async def _start_kv_events(nursery: trio.Nursery, config: RuntimeConfig, cache_owner: CacheOwnerActor) -> None:
+    from mlxd.actors.kv_publisher import KvEventPublisherActor
+
+    send, receive = trio.open_memory_channel[Any](64)
+    publisher = KvEventPublisherActor(config.kv_events_endpoint or "", inbox=receive, topic=config.kv_events_topic)
+    await nursery.start(publisher.run)
+    cache_owner.attach_kv_events(send, block_size=config.kv_events_block_size)
+
+
 @asynccontextmanager
 async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
     """Start every actor; yield a ready Runtime; cancel them all on exit."""
@@ -531,6 +543,8 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             await nursery.start(cold.prefetcher.run)
             if cold.checkpointer is not None:
                 await nursery.start(cold.checkpointer.run)
+        if config.kv_events_endpoint:
+            await _start_kv_events(nursery, config, cache_owner)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,

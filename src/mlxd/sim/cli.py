@@ -81,6 +81,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--granularity", choices=("auto", "block", "token"), default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="simulate a fleet: N replicas (each with the RAM/SSD capacity and --slots given) behind --router")
+    p.add_argument("--router", default="round_robin",
+                   help="with --replicas: round_robin, session, cache_aware, or a comma list to compare")
     p.add_argument(
         "--calibrate", action="store_true", help="measure the cost model on this machine"
     )
@@ -227,6 +231,46 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
     return cost
 
 
+def run_fleet(args, reqs, cost: CostModel) -> int:
+    """`--replicas N`: every router x policy x capacity, one fleet run each (mlxd model)."""
+    from mlxd.sim import fleet
+    from mlxd.sim.router import ROUTERS
+
+    routers = [r.strip() for r in args.router.split(",")]
+    policies = [p.strip() for p in args.policy.split(",")]
+    unknown = (set(routers) - set(ROUTERS)) | (set(policies) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown router or policy {sorted(unknown)}; routers {ROUTERS}, policies {POLICIES}")
+    if args.cache_model == "blocks":
+        raise SystemExit("--replicas simulates the mlxd cache model only")
+    ssd_bytes = None if args.ssd_gb is None else int(args.ssd_gb * GIB)
+    runs = [(r, p, b) for r in routers for p in policies for b in capacities(args)]
+    results = []
+    for i, (router, policy, blocks) in enumerate(runs, 1):
+        result = fleet.replay_fleet(
+            reqs, replicas=args.replicas, router=router, policy=policy, cost=cost,
+            ram_bytes=_ram_bytes(args, blocks, cost), ssd_bytes=ssd_bytes, ssd=args.ssd_gb is not None,
+            granularity=args.granularity, slots=args.slots, seed=args.seed,
+        )
+        results.append(result)
+        _err(f"mlxd simulate: [{i}/{len(runs)}] {args.replicas} replicas, {router}, {policy}: "
+             f"token hit rate {result.token_hit_rate:.3f}, TTFT p50 {result.ttft_s['p50']:.2f} s "
+             f"({result.wall_s:.1f}s)")
+        if args.format == "json":
+            print(report.json_lines(results[-1:]), flush=True)
+    if args.format == "table":
+        print(fleet.table(results))
+    if args.out is not None:
+        meta = {
+            "trace": Path(args.trace).name, "requests": len(reqs), "cost_model": cost.to_json(),
+            "replicas": args.replicas, "slots_per_replica": args.slots, "ssd_gb": args.ssd_gb,
+            "seed": args.seed, "command": " ".join(sys.argv),
+        }
+        for path in fleet.save(args.out, results, meta, name=args.name or f"{Path(args.trace).stem}_fleet"):
+            _err(f"wrote {path}")
+    return 0
+
+
 def run_calibrate(args) -> int:
     from mlxd.sim.calibrate import calibrate
 
@@ -258,6 +302,8 @@ def run_simulate(args) -> int:
     if is_mooncake(reqs) and args.granularity != "token":
         check_block_structure(reqs)
     args.calibrations = recording.calibrations
+    if args.replicas > 1:
+        return run_fleet(args, reqs, cost)
     results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))

@@ -1,0 +1,141 @@
+"""Several replicas on one --ssd-cache directory: discovery, one collector, no early deletes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlxd.kv.shared_dir import DeletionGuard, DirWatch
+
+from procs import ServeProcess
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from mlxd.kv.shared_dir import DeletionGuard
+guard = DeletionGuard(Path(sys.argv[1]))
+print(guard.acquire(), flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_one_collector_at_a_time_across_processes(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path), "30"], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ})
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        here = DeletionGuard(tmp_path, grace_s=0)
+        assert not here.acquire() and not here.is_collector
+        old = tmp_path / "old.mlxkv"
+        old.write_bytes(b"x")
+        os.utime(old, (time.time() - 3600, time.time() - 3600))
+        assert not here.unlink(old) and old.exists() and here.refused == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: the kernel dropped its lock, and the next replica takes over.
+    assert here.acquire() and here.is_collector
+    assert here.unlink(old) and not old.exists()
+    other = subprocess.run([sys.executable, "-c", HOLD_LOCK, str(tmp_path), "0"], capture_output=True, text=True)
+    assert other.stdout.strip() == "False"
+    here.release()
+
+
+def test_recently_used_files_are_kept(tmp_path):
+    guard = DeletionGuard(tmp_path, grace_s=60)
+    fresh = tmp_path / "fresh.mlxkv"
+    fresh.write_bytes(b"x")
+    assert not guard.unlink(fresh) and fresh.exists()
+    os.utime(fresh, (time.time() - 61, time.time() - 61))
+    assert guard.unlink(fresh) and not fresh.exists()
+    assert not guard.unlink(fresh)  # already gone: nothing to do
+    guard.release()
+
+
+def test_dir_watch_reports_new_and_vanished_files(tmp_path):
+    ns = tmp_path / "ns1"
+    ns.mkdir()
+    reads = []
+
+    def read(path):
+        reads.append(path.name)
+        return None if path.name.startswith("bad") else path.name
+
+    watch = DirWatch(tmp_path, read)
+    (ns / "a.mlxkv").write_bytes(b"a")
+    (ns / "a.mlxkv.tmp").write_bytes(b"partial")  # unpublished: never read
+    watch.know([ns / "a.mlxkv"])
+    assert watch.poll().found == ()
+    (ns / "b.mlxkv").write_bytes(b"b")
+    (ns / "bad.mlxkv").write_bytes(b"?")
+    changes = watch.poll()
+    assert changes.found == ("b.mlxkv",) and not changes.gone
+    reads.clear()
+    assert watch.poll().found == () and reads == []  # no directory changed: no listing, no reads
+    (ns / "a.mlxkv").unlink()
+    changes = watch.poll()
+    assert changes.gone == {ns / "a.mlxkv"} and changes.found == ()
+    (tmp_path / "ns2").mkdir()
+    (tmp_path / "ns2" / "c.mlxkv").write_bytes(b"c")
+    assert watch.poll().found == ("c.mlxkv",)
+    # A file whose directory mtime did not move (a coarse clock) is found by the periodic full listing.
+    d = (tmp_path / "ns2").stat()
+    (tmp_path / "ns2" / "d.mlxkv").write_bytes(b"d")
+    os.utime(tmp_path / "ns2", ns=(d.st_atime_ns, d.st_mtime_ns))
+    polls = [watch.poll().found for _ in range(watch.full_every)]
+    assert [f for f in polls if f] == [("d.mlxkv",)]
+
+
+SYSTEM = "You are a meticulous assistant who keeps notes on every conversation. " * 8
+
+
+def chat(http, messages):
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "logprobs": True,
+            "logit_bias": {"0": -100, "2": -100}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def logprobs(response) -> list[float]:
+    return [c["logprob"] for c in response["choices"][0]["logprobs"]["content"]]
+
+
+def test_failover_a_conversation_flushed_by_one_replica_hits_on_another(tmp_path, tiny_model_dir):
+    cache = tmp_path / "ssd"
+    common = ("--model", str(tiny_model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
+              "--ssd-shared", "--ssd-rescan", "0.2")
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What did we decide?"}]
+    with ServeProcess(*common, log_path=tmp_path / "a.log") as a, ServeProcess(*common, log_path=tmp_path / "b.log") as b:
+        with a.client() as http:
+            r1 = chat(http, turn1)
+            turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "And after that?"}]
+            warm = chat(http, turn2)
+            assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert http.post("/admin/cache/flush").json()["durable"] is True
+        a.signal(signal.SIGTERM)
+        assert a.wait() == 0
+        written = set(cache.rglob("*.mlxkv"))
+        assert written
+        with b.client() as http:
+            deadline = time.monotonic() + 30
+            while (shared := http.get("/stats").json()["ssd_cache"]["shared"])["discovered"] < len(written):
+                assert time.monotonic() < deadline, shared
+                time.sleep(0.1)
+            # Replica B never saw this conversation: it restores A's checkpoint...
+            again = chat(http, turn2)
+            usage = again["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+            # ...and continues exactly as A did.
+            assert again["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
+            assert logprobs(again) == pytest.approx(logprobs(warm), abs=1e-4)
+            stats = http.get("/stats").json()["ssd_cache"]
+            assert stats["restores"] == 1 and stats["shared"]["vanished"] == 0
+        # B deleted none of A's files (they are too fresh for any collector).
+        assert written <= set(cache.rglob("*.mlxkv"))
