@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mlxd.model.detok import ByteLevelStreamingDetokenizer, load_model
     from mlxd.model.presets import PRESETS, ModelPreset, get_preset
-    from mlxd.model.tiny import build_model, default_model_dir, ensure_model, main_build_model, stderr_progress
+    from mlxd.model.tiny import (
+        build_model,
+        default_model_dir,
+        ensure_model,
+        main_build_model,
+        stderr_progress,
+    )
 
 _HOME = {
     "ByteLevelStreamingDetokenizer": "detok",
@@ -27,7 +33,18 @@ _HOME = {
     "stderr_progress": "tiny",
 }
 
-__all__ = sorted(_HOME)
+__all__ = [
+    "PRESETS",
+    "ByteLevelStreamingDetokenizer",
+    "ModelPreset",
+    "build_model",
+    "default_model_dir",
+    "ensure_model",
+    "get_preset",
+    "load_model",
+    "main_build_model",
+    "stderr_progress",
+]
 
 
 def __getattr__(name: str) -> Any:
