@@ -105,7 +105,7 @@ async def test_startup_probe_measures_this_device_and_seeds_the_advisor(tiny_mod
         assert [n for n, _ in probe.prefill] == sorted(n for n, _ in probe.prefill)
         assert probe.decode_s_per_token > 0
         assert len(probe.restore) == 2 and probe.restore[1][0] > probe.restore[0][0]
-        assert rt.cache_owner.advisor.base == probe.cost_model()
+        assert rt.cache_owner.tiers.advisor.base == probe.cost_model()
         stats = await rt.stats()
         assert stats["device_probe"]["device"] == probe.device
         assert stats["device_probe"]["cost_model"]["prefill_per_token"] == probe.cost_model().prefill_per_token

@@ -339,9 +339,16 @@ class _Completion:
         async def one(c: _Choice) -> None:
             bodies[c.index] = await self._choice_body(c)
 
-        async with trio.open_nursery() as nursery:
-            for c in self.choices:
-                nursery.start_soon(one, c)
+        try:
+            async with trio.open_nursery() as nursery:
+                for c in self.choices:
+                    nursery.start_soon(one, c)
+        except BaseExceptionGroup as group:
+            # A failed generation answers as itself (a 500 with its message), not as a group.
+            failed = group.subgroup(GenerationError)
+            if failed is None:
+                raise
+            raise _first_leaf(failed) from None
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -350,6 +357,11 @@ class _Completion:
             "choices": bodies,
             "usage": self.usage(),
         }
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def create_app(
