@@ -96,7 +96,7 @@ def test_sigkill_during_block_manifest_and_gc_writes(tmp_path):
         rc = proc.wait(timeout=120)
         evs = first + events(proc)
         assert rc == -signal.SIGKILL, (mode, rc, evs[-3:])
-        assert not any(e.get("failed") for e in evs)
+        assert not any(e.get("failed") for e in evs), [e for e in evs if e.get("failed")]
         # Earlier rounds' promises stand unless this round dropped them.
         for e in evs:
             if "dropping" in e:
@@ -135,7 +135,7 @@ def test_collection_under_concurrent_writers(tmp_path):
     promised: dict[str, str] = {}
     for evs in outputs:
         assert evs[-1] == {"done": True}
-        assert not any(e.get("failed") for e in evs)
+        assert not any(e.get("failed") for e in evs), [e for e in evs if e.get("failed")]
         promised.update(durable_paths(evs))
     assert len(reports) > 10 and sum(r.removed for r in reports) > 0  # it did collect, concurrently
     counts = check_directory(tmp_path, promised)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -133,6 +134,19 @@ def test_arrays_and_cache_list_round_trip(tmp_path):
 def test_empty_caches_round_trip(tmp_path):
     _, (kv, q) = round_trip(tmp_path, [mlc.KVCache(), mlc.QuantizedKVCache()])
     assert kv.keys is None and kv.offset == 0 and q.keys is None
+
+
+def test_a_tmp_file_of_another_writer_is_left_alone(tmp_path):
+    """Two processes writing the same name: the one that finds the tmp taken fails, and
+    leaves the other's tmp in place (removing it broke the other's rename)."""
+    theirs = tmp_path / "a.mlxkv.tmp"
+    theirs.write_bytes(b"another writer, mid-write")
+    plan = kinds.plan_snapshot([filled_kv(4)], meta=meta((1, 2, 3, 4)))
+    with pytest.raises(ff.StorageError) as info:
+        ff.write_snapshot(plan, tmp_path / "a.mlxkv")
+    assert info.value.errno == errno.EEXIST
+    assert theirs.read_bytes() == b"another writer, mid-write"
+    assert not (tmp_path / "a.mlxkv").exists()
 
 
 def test_unknown_cache_class_is_an_error(tmp_path):

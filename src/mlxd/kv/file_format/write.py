@@ -124,14 +124,18 @@ def write_snapshot(
     `direct` chooses O_DIRECT (True), the page cache (False), or (None) O_DIRECT
     exactly while the pacer is pacing (see `_Sink`). Raises DiskFull or
     StorageError (or the pacer's WriteInterrupted); the tmp file is removed on
-    any failure.
+    any failure after this call created it (an existing tmp is another writer's).
     """
     t0 = time.perf_counter()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     layout = _layout(plan)
     try:
-        header = _write_tmp(plan, layout, tmp, pacer, direct)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # EEXIST: another writer's tmp, which is not ours to remove
+        raise storage_error(exc, f"writing {path}") from exc
+    try:
+        header = _write_tmp(plan, layout, fd, pacer, direct)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
@@ -144,13 +148,13 @@ def write_snapshot(
 
 
 def _write_tmp(
-    plan: SnapshotPlan, layout: FileHeader, tmp: Path, pacer: Pacer | None, direct: bool | None
+    plan: SnapshotPlan, layout: FileHeader, fd: int, pacer: Pacer | None, direct: bool | None
 ) -> FileHeader:
+    """Fill the tmp file open at `fd` (and close it)."""
     if direct is not None:
         want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
     else:
         want_direct = pacer.pacing if pacer is not None else (lambda: False)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         size = pacer.slice_bytes if pacer is not None else _CHUNK
         sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct)
