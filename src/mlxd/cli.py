@@ -291,6 +291,8 @@ def record_trace(rt, path: Path) -> None:
 
 def server_record(rt) -> dict:
     """What a replay needs to know about this server's cache (the trace's first line)."""
+    import attrs
+
     c = rt.config
     return {
         "model": rt.info.model_name,
@@ -307,6 +309,8 @@ def server_record(rt) -> dict:
         "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
         "ssd_layout": c.ssd_layout,
         "ssd_block_tokens": rt.ssd_block_tokens,
+        # The cost model the restore advisor starts from (the startup probe's, when it ran).
+        "restore_advisor_base": attrs.asdict(rt.cache_owner.tiers.advisor.base),
     }
 
 

@@ -182,6 +182,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             sessions=not getattr(args, "no_sessions", False),
             ssd_layout=args.ssd_layout or "whole",
             ssd_block_tokens=args.ssd_block_tokens or 1024,
+            advisor_base=getattr(args, "advisor_base", None),
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -228,6 +229,9 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.granularity = "token"
     if server.get("kv_bytes_per_token") and not args.cost_model:
         cost = attrs.evolve(cost, kv_bytes_per_token=int(server["kv_bytes_per_token"]))
+    base = server.get("restore_advisor_base")  # what the server's startup probe measured
+    if base and not args.cost_model:
+        args.advisor_base = CostModel(**base)
     return cost
 
 

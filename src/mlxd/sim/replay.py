@@ -329,9 +329,11 @@ def replay_mlxd(
     sessions: bool = True,
     ssd_layout: str = "whole",
     ssd_block_tokens: int = 1024,
+    advisor_base: CostModel | None = None,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
-    (`ssd_bytes` None = unlimited)."""
+    (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
+    restore advisor started from (its startup probe), when it was not `cost`."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
@@ -341,7 +343,8 @@ def replay_mlxd(
         policy=make_retention(policy, cost),
     )
     tiers = CacheTiers(
-        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(base=cost), demote_idle_s=demote_idle_s
+        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(base=advisor_base or cost),
+        demote_idle_s=demote_idle_s,
     )
     replay = MlxdReplay(
         reqs,
