@@ -17,7 +17,8 @@ class ServeProcess:
     """`with ServeProcess(args) as p:` runs `mlxd serve --port 0 ...` and finds its URL."""
 
     def __init__(self, *args: str, log_path: Path) -> None:
-        self.args = [sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--log-format", "json", *args]
+        probe = () if "--device-probe" in args else ("--device-probe", "off")  # see serving.config_for
+        self.args = [sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--log-format", "json", *probe, *args]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""

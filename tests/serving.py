@@ -73,7 +73,11 @@ class ServerThread:
 
 
 def config_for(model_dir: Any, **overrides: Any) -> RuntimeConfig:
-    base = RuntimeConfig(model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, max_context=4096)
+    # The startup device probe is off: it measures this (shared, noisy) machine afresh each start,
+    # which can tip a close restore-or-recompute call; tests of the probe turn it on.
+    base = RuntimeConfig(
+        model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, max_context=4096, device_probe="off"
+    )
     return attrs.evolve(base, **overrides)
 
 
