@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 
+from mlxd.kv import blocks as bk
 from mlxd.kv.kv_events import (
     RAM,
     SSD,
@@ -17,7 +18,6 @@ from mlxd.kv.kv_events import (
     BlockStored,
     ResidencyLedger,
     block_hashes,
-    chain_hash,
     decode_batch,
     encode_batch,
 )
@@ -32,15 +32,25 @@ class Entry:
     tokens: tuple[int, ...]
 
 
-def test_chain_hash_names_a_prefix_not_a_span():
+def test_block_hashes_name_a_prefix_not_a_span():
     a = tuple(range(16))
     b = tuple(range(100, 116))
-    assert chain_hash(None, a) == chain_hash(None, list(a))
-    assert chain_hash(None, a, "tenant-1") != chain_hash(None, a, "tenant-2")
+    assert block_hashes(a) == block_hashes(list(a)) == block_hashes(a + (1, 2, 3))
+    assert block_hashes(a, "tenant-1") != block_hashes(a, "tenant-2")
+    assert block_hashes(a, fingerprint="model-a") != block_hashes(a, fingerprint="model-b")
     # The same 16 tokens after different parents are different blocks.
-    assert chain_hash(chain_hash(None, a), b) != chain_hash(chain_hash(None, b), b)
-    assert block_hashes(a + b + (1, 2, 3), block_size=16) == [chain_hash(None, a), chain_hash(chain_hash(None, a), b)]
+    assert block_hashes(a + b)[1] != block_hashes(b + b)[1]
     assert all(0 <= h < 2**63 for h in block_hashes(tuple(range(200)), block_size=8))
+
+
+def test_event_hashes_are_the_block_stores_names():
+    """One chain: with the event block size equal to the store's span, events name the store's blocks."""
+    tokens = [(5 * i + 1) % 97 for i in range(70)]
+    spans = bk.choose_spans(tokens, namespace="ns", fingerprint="fp", exists=lambda _: False, block_tokens=16)
+    full = [s.name for s in spans if s.end - s.start == 16]
+    assert len(full) == 4 and spans[-1].end - spans[-1].start == 6  # the partial block has no event
+    assert block_hashes(tokens, "ns", block_size=16, fingerprint="fp") == [bk.event_hash(n) for n in full]
+    assert bk.event_hash(full[0]) == int(full[0][:16], 16) & (2**63 - 1)
 
 
 def test_ledger_announces_each_block_once_per_medium():
@@ -117,7 +127,9 @@ class Subscriber:
 def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_path):
     sub = Subscriber()
     prompt = [(7 * i + 3) % 200 + 10 for i in range(70)]
+    # Block layout with the event block size as its span: events and SSD blocks share one chain.
     config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", ssd_demote_idle_s=1.0,
+                        ssd_layout="blocks", ssd_block_tokens=16,
                         kv_events_endpoint=f"tcp://127.0.0.1:{sub.port}")
     try:
         with ServerThread(config) as server:
@@ -132,7 +144,8 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
             hashes, parent, token_ids, block_size = first[1], first[2], first[3], first[4]
             assert block_size == 16 and parent is None
             assert token_ids[:64] == prompt[:64] and len(token_ids) == 16 * len(hashes)
-            assert hashes[0] == chain_hash(None, prompt[:16])
+            [fp_dir] = [d for d in (tmp_path / "ssd").iterdir() if d.is_dir()]
+            assert hashes == block_hashes(prompt, block_size=16, fingerprint=fp_dir.name)[:len(hashes)]
             ram_blocks = {h for e in stored for h in e[1]}
             for e in stored[1:]:  # every later run hangs off a block already announced
                 assert e[2] in ram_blocks
@@ -142,6 +155,9 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
             sub.drain(lambda: sub.of("BlockStored", SSD))
             ssd_blocks = {h for e in sub.of("BlockStored", SSD) for h in e[1]}
             assert hashes[0] in ssd_blocks
+            # Every SSD block announced is a block file of the store, by the same name.
+            on_disk = {bk.event_hash(p.stem) for p in (fp_dir / "blocks").glob("*.mlxblk")}
+            assert len(ssd_blocks) >= 4 and ssd_blocks <= on_disk
 
             # Idle demotion drops the RAM copy (the SSD copy stays): BlockRemoved on RAM only.
             sub.drain(lambda: sub.of("BlockRemoved", RAM), timeout=30)

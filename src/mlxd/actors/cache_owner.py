@@ -110,10 +110,16 @@ class CacheOwnerActor:
         self._ledger = ResidencyLedger()
         self._kv_pending: list[Any] = []
 
-    def attach_kv_events(self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int) -> None:
-        """Announce every change of what RAM and SSD hold as KV block events (kv/kv_events.py)."""
+    def attach_kv_events(
+        self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int, fingerprint: str
+    ) -> None:
+        """Announce every change of what RAM and SSD hold as KV block events (kv/kv_events.py).
+
+        `fingerprint` is the store identity's: block hashes then follow the SSD
+        block store's chain (kv/blocks.py).
+        """
         self._kv_events = channel
-        self._ledger = ResidencyLedger(block_size=block_size)
+        self._ledger = ResidencyLedger(block_size=block_size, fingerprint=fingerprint)
 
     def _announce_residency(self) -> None:
         if self._kv_events is None:

@@ -13,8 +13,11 @@ A checkpoint of `n` tokens is stored as
 A block's name is its chained hash: sha256 of the store fingerprint, the
 namespace, the parent block's name and the span's token ids. Attention KV at
 a position depends only on the tokens up to it, so equal names mean equal
-contents; two checkpoints that share a prefix share the blocks of it, and the
-chain names the blocks in KV events or in a directory several replicas share.
+contents; two checkpoints that share a prefix share the blocks of it. This is
+mlxd's one block chain: KV events (`mlxd.kv.kv_events`) name their logical
+blocks with `grid_names` over the same function, as 63-bit ints taken from the
+same digest (`event_hash`), so where the event block size equals the store's
+span the two name the same blocks.
 
 Spans end on multiples of `block_tokens` (a grid shared by every
 conversation), except that a growing conversation reuses the partial block
@@ -40,16 +43,36 @@ BLOCK_TOKENS = 256  # the smallest default span (tokens of every attention layer
 MAX_BLOCK_TOKENS = 4096
 TARGET_BLOCK_BYTES = 16 << 20
 ROOT = "0" * 32  # the parent of a chain's first block
+_EVENT_MASK = (1 << 63) - 1  # non-negative in both signed and unsigned 64-bit decoders
 _NAME_CHARS = frozenset("0123456789abcdef")
 _SPANNED_KINDS = ("kv", "quant")  # token axis -2, trimmable
 
 
-def chain_hash(parent: str, tokens: Sequence[int], *, namespace: str, fingerprint: str) -> str:
+def chain_hash(parent: str, tokens: Sequence[int] | np.ndarray, *, namespace: str, fingerprint: str) -> str:
     """The name of the block after `parent` that holds `tokens` (32 hex digits)."""
     h = hashlib.sha256(b"mlxd-block\0")
     h.update(fingerprint.encode() + b"\0" + namespace.encode() + b"\0" + parent.encode() + b"\0")
     h.update(np.asarray(tokens, dtype="<i8").tobytes())
     return h.hexdigest()[:32]
+
+
+def event_hash(name: str) -> int:
+    """A block name as the 64-bit int that KV events carry (vLLM's `block_hashes`): its first 63 bits."""
+    return int(name[:16], 16) & _EVENT_MASK
+
+
+def grid_names(tokens: Sequence[int] | np.ndarray, *, block_tokens: int, namespace: str, fingerprint: str) -> list[str]:
+    """The chained names of every full `block_tokens` block of `tokens` (a partial last block has none).
+
+    These are the names `choose_spans` gives the full grid cells of a
+    checkpoint written from scratch with the same `block_tokens`.
+    """
+    out: list[str] = []
+    parent = ROOT
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = chain_hash(parent, tokens[start : start + block_tokens], namespace=namespace, fingerprint=fingerprint)
+        out.append(parent)
+    return out
 
 
 def state_hash(tokens: Sequence[int], *, namespace: str, fingerprint: str) -> str:

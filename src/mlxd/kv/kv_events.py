@@ -3,8 +3,10 @@
 mlxd caches whole prefixes (one entry = the state after exactly these tokens),
 not fixed pages. For the outside world it announces them as vLLM does its
 pages: a prefix covers `len(tokens) // block_size` logical blocks, each named by
-a chained hash (`chain_hash`) of its parent's hash, its tokens and the
-namespace. A block is "stored" on a medium (RAM, SSD) while at least one entry
+the block store's chained hash (`mlxd.kv.blocks.chain_hash`: the model's config
+fingerprint, the namespace, the parent's name, the tokens) as a 63-bit int
+(`blocks.event_hash`), so with `block_size` equal to the store's span the
+events and the SSD directory name the same blocks. A block is "stored" on a medium (RAM, SSD) while at least one entry
 on that medium covers it, and "removed" when the last such entry goes; a
 `ResidencyLedger` turns the set of resident entries into exactly those events.
 
@@ -23,42 +25,28 @@ Pure: no trio, no sockets (`actors/kv_publisher.py` sends the batches).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
+from mlxd.kv import blocks as bk
+
 RAM = "RAM"
 SSD = "SSD"
 DEFAULT_BLOCK_SIZE = 16
-_HASH_MASK = (1 << 63) - 1  # non-negative in both signed and unsigned 64-bit decoders
-
-
-def chain_hash(parent: int | None, tokens: Sequence[int] | np.ndarray, namespace: str = "") -> int:
-    """The hash of one block: its parent block's hash, its token ids and the namespace.
-
-    Equal hashes mean equal prefixes (up to and including this block) in one
-    namespace, whichever replica computed them.
-    """
-    h = hashlib.blake2b(digest_size=8, person=b"mlxd-kv-block")
-    h.update(b"\x00" * 8 if parent is None else parent.to_bytes(8, "big"))
-    ns = namespace.encode("utf-8")
-    h.update(len(ns).to_bytes(4, "big") + ns)
-    h.update(np.asarray(tokens, dtype="<i4").tobytes())
-    return int.from_bytes(h.digest(), "big") & _HASH_MASK
 
 
 def block_hashes(tokens: Sequence[int] | np.ndarray, namespace: str = "", *,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> list[int]:
-    """The chained hashes of every full block of `tokens` (a partial last block has none)."""
-    out: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = chain_hash(parent, tokens[start:start + block_size], namespace)
-        out.append(parent)
-    return out
+                 block_size: int = DEFAULT_BLOCK_SIZE, fingerprint: str = "") -> list[int]:
+    """The event hashes of every full block of `tokens` (a partial last block has none).
+
+    `fingerprint` is the store identity's (`StoreIdentity.fingerprint`): the
+    server passes it, so a replica's events name the blocks of its SSD store.
+    """
+    names = bk.grid_names(tokens, block_tokens=block_size, namespace=namespace, fingerprint=fingerprint)
+    return [bk.event_hash(n) for n in names]
 
 
 @attrs.frozen
@@ -134,6 +122,7 @@ class ResidencyLedger:
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
+    fingerprint: str = ""
     _entries: dict[str, dict[int, _Resident]] = attrs.Factory(dict)
     _counts: dict[str, dict[int, int]] = attrs.Factory(dict)
 
@@ -151,7 +140,7 @@ class ResidencyLedger:
             if key in known:
                 continue
             tokens = entry.tokens
-            hashes = block_hashes(tokens, entry.namespace, block_size=self.block_size)
+            hashes = block_hashes(tokens, entry.namespace, block_size=self.block_size, fingerprint=self.fingerprint)
             known[key] = _Resident(entry, hashes)
             events.extend(self._stored(medium, counts, tokens, hashes))
         removed = []

@@ -496,13 +496,15 @@ def _cold_tier(
     )
 
 
-async def _start_kv_events(nursery: trio.Nursery, config: RuntimeConfig, cache_owner: CacheOwnerActor) -> None:
+async def _start_kv_events(
+    nursery: trio.Nursery, config: RuntimeConfig, cache_owner: CacheOwnerActor, fingerprint: str
+) -> None:
     from mlxd.actors.kv_publisher import KvEventPublisherActor
 
     send, receive = trio.open_memory_channel[Any](64)
     publisher = KvEventPublisherActor(config.kv_events_endpoint or "", inbox=receive, topic=config.kv_events_topic)
     await nursery.start(publisher.run)
-    cache_owner.attach_kv_events(send, block_size=config.kv_events_block_size)
+    cache_owner.attach_kv_events(send, block_size=config.kv_events_block_size, fingerprint=fingerprint)
 
 
 @asynccontextmanager
@@ -544,7 +546,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             if cold.checkpointer is not None:
                 await nursery.start(cold.checkpointer.run)
         if config.kv_events_endpoint:
-            await _start_kv_events(nursery, config, cache_owner)
+            await _start_kv_events(nursery, config, cache_owner, info.store_identity.fingerprint)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,
