@@ -8,17 +8,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
 
 class ServeProcess:
-    """`with ServeProcess(args) as p:` runs `mlxd serve --port 0 ...` and finds its URL."""
+    """`with ServeProcess(args) as p:` runs `mlxd serve --port 0 ...` and finds its URL.
 
-    def __init__(self, *args: str, log_path: Path) -> None:
+    `launcher` runs it under a launcher (e.g. `mlx.launch ... --`), in a
+    process group of its own, so that cleanup reaches every process it started.
+    """
+
+    def __init__(self, *args: str, log_path: Path, launcher: Sequence[str] = ()) -> None:
+        self.launcher = list(launcher)
         probe = () if "--device-probe" in args else ("--device-probe", "off")  # see serving.config_for
-        self.args = [sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--log-format", "json", *probe, *args]
+        self.args = [*self.launcher, sys.executable, "-m", "mlxd.cli", "serve", "--port", "0",
+                     "--log-format", "json", *probe, *args]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -26,7 +33,8 @@ class ServeProcess:
     def start(self, timeout: float = 120) -> ServeProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env,
+                                     start_new_session=bool(self.launcher))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = re.search(r"mlxd: serving \S+ on (http://\S+)", self.log_path.read_text(errors="replace"))
@@ -59,6 +67,11 @@ class ServeProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.launcher:
+            try:  # the ranks too, not only the launcher
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)

@@ -123,6 +123,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "tcp://indexer:5557 (connect); needs pyzmq and msgpack (pip install 'mlxd[fleet]')")
     p.add_argument("--kv-events-block-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per announced KV block (default 16)")
+    p.add_argument("--distributed", action="store_true",
+                   help="serve one model sharded over the processes `mlx.launch` started (tensor parallel): "
+                        "rank 0 serves HTTP, the others follow; turns the prompt cache off (docs/fleet.md)")
     p.add_argument("--record-trace", type=Path, metavar="FILE",
                    help="append every finished request to FILE in mlxd's trace format (for `mlxd simulate`)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
@@ -145,6 +148,8 @@ def serve_config(args: argparse.Namespace):
     from mlxd.runtime.config import RuntimeConfig
 
     _check_kv_events(args.kv_events_endpoint)
+    if args.distributed and args.ssd_cache is not None:
+        raise ValueError("--distributed serves without the prompt cache for now: leave out --ssd-cache")
     ssd = {}
     if args.ssd_cache is None:
         for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_layout",
@@ -168,7 +173,7 @@ def serve_config(args: argparse.Namespace):
         model=args.model,
         model_preset=args.preset,
         model_name=args.model_name,
-        prompt_cache_bytes=args.prompt_cache_gb,
+        prompt_cache_bytes=0 if args.distributed else args.prompt_cache_gb,
         retention=args.retention,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
@@ -177,7 +182,7 @@ def serve_config(args: argparse.Namespace):
         max_queue=args.max_queue,
         prefill_step_size=args.prefill_step_size if isinstance(args.prefill_step_size, int) else 2048,
         tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),
-        device_probe=args.device_probe,
+        device_probe="off" if args.distributed else args.device_probe,
         device_probe_budget_s=args.device_probe_budget,
         max_tokens_limit=args.max_tokens_limit,
         api_key=_secret(args.api_key, "MLXD_API_KEY"),
@@ -187,6 +192,7 @@ def serve_config(args: argparse.Namespace):
         generation_checkpoint=args.generation_checkpoint,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_block_size=args.kv_events_block_size,
+        distributed=args.distributed,
     )
 
 
@@ -202,7 +208,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
     from mlxd.actors.engine import ModelRefused
+    from mlxd.runtime.distributed import world_rank
 
+    if config.distributed and world_rank() > 0:
+        return _follow(config)
     refused: list[BaseException] = []
     try:
         trio.run(_serve_main, config, args)
@@ -211,6 +220,29 @@ def run_serve(args: argparse.Namespace) -> int:
     for error in refused:
         print(f"mlxd serve: {error}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _follow(config) -> int:
+    """A follower rank of `--distributed`: no HTTP, no cache; the engine replays rank 0's steps.
+
+    A follower stops when rank 0 does (rank 0 tells it), so Ctrl-C, which a
+    terminal sends to every rank, is left to rank 0's graceful shutdown.
+    SIGTERM still ends a follower at once (mlx.launch stops the others so
+    when one rank fails).
+    """
+    import trio
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    from mlxd.actors.engine import EngineActor, ModelRefused
+
+    send, receive = trio.open_memory_channel(0)
+    try:
+        EngineActor(config, inbox=receive, publish=send).follow()
+    except ModelRefused as exc:
+        print(f"mlxd serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 async def _serve_main(config, args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ join between steps, and decode and prefill chunks interleave.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.model.identity import model_identity
 from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.distributed import StepChannel, StepOps, pin_seed
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CheckpointGeneration,
@@ -138,6 +140,7 @@ class EngineActor:
         self._generator: Any = None
         self._stream: Any = None
         self._store_identity: StoreIdentity | None = None
+        self._channel: StepChannel | None = None  # --distributed: rank 0 -> followers (runtime/distributed.py)
         self._prefill_step_size = config.prefill_step_size
         # Task-side state.
         self._rows: dict[int, _Row] = {}
@@ -167,6 +170,8 @@ class EngineActor:
         finally:
             with trio.CancelScope(shield=True):
                 self._fail_all("engine stopped")
+                if self._channel is not None:
+                    await self._thread.run(self._channel.send, StepOps(shutdown=True))
                 await self._thread.run(self._close)
                 await self._thread.aclose()
 
@@ -181,10 +186,15 @@ class EngineActor:
         self._stream = mx.new_stream(mx.default_device())
         with mx.stream(self._stream):
             path = self._resolve_model_path()
-            model, tokenizer = load_model(path)
+            if self._config.distributed:
+                model, tokenizer = self._load_sharded(path)
+            else:
+                model, tokenizer = load_model(path)
             if mx.default_device() == mx.cpu:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
+            if self._channel is not None:
+                mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self._channel.group))  # all ranks loaded
         self._model, self._tokenizer = model, tokenizer
         try:  # unsupported caches fail the load, not the first request or cache hit
             kinds.check_model_caches(self._fresh_caches())
@@ -216,6 +226,30 @@ class EngineActor:
             store_identity=self._store_identity,
             probe=probe,
         )
+
+    def _load_sharded(self, path: Path) -> tuple[Any, Any]:
+        """Load lazily and keep this rank's shard: mlx-lm's tensor parallelism (`model.shard`)."""
+        import mlx.core as mx
+
+        from mlxd.model.detok import load_model
+
+        group = mx.distributed.init(strict=True)
+        self._channel = StepChannel(group, self._stream)
+        model, tokenizer = load_model(path, lazy=True)
+        if group.size() > 1:
+            if not hasattr(model, "shard"):
+                raise ModelRefused(
+                    f"cannot serve {path} distributed: its mlx-lm model class has no tensor-parallel shard()"
+                )
+            try:
+                model.shard(group)
+            except ValueError as exc:  # e.g. heads not divisible by the world size
+                raise ModelRefused(f"cannot shard {path} over {group.size()} ranks: {exc}") from exc
+        log.info(
+            "engine.distributed", rank=group.rank(), world_size=group.size(), pid=os.getpid(), sharding="tensor-parallel",
+            prompt_cache="off (world size > 1: followers keep no KV shards of cached prefixes)",
+        )
+        return model, tokenizer
 
     def _wants_probe(self) -> bool:
         mode = self._config.device_probe
@@ -348,15 +382,18 @@ class EngineActor:
                      if r.start.request.request_id in self._stopping and r.uid not in cancels]
             self._cancelled.clear()
             self._stopping.clear()
+            if self._channel is not None:  # the same seed on every rank
+                for row in starts:
+                    row.start = attrs.evolve(row.start, request=pin_seed(row.start.request))
             try:
-                result = await self._thread.run(self._step, starts, cancels, stops)
+                result = await self._thread.run(self._step_everywhere, starts, cancels, stops)
             except Exception as exc:  # a model error must not take the server down
                 # The generator's state is unknown now: every row in it, and every
                 # row of this step not yet inserted, gets its answer at once.
                 log.exception("engine.step_failed", rows=len(self._rows), starting=len(starts))
                 self.stats["failed_steps"] += 1
                 self._fail_all(f"generation failed: {type(exc).__name__}: {exc}", also=starts)
-                await self._thread.run(self._reset)
+                await self._thread.run(self._reset_everywhere)
                 continue
             await self._deliver(result)
 
@@ -422,6 +459,58 @@ class EngineActor:
     def _reset(self) -> None:
         self._close()
         self._generator = self._new_generator()
+
+    # --- distributed (runtime/distributed.py) ------------------------------------------
+
+    def _step_everywhere(self, starts: list[_Row], cancels: list[int], stops: list[int]) -> _StepResult:
+        """A step, told first to the follower ranks (which must run the same generator operations)."""
+        if self._channel is not None:
+            requests = tuple(row.start.request for row in starts)
+            self._channel.send(StepOps(starts=requests, cancels=tuple(cancels), stops=tuple(stops)))
+        return self._step(starts, cancels, stops)
+
+    def _reset_everywhere(self) -> None:
+        if self._channel is not None:
+            self._channel.send(StepOps(reset=True))
+        self._reset()
+
+    def follow(self) -> None:
+        """A follower rank's whole life, on the calling thread: load, then replay rank 0's steps.
+
+        Returns when rank 0 shuts down. A step that fails here resets the
+        generator; rank 0 then fails the same step and says so (`reset`); any
+        other next step means the ranks diverged, and the follower stops.
+        """
+        self._load()
+        assert self._channel is not None and self._channel.rank > 0
+        events, nobody = trio.open_memory_channel[GenerationEvent](0)
+        nobody.close()  # rows here deliver nothing: rank 0 answers the clients
+        failed = False
+        try:
+            while True:
+                ops = self._channel.receive()
+                if ops.shutdown:
+                    return
+                if ops.reset:
+                    self._reset()
+                    self._rows.clear()
+                    failed = False
+                    continue
+                if failed:
+                    raise RuntimeError("rank 0 went on after a step that failed here: the ranks diverged")
+                starts = [_Row(start=StartGeneration(request=r, hit=None, events=events)) for r in ops.starts]
+                try:
+                    result = self._step(starts, list(ops.cancels), list(ops.stops))
+                except Exception:
+                    log.exception("engine.follower_step_failed", rows=len(self._rows))
+                    self._reset()
+                    self._rows.clear()
+                    failed = True
+                    continue
+                for uid in result.finished:
+                    self._rows.pop(uid, None)
+        finally:
+            self._close()
 
     def stop_early(self, request_id: str) -> None:
         """End a decoding generation as a normal stop (its client matched a stop string).

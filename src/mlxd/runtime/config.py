@@ -95,6 +95,10 @@ class RuntimeConfig:
     kv_events_topic: str = ""
     kv_events_block_size: int = attrs.field(default=16, validator=_positive)
 
+    # One model sharded over the ranks `mlx.launch` started (runtime/distributed.py):
+    # rank 0 serves, the others follow. Needs the prompt cache off for now.
+    distributed: bool = False
+
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
     # Bearer token required on the API (None = open); admin routes need admin_key.
     api_key: str | None = attrs.field(default=None, repr=False)
@@ -115,6 +119,12 @@ class RuntimeConfig:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
         if self.generation_checkpoint > 0 and self.ssd_cache_dir is None:
             raise ValueError("--generation-checkpoint needs the SSD tier: set --ssd-cache DIR")
+        if self.distributed and (self.prompt_cache_bytes > 0 or self.ssd_cache_dir is not None):
+            # Followers would have to hold the same tokens' KV shard for every prefix rank 0 lends.
+            raise ValueError("--distributed serves without the prompt cache for now: "
+                             "leave out --ssd-cache (the RAM tier is turned off)")
+        if self.distributed and self.device_probe == "on":
+            raise ValueError("--distributed runs no device probe: leave out --device-probe on")
         if self.ssd_shared and self.ssd_layout == "blocks":
             # A shared directory's collector deletes whole files only; blocks named by
             # another replica's manifests would need a fleet-wide block ledger.

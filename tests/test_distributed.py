@@ -1,0 +1,88 @@
+"""One model sharded over two processes (`mlx.launch`, ring backend on loopback) serves the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxd.cli import build_parser, serve_config
+from mlxd.runtime.distributed import StepOps, decode_ops, encode_ops, pin_seed
+from mlxd.runtime.messages import GenerationRequest, SamplingParams
+
+from procs import ServeProcess
+from serving import ServerThread, config_for
+
+LAUNCH = (str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+          "--hosts", "127.0.0.1", "--")
+PROMPT = [(7 * i + 3) % 900 + 10 for i in range(40)]
+REQUESTS = [  # greedy with logprobs (compared closely), seeded sampling, and a batch of two
+    {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3},
+    {"prompt": PROMPT[:25], "max_tokens": 12, "temperature": 2.0, "seed": 7, "logprobs": 1},
+]
+BATCH = [{"prompt": PROMPT[i:i + 20], "max_tokens": 6 + i, "temperature": 0} for i in range(2)]
+
+
+def run_requests(base: str) -> list[dict]:
+    with httpx.Client(base_url=base, timeout=120) as http:
+        def complete(body: dict) -> dict:
+            r = http.post("/completions", json={"model": "tiny", **body})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        out = [complete(body) for body in REQUESTS]
+        with ThreadPoolExecutor(len(BATCH)) as pool:
+            out += list(pool.map(complete, BATCH))
+    return out
+
+
+def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
+    with ServerThread(config_for(tiny_model_dir, prompt_cache_bytes=0)) as server:
+        single = run_requests(server.base_url)
+
+    with ServeProcess("--distributed", "--model", str(tiny_model_dir), "--model-name", "tiny",
+                      log_path=tmp_path / "ranks.log", launcher=LAUNCH) as ranks:
+        sharded = run_requests(ranks.url + "/v1")
+        started = {e["rank"]: e for e in map(json.loads, re.findall(r'^\{.*"engine.distributed".*\}$', ranks.log(), re.M))}
+        assert started.keys() == {0, 1} and started[1]["world_size"] == 2
+        # Stopping rank 0 stops the run: it drains, tells the follower to stop, and every rank exits 0.
+        os.kill(started[0]["pid"], signal.SIGTERM)
+        assert ranks.wait(timeout=60) == 0, ranks.log()
+        assert "serve.shutdown" in ranks.log()
+
+    for a, b in zip(single, sharded, strict=True):
+        assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
+    greedy_single, greedy_sharded = single[0]["logprobs"], sharded[0]["logprobs"]
+    assert greedy_single["tokens"] == greedy_sharded["tokens"]
+    for top_a, top_b in zip(greedy_single["top_logprobs"], greedy_sharded["top_logprobs"], strict=True):
+        assert top_a.keys() == top_b.keys()  # the same runners-up, with the same logprobs
+        assert all(top_a[k] == pytest.approx(top_b[k], abs=1e-3) for k in top_a)
+    sampled_single, sampled_sharded = single[1]["logprobs"], sharded[1]["logprobs"]
+    assert sampled_single["tokens"] == sampled_sharded["tokens"]
+    assert len(set(sampled_single["token_logprobs"])) > 1  # sampling drew varied tokens, identically on both
+    assert sampled_single["token_logprobs"] == pytest.approx(sampled_sharded["token_logprobs"], abs=1e-3)
+
+
+def test_step_ops_round_trip_and_seeds_are_pinned():
+    s = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, stop_token_ids=(3, 4), logit_bias=((5, -1.5),))
+    sampled = pin_seed(GenerationRequest(request_id="a", prompt=(1, 2, 3), sampling=s, namespace="ns"))
+    assert sampled.sampling.seed is not None
+    greedy = GenerationRequest(request_id="b", prompt=(9,), session="s1")
+    assert pin_seed(greedy) is greedy
+    ops = StepOps(starts=(sampled, greedy), cancels=(4,), stops=(2, 3))
+    assert decode_ops(encode_ops(ops)) == ops
+    assert decode_ops(encode_ops(StepOps(shutdown=True))).shutdown
+
+
+def test_distributed_refuses_the_ssd_tier():
+    with pytest.raises(ValueError, match="without the prompt cache"):
+        serve_config(build_parser().parse_args(["serve", "--distributed", "--ssd-cache", "/tmp/x"]))
+    config = serve_config(build_parser().parse_args(["serve", "--distributed"]))
+    assert config.distributed and config.prompt_cache_bytes == 0 and config.device_probe == "off"
