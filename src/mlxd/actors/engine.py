@@ -162,16 +162,21 @@ class EngineActor:
 
     async def run(self, *, task_status: trio.TaskStatus[EngineInfo] = trio.TASK_STATUS_IGNORED) -> None:
         self._thread = MlxThread("mlxd-engine")
+        loaded = False
         try:
             info = await self._thread.run(self._load)
+            loaded = True
             log.info("engine.ready", model=info.model_name, max_context=info.max_context)
             task_status.started(info)
             await self._serve()
         finally:
             with trio.CancelScope(shield=True):
                 self._fail_all("engine stopped")
-                if self._channel is not None:
-                    await self._thread.run(self._channel.send, StepOps(shutdown=True))
+                if self._channel is not None and loaded:
+                    try:  # the followers are waiting for the next step: tell them to stop
+                        await self._thread.run(self._channel.send, StepOps(shutdown=True))
+                    except RuntimeError:
+                        log.warning("engine.followers_gone")  # a rank already stopped (mlx.launch stops the rest)
                 await self._thread.run(self._close)
                 await self._thread.aclose()
 
@@ -233,10 +238,23 @@ class EngineActor:
 
         from mlxd.model.detok import load_model
 
-        group = mx.distributed.init(strict=True)
+        try:
+            group = mx.distributed.init(strict=True)
+        except RuntimeError as exc:
+            raise ModelRefused(
+                f"--distributed needs the ranks of a distributed launch (e.g. `mlx.launch --backend ring "
+                f"-n 2 --hosts 127.0.0.1 -- mlxd serve --distributed ...`): {exc}"
+            ) from exc
         self._channel = StepChannel(group, self._stream)
         model, tokenizer = load_model(path, lazy=True)
         if group.size() > 1:
+            cfg = json.loads((path / "config.json").read_text())
+            cfg = cfg.get("text_config", cfg)
+            heads = [cfg.get(k) for k in ("num_attention_heads", "num_key_value_heads")]
+            if any(isinstance(h, int) and h % group.size() for h in heads):
+                raise ModelRefused(
+                    f"cannot shard {path} over {group.size()} ranks: attention heads {heads} do not divide evenly"
+                )
             if not hasattr(model, "shard"):
                 raise ModelRefused(
                     f"cannot serve {path} distributed: its mlx-lm model class has no tensor-parallel shard()"
