@@ -52,6 +52,7 @@ def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
         sharded = run_requests(ranks.url + "/v1")
         started = {e["rank"]: e for e in map(json.loads, re.findall(r'^\{.*"engine.distributed".*\}$', ranks.log(), re.M))}
         assert started.keys() == {0, 1} and started[1]["world_size"] == 2
+        assert ranks.log().count('"mode": "tcp"') == 2  # steps go over the side channel (idle followers sleep)
         # Stopping rank 0 stops the run: it drains, tells the follower to stop, and every rank exits 0.
         os.kill(started[0]["pid"], signal.SIGTERM)
         assert ranks.wait(timeout=60) == 0, ranks.log()

@@ -242,6 +242,9 @@ def _follow(config) -> int:
     except ModelRefused as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:  # rank 0 went away without saying so
+        print(f"mlxd serve: follower stopping: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

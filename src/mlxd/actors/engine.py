@@ -175,9 +175,11 @@ class EngineActor:
                 if self._channel is not None and loaded:
                     try:  # the followers are waiting for the next step: tell them to stop
                         await self._thread.run(self._channel.send, StepOps(shutdown=True))
-                    except RuntimeError:
+                    except (RuntimeError, OSError):
                         log.warning("engine.followers_gone")  # a rank already stopped (mlx.launch stops the rest)
                 await self._thread.run(self._close)
+                if self._channel is not None:
+                    self._channel.close()
                 await self._thread.aclose()
 
     def _load(self) -> EngineInfo:
@@ -199,7 +201,8 @@ class EngineActor:
                 # bf16/fp16 matmuls are ~40x slower than fp32 on CPU.
                 _cast_float_weights(model, mx.float32)
             if self._channel is not None:
-                mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self._channel.group))  # all ranks loaded
+                self._channel.connect()  # every rank has loaded its shard
+                log.info("engine.step_channel", rank=self._channel.rank, mode=self._channel.mode)
         self._model, self._tokenizer = model, tokenizer
         try:  # unsupported caches fail the load, not the first request or cache hit
             kinds.check_model_caches(self._fresh_caches())
@@ -529,6 +532,7 @@ class EngineActor:
                     self._rows.pop(uid, None)
         finally:
             self._close()
+            self._channel.close()
 
     def stop_early(self, request_id: str) -> None:
         """End a decoding generation as a normal stop (its client matched a stop string).

@@ -10,9 +10,9 @@ the engine's step function, fed by rank 0.
 Every forward pass is a collective, so all ranks must run the same sequence of
 `BatchGenerator` operations (insert the same prompts with the same samplers,
 remove the same rows, `next()`), in the same order. Before each step rank 0
-broadcasts the step's inputs (`StepOps`: the requests that join, the rows
-cancelled or stopped) as bytes through an `all_sum` (followers add zeros), and
-every follower replays them through the same `EngineActor._step`. Sampling is
+sends the step's inputs (`StepOps`: the requests that join, the rows
+cancelled or stopped) to every follower (`StepChannel`), and every follower
+replays them through the same `EngineActor._step`. Sampling is
 the same on every rank: the logits after the last `all_sum` are equal, greedy
 rows take their argmax, and a sampling row's seed is fixed by rank 0 before
 the broadcast (`pin_seed`).
@@ -21,13 +21,14 @@ The prompt cache is off when the world size is above one (RuntimeConfig
 refuses it): a lent prefix on rank 0 would have to be the same tokens' KV shard
 on every follower, which this first version does not keep.
 
-Pure encoding here; the collectives run on the engine thread (`StepChannel`).
+`StepChannel` runs on the engine thread (of rank 0, or a follower's main thread).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import Any
 
 import attrs
@@ -89,17 +90,34 @@ def _request(doc: dict[str, Any]) -> GenerationRequest:
 
 
 class StepChannel:
-    """Rank 0 -> every follower, one `StepOps` per step, over the MLX group (engine thread only).
+    """Rank 0 -> every follower, one `StepOps` per step (engine thread only).
 
-    The broadcast runs on the engine's stream, the one the model's own
-    collectives run on: `BatchGenerator` leaves the next decode step's forward
-    pass in flight (`mx.async_eval`), and collectives on two streams could
-    pair up across ranks in different orders.
+    Under `mlx.launch --backend ring` the ops travel over plain TCP
+    connections from each follower to rank 0 (rank 0's host from the ring's
+    hostfile, its port agreed through one `all_sum` at load): a follower
+    waiting for the next step sleeps in the kernel. MLX's ring collectives
+    poll while they wait (a follower blocked in an `all_sum` for 10 s used
+    3.2 s of CPU here), which an idle server would pay all the time.
+
+    Without a ring hostfile (other backends) the ops go through `all_sum`
+    itself: followers add zeros. That runs on the engine's stream, the one
+    the model's collectives run on, because `BatchGenerator` leaves the next
+    decode step's forward pass in flight (`mx.async_eval`) and collectives on
+    two streams could pair up across ranks in different orders.
     """
 
     def __init__(self, group: Any, stream: Any) -> None:
         self.group = group
         self.stream = stream
+        self._peers: list[socket.socket] = []  # rank 0: one per follower
+        self._leader: socket.socket | None = None  # a follower: its connection to rank 0
+
+    @property
+    def mode(self) -> str:
+        """How steps travel: "tcp" (the side channel), "all_sum", or "none" (a world of one)."""
+        if self._peers or self._leader is not None:
+            return "tcp"
+        return "all_sum" if self.size > 1 else "none"
 
     @property
     def rank(self) -> int:
@@ -108,6 +126,48 @@ class StepChannel:
     @property
     def size(self) -> int:
         return int(self.group.size())
+
+    def connect(self, timeout: float = 120.0) -> None:
+        """Open the side channel, on every rank at the same point of the load (a collective)."""
+        import mlx.core as mx
+
+        host = _leader_host()
+        if self.size == 1:
+            return
+        if self.rank == 0:
+            server = socket.create_server((host, 0)) if host is not None else None
+            port = server.getsockname()[1] if server is not None else 0
+            self._sum(mx.array([port], dtype=mx.int32))
+            if server is None:
+                return
+            with server:
+                server.settimeout(timeout)
+                peers: dict[int, socket.socket] = {}
+                while len(peers) < self.size - 1:
+                    conn, _ = server.accept()
+                    conn.settimeout(timeout)
+                    rank = int.from_bytes(_recv_exactly(conn, 4), "big")
+                    if not 0 < rank < self.size or rank in peers:
+                        conn.close()
+                        continue
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peers[rank] = conn
+            self._peers = [peers[r] for r in sorted(peers)]
+        else:
+            port = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
+            if port == 0:
+                return
+            assert host is not None
+            conn = socket.create_connection((host, port), timeout=timeout)
+            conn.sendall(self.rank.to_bytes(4, "big"))
+            conn.settimeout(None)
+            self._leader = conn
+
+    def close(self) -> None:
+        for conn in [*self._peers, *([self._leader] if self._leader else [])]:
+            conn.close()
+        self._peers, self._leader = [], None
 
     def _sum(self, x: Any) -> Any:
         import mlx.core as mx
@@ -122,6 +182,11 @@ class StepChannel:
         import numpy as np
 
         data = encode_ops(ops)
+        if self._peers:
+            frame = len(data).to_bytes(4, "big") + data
+            for conn in self._peers:
+                conn.sendall(frame)
+            return
         self._sum(mx.array([len(data)], dtype=mx.int32))
         self._sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
 
@@ -130,6 +195,32 @@ class StepChannel:
         import mlx.core as mx
         import numpy as np
 
+        if self._leader is not None:
+            n = int.from_bytes(_recv_exactly(self._leader, 4), "big")
+            return decode_ops(_recv_exactly(self._leader, n))
         n = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
         data = np.array(self._sum(mx.zeros((n,), dtype=mx.uint8)), copy=False).tobytes()
         return decode_ops(data)
+
+
+def _leader_host() -> str | None:
+    """Rank 0's host from the ring backend's hostfile (`MLX_HOSTFILE`), or None without one."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+        return str(hosts[0][0]).rsplit(":", 1)[0]
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return None
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("rank 0 closed the step channel")
+        buf += chunk
+    return bytes(buf)
