@@ -403,9 +403,12 @@ class EngineActor:
                      if r.start.request.request_id in self._stopping and r.uid not in cancels]
             self._cancelled.clear()
             self._stopping.clear()
-            if self._channel is not None:  # the same seed on every rank
+            if self._channel is not None:
+                # Every rank starts the row cold (no cache when distributed), with the same seed.
                 for row in starts:
-                    row.start = attrs.evolve(row.start, request=pin_seed(row.start.request))
+                    row.start = attrs.evolve(
+                        row.start, request=pin_seed(row.start.request), hit=None, restore=None, resume=None
+                    )
             try:
                 result = await self._thread.run(self._step_everywhere, starts, cancels, stops)
             except Exception as exc:  # a model error must not take the server down
