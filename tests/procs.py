@@ -33,8 +33,8 @@ class ServeProcess:
     def start(self, timeout: float = 120) -> ServeProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # stdin: a pipe nobody writes, as a terminal would be (mlx.launch relays stdin
-        # to the ranks and spins on one at end of file).
+        # stdin: a pipe nobody writes, as a terminal would be (mlx.launch relays its
+        # stdin to the ranks, re-reading one at end of file without pause).
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env,
                                      stdin=subprocess.PIPE if self.launcher else None,
                                      start_new_session=bool(self.launcher))
