@@ -487,8 +487,10 @@ def phase_servers(model_dir: Path, work: Path, n: int, repeats: int) -> dict[str
                 "--log-format", "json", "--prompt-cache-gb", "40", "--ssd-cache", str(work / "ssd-serve")]
     lm_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18181",
               "--log-level", "WARNING"]
+    ram_cmd = [*mlxd_cmd[: mlxd_cmd.index("--ssd-cache")], "--port", "18182"]  # RAM tier only
     servers = [
         Proc("mlxd", mlxd_cmd, 18180, "/health", work / "mlxd.log"),
+        Proc("mlxd_ram", ram_cmd, 18182, "/health", work / "mlxd_ram.log"),
         Proc("mlx_lm", lm_cmd, 18181, "/v1/models", work / "mlx_lm.log"),
     ]
     prompts = [text_of(model_dir, n, 500 + i) for i in range(repeats)]
@@ -515,6 +517,7 @@ def phase_servers(model_dir: Path, work: Path, n: int, repeats: int) -> dict[str
             out[f"{s.name}_exit_code"] = s.stop()
             out[f"{s.name}_rows"] = rows
     out["mlxd_log"] = done_lines(work / "mlxd.log")
+    out["mlxd_ram_log"] = done_lines(work / "mlxd_ram.log")
     # Restart on the SSD tier: which arm does the probe-seeded advisor choose, and how fast?
     again = Proc("mlxd-restart", mlxd_cmd, 18180, "/health", work / "mlxd-restart.log")
     try:
