@@ -638,7 +638,7 @@ def main() -> int:
     run("ramhit", lambda: phase_ram_hit(model, long_n, step))
     del model
     mx.clear_cache()
-    run("servers", lambda: phase_servers(model_dir, work, long_n, 3))
+    run("servers", lambda: phase_servers(model_dir, work, long_n, 5))
     run("exit", lambda: phase_exit(model_dir, work, args.exit_runs))
     if args.model_8b and not small:
         big = build(QWEN3_8B, work / "model-8b")
