@@ -18,7 +18,11 @@ from the chat template's re-tokenization.
 
 Promises checked after every restart:
 - every request completed before a flush that reported durable is still
-  restorable: some file on disk covers its prompt's first len - 1 tokens;
+  restorable: some file on disk covers its prompt's first len - 1 tokens.
+  A flush promises the checkpoints in *its* process's RAM: a request counts
+  only if the flushing process served it (or replayed it). A request served
+  by a process killed before its flush may be lost (write-behind), and a
+  later process's flush does not bring it back;
 - a replayed request restored at least as far as its RAM hit produces the
   tokens the RAM tier produced (temperature 0, one request at a time).
 """
@@ -61,7 +65,9 @@ class Record:
     ids: tuple[int, ...]
     cached_tokens: int
     text: str
-    durable: bool = False  # a flush reported durable after it completed
+    process: int  # the server process (restart number) whose RAM holds its checkpoint
+    durable: bool = False  # a flush of that process reported durable after it completed
+    lost_to_a_crash: bool = False  # a later process flushed before it was durable (not promised)
 
 
 @attrs.define
@@ -84,6 +90,7 @@ class Tally:
     replays: int = 0
     restores_equal: int = 0
     served_shorter: int = 0  # restore-or-recompute chose RAM/prefill over a longer SSD file
+    not_promised_after_crash: int = 0  # records whose process was killed before a durable flush
     lost_unpromised: int = 0
     files_checked: int = 0
     orphans_reaped: int = 0
@@ -191,6 +198,7 @@ class CrashLoop:
         for record in picks:
             reply = self.complete(http, record.prompt)
             self.tally.replays += 1
+            record.process = self.tally.restarts  # its checkpoint is in this process's RAM again
             usage = reply["usage"]
             if usage["prompt_tokens"] != len(record.ids):
                 self.fail(f"the server tokenized a prompt to {usage['prompt_tokens']} ids, we to {len(record.ids)}")
@@ -252,6 +260,7 @@ class CrashLoop:
         self.records.append(Record(
             convo.number, prompt, tuple(self.tokenizer.encode(prompt)),
             replay["usage"]["prompt_tokens_details"]["cached_tokens"], replay["choices"][0]["text"],
+            self.tally.restarts,
         ))
         convo.prompt = prompt + first["choices"][0]["text"]
         convo.turns += 1
@@ -275,7 +284,13 @@ class CrashLoop:
         if r.status_code == 200 and r.json()["durable"]:
             self.tally.flushes_durable += 1
             for record in self.records[:done]:
-                record.durable = True
+                if record.durable:
+                    continue
+                if record.process == self.tally.restarts:
+                    record.durable = True
+                elif not record.lost_to_a_crash:  # its process was killed before a flush: not promised
+                    record.lost_to_a_crash = True
+                    self.tally.not_promised_after_crash += 1
 
     def complete(self, http: httpx.Client, prompt: str) -> dict[str, Any]:
         body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": self.max_tokens}

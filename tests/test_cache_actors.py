@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 import trio
 import trio.testing
 from mlx_lm.models import cache as mlc
@@ -202,6 +203,36 @@ async def test_flush_reports_dropped_and_never_stored_checkpoints(autojump_clock
         await inbox.send(FlushRequest(again))
         await answer_stats(cache)
         assert (await again.wait()).durable
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_flush_waits_for_the_descendant_that_superseded_its_target(autojump_clock):
+    """A flush waits for a queued record; a trimmable descendant published after the flush
+    supersedes that record in the queue. The flush must then wait for the descendant: until
+    it is written, neither file holds the state the flush was asked to make durable."""
+    async with trio.open_nursery() as nursery:
+        inbox, writer, cache = await start_coordinator(nursery)
+        x, a = tuple(range(50, 60)), tuple(range(10))
+        longer = a + (10, 11, 12)
+        await inbox.send(MarkDirty("", x, plan_for(x), True, 320))
+        job_x = await writer.receive()  # x is being written; a waits in the queue
+        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
+        flush: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(flush))
+        await inbox.send(MarkDirty("", longer, plan_for(longer), True, 416))  # supersedes queued a
+        await inbox.send(SnapshotWritten(job_x.job, Stored(SsdRecord("", x, 320, 0.0), 0.0), 0.0, WriterStats()))
+        assert isinstance(await cache.receive(), EntryDurable)
+        job_longer = await writer.receive()
+        assert job_longer.job.record.tokens == longer
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.WouldBlock):  # no stats query: the flush is still waiting
+            cache.receive_nowait()
+        stored = SsdRecord("", longer, 416, 0.0)
+        await inbox.send(SnapshotWritten(job_longer.job, Stored(stored, 0.0), 0.0, WriterStats()))
+        assert (await cache.receive()).record is stored
+        await answer_stats(cache)
+        report = await flush.wait()
+        assert report.durable and report.pending == 0
         nursery.cancel_scope.cancel()
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from crash_loop import CrashLoop  # noqa: E402
+import httpx  # noqa: E402
+from crash_loop import CrashLoop, Record  # noqa: E402
 
 
 def test_sigkill_loop_keeps_durable_prefixes_and_valid_files(tmp_path, tiny_model_dir):
@@ -22,3 +23,23 @@ def test_sigkill_loop_keeps_durable_prefixes_and_valid_files(tmp_path, tiny_mode
     assert tally.flushes_durable >= 1
     assert tally.promised_checked >= 1
     assert tally.restores_equal >= 1
+
+
+def test_a_flush_promises_only_what_its_own_process_served(tmp_path, tiny_model_dir):
+    """The checker's bookkeeping: a request served by a process killed before any flush
+    may be lost (write-behind); the next process's durable flush does not promise it."""
+    loop = CrashLoop(tiny_model_dir, tmp_path)
+    loop.tally.restarts = 1
+    loop.records.append(Record(0, "before the kill", (1, 2, 3), 0, "x", process=1))
+    loop.tally.restarts = 2  # process 1 was SIGKILLed before a flush; this is process 2
+    loop.records.append(Record(1, "after the restart", (7, 8, 9), 0, "y", process=2))
+    durable = httpx.MockTransport(lambda request: httpx.Response(200, json={"durable": True}))
+    with httpx.Client(transport=durable, base_url="http://server") as http:
+        loop.flush(http)
+        loop.flush(http)
+    assert [r.durable for r in loop.records] == [False, True]
+    assert loop.tally.not_promised_after_crash == 1 and loop.tally.flushes_durable == 2
+    loop.check_durable([(7, 8, 9, 10)])  # only process 2's request must be on disk
+    assert loop.tally.failures == [] and loop.tally.promised_checked == 1
+    loop.check_durable([(1, 2, 3)])
+    assert loop.tally.failures == ["round 2: a durable prefix was lost: files cover 0 of 2 tokens"]

@@ -99,6 +99,25 @@ def test_ssd_cap_eviction_clears_the_ram_durable_flag():
     assert tiers.lookup(tuple(range(12))).restore is None
 
 
+def test_a_restore_whose_file_left_ssd_meanwhile_is_not_durable():
+    """A restored checkpoint is durable only while a file still covers it: between the
+    lookup that chose a file and the restore's publication, the cap may delete it."""
+    tiers, clock = make(ram=1000, ssd_max=250)
+    assert tiers.durable(SsdRecord("", tuple(range(10)), 100, 0.0)) == []
+    lookup = tiers.lookup(tuple(range(12)))
+    assert lookup.restore is not None and lookup.restore.usable == 10
+    clock.now = 1.0
+    effects = tiers.durable(SsdRecord("", tuple(range(100, 120)), 200, 1.0))  # the cap deletes the file
+    assert kinds(effects) == ["Unlink"] and effects[0].record.tokens == tuple(range(10))
+    effects = publish(tiers, range(10), 100, durable=True)  # the engine adopted the bytes it had read
+    assert kinds(effects) == ["NotStored"] and "left SSD" in effects[0].reason  # a flush reports it
+    assert not tiers.ram.find_exact(tuple(range(10))).durable
+    # While the file is there, a restore is durable at once and written no second time.
+    assert tiers.durable(SsdRecord("", tuple(range(10)), 100, 2.0))[0].record.tokens == tuple(range(100, 120))
+    assert publish(tiers, range(10), 100, durable=True) == []
+    assert tiers.ram.find_exact(tuple(range(10))).durable
+
+
 def test_an_entry_larger_than_the_ssd_cap_is_reported_not_stored():
     """Hole (b): never written then evicted, never left dirty blocking a flush or RAM."""
     tiers, _ = make(ram=150, ssd_max=80)

@@ -109,7 +109,7 @@ class DurabilityCoordinator:
             self._not_stored_total += 1
         elif isinstance(msg, FlushRequest):
             self._flushes += 1
-            self._waiters.append(_FlushWaiter(queue.retry_failed(), msg.reply, self._clock()))
+            self._waiters.append(_FlushWaiter(queue.open_flush(), msg.reply, self._clock()))
         elif isinstance(msg, DurabilityStats):
             msg.reply.send(self.snapshot_stats())
 
@@ -139,6 +139,7 @@ class DurabilityCoordinator:
         await self._cache.send(QueryCacheStats(reply))
         tiers = (await reply.wait()).tiers
         for waiter in done:
+            self._queue.close_flush(waiter.targets)
             waiter.reply.send(self._report(waiter, tiers.ssd_entries, tiers.ssd_bytes,
                                            tiers.longest_durable_prefix_tokens))
         self._waiters = [w for w in self._waiters if w not in done]

@@ -409,9 +409,12 @@ class CacheTiers:
     ) -> list[Effect]:
         """Store a checkpoint in RAM; persist it unless a file covers it already; evict.
 
-        `durable` says the checkpoint came from SSD (a restore); `file_nbytes`
-        is its size on SSD (default: `nbytes`). A `session`'s reference advances
-        to this checkpoint.
+        `durable` says the checkpoint came from SSD (a restore, which carries no
+        write plan); it is durable only while a file still covers it. If the
+        file was deleted since the lookup chose it (the cap), it is reported
+        `NotStored`: a flush must not count it, and leaving RAM is a loss.
+        `file_nbytes` is its size on SSD (default: `nbytes`). A `session`'s
+        reference advances to this checkpoint.
         """
         outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable)
         entry = outcome.entry
@@ -419,8 +422,11 @@ class CacheTiers:
             self.sessions.advance(session, namespace, entry.tokens)
         effects: list[Effect] = []
         if entry is not None and self.ssd:
-            if durable or self._index.covers(entry.tokens, namespace):
+            if self._index.covers(entry.tokens, namespace):
                 entry.durable = True
+            elif durable:
+                gone = "its file left SSD during the restore"
+                effects.append(self._never_stored(entry.namespace, entry.tokens, nbytes, gone))
             else:
                 size = nbytes if file_nbytes is None else file_nbytes
                 if self.ssd_fits(size):
@@ -466,10 +472,11 @@ class CacheTiers:
 
     # --- internals ------------------------------------------------------------------
 
-    def _never_stored(self, namespace: str, tokens: Tokens, nbytes: int) -> NotStored:
+    def _never_stored(self, namespace: str, tokens: Tokens, nbytes: int, reason: str | None = None) -> NotStored:
         self._unpersistable.add(key_of(namespace, tokens))
         self._not_stored += 1
-        return NotStored(namespace, tokens, nbytes, f"{nbytes} bytes exceed the SSD cap of {self.ssd_max_bytes}")
+        why = reason or f"{nbytes} bytes exceed the SSD cap of {self.ssd_max_bytes}"
+        return NotStored(namespace, tokens, nbytes, why)
 
     def _add_record(self, record: SsdRecord, *, count_superseded: bool) -> list[Effect]:
         if not self.ssd_fits(record.nbytes):

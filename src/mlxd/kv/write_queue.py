@@ -4,8 +4,11 @@ Every RAM checkpoint that is not on SSD is a dirty record keyed by its
 namespace and *exact* tokens (two same-length conversations never cancel each
 other). Records are written one at a time, oldest first; a trimmable record
 supersedes its queued strict ancestors (it serves them by trimming). A failed
-write leaves its record failed until a flush retries it once. Pure: the
-serving coordinator and the simulator's writer drive the same class.
+write leaves its record failed until a flush retries it once. A flush waits
+for the records dirty when it was called (`open_flush`) and, when one of them
+is superseded before its write, for the record that superseded it: only that
+write will put the state the flush was asked for on disk. Pure: the serving
+coordinator and the simulator's writer drive the same class.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class WriteQueue:
     _records: OrderedDict[Key, DirtyRecord] = attrs.field(init=False, factory=OrderedDict)
     _writing: Key | None = attrs.field(init=False, default=None)
     _versions: int = attrs.field(init=False, default=0)
+    _flushes: list[set[Key]] = attrs.field(init=False, factory=list)  # open flushes' targets
     spills: int = attrs.field(init=False, default=0)
     failed_spills: int = attrs.field(init=False, default=0)
     dropped_spills: int = attrs.field(init=False, default=0)
@@ -82,6 +86,9 @@ class WriteQueue:
                 if record.state != "writing" and other[0] == namespace and _strict_prefix(other[1], key[1]):
                     del self._records[other]
                     self.superseded += 1
+                    for targets in self._flushes:  # a flush waiting for `other` now waits for this
+                        if other in targets:
+                            targets.add(key)
 
     def forget(self, namespace: str, tokens: Tokens) -> None:
         """The RAM entry left without a write: drop its record (counted against the next flush)."""
@@ -119,12 +126,22 @@ class WriteQueue:
             return True
         return False
 
-    def retry_failed(self) -> set[Key]:
-        """A flush: one more try for each failed record; returns every key to wait for."""
+    def open_flush(self) -> set[Key]:
+        """A flush: one more try for each failed record; returns every key to wait for.
+
+        The set is live until `close_flush`: a trimmable record that supersedes
+        one of its keys joins it.
+        """
         for record in self._records.values():
             if record.state == "failed":
                 record.state = "queued"
-        return set(self._records)
+        targets = set(self._records)
+        self._flushes.append(targets)
+        return targets
+
+    def close_flush(self, targets: set[Key]) -> None:
+        """The flush was answered: its targets stop following supersession."""
+        self._flushes = [t for t in self._flushes if t is not targets]
 
     def busy(self, keys: set[Key]) -> bool:
         return any(k in self._records and self._records[k].state != "failed" for k in keys)
