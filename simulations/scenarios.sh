@@ -5,7 +5,7 @@ set -e
 PY=${PY:-/tmp/venv/bin/python}
 SIM="$PY -m mlxd.sim.cli"   # same as `mlxd simulate`
 R=simulations/results
-T=${TRACES:-../shared/traces}
+T=${TRACES:-simulations/traces}
 
 # 1. Blocks model, unlimited: check against Mooncake FAST'25 Table 2 (40% / 66%).
 $SIM $T/conversation_trace.jsonl --cache-model blocks --policy lru --sweep inf --name conversation_blocks_unlimited --out $R

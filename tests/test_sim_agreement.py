@@ -1,7 +1,7 @@
 """A live server and `mlxd simulate` of its recording agree per tier (one shared cache core).
 
 A slice of a public Mooncake trace (conversations that return, from
-/work/shared/traces, not written for this test) is shaped into token-id
+simulations/traces, not written for this test) is shaped into token-id
 prompts the tiny model can serve: each 512-token hash block becomes
 `BLOCK` pseudo-random ids seeded by its hash id, so shared blocks share ids.
 A live runtime with a small RAM tier and a capped SSD tier (both caps bind)
@@ -28,7 +28,7 @@ from mlxd.sim.trace import TraceRequest, load_recording, load_trace
 
 from serving import config_for
 
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[1] / "simulations" / "traces" / "conversation_trace.jsonl"
 BLOCK = 8  # tokens per Mooncake block here (512 in the trace): prompts a CPU test can prefill
 CONVERSATIONS = 20
 VOCAB = 1024  # the tiny "test" model's

@@ -8,7 +8,7 @@ from mlxd.kv.cost_model import DEFAULT
 from mlxd.sim.blocks import BlockCache, replay_blocks
 from mlxd.sim.trace import TraceRequest
 
-TRACES = Path("/work/shared/traces")
+TRACES = Path(__file__).resolve().parents[1] / "simulations" / "traces"
 
 
 def req(i, ids, n=None, t=0.0):

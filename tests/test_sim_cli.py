@@ -5,7 +5,7 @@ from pathlib import Path
 
 from mlxd.sim.cli import main
 
-TRACE = Path("/work/shared/traces/synthetic_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[1] / "simulations" / "traces" / "synthetic_trace.jsonl"
 
 
 def test_json_lines_one_per_run(capsys):

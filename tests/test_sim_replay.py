@@ -9,7 +9,7 @@ from mlxd.kv.cost_model import DEFAULT
 from mlxd.sim.replay import replay_mlxd
 from mlxd.sim.trace import TraceRecorder, TraceRequest, load_trace
 
-TRACES = Path("/work/shared/traces")
+TRACES = Path(__file__).resolve().parents[1] / "simulations" / "traces"
 UNIT = attrs.evolve(DEFAULT, kv_bytes_per_token=1)  # capacity in bytes = tokens
 
 
