@@ -59,7 +59,9 @@ def test_cache_aware_gateway_keeps_each_conversation_on_one_replica(tmp_path, ti
             per_replica.append(sched["completed"])
             assert loads["dp_rank_count"] == 1 and loads["loads"][0]["num_running_reqs"] == 0
             assert loads["mlxd"]["queue_depth"] == 0
-            assert 0 < loads["mlxd"]["cache_utilization"]["ram"] <= 1
+            # A replica the gateway sent nothing to holds nothing (cache_aware may pick one for all).
+            used = loads["mlxd"]["cache_utilization"]["ram"]
+            assert (0 < used <= 1) if sched["completed"] else used == 0
         assert sum(per_replica) == 3 * len(TOPICS)
         for replica in replicas:
             expected = 3 * sum(1 for ws in routed.values() if replica.url in ws)
