@@ -214,3 +214,89 @@ def test_ram_only_never_persists():
     assert publish(tiers, range(50, 60), 100) == []  # the victim is simply dropped
     assert len(tiers.ram) == 1 and tiers.lookup(tuple(range(12))).restore is None
     assert not any(isinstance(e, Forget | NotStored) for e in publish(tiers, range(70, 80), 100))
+
+
+# --- the memory budget ---------------------------------------------------------------
+
+
+def budgeted(budget: int, *, ssd: bool = True):
+    tiers, clock = make(ram=10_000, ssd=ssd)
+    tiers.memory_budget = budget
+    return tiers, clock
+
+
+def test_the_budget_demotes_durable_entries_coldest_first():
+    tiers, clock = budgeted(1000)
+    for i in range(3):  # a (oldest), b, c: 200 bytes each, all on SSD
+        clock.now = i
+        (p,) = publish(tiers, range(100 * i, 100 * i + 10), 200)
+        commit(tiers, p)
+    # weights and batches: 700 bytes outside the cache; 700 + 600 is 300 over
+    assert tiers.observe_memory(1300) == []
+    left = [tuple(e.tokens)[0] for e in tiers.ram.entries()]
+    assert left == [200], "a and b (the two coldest) left; c stays"
+    memory = tiers.stats().memory
+    assert (memory.other_bytes, memory.cache_bytes, memory.over_bytes) == (700, 200, -100)
+    assert memory.demotions == 2 and memory.freed_bytes == 400 and memory.waiting_bytes == 0
+    assert tiers.stats().demotions == 2
+    # the demoted prefixes are still served, from SSD
+    assert tiers.lookup(tuple(range(12))).restore.usable == 10
+
+
+def test_within_the_budget_nothing_moves():
+    tiers, _ = budgeted(1000)
+    commit(tiers, publish(tiers, range(10), 200)[0])
+    assert tiers.observe_memory(900) == []
+    assert len(tiers.ram) == 1 and tiers.stats().memory.over_bytes == -100
+
+
+def test_persist_before_demotion_under_the_budget():
+    tiers, clock = budgeted(1000)
+    (a,) = publish(tiers, range(10), 300)
+    clock.now = 1
+    (b,) = publish(tiers, range(100, 110), 300)
+    tiers.observe_memory(1500)  # 900 outside the cache: 500 over, nothing durable yet
+    assert len(tiers.ram) == 2 and tiers.budget_waiting
+    assert tiers.stats().memory.waiting_bytes == 500
+    # a's write commits: the check that follows demotes it; b still waits
+    assert commit(tiers, a) == []
+    assert [tuple(e.tokens)[0] for e in tiers.ram.entries()] == [100]
+    assert tiers.budget_waiting and tiers.stats().memory.waiting_bytes == 200
+    commit(tiers, b)
+    assert len(tiers.ram) == 0 and not tiers.budget_waiting
+    assert tiers.stats().dropped_unpersisted == 0
+
+
+def test_an_unwritable_entry_is_never_dropped_for_the_budget():
+    tiers, _ = budgeted(100)
+    publish(tiers, range(10), 300)
+    tiers.not_persisted("", tuple(range(10)))  # its write failed
+    tiers.observe_memory(400)
+    assert len(tiers.ram) == 1 and not tiers.budget_waiting  # nothing to wait for: no urgency
+
+
+def test_without_ssd_the_budget_evicts_lru():
+    tiers, clock = budgeted(1000, ssd=False)
+    for i in range(3):
+        clock.now = i
+        publish(tiers, range(100 * i, 100 * i + 10), 200)
+    tiers.observe_memory(1300)
+    assert [tuple(e.tokens)[0] for e in tiers.ram.entries()] == [200]
+    memory = tiers.stats().memory
+    assert memory.evictions == 2 and memory.demotions == 0
+    assert tiers.lookup(tuple(range(12))).hit is None
+
+
+def test_the_cache_growing_after_a_measurement_is_checked_at_publish():
+    tiers, clock = budgeted(1000)
+    commit(tiers, publish(tiers, range(10), 200)[0])
+    tiers.observe_memory(900)  # 700 outside the cache
+    clock.now = 1
+    (p,) = publish(tiers, range(100, 110), 200)  # 700 + 400: 100 over, the old entry goes
+    assert [tuple(e.tokens)[0] for e in tiers.ram.entries()] == [100]
+    assert tiers.stats().memory.over_bytes == -100
+
+
+def test_no_budget_no_memory_stats():
+    tiers, _ = make()
+    assert tiers.observe_memory(10**12) == [] and tiers.stats().memory is None

@@ -282,6 +282,45 @@ class PromptCache:
             getattr(victims, "close", lambda: None)()  # hand unevicted victims back
         return None
 
+    def release(
+        self,
+        nbytes: int,
+        *,
+        may_evict: Callable[[CacheEntry], bool] = _evict_anything,
+        prefer: Callable[[CacheEntry], bool] | None = None,
+    ) -> Eviction:
+        """Evict at least `nbytes`, coldest first, whatever the cap (memory pressure).
+
+        Unlike `evict`, a refused victim is skipped, not a stop: the next one in
+        policy order may go instead. With `prefer`, preferred victims go first.
+        `blocked` is the first refused victim, if any.
+        """
+        evicted: list[CacheEntry] = []
+        blocked: CacheEntry | None = None
+        freed = 0
+        for only in ((prefer, None) if prefer is not None else (None,)):
+            victims = self.policy.victims()
+            try:
+                while freed < nbytes:
+                    victim = next(victims, None)
+                    if victim is None:
+                        break
+                    if only is not None and not only(victim):
+                        continue
+                    if not may_evict(victim):
+                        blocked = blocked or victim
+                        continue
+                    self.remove(victim, evicted=True)
+                    evicted.append(victim)
+                    freed += victim.nbytes
+            finally:
+                getattr(victims, "close", lambda: None)()
+            if freed >= nbytes:
+                break
+        self._count.evictions += len(evicted)
+        self._count.evicted_bytes += freed
+        return Eviction(tuple(evicted), blocked, freed)
+
     def find_exact(self, tokens, namespace: str = "") -> CacheEntry | None:
         index = self._indexes.get(namespace)
         return None if index is None else index.get(tokens)

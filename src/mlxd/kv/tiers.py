@@ -16,7 +16,12 @@ holds, and every decision between the two:
   strict ancestors on SSD (`Unlink` them);
 - the SSD cap: least recently used by mtime first; an evicted file clears the
   `durable` flag of RAM entries it was covering;
-- idle demotion: durable RAM entries unused for a while leave RAM.
+- idle demotion: durable RAM entries unused for a while leave RAM;
+- the memory budget: when the process's memory (MLX active memory outside
+  the cache, as last measured, plus the cache now) passes `memory_budget`,
+  durable RAM entries leave RAM coldest first (`relieve`); entries still
+  waiting for their write stay until it commits, and without an SSD tier
+  entries are simply evicted.
 
 No trio, no threads, no files: every method returns the effects the caller
 must carry out (`Persist`, `Forget`, `Unlink`, `NotStored`) and time comes
@@ -133,6 +138,24 @@ Effect = Persist | Forget | NotStored | Unlink
 
 
 @attrs.frozen
+class MemoryStats:
+    """The memory budget: the last measurement and what the budget made leave RAM."""
+
+    budget_bytes: int
+    active_bytes: int  # MLX active memory at the last measurement (includes the cache then)
+    peak_active_bytes: int  # the process's MLX peak so far
+    other_bytes: int  # active memory outside the RAM tier at the last measurement
+    cache_bytes: int  # the RAM tier now
+    over_bytes: int  # other + cache - budget now (<= 0: within the budget)
+    waiting_bytes: int  # over the budget but held: entries waiting for their SSD write
+    measurements: int
+    checks: int
+    demotions: int  # durable entries that left RAM for the budget (their copy stays on SSD)
+    evictions: int  # entries dropped for the budget without an SSD tier
+    freed_bytes: int
+
+
+@attrs.frozen
 class TierStats:
     """A snapshot of both tiers' counters (travels in replies; never shared)."""
 
@@ -153,6 +176,7 @@ class TierStats:
     sessions: SessionStats | None = None
     ssd_blocks: int = 0  # unique blocks the records name (blocks layout)
     ssd_checkpoint_bytes: int = 0  # KV bytes of every record, shared blocks counted per record
+    memory: MemoryStats | None = None  # with a memory budget
 
 
 @attrs.define
@@ -251,11 +275,25 @@ def _always(entry: CacheEntry) -> bool:
 
 
 @attrs.define
+class _MemoryCounters:
+    active: int = 0
+    peak: int = 0
+    other: int = 0
+    waiting: int = 0
+    measurements: int = 0
+    checks: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    freed: int = 0
+
+
+@attrs.define
 class CacheTiers:
     """RAM and SSD tiers and the decisions between them; see the module docstring.
 
     `ssd` False means a RAM-only cache (no SSD tier: victims are simply dropped).
-    `ssd_max_bytes` 0 means an unlimited SSD tier.
+    `ssd_max_bytes` 0 means an unlimited SSD tier. `memory_budget` 0 means no
+    memory budget (only the RAM tier's byte cap).
     """
 
     ram: PromptCache
@@ -263,6 +301,7 @@ class CacheTiers:
     ssd_max_bytes: int = 0
     advisor: RestoreAdvisor = attrs.Factory(RestoreAdvisor)
     demote_idle_s: float = 0.0  # 0 = never demote idle entries
+    memory_budget: int = 0  # bytes of MLX memory the process may use (0 = no budget)
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
     # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
     sessions: SessionIndex = attrs.field(init=False, factory=SessionIndex)
@@ -274,6 +313,7 @@ class CacheTiers:
     _ssd_superseded: int = attrs.field(init=False, default=0)
     _not_stored: int = attrs.field(init=False, default=0)
     _lost: int = attrs.field(init=False, default=0)
+    _memory: _MemoryCounters = attrs.field(init=False, factory=_MemoryCounters)
 
     @property
     def now(self) -> float:
@@ -433,13 +473,13 @@ class CacheTiers:
                     effects.append(Persist(namespace, entry.tokens, plan, trimmable, size))
                 else:
                     effects.append(self._never_stored(entry.namespace, entry.tokens, size))
-        return effects + self._evict()
+        return effects + self._evict() + self.check_budget()
 
     def durable(self, record: SsdRecord) -> list[Effect]:
         """A write committed `record`: index it as the most recently used, supersede, enforce the cap."""
         effects = self._add_record(record, count_superseded=True)
         self._unpersistable.discard(key_of(record.namespace, record.tokens))
-        return effects + self._evict()
+        return effects + self._evict() + self.check_budget()
 
     def not_persisted(self, namespace: str, tokens: Tokens) -> list[Effect]:
         """A write failed: the RAM entry may now be dropped under pressure."""
@@ -469,6 +509,85 @@ class CacheTiers:
                 self._idle_demotions += 1
                 self._demotions += 1
         return []
+
+    # --- the memory budget --------------------------------------------------------
+
+    @property
+    def over_budget_bytes(self) -> int:
+        """How far the process is over the budget now (<= 0: within it, or no budget)."""
+        if self.memory_budget <= 0:
+            return 0
+        return self._memory.other + self.ram.bytes - self.memory_budget
+
+    @property
+    def budget_waiting(self) -> bool:
+        """Over the budget, and what could go waits for SSD writes (make them urgent)."""
+        return self._memory.waiting > 0
+
+    def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
+        """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
+
+        Memory outside the cache (weights, batches, buffers) is taken as
+        `active_bytes - ram.bytes` and kept until the next measurement, so later
+        checks see the cache grow and shrink between measurements.
+        """
+        m = self._memory
+        m.active, m.peak = active_bytes, max(m.peak, peak_bytes, active_bytes)
+        m.other = max(0, active_bytes - self.ram.bytes)
+        m.measurements += 1
+        return self.check_budget()
+
+    def check_budget(self) -> list[Effect]:
+        """Relieve the RAM tier by however much the process is over its budget (if at all)."""
+        if self.memory_budget <= 0 or not self._memory.measurements:
+            return []
+        self._memory.checks += 1
+        over = self.over_budget_bytes
+        if over <= 0:
+            self._memory.waiting = 0
+            return []
+        return self.relieve(over)
+
+    def relieve(self, over_bytes: int) -> list[Effect]:
+        """Free at least `over_bytes` of RAM, coldest first (memory pressure, not the byte cap).
+
+        With an SSD tier only durable entries go (their prefix stays restorable);
+        an entry waiting for its write is skipped and goes at a later check, once
+        the write commits; one that can never be written stays. Without an SSD
+        tier entries are evicted, like the byte cap does.
+        """
+        prefer = self._unreferenced if len(self.sessions) else None
+        may = (lambda e: e.durable) if self.ssd else _always
+        released = self.ram.release(over_bytes, may_evict=may, prefer=prefer)
+        m = self._memory
+        m.freed += released.freed_bytes
+        if self.ssd:
+            m.demotions += len(released.evicted)
+            self._demotions += len(released.evicted)
+        else:
+            m.evictions += len(released.evicted)
+        pending = sum(e.nbytes for e in self.ram.entries() if not self._may_evict(e)) if self.ssd else 0
+        m.waiting = min(max(0, over_bytes - released.freed_bytes), pending)
+        return []
+
+    def _memory_stats(self) -> MemoryStats | None:
+        if self.memory_budget <= 0:
+            return None
+        m = self._memory
+        return MemoryStats(
+            budget_bytes=self.memory_budget,
+            active_bytes=m.active,
+            peak_active_bytes=m.peak,
+            other_bytes=m.other,
+            cache_bytes=self.ram.bytes,
+            over_bytes=self.over_budget_bytes,
+            waiting_bytes=m.waiting,
+            measurements=m.measurements,
+            checks=m.checks,
+            demotions=m.demotions,
+            evictions=m.evictions,
+            freed_bytes=m.freed,
+        )
 
     # --- internals ------------------------------------------------------------------
 
@@ -563,4 +682,5 @@ class CacheTiers:
             lost_files=self._lost,
             restore_decisions=self.advisor.stats(),
             sessions=self.sessions.stats,
+            memory=self._memory_stats(),
         )
