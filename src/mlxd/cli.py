@@ -71,6 +71,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="store attention KV affine-quantized to 4 or 8 bits (default: the model's precision)")
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
                    help="quantization group size along head_dim for --kv-bits (default 64)")
+    p.add_argument("--memory-budget", type=_gb, metavar="GB",
+                   help="MLX memory (weights, batches and the RAM cache) to keep to: past it, durable RAM "
+                   "entries demote to SSD, or are evicted without --ssd-cache (default: 0.9 x the GPU's "
+                   "recommended working set, or 0.75 x RAM; 0 = no budget)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
@@ -177,6 +181,7 @@ def serve_config(args: argparse.Namespace):
         retention=args.retention,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
+        memory_budget_bytes=args.memory_budget,
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,

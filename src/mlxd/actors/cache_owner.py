@@ -41,6 +41,7 @@ from mlxd.runtime.messages import (
     LookupPrefix,
     MarkDirty,
     MarkNotStored,
+    MemoryMeasured,
     PrefetcherMessage,
     PrefetchHint,
     PrefetchRecord,
@@ -76,6 +77,7 @@ class CacheOwnerActor:
         advisor: RestoreAdvisor | None = None,
         governor: WriteGovernor | None = None,
         clock: Callable[[], float] | None = None,
+        memory_budget: int = 0,
     ) -> None:
         self._config = config
         self._governor = governor  # told when RAM is over its cap waiting for writes
@@ -89,6 +91,7 @@ class CacheOwnerActor:
             ssd_max_bytes=config.ssd_cache_max_bytes,
             advisor=advisor or RestoreAdvisor(),
             demote_idle_s=config.ssd_demote_idle_s,
+            memory_budget=memory_budget,  # resolved by the engine (--memory-budget or the device's share)
         )
         self._store = store
         # A shared directory (kv/shared_dir.py): other replicas' files come and go.
@@ -180,6 +183,7 @@ class CacheOwnerActor:
         tiers = self.tiers
         if isinstance(msg, LookupPrefix):
             msg.reply.send(tiers.lookup(msg.tokens, msg.namespace, session=msg.session))
+            self._apply(tiers.check_budget())  # after the lookup: its hit is the most recently used
         elif isinstance(msg, PrefetchHint):
             record = tiers.prefetch_candidate(msg.tokens, msg.namespace)
             if record is not None and self._prefetcher is not None:
@@ -208,6 +212,8 @@ class CacheOwnerActor:
             tiers.advisor.observe_restore(nbytes=msg.nbytes, seconds=msg.seconds)
             self._count.restores += 1
             self._count.restore_ms_last = round(msg.seconds * 1000, 3)
+        elif isinstance(msg, MemoryMeasured):
+            self._apply(tiers.observe_memory(msg.active_bytes, peak_bytes=msg.peak_bytes))
         elif isinstance(msg, FindCheckpointTokens):
             msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, CloseSession):
@@ -248,6 +254,7 @@ class CacheOwnerActor:
                     self._nursery.start_soon(trio.to_thread.run_sync, self._guard.unlink, effect.record.path)
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
+            self._governor.set_urgent("budget", self.tiers.budget_waiting)
 
     async def _watch_shared_dir(self) -> None:
         """Index the files other replicas publish; forget the ones they delete."""

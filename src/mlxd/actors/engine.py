@@ -35,6 +35,7 @@ from mlxd.runtime.messages import (
     GenerationEvent,
     GenerationFailed,
     GenerationFinished,
+    MemoryMeasured,
     PrefillMeasured,
     PromptAccepted,
     PublishPrefix,
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
     from mlxd.kv.ssd_store import StoreIdentity
 
 log = get_logger("mlxd.engine")
+
+# With a memory budget, MLX memory is measured for the cache owner at every prefill
+# boundary and at least every this many steps (a cheap counter read, no sync).
+MEASURE_MEMORY_EVERY = 256
 
 # What a step produces for others: the cache owner's notes and the generation checkpointer's.
 _Note = EngineNote | CheckpointGeneration | GenerationCompleted | GenerationAbandoned
@@ -73,6 +78,7 @@ class EngineInfo:
     model_identity: str  # sha256 of the weights', config's and tokenizer's bytes
     store_identity: StoreIdentity | None = None  # when the SSD tier is on
     probe: DeviceProbe | None = None  # the startup device probe, when it ran
+    memory_budget_bytes: int = 0  # resolved --memory-budget (0 = none)
 
 
 @attrs.frozen
@@ -142,6 +148,8 @@ class EngineActor:
         self._store_identity: StoreIdentity | None = None
         self._channel: StepChannel | None = None  # --distributed: rank 0 -> followers (runtime/distributed.py)
         self._prefill_step_size = config.prefill_step_size
+        self._memory_budget = 0  # resolved at load
+        self._steps_unmeasured = 0
         # Task-side state.
         self._rows: dict[int, _Row] = {}
         self._pending: list[_Row] = []
@@ -166,8 +174,11 @@ class EngineActor:
         try:
             info = await self._thread.run(self._load)
             loaded = True
-            log.info("engine.ready", model=info.model_name, max_context=info.max_context)
+            log.info("engine.ready", model=info.model_name, max_context=info.max_context,
+                     memory_budget_bytes=info.memory_budget_bytes)
             task_status.started(info)
+            if self._memory_budget > 0:  # weights and buffers, before any request (the channel buffers it)
+                await self._publish.send(await self._thread.run(self._measure_memory, "load"))
             await self._serve()
         finally:
             with trio.CancelScope(shield=True):
@@ -222,6 +233,7 @@ class EngineActor:
         )
         vocab_size = int(cfg.get("vocab_size") or len(tokenizer._tokenizer))
         probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if self._wants_probe() else None
+        self._memory_budget = self._resolve_memory_budget()
         return EngineInfo(
             model_name=name,
             model_path=str(path),
@@ -233,6 +245,7 @@ class EngineActor:
             model_identity=identity,
             store_identity=self._store_identity,
             probe=probe,
+            memory_budget_bytes=self._memory_budget,
         )
 
     def _load_sharded(self, path: Path) -> tuple[Any, Any]:
@@ -271,6 +284,28 @@ class EngineActor:
             prompt_cache="off (world size > 1: followers keep no KV shards of cached prefixes)",
         )
         return model, tokenizer
+
+    def _resolve_memory_budget(self) -> int:
+        """--memory-budget, or a share of the device's memory (runtime.config.default_memory_budget)."""
+        import mlx.core as mx
+
+        from mlxd.runtime.config import default_memory_budget, physical_memory_bytes
+
+        if self._config.memory_budget_bytes is not None:
+            return self._config.memory_budget_bytes
+        if hasattr(mx, "device_info"):
+            info = dict(mx.device_info())
+        elif mx.metal.is_available():
+            info = dict(mx.metal.device_info())
+        else:
+            info = {}
+        return default_memory_budget(info, physical_memory_bytes())
+
+    def _measure_memory(self, reason: str) -> MemoryMeasured:
+        import mlx.core as mx
+
+        self._steps_unmeasured = 0
+        return MemoryMeasured(int(mx.get_active_memory()), int(mx.get_peak_memory()), reason)
 
     def _wants_probe(self) -> bool:
         mode = self._config.device_probe
@@ -619,6 +654,12 @@ class EngineActor:
                             notes, self._snapshot, r.all_tokens, req.namespace, r.prompt_cache, "final",
                             session=req.session,
                         )
+            if self._memory_budget > 0:  # last: the owner sees this step's publications first
+                self._steps_unmeasured += 1
+                if any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
+                    notes.append(self._measure_memory("prefill"))
+                elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
+                    notes.append(self._measure_memory("decode"))
         return _StepResult(emits, notes, finished, rejected)
 
     def _checkpoint(

@@ -180,6 +180,15 @@ def _cache_families(cache: dict[str, Any]) -> Iterator[Metric]:
         yield _counter(
             "mlxd_cache_dropped_unpersisted", "RAM entries evicted before their SSD write.", ssd.get("dropped_unpersisted")
         )
+    memory = cache.get("memory")
+    if memory:
+        yield _gauge("mlxd_memory_budget_bytes", "The memory budget (--memory-budget).", memory.get("budget_bytes"))
+        yield _gauge("mlxd_memory_active_bytes", "MLX active memory at the last measurement.", memory.get("active_bytes"))
+        yield _gauge("mlxd_memory_peak_active_bytes", "MLX peak active memory so far.", memory.get("peak_active_bytes"))
+        yield _counter(
+            "mlxd_memory_budget_freed_bytes", "RAM-tier bytes demoted or evicted for the memory budget.",
+            memory.get("freed_bytes"),
+        )
 
 
 def _ssd_families(ssd: dict[str, Any]) -> Iterator[Metric]:

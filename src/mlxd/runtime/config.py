@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -17,6 +19,31 @@ def _non_negative(_inst: object, attr: attrs.Attribute, value: float) -> None:
 def _positive(_inst: object, attr: attrs.Attribute, value: float) -> None:
     if value <= 0:
         raise ValueError(f"{attr.name} must be > 0, got {value}")
+
+
+# The default memory budget: most of the accelerator's recommended working set
+# (Metal reports one), else a share of the machine's memory that leaves room
+# for the OS and other processes.
+WORKING_SET_SHARE = 0.9
+PHYSICAL_SHARE = 0.75
+
+
+def physical_memory_bytes() -> int:
+    """The machine's RAM (0 where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_memory_budget(device_info: Mapping[str, object], physical_bytes: int) -> int:
+    """The budget when --memory-budget is not given, from MLX's device info (0 = unknown: none)."""
+    working_set = device_info.get("max_recommended_working_set_size")
+    if isinstance(working_set, int) and working_set > 0:
+        return int(working_set * WORKING_SET_SHARE)
+    memory = device_info.get("memory_size")
+    total = memory if isinstance(memory, int) and memory > 0 else physical_bytes
+    return int(total * PHYSICAL_SHARE)
 
 
 @attrs.frozen(kw_only=True)
@@ -43,6 +70,14 @@ class RuntimeConfig:
     # along head_dim) while generating, in the RAM tier and on SSD.
     kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
     kv_group_size: int = attrs.field(default=64, validator=attrs.validators.in_((32, 64, 128)))
+
+    # Bytes of MLX memory (weights, batches and the RAM tier together) the process
+    # keeps to: past it, the RAM tier demotes durable entries to SSD (or evicts
+    # without an SSD tier). None = a fraction of the device's memory (see
+    # default_memory_budget); 0 = no budget, only the RAM tier's byte cap.
+    memory_budget_bytes: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative)
+    )
 
     # Continuous batching: rows decoding together, and rows prefilling together.
     max_batch: int = attrs.field(default=8, validator=_positive)

@@ -9,7 +9,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
       coordinator --EntryDurable / EntryNotPersisted--> cache owner; prefetcher --RecordLost--> cache owner
       scheduler --StartGeneration / CancelGeneration--> engine
       engine --GenerationEvent--> the request's own channel (via the scheduler)
-      engine --PublishPrefix--> cache owner
+      engine --PublishPrefix / MemoryMeasured--> cache owner
 """
 
 from __future__ import annotations
@@ -279,6 +279,15 @@ class RestoreMeasured:
 
 
 @attrs.frozen
+class MemoryMeasured:
+    """Engine-side MLX memory (bytes), read on its thread: the cache owner checks the memory budget."""
+
+    active_bytes: int  # mx.get_active_memory(): weights, batches and the RAM tier's arrays
+    peak_bytes: int  # mx.get_peak_memory()
+    reason: str  # "prefill" (a prefill boundary) or "decode" (every few hundred steps)
+
+
+@attrs.frozen
 class CacheStatsSnapshot:
     """The cache owner's counters, frozen at the time of the query."""
 
@@ -317,6 +326,8 @@ class CacheStatsSnapshot:
             if self.shared is not None:
                 ssd["shared"] = self.shared
             out["ssd"] = ssd
+        if t.memory is not None:
+            out["memory"] = attrs.asdict(t.memory)
         return out
 
 
@@ -352,12 +363,13 @@ CacheOwnerMessage = (
     | RecordLost
     | PrefillMeasured
     | RestoreMeasured
+    | MemoryMeasured
     | QueryCacheStats
     | CloseSession
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
-EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured
+EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured | MemoryMeasured
 
 
 # --- durability coordinator and SSD writer ---------------------------------------

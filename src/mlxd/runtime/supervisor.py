@@ -533,6 +533,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
             records=scan.records if scan is not None else (),
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
+            memory_budget=info.memory_budget_bytes,
         )
         cold = (
             _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None)

@@ -1,0 +1,105 @@
+"""The memory budget in a live runtime: durable entries demote to SSD, or are evicted without one."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd.runtime.config import PHYSICAL_SHARE, default_memory_budget, physical_memory_bytes
+
+from serving import ServerThread, config_for
+
+SYSTEM = "Answer like a librarian who keeps every long conversation in mind. " * 10
+
+
+async def conversations(rt, n: int) -> list[tuple[int, ...]]:
+    return [
+        await rt.render_chat([{"role": "system", "content": f"Conversation {i}. " + SYSTEM},
+                              {"role": "user", "content": "Where were we?"}])
+        for i in range(n)
+    ]
+
+
+async def answer(rt, prompt: tuple[int, ...]):
+    sampling = SamplingParams(max_tokens=4, logprobs=True)
+    async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+        events = [e async for e in stream if hasattr(e, "logprob")]
+    return [e.token for e in events], [e.logprob for e in events], stream.accepted
+
+
+async def test_over_the_budget_durable_entries_demote_and_come_back_from_ssd(tiny_model_dir, tmp_path):
+    # 1 byte: the weights alone pass it, so every durable entry must leave RAM.
+    config = RuntimeConfig(
+        model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", snapshot_min_tokens=16,
+        memory_budget_bytes=1, ssd_demote_idle_s=0,
+    )
+    async with open_runtime(config) as rt:
+        assert rt.info.memory_budget_bytes == 1
+        prompts = await conversations(rt, 3)
+        first = [await answer(rt, p) for p in prompts]
+        assert (await rt.flush())["durable"]
+        with trio.fail_after(10):  # each commit is followed by a budget check in the cache owner
+            while len(rt.cache_owner.cache):  # noqa: ASYNC110 - polling an actor from a test
+                await trio.sleep(0.05)
+        stats = await rt.stats()
+        memory = stats["cache"]["memory"]
+        assert memory["budget_bytes"] == 1
+        assert memory["active_bytes"] > 0 and memory["peak_active_bytes"] >= memory["active_bytes"]
+        assert memory["demotions"] >= 3 and memory["evictions"] == 0 and memory["freed_bytes"] > 0
+        assert stats["ssd_cache"]["dropped_spills"] == 0
+        assert stats["cache"]["ssd"]["dropped_unpersisted"] == 0
+        # Every conversation comes back from SSD with the same tokens and logprobs.
+        for p, (tokens, logprobs, _) in zip(prompts, first, strict=True):
+            again, again_lp, accepted = await answer(rt, p)
+            assert accepted.cache_tier == "ssd" and accepted.cached_tokens == len(p) - 1
+            assert again == tokens and again_lp == logprobs
+
+
+def test_without_ssd_the_budget_evicts_and_stats_show_it(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, memory_budget_bytes=1)) as server:
+        root = server.base_url.removesuffix("/v1")
+        body = {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": "Which shelf?"}],
+                "temperature": 0, "max_tokens": 5}
+        replies = []
+        for _ in range(2):
+            r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            replies.append(r.json())
+        # Nothing stays in RAM, so the follow-up is computed afresh, with the same text.
+        assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]
+        stats = httpx.get(f"{root}/stats", timeout=30).json()
+        memory = stats["cache"]["memory"]
+        assert memory["evictions"] >= 2 and memory["demotions"] == 0
+        assert stats["cache"]["ram"]["entries"] == 0 and memory["cache_bytes"] == 0
+        assert memory["over_bytes"] > 0  # the weights alone pass 1 byte: nothing left to free
+        metrics = httpx.get(f"{root}/metrics", timeout=30).text
+        assert "mlxd_memory_budget_bytes 1.0" in metrics
+
+
+async def test_the_default_budget_is_a_share_of_the_machine_and_moves_nothing(tiny_model_dir):
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), snapshot_min_tokens=16)) as rt:
+        assert rt.info.memory_budget_bytes == default_memory_budget({}, physical_memory_bytes())  # CPU: RAM
+        (prompt,) = await conversations(rt, 1)
+        await answer(rt, prompt)
+        _, _, accepted = await answer(rt, prompt)
+        assert accepted.cache_tier == "ram"
+        memory = (await rt.stats())["cache"]["memory"]
+        assert memory["over_bytes"] < 0 and memory["freed_bytes"] == 0 and memory["measurements"] >= 2
+
+
+def test_default_budget_prefers_the_recommended_working_set():
+    assert default_memory_budget({"max_recommended_working_set_size": 1000, "memory_size": 4000}, 8000) == 900
+    assert default_memory_budget({"memory_size": 4000}, 8000) == int(4000 * PHYSICAL_SHARE)
+    assert default_memory_budget({}, 8000) == int(8000 * PHYSICAL_SHARE)
+
+
+def test_memory_budget_flag(tmp_path):
+    from mlxd.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "--memory-budget", "1.5"])
+    assert serve_config(args).memory_budget_bytes == int(1.5 * 1024**3)
+    assert serve_config(build_parser().parse_args(["serve"])).memory_budget_bytes is None
+    assert serve_config(build_parser().parse_args(["serve", "--memory-budget", "0"])).memory_budget_bytes == 0
