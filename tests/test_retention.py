@@ -148,3 +148,29 @@ def test_victims_match_reference_model(name, ops):
             policy.on_remove(live.pop(coldest), evicted=True)
             clock = max(clock, gdsf[coldest])
     assert order(policy) == [str(k) for k in sorted(live, key=model_key)]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "cost"])
+def test_a_removed_entry_releases_its_arrays_at_once(name):
+    """The lazy heap must not keep a removed entry's MLX arrays alive until it is next rebuilt."""
+    import mlxd  # noqa: F401, I001  # preloads OpenBLAS before mlx
+    import mlx.core as mx
+
+    from mlxd.kv.prompt_cache import PromptCache
+
+    cache = PromptCache(max_bytes=1 << 30, policy=make_policy(name))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    for i in range(3):  # each a trimmable extension: it supersedes the one before
+        payload = [mx.full((1 << 20,), float(i))]
+        mx.eval(payload)
+        cache.put(tuple(range(10 * (i + 1))), payload=payload, nbytes=4 << 20, trimmable=True)
+        if i == 1:
+            cache.take(tuple(range(25)))  # a hit re-keys the entry in the heap
+    del payload
+    assert len(cache) == 1
+    assert mx.get_active_memory() - before == 4 << 20, "superseded entries are freed"
+    (entry,) = cache.entries()
+    cache.remove(entry, evicted=True)
+    del entry
+    assert mx.get_active_memory() == before, "a removed entry is freed"

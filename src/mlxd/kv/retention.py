@@ -4,10 +4,12 @@ Shared by the serving cache and the simulator. A policy only orders entries;
 the cache decides when to evict. Entries are any hashable objects with
 `tokens` and `nbytes` (a `CacheEntry` in practice).
 
-All three policies are a binary heap of (priority, sequence, entry) with lazy
-deletion: a hit or removal only changes a dict, the stale heap item is
-skipped when it surfaces, and the heap is rebuilt once stale items outnumber
-live ones. Insert, hit and remove are O(log n); yielding each victim is
+All three policies are a binary heap of (priority, sequence, cell) with lazy
+deletion: a hit or removal only changes a dict and empties the entry's old
+cell, the stale heap item is skipped when it surfaces, and the heap is
+rebuilt once stale items outnumber live ones. A stale item holds an empty
+cell, never the entry: a removed entry (and the MLX arrays it carries) is
+released at once, not when the heap is next rebuilt. Insert, hit and remove are O(log n); yielding each victim is
 O(log n) amortised.
 
 - `LruPolicy`: least recently inserted-or-hit first.
@@ -57,8 +59,9 @@ class _HeapPolicy:
     """Shared lazy-deletion heap; subclasses give `_priority`."""
 
     name: str = attrs.field(init=False, default="")
-    _heap: list[tuple[float, int, Any]] = attrs.field(init=False, factory=list)
-    _live: dict[Hashable, tuple[float, int]] = attrs.field(init=False, factory=dict)
+    _heap: list[tuple[float, int, list[Any]]] = attrs.field(init=False, factory=list)
+    # entry -> its live heap item; the cell ([entry]) is emptied when the item goes stale
+    _live: dict[Hashable, tuple[float, int, list[Any]]] = attrs.field(init=False, factory=dict)
     _uses: dict[Hashable, int] = attrs.field(init=False, factory=dict)
     _seq: Iterator[int] = attrs.field(init=False, factory=itertools.count)
     _iterating: int = attrs.field(init=False, default=0)  # open victims() generators
@@ -70,14 +73,17 @@ class _HeapPolicy:
         raise NotImplementedError
 
     def _push(self, entry: Any) -> None:
-        key = (self._priority(entry, self._uses[entry]), next(self._seq))
-        self._live[entry] = key
-        heapq.heappush(self._heap, (*key, entry))
+        old = self._live.get(entry)
+        if old is not None:
+            old[2].clear()  # the superseded item lets go of the entry
+        item = (self._priority(entry, self._uses[entry]), next(self._seq), [entry])
+        self._live[entry] = item
+        heapq.heappush(self._heap, item)
         if not self._iterating and len(self._heap) > 2 * len(self._live) + 64:
             self._compact()
 
     def _compact(self) -> None:
-        self._heap = [(*key, e) for e, key in self._live.items()]
+        self._heap = list(self._live.values())
         heapq.heapify(self._heap)
 
     def on_insert(self, entry: Any, now: float) -> None:
@@ -92,26 +98,28 @@ class _HeapPolicy:
         self._push(entry)
 
     def on_remove(self, entry: Any, *, evicted: bool = False) -> None:
-        key = self._live.pop(entry, None)
+        item = self._live.pop(entry, None)
         self._uses.pop(entry, None)
-        if key is not None and evicted:
-            self._on_evicted(key[0])
+        if item is not None:
+            item[2].clear()
+            if evicted:
+                self._on_evicted(item[0])
 
     def _on_evicted(self, priority: float) -> None:
         """Hook for aging policies."""
 
-    def _is_live(self, item: tuple[float, int, Any]) -> bool:
-        return self._live.get(item[2]) == item[:2]
+    def _is_live(self, item: tuple[float, int, list[Any]]) -> bool:
+        return bool(item[2])  # emptied when removed or re-keyed
 
     def victims(self) -> Iterator[Any]:
-        taken: list[tuple[float, int, Any]] = []
+        taken: list[tuple[float, int, list[Any]]] = []
         self._iterating += 1
         try:
             while self._heap:
                 item = heapq.heappop(self._heap)
                 if self._is_live(item):
                     taken.append(item)
-                    yield item[2]
+                    yield item[2][0]
         finally:
             # put back what was yielded but not removed (or re-keyed) meanwhile
             self._iterating -= 1
