@@ -143,7 +143,8 @@ class MemoryStats:
 
     budget_bytes: int
     active_bytes: int  # MLX active memory at the last measurement (includes the cache then)
-    peak_active_bytes: int  # the process's MLX peak so far
+    peak_active_bytes: int  # the process's MLX peak so far (spikes within a step included)
+    max_active_bytes: int  # the largest measurement (between steps: what the budget can act on)
     other_bytes: int  # active memory outside the RAM tier at the last measurement
     cache_bytes: int  # the RAM tier now
     over_bytes: int  # other + cache - budget now (<= 0: within the budget)
@@ -278,6 +279,7 @@ def _always(entry: CacheEntry) -> bool:
 class _MemoryCounters:
     active: int = 0
     peak: int = 0
+    max_active: int = 0
     other: int = 0
     waiting: int = 0
     measurements: int = 0
@@ -533,6 +535,7 @@ class CacheTiers:
         """
         m = self._memory
         m.active, m.peak = active_bytes, max(m.peak, peak_bytes, active_bytes)
+        m.max_active = max(m.max_active, active_bytes)
         m.other = max(0, active_bytes - self.ram.bytes)
         m.measurements += 1
         return self.check_budget()
@@ -578,6 +581,7 @@ class CacheTiers:
             budget_bytes=self.memory_budget,
             active_bytes=m.active,
             peak_active_bytes=m.peak,
+            max_active_bytes=m.max_active,
             other_bytes=m.other,
             cache_bytes=self.ram.bytes,
             over_bytes=self.over_budget_bytes,
