@@ -93,6 +93,7 @@ async def test_the_default_budget_is_a_share_of_the_machine_and_moves_nothing(ti
 def test_default_budget_prefers_the_recommended_working_set():
     assert default_memory_budget({"max_recommended_working_set_size": 1000, "memory_size": 4000}, 8000) == 900
     assert default_memory_budget({"memory_size": 4000}, 8000) == int(4000 * PHYSICAL_SHARE)
+    assert default_memory_budget({"total_memory": 2000, "free_memory": 10}, 8000) == int(2000 * PHYSICAL_SHARE)  # CUDA
     assert default_memory_budget({}, 8000) == int(8000 * PHYSICAL_SHARE)
 
 

@@ -74,7 +74,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-budget", type=_gb, metavar="GB",
                    help="MLX memory (weights, batches and the RAM cache) to keep to: past it, durable RAM "
                    "entries demote to SSD, or are evicted without --ssd-cache (default: 0.9 x the GPU's "
-                   "recommended working set, or 0.75 x RAM; 0 = no budget)")
+                   "recommended working set, else 0.75 x the GPU's memory or RAM; 0 = no budget)")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")

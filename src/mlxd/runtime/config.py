@@ -22,8 +22,8 @@ def _positive(_inst: object, attr: attrs.Attribute, value: float) -> None:
 
 
 # The default memory budget: most of the accelerator's recommended working set
-# (Metal reports one), else a share of the machine's memory that leaves room
-# for the OS and other processes.
+# (Metal reports one), else a share of the device's memory (CUDA) or of the
+# machine's RAM (CPU) that leaves room for the OS and other processes.
 WORKING_SET_SHARE = 0.9
 PHYSICAL_SHARE = 0.75
 
@@ -41,7 +41,7 @@ def default_memory_budget(device_info: Mapping[str, object], physical_bytes: int
     working_set = device_info.get("max_recommended_working_set_size")
     if isinstance(working_set, int) and working_set > 0:
         return int(working_set * WORKING_SET_SHARE)
-    memory = device_info.get("memory_size")
+    memory = device_info.get("memory_size", device_info.get("total_memory"))  # Metal / CUDA (device memory)
     total = memory if isinstance(memory, int) and memory > 0 else physical_bytes
     return int(total * PHYSICAL_SHARE)
 
