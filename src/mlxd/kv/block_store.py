@@ -373,7 +373,7 @@ class BlockStore:
             manifest = read_manifest(record.path)
             if manifest.tokens != tuple(record.tokens) or manifest.namespace != record.namespace:
                 raise ff.CorruptFile("manifest no longer matches its record")
-            problem = self._mismatch(manifest.meta, record.path.parent.name)
+            problem = self.identity.mismatch(manifest.meta, record.path.parent.name)
             if problem:
                 raise ff.CorruptFile(problem)
             buffers = _read_blocks(self, manifest, verify=verify)
@@ -444,7 +444,7 @@ class BlockStore:
         except (ff.StorageError, OSError) as exc:
             log.warning("ssd_scan_unreadable", path=str(path), error=str(exc))
             return None
-        problem = self._mismatch(manifest.meta, ns_name)
+        problem = self.identity.mismatch(manifest.meta, ns_name)
         if problem is None:
             missing = [b.name for b in manifest.blocks if blocks.get(b.name) != b.file_bytes]
             if missing:
@@ -459,16 +459,6 @@ class BlockStore:
         log.warning("ssd_corrupt_file_removed", path=str(path), reason=why)
         _unlink_quietly(path)
         counts["corrupt"] += 1
-
-    def _mismatch(self, meta: ff.SnapshotMeta, ns_name: str) -> str | None:
-        want = self.identity
-        if meta.config_fingerprint != want.fingerprint:
-            return "config fingerprint mismatch"
-        if meta.model_id != want.model_id or meta.tokenizer_hash != want.tokenizer_hash:
-            return "model or tokenizer mismatch"
-        if _namespace_dir(meta.namespace) != ns_name:
-            return "namespace does not match its directory"
-        return None
 
     def _ns_dirs(self) -> Iterator[Path]:
         if self.directory.is_dir():

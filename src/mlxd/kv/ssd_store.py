@@ -79,6 +79,16 @@ class StoreIdentity:
             tokens=tokens,
         )
 
+    def mismatch(self, meta: ff.SnapshotMeta, ns_name: str) -> str | None:
+        """Why a file with `meta`, found in namespace directory `ns_name`, is not ours (None: it is)."""
+        if meta.config_fingerprint != self.fingerprint:
+            return "config fingerprint mismatch"
+        if meta.model_id != self.model_id or meta.tokenizer_hash != self.tokenizer_hash:
+            return "model or tokenizer mismatch"
+        if namespace_dir(meta.namespace) != ns_name:
+            return "namespace does not match its directory"
+        return None
+
 
 @attrs.frozen
 class ScanReport:
@@ -220,7 +230,7 @@ class SsdStore:
         except (ff.StorageError, OSError) as exc:
             log.warning("ssd_scan_unreadable", path=str(path), error=str(exc))
             return "other"
-        problem = self._mismatch(header, ns_name)
+        problem = self.identity.mismatch(header.meta, ns_name)
         if problem:
             return self._drop_corrupt(path, problem)
         return SsdRecord(header.namespace, header.tokens, payload_bytes(header), mtime, header.trimmable, path)
@@ -234,20 +244,9 @@ class SsdStore:
             mtime, _size = _stat(path)
         except (ff.CorruptFile, ff.StorageError, OSError):
             return None
-        if self._mismatch(header, path.parent.name):
+        if self.identity.mismatch(header.meta, path.parent.name):
             return None
         return SsdRecord(header.namespace, header.tokens, payload_bytes(header), mtime, header.trimmable, path)
-
-    def _mismatch(self, header: ff.FileHeader, ns_name: str) -> str | None:
-        want = self.identity
-        meta = header.meta
-        if meta.config_fingerprint != want.fingerprint:
-            return "config fingerprint mismatch"
-        if meta.model_id != want.model_id or meta.tokenizer_hash != want.tokenizer_hash:
-            return "model or tokenizer mismatch"
-        if namespace_dir(meta.namespace) != ns_name:
-            return "namespace does not match its directory"
-        return None
 
     def _drop_corrupt(self, path: Path, why: str) -> str:
         log.warning("ssd_corrupt_file_removed", path=str(path), reason=why)
@@ -339,7 +338,7 @@ class SsdStore:
             log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
             return None
         header = loaded.header
-        problem = self._mismatch(header, record.path.parent.name)
+        problem = self.identity.mismatch(header.meta, record.path.parent.name)
         if problem is None and (tuple(header.tokens) != tuple(record.tokens) or header.namespace != record.namespace):
             problem = "file no longer matches its index entry"
         if problem:
