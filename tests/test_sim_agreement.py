@@ -63,6 +63,7 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
     requests = returning_conversations(load_trace(TRACE), CONVERSATIONS)
     config = config_for(
         tiny_model_dir,
+        device_probe="on",  # as `mlxd serve --ssd-cache` starts: the recording carries the probe's model
         ssd_cache_dir=tmp_path / "ssd",
         prompt_cache_bytes=600_000,  # ~2 conversations of KV (512 bytes per token)
         ssd_cache_max_bytes=1_500_000,  # ~5 conversations

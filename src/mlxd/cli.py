@@ -349,8 +349,9 @@ def server_record(rt) -> dict:
         "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
         "ssd_layout": c.ssd_layout,
         "ssd_block_tokens": rt.ssd_block_tokens,
-        # The cost model the restore advisor starts from (the startup probe's, when it ran).
-        "restore_advisor_base": attrs.asdict(rt.cache_owner.tiers.advisor.base),
+        # The cost model the restore advisor starts from: the startup probe's, when it ran
+        # (without one the advisor starts from the default model, as a replay does).
+        "restore_advisor_base": attrs.asdict(rt.info.probe.cost_model()) if rt.info.probe is not None else None,
     }
 
 
