@@ -34,13 +34,21 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import mlxd  # noqa: E402, F401
-
 import mlx.core as mx  # noqa: E402
-
 from bench_gpu import (  # noqa: E402
-    QWEN3_1_7B, build, cache_for, drop_cache, first_token, generator, load, log, tokens, write_file,
+    QWEN3_1_7B,
+    build,
+    cache_for,
+    drop_cache,
+    first_token,
+    generator,
+    load,
+    log,
+    tokens,
+    write_file,
 )
+
+import mlxd  # noqa: E402, F401
 from mlxd.model import presets  # noqa: E402
 
 

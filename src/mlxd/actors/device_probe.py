@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.kv.device_costs import DeviceProbe
+from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.probe")
@@ -178,7 +179,7 @@ def _probe_restore(root: Path, caches: list[tuple[int, list[Any]]]) -> list[tupl
             _drop_page_cache(path)
             t0 = time.perf_counter()
             loaded = file_format.read_snapshot(path, verify=False)
-            adopted = kinds.adopt(loaded)
+            adopted = kinds.adopt(loaded, landed=device_memory.to_device)
             mx.eval([c.state for c in adopted])
             out.append((written.nbytes, time.perf_counter() - t0))
     except (file_format.SnapshotError, OSError) as exc:

@@ -22,6 +22,7 @@ import trio
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.model.identity import model_identity
+from mlxd.runtime import device_memory
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.distributed import StepChannel, StepOps, pin_seed
 from mlxd.runtime.logging import get_logger
@@ -215,6 +216,7 @@ class EngineActor:
                 self._channel.connect()  # every rank has loaded its shard
                 log.info("engine.step_channel", rank=self._channel.rank, mode=self._channel.mode)
         self._model, self._tokenizer = model, tokenizer
+        device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
         try:  # unsupported caches fail the load, not the first request or cache hit
             kinds.check_model_caches(self._fresh_caches())
             kv_bytes_per_token = self._measure_kv_bytes_per_token()
@@ -712,7 +714,7 @@ class EngineActor:
 
         restore = row.start.restore
         t0 = time.perf_counter()
-        caches = kinds.adopt(restore.loaded)
+        caches = kinds.adopt(restore.loaded, landed=device_memory.to_device)
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
         tokens = tuple(restore.record.tokens)
         notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
@@ -830,7 +832,7 @@ class EngineActor:
         assert resume is not None
         req, record, s = row.start.request, resume.record, row.start.request.sampling
         t0 = time.perf_counter()
-        caches = kinds.adopt(resume.loaded)
+        caches = kinds.adopt(resume.loaded, landed=device_memory.to_device)
         notes.append(RestoreMeasured(resume.loaded.nbytes, resume.loaded.seconds + time.perf_counter() - t0))
         replay = [*record.emitted, record.pending]
         row.generated = len(replay)

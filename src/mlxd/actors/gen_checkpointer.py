@@ -27,6 +27,7 @@ from mlxd.actors.ssd_writer import PACE_SLICE, _lower_priority
 from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
 from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CheckpointGeneration,
@@ -255,6 +256,7 @@ def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.Wr
     except OSError as exc:
         raise ff.storage_error(exc, f"creating {path.parent}") from exc
     _unlink(path.with_name(path.name + ".tmp"))  # a tmp left by a failed attempt
+    device_memory.read_mostly(plan.buffers)  # a decoding row's KV: leave its pages on the device
     return ff.write_snapshot(plan, path, pacer=pacer)
 
 

@@ -17,8 +17,10 @@ import time
 import attrs
 import trio
 
+from mlxd.kv.file_format import SnapshotPlan
 from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
+from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import DurabilityMessage, SnapshotWritten, WriterStats, WriteSnapshot
 from mlxd.runtime.mlx_thread import MlxThread
@@ -40,6 +42,13 @@ log = get_logger("mlxd.ssd_writer")
 # stalls decode's BLAS threads; large slices at a low rate cost the least
 # (bench_writer_interference.py: 16 MB slices at 50 MB/s 0.97x decode, 0.25 MB 0.88x).
 PACE_SLICE = 16 << 20
+
+
+def _write(store: SsdStore, plan: SnapshotPlan, pacer: Pacer) -> WriteOutcome:
+    # On CUDA the plan's buffers are the RAM tier's own KV: read them without
+    # moving their pages off the device (runtime/device_memory.py).
+    device_memory.read_mostly(plan.buffers)
+    return store.write(plan, pacer)
 
 
 class SsdWriterActor:
@@ -81,9 +90,7 @@ class SsdWriterActor:
             assert self._thread is not None and plan is not None
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set)
             # Shutdown cancels us: the paced write stops at its next slice.
-            outcome: WriteOutcome = await self._thread.run(
-                self._store.write, plan, pacer, on_cancel=self.stopping.set
-            )
+            outcome: WriteOutcome = await self._thread.run(_write, self._store, plan, pacer, on_cancel=self.stopping.set)
         except WriteInterrupted as exc:
             outcome = Failed(f"write interrupted: {exc}")
         except Exception as exc:  # every storage failure degrades to "not stored"

@@ -420,16 +420,22 @@ def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta) -> SnapshotPlan:
     return SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
 
 
-def adopt(loaded: LoadedSnapshot) -> list[Any]:
-    """Build mlx-lm cache objects from loaded bytes (engine thread; one copy into MLX)."""
+def adopt(loaded: LoadedSnapshot, *, landed: Callable[[Sequence[memoryview]], object] | None = None) -> list[Any]:
+    """Build mlx-lm cache objects from loaded bytes (engine thread; one copy into MLX).
+
+    `landed` gets the new arrays' memory once they hold the bytes (the engine
+    passes `device_memory.to_device`: on CUDA the copy left them on the host).
+    """
     arrays = iter(zip(loaded.header.tensors(), loaded.buffers, strict=True))
     made: list[mx.array] = []
+    raw: list[mx.array] = []
 
     def take(t: TensorDesc | None) -> mx.array | None:
         if t is None:
             return None
         (_, desc), buf = next(arrays)
         a = mx.array(memoryview(buf))  # type: ignore[arg-type]  # the buffer protocol path: ~7x faster than from numpy
+        raw.append(a)
         if desc.dtype == "bfloat16":
             a = a.view(mx.bfloat16)
         made.append(a)
@@ -437,4 +443,6 @@ def adopt(loaded: LoadedSnapshot) -> list[Any]:
 
     caches = [_BY_NAME[c.kind].adopt(c, take) for c in loaded.header.caches]
     mx.eval(made)
+    if landed is not None:
+        landed([memoryview(a) for a in raw])  # type: ignore[arg-type]
     return caches

@@ -74,6 +74,7 @@ from mlxd.runtime.messages import (
     TokenGenerated,
     WriteSnapshot,
 )
+from mlxd.runtime.prompt_tokens import PieceEncoder
 from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
@@ -164,6 +165,7 @@ class Runtime:
         self.cache_owner = cache_owner
         self.cold = cold
         self.history = GeneratedHistory()
+        self.prompt_tokens = PieceEncoder(info.tokenizer)  # chat prompts: reuse the ids of pieces seen before
         self.admitting = True
         self.started_at = time.time()
         self._ids = itertools.count()
@@ -217,8 +219,17 @@ class Runtime:
             kwargs = dict(template_kwargs or {})
             if tools:
                 kwargs["tools"] = list(tools)
-            text, plain = await trio.to_thread.run_sync(partial(render, self.tokenizer, messages, **kwargs))
-            ids, _ = encode_chat(self.tokenizer, messages, self.history, self.info.eos_token_ids, (text, plain))
+            text, plain = await trio.to_thread.run_sync(
+                partial(render, self.tokenizer, messages, encode=self.prompt_tokens.encode, **kwargs)
+            )
+            replies = {m["content"]: self.history.get(m["content"]) for m in messages
+                       if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
+            if any(ids is not None for ids in replies.values()):  # decodes the whole prompt: off the event loop too
+                ids, _ = await trio.to_thread.run_sync(
+                    encode_chat, self.tokenizer, messages, replies, self.info.eos_token_ids, (text, plain)
+                )
+            else:
+                ids = plain
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
         if any(m.get("role") == "assistant" for m in messages):
@@ -226,7 +237,8 @@ class Runtime:
             for _ in range(8):
                 reply: Reply[list[tuple[int, ...]]] = Reply()
                 await self._cache.send(FindCheckpointTokens(ids, namespace, reply))
-                better = best_realignment(self.tokenizer, text, ids, await reply.wait())
+                checkpoints = await reply.wait()
+                better = await trio.to_thread.run_sync(best_realignment, self.tokenizer, text, ids, checkpoints)
                 if better == ids:
                     break
                 ids = better
@@ -335,6 +347,7 @@ class Runtime:
             "cache": await self.cache_stats(),
             "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
             "blas": dict(_blas.status),
+            "prompt_tokens": self.prompt_tokens.stats(),
         }
         if self.info.probe is not None:
             out["device_probe"] = self.info.probe.as_dict()

@@ -12,7 +12,7 @@ relabelled: a lookup still needs exact ids.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -90,25 +90,38 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def render(tokenizer: Any, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> tuple[str, tuple[int, ...]]:
+def render(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    encode: Callable[[str], tuple[int, ...]] | None = None,
+    **template_kwargs: Any,
+) -> tuple[str, tuple[int, ...]]:
     """The chat template's text (with the generation prompt) and its canonical ids.
 
     `template_kwargs` (e.g. `tools`, `enable_thinking`) go to the template as variables.
+    `encode` (the runtime's `PieceEncoder.encode`) gives the same ids as the tokenizer.
     """
     text = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=True, tokenize=False, **template_kwargs
     )
+    if encode is not None:
+        return text, encode(text)
     return text, tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 def encode_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
-    history: GeneratedHistory,
+    history: GeneratedHistory | Mapping[str, tuple[int, ...] | None],
     eos_ids: frozenset[int],
     rendered: tuple[str, tuple[int, ...]] | None = None,
 ) -> tuple[tuple[int, ...], int]:
-    """Render and tokenize a chat; returns (ids, number of reply tokens taken from history)."""
+    """Render and tokenize a chat; returns (ids, number of reply tokens taken from history).
+
+    `history` may be a snapshot of the replies' ids (reply text -> ids), taken on
+    the event loop so that this can run on a worker thread.
+    """
     text, plain = rendered if rendered is not None else render(tokenizer, messages)
     replies = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")]
     known = [(r, history.get(r)) for r in replies]

@@ -1,0 +1,166 @@
+"""Where MLX's CUDA memory sits when the host reads it, and before the device does.
+
+MLX's CUDA backend allocates every array with `cudaMallocManaged`: one address
+for host and device, pages moved to whichever side touched them last. Two of
+mlxd's paths touch KV on the host:
+
+- the SSD writer reads a checkpoint's buffers while the same prefix stays in
+  the RAM tier. Each page it reads moves to the host, and the next RAM hit on
+  that prefix faults it back: on an H200, a hit right after the writer read a
+  16k-token checkpoint took 0.22-0.24 s instead of 0.028 s, and 0.25-0.31 s
+  while the writer was reading (`benchmarks/gpu/probe_managed.py`,
+  `benchmarks/results/managed-h200-20261203-065908.json`). `read_mostly()`
+  marks the buffers `cudaMemAdviseSetReadMostly` first: host reads then make a
+  read-only copy of each page and the device keeps its own (the hit while the
+  writer reads: 0.027-0.035 s).
+- a restore copies a file's bytes into MLX arrays on the host, so the first
+  forward pass faults every page to the device (0.24-0.28 s for 1.9 GB).
+  `to_device()` starts one bulk migration instead (12-15 GB/s), which the
+  first token no longer waits on page by page (0.029-0.035 s).
+
+Both are hints: they change where pages are, never what they hold, so a
+missing or failing call costs speed, not correctness. On the CPU and on
+Apple's unified memory there is nothing to move and both are no-ops; on CUDA
+they need the CUDA runtime library that MLX's CUDA build itself loaded.
+Neither calls MLX, so the SSD writer's thread may use them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mlxd.runtime.logging import get_logger
+
+log = get_logger("mlxd.device_memory")
+
+_ADVISE_READ_MOSTLY = 1  # cudaMemAdviseSetReadMostly
+_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
+_LOCATION_HOST = 2  # cudaMemLocationTypeHost
+
+
+class _Location(ctypes.Structure):  # cudaMemLocation (CUDA 12.2+ signatures, the only ones in CUDA 13)
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+_byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds  # numpy 2 moved it
+
+
+def byte_range(buffer: Any) -> tuple[int, int]:
+    """(address, length) of the memory a buffer spans (strided views included)."""
+    arr = np.asarray(buffer)
+    if arr.size == 0:
+        return (0, 0)
+    lo, hi = _byte_bounds(arr)
+    return (int(lo), int(hi - lo))
+
+
+class ManagedMemory:
+    """The CUDA runtime's managed-memory hints for one device, through ctypes."""
+
+    def __init__(self, lib: Any, *, device: int = 0) -> None:
+        self._lib = lib
+        self._device = device
+        version = ctypes.c_int()
+        lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        self.version = version.value
+        self.failures = 0
+        self._warned = threading.Event()
+
+    def read_mostly(self, buffers: Iterable[Any]) -> int:
+        """Let the host read these buffers without taking them from the device. Returns bytes advised."""
+        done = 0
+        for address, length in map(byte_range, buffers):
+            if length and self._call("cudaMemAdvise", address, length, _ADVISE_READ_MOSTLY,
+                                     _Location(_LOCATION_DEVICE, self._device)):
+                done += length
+        return done
+
+    def to_device(self, buffers: Iterable[Any]) -> int:
+        """Start moving these buffers to the device (asynchronous). Returns bytes requested."""
+        done = 0
+        for address, length in map(byte_range, buffers):
+            if length and self._call("cudaMemPrefetchAsync", address, length,
+                                     _Location(_LOCATION_DEVICE, self._device), 0, None):
+                done += length
+        return done
+
+    def _call(self, name: str, address: int, length: int, *args: Any) -> bool:
+        fn = getattr(self._lib, name)
+        err = int(fn(ctypes.c_void_p(address), ctypes.c_size_t(length), *args))
+        if err == 0:
+            return True
+        self.failures += 1
+        if not self._warned.is_set():
+            self._warned.set()
+            log.warning("device_memory.hint_failed", call=name, cuda_error=err)
+        return False
+
+
+def _cudart_candidates() -> list[str]:
+    """The CUDA runtime this process already mapped (MLX's), then the usual install places."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "libcudart.so" in os.path.basename(path) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    for root in [p for p in sys.path if p and os.path.isdir(p)] + ["/usr/local/cuda/lib64"]:
+        for pattern in ("nvidia/*/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*", "libcudart.so*"):
+            found += sorted(p for p in glob.glob(os.path.join(root, pattern)) if p not in found)
+    return found
+
+
+def _is_cuda() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+_managed: ManagedMemory | None = None
+_resolved = False
+_lock = threading.Lock()
+
+
+def managed() -> ManagedMemory | None:
+    """The hints for MLX's CUDA device, or None where memory is not managed (CPU, Metal) or no runtime loads."""
+    global _managed, _resolved
+    with _lock:
+        if _resolved:
+            return _managed
+        _resolved = True
+        if not _is_cuda():
+            return None
+        for path in _cudart_candidates():
+            try:
+                _managed = ManagedMemory(ctypes.CDLL(path))
+            except (OSError, AttributeError):
+                continue
+            log.info("device_memory.managed", cudart=path, version=_managed.version)
+            return _managed
+        log.warning("device_memory.no_cudart",
+                    consequence="SSD writes and restores will move KV pages between host and device on demand")
+        return None
+
+
+def read_mostly(buffers: Sequence[Any]) -> int:
+    """`ManagedMemory.read_mostly` where memory is managed; else 0."""
+    m = managed()
+    return m.read_mostly(buffers) if m is not None else 0
+
+
+def to_device(buffers: Sequence[Any]) -> int:
+    """`ManagedMemory.to_device` where memory is managed; else 0."""
+    m = managed()
+    return m.to_device(buffers) if m is not None else 0
