@@ -100,6 +100,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-rescan", type=_positive_float, metavar="SEC",
                    help="with --ssd-shared: how often to look for other replicas' files (default 1)")
     p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor CRC-32 checksums on every restore")
+    p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
+                   help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
+                        "copied in by the engine (host); auto = mlx on CUDA, host elsewhere")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
@@ -165,6 +168,7 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_dir": args.ssd_cache,
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify,
+            "restore_landing": args.restore_landing,
             "ssd_shared": args.ssd_shared,
             **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from mlxd.kv.device_costs import DeviceProbe
+from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.model.identity import model_identity
 from mlxd.runtime import device_memory
@@ -707,6 +708,19 @@ class EngineActor:
         new = done - row.prefilled
         notes.append(PrefillMeasured(new, row.cached_tokens + row.prefilled, seconds))
         row.prefilled = done
+
+    async def landing(self, header: FileHeader) -> Landing:
+        """MLX arrays for a cold file to be read straight into (`kinds.landing`, on this engine's thread)."""
+        assert self._thread is not None
+        return await self._thread.run(self._landing, header)
+
+    def _landing(self, header: FileHeader) -> Landing:
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        with mx.stream(self._stream):
+            return kinds.landing(header)
 
     def _restore(self, row: _Row, notes: list[_Note]) -> tuple[list[Any], int, str]:
         """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""

@@ -6,18 +6,22 @@ once, so it overlaps the wait for a batch slot. When the scheduler later
 restores, `FetchSnapshot` returns the bytes already read (or waits for the
 read in flight). A file that cannot be read back is reported to the cache
 owner (`RecordLost`). Reads never touch MLX; the engine adopts the bytes on
-its own thread. This actor holds no other actor's state.
+its own thread. With `land` (the engine's `landing`, on CUDA), the engine
+first allocates MLX arrays for the file's tensors on its thread and the read
+fills them directly, so adopting copies nothing. This actor holds no other
+actor's state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
 import trio
 
-from mlxd.kv.file_format import LoadedSnapshot
+from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
@@ -49,8 +53,10 @@ class PrefetcherActor:
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         verify: bool,
         max_ready: int = 4,
+        land: Callable[[FileHeader], Awaitable[Landing]] | None = None,
     ) -> None:
         self._store = store
+        self._land = land
         self._inbox = inbox
         self._cache = cache
         self._verify = verify
@@ -94,9 +100,11 @@ class PrefetcherActor:
         return read
 
     async def _read(self, record: SsdRecord, read: _Read) -> None:
+        allocate = self._land
+        land = None if allocate is None else (lambda header: trio.from_thread.run(allocate, header))
         try:
             read.loaded = await trio.to_thread.run_sync(
-                lambda: self._store.load(record, verify=self._verify), limiter=self._threads
+                lambda: self._store.load(record, verify=self._verify, land=land), limiter=self._threads
             )
         except Exception as exc:  # a failed read is a miss
             log.warning("prefetch.read_failed", path=str(record.path), error=repr(exc))
@@ -110,7 +118,7 @@ class PrefetcherActor:
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the next read of it reports again
         else:
-            self._count(reads=1, bytes_read=read.loaded.nbytes)
+            self._count(reads=1, bytes_read=read.loaded.nbytes, reads_into_mlx=int(read.loaded.landed is not None))
 
     async def _fetch(self, nursery: trio.Nursery, msg: FetchSnapshot) -> None:
         read = self._reads.pop(msg.record.path, None)

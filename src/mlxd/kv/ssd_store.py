@@ -320,17 +320,20 @@ class SsdStore:
 
     # --------------------------------------------------- reads and upkeep
 
-    def load(self, record: SsdRecord, *, verify: bool = False) -> ff.LoadedSnapshot | None:
+    def load(
+        self, record: SsdRecord, *, verify: bool = False, land: Callable[[ff.FileHeader], ff.Landing] | None = None
+    ) -> ff.LoadedSnapshot | None:
         """Read a file for adoption (and touch its mtime); None when it cannot be used.
 
         A corrupt or mismatched file is unlinked; either way the caller reports
-        the record lost to the cache owner.
+        the record lost to the cache owner. `land` (whole files only): where the
+        tensors are read to (`read_snapshot`).
         """
         assert record.path is not None
         if record.blocks:
             return self._blocks.load(record, verify=verify)
         try:
-            loaded = ff.read_snapshot(record.path, verify=verify)
+            loaded = ff.read_snapshot(record.path, verify=verify, land=land)
         except ff.CorruptFile as exc:
             self._drop_corrupt(record.path, str(exc))
             return None

@@ -546,6 +546,7 @@ class PrefetchSnapshot:
     reads: int = 0
     read_failures: int = 0
     bytes_read: int = 0
+    reads_into_mlx: int = 0  # read straight into MLX arrays (restore_landing "mlx")
 
 
 @attrs.frozen(eq=False)

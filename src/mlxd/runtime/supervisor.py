@@ -20,7 +20,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -38,9 +38,11 @@ from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv.blocks import span_for
+from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
+from mlxd.runtime import device_memory
 from mlxd.runtime.channels import ChannelStats, Reply
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.logging import get_logger
@@ -483,6 +485,7 @@ def _cold_tier(
     governor: WriteGovernor,
     gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None = None,
     gen_send: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
+    land: Callable[[FileHeader], Awaitable[Landing]] | None = None,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
@@ -496,7 +499,7 @@ def _cold_tier(
         backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2,
     )
     prefetcher = PrefetcherActor(
-        store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify
+        store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify, land=land
     )
     checkpointer = None
     if gen_inbox is not None:
@@ -548,8 +551,13 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             corrupt_at_start=scan.report.corrupt if scan is not None else 0,
             memory_budget=info.memory_budget_bytes,
         )
+        # Restored bytes land straight in MLX memory where that saves a copy and a migration (CUDA).
+        direct = config.restore_landing == "mlx" or (
+            config.restore_landing == "auto" and device_memory.managed() is not None
+        )
         cold = (
-            _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None)
+            _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None,
+                       land=engine.landing if direct else None)
             if store is not None else None
         )
         if cold is not None:

@@ -39,7 +39,7 @@ from mlxd.kv.file_format.header import (
     encode_header,
     storage_error,
 )
-from mlxd.kv.file_format.read import LoadedSnapshot, read_header, read_snapshot
+from mlxd.kv.file_format.read import Landing, LoadedSnapshot, read_header, read_snapshot
 from mlxd.kv.file_format.write import SnapshotPlan, WrittenFile, fsync_dir, write_snapshot
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "CorruptFile",
     "DiskFull",
     "FileHeader",
+    "Landing",
     "LoadedSnapshot",
     "SnapshotError",
     "SnapshotMeta",

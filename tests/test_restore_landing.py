@@ -1,0 +1,103 @@
+"""Restored bytes read straight into MLX arrays (`read_snapshot(land=kinds.landing)`): no copy, same tensors."""
+
+from __future__ import annotations
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxd.kv import file_format, kinds
+
+from serving import ServerThread, config_for
+
+
+def snapshot(tmp_path, dtype) -> tuple:
+    caches = []
+    for layer in range(3):
+        c = KVCache()
+        k = mx.random.normal((1, 2, 37, 8), key=mx.random.key(layer)).astype(dtype)
+        c.update_and_fetch(k, -k)
+        caches.append(c)
+    meta = file_format.SnapshotMeta(model_id="m", config_fingerprint="f", namespace="", tokenizer_hash="t",
+                                    tokens=range(37))
+    path = tmp_path / f"s{file_format.EXTENSION}"
+    file_format.write_snapshot(kinds.plan_snapshot(caches, meta=meta), path, direct=False)
+    return caches, path
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_landed_tensors_are_the_files_and_adopt_takes_them_without_a_copy(tmp_path, dtype):
+    caches, path = snapshot(tmp_path, dtype)
+    for verify in (False, True):
+        loaded = file_format.read_snapshot(path, verify=verify, land=kinds.landing)
+        assert loaded.landed is not None and len(loaded.landed) == 6
+        landed_at = {device_addr(a) for a in loaded.landed}
+        seen: list[memoryview] = []
+        adopted = kinds.adopt(loaded, landed=seen.extend)
+        assert {device_addr_of_view(v) for v in seen} == landed_at  # the arrays read into are the cache's own
+        host = kinds.adopt(file_format.read_snapshot(path, verify=verify))  # the host-buffer path, for comparison
+        for a, h, c in zip(adopted, host, caches, strict=True):
+            assert a.keys.dtype == dtype and a.offset == c.offset == 37
+            assert mx.array_equal(a.keys, h.keys) and mx.array_equal(a.values, h.values)
+            assert mx.array_equal(a.keys, c.keys[..., :37, :]) and mx.array_equal(a.values, c.values[..., :37, :])
+
+
+def device_addr(a: mx.array) -> int:
+    return np.asarray(memoryview(a)).ctypes.data
+
+
+def device_addr_of_view(v: memoryview) -> int:
+    return np.frombuffer(v.cast("B"), dtype=np.uint8).ctypes.data
+
+
+def test_a_landed_read_checks_every_tensor_and_the_padding(tmp_path):
+    _, path = snapshot(tmp_path, mx.float32)
+    header = file_format.read_header(path)
+    (_, first), (_, second) = list(header.tensors())[:2]
+    for where in (first.offset + 5, first.offset + first.nbytes + 1 if second.offset > first.offset + first.nbytes
+                  else header.file_size - 1):
+        bad = tmp_path / f"bad{where}{file_format.EXTENSION}"
+        data = bytearray(path.read_bytes())
+        data[where] ^= 0x40
+        bad.write_bytes(bytes(data))
+        with pytest.raises(file_format.CorruptFile):
+            file_format.read_snapshot(bad, verify=True, land=kinds.landing)
+    # A landing that does not fit the file is refused before any byte is read into it.
+    with pytest.raises(ValueError, match="landing"):
+        file_format.read_snapshot(path, verify=False, land=lambda h: file_format.Landing((memoryview(bytearray(4)),), None))
+    with pytest.raises(ValueError, match="writable"):
+        file_format.read_snapshot(path, verify=False, land=lambda h: file_format.Landing(
+            tuple(memoryview(bytes(t.nbytes)) for _, t in h.tensors()), None))
+
+
+def chat(base: str, messages: list[dict]) -> dict:
+    body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8, "logprobs": True}
+    r = httpx.post(base + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_server_restores_into_mlx_memory_with_the_same_tokens(tiny_model_dir, tmp_path):
+    ssd = tmp_path / "ssd"
+    convo = [{"role": "system", "content": "You answer briefly and exactly. " * 12},
+             {"role": "user", "content": "Name three colours."}]
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=ssd)) as first:
+        warm = chat(first.base_url, convo)
+        warm = chat(first.base_url, convo)  # the RAM tier's answer
+        assert httpx.post(first.base_url.removesuffix("/v1") + "/admin/cache/flush", timeout=120).json()["durable"]
+    answers = {}
+    for landing in ("mlx", "host"):
+        with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=ssd, restore_landing=landing)) as server:
+            again = chat(server.base_url, convo)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
+            stats = httpx.get(server.base_url.removesuffix("/v1") + "/stats", timeout=30).json()
+            assert stats["ssd_cache"]["restores"] == 1
+            assert stats["ssd_cache"]["prefetch"]["reads_into_mlx"] == (1 if landing == "mlx" else 0)
+            answers[landing] = again
+    for again in answers.values():
+        assert again["choices"][0]["message"]["content"] == warm["choices"][0]["message"]["content"]
+        got = [c["logprob"] for c in again["choices"][0]["logprobs"]["content"]]
+        want = [c["logprob"] for c in warm["choices"][0]["logprobs"]["content"]]
+        assert got == pytest.approx(want, abs=1e-4)
