@@ -355,6 +355,25 @@ def phase_bandwidth(model: Any, ssd: Path, n: int) -> dict[str, Any]:
         out[f"restore_{label}_GBps"] = nbytes / (t2 - t0) / 1e9
         out[f"first_use_{label}_s"] = t3 - t2
         del caches, loaded
+    # The serving path on CUDA now: read straight into MLX arrays (kinds.landing), pages moved to the device.
+    from mlxd.runtime import device_memory
+
+    for label, cold in (("cold", True), ("warm", False)):
+        if cold:
+            drop_cache(path)
+        t0 = time.perf_counter()
+        loaded = file_format.read_snapshot(path, verify=False, land=kinds.landing)
+        t1 = time.perf_counter()
+        caches = kinds.adopt(loaded, landed=device_memory.to_device)
+        t2 = time.perf_counter()
+        mx.eval([c.keys.sum() for c in caches])
+        t3 = time.perf_counter()
+        out[f"landed_read_{label}_GBps"] = nbytes / (t1 - t0) / 1e9
+        out[f"landed_restore_{label}_GBps"] = nbytes / (t2 - t0) / 1e9
+        out[f"landed_first_use_{label}_s"] = t3 - t2
+        out[f"landed_to_first_use_{label}_GBps"] = nbytes / (t3 - t0) / 1e9
+        del caches, loaded
+    out["managed_memory"] = device_memory.managed() is not None
     # The previous path (read-through + mmap views), for comparison.
     drop_cache(path)
     t0 = time.perf_counter()
@@ -439,13 +458,15 @@ class Proc:
         return self.proc.returncode
 
 
-async def ttft(base: str, model: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+async def ttft(base: str, model: str, prompt: str | list[dict[str, str]], max_tokens: int = 4) -> dict[str, Any]:
     import httpx
 
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "model": model, "messages": messages, "max_tokens": max_tokens,
         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }
+    text: list[str] = []
     first = None
     usage: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -458,11 +479,13 @@ async def ttft(base: str, model: str, prompt: str, max_tokens: int = 4) -> dict[
                 obj = json.loads(line[6:])
                 usage = obj.get("usage") or usage
                 for ch in obj.get("choices") or []:
-                    if first is None and (ch.get("delta") or {}).get("content"):
-                        first = time.perf_counter()
+                    piece = (ch.get("delta") or {}).get("content")
+                    if piece:
+                        first = first or time.perf_counter()
+                        text.append(piece)
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft_s": (first or time.perf_counter()) - t0, "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens")}
+            "cached_tokens": details.get("cached_tokens"), "text": "".join(text)}
 
 
 def text_of(model_dir: Path, n: int, seed: int) -> str:
@@ -504,8 +527,13 @@ def phase_servers(model_dir: Path, work: Path, n: int, repeats: int) -> dict[str
             for p in prompts:
                 cold = asyncio.run(ttft(s.base, model, p))
                 hit = asyncio.run(ttft(s.base, model, p))
-                rows.append({"cold": cold, "hit": hit})
-                log(s.name, f"cold {cold['ttft_s']:.3f}s hit {hit['ttft_s']:.3f}s cached {hit['cached_tokens']}")
+                # The next turn of that conversation: its reply and a new question appended.
+                turn2 = [{"role": "user", "content": p}, {"role": "assistant", "content": hit["text"]},
+                         {"role": "user", "content": "Say more about the last part, briefly."}]
+                follow = asyncio.run(ttft(s.base, model, turn2))
+                rows.append({"cold": cold, "hit": hit, "followup": follow})
+                log(s.name, f"cold {cold['ttft_s']:.3f}s hit {hit['ttft_s']:.3f}s cached {hit['cached_tokens']} "
+                            f"follow-up {follow['ttft_s']:.3f}s cached {follow['cached_tokens']}")
             if s.name == "mlxd":
                 import httpx
 
