@@ -178,12 +178,36 @@ def restore_direct(path: Path, cudart: Cudart | None, prefetch: bool) -> list[An
     return caches
 
 
+def followup(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dict[str, Any]:
+    """7. A RAM hit on the same prompt vs a follow-up (the same prefix + 24 new tokens), in-process.
+
+    Also each after `mx.clear_cache()` (no freed buffers to reuse: every allocation is fresh
+    managed memory), to see what the new rows' buffers cost.
+    """
+    from mlxd.kv import kinds
+
+    n = len(prompt)
+    extra = tokens(24, 99)
+    rows: dict[str, list[float]] = {"hit": [], "followup": [], "hit_fresh_alloc": [], "followup_fresh_alloc": []}
+    for _ in range(rounds):
+        for name in rows:
+            if name.endswith("fresh_alloc"):
+                mx.clear_cache()
+            if name.startswith("hit"):
+                rows[name].append(hit(gen, entry, prompt))
+            else:
+                rows[name].append(first_token(gen, extra, kinds.lend(entry, n), prompt))
+    return {"rows": rows, "medians": {k: median(v) for k, v in rows.items()},
+            "active_GB": mx.get_active_memory() / 1e9, "cache_GB": mx.get_cache_memory() / 1e9}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/managed")))
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only-followup", action="store_true", help="just the hit vs follow-up comparison (7.)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="managed-"))
@@ -203,6 +227,12 @@ def main() -> int:
     prompt = tokens(n, 11)
     entry = cache_for(gen, prompt)
     path = work / "ckpt.mlxkv"
+    if args.only_followup:
+        out["followup"] = followup(gen, entry, prompt, args.rounds)
+        log("followup", json.dumps(out["followup"]))
+        save()
+        gen.close()
+        return 0
     try:
         out["hit_alone_s"] = [hit(gen, entry, prompt) for _ in range(args.rounds + 1)][1:]
         log("hit alone", out["hit_alone_s"])
