@@ -82,8 +82,8 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
     assert decode_ops(encode_ops(StepOps(shutdown=True))).shutdown
 
 
-def test_distributed_refuses_the_ssd_tier():
-    with pytest.raises(ValueError, match="without the prompt cache"):
+def test_distributed_keeps_the_ram_tier_and_refuses_the_ssd_tier():
+    with pytest.raises(ValueError, match="in RAM only for now"):
         serve_config(build_parser().parse_args(["serve", "--distributed", "--ssd-cache", "/tmp/x"]))
-    config = serve_config(build_parser().parse_args(["serve", "--distributed"]))
-    assert config.distributed and config.prompt_cache_bytes == 0 and config.device_probe == "off"
+    config = serve_config(build_parser().parse_args(["serve", "--distributed", "--prompt-cache-gb", "0.5"]))
+    assert config.distributed and config.prompt_cache_bytes == 2**29 and config.device_probe == "off"

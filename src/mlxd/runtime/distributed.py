@@ -33,7 +33,16 @@ from typing import Any
 
 import attrs
 
+from mlxd.kv.shard_mirror import PrefixRef
 from mlxd.runtime.messages import GenerationRequest, SamplingParams
+
+# Drops sent with one step at most; the rest go with the next ones.
+MAX_DROPS_PER_STEP = 512
+
+
+def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:
+    if prefixes and len(prefixes) != len(ops.starts):
+        raise ValueError(f"{len(prefixes)} prefixes for {len(ops.starts)} starts")
 
 
 @attrs.frozen
@@ -41,10 +50,21 @@ class StepOps:
     """What rank 0's engine does in one step, for the followers to do the same."""
 
     starts: tuple[GenerationRequest, ...] = ()
+    # The cached prefix each start begins from (None: cold), in the order of `starts`;
+    # empty when every start is cold. A follower holds its shard under the same key.
+    prefixes: tuple[PrefixRef | None, ...] = attrs.field(default=(), validator=_prefixes_match)
     cancels: tuple[int, ...] = ()
     stops: tuple[int, ...] = ()
+    # Keys rank 0's cache owner no longer holds: followers drop their shards, after
+    # lending this step's prefixes and before keeping this step's checkpoints.
+    drops: tuple[str, ...] = ()
     reset: bool = False  # a failed step: drop the generator and start a fresh one
     shutdown: bool = False  # rank 0 is stopping: followers exit
+
+    @property
+    def lends(self) -> bool:
+        """Whether a start begins from a cached prefix (the followers then confirm they hold it)."""
+        return any(p is not None for p in self.prefixes)
 
 
 def world_rank() -> int:
@@ -69,8 +89,11 @@ def decode_ops(data: bytes) -> StepOps:
     doc = json.loads(data)
     return StepOps(
         starts=tuple(_request(r) for r in doc["starts"]),
+        prefixes=tuple(None if p is None else PrefixRef(str(p["key"]), int(p["usable"]), int(p["total"]))
+                       for p in doc["prefixes"]),
         cancels=tuple(int(u) for u in doc["cancels"]),
         stops=tuple(int(u) for u in doc["stops"]),
+        drops=tuple(str(k) for k in doc["drops"]),
         reset=bool(doc["reset"]),
         shutdown=bool(doc["shutdown"]),
     )
@@ -190,6 +213,23 @@ class StepChannel:
         self._sum(mx.array([len(data)], dtype=mx.int32))
         self._sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
 
+    def gather_missing(self) -> int:
+        """Rank 0, after sending a step that lends prefixes: how many the followers lack (0: go on)."""
+        import mlx.core as mx
+
+        if self._peers:
+            return sum(int.from_bytes(_recv_exactly(conn, 4), "big") for conn in self._peers)
+        return int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
+
+    def confirm(self, missing: int) -> None:
+        """A follower, before a step that lends prefixes: how many of them it lacks."""
+        import mlx.core as mx
+
+        if self._leader is not None:
+            self._leader.sendall(missing.to_bytes(4, "big"))
+            return
+        self._sum(mx.array([missing], dtype=mx.int32))
+
     def receive(self) -> StepOps:
         """A follower: wait for rank 0's next `StepOps`."""
         import mlx.core as mx
@@ -221,6 +261,6 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = conn.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("rank 0 closed the step channel")
+            raise ConnectionError("the other end closed the step channel")
         buf += chunk
     return bytes(buf)
