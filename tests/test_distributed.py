@@ -28,6 +28,14 @@ REQUESTS = [  # greedy with logprobs (compared closely), seeded sampling, and a 
     {"prompt": PROMPT[:25], "max_tokens": 12, "temperature": 2.0, "seed": 7, "logprobs": 1},
 ]
 BATCH = [{"prompt": PROMPT[i:i + 20], "max_tokens": 6 + i, "temperature": 0} for i in range(2)]
+# Conversations with their own system prompts (no shared prefix), greedy, with logprobs.
+SYSTEMS = {"a": "You are a careful assistant who answers briefly. " * 6,
+           "b": "NOTEBOOK. You keep careful notes of what the user says. " * 6}
+CHAT = {"model": "tiny", "temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 3,
+        "logit_bias": {"0": -100, "2": -100}}
+# A RAM cap of about one conversation's checkpoint on a rank's shard (~270 bytes a token here),
+# so that starting conversation b evicts conversation a.
+SMALL_CACHE_GB = "0.0001"
 
 
 def run_requests(base: str) -> list[dict]:
@@ -43,20 +51,75 @@ def run_requests(base: str) -> list[dict]:
     return out
 
 
+def run_conversations(base: str) -> list[dict]:
+    """a's turns 1 and 2 (2 extends 1: a hit), b's turn 1 (evicts a under the small cap), a's turn 3."""
+    chats = {k: [{"role": "system", "content": v}] for k, v in SYSTEMS.items()}
+    questions = [("a", "Name a colour."), ("a", "And another?"), ("b", "Remember: blue."), ("a", "One more?")]
+    out = []
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for who, question in questions:
+            chats[who].append({"role": "user", "content": question})
+            r = http.post("/chat/completions", json={**CHAT, "messages": chats[who]})
+            assert r.status_code == 200, r.text
+            reply = r.json()
+            chats[who].append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+            out.append(reply)
+        out.append(http.get(base.removesuffix("/v1") + "/stats").json())
+    return out
+
+
+def same_answers(single: dict, sharded: dict) -> None:
+    """The same tokens, and every reported logprob within 1e-3."""
+    a, b = single["choices"][0], sharded["choices"][0]
+    assert a["message"]["content"] == b["message"]["content"] and a["finish_reason"] == b["finish_reason"]
+    for x, y in zip(a["logprobs"]["content"], b["logprobs"]["content"], strict=True):
+        assert x["token"] == y["token"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-3)
+        top_x, top_y = ({t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in (x, y))
+        assert top_x.keys() == top_y.keys()
+        assert all(top_x[k] == pytest.approx(top_y[k], abs=1e-3) for k in top_x)
+
+
+def cached(reply: dict) -> int:
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def log_events(log: str, event: str) -> list[dict]:
+    return [json.loads(line) for line in re.findall(r'^\{.*"%s".*\}$' % re.escape(event), log, re.M)]
+
+
 def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
-    with ServerThread(config_for(tiny_model_dir, prompt_cache_bytes=0)) as server:
+    """Tokens as one process (prompt cache on), and the RAM tier mirrored: hits and evictions on every rank."""
+    with ServerThread(config_for(tiny_model_dir)) as server:
         single = run_requests(server.base_url)
+        single_chat = run_conversations(server.base_url)
 
     with ServeProcess("--distributed", "--model", str(tiny_model_dir), "--model-name", "tiny",
-                      log_path=tmp_path / "ranks.log", launcher=LAUNCH) as ranks:
+                      "--prompt-cache-gb", SMALL_CACHE_GB, log_path=tmp_path / "ranks.log", launcher=LAUNCH) as ranks:
         sharded = run_requests(ranks.url + "/v1")
-        started = {e["rank"]: e for e in map(json.loads, re.findall(r'^\{.*"engine.distributed".*\}$', ranks.log(), re.M))}
+        sharded_chat = run_conversations(ranks.url + "/v1")
+        started = {e["rank"]: e for e in log_events(ranks.log(), "engine.distributed")}
         assert started.keys() == {0, 1} and started[1]["world_size"] == 2
         assert ranks.log().count('"mode": "tcp"') == 2  # steps go over the side channel (idle followers sleep)
         # Stopping rank 0 stops the run: it drains, tells the follower to stop, and every rank exits 0.
         os.kill(started[0]["pid"], signal.SIGTERM)
         assert ranks.wait(timeout=60) == 0, ranks.log()
         assert "serve.shutdown" in ranks.log()
+
+    # The conversation: the same answers; turn 2 started from turn 1's checkpoint on both ranks (a
+    # start from a prefix the follower did not hold fails its step); b's turn evicted a, whose turn 3
+    # (which would have started from the evicted checkpoint) starts cold (or from the few template
+    # tokens it shares with b's checkpoint), with the same tokens.
+    *single_turns, _ = single_chat
+    *turns, stats = sharded_chat
+    for a, b in zip(single_turns, turns, strict=True):
+        same_answers(a, b)
+    assert cached(turns[1]) >= turns[0]["usage"]["total_tokens"] - 1
+    assert cached(turns[3]) < turns[1]["usage"]["total_tokens"] - 1 <= cached(single_turns[3])  # a's is gone
+    assert stats["cache"]["ram"]["evictions"] > 0 and stats["engine"]["failed_steps"] == 0
+    [follower] = log_events(ranks.log(), "engine.follower_shards")
+    assert follower["rank"] == 1 and follower["missing"] == 0
+    assert follower["hits"] >= 1 and follower["dropped"] >= 1  # it lent turn 1's shard, dropped the evicted ones
+    assert follower["entries"] == stats["cache"]["ram"]["entries"]  # it holds a shard of each entry rank 0 holds
 
     for a, b in zip(single, sharded, strict=True):
         assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
