@@ -6,16 +6,27 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
+from mlxd.actors.engine import EngineActor, _Row
 from mlxd.cli import build_parser, serve_config
-from mlxd.runtime.distributed import StepOps, decode_ops, encode_ops, pin_seed
-from mlxd.runtime.messages import GenerationRequest, SamplingParams
+from mlxd.kv.prompt_cache import CacheEntry, CacheHit
+from mlxd.kv.shard_mirror import FollowerShards, LeaderMirror, MissingShard, PrefixRef, shard_key
+from mlxd.runtime.distributed import StepChannel, StepOps, decode_ops, encode_ops, pin_seed
+from mlxd.runtime.messages import (
+    GenerationEvent,
+    GenerationRequest,
+    PromptAccepted,
+    SamplingParams,
+    StartGeneration,
+)
 
 from procs import ServeProcess
 from serving import ServerThread, config_for
@@ -84,7 +95,8 @@ def cached(reply: dict) -> int:
 
 
 def log_events(log: str, event: str) -> list[dict]:
-    return [json.loads(line) for line in re.findall(r'^\{.*"%s".*\}$' % re.escape(event), log, re.M)]
+    pattern = r'^\{.*"' + re.escape(event) + r'".*\}$'
+    return [json.loads(line) for line in re.findall(pattern, log, re.M)]
 
 
 def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
@@ -141,8 +153,64 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
     greedy = GenerationRequest(request_id="b", prompt=(9,), session="s1")
     assert pin_seed(greedy) is greedy
     ops = StepOps(starts=(sampled, greedy), cancels=(4,), stops=(2, 3))
-    assert decode_ops(encode_ops(ops)) == ops
+    assert decode_ops(encode_ops(ops)) == ops and not ops.lends
     assert decode_ops(encode_ops(StepOps(shutdown=True))).shutdown
+    # With the prompt cache: the prefix each start lends (or None), and the keys rank 0's owner dropped.
+    cached = StepOps(starts=(sampled, greedy), prefixes=(None, PrefixRef("ab" * 16, 7, 9)), drops=("cd" * 16,))
+    assert decode_ops(encode_ops(cached)) == cached and cached.lends
+    assert decode_ops(encode_ops(StepOps(reset=True, drops=("k",)))) == StepOps(reset=True, drops=("k",))
+    with pytest.raises(ValueError, match="2 prefixes for 1 starts"):
+        StepOps(starts=(greedy,), prefixes=(None, None))
+
+
+def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir):
+    """The follower's answer before the step (real sockets): rank 0 fails it, drops the key, starts later hits cold."""
+    import mlx.core as mx
+
+    engine = EngineActor(config_for(tiny_model_dir), inbox=None, publish=None)  # type: ignore[arg-type]
+    engine._load()
+    ours, theirs = socket.socketpair()
+    group = mx.distributed.init()  # a world of one: the sockets stand for rank 0's side channel
+    engine._channel, follower = StepChannel(group, engine._stream), StepChannel(group, engine._stream)
+    engine._channel._peers, follower._leader = [ours], theirs
+    engine._mirror = LeaderMirror()
+    prompt = (5, 6, 7, 8, 9, 10)
+    entry = CacheEntry("", prompt[:4], None, 0, True, 0.0, 0.0)
+    key = shard_key("", prompt[:4])
+    engine._mirror.published(key)  # rank 0 believes every follower holds it
+
+    def row() -> _Row:
+        events, _ = trio.open_memory_channel[GenerationEvent](64)
+        request = GenerationRequest(request_id="r", prompt=prompt, sampling=SamplingParams(max_tokens=2))
+        return _Row(start=StartGeneration(request=request, hit=CacheHit(entry, 4), events=events))
+
+    seen: list[StepOps] = []
+
+    def follow(steps: int) -> None:
+        shards = FollowerShards()  # holds nothing: the key is missing here
+        for _ in range(steps):
+            ops = follower.receive()
+            seen.append(ops)
+            if ops.lends:
+                follower.confirm(len(shards.missing_keys(ops.prefixes)))
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(follow, 3)
+            with pytest.raises(MissingShard, match="follower rank lacks"):
+                engine._step_everywhere([row()], [], [])
+            engine._reset_everywhere()
+            cold = row()
+            result = engine._step_everywhere([cold], [], [])  # the same hit again: started cold on every rank
+            done.result(timeout=60)
+    finally:
+        engine._close()
+        engine._channel.close()
+        follower.close()
+    assert seen[0].prefixes == (PrefixRef(key, 4, 4),)
+    assert seen[1].reset and seen[1].drops == (key,)  # the followers drop it too
+    assert seen[2].prefixes == () and cold.start.hit is None and not engine._mirror.holds(key)
+    assert [e.event.cached_tokens for e in result.emits if isinstance(e.event, PromptAccepted)] == [0]
 
 
 def test_distributed_keeps_the_ram_tier_and_refuses_the_ssd_tier():
