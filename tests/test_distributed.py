@@ -128,6 +128,7 @@ def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
     assert cached(turns[1]) >= turns[0]["usage"]["total_tokens"] - 1
     assert cached(turns[3]) < turns[1]["usage"]["total_tokens"] - 1 <= cached(single_turns[3])  # a's is gone
     assert stats["cache"]["ram"]["evictions"] > 0 and stats["engine"]["failed_steps"] == 0
+    assert stats["engine"]["mirror_misses"] == 0  # every hit rank 0 got was held by the follower
     [follower] = log_events(ranks.log(), "engine.follower_shards")
     assert follower["rank"] == 1 and follower["missing"] == 0
     assert follower["hits"] >= 1 and follower["dropped"] >= 1  # it lent turn 1's shard, dropped the evicted ones
@@ -163,15 +164,26 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
         StepOps(starts=(greedy,), prefixes=(None, None))
 
 
+class _Pair:
+    """The rank and size of a two-rank group (what StepChannel asks of MLX's group)."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+
 def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir):
     """The follower's answer before the step (real sockets): rank 0 fails it, drops the key, starts later hits cold."""
-    import mlx.core as mx
-
     engine = EngineActor(config_for(tiny_model_dir), inbox=None, publish=None)  # type: ignore[arg-type]
     engine._load()
     ours, theirs = socket.socketpair()
-    group = mx.distributed.init()  # a world of one: the sockets stand for rank 0's side channel
-    engine._channel, follower = StepChannel(group, engine._stream), StepChannel(group, engine._stream)
+    # A world of two whose side channel is a socket pair (steps never reach an all_sum here).
+    engine._channel, follower = StepChannel(_Pair(0), engine._stream), StepChannel(_Pair(1), engine._stream)
     engine._channel._peers, follower._leader = [ours], theirs
     engine._mirror = LeaderMirror()
     prompt = (5, 6, 7, 8, 9, 10)
@@ -211,6 +223,7 @@ def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir)
     assert seen[1].reset and seen[1].drops == (key,)  # the followers drop it too
     assert seen[2].prefixes == () and cold.start.hit is None and not engine._mirror.holds(key)
     assert [e.event.cached_tokens for e in result.emits if isinstance(e.event, PromptAccepted)] == [0]
+    assert engine.stats["mirror_misses"] == 1
 
 
 def test_distributed_keeps_the_ram_tier_and_refuses_the_ssd_tier():

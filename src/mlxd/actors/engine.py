@@ -231,6 +231,7 @@ class EngineActor:
                 log.info("engine.step_channel", rank=self._channel.rank, mode=self._channel.mode)
                 if self._channel.rank == 0 and self._channel.size > 1 and self._config.prompt_cache_bytes > 0:
                     self._mirror = LeaderMirror()
+                    self.stats.update(mirrored_prefixes=0, mirror_misses=0)
         self._model, self._tokenizer = model, tokenizer
         device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
         try:  # unsupported caches fail the load, not the first request or cache hit
@@ -553,7 +554,7 @@ class EngineActor:
         follower that does not fails the step on every rank (then a reset) rather
         than decode from another prefix than rank 0's.
         """
-        if self._channel is None:
+        if self._channel is None or self._channel.size == 1:
             return self._step(starts, cancels, stops)
         prefixes = tuple(self._lent_prefix(row) for row in starts)
         mirror = self._mirror
@@ -578,6 +579,7 @@ class EngineActor:
                 if isinstance(n, PublishPrefix) else n
                 for n in result.notes
             ]
+            self.stats["mirrored_prefixes"] = len(mirror)
         return result
 
     def _lent_prefix(self, row: _Row) -> PrefixRef | None:
@@ -588,6 +590,8 @@ class EngineActor:
         key = shard_key(hit.entry.namespace, hit.entry.tokens)
         if hit.usable <= 0 or self._mirror is None or not self._mirror.holds(key):
             row.start = attrs.evolve(row.start, hit=None)  # a cache miss on every rank, never a wrong prefix
+            if self._mirror is not None:
+                self.stats["mirror_misses"] = self.stats.get("mirror_misses", 0) + 1
             return None
         return PrefixRef(key, hit.usable, len(hit.entry.tokens))
 
