@@ -4,22 +4,30 @@
 model and shards it with mlx-lm's own tensor parallelism (`model.shard(group)`:
 attention heads and MLP columns split across ranks, partial results summed by
 `all_sum` inside the forward pass). Rank 0 is the server: HTTP, scheduler,
-engine. The other ranks are followers: they run no HTTP and no cache, only
-the engine's step function, fed by rank 0.
+engine, cache owner. The other ranks are followers: they run no HTTP and no
+cache owner, only the engine's step function, fed by rank 0.
 
 Every forward pass is a collective, so all ranks must run the same sequence of
 `BatchGenerator` operations (insert the same prompts with the same samplers,
 remove the same rows, `next()`), in the same order. Before each step rank 0
 sends the step's inputs (`StepOps`: the requests that join, the rows
-cancelled or stopped) to every follower (`StepChannel`), and every follower
-replays them through the same `EngineActor._step`. Sampling is
-the same on every rank: the logits after the last `all_sum` are equal, greedy
+cancelled or stopped, the cached prefixes lent and dropped) to every
+follower (`StepChannel`), and every follower replays them through the same
+`EngineActor._step`. Sampling is the same on every rank: the logits after the last `all_sum` are equal, greedy
 rows take their argmax, and a sampling row's seed is fixed by rank 0 before
 the broadcast (`pin_seed`).
 
-The prompt cache is off when the world size is above one (RuntimeConfig
-refuses it): a lent prefix on rank 0 would have to be the same tokens' KV shard
-on every follower, which this first version does not keep.
+The prompt cache's RAM tier is mirrored (kv/shard_mirror.py): rank 0's cache
+owner decides everything, and each follower keeps its own KV shard of every
+prefix rank 0 holds. The followers' engines take the same checkpoints in the
+same steps as rank 0's, and keep each under `shard_key(namespace, tokens)`.
+A start names the key of the prefix it lends (`StepOps.prefixes`), and a step
+carries the keys rank 0's cache owner dropped since the last (`StepOps.drops`,
+at most `MAX_DROPS_PER_STEP`). Before a step that lends prefixes every
+follower says how many it lacks (`confirm` / `gather_missing`); any missing
+one fails the step on rank 0, which then resets every rank: a follower never
+starts a row from another prefix than rank 0's. The SSD tier is not supported
+when distributed (RuntimeConfig refuses `--ssd-cache`).
 
 `StepChannel` runs on the engine thread (of rank 0, or a follower's main thread).
 """
@@ -218,7 +226,7 @@ class StepChannel:
         import mlx.core as mx
 
         if self._peers:
-            return sum(int.from_bytes(_recv_exactly(conn, 4), "big") for conn in self._peers)
+            return sum(int.from_bytes(_recv_exactly(conn, 4, "a follower rank"), "big") for conn in self._peers)
         return int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
 
     def confirm(self, missing: int) -> None:
@@ -256,11 +264,11 @@ def _leader_host() -> str | None:
         return None
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+def _recv_exactly(conn: socket.socket, n: int, who: str = "rank 0") -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = conn.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("the other end closed the step channel")
+            raise ConnectionError(f"{who} closed the step channel")
         buf += chunk
     return bytes(buf)
