@@ -159,7 +159,8 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
     # With the prompt cache: the prefix each start lends (or None), and the keys rank 0's owner dropped.
     cached = StepOps(starts=(sampled, greedy), prefixes=(None, PrefixRef("ab" * 16, 7, 9)), drops=("cd" * 16,))
     assert decode_ops(encode_ops(cached)) == cached and cached.lends
-    assert decode_ops(encode_ops(StepOps(reset=True, drops=("k",)))) == StepOps(reset=True, drops=("k",))
+    reset = StepOps(reset=True, drops=("k",), discard=True)
+    assert decode_ops(encode_ops(reset)) == reset
     with pytest.raises(ValueError, match="2 prefixes for 1 starts"):
         StepOps(starts=(greedy,), prefixes=(None, None))
 
@@ -220,7 +221,8 @@ def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir)
         engine._channel.close()
         follower.close()
     assert seen[0].prefixes == (PrefixRef(key, 4, 4),)
-    assert seen[1].reset and seen[1].drops == (key,)  # the followers drop it too
+    # The followers drop it too; no step ran, so the checkpoints of the last one stand (no discard).
+    assert seen[1].reset and seen[1].drops == (key,) and not seen[1].discard
     assert seen[2].prefixes == () and cold.start.hit is None and not engine._mirror.holds(key)
     assert [e.event.cached_tokens for e in result.emits if isinstance(e.event, PromptAccepted)] == [0]
     assert engine.stats["mirror_misses"] == 1

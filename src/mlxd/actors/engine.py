@@ -161,6 +161,7 @@ class EngineActor:
         # --distributed rank 0 with the prompt cache: the prefixes the followers hold (kv/shard_mirror.py).
         self._mirror: LeaderMirror | None = None
         self._reset_drops: list[str] = []  # keys a failed step stopped lending: dropped with the reset
+        self._stepping = False  # inside _step: a failure there loses the step's checkpoints
         self._prefill_step_size = config.prefill_step_size
         self._memory_budget = 0  # resolved at load
         self._steps_unmeasured = 0
@@ -572,7 +573,9 @@ class EngineActor:
                     mirror.forget(key)
             self._reset_drops.extend(keys)
             raise MissingShard(f"a follower rank lacks its shard of a cached prefix this step lends ({len(keys)})")
+        self._stepping = True
         result = self._step(starts, cancels, stops)
+        self._stepping = False
         if mirror is not None:  # every rank kept the same checkpoints: the followers hold them now
             result.notes[:] = [
                 attrs.evolve(n, shard=mirror.published(shard_key(n.namespace, n.tokens)))
@@ -598,7 +601,8 @@ class EngineActor:
     def _reset_everywhere(self) -> None:
         if self._channel is not None:
             drops, self._reset_drops = tuple(self._reset_drops), []
-            self._channel.send(StepOps(reset=True, drops=drops))
+            self._channel.send(StepOps(reset=True, drops=drops, discard=self._stepping))
+        self._stepping = False
         self._reset()
 
     def follow(self) -> None:
@@ -619,6 +623,7 @@ class EngineActor:
         events, nobody = trio.open_memory_channel[GenerationEvent](0)
         nobody.close()  # rows here deliver nothing: rank 0 answers the clients
         shards = FollowerShards()
+        added: list[str] = []  # keys the latest step added (forgotten if rank 0 failed that step)
         failed = False
         try:
             while True:
@@ -629,7 +634,8 @@ class EngineActor:
                 if ops.lends:
                     self._channel.confirm(len(missing))
                 if ops.reset:
-                    self._drop_shards(shards, ops.drops)
+                    self._drop_shards(shards, [*ops.drops, *(added if ops.discard else ())])
+                    added = []
                     self._reset()
                     self._rows.clear()
                     failed = False
@@ -648,6 +654,7 @@ class EngineActor:
                     for r, p in zip(ops.starts, prefixes, strict=True)
                 ]
                 self._drop_shards(shards, ops.drops)  # lent rows keep what they borrowed
+                added = []
                 try:
                     result = self._step(starts, list(ops.cancels), list(ops.stops))
                 except Exception:
@@ -660,6 +667,9 @@ class EngineActor:
                     self._rows.pop(uid, None)
                 for note in result.notes:
                     if isinstance(note, PublishPrefix):
+                        key = shard_key(note.namespace, note.tokens)
+                        if key not in shards:
+                            added.append(key)
                         shards.hold(note.namespace, note.tokens, note.payload, nbytes=note.nbytes,
                                     trimmable=note.trimmable)
         finally:

@@ -144,6 +144,9 @@ class FollowerShards:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
     def hold(self, namespace: str, tokens: Tokens | Sequence[int], payload: object, *,
              nbytes: int, trimmable: bool) -> str:
         """Keep this rank's shard of a checkpoint this step produced; returns its key."""

@@ -67,6 +67,9 @@ class StepOps:
     # lending this step's prefixes and before keeping this step's checkpoints.
     drops: tuple[str, ...] = ()
     reset: bool = False  # a failed step: drop the generator and start a fresh one
+    # With `reset`: the failed step ran on rank 0, so its checkpoints never reached the cache
+    # owner; followers forget the prefixes that step added.
+    discard: bool = False
     shutdown: bool = False  # rank 0 is stopping: followers exit
 
     @property
@@ -103,6 +106,7 @@ def decode_ops(data: bytes) -> StepOps:
         stops=tuple(int(u) for u in doc["stops"]),
         drops=tuple(str(k) for k in doc["drops"]),
         reset=bool(doc["reset"]),
+        discard=bool(doc["discard"]),
         shutdown=bool(doc["shutdown"]),
     )
 
