@@ -34,9 +34,11 @@ def test_follower_holds_lends_replaces_and_drops():
     # A later checkpoint of the same tokens replaces the earlier one (as PromptCache.put does).
     shards.hold("ns", (1, 2, 3, 4), ["newer"], nbytes=50, trimmable=True)
     assert len(shards) == 1 and shards.nbytes == 50 and shards.lend(PrefixRef(key, 4, 4)).entry.payload == ["newer"]
-    assert shards.drop(key) and not shards.drop(key)
+    assert key in shards and shards.drop(key) and not shards.drop(key) and key not in shards
     assert len(shards) == 0 and shards.nbytes == 0
-    assert shards.summary() == {"entries": 0, "bytes": 0, "held": 2, "dropped": 1, "hits": 2, "missing": 0}
+    other = shards.hold("", (8,), ["o"], nbytes=1, trimmable=False)
+    shards.drop_all([other, "never held"])
+    assert shards.summary() == {"entries": 0, "bytes": 0, "held": 3, "dropped": 2, "hits": 2, "missing": 0}
 
 
 def test_a_start_from_a_key_the_follower_lacks_is_an_error_not_a_cold_row():

@@ -634,7 +634,7 @@ class EngineActor:
                 if ops.lends:
                     self._channel.confirm(len(missing))
                 if ops.reset:
-                    self._drop_shards(shards, [*ops.drops, *(added if ops.discard else ())])
+                    shards.drop_all([*ops.drops, *(added if ops.discard else ())])
                     added = []
                     self._reset()
                     self._rows.clear()
@@ -645,7 +645,7 @@ class EngineActor:
                 if missing:  # rank 0 fails this step and resets every rank
                     shards.missing += len(missing)
                     log.error("engine.shard_missing", keys=missing, held=len(shards))
-                    self._drop_shards(shards, ops.drops)
+                    shards.drop_all(ops.drops)
                     failed = True
                     continue
                 prefixes = ops.prefixes or (None,) * len(ops.starts)
@@ -653,7 +653,7 @@ class EngineActor:
                     _Row(start=StartGeneration(request=r, hit=None if p is None else shards.lend(p), events=events))
                     for r, p in zip(ops.starts, prefixes, strict=True)
                 ]
-                self._drop_shards(shards, ops.drops)  # lent rows keep what they borrowed
+                shards.drop_all(ops.drops)  # lent rows keep what they borrowed
                 added = []
                 try:
                     result = self._step(starts, list(ops.cancels), list(ops.stops))
@@ -676,11 +676,6 @@ class EngineActor:
             log.info("engine.follower_shards", rank=self._channel.rank, **shards.summary())
             self._close()
             self._channel.close()
-
-    @staticmethod
-    def _drop_shards(shards: FollowerShards, keys: Sequence[str]) -> None:
-        for key in keys:
-            shards.drop(key)
 
     def stop_early(self, request_id: str) -> None:
         """End a decoding generation as a normal stop (its client matched a stop string).

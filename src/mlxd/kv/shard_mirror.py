@@ -165,6 +165,10 @@ class FollowerShards:
         self.dropped += count
         return True
 
+    def drop_all(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.drop(key)
+
     def missing_keys(self, prefixes: Iterable[PrefixRef | None]) -> list[str]:
         """The prefixes a step starts from that this rank cannot lend (unknown key or another length)."""
         out = []
