@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,9 +45,9 @@ SYSTEMS = {"a": "You are a careful assistant who answers briefly. " * 6,
            "b": "NOTEBOOK. You keep careful notes of what the user says. " * 6}
 CHAT = {"model": "tiny", "temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 3,
         "logit_bias": {"0": -100, "2": -100}}
-# A RAM cap of about one conversation's checkpoint on a rank's shard (~270 bytes a token here),
-# so that starting conversation b evicts conversation a.
-SMALL_CACHE_GB = "0.0001"
+# A RAM cap (75 kB) that holds one conversation's checkpoint on a rank's shard (256 bytes a
+# token here, at most ~240 tokens) but not two, so that conversation b evicts conversation a.
+SMALL_CACHE_GB = "0.00007"
 
 
 def run_requests(base: str) -> list[dict]:
@@ -109,6 +110,11 @@ def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
                       "--prompt-cache-gb", SMALL_CACHE_GB, log_path=tmp_path / "ranks.log", launcher=LAUNCH) as ranks:
         sharded = run_requests(ranks.url + "/v1")
         sharded_chat = run_conversations(ranks.url + "/v1")
+        with ranks.client() as http:  # the evictions' drops have reached the follower (an idle step)
+            deadline = time.monotonic() + 30
+            while (now := http.get("/stats").json())["engine"]["mirrored_prefixes"] != now["cache"]["ram"]["entries"]:
+                assert time.monotonic() < deadline, now
+                time.sleep(0.05)
         started = {e["rank"]: e for e in log_events(ranks.log(), "engine.distributed")}
         assert started.keys() == {0, 1} and started[1]["world_size"] == 2
         assert ranks.log().count('"mode": "tcp"') == 2  # steps go over the side channel (idle followers sleep)
