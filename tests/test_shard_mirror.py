@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
+from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.shard_mirror import (
     FollowerShards,
@@ -14,6 +16,16 @@ from mlxd.kv.shard_mirror import (
     PrefixRef,
     ShardRef,
     shard_key,
+)
+from mlxd.runtime.channels import Reply
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.messages import (
+    CacheOwnerMessage,
+    CacheStatsSnapshot,
+    EngineInbox,
+    PublishPrefix,
+    QueryCacheStats,
+    ShardsDropped,
 )
 
 
@@ -81,3 +93,43 @@ def test_owner_reports_what_left_the_ram_tier_replaced_evicted_or_never_stored()
     assert mirror.sync(ram.entries()) == [ShardRef(ka, 2)]
     assert mirror.sync(ram.entries()) == [] and len(mirror) == 1
     assert mirror.stored(ShardRef(ka, 4), None) == [ShardRef(ka, 4)]  # evicted as it was published
+
+
+async def test_cache_owner_tells_the_engine_which_mirrored_prefixes_left_ram():
+    """The actor: replaced, evicted and never-stored publications come back as `ShardsDropped`."""
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](64)
+    engine_send, engine = trio.open_memory_channel[EngineInbox](64)
+    owner = CacheOwnerActor(RuntimeConfig(prompt_cache_bytes=100), inbox=inbox)
+    owner.attach_engine(engine_send)
+    a, b, c = (1, 2, 3, 4), (7, 8, 9), (5, 5)
+    ka, kb, kc = (shard_key("", t) for t in (a, b, c))
+
+    def publish(tokens: tuple[int, ...], nbytes: int, seq: int) -> PublishPrefix:
+        return PublishPrefix(tokens, "", payload=[seq], nbytes=nbytes, trimmable=True, reason="final",
+                             shard=ShardRef(shard_key("", tokens), seq))
+
+    async def dropped() -> list[ShardRef]:
+        msg = await engine.receive()
+        assert isinstance(msg, ShardsDropped)
+        return list(msg.refs)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        await inbox_send.send(publish(a, 40, 1))
+        await inbox_send.send(publish(a, 40, 2))  # the same tokens again: replaces the first
+        assert await dropped() == [ShardRef(ka, 1)]
+        await inbox_send.send(publish(b, 80, 3))  # over the cap: a is evicted
+        assert await dropped() == [ShardRef(ka, 2)]
+        await inbox_send.send(publish(c, 200, 4))  # larger than the cap: b goes, then c itself
+        assert sorted(await dropped(), key=lambda r: r.seq) == [ShardRef(kb, 3), ShardRef(kc, 4)]
+        stats = await owner_stats(inbox_send)
+        assert stats.tiers.ram.entries == 0
+        with pytest.raises(trio.WouldBlock):
+            engine.receive_nowait()
+        nursery.cancel_scope.cancel()
+
+
+async def owner_stats(inbox: trio.MemorySendChannel[CacheOwnerMessage]) -> CacheStatsSnapshot:
+    reply: Reply[CacheStatsSnapshot] = Reply()
+    await inbox.send(QueryCacheStats(reply))
+    return await reply.wait()
