@@ -132,7 +132,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens per announced KV block (default 16)")
     p.add_argument("--distributed", action="store_true",
                    help="serve one model sharded over the processes `mlx.launch` started (tensor parallel): "
-                        "rank 0 serves HTTP, the others follow; turns the prompt cache off (docs/fleet.md)")
+                        "rank 0 serves HTTP and decides the prompt cache (RAM tier only), the others follow and "
+                        "keep their shard of each cached prefix (docs/fleet.md)")
     p.add_argument("--record-trace", type=Path, metavar="FILE",
                    help="append every finished request to FILE in mlxd's trace format (for `mlxd simulate`)")
     p.add_argument("--log-format", choices=("json", "console", "auto"), default="auto")
@@ -156,7 +157,8 @@ def serve_config(args: argparse.Namespace):
 
     _check_kv_events(args.kv_events_endpoint)
     if args.distributed and args.ssd_cache is not None:
-        raise ValueError("--distributed serves without the prompt cache for now: leave out --ssd-cache")
+        raise ValueError("--distributed keeps the prompt cache in RAM only for now (each rank would need its "
+                         "own shard files): leave out --ssd-cache")
     ssd = {}
     if args.ssd_cache is None:
         for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_layout",
@@ -181,7 +183,7 @@ def serve_config(args: argparse.Namespace):
         model=args.model,
         model_preset=args.preset,
         model_name=args.model_name,
-        prompt_cache_bytes=0 if args.distributed else args.prompt_cache_gb,
+        prompt_cache_bytes=args.prompt_cache_gb,
         retention=args.retention,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
@@ -232,7 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _follow(config) -> int:
-    """A follower rank of `--distributed`: no HTTP, no cache; the engine replays rank 0's steps.
+    """A follower rank of `--distributed`: no HTTP, no cache owner; the engine replays rank 0's steps.
 
     A follower stops when rank 0 does (rank 0 tells it), so Ctrl-C, which a
     terminal sends to every rank, is left to rank 0's graceful shutdown.

@@ -23,6 +23,7 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
+from mlxd.kv.shard_mirror import OwnerMirror, ShardRef
 from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
@@ -33,6 +34,7 @@ from mlxd.runtime.messages import (
     CacheStatsSnapshot,
     CloseSession,
     DurabilityMessage,
+    EngineInbox,
     EntryDurable,
     EntryNotPersisted,
     FindCheckpointTokens,
@@ -51,6 +53,7 @@ from mlxd.runtime.messages import (
     QueryCacheStats,
     RecordLost,
     RestoreMeasured,
+    ShardsDropped,
 )
 
 log = get_logger("mlxd.cache")
@@ -112,6 +115,27 @@ class CacheOwnerActor:
         self._kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None
         self._ledger = ResidencyLedger()
         self._kv_pending: list[Any] = []
+        # --distributed: the engine's inbox, told which mirrored prefixes left RAM (kv/shard_mirror.py).
+        self._engine: trio.MemorySendChannel[EngineInbox] | None = None
+        self._mirror = OwnerMirror()
+        self._shards_left: list[ShardRef] = []
+
+    def attach_engine(self, engine: trio.MemorySendChannel[EngineInbox]) -> None:
+        """`--distributed`: report mirrored prefixes that leave RAM, so the followers drop their shards."""
+        self._engine = engine
+
+    def _report_shards(self) -> None:
+        if self._engine is None:
+            return
+        self._shards_left.extend(self._mirror.sync(self.tiers.ram.entries()))
+        if self._shards_left:
+            try:  # never blocks: a full inbox means a busy engine, and these go after the next message
+                self._engine.send_nowait(ShardsDropped(tuple(self._shards_left)))
+                self._shards_left.clear()
+            except trio.WouldBlock:
+                pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._shards_left.clear()  # the engine stopped
 
     def attach_kv_events(
         self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int, fingerprint: str
@@ -168,6 +192,7 @@ class CacheOwnerActor:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
                     self._announce_residency()
+                    self._report_shards()
             nursery.cancel_scope.cancel()
 
     def _handle_safely(self, msg: CacheOwnerMessage) -> None:
@@ -200,6 +225,10 @@ class CacheOwnerActor:
                     session=msg.session,
                 )
             )
+            if msg.shard is not None and self._engine is not None:
+                entry = tiers.ram.find_exact(msg.tokens, msg.namespace)
+                stored = entry if entry is not None and entry.payload is msg.payload else None
+                self._shards_left.extend(self._mirror.stored(msg.shard, stored))
         elif isinstance(msg, EntryDurable):
             self._apply(tiers.durable(msg.record))
         elif isinstance(msg, EntryNotPersisted):

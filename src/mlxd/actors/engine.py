@@ -22,10 +22,18 @@ import trio
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.kv.shard_mirror import (
+    FollowerShards,
+    LeaderMirror,
+    MissingShard,
+    PrefixRef,
+    ShardRef,
+    shard_key,
+)
 from mlxd.model.identity import model_identity
 from mlxd.runtime import device_memory
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.distributed import StepChannel, StepOps, pin_seed
+from mlxd.runtime.distributed import MAX_DROPS_PER_STEP, StepChannel, StepOps, pin_seed
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
     CheckpointGeneration,
@@ -42,6 +50,7 @@ from mlxd.runtime.messages import (
     PromptAccepted,
     PublishPrefix,
     RestoreMeasured,
+    ShardsDropped,
     StartGeneration,
     TokenGenerated,
 )
@@ -149,6 +158,10 @@ class EngineActor:
         self._stream: Any = None
         self._store_identity: StoreIdentity | None = None
         self._channel: StepChannel | None = None  # --distributed: rank 0 -> followers (runtime/distributed.py)
+        # --distributed rank 0 with the prompt cache: the prefixes the followers hold (kv/shard_mirror.py).
+        self._mirror: LeaderMirror | None = None
+        self._reset_drops: list[str] = []  # keys a failed step stopped lending: dropped with the reset
+        self._stepping = False  # inside _step: a failure there loses the step's checkpoints
         self._prefill_step_size = config.prefill_step_size
         self._memory_budget = 0  # resolved at load
         self._steps_unmeasured = 0
@@ -157,6 +170,7 @@ class EngineActor:
         self._pending: list[_Row] = []
         self._cancelled: set[str] = set()
         self._stopping: set[str] = set()  # to end as a normal "stop" (a client's stop string)
+        self._drops: list[ShardRef] = []  # mirrored prefixes the cache owner dropped, for the next step
         self.stats = {
             "steps": 0,
             "batch_rows": 0,
@@ -216,6 +230,9 @@ class EngineActor:
             if self._channel is not None:
                 self._channel.connect()  # every rank has loaded its shard
                 log.info("engine.step_channel", rank=self._channel.rank, mode=self._channel.mode)
+                if self._channel.rank == 0 and self._channel.size > 1 and self._config.prompt_cache_bytes > 0:
+                    self._mirror = LeaderMirror()
+                    self.stats.update(mirrored_prefixes=0, mirror_misses=0)
         self._model, self._tokenizer = model, tokenizer
         device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
         try:  # unsupported caches fail the load, not the first request or cache hit
@@ -284,7 +301,8 @@ class EngineActor:
                 raise ModelRefused(f"cannot shard {path} over {group.size()} ranks: {exc}") from exc
         log.info(
             "engine.distributed", rank=group.rank(), world_size=group.size(), pid=os.getpid(), sharding="tensor-parallel",
-            prompt_cache="off (world size > 1: followers keep no KV shards of cached prefixes)",
+            prompt_cache=("off" if self._config.prompt_cache_bytes <= 0
+                          else "ram, mirrored: every rank keeps its shard of each cached prefix"),
         )
         return model, tokenizer
 
@@ -426,7 +444,7 @@ class EngineActor:
     async def _serve(self) -> None:
         assert self._thread is not None
         while True:
-            if not self._rows and not self._pending:
+            if not self._rows and not self._pending and not self._drops:
                 self._governor.set_busy(False)
                 self._accept(await self._inbox.receive())
             self._governor.set_busy(True)
@@ -441,14 +459,14 @@ class EngineActor:
                      if r.start.request.request_id in self._stopping and r.uid not in cancels]
             self._cancelled.clear()
             self._stopping.clear()
+            dropped, self._drops = self._drops[:MAX_DROPS_PER_STEP], self._drops[MAX_DROPS_PER_STEP:]
             if self._channel is not None:
-                # Every rank starts the row cold (no cache when distributed), with the same seed.
+                # The same seed on every rank; a RAM hit only if every rank holds its shard
+                # (decided in _step_everywhere); no SSD tier when distributed.
                 for row in starts:
-                    row.start = attrs.evolve(
-                        row.start, request=pin_seed(row.start.request), hit=None, restore=None, resume=None
-                    )
+                    row.start = attrs.evolve(row.start, request=pin_seed(row.start.request), restore=None, resume=None)
             try:
-                result = await self._thread.run(self._step_everywhere, starts, cancels, stops)
+                result = await self._thread.run(self._step_everywhere, starts, cancels, stops, dropped)
             except Exception as exc:  # a model error must not take the server down
                 # The generator's state is unknown now: every row in it, and every
                 # row of this step not yet inserted, gets its answer at once.
@@ -462,6 +480,9 @@ class EngineActor:
     def _accept(self, msg: EngineInbox) -> None:
         if isinstance(msg, StartGeneration):
             self._pending.append(_Row(start=msg))
+            return
+        if isinstance(msg, ShardsDropped):
+            self._drops.extend(msg.refs)
             return
         for row in list(self._pending):
             if row.start.request.request_id == msg.request_id:
@@ -524,16 +545,64 @@ class EngineActor:
 
     # --- distributed (runtime/distributed.py) ------------------------------------------
 
-    def _step_everywhere(self, starts: list[_Row], cancels: list[int], stops: list[int]) -> _StepResult:
-        """A step, told first to the follower ranks (which must run the same generator operations)."""
-        if self._channel is not None:
-            requests = tuple(row.start.request for row in starts)
-            self._channel.send(StepOps(starts=requests, cancels=tuple(cancels), stops=tuple(stops)))
-        return self._step(starts, cancels, stops)
+    def _step_everywhere(
+        self, starts: list[_Row], cancels: list[int], stops: list[int], dropped: Sequence[ShardRef] = ()
+    ) -> _StepResult:
+        """A step, told first to the follower ranks (which must run the same generator operations).
+
+        With the prompt cache, a start says which cached prefix it lends (its key),
+        and the followers confirm they hold every one before anyone steps: a
+        follower that does not fails the step on every rank (then a reset) rather
+        than decode from another prefix than rank 0's.
+        """
+        if self._channel is None or self._channel.size == 1:
+            return self._step(starts, cancels, stops)
+        prefixes = tuple(self._lent_prefix(row) for row in starts)
+        mirror = self._mirror
+        drops = tuple(ref.key for ref in dropped if mirror is not None and mirror.dropped(ref))
+        ops = StepOps(
+            starts=tuple(row.start.request for row in starts),
+            prefixes=prefixes if any(p is not None for p in prefixes) else (),
+            cancels=tuple(cancels), stops=tuple(stops), drops=drops,
+        )
+        self._channel.send(ops)
+        if ops.lends and self._channel.gather_missing():
+            keys = [p.key for p in prefixes if p is not None]
+            for key in keys:  # never lent again: hits on them start cold
+                if mirror is not None:
+                    mirror.forget(key)
+            self._reset_drops.extend(keys)
+            raise MissingShard(f"a follower rank lacks its shard of a cached prefix this step lends ({len(keys)})")
+        self._stepping = True
+        result = self._step(starts, cancels, stops)
+        self._stepping = False
+        if mirror is not None:  # every rank kept the same checkpoints: the followers hold them now
+            result.notes[:] = [
+                attrs.evolve(n, shard=mirror.published(shard_key(n.namespace, n.tokens)))
+                if isinstance(n, PublishPrefix) else n
+                for n in result.notes
+            ]
+            self.stats["mirrored_prefixes"] = len(mirror)
+        return result
+
+    def _lent_prefix(self, row: _Row) -> PrefixRef | None:
+        """The cached prefix a start lends on every rank; a hit the followers do not hold starts cold."""
+        hit = row.start.hit
+        if hit is None:
+            return None
+        key = shard_key(hit.entry.namespace, hit.entry.tokens)
+        if hit.usable <= 0 or self._mirror is None or not self._mirror.holds(key):
+            row.start = attrs.evolve(row.start, hit=None)  # a cache miss on every rank, never a wrong prefix
+            if self._mirror is not None:
+                self.stats["mirror_misses"] = self.stats.get("mirror_misses", 0) + 1
+            return None
+        return PrefixRef(key, hit.usable, len(hit.entry.tokens))
 
     def _reset_everywhere(self) -> None:
         if self._channel is not None:
-            self._channel.send(StepOps(reset=True))
+            drops, self._reset_drops = tuple(self._reset_drops), []
+            self._channel.send(StepOps(reset=True, drops=drops, discard=self._stepping))
+        self._stepping = False
         self._reset()
 
     def follow(self) -> None:
@@ -542,25 +611,50 @@ class EngineActor:
         Returns when rank 0 shuts down. A step that fails here resets the
         generator; rank 0 then fails the same step and says so (`reset`); any
         other next step means the ranks diverged, and the follower stops.
+
+        With the prompt cache, this rank keeps its shard of every checkpoint its
+        steps produce (the same ones rank 0's cache owner receives) until rank 0
+        says its owner dropped them, and lends them when a start names their
+        key. A start from a key not held here is refused before the step: this
+        rank tells rank 0 (`confirm`), which fails the step and resets every rank.
         """
         self._load()
         assert self._channel is not None and self._channel.rank > 0
         events, nobody = trio.open_memory_channel[GenerationEvent](0)
         nobody.close()  # rows here deliver nothing: rank 0 answers the clients
+        shards = FollowerShards()
+        added: list[str] = []  # keys the latest step added (forgotten if rank 0 failed that step)
         failed = False
         try:
             while True:
                 ops = self._channel.receive()
                 if ops.shutdown:
                     return
+                missing = shards.missing_keys(ops.prefixes)
+                if ops.lends:
+                    self._channel.confirm(len(missing))
                 if ops.reset:
+                    shards.drop_all([*ops.drops, *(added if ops.discard else ())])
+                    added = []
                     self._reset()
                     self._rows.clear()
                     failed = False
                     continue
                 if failed:
                     raise RuntimeError("rank 0 went on after a step that failed here: the ranks diverged")
-                starts = [_Row(start=StartGeneration(request=r, hit=None, events=events)) for r in ops.starts]
+                if missing:  # rank 0 fails this step and resets every rank
+                    shards.missing += len(missing)
+                    log.error("engine.shard_missing", keys=missing, held=len(shards))
+                    shards.drop_all(ops.drops)
+                    failed = True
+                    continue
+                prefixes = ops.prefixes or (None,) * len(ops.starts)
+                starts = [
+                    _Row(start=StartGeneration(request=r, hit=None if p is None else shards.lend(p), events=events))
+                    for r, p in zip(ops.starts, prefixes, strict=True)
+                ]
+                shards.drop_all(ops.drops)  # lent rows keep what they borrowed
+                added = []
                 try:
                     result = self._step(starts, list(ops.cancels), list(ops.stops))
                 except Exception:
@@ -571,7 +665,15 @@ class EngineActor:
                     continue
                 for uid in result.finished:
                     self._rows.pop(uid, None)
+                for note in result.notes:
+                    if isinstance(note, PublishPrefix):
+                        key = shard_key(note.namespace, note.tokens)
+                        if key not in shards:
+                            added.append(key)
+                        shards.hold(note.namespace, note.tokens, note.payload, nbytes=note.nbytes,
+                                    trimmable=note.trimmable)
         finally:
+            log.info("engine.follower_shards", rank=self._channel.rank, **shards.summary())
             self._close()
             self._channel.close()
 

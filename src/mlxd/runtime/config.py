@@ -136,7 +136,8 @@ class RuntimeConfig:
     kv_events_block_size: int = attrs.field(default=16, validator=_positive)
 
     # One model sharded over the ranks `mlx.launch` started (runtime/distributed.py):
-    # rank 0 serves, the others follow. Needs the prompt cache off for now.
+    # rank 0 serves, the others follow. The prompt cache's RAM tier is mirrored (kv/shard_mirror.py);
+    # the SSD tier is not supported yet.
     distributed: bool = False
 
     # HTTP access and limits (see SECURITY.md). Keys never appear in reprs or logs.
@@ -159,10 +160,10 @@ class RuntimeConfig:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
         if self.generation_checkpoint > 0 and self.ssd_cache_dir is None:
             raise ValueError("--generation-checkpoint needs the SSD tier: set --ssd-cache DIR")
-        if self.distributed and (self.prompt_cache_bytes > 0 or self.ssd_cache_dir is not None):
-            # Followers would have to hold the same tokens' KV shard for every prefix rank 0 lends.
-            raise ValueError("--distributed serves without the prompt cache for now: "
-                             "leave out --ssd-cache (the RAM tier is turned off)")
+        if self.distributed and self.ssd_cache_dir is not None:
+            # Each rank would have to write, restore and flush its own shard files in step with rank 0.
+            raise ValueError("--distributed keeps the prompt cache in RAM only for now (each rank would need its "
+                             "own shard files): leave out --ssd-cache")
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")
         if self.ssd_shared and self.ssd_layout == "blocks":

@@ -4,22 +4,30 @@
 model and shards it with mlx-lm's own tensor parallelism (`model.shard(group)`:
 attention heads and MLP columns split across ranks, partial results summed by
 `all_sum` inside the forward pass). Rank 0 is the server: HTTP, scheduler,
-engine. The other ranks are followers: they run no HTTP and no cache, only
-the engine's step function, fed by rank 0.
+engine, cache owner. The other ranks are followers: they run no HTTP and no
+cache owner, only the engine's step function, fed by rank 0.
 
 Every forward pass is a collective, so all ranks must run the same sequence of
 `BatchGenerator` operations (insert the same prompts with the same samplers,
 remove the same rows, `next()`), in the same order. Before each step rank 0
 sends the step's inputs (`StepOps`: the requests that join, the rows
-cancelled or stopped) to every follower (`StepChannel`), and every follower
-replays them through the same `EngineActor._step`. Sampling is
-the same on every rank: the logits after the last `all_sum` are equal, greedy
+cancelled or stopped, the cached prefixes lent and dropped) to every
+follower (`StepChannel`), and every follower replays them through the same
+`EngineActor._step`. Sampling is the same on every rank: the logits after the last `all_sum` are equal, greedy
 rows take their argmax, and a sampling row's seed is fixed by rank 0 before
 the broadcast (`pin_seed`).
 
-The prompt cache is off when the world size is above one (RuntimeConfig
-refuses it): a lent prefix on rank 0 would have to be the same tokens' KV shard
-on every follower, which this first version does not keep.
+The prompt cache's RAM tier is mirrored (kv/shard_mirror.py): rank 0's cache
+owner decides everything, and each follower keeps its own KV shard of every
+prefix rank 0 holds. The followers' engines take the same checkpoints in the
+same steps as rank 0's, and keep each under `shard_key(namespace, tokens)`.
+A start names the key of the prefix it lends (`StepOps.prefixes`), and a step
+carries the keys rank 0's cache owner dropped since the last (`StepOps.drops`,
+at most `MAX_DROPS_PER_STEP`). Before a step that lends prefixes every
+follower says how many it lacks (`confirm` / `gather_missing`); any missing
+one fails the step on rank 0, which then resets every rank: a follower never
+starts a row from another prefix than rank 0's. The SSD tier is not supported
+when distributed (RuntimeConfig refuses `--ssd-cache`).
 
 `StepChannel` runs on the engine thread (of rank 0, or a follower's main thread).
 """
@@ -33,7 +41,16 @@ from typing import Any
 
 import attrs
 
+from mlxd.kv.shard_mirror import PrefixRef
 from mlxd.runtime.messages import GenerationRequest, SamplingParams
+
+# Drops sent with one step at most; the rest go with the next ones.
+MAX_DROPS_PER_STEP = 512
+
+
+def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:
+    if prefixes and len(prefixes) != len(ops.starts):
+        raise ValueError(f"{len(prefixes)} prefixes for {len(ops.starts)} starts")
 
 
 @attrs.frozen
@@ -41,10 +58,24 @@ class StepOps:
     """What rank 0's engine does in one step, for the followers to do the same."""
 
     starts: tuple[GenerationRequest, ...] = ()
+    # The cached prefix each start begins from (None: cold), in the order of `starts`;
+    # empty when every start is cold. A follower holds its shard under the same key.
+    prefixes: tuple[PrefixRef | None, ...] = attrs.field(default=(), validator=_prefixes_match)
     cancels: tuple[int, ...] = ()
     stops: tuple[int, ...] = ()
+    # Keys rank 0's cache owner no longer holds: followers drop their shards, after
+    # lending this step's prefixes and before keeping this step's checkpoints.
+    drops: tuple[str, ...] = ()
     reset: bool = False  # a failed step: drop the generator and start a fresh one
+    # With `reset`: the failed step ran on rank 0, so its checkpoints never reached the cache
+    # owner; followers forget the prefixes that step added.
+    discard: bool = False
     shutdown: bool = False  # rank 0 is stopping: followers exit
+
+    @property
+    def lends(self) -> bool:
+        """Whether a start begins from a cached prefix (the followers then confirm they hold it)."""
+        return any(p is not None for p in self.prefixes)
 
 
 def world_rank() -> int:
@@ -69,9 +100,13 @@ def decode_ops(data: bytes) -> StepOps:
     doc = json.loads(data)
     return StepOps(
         starts=tuple(_request(r) for r in doc["starts"]),
+        prefixes=tuple(None if p is None else PrefixRef(str(p["key"]), int(p["usable"]), int(p["total"]))
+                       for p in doc["prefixes"]),
         cancels=tuple(int(u) for u in doc["cancels"]),
         stops=tuple(int(u) for u in doc["stops"]),
+        drops=tuple(str(k) for k in doc["drops"]),
         reset=bool(doc["reset"]),
+        discard=bool(doc["discard"]),
         shutdown=bool(doc["shutdown"]),
     )
 
@@ -190,6 +225,23 @@ class StepChannel:
         self._sum(mx.array([len(data)], dtype=mx.int32))
         self._sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
 
+    def gather_missing(self) -> int:
+        """Rank 0, after sending a step that lends prefixes: how many the followers lack (0: go on)."""
+        import mlx.core as mx
+
+        if self._peers:
+            return sum(int.from_bytes(_recv_exactly(conn, 4, "a follower rank"), "big") for conn in self._peers)
+        return int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
+
+    def confirm(self, missing: int) -> None:
+        """A follower, before a step that lends prefixes: how many of them it lacks."""
+        import mlx.core as mx
+
+        if self._leader is not None:
+            self._leader.sendall(missing.to_bytes(4, "big"))
+            return
+        self._sum(mx.array([missing], dtype=mx.int32))
+
     def receive(self) -> StepOps:
         """A follower: wait for rank 0's next `StepOps`."""
         import mlx.core as mx
@@ -216,11 +268,11 @@ def _leader_host() -> str | None:
         return None
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+def _recv_exactly(conn: socket.socket, n: int, who: str = "rank 0") -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = conn.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("rank 0 closed the step channel")
+            raise ConnectionError(f"{who} closed the step channel")
         buf += chunk
     return bytes(buf)

@@ -22,6 +22,7 @@ import trio
 from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
+from mlxd.kv.shard_mirror import ShardRef
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
 from mlxd.runtime.channels import Reply
@@ -186,7 +187,17 @@ class CancelGeneration:
     request_id: str
 
 
-EngineInbox = StartGeneration | CancelGeneration
+@attrs.frozen
+class ShardsDropped:
+    """`--distributed`: mirrored prefixes the cache owner no longer holds (kv/shard_mirror.py).
+
+    The engine tells the follower ranks with its next step.
+    """
+
+    refs: tuple[ShardRef, ...]
+
+
+EngineInbox = StartGeneration | CancelGeneration | ShardsDropped
 
 
 # --- cache owner inbox ---------------------------------------------------------
@@ -236,6 +247,7 @@ class PublishPrefix:
     plan: SnapshotPlan | None = None  # for the SSD writer (None without an SSD tier)
     durable: bool = False  # already on SSD (a restored file)
     session: str | None = None  # the session whose latest checkpoint this becomes
+    shard: ShardRef | None = None  # --distributed: the followers keep their shard of it under this key
 
 
 @attrs.frozen(eq=False)

@@ -567,6 +567,8 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             await nursery.start(cold.prefetcher.run)
             if cold.checkpointer is not None:
                 await nursery.start(cold.checkpointer.run)
+        if config.distributed:  # followers drop their shards of what leaves RAM (kv/shard_mirror.py)
+            cache_owner.attach_engine(engine_send.clone())
         if config.kv_events_endpoint:
             await _start_kv_events(nursery, config, cache_owner, info.store_identity.fingerprint)
         await nursery.start(cache_owner.run)
