@@ -101,3 +101,44 @@ def test_a_server_restores_into_mlx_memory_with_the_same_tokens(tiny_model_dir, 
         got = [c["logprob"] for c in again["choices"][0]["logprobs"]["content"]]
         want = [c["logprob"] for c in warm["choices"][0]["logprobs"]["content"]]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+async def test_the_prefetcher_reads_the_host_way_when_no_mlx_memory_can_be_had(tmp_path):
+    """A landing that fails (no memory, shutting down) is not the file's fault: read to the host instead."""
+    import trio
+
+    from mlxd.actors.prefetcher import PrefetcherActor
+    from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity, compute_fingerprint
+    from mlxd.runtime.channels import Reply
+    from mlxd.runtime.messages import FetchSnapshot, PrefetchSnapshot, PrefetchStats
+
+    identity = StoreIdentity(model_id="m", fingerprint=compute_fingerprint({"c": "landing"}), tokenizer_hash="t")
+    store = SsdStore(tmp_path, identity)
+    (tmp_path / "x").mkdir()
+    caches, _ = snapshot(tmp_path / "x", mx.float32)
+    written = store.write(kinds.plan_snapshot(caches, meta=identity.meta(list(range(37)), "")))
+    assert isinstance(written, Stored)
+    calls = []
+
+    async def no_memory(header):
+        calls.append(header)
+        raise MemoryError("no room for the landing")
+
+    inbox_send, inbox = trio.open_memory_channel(8)
+    cache_send, cache_inbox = trio.open_memory_channel(8)
+    actor = PrefetcherActor(store, inbox=inbox, cache=cache_send, verify=True, land=no_memory)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        reply: Reply = Reply()
+        await inbox_send.send(FetchSnapshot(written.record, reply))
+        loaded = await reply.wait()
+        stats: Reply[PrefetchSnapshot] = Reply()
+        await inbox_send.send(PrefetchStats(stats))
+        counts = await stats.wait()
+        nursery.cancel_scope.cancel()
+    assert len(calls) == 1 and loaded is not None and loaded.landed is None
+    assert counts.reads == 1 and counts.read_failures == 0 and counts.reads_into_mlx == 0
+    with pytest.raises(trio.EndOfChannel):  # closed by the actor with nothing in it
+        cache_inbox.receive_nowait()  # no RecordLost: the record stays indexed
+    for a, c in zip(kinds.adopt(loaded), caches, strict=True):
+        assert mx.array_equal(a.keys, c.keys[..., :37, :])

@@ -38,6 +38,10 @@ from mlxd.runtime.messages import (
 log = get_logger("mlxd.prefetcher")
 
 
+class _LandingFailed(Exception):
+    """The engine could not provide MLX memory for a read (the file itself is not at fault)."""
+
+
 class _Read:
     def __init__(self) -> None:
         self.done = trio.Event()
@@ -101,11 +105,24 @@ class PrefetcherActor:
 
     async def _read(self, record: SsdRecord, read: _Read) -> None:
         allocate = self._land
-        land = None if allocate is None else (lambda header: trio.from_thread.run(allocate, header))
+
+        def land(header: FileHeader) -> Landing:
+            assert allocate is not None
+            try:
+                return trio.from_thread.run(allocate, header)
+            except (Exception, trio.Cancelled) as exc:  # e.g. no memory for it, or shutting down
+                raise _LandingFailed(repr(exc)) from exc
+
+        def load() -> LoadedSnapshot | None:
+            if allocate is not None:
+                try:
+                    return self._store.load(record, verify=self._verify, land=land)
+                except _LandingFailed as exc:  # the file is fine: read it the host way instead
+                    log.warning("prefetch.landing_failed", path=str(record.path), error=str(exc))
+            return self._store.load(record, verify=self._verify)
+
         try:
-            read.loaded = await trio.to_thread.run_sync(
-                lambda: self._store.load(record, verify=self._verify, land=land), limiter=self._threads
-            )
+            read.loaded = await trio.to_thread.run_sync(load, limiter=self._threads)
         except Exception as exc:  # a failed read is a miss
             log.warning("prefetch.read_failed", path=str(record.path), error=repr(exc))
             read.loaded = None
