@@ -83,6 +83,10 @@ def test_a_served_prompt_that_differs_turns_reuse_off(wide_tokenizer_dir):
     text = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
                                    tokenize=False)
     tok._tokenizer.split_special_tokens = True  # the tokenizer changes its mind after the check
-    assert _join(tok, _split(enc._cut, text)) != tuple(tok.encode(text, add_special_tokens=False))  # the premise
-    assert enc.encode(text) == tuple(tok.encode(text, add_special_tokens=False))
+    whole = tuple(tok.encode(text, add_special_tokens=False))
+    assert _join(tok, _split(enc._cut, text)) != whole  # the premise
+    served = enc.encode(text)  # by pieces: the check runs beside it, costing the request nothing
+    assert tok.decode(list(served)) == tok.decode(list(whole))  # still exactly this text
+    enc.drain()
     assert not enc.enabled and enc.stats()["held_tokens"] == 0
+    assert enc.encode(text) == whole  # from now on, whole

@@ -16,9 +16,11 @@ system prompt come back as cache hits.
 That equality is a property of the tokenizer, so it is checked, not assumed:
 only added tokens that strip no whitespace and match the raw text cut pieces;
 a sample conversation through the model's own chat template must give the
-same ids both ways at startup; and the first prompts served are encoded both
-ways too. Any difference turns reuse off for the process (logged), and every
-prompt is then encoded whole, as before.
+same ids both ways at startup; and the first prompts served are encoded
+whole as well, on a background thread (so the check costs no request any
+time). Any difference turns reuse off for the process (logged), and every
+prompt is then encoded whole, as before. (A prompt served in the meantime
+had ids that spell its text exactly, only not the canonical ones.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -54,6 +57,8 @@ class PieceEncoder:
         self._held = 0
         self._lock = threading.Lock()
         self._verify_left = verify_first
+        self._checker: ThreadPoolExecutor | None = None
+        self._checks: list[Future[None]] = []
         self.hits = 0  # pieces reused
         self.misses = 0  # pieces encoded
         self.reused_tokens = 0
@@ -69,14 +74,25 @@ class PieceEncoder:
         if not self.enabled:
             return self._whole(text)
         ids = self._by_pieces(text)
-        if self._verify_left > 0:
-            with self._lock:
+        with self._lock:
+            check = self._verify_left > 0
+            if check:
                 self._verify_left -= 1
-            whole = self._whole(text)
-            if whole != ids:
-                self._disable("a served prompt encoded differently by pieces")
-                return whole
+                if self._checker is None:
+                    self._checker = ThreadPoolExecutor(1, thread_name_prefix="mlxd-prompt-check")
+                self._checks.append(self._checker.submit(self._check, text, ids))
         return ids
+
+    def drain(self) -> None:
+        """Wait for the background checks submitted so far (tests, shutdown)."""
+        with self._lock:
+            checks, self._checks = self._checks, []
+        for f in checks:
+            f.result()
+
+    def _check(self, text: str, ids: tuple[int, ...]) -> None:
+        if self._whole(text) != ids:
+            self._disable("a served prompt encoded differently by pieces")
 
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
