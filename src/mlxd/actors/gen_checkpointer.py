@@ -81,6 +81,7 @@ class GenerationCheckpointer:
             "superseded": self._queue.superseded,
             "entries": len(self._entries),
             "pending": len(self._queue),
+            "owned": self._queue.owners,
             "pending_bytes": self._queue.pending_bytes(),
             "writing": self._writing,
         }

@@ -185,6 +185,11 @@ class CheckpointQueue:
         """Is a live request writing or continuing this key's checkpoint?"""
         return key in self._owners
 
+    @property
+    def owners(self) -> int:
+        """Keys a live request owns (their checkpoints are not resumable until it leaves)."""
+        return len(self._owners)
+
     def removing(self, key: str) -> bool:
         """Is a removal of `key` queued (its request completed)?"""
         return isinstance(self._jobs.get(key), RemoveJob)
