@@ -277,7 +277,8 @@ _SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
 def _copy(dst: memoryview, src: memoryview) -> None:
     """memcpy without the GIL (numpy releases it): a memoryview slice assignment holds it
     for the whole copy, and 16 MiB of that stalls the event loop and the engine thread
-    (a 1 ms sleeper woke 6.8 ms late at the median beside such copies, 1.1 ms with numpy);
+    (a 1 ms sleeper woke after 7.6 ms at the median beside such copies, 1.1 ms with numpy:
+    benchmarks/bench_gil_copy.py);
     on CUDA each page read may also fault."""
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
