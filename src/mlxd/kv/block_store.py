@@ -72,7 +72,6 @@ MANIFEST_MAGIC = b"MLXDMF\r\n"
 MANIFEST_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, body_len, sha256, reserved
 _MAX_MANIFEST = 64 << 20
-_READ_CHUNK = 8 << 20
 
 
 # ------------------------------------------------------------- records
@@ -235,6 +234,7 @@ class BlockStore:
     root: Path = attrs.field(converter=Path)
     identity: StoreIdentity
     block_tokens: int = bk.BLOCK_TOKENS
+    readers: int = attrs.field(default=attrs.Factory(lambda: READERS))  # blocks a load reads at once
     _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
 
     @property
@@ -603,25 +603,28 @@ def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> t
     def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]) -> None:
         _read_block(store, meta.namespace, *job, verify=verify)
 
-    if READERS <= 1 or len(jobs) <= 1:
+    if store.readers <= 1 or len(jobs) <= 1:
         for job in jobs:
             read(job)
     else:
-        list(_reader_pool().map(read, jobs))  # a few files in flight hide each file's first-read latency
+        list(_reader_pool(store.readers).map(read, jobs))  # several files in flight: see READERS
     return tuple(full)
 
 
-READERS = 2  # blocks read concurrently by one load (their destinations are disjoint)
-_pool: ThreadPoolExecutor | None = None
+READERS = 4
+"""Blocks one load reads at once (their destinations are disjoint). On this project's VM disk
+(docs/benchmarks.md, issue 14) one file at a time read 24 MiB blocks at ~0.65x the speed of one
+large file, two at a time ~0.85x, four ~0.95-1.0x; eight did no better than four."""
+_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def _reader_pool() -> ThreadPoolExecutor:
-    global _pool
+def _reader_pool(readers: int) -> ThreadPoolExecutor:
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="mlxd-block-read")
-        return _pool
+        pool = _pools.get(readers)
+        if pool is None:
+            pool = _pools[readers] = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="mlxd-block-read")
+        return pool
 
 
 _HUGE = 2 << 20
@@ -671,7 +674,14 @@ def _read_block(
     *,
     verify: bool,
 ) -> None:
-    """Read one block (same checks as a whole file) with its tensor rows going straight into place."""
+    """Read one block (same checks as a whole file) with its tensor rows going straight into place.
+
+    After the header, the rest of the block (padding, then every tensor's
+    rows) is one scatter read (`preadv`) into the destination rows: the
+    kernel sees the whole block as one request and reads ahead at full size
+    from its first byte, where row-sized reads restart its readahead ramp in
+    every block file.
+    """
     path = store.block_path(ref.name)
     try:
         with open(path, "rb", buffering=0) as f:
@@ -692,41 +702,53 @@ def _read_block(
                 or len(tensors) != len(runs)
             ):
                 raise _BadBlock(ref.name, "block does not match its manifest")
-            pos = f.tell()
-            for t, rows in zip(tensors, runs, strict=True):
-                _skip(f, t.offset - pos, verify=verify, name=ref.name)
-                crc = 0
-                for row in rows:
-                    _readinto_all(f, row, ref.name)
-                    if verify:
-                        crc = zlib.crc32(row, crc)
-                if verify and f"{crc:08x}" != t.crc32:
-                    raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
-                pos = t.offset + t.nbytes
+            start = f.tell()
+            ends = [start, *(t.offset + t.nbytes for t in tensors)]
+            gaps = [t.offset - end for t, end in zip(tensors, ends, strict=False)]
+            if any(g < 0 for g in gaps):
+                raise _BadBlock(ref.name, "tensors out of order")
+            pad = memoryview(bytearray(sum(gaps)))  # read too, so the request stays one range
+            views: list[memoryview] = []
+            at = 0
+            for gap, rows in zip(gaps, runs, strict=True):
+                views.append(pad[at : at + gap])
+                views.extend(rows)
+                at += gap
+            _preadv_all(f.fileno(), views, start, ref.name)
     except FileNotFoundError as exc:
         raise _BadBlock(ref.name, "block file is missing") from exc
     except OSError as exc:
         raise ff.storage_error(exc, f"reading {path}") from exc
+    if verify:
+        if pad.tobytes().count(0) != pad.nbytes:
+            raise _BadBlock(ref.name, "nonzero padding between tensors")
+        for t, rows in zip(tensors, runs, strict=True):
+            crc = 0
+            for row in rows:
+                crc = zlib.crc32(row, crc)
+            if f"{crc:08x}" != t.crc32:
+                raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
 
 
-def _readinto_all(f: Any, dest: memoryview, name: str) -> None:
-    while dest.nbytes:
-        n = f.readinto(dest)
+_IOV_MAX = 1024  # Linux's UIO_MAXIOV: buffers per preadv call
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int, name: str) -> None:
+    """Fill `views`, in order, from the file at `offset` (scatter reads; short reads resumed)."""
+    todo = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(todo):
+        n = os.preadv(fd, todo[i : i + _IOV_MAX], offset)
         if not n:
             raise _BadBlock(name, "block file ends early")
-        dest = dest[n:]
-
-
-def _skip(f: Any, n: int, *, verify: bool, name: str) -> None:
-    if n < 0:
-        raise _BadBlock(name, "tensors out of order")
-    if not verify:
-        f.seek(n, os.SEEK_CUR)
-        return
-    pad = bytearray(n)
-    _readinto_all(f, memoryview(pad), name)
-    if pad.count(0) != n:
-        raise _BadBlock(name, "nonzero padding between tensors")
+        offset += n
+        while n:
+            head = todo[i]
+            if n < head.nbytes:
+                todo[i] = head[n:]
+                break
+            n -= head.nbytes
+            i += 1
 
 
 def _touch(record: SsdRecord) -> None:
