@@ -20,8 +20,12 @@ deduplicated KV (the KV of the distinct prefixes of every retained
 checkpoint, each token once), and restore bandwidth of the longest
 checkpoint — read + adopt into MLX from a cold page cache — against the raw
 sequential read of a plain file of the same size (alternating order, median).
-A last probe reads the same 192 MiB cold as 6 MiB files, 24 MiB files and one
-file, to separate the disk's cost per file from the block reader's.
+Block restores run once per `--readers` count (how many block files one load
+reads at once), side by side. A last probe reads the same 192 MiB cold as
+6 MiB files, 24 MiB files and one file, one file at a time, with every file
+announced to the kernel up front (WILLNEED), and 4 or 8 files at a time, to
+separate the disk's cost per file (and per outstanding request) from the
+block reader's.
 
 KV shape: `--layers` x `--kv-heads` x `--head-dim`, fp32 (24 KiB per token by
 default, as the "bench" model preset; ratios do not depend on the shape beyond
@@ -241,7 +245,8 @@ def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any]) -> dict[str, Any]:
     """Restore cold, alternating: a fresh long checkpoint (whole file, blocks of each size), the
     longest conversation of the storage run as each store left it (partial blocks included),
-    and the raw sequential read of a plain copy. Each against the raw read of the same round."""
+    and the raw sequential read of a plain copy. Each against the raw read of the same round.
+    Block restores run once per `--readers` count (blocks read at once), named `..._r<N>`."""
     import gc
 
     nrng = np.random.default_rng(args.seed)
@@ -252,19 +257,22 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
     plain = work / "plain.bin"
     shutil.copyfile(whole_path, plain)
-    stores: dict[str, tuple[bs.BlockStore, SsdRecord]] = {}
+    stores: dict[str, tuple[bs.BlockStore, SsdRecord, int]] = {}
     for bt in args.block_tokens:
         store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
-        stores[f"blocks_{bt}"] = (store, store.write(plan).record)
-        stores[f"conversation_blocks_{bt}"] = longest[bt]
+        record = store.write(plan).record
+        for n in args.readers:
+            stores[f"blocks_{bt}_r{n}"] = (store, record, n)
+            stores[f"conversation_blocks_{bt}_r{n}"] = (*longest[bt], n)
     del plan
 
     def cold(paths: list[Path]) -> None:
         for p in paths:
             bench_ssd_io.drop_cache(p)
 
-    def restore_blocks(store: bs.BlockStore, record: SsdRecord) -> tuple[float, int]:
+    def restore_blocks(store: bs.BlockStore, record: SsdRecord, readers: int) -> tuple[float, int]:
         cold([store.block_path(b.name) for b in record.blocks] + [record.path])
+        store.readers = readers
         t0 = time.perf_counter()
         restored = kinds.adopt(store.load(record, verify=args.verify))
         seconds = time.perf_counter() - t0
@@ -306,7 +314,8 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     summary: dict[str, Any] = {
         "tokens": args.bandwidth_tokens, "bytes": whole_path.stat().st_size, "verify": args.verify,
         "conversation_tokens": len(longest[args.block_tokens[0]][1].tokens),
-        "files": {k: len(rec.blocks) for k, (_, rec) in stores.items()},
+        "files": {k: len(rec.blocks) for k, (_, rec, _) in stores.items()},
+        "readers_default": bs.READERS,
         "median_MBps": {k: statistics.median(r[f"{k}_MBps"] for r in rounds) for k in names},
         "median_ratio_to_raw": {k: statistics.median(r[f"{k}_ratio"] for r in rounds) for k in names},
         "goal_ratio_min": 0.8,
@@ -317,7 +326,11 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
 
 
 def run_file_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Is it the files? Cold sequential reads of the same bytes as many small files or one big one."""
+    """Is it the files? Cold sequential reads of the same bytes as many small files or one big one,
+    one file at a time (queue depth 1: today's serial loop), with every file announced up front
+    (`posix_fadvise(WILLNEED)` on all, then the same loop), and 4 or 8 files at a time (threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     total = 192 << 20
     chunk = os.urandom(8 << 20)
     probe = work / "probe"
@@ -334,18 +347,44 @@ def run_file_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 os.fsync(f.fileno())
             paths.append(path)
         sets[f"{size >> 20}MB_files"] = paths
-    buf = memoryview(bytearray(8 << 20))
-    rates: dict[str, list[float]] = {k: [] for k in sets}
-    for _ in range(args.rounds):
+
+    def read_one(path: Path) -> None:
+        buf = memoryview(bytearray(8 << 20))
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    def serial(paths: list[Path]) -> None:
+        for p in paths:
+            read_one(p)
+
+    def willneed(paths: list[Path]) -> None:
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        try:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            serial(paths)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    pools = {n: ThreadPoolExecutor(n) for n in (4, 8)}
+    modes: dict[str, Any] = {
+        "serial": serial, "willneed": willneed,
+        **{f"threads{n}": (lambda paths, pool=pool: list(pool.map(read_one, paths))) for n, pool in pools.items()},
+    }
+    rates: dict[str, list[float]] = {f"{k}_{m}": [] for k in sets for m in modes}
+    for r in range(args.rounds):
         for name, paths in sets.items():
-            for p in paths:
-                bench_ssd_io.drop_cache(p)
-            t0 = time.perf_counter()
-            for p in paths:
-                with open(p, "rb", buffering=0) as f:
-                    while f.readinto(buf):
-                        pass
-            rates[name].append(total / (time.perf_counter() - t0) / 1e6)
+            order = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
+            for mode in order:
+                for p in paths:
+                    bench_ssd_io.drop_cache(p)
+                t0 = time.perf_counter()
+                modes[mode](paths)
+                rates[f"{name}_{mode}"].append(total / (time.perf_counter() - t0) / 1e6)
+    for pool in pools.values():
+        pool.shutdown()
     shutil.rmtree(probe, ignore_errors=True)
     summary = {k: {"median_MBps": statistics.median(v), "best_MBps": max(v)} for k, v in rates.items()}
     print(json.dumps(summary, indent=1), flush=True)
@@ -365,6 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-tokens", type=int, nargs="+", default=[256, 1024], help="block spans to compare")
     p.add_argument("--rounds", type=int, default=8, help="restore bandwidth rounds")
+    p.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="restore bandwidth: blocks one load reads at once (BlockStore.readers), side by side")
     p.add_argument("--bandwidth-tokens", type=int, default=8000, help="restore bandwidth: checkpoint tokens")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                    help="restore with per-tensor CRC-32 checks (the tier's default is off)")
@@ -385,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         storage = run_storage(args, work)
         print("=== restore bandwidth ===", flush=True)
         bandwidth = run_bandwidth(args, work, storage.pop("longest"))
-        print("=== file-size probe: 192 MiB as 6 MiB files, 24 MiB files, one file ===", flush=True)
+        print("=== file-size probe: 192 MiB as 6 MiB files, 24 MiB files, one file; 1, all, 4, 8 at a time ===",
+              flush=True)
         probe = run_file_probe(args, work)
     finally:
         if not args.keep:

