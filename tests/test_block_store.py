@@ -255,6 +255,90 @@ def test_damaged_block_is_a_miss_and_removed(tmp_path):
     assert not victim.exists() and not stored.record.path.exists()
 
 
+def test_restore_is_the_same_with_any_number_of_readers_and_concurrent_loads(tmp_path):
+    """Blocks read one at a time, several at once, and by loads running side by side all land exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokens = list(range(7, 7 + 16 * 9 + 5))  # 9 full blocks and a partial one
+    caches = conversation_kv(tokens, layers=3)
+    rec = write(make_store(tmp_path), tokens, caches=caches).record
+    for readers in (1, 2, 8):
+        store = BlockStore(tmp_path, IDENTITY, block_tokens=B, readers=readers)
+        for verify in (False, True):
+            loaded = store.load(rec, verify=verify)
+            assert loaded is not None and loaded.header.tokens == tuple(tokens)
+            assert_same_caches(kinds.adopt(loaded), caches)
+    store = BlockStore(tmp_path, IDENTITY, block_tokens=B, readers=3)
+    with ThreadPoolExecutor(4) as pool:
+        loads = list(pool.map(lambda _: store.load(rec, verify=True), range(8)))
+    for loaded in loads:
+        assert loaded is not None
+        assert_same_caches(kinds.adopt(loaded), caches)
+
+
+def test_blocks_with_more_rows_than_one_scatter_read_takes(tmp_path):
+    """A block's rows go into place by scatter reads of at most 1,024 buffers each: more rows
+    than that (many heads) take several reads and still land exactly."""
+    tokens = list(range(40))
+    heads = 300  # per tensor; 2 layers x K and V = 1,200 rows per block, plus padding
+    caches = []
+    for layer in range(2):
+        c = mlc.KVCache()
+        k = mx.random.normal((1, heads, len(tokens), 8), key=mx.random.key(layer))
+        c.update_and_fetch(k, k * -2.0)
+        caches.append(c)
+    store = make_store(tmp_path)
+    stored = write(store, tokens, caches=caches)
+    assert len(stored.record.blocks) == 3
+    for verify in (False, True):
+        loaded = store.load(stored.record, verify=verify)
+        assert loaded is not None
+        assert_same_caches(kinds.adopt(loaded), caches)
+
+
+def test_scatter_read_fills_views_in_order_and_reports_a_short_file(tmp_path):
+    from mlxd.kv.block_store import _BadBlock, _preadv_all
+
+    data = np.random.default_rng(3).integers(0, 256, 3 * 1024 + 7, dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    sizes = [1, 0, 5, *([2] * 1500), 3]  # more buffers than one call takes, an empty one too
+    bufs = [bytearray(n) for n in sizes]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _preadv_all(fd, [memoryview(b) for b in bufs], 7, "f")
+        assert b"".join(bufs) == data[7 : 7 + sum(sizes)]
+        tail = bytearray(20)  # the file ends 11 bytes into this buffer
+        with pytest.raises(_BadBlock, match="ends early"):
+            _preadv_all(fd, [memoryview(bytearray(3)), memoryview(tail)], len(data) - 14, "f")
+        assert bytes(tail[:11]) == data[-11:]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("where", ["padding", "tensor"])
+def test_damage_inside_a_block_is_caught_by_verify(tmp_path, where):
+    """Nonzero padding between tensors and a flipped tensor byte fail a verified load (a miss that
+    removes the block and its manifest); without verify only the header and sizes are checked."""
+    store = make_store(tmp_path)
+    tokens = list(range(40))
+    stored = write(store, tokens)
+    ref = stored.record.blocks[1]
+    victim = store.block_path(ref.name)
+    header = ff.read_header(victim)
+    first, second = [t for _, t in header.tensors()][:2]
+    assert first.offset + first.nbytes < second.offset  # 1 KiB tensors, page-aligned: padding between
+    at = first.offset + first.nbytes + 5 if where == "padding" else second.offset + 9
+    with open(victim, "r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(bytes([old[0] ^ 0x5A]))
+    assert store.load(stored.record, verify=False) is not None
+    assert store.load(stored.record, verify=True) is None
+    assert not victim.exists() and not stored.record.path.exists()
+
+
 def test_missing_block_is_a_miss_and_scan_drops_its_manifest(tmp_path):
     store = make_store(tmp_path)
     a = write(store, list(range(40)))
