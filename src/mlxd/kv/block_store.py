@@ -76,8 +76,9 @@ READERS = 8
 """Block files one load reads at once (`BlockStore.readers`). One file at a time, every block
 pays the disk's first-read latency and readahead ramp in series; with several files in flight
 the device always has requests queued. On this project's VM disk (docs/benchmarks.md, issue
-14) 8 at a time read 1,024-token blocks at 0.9-1.0x the raw sequential read of the same bytes
-and 256-token blocks (4x the files) at ~0.8-0.9x, where 1 or 2 at a time read 0.4-0.7x."""
+14) loads with 8 at a time ran at 1.0-1.16x the raw sequential read of the same bytes for
+1,024-token blocks (5 of 6 medians) and 0.78-0.92x for 256-token blocks (4x the files); one
+at a time, 0.23-0.82x."""
 
 
 # ------------------------------------------------------------- records
