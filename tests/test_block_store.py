@@ -296,6 +296,36 @@ def test_blocks_with_more_rows_than_one_scatter_read_takes(tmp_path):
         assert_same_caches(kinds.adopt(loaded), caches)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_blocks_land_straight_in_mlx_arrays_that_adopt_takes_without_a_copy(tmp_path, dtype):
+    """`load(land=kinds.landing)`: every block's rows (and the state block) are read into the MLX
+    arrays the landing allocated, and adopt uses those arrays as they are."""
+    tokens = list(range(40))
+    n = len(tokens)
+    kv = conversation_kv(tokens, layers=2, dtype=dtype)
+    rot = mlc.RotatingKVCache(max_size=8)
+    rot.update_and_fetch(mx.random.normal((1, 2, n, 8)).astype(dtype), mx.random.normal((1, 2, n, 8)).astype(dtype))
+    caches = [*kv, rot]
+    store = make_store(tmp_path)
+    rec = write(store, tokens, caches=caches).record
+    assert [b.state for b in rec.blocks] == [False, False, False, True]
+    for verify in (False, True):
+        loaded = store.load(rec, verify=verify, land=kinds.landing)
+        assert loaded is not None and loaded.landed is not None and len(loaded.landed) == 6
+        landed_at = {np.asarray(memoryview(a)).ctypes.data for a in loaded.landed}
+        seen: list[memoryview] = []
+        adopted = kinds.adopt(loaded, landed=seen.extend)
+        assert {np.frombuffer(v.cast("B"), dtype=np.uint8).ctypes.data for v in seen} == landed_at
+        assert adopted[0].keys.dtype == dtype
+        assert_same_caches(adopted, caches)
+    # A landing that does not fit the checkpoint is refused before any byte is read into it.
+    with pytest.raises(ValueError, match="landing"):
+        store.load(rec, land=lambda h: ff.Landing((memoryview(bytearray(4)),), None))
+    with pytest.raises(ValueError, match="writable"):
+        store.load(rec, land=lambda h: ff.Landing(tuple(memoryview(bytes(t.nbytes)) for _, t in h.tensors()), None))
+    assert store.load(rec) is not None  # nothing was removed
+
+
 def test_scatter_read_fills_views_in_order_and_reports_a_short_file(tmp_path):
     from mlxd.kv.block_store import _BadBlock, _preadv_all
 

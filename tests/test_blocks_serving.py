@@ -65,8 +65,10 @@ def test_shared_prefix_is_stored_once_and_survives_restarts(tmp_path, tiny_model
     assert len(manifests) == stats["entries"]
     assert list(cache.rglob("*" + BLOCK_EXT)) and not list(cache.rglob("*.mlxkv"))
 
-    # A restart restores each conversation from its blocks and continues as the RAM tier did.
-    with serve(tmp_path, tiny_model_dir, cache, "second", "--ssd-layout", "blocks", "--ssd-block-tokens", "32") as p:
+    # A restart restores each conversation from its blocks and continues as the RAM tier did
+    # (read straight into MLX arrays here; the whole-file server below reads into host memory).
+    with serve(tmp_path, tiny_model_dir, cache, "second", "--ssd-layout", "blocks", "--ssd-block-tokens", "32",
+               "--restore-landing", "mlx") as p:
         with p.client() as http:
             messages, before = warm[0]
             again = chat(http, messages)
@@ -74,7 +76,8 @@ def test_shared_prefix_is_stored_once_and_survives_restarts(tmp_path, tiny_model
             assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
             assert again["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
             assert logprobs(again) == pytest.approx(logprobs(before), abs=1e-4)
-            assert http.get("/stats").json()["ssd_cache"]["restores"] == 1
+            stats = http.get("/stats").json()["ssd_cache"]
+            assert stats["restores"] == 1 and stats["prefetch"]["reads_into_mlx"] == 1
         p.signal(signal.SIGTERM)
         assert p.wait() == 0
     assert "ssd_block_scan" in p.log()
@@ -85,4 +88,5 @@ def test_shared_prefix_is_stored_once_and_survives_restarts(tmp_path, tiny_model
         again = chat(http, messages)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
         assert logprobs(again) == pytest.approx(logprobs(before), abs=1e-4)
-        assert http.get("/stats").json()["ssd_cache"]["layout"] == "whole"
+        stats = http.get("/stats").json()["ssd_cache"]
+        assert stats["layout"] == "whole" and stats["restores"] == 1 and stats["prefetch"]["reads_into_mlx"] == 0

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -370,12 +370,23 @@ class BlockStore:
 
     # -------------------------------------------------------------- reads
 
-    def load(self, record: SsdRecord, *, verify: bool = False) -> ff.LoadedSnapshot | None:
+    def load(
+        self,
+        record: SsdRecord,
+        *,
+        verify: bool = False,
+        land: Callable[[ff.FileHeader], ff.Landing] | None = None,
+    ) -> ff.LoadedSnapshot | None:
         """Read a checkpoint's manifest and blocks for adoption; None (a miss) when anything is
         missing or damaged. A damaged block is removed with the manifest that led to it; the
-        other manifests naming it miss in turn when they are loaded."""
+        other manifests naming it miss in turn when they are loaded.
+
+        `land`, as for whole files (`read_snapshot`): called once with the checkpoint's header
+        (the manifest's caches), it gives the memory every tensor is read into (e.g. MLX
+        arrays, which `adopt()` then takes without a copy) instead of a private mapping."""
         assert record.path is not None
         t0 = time.perf_counter()
+        landing = None
         try:
             manifest = read_manifest(record.path)
             if manifest.tokens != tuple(record.tokens) or manifest.namespace != record.namespace:
@@ -383,7 +394,9 @@ class BlockStore:
             problem = self.identity.mismatch(manifest.meta, record.path.parent.name)
             if problem:
                 raise ff.CorruptFile(problem)
-            buffers = _read_blocks(self, manifest, verify=verify)
+            header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
+            landing = land(header) if land is not None else None
+            buffers = _read_blocks(self, manifest, verify=verify, landing=landing)
         except _BadBlock as bad:
             log.warning("ssd_corrupt_block_removed", block=bad.name, manifest=str(record.path), reason=str(bad))
             _unlink_quietly(self.block_path(bad.name))
@@ -396,9 +409,8 @@ class BlockStore:
         except ff.StorageError as exc:
             log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
             return None
-        header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
         _touch(record)
-        return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0)
+        return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0, None if landing is None else landing.owner)
 
     def block_paths(self, record: SsdRecord) -> list[Path]:
         return [self.block_path(b.name) for b in record.blocks]
@@ -590,12 +602,14 @@ class _BadBlock(Exception):
         self.name = name
 
 
-def _read_blocks(store: BlockStore, manifest: bk.Manifest, *, verify: bool) -> tuple[np.ndarray, ...]:
+def _read_blocks(
+    store: BlockStore, manifest: bk.Manifest, *, verify: bool, landing: ff.Landing | None = None
+) -> tuple[np.ndarray, ...]:
     """Read every block of a manifest straight into the checkpoint's full tensors, `store.readers`
     block files at a time (their destinations are disjoint), one scatter read per block."""
     n = len(manifest.tokens)
     descs = [(leaf, t) for leaf in bk.leaves(manifest.caches) for t in leaf.tensors if t is not None]
-    full = _allocate([t for _, t in descs])
+    full = _allocate([t for _, t in descs]) if landing is None else _landed([t for _, t in descs], landing)
     spanned_dest = [a for (leaf, _), a in zip(descs, full, strict=True) if bk.spanned(leaf, n)]
     whole_dest = [a for (leaf, _), a in zip(descs, full, strict=True) if not bk.spanned(leaf, n)]
     meta = manifest.meta
@@ -657,6 +671,22 @@ def _allocate(tensors: Sequence[ff.TensorDesc]) -> list[np.ndarray]:
     for t, off in zip(tensors, offsets, strict=True):
         dtype = np.dtype(_NP_DTYPES[t.dtype])  # type: ignore[call-overload]
         out.append(np.frombuffer(arena, dtype=dtype, count=math.prod(t.shape), offset=off).reshape(t.shape))
+    return out
+
+
+def _landed(tensors: Sequence[ff.TensorDesc], landing: ff.Landing) -> list[np.ndarray]:
+    """The checkpoint's tensors as arrays over the landing's views (one per tensor, writable, exact size)."""
+    if len(landing.views) != len(tensors):
+        raise ValueError(f"landing has {len(landing.views)} views for {len(tensors)} tensors")
+    out = []
+    for t, view in zip(tensors, landing.views, strict=True):
+        dest = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if dest.nbytes != t.nbytes or dest.readonly:
+            raise ValueError(
+                f"landing view of {dest.nbytes} bytes (writable: {not dest.readonly}) for a {t.nbytes}-byte tensor"
+            )
+        dtype = np.dtype(_NP_DTYPES[t.dtype])  # type: ignore[call-overload]
+        out.append(np.frombuffer(dest, dtype=dtype).reshape(t.shape) if t.nbytes else np.zeros(t.shape, dtype=dtype))
     return out
 
 

@@ -326,12 +326,12 @@ class SsdStore:
         """Read a file for adoption (and touch its mtime); None when it cannot be used.
 
         A corrupt or mismatched file is unlinked; either way the caller reports
-        the record lost to the cache owner. `land` (whole files only): where the
-        tensors are read to (`read_snapshot`).
+        the record lost to the cache owner. `land`: where the tensors are read to
+        (`read_snapshot`; a block checkpoint's tensors likewise, `BlockStore.load`).
         """
         assert record.path is not None
         if record.blocks:
-            return self._blocks.load(record, verify=verify)
+            return self._blocks.load(record, verify=verify, land=land)
         try:
             loaded = ff.read_snapshot(record.path, verify=verify, land=land)
         except ff.CorruptFile as exc:
