@@ -22,7 +22,9 @@ checkpoint — read + adopt into MLX from a cold page cache — against the raw
 sequential read of a plain file of the same size (alternating order, median;
 the load alone, before adopt, is recorded too).
 Block restores run once per `--readers` count (how many block files one load
-reads at once), side by side. A last probe reads the same 192 MiB cold as
+reads at once), side by side; with `--landing` (default) whole files and
+blocks are also restored straight into MLX arrays (`kinds.landing`, no copy
+at adopt), named `..._mlx`. A last probe reads the same 192 MiB cold as
 6 MiB files, 24 MiB files and one file, one file at a time, with every file
 announced to the kernel up front (WILLNEED), and 4 or 8 files at a time, to
 separate the disk's cost per file (and per outstanding request) from the
@@ -258,24 +260,29 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
     plain = work / "plain.bin"
     shutil.copyfile(whole_path, plain)
-    stores: dict[str, tuple[bs.BlockStore, SsdRecord, int]] = {}
+    stores: dict[str, tuple[bs.BlockStore, SsdRecord, int, bool]] = {}
     for bt in args.block_tokens:
         store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
         record = store.write(plan).record
         for n in args.readers:
-            stores[f"blocks_{bt}_r{n}"] = (store, record, n)
-            stores[f"conversation_blocks_{bt}_r{n}"] = (*longest[bt], n)
+            stores[f"blocks_{bt}_r{n}"] = (store, record, n, False)
+            stores[f"conversation_blocks_{bt}_r{n}"] = (*longest[bt], n, False)
+        if args.landing:
+            stores[f"blocks_{bt}_mlx"] = (store, record, bs.READERS, True)
+            stores[f"conversation_blocks_{bt}_mlx"] = (*longest[bt], bs.READERS, True)
     del plan
 
     def cold(paths: list[Path]) -> None:
         for p in paths:
             bench_ssd_io.drop_cache(p)
 
-    def restore_blocks(store: bs.BlockStore, record: SsdRecord, readers: int) -> tuple[float, int, float]:
+    def restore_blocks(
+        store: bs.BlockStore, record: SsdRecord, readers: int, land: bool
+    ) -> tuple[float, int, float]:
         cold([store.block_path(b.name) for b in record.blocks] + [record.path])
         store.readers = readers
         t0 = time.perf_counter()
-        loaded = store.load(record, verify=args.verify)
+        loaded = store.load(record, verify=args.verify, land=kinds.landing if land else None)
         t1 = time.perf_counter()
         restored = kinds.adopt(loaded)
         t2 = time.perf_counter()
@@ -284,10 +291,10 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
         gc.collect()
         return t2 - t0, sum(b.file_bytes for b in record.blocks), t1 - t0
 
-    def restore_whole(path: Path) -> tuple[float, int, float]:
+    def restore_whole(path: Path, land: bool = False) -> tuple[float, int, float]:
         cold([path])
         t0 = time.perf_counter()
-        loaded = ff.read_snapshot(path, verify=args.verify)
+        loaded = ff.read_snapshot(path, verify=args.verify, land=kinds.landing if land else None)
         t1 = time.perf_counter()
         restored = kinds.adopt(loaded)
         t2 = time.perf_counter()
@@ -304,6 +311,9 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
         "whole": lambda: restore_whole(whole_path),
         "conversation_whole": lambda: restore_whole(longest["whole"]),
     }
+    if args.landing:
+        steps["whole_mlx"] = lambda: restore_whole(whole_path, True)
+        steps["conversation_whole_mlx"] = lambda: restore_whole(longest["whole"], True)
     steps.update({name: (lambda sr=sr: restore_blocks(*sr)) for name, sr in stores.items()})
     for name, fn in steps.items():
         if name != "raw":
@@ -326,7 +336,7 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     summary: dict[str, Any] = {
         "tokens": args.bandwidth_tokens, "bytes": whole_path.stat().st_size, "verify": args.verify,
         "conversation_tokens": len(longest[args.block_tokens[0]][1].tokens),
-        "files": {k: len(rec.blocks) for k, (_, rec, _) in stores.items()},
+        "files": {k: len(rec.blocks) for k, (_, rec, _, _) in stores.items()},
         "readers_default": bs.READERS,
         "median_MBps": {k: statistics.median(r[f"{k}_MBps"] for r in rounds) for k in names},
         "median_ratio_to_raw": {k: statistics.median(r[f"{k}_ratio"] for r in rounds) for k in names},
@@ -422,6 +432,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="restore bandwidth rounds")
     p.add_argument("--readers", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="restore bandwidth: blocks one load reads at once (BlockStore.readers), side by side")
+    p.add_argument("--landing", action=argparse.BooleanOptionalAction, default=True,
+                   help="also restore whole files and blocks (READERS at a time) straight into MLX arrays "
+                        "(`land=kinds.landing`, what `--restore-landing mlx` does), named `..._mlx`")
     p.add_argument("--bandwidth-tokens", type=int, default=8000, help="restore bandwidth: checkpoint tokens")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                    help="restore with per-tensor CRC-32 checks (the tier's default is off)")
