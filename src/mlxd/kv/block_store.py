@@ -42,7 +42,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -628,8 +628,16 @@ def _read_blocks(
     if store.readers <= 1 or len(jobs) <= 1:
         for job in jobs:
             read(job)
-    else:
-        list(_reader_pool(store.readers).map(read, jobs))  # several files in flight (see READERS)
+        return tuple(full)
+    pool = _reader_pool(store.readers)
+    futures = [pool.submit(read, job) for job in jobs]  # several files in flight (see READERS)
+    try:
+        for future in futures:
+            future.result()
+    finally:  # after a failure: blocks not started yet are not read, and none is still landing
+        for future in futures:
+            future.cancel()
+        wait(futures)
     return tuple(full)
 
 
