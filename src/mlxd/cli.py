@@ -102,7 +102,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor CRC-32 checksums on every restore")
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
-                        "copied in by the engine (host); auto = mlx on CUDA, host elsewhere")
+                        "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",

@@ -105,8 +105,8 @@ class RuntimeConfig:
     ssd_cache_verify: bool = False
     # Where a restored file's bytes are read to: "mlx" = straight into MLX arrays
     # (no copy; on CUDA the pages then move to the device in bulk), "host" = a
-    # private host buffer copied into MLX by the engine; "auto" = "mlx" where
-    # MLX memory is CUDA managed memory (runtime/device_memory.py), else "host".
+    # private host buffer copied into MLX by the engine; "auto" = "mlx" on CUDA
+    # and the CPU (faster on both, docs/benchmarks.md), "host" on Apple GPUs.
     restore_landing: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "mlx", "host")))
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
     # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files

@@ -159,6 +159,14 @@ def _is_cuda() -> bool:
     return bool(cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
+def is_metal() -> bool:
+    """Does MLX run on an Apple GPU (unified memory; the restore landing there is not measured yet)?"""
+    import mlx.core as mx
+
+    metal = getattr(mx, "metal", None)
+    return bool(metal is not None and metal.is_available() and mx.default_device() == mx.gpu)
+
+
 _managed: ManagedMemory | None = None
 _resolved = False
 _lock = threading.Lock()
