@@ -85,14 +85,13 @@ class ManagedMemory:
         device's), which this call waits for: the host's reads then find
         their pages in place instead of faulting one at a time.
         """
-        done, ranges = 0, [r for r in map(byte_range, buffers) if r[1]]
-        for address, length in ranges:
-            if self._call("cudaMemAdvise", address, length, _ADVISE_READ_MOSTLY,
-                          _Location(_LOCATION_DEVICE, self._device)):
-                done += length
-        stream = self._copy_stream()
-        if stream is not None and done:
-            for address, length in ranges:
+        advised = [(address, length) for address, length in map(byte_range, buffers)
+                   if length and self._call("cudaMemAdvise", address, length, _ADVISE_READ_MOSTLY,
+                                            _Location(_LOCATION_DEVICE, self._device))]
+        done = sum(length for _, length in advised)
+        stream = self._copy_stream() if advised else None
+        if stream is not None:  # only advised ranges: a plain prefetch to the host would move the pages
+            for address, length in advised:
                 self._call("cudaMemPrefetchAsync", address, length, _Location(_LOCATION_HOST, 0), 0, stream)
             err = int(self._lib.cudaStreamSynchronize(stream))
             if err:
