@@ -64,7 +64,7 @@ class _Runtime:
 
     def cudaMemAdvise(self, ptr, size, advice, location):  # noqa: N802
         self.calls.append(("advise", ptr.value, size.value, advice, location.type, location.id))
-        return 700 if self.fail else 0
+        return 700 if self.fail is True or self.fail == ptr.value else 0
 
     def cudaMemPrefetchAsync(self, ptr, size, location, flags, stream):  # noqa: N802
         stream = stream.value if isinstance(stream, ctypes.c_void_p) else stream
@@ -100,3 +100,7 @@ def test_managed_memory_passes_each_buffer_range_to_the_cuda_runtime():
     failing = device_memory.ManagedMemory(_Runtime(fail=True))
     assert failing.read_mostly([memoryview(a), memoryview(b)]) == 0 and failing.failures == 2
     assert not [c for c in failing._lib.calls if c[0] == "prefetch"]  # nothing advised: nothing copied
+    # Only ranges marked read-mostly are copied to the host (a plain prefetch would move them off the device).
+    partly = _Runtime(fail=b.ctypes.data)
+    assert device_memory.ManagedMemory(partly).read_mostly([memoryview(a), memoryview(b)]) == a.nbytes
+    assert [c[1] for c in partly.calls if c[0] == "prefetch"] == [a.ctypes.data]
