@@ -12,8 +12,7 @@ mlxd's paths touch KV on the host:
   `benchmarks/results/managed-h200-20261203-065908.json`). `read_mostly()`
   marks the buffers `cudaMemAdviseSetReadMostly` first: host reads then make a
   read-only copy of each page and the device keeps its own (the hit while the
-  writer reads: 0.027-0.035 s), and copies them to the host in bulk first,
-  so the writer's reads do not fault page by page.
+  writer reads: 0.027-0.035 s).
 - a restore copies a file's bytes into MLX arrays on the host, so the first
   forward pass faults every page to the device (0.24-0.28 s for 1.9 GB).
   `to_device()` starts one bulk migration instead (12-15 GB/s), which the
@@ -74,28 +73,14 @@ class ManagedMemory:
         self.version = version.value
         self.failures = 0
         self._warned = threading.Event()
-        self._stream: ctypes.c_void_p | None = None
-        self._stream_lock = threading.Lock()
 
     def read_mostly(self, buffers: Iterable[Any]) -> int:
-        """Let the host read these buffers without taking them from the device. Returns bytes advised.
-
-        Each range is marked read-mostly, then copied to the host in bulk on a
-        stream of its own (a read-mostly prefetch duplicates pages, leaving the
-        device's), which this call waits for: the host's reads then find
-        their pages in place instead of faulting one at a time.
-        """
-        advised = [(address, length) for address, length in map(byte_range, buffers)
-                   if length and self._call("cudaMemAdvise", address, length, _ADVISE_READ_MOSTLY,
-                                            _Location(_LOCATION_DEVICE, self._device))]
-        done = sum(length for _, length in advised)
-        stream = self._copy_stream() if advised else None
-        if stream is not None:  # only advised ranges: a plain prefetch to the host would move the pages
-            for address, length in advised:
-                self._call("cudaMemPrefetchAsync", address, length, _Location(_LOCATION_HOST, 0), 0, stream)
-            err = int(self._lib.cudaStreamSynchronize(stream))
-            if err:
-                self._failed("cudaStreamSynchronize", err)
+        """Let the host read these buffers without taking them from the device. Returns bytes advised."""
+        done = 0
+        for address, length in map(byte_range, buffers):
+            if length and self._call("cudaMemAdvise", address, length, _ADVISE_READ_MOSTLY,
+                                     _Location(_LOCATION_DEVICE, self._device)):
+                done += length
         return done
 
     def to_device(self, buffers: Iterable[Any]) -> int:
@@ -107,31 +92,16 @@ class ManagedMemory:
                 done += length
         return done
 
-    def _copy_stream(self) -> ctypes.c_void_p | None:
-        """A non-blocking stream for the host copies (created once; None if it cannot be)."""
-        with self._stream_lock:
-            if self._stream is None:
-                stream = ctypes.c_void_p()
-                err = int(self._lib.cudaStreamCreateWithFlags(ctypes.byref(stream), 1))  # cudaStreamNonBlocking
-                if err:
-                    self._failed("cudaStreamCreateWithFlags", err)
-                    return None
-                self._stream = stream
-            return self._stream
-
     def _call(self, name: str, address: int, length: int, *args: Any) -> bool:
         fn = getattr(self._lib, name)
         err = int(fn(ctypes.c_void_p(address), ctypes.c_size_t(length), *args))
         if err == 0:
             return True
-        self._failed(name, err)
-        return False
-
-    def _failed(self, name: str, err: int) -> None:
         self.failures += 1
         if not self._warned.is_set():
             self._warned.set()
             log.warning("device_memory.hint_failed", call=name, cuda_error=err)
+        return False
 
 
 def _cudart_candidates() -> list[str]:
