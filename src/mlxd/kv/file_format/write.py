@@ -216,7 +216,7 @@ class _Sink:
     def write(self, data: memoryview, pacer: Pacer | None) -> None:
         while data.nbytes:
             n = min(data.nbytes, self._size - self._fill)
-            _copy(self._buf[self._fill : self._fill + n], data[:n])
+            self._buf[self._fill : self._fill + n] = data[:n]  # holds the GIL: see _copy_note
             self._fill += n
             self.position += n
             data = data[n:]
@@ -274,13 +274,11 @@ class _Sink:
 _SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
 
 
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """memcpy without the GIL (numpy releases it): a memoryview slice assignment holds it
-    for the whole copy, and 16 MiB of that stalls the event loop and the engine thread
-    (a 1 ms sleeper woke after 7.6 ms at the median beside such copies, 1.1 ms with numpy:
-    benchmarks/bench_gil_copy.py);
-    on CUDA each page read may also fault."""
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+# _copy_note: the slice assignment in `write` holds the GIL for each 16 MiB copy (a thread
+# sleeping 1 ms wakes after ~7.6 ms beside it, 1.1 ms with np.copyto, which releases it:
+# benchmarks/bench_gil_copy.py). Releasing it lets the copy run beside decode's own threads,
+# and decode beside write-behind measured 0.923 and 0.982 of no-SSD with np.copyto against
+# 0.990 and 0.995 with this copy (bench_ssd_tier.py writebehind, docs/benchmarks.md): kept.
 
 
 def _set_direct(fd: int, on: bool) -> bool:
