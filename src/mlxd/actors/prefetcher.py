@@ -6,7 +6,7 @@ once, so it overlaps the wait for a batch slot. When the scheduler later
 restores, `FetchSnapshot` returns the bytes already read (or waits for the
 read in flight). A file that cannot be read back is reported to the cache
 owner (`RecordLost`). Reads never touch MLX; the engine adopts the bytes on
-its own thread. With `land` (the engine's `landing`, on CUDA), the engine
+its own thread. With `land` (the engine's `landing`; `--restore-landing`), the engine
 first allocates MLX arrays for the file's tensors on its thread and the read
 fills them directly, so adopting copies nothing. This actor holds no other
 actor's state.

@@ -438,9 +438,10 @@ def landing(header: FileHeader) -> Landing:
 
 
 def adopt(loaded: LoadedSnapshot, *, landed: Callable[[Sequence[memoryview]], object] | None = None) -> list[Any]:
-    """Build mlx-lm cache objects from loaded bytes (engine thread; one copy into MLX).
+    """Build mlx-lm cache objects from loaded bytes (engine thread).
 
-    `landed` gets the new arrays' memory once they hold the bytes (the engine
+    Bytes read into a host buffer are copied into MLX once; bytes read straight
+    into MLX arrays (`landing`) are taken as they are. `landed` gets the new arrays' memory once they hold the bytes (the engine
     passes `device_memory.to_device`: on CUDA the copy left them on the host).
     """
     arrays = iter(zip(loaded.header.tensors(), loaded.buffers, strict=True))

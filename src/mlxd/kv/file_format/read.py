@@ -129,7 +129,7 @@ def read_snapshot(
 
     With `land`, called once with the checked header, each tensor is read
     straight into the memory it returns instead (the runtime passes MLX
-    arrays on CUDA: no copy is left at all).
+    arrays, `kinds.landing`: no copy is left at all).
     """
     t0 = time.perf_counter()
     landing = None
@@ -149,11 +149,11 @@ def read_snapshot(
     except OSError as exc:
         raise storage_error(exc, f"reading {path}") from exc
     if landing is not None:
-        buffers = tuple(_view_of(v, t) for v, (_, t) in zip(landing.views, header.tensors(), strict=True))
+        buffers = tuple(_view(v, t, 0) for v, (_, t) in zip(landing.views, header.tensors(), strict=True))
         return LoadedSnapshot(header, buffers, time.perf_counter() - t0, landing.owner)
     if verify and buffer is not None:
         _verify(memoryview(buffer), header, header_end)
-    buffers = tuple(_view(buffer, t) for _, t in header.tensors())
+    buffers = tuple(_view(buffer, t, t.offset) for _, t in header.tensors())
     return LoadedSnapshot(header, buffers, time.perf_counter() - t0)
 
 
@@ -183,13 +183,6 @@ def _skip_padding(f: Any, n: int, *, verify: bool) -> None:
         _check_zero(memoryview(_read_exact(f, n)))
     else:
         f.seek(n, os.SEEK_CUR)
-
-
-def _view_of(view: memoryview, t: TensorDesc) -> np.ndarray:
-    dtype = np.dtype(NP_DTYPES[t.dtype])  # type: ignore[call-overload]
-    if t.nbytes == 0:
-        return np.zeros(t.shape, dtype=dtype)
-    return np.frombuffer(view.cast("B") if view.format != "B" else view, dtype=dtype).reshape(t.shape)
 
 
 _READ_CHUNK = 64 << 20  # bytes per read() call: full disk speed, bounded syscall size
@@ -231,9 +224,10 @@ def _check_zero(pad: memoryview) -> None:
         raise CorruptFile("nonzero padding between tensors")
 
 
-def _view(buffer: mmap.mmap | None, t: TensorDesc) -> np.ndarray:
+def _view(buffer: Any, t: TensorDesc, offset: int) -> np.ndarray:
+    """Tensor `t` as a numpy view of `buffer` (the file's, or its own landing view) from `offset`."""
     dtype = np.dtype(NP_DTYPES[t.dtype])  # type: ignore[call-overload]
     count = math.prod(t.shape)
     if buffer is None or count == 0:
         return np.zeros(t.shape, dtype=dtype)
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=t.offset).reshape(t.shape)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(t.shape)
