@@ -2,10 +2,8 @@
 
 MLX's Linux CPU wheel links the reference BLAS.  Loading OpenBLAS with
 RTLD_GLOBAL *before* ``mlx.core`` is imported makes the dynamic linker resolve
-MLX's ``cblas_*`` symbols to OpenBLAS instead: an fp32 1024x1024 matmul ran
-18x faster (1.2 vs 21.8 GFLOP/s on a loaded 2-core host,
-``benchmarks/results/blas-20261203-000450.json``; ``benchmarks/bench_blas.py``).  This module
-must therefore be imported before anything imports ``mlx``; ``mlxd/__init__``
+MLX's ``cblas_*`` symbols to OpenBLAS instead, which is an order of magnitude faster
+for fp32 matmuls (figures in ``docs/benchmarks.md``).  This module must therefore be imported before anything imports ``mlx``; ``mlxd/__init__``
 does that first thing.
 
 Set ``MLXD_BLAS=reference`` to keep MLX's own BLAS, or ``MLXD_BLAS=/path/to/lib.so``

@@ -61,7 +61,7 @@ def probe_device(
     n = min(FIRST_TOKENS, limit)
     while True:
         # Twice per length, the faster kept: a new shape's first run can pay one-time
-        # costs (on CUDA, attention plans and kernels built per shape: 3-6x here).
+        # costs (on CUDA, attention plans and kernels built per shape).
         first, steps, _ = _run(generator, rng.take(n), decode=DECODE_STEPS)
         seconds, more, cache = _run(generator, rng.take(n), decode=DECODE_STEPS)
         seconds = min(first, seconds)

@@ -40,7 +40,7 @@ log = get_logger("mlxd.ssd_writer")
 
 # Bytes per paced slice: each slice wakes the writer once, and every wake-up
 # stalls decode's BLAS threads; large slices at a low rate cost the least
-# (bench_writer_interference.py: 16 MB slices at 50 MB/s 0.97x decode, 0.25 MB 0.88x).
+# (docs/benchmarks.md, write-behind: pacing).
 PACE_SLICE = 16 << 20
 
 

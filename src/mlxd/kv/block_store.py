@@ -75,10 +75,7 @@ _MAX_MANIFEST = 64 << 20
 READERS = 8
 """Block files one load reads at once (`BlockStore.readers`). One file at a time, every block
 pays the disk's first-read latency and readahead ramp in series; with several files in flight
-the device always has requests queued. On this project's VM disk (docs/benchmarks.md, issue
-14) loads with 8 at a time ran at 1.0-1.16x the raw sequential read of the same bytes for
-1,024-token blocks (5 of 6 medians) and 0.78-0.92x for 256-token blocks (4x the files); one
-at a time, 0.23-0.82x."""
+the device always has requests queued (docs/benchmarks.md, content-addressed SSD blocks)."""
 
 
 # ------------------------------------------------------------- records
@@ -660,8 +657,8 @@ def _allocate(tensors: Sequence[ff.TensorDesc]) -> list[np.ndarray]:
     """The checkpoint's tensors in one anonymous mapping, on huge pages where the kernel allows.
 
     Reading into fresh memory faults once per page; with 2 MiB pages (THP in
-    "madvise" mode, the common default) that is 512x fewer faults, which on
-    this VM was the difference between ~500 and ~800 MB/s.
+    "madvise" mode, the common default) that is 512x fewer faults, and the
+    faults were a large share of a restore (docs/benchmarks.md).
     """
     offsets, total = [], 0
     for t in tensors:

@@ -86,10 +86,9 @@ def state_hash(tokens: Sequence[int], *, namespace: str, fingerprint: str) -> st
 def span_for(kv_bytes_per_token: int, *, target_bytes: int = TARGET_BLOCK_BYTES) -> int:
     """The default span: the smallest power of two >= 256 tokens whose block holds >= `target_bytes`.
 
-    Each block is a file, and a restore pays a first-read latency per file:
-    on this project's VM disk 6 MB files read at about half the speed of one
-    large file and 24 MB files at about full speed (docs/benchmarks.md), so
-    blocks are sized by bytes. The span must stay fixed for a store
+    Each block is a file, and a restore pays a first-read latency per file,
+    which small files cannot amortize (docs/benchmarks.md), so blocks are
+    sized by bytes. The span must stay fixed for a store
     directory (names depend on it); the model fixes bytes per token there.
     """
     span = BLOCK_TOKENS

@@ -3,8 +3,8 @@
 The restore advisor (`kv.restore_decision`) needs to know, before the first
 request, how long this device takes to prefill and to restore: a CPU and an
 H200 differ by two orders of magnitude in prefill speed, so a model carried
-over from another machine makes the first choices wrong (on an H200 the CPU
-model predicted 38-69 s to recompute 16k tokens that took 1-3 s). The engine
+over from another machine makes the first choices wrong (docs/benchmarks.md,
+H200: restore or recompute). The engine
 measures a few prefills from an empty context (seconds, at growing lengths), a
 few decode steps, and a cold restore of a real snapshot file; this module fits
 `fixed + a*n + b*n*n/2` to the prefills and `fixed + bytes/bandwidth` to the

@@ -3,9 +3,9 @@
 Decode on a CPU keeps every core busy (the engine thread plus OpenBLAS's
 workers, which spin between matmuls); a writer that hashes and copies at full
 speed preempts one of them and the whole matmul waits, so decode loses far
-more than the writer's own CPU time (`benchmarks/bench_writer_interference.py`:
-sha256 back to back at nice 10 cut 6-row decode to 0.2x). Niceness does not
-help: any runnable thread steals slices from the spinning workers.
+more than the writer's own CPU time (docs/benchmarks.md, write-behind).
+Niceness does not help: any runnable thread steals slices from the spinning
+workers.
 
 So the writer works in slices and, while the engine is decoding, holds a byte
 rate (``busy_rate``); when the engine is idle, or when durability is urgent (a

@@ -6,8 +6,8 @@ packs the prompt once and then compares each edge with one
 `bytes.startswith(edge, offset)` call (a C memcmp, no copy); only the single
 edge where the prompt diverges is scanned for the mismatch point, with numpy.
 
-Memory: the tree holds each *distinct* token once (4 bytes plus ~150 bytes of
-node overhead per edge). Inserting a sequence copies only its unseen suffix;
+Memory: the tree holds each *distinct* token once (4 bytes, plus one node's
+overhead per edge; measured in docs/benchmarks.md). Inserting a sequence copies only its unseen suffix;
 a split copies the split edge into two halves and frees the original, so the
 tree never pins a caller's buffers. Values are held by reference.
 

@@ -3,9 +3,8 @@
 mlx-lm's `BatchKVCache.make_mask` always builds a boolean mask array
 (batch x 1 x new x context) so that left-padded rows of a batch stay apart.
 Handed an array, MLX's `scaled_dot_product_attention` cannot use its fused
-causal kernel: on an H200 a 16k-token prefill through the BatchGenerator took
-2.2 s in one chunk against 0.15 s for the same model called with
-`mask="causal"` (benchmarks/results/gpu-*.json, "prefill"). When no row of the
+causal kernel, and long prefills are many times slower on a GPU
+(docs/benchmarks.md, H200: prefill). When no row of the
 batch is padded (every single-row prefill, the common case) the array says
 exactly what "causal" says: each new token sees the whole cached prefix and
 the new tokens up to itself (MLX aligns "causal" to the end of the keys, as

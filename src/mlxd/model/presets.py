@@ -4,7 +4,7 @@ Most presets are Qwen3-shaped decoders (`mlx_lm.models.qwen3`); the `test-*`
 architecture presets build mlx-lm's own sliding-window (`gemma3_text`), hybrid
 linear + full attention (`qwen3_next`) and pure recurrent (`mamba2`) classes,
 so every cache kind a real model creates is served by the test suite. Weights
-are fp32: on the Linux CPU backend bf16 matmuls are ~40x slower than fp32 ones.
+are fp32: on the Linux CPU backend bf16 matmuls are far slower (docs/benchmarks.md).
 """
 
 from __future__ import annotations

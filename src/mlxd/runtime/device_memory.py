@@ -6,17 +6,14 @@ mlxd's paths touch KV on the host:
 
 - the SSD writer reads a checkpoint's buffers while the same prefix stays in
   the RAM tier. Each page it reads moves to the host, and the next RAM hit on
-  that prefix faults it back: on an H200, a hit right after the writer read a
-  16k-token checkpoint took 0.22-0.24 s instead of 0.028 s, and 0.25-0.31 s
-  while the writer was reading (`benchmarks/gpu/probe_managed.py`,
-  `benchmarks/results/managed-h200-20261203-065908.json`). `read_mostly()`
-  marks the buffers `cudaMemAdviseSetReadMostly` first: host reads then make a
-  read-only copy of each page and the device keeps its own (the hit while the
-  writer reads: 0.027-0.035 s).
+  that prefix faults it back, which makes that hit several times slower.
+  `read_mostly()` marks the buffers `cudaMemAdviseSetReadMostly` first: host
+  reads then make a read-only copy of each page and the device keeps its own.
 - a restore copies a file's bytes into MLX arrays on the host, so the first
-  forward pass faults every page to the device (0.24-0.28 s for 1.9 GB).
-  `to_device()` starts one bulk migration instead (12-15 GB/s), which the
-  first token no longer waits on page by page (0.029-0.035 s).
+  forward pass faults every page to the device. `to_device()` starts one bulk
+  migration instead, which the first token no longer waits on page by page.
+
+Both effects are measured in docs/benchmarks.md (H200: managed memory).
 
 Both are hints: they change where pages are, never what they hold, so a
 missing or failing call costs speed, not correctness. On the CPU and on

@@ -1,8 +1,8 @@
 """Tokenize a chat prompt piece by piece, reusing the ids of pieces seen before.
 
 A client resends the whole conversation every turn, and the server tokenizes
-all of it again: for a 16k-token prompt that is 20-30 ms of CPU before the
-request reaches the engine, more than the RAM hit itself takes on a GPU.
+all of it again, before the request reaches the engine: for a long prompt
+that is more than the RAM hit itself takes on a GPU (docs/benchmarks.md, H200).
 Almost all of that text was tokenized on the previous turn.
 
 Tokenizers extract added tokens (`<|im_start|>`, `<|im_end|>`, ...) before

@@ -5,8 +5,8 @@ sha256), a JSON header, then every tensor at a 4096-byte aligned offset, in
 header order. The header hash is always checked on read; per-tensor CRC-32
 checksums (and the zero padding between tensors) only with `verify=True`.
 Tensors carry a CRC-32 rather than a sha256 since format 2: the writer runs
-beside decode, and CRC-32 costs it ~0.24 ms/MB against sha256's ~0.55 ms/MB
-(with SHA-NI); it detects the damage a cache can meet (bit rot, torn or
+beside decode, and CRC-32 takes it less CPU per byte (docs/benchmarks.md,
+write-behind); it detects the damage a cache can meet (bit rot, torn or
 truncated writes), and the header's sha256 still covers every descriptor.
 
 Three modules, none of which imports MLX (a test asserts it):

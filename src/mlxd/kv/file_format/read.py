@@ -125,7 +125,7 @@ def read_snapshot(
     padding is zero when `verify`). The tensors are views of that buffer, so
     adopting them is one copy into MLX memory. Reading into private memory
     rather than mapping the file avoids a page fault per 4 KiB page at adopt
-    time, which capped restores at ~1 GB/s on an H200 host.
+    time, which capped restore bandwidth (docs/benchmarks.md, H200).
 
     With `land`, called once with the checked header, each tensor is read
     straight into the memory it returns instead (the runtime passes MLX
@@ -192,7 +192,7 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     """Private anonymous memory (page-aligned), faulted in at once where the OS allows.
 
     One MAP_POPULATE call instead of a page fault per 4 KiB page during the
-    read: 1.5x faster end to end on this repo's (sandboxed) CPU host.
+    read, whose faults slowed the whole restore (docs/benchmarks.md).
     """
     populate = getattr(mmap, "MAP_POPULATE", 0)
     if populate:

@@ -187,10 +187,9 @@ class _Sink:
     asks `want_direct()` whether to bypass the page cache:
 
     - O_DIRECT while write-behind is being paced beside a decoding engine:
-      buffered writes cost this VM ~2.7 ms of kernel CPU per MB (writeback),
-      O_DIRECT from the aligned buffer ~0.05 ms/MB plus the copy into it
-      (~0.1 ms/MB), and every millisecond is taken from decode
-      (docs/benchmarks.md, write-behind);
+      buffered writes cost several times more kernel CPU per MB (writeback)
+      than O_DIRECT plus the copy into the aligned buffer, and every
+      millisecond is taken from decode (docs/benchmarks.md, write-behind);
     - buffered when the engine is idle or a flush is waiting: the CPU is free
       then, and the pages stay in the page cache, so the checkpoint a
       returning conversation (or a restart right after a flush) needs is read
@@ -274,11 +273,9 @@ class _Sink:
 _SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
 
 
-# _copy_note: the slice assignment in `write` holds the GIL for each 16 MiB copy (a thread
-# sleeping 1 ms wakes after ~7.6 ms beside it, 1.1 ms with np.copyto, which releases it:
-# benchmarks/bench_gil_copy.py). Releasing it lets the copy run beside decode's own threads,
-# and decode beside write-behind measured 0.923 and 0.982 of no-SSD with np.copyto against
-# 0.990 and 0.995 with this copy (bench_ssd_tier.py writebehind, docs/benchmarks.md): kept.
+# _copy_note: the slice assignment in `write` holds the GIL for each 16 MiB copy; np.copyto
+# would release it, but decode beside write-behind measured slower with it, so this copy is
+# kept (docs/benchmarks.md, H200 run 9).
 
 
 def _set_direct(fd: int, on: bool) -> bool:
