@@ -48,7 +48,7 @@ PROMPT = "Write a long, careful report on how a durable prompt cache survives a 
 
 async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams) -> dict[str, float]:
     """One request alone: decode tokens/s after its first token, and the engine's checkpoint time."""
-    snap_s = rt.engine.stats["checkpoint_s"]
+    snap_s = rt.engine.stats.checkpoint_s
     first = last = 0.0
     n = 0
     async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
@@ -57,7 +57,7 @@ async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams
                 last = time.perf_counter()
                 first = first or last
                 n += 1
-    snap_s = rt.engine.stats["checkpoint_s"] - snap_s
+    snap_s = rt.engine.stats.checkpoint_s - snap_s
     return {"tokens": n, "decode_tok_s": (n - 1) / (last - first), "decode_s": last - first,
             "engine_checkpoint_s": snap_s, "engine_checkpoint_share": snap_s / (last - first)}
 
@@ -71,8 +71,8 @@ async def idle(rt: Any) -> None:
 
 
 def set_interval(rt: Any, every: int) -> None:
-    """The engine's checkpoint interval (0 = off); it is read at every decoded token."""
-    rt.engine._config = attrs.evolve(rt.engine._config, generation_checkpoint=every)
+    """The engine's checkpoint interval (0 = off); it is read when each row joins the batch."""
+    rt.engine.core._config = attrs.evolve(rt.engine.core._config, generation_checkpoint=every)
 
 
 async def timed(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, drop_at: int = 0) -> dict[str, Any]:

@@ -74,8 +74,7 @@ async def start_owner(nursery, config: RuntimeConfig, *, ssd: bool = True):
     durable_send, durable_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
     prefetch_send, prefetch_receive = trio.open_memory_channel[PrefetcherMessage](8)
     store = SsdStore(Path("/nonexistent-mlxd-test"), IDENTITY) if ssd else None
-    owner = CacheOwnerActor(config, inbox=inbox, store=store)
-    owner.attach(durability=durable_send, prefetcher=prefetch_send)
+    owner = CacheOwnerActor(config, inbox=inbox, store=store, durability=durable_send, prefetcher=prefetch_send)
     await nursery.start(owner.run)
     return owner, inbox_send, durable_receive, prefetch_receive
 

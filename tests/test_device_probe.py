@@ -126,7 +126,7 @@ async def test_probe_can_tune_the_prefill_chunk_size(tiny_model_dir: Path):
         trials = dict(probe.step_trials)
         assert probe.prefill_step_size in trials
         assert trials[probe.prefill_step_size] == min(trials.values())
-        assert rt.engine._generator.prefill_step_size == probe.prefill_step_size
+        assert rt.engine.core.generator.prefill_step_size == probe.prefill_step_size
 
 
 async def test_no_probe_without_the_ssd_tier_by_default(tiny_model_dir: Path):

@@ -14,20 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 
-from mlxd.actors.engine import EngineActor, _Row
 from mlxd.cli import build_parser, serve_config
+from mlxd.engine.core import EngineCore
+from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.ranks import Leader
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit
-from mlxd.kv.shard_mirror import FollowerShards, LeaderMirror, MissingShard, PrefixRef, shard_key
-from mlxd.runtime.distributed import StepChannel, StepOps, decode_ops, encode_ops, pin_seed
-from mlxd.runtime.messages import (
-    GenerationEvent,
-    GenerationRequest,
-    PromptAccepted,
-    SamplingParams,
-    StartGeneration,
-)
+from mlxd.kv.shard_mirror import FollowerShards, MissingShard, PrefixRef, ShardRef, shard_key
+from mlxd.runtime.distributed import StepChannel, decode_ops, encode_ops, pin_seed
+from mlxd.runtime.messages import GenerationRequest, PromptAccepted, SamplingParams
 
 from procs import ServeProcess
 from serving import ServerThread, config_for
@@ -159,16 +154,21 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
     assert sampled.sampling.seed is not None
     greedy = GenerationRequest(request_id="b", prompt=(9,), session="s1")
     assert pin_seed(greedy) is greedy
-    ops = StepOps(starts=(sampled, greedy), cancels=(4,), stops=(2, 3))
+    starts = (RowStart(request=sampled), RowStart(request=greedy))
+    ops = StepOps(starts=starts, cancels=("a",), stops=("b", "c"))
     assert decode_ops(encode_ops(ops)) == ops and not ops.lends
     assert decode_ops(encode_ops(StepOps(shutdown=True))).shutdown
-    # With the prompt cache: the prefix each start lends (or None), and the keys rank 0's owner dropped.
-    cached = StepOps(starts=(sampled, greedy), prefixes=(None, PrefixRef("ab" * 16, 7, 9)), drops=("cd" * 16,))
+    # With the prompt cache: the prefix each start lends (or None), and the prefixes rank 0's owner dropped.
+    cached = StepOps(starts=starts, prefixes=(None, PrefixRef("ab" * 16, 7, 9)), drops=(ShardRef("cd" * 16, 3),))
     assert decode_ops(encode_ops(cached)) == cached and cached.lends
-    reset = StepOps(reset=True, drops=("k",), discard=True)
+    reset = StepOps(reset=True, drops=(ShardRef("k", 1),), discard=True)
     assert decode_ops(encode_ops(reset)) == reset
+    # What only rank 0 holds (its RAM prefix, a restore, a queue time) never goes on the wire.
+    entry = CacheEntry("", (1, 2), None, 0, True, 0.0, 0.0)
+    local = StepOps(starts=(RowStart(request=greedy, hit=CacheHit(entry, 1), queued_s=0.5),))
+    assert decode_ops(encode_ops(local)) == StepOps(starts=(RowStart(request=greedy),))
     with pytest.raises(ValueError, match="2 prefixes for 1 starts"):
-        StepOps(starts=(greedy,), prefixes=(None, None))
+        StepOps(starts=(RowStart(request=greedy),), prefixes=(None, None))
 
 
 class _Pair:
@@ -186,22 +186,19 @@ class _Pair:
 
 def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir):
     """The follower's answer before the step (real sockets): rank 0 fails it, drops the key, starts later hits cold."""
-    engine = EngineActor(config_for(tiny_model_dir), inbox=None, publish=None)  # type: ignore[arg-type]
-    engine._load()
+    core = EngineCore(config_for(tiny_model_dir))
+    core.load()
     ours, theirs = socket.socketpair()
     # A world of two whose side channel is a socket pair (steps never reach an all_sum here).
-    engine._channel, follower = StepChannel(_Pair(0), engine._stream), StepChannel(_Pair(1), engine._stream)
-    engine._channel._peers, follower._leader = [ours], theirs
-    engine._mirror = LeaderMirror()
+    channel, follower = StepChannel(_Pair(0), None), StepChannel(_Pair(1), None)
+    channel._peers, follower._leader = [ours], theirs
+    leader = Leader(core, channel, mirrored=True)
     prompt = (5, 6, 7, 8, 9, 10)
     entry = CacheEntry("", prompt[:4], None, 0, True, 0.0, 0.0)
     key = shard_key("", prompt[:4])
-    engine._mirror.published(key)  # rank 0 believes every follower holds it
-
-    def row() -> _Row:
-        events, _ = trio.open_memory_channel[GenerationEvent](64)
-        request = GenerationRequest(request_id="r", prompt=prompt, sampling=SamplingParams(max_tokens=2))
-        return _Row(start=StartGeneration(request=request, hit=CacheHit(entry, 4), events=events))
+    leader._mirror.published(key)  # rank 0 believes every follower holds it
+    request = GenerationRequest(request_id="r", prompt=prompt, sampling=SamplingParams(max_tokens=2))
+    start = RowStart(request=request, hit=CacheHit(entry, 4))
 
     seen: list[StepOps] = []
 
@@ -217,21 +214,20 @@ def test_rank0_fails_a_step_that_lends_a_prefix_a_follower_lacks(tiny_model_dir)
         with ThreadPoolExecutor(1) as pool:
             done = pool.submit(follow, 3)
             with pytest.raises(MissingShard, match="follower rank lacks"):
-                engine._step_everywhere([row()], [], [])
-            engine._reset_everywhere()
-            cold = row()
-            result = engine._step_everywhere([cold], [], [])  # the same hit again: started cold on every rank
+                leader.step(StepOps(starts=(start,)))
+            leader.step(StepOps(reset=True))
+            result = leader.step(StepOps(starts=(start,)))  # the same hit again: started cold on every rank
             done.result(timeout=60)
     finally:
-        engine._close()
-        engine._channel.close()
+        core.close()
+        channel.close()
         follower.close()
     assert seen[0].prefixes == (PrefixRef(key, 4, 4),)
     # The followers drop it too; no step ran, so the checkpoints of the last one stand (no discard).
-    assert seen[1].reset and seen[1].drops == (key,) and not seen[1].discard
-    assert seen[2].prefixes == () and cold.start.hit is None and not engine._mirror.holds(key)
+    assert seen[1].reset and [r.key for r in seen[1].drops] == [key] and not seen[1].discard
+    assert seen[2].prefixes == () and seen[2].starts[0].hit is None and not leader._mirror.holds(key)
     assert [e.event.cached_tokens for e in result.emits if isinstance(e.event, PromptAccepted)] == [0]
-    assert engine.stats["mirror_misses"] == 1
+    assert result.stats.mirror_misses == 1
 
 
 def test_distributed_keeps_the_ram_tier_and_refuses_the_ssd_tier():

@@ -48,7 +48,7 @@ class PoisonedEmbedding(nn.Module):
 
 
 def poison(rt) -> None:
-    inner = rt.engine._model.model
+    inner = rt.engine.core.model.model
     inner.embed_tokens = PoisonedEmbedding(inner.embed_tokens)
 
 
@@ -88,7 +88,7 @@ async def test_a_failing_forward_answers_every_row_and_keeps_serving(tiny_model_
             for stream in (running, healthy, poisoned):
                 with pytest.raises(GenerationError, match="poisoned forward"):
                     await stream.tokens()
-        assert rt.engine.stats["failed_steps"] >= 1
+        assert rt.engine.stats.failed_steps >= 1
         async with rt.submit(rt.request(rt.encode("hello"), sampling=SamplingParams(max_tokens=3))) as again:
             assert len(await again.tokens()) == 3
 
@@ -100,15 +100,15 @@ class _RefusingIdentity(StoreIdentity):
 
 async def test_a_failing_checkpoint_is_skipped_and_its_row_continues(tiny_model_dir, tmp_path):
     async with open_runtime(config(tiny_model_dir, ssd_cache_dir=str(tmp_path / "ssd"))) as rt:
-        ident = rt.engine._store_identity
-        rt.engine._store_identity = _RefusingIdentity(ident.model_id, ident.fingerprint, ident.tokenizer_hash)
+        ident = rt.engine.core.store_identity
+        rt.engine.core.store_identity = _RefusingIdentity(ident.model_id, ident.fingerprint, ident.tokenizer_hash)
         prompt = rt.encode("Be brief. " * 20 + "Hi")
         with trio.fail_after(60):
             async with rt.submit(rt.request(prompt, sampling=endless(rt, 12))) as stream:
                 tokens = await stream.tokens()
         assert len(tokens) == 12 and stream.finished.reason == "length"
-        assert rt.engine.stats["checkpoints_skipped"] >= 2  # the prompt boundary and the final one
-        assert rt.engine.stats["failed_steps"] == 0
+        assert rt.engine.stats.checkpoints_skipped >= 2  # the prompt boundary and the final one
+        assert rt.engine.stats.failed_steps == 0
 
 
 def test_http_answers_a_failed_step_with_500_json_and_an_sse_error(tiny_model_dir):

@@ -218,7 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
-    from mlxd.actors.engine import ModelRefused
+    from mlxd.engine.ops import ModelRefused
     from mlxd.runtime.distributed import world_rank
 
     if config.distributed and world_rank() > 0:
@@ -241,15 +241,13 @@ def _follow(config) -> int:
     SIGTERM still ends a follower at once (mlx.launch stops the others so
     when one rank fails).
     """
-    import trio
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    from mlxd.actors.engine import EngineActor, ModelRefused
+    from mlxd.engine.ops import ModelRefused
+    from mlxd.engine.ranks import follow
 
-    send, receive = trio.open_memory_channel(0)
     try:
-        EngineActor(config, inbox=receive, publish=send).follow()
+        follow(config)
     except ModelRefused as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2

@@ -81,7 +81,17 @@ class CacheOwnerActor:
         governor: WriteGovernor | None = None,
         clock: Callable[[], float] | None = None,
         memory_budget: int = 0,
+        durability: trio.MemorySendChannel[DurabilityMessage] | None = None,
+        prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
+        engine: trio.MemorySendChannel[EngineInbox] | None = None,
+        kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None,
+        kv_fingerprint: str = "",
     ) -> None:
+        """`durability` and `prefetcher`: the SSD tier's inboxes (with `store`). `engine`: under
+        `--distributed`, told which mirrored prefixes left RAM so the followers drop their shards.
+        `kv_events`: every change of what RAM and SSD hold, as KV block events (kv/kv_events.py),
+        hashed along the SSD block store's chain of the store identity's `kv_fingerprint`.
+        """
         self._config = config
         self._governor = governor  # told when RAM is over its cap waiting for writes
         self._inbox = inbox
@@ -107,22 +117,17 @@ class CacheOwnerActor:
         self._startup = list(self.tiers.load_records(records))
         # Sends to the coordinator and prefetcher never block (unbounded / dropped
         # when full), so the actors cannot deadlock.
-        self._durability: trio.MemorySendChannel[DurabilityMessage] | None = None
-        self._prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None
+        self._durability = durability
+        self._prefetcher = prefetcher
         self._nursery: trio.Nursery | None = None
         self.published = {"boundary": 0, "final": 0, "restore": 0}
         self._count = _Counters(corrupt_removed=corrupt_at_start)
-        self._kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None
-        self._ledger = ResidencyLedger()
+        self._kv_events = kv_events
+        self._ledger = ResidencyLedger(block_size=config.kv_events_block_size, fingerprint=kv_fingerprint)
         self._kv_pending: list[Any] = []
-        # --distributed: the engine's inbox, told which mirrored prefixes left RAM (kv/shard_mirror.py).
-        self._engine: trio.MemorySendChannel[EngineInbox] | None = None
+        self._engine = engine
         self._mirror = OwnerMirror()
         self._shards_left: list[ShardRef] = []
-
-    def attach_engine(self, engine: trio.MemorySendChannel[EngineInbox]) -> None:
-        """`--distributed`: report mirrored prefixes that leave RAM, so the followers drop their shards."""
-        self._engine = engine
 
     def _report_shards(self) -> None:
         if self._engine is None:
@@ -136,17 +141,6 @@ class CacheOwnerActor:
                 pass
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._shards_left.clear()  # the engine stopped
-
-    def attach_kv_events(
-        self, channel: trio.MemorySendChannel[PublishKvEvents], *, block_size: int, fingerprint: str
-    ) -> None:
-        """Announce every change of what RAM and SSD hold as KV block events (kv/kv_events.py).
-
-        `fingerprint` is the store identity's: block hashes then follow the SSD
-        block store's chain (kv/blocks.py).
-        """
-        self._kv_events = channel
-        self._ledger = ResidencyLedger(block_size=block_size, fingerprint=fingerprint)
 
     def _announce_residency(self) -> None:
         if self._kv_events is None:
@@ -166,16 +160,6 @@ class CacheOwnerActor:
     def cache(self) -> PromptCache:
         """The RAM tier (for tests and the embedding API; actors never touch it)."""
         return self.tiers.ram
-
-    def attach(
-        self,
-        *,
-        durability: trio.MemorySendChannel[DurabilityMessage],
-        prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
-    ) -> None:
-        """Wire the coordinator's and prefetcher's inboxes."""
-        self._durability = durability
-        self._prefetcher = prefetcher
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

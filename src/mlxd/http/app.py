@@ -116,7 +116,7 @@ class _Choice:
                     if self.text.stopped_by_string:
                         # The engine ends the row as a normal stop and publishes its
                         # checkpoint (the next turn reuses it); wait for that end.
-                        self.rt.engine.stop_early(self.stream.request.request_id)
+                        await self.rt.stop_generation(self.stream.request.request_id)
                 elif isinstance(event, GenerationFinished):
                     self.finished = event
         tail = self._read(self.text.finish(), final=True)

@@ -10,10 +10,10 @@ cache owner, only the engine's step function, fed by rank 0.
 Every forward pass is a collective, so all ranks must run the same sequence of
 `BatchGenerator` operations (insert the same prompts with the same samplers,
 remove the same rows, `next()`), in the same order. Before each step rank 0
-sends the step's inputs (`StepOps`: the requests that join, the rows
-cancelled or stopped, the cached prefixes lent and dropped) to every
-follower (`StepChannel`), and every follower replays them through the same
-`EngineActor._step`. Sampling is the same on every rank: the logits after the last `all_sum` are equal, greedy
+sends the step's inputs (`engine.ops.StepOps`: the requests that join, the
+rows cancelled or stopped, the cached prefixes lent and dropped) to every
+follower (`StepChannel`), and every follower drives its own `EngineCore`
+with them (engine/ranks.py). Sampling is the same on every rank: the logits after the last `all_sum` are equal, greedy
 rows take their argmax, and a sampling row's seed is fixed by rank 0 before
 the broadcast (`pin_seed`).
 
@@ -41,41 +41,12 @@ from typing import Any
 
 import attrs
 
-from mlxd.kv.shard_mirror import PrefixRef
+from mlxd.engine.ops import RowStart, StepOps
+from mlxd.kv.shard_mirror import PrefixRef, ShardRef
 from mlxd.runtime.messages import GenerationRequest, SamplingParams
 
 # Drops sent with one step at most; the rest go with the next ones.
 MAX_DROPS_PER_STEP = 512
-
-
-def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:
-    if prefixes and len(prefixes) != len(ops.starts):
-        raise ValueError(f"{len(prefixes)} prefixes for {len(ops.starts)} starts")
-
-
-@attrs.frozen
-class StepOps:
-    """What rank 0's engine does in one step, for the followers to do the same."""
-
-    starts: tuple[GenerationRequest, ...] = ()
-    # The cached prefix each start begins from (None: cold), in the order of `starts`;
-    # empty when every start is cold. A follower holds its shard under the same key.
-    prefixes: tuple[PrefixRef | None, ...] = attrs.field(default=(), validator=_prefixes_match)
-    cancels: tuple[int, ...] = ()
-    stops: tuple[int, ...] = ()
-    # Keys rank 0's cache owner no longer holds: followers drop their shards, after
-    # lending this step's prefixes and before keeping this step's checkpoints.
-    drops: tuple[str, ...] = ()
-    reset: bool = False  # a failed step: drop the generator and start a fresh one
-    # With `reset`: the failed step ran on rank 0, so its checkpoints never reached the cache
-    # owner; followers forget the prefixes that step added.
-    discard: bool = False
-    shutdown: bool = False  # rank 0 is stopping: followers exit
-
-    @property
-    def lends(self) -> bool:
-        """Whether a start begins from a cached prefix (the followers then confirm they hold it)."""
-        return any(p is not None for p in self.prefixes)
 
 
 def world_rank() -> int:
@@ -93,18 +64,29 @@ def pin_seed(request: GenerationRequest) -> GenerationRequest:
 
 
 def encode_ops(ops: StepOps) -> bytes:
-    return json.dumps(attrs.asdict(ops), separators=(",", ":")).encode()
+    """What the followers need of a step: rank 0's own prefixes, restores and resumes stay behind."""
+    doc = {
+        "starts": [attrs.asdict(s.request) for s in ops.starts],
+        "prefixes": [None if p is None else attrs.asdict(p) for p in ops.prefixes],
+        "cancels": list(ops.cancels),
+        "stops": list(ops.stops),
+        "drops": [[r.key, r.seq] for r in ops.drops],
+        "reset": ops.reset,
+        "discard": ops.discard,
+        "shutdown": ops.shutdown,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def decode_ops(data: bytes) -> StepOps:
     doc = json.loads(data)
     return StepOps(
-        starts=tuple(_request(r) for r in doc["starts"]),
+        starts=tuple(RowStart(request=_request(r)) for r in doc["starts"]),
         prefixes=tuple(None if p is None else PrefixRef(str(p["key"]), int(p["usable"]), int(p["total"]))
                        for p in doc["prefixes"]),
-        cancels=tuple(int(u) for u in doc["cancels"]),
-        stops=tuple(int(u) for u in doc["stops"]),
-        drops=tuple(str(k) for k in doc["drops"]),
+        cancels=tuple(str(u) for u in doc["cancels"]),
+        stops=tuple(str(u) for u in doc["stops"]),
+        drops=tuple(ShardRef(str(k), int(seq)) for k, seq in doc["drops"]),
         reset=bool(doc["reset"]),
         discard=bool(doc["discard"]),
         shutdown=bool(doc["shutdown"]),

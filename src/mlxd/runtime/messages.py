@@ -184,6 +184,15 @@ class StartGeneration:
 
 @attrs.frozen
 class CancelGeneration:
+    """The client went away: the row leaves as "cancelled" (a generation checkpoint stays resumable)."""
+
+    request_id: str
+
+
+@attrs.frozen
+class StopGeneration:
+    """The client's stop string matched: the row ends as a normal "stop" and its checkpoint is published."""
+
     request_id: str
 
 
@@ -197,7 +206,7 @@ class ShardsDropped:
     refs: tuple[ShardRef, ...]
 
 
-EngineInbox = StartGeneration | CancelGeneration | ShardsDropped
+EngineInbox = StartGeneration | CancelGeneration | StopGeneration | ShardsDropped
 
 
 # --- cache owner inbox ---------------------------------------------------------

@@ -75,6 +75,12 @@ class MlxThread:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._thread.join)
 
+    async def __aenter__(self) -> MlxThread:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
 
 def _release_thread_streams() -> None:
     """Finish this thread's MLX work and destroy the streams it created, on this thread.

@@ -32,11 +32,12 @@ import trio.lowlevel
 
 from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.actors.durability import DurabilityCoordinator
-from mlxd.actors.engine import EngineActor, EngineInfo
+from mlxd.actors.engine import EngineActor
 from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
+from mlxd.engine.ops import EngineInfo
 from mlxd.kv.blocks import span_for
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.pacing import WriteGovernor
@@ -72,6 +73,7 @@ from mlxd.runtime.messages import (
     SamplingParams,
     SchedulerInbox,
     SettleCheckpoints,
+    StopGeneration,
     SubmitGeneration,
     TokenGenerated,
     WriteSnapshot,
@@ -155,6 +157,7 @@ class Runtime:
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         scheduler: SchedulerActor,
         engine: EngineActor,
+        engine_inbox: trio.MemorySendChannel[EngineInbox],
         cache_owner: CacheOwnerActor,
         cold: ColdTier | None = None,
     ) -> None:
@@ -164,6 +167,7 @@ class Runtime:
         self._cache = cache
         self.scheduler = scheduler
         self.engine = engine
+        self._engine_inbox = engine_inbox
         self.cache_owner = cache_owner
         self.cold = cold
         self.history = GeneratedHistory()
@@ -320,6 +324,14 @@ class Runtime:
                 pass
         return GenerationStream(receive, request)
 
+    async def stop_generation(self, request_id: str) -> None:
+        """End a decoding generation as a normal stop (its client matched a stop string).
+
+        With the engine's next step the row leaves the batch with reason "stop" and
+        its checkpoint is published, as for an end token.
+        """
+        await self._engine_inbox.send(StopGeneration(request_id))
+
     # --- observing and stopping ------------------------------------------------
 
     async def close_session(self, session: str) -> bool:
@@ -345,7 +357,7 @@ class Runtime:
             "uptime_s": round(time.time() - self.started_at, 3),
             "admitting": self.admitting,
             "scheduler": sched,
-            "engine": dict(self.engine.stats),
+            "engine": self.engine.stats.as_dict(),
             "cache": await self.cache_stats(),
             "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
             "blas": dict(_blas.status),
@@ -483,9 +495,9 @@ def _cold_tier(
     store: SsdStore,
     cache_send: trio.MemorySendChannel[CacheOwnerMessage],
     governor: WriteGovernor,
-    gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None = None,
-    gen_send: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
-    land: Callable[[FileHeader], Awaitable[Landing]] | None = None,
+    gen_inbox: trio.MemoryReceiveChannel[GenCheckpointMessage] | None,
+    gen_send: trio.MemorySendChannel[GenCheckpointMessage] | None,
+    land: Callable[[FileHeader], Awaitable[Landing]] | None,
 ) -> ColdTier:
     # The coordinator's inbox is unbounded on purpose: its producers (the cache
     # owner, the writer) must never block on it, and it waits on nobody but the
@@ -512,15 +524,14 @@ def _cold_tier(
     )
 
 
-async def _start_kv_events(
-    nursery: trio.Nursery, config: RuntimeConfig, cache_owner: CacheOwnerActor, fingerprint: str
-) -> None:
+async def _start_kv_events(nursery: trio.Nursery, config: RuntimeConfig) -> trio.MemorySendChannel[Any]:
+    """Start the KV-event publisher (--kv-events-endpoint); return its inbox."""
     from mlxd.actors.kv_publisher import KvEventPublisherActor
 
     send, receive = trio.open_memory_channel[Any](64)
     publisher = KvEventPublisherActor(config.kv_events_endpoint or "", inbox=receive, topic=config.kv_events_topic)
     await nursery.start(publisher.run)
-    cache_owner.attach_kv_events(send, block_size=config.kv_events_block_size, fingerprint=fingerprint)
+    return send
 
 
 @asynccontextmanager
@@ -543,16 +554,8 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run)
         store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
-        # The restore advisor starts from what the startup probe measured on this device.
-        advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
-        cache_owner = CacheOwnerActor(
-            config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
-            records=scan.records if scan is not None else (),
-            corrupt_at_start=scan.report.corrupt if scan is not None else 0,
-            memory_budget=info.memory_budget_bytes,
-        )
         # Restored bytes land straight in MLX memory: no copy on the engine thread, and on CUDA
-        # no page-by-page migration (measured on CUDA and on the CPU; Metal keeps the host path).
+        # no page-by-page migration (docs/benchmarks.md; Metal keeps the host path, unmeasured there).
         direct = config.restore_landing == "mlx" or (
             config.restore_landing == "auto" and not device_memory.is_metal()
         )
@@ -561,17 +564,26 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
                        land=engine.landing if direct else None)
             if store is not None else None
         )
+        kv_events = await _start_kv_events(nursery, config) if config.kv_events_endpoint else None
+        # The restore advisor starts from what the startup probe measured on this device.
+        advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
+        cache_owner = CacheOwnerActor(
+            config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
+            records=scan.records if scan is not None else (),
+            corrupt_at_start=scan.report.corrupt if scan is not None else 0,
+            memory_budget=info.memory_budget_bytes,
+            durability=cold.durability_inbox.clone() if cold is not None else None,
+            prefetcher=cold.prefetch_inbox.clone() if cold is not None else None,
+            # --distributed: followers drop their shards of what leaves RAM (kv/shard_mirror.py)
+            engine=engine_send.clone() if config.distributed else None,
+            kv_events=kv_events, kv_fingerprint=info.store_identity.fingerprint,
+        )
         if cold is not None:
-            cache_owner.attach(durability=cold.durability_inbox.clone(), prefetcher=cold.prefetch_inbox.clone())
             await nursery.start(cold.writer.run)
             await nursery.start(cold.durability.run)
             await nursery.start(cold.prefetcher.run)
             if cold.checkpointer is not None:
                 await nursery.start(cold.checkpointer.run)
-        if config.distributed:  # followers drop their shards of what leaves RAM (kv/shard_mirror.py)
-            cache_owner.attach_engine(engine_send.clone())
-        if config.kv_events_endpoint:
-            await _start_kv_events(nursery, config, cache_owner, info.store_identity.fingerprint)
         await nursery.start(cache_owner.run)
         scheduler = SchedulerActor(
             config,
@@ -589,6 +601,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             cache=cache_send,
             scheduler=scheduler,
             engine=engine,
+            engine_inbox=engine_send.clone(),
             cache_owner=cache_owner,
             cold=cold,
         )

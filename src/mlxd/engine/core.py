@@ -1,0 +1,501 @@
+"""The engine core: the generation loop, synchronous, on the MLX thread.
+
+`EngineCore` owns the model, the tokenizer, mlx-lm's `BatchGenerator` and the
+rows in it. It turns one `StepOps` into one `StepResult` (engine/ops.py):
+rows join (from a RAM prefix, an SSD restore, a resumed generation, or cold),
+rows leave (cancelled, stopped), one `BatchGenerator.next()` runs, and what
+came out is returned as values: token events per request, checkpoints and
+timings for the cache owner, generation checkpoints, refusals. It imports no
+trio and knows no channel: the engine actor, the distributed leader and its
+followers all drive it the same way (actors/engine.py, engine/ranks.py).
+
+What a row does beyond decoding lives in the parts it carries
+(engine/features.py), called at fixed points of a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from mlxd.engine import loading
+from mlxd.engine.features import (
+    Ending,
+    Feature,
+    GenerationCheckpoints,
+    Joining,
+    PromptCheckpoints,
+    Sampling,
+    StopTokens,
+)
+from mlxd.engine.ops import (
+    Emit,
+    EngineInfo,
+    EngineStats,
+    Note,
+    Rejected,
+    RowStart,
+    StepOps,
+    StepResult,
+)
+from mlxd.kv.device_costs import DeviceProbe
+from mlxd.kv.file_format import FileHeader, Landing
+from mlxd.kv.ssd_store import StoreIdentity
+from mlxd.model.identity import model_identity
+from mlxd.runtime import device_memory
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.distributed import StepChannel
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.messages import (
+    GenerationAbandoned,
+    GenerationCompleted,
+    GenerationFinished,
+    MemoryMeasured,
+    PrefillMeasured,
+    PromptAccepted,
+    PublishPrefix,
+    RestoreMeasured,
+    TokenGenerated,
+)
+
+log = get_logger("mlxd.engine")
+
+# With a memory budget, MLX memory is measured for the cache owner at every prefill
+# boundary and at least every this many steps (a cheap counter read, no sync).
+MEASURE_MEMORY_EVERY = 256
+
+
+@attrs.define
+class Row:
+    """A request in the batch: its start, its generator uid, its parts and progress."""
+
+    start: RowStart
+    sampling: Sampling
+    features: tuple[Feature, ...]
+    uid: int = -1
+    cached_tokens: int = 0
+    generated: int = 0
+    prefilled: int = 0  # prompt tokens processed so far in this insert
+
+    @property
+    def request_id(self) -> str:
+        return self.start.request.request_id
+
+    def parts(self) -> tuple[Feature, ...]:
+        return (self.sampling, *self.features)
+
+
+@attrs.define
+class StepOut:
+    """What a step produces, gathered as it runs."""
+
+    emits: list[Emit] = attrs.Factory(list)
+    notes: list[Note] = attrs.Factory(list)
+    finished: list[str] = attrs.Factory(list)
+    rejected: list[Rejected] = attrs.Factory(list)
+
+    def emit(self, row: Row, event: Any) -> None:
+        self.emits.append(Emit(row.request_id, event))
+
+
+@attrs.define
+class Counters:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    failed_steps: int = 0
+    checkpoints_skipped: int = 0
+    checkpoint_s: float = 0.0
+
+
+class EngineCore:
+    """Load a model; run steps; lend landings. Every method runs on the one MLX thread."""
+
+    log = log
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self._config = config
+        self.counters = Counters()
+        self._rows: dict[int, Row] = {}  # by generator uid
+        self._uids: dict[str, int] = {}  # request id -> generator uid
+        self._steps_unmeasured = 0
+        # Set by load():
+        self._stream: Any = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.generator: Any = None
+        self.store_identity: StoreIdentity | None = None
+        self.channel: StepChannel | None = None  # --distributed: this rank's step channel
+        self._memory_budget = 0
+        self._eos: frozenset[int] = frozenset()
+        self._prefill_step_size = config.prefill_step_size
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def load(self) -> EngineInfo:
+        """Load the model, measure its KV cost and the device, and start a generator."""
+        import mlx.core as mx
+
+        from mlxd.model import fast_mask
+
+        fast_mask.install()  # fused causal attention for unpadded prefill chunks
+        self._stream = mx.new_stream(mx.default_device())
+        with mx.stream(self._stream):
+            loaded = loading.load(self._config, self._stream)
+            self.model, self.tokenizer, self.channel = loaded.model, loaded.tokenizer, loaded.channel
+            self._eos = frozenset(self.tokenizer.eos_token_ids)
+            device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
+            kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
+            self.generator = self._new_generator()
+            cfg = loaded.config
+            max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
+            identity = model_identity(loaded.path)  # content hash (memoized per file); not the served name
+            self.store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
+            vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
+            probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
+            self._memory_budget = loading.memory_budget(self._config)
+        return EngineInfo(
+            model_name=loading.served_name(self._config),
+            model_path=str(loaded.path),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self._eos,
+            max_context=max_context,
+            kv_bytes_per_token=kv_bytes_per_token,
+            vocab_size=vocab_size,
+            model_identity=identity,
+            store_identity=self.store_identity,
+            probe=probe,
+            memory_budget_bytes=self._memory_budget,
+        )
+
+    def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
+        """Measure this device (seconds) before serving; see actors/device_probe.py."""
+        import mlx.core as mx
+
+        from mlxd.actors.device_probe import probe_device
+
+        tune = self._config.tune_prefill_step
+        if tune is None:
+            tune = mx.default_device() != mx.cpu
+        probe = probe_device(
+            self.generator,
+            vocab_size=vocab_size,
+            max_context=max_context,
+            kv_bytes_per_token=kv_bytes_per_token,
+            budget_s=self._config.device_probe_budget_s,
+            restore_dir=Path(self._config.ssd_cache_dir) if self._config.ssd_cache_dir else None,
+            tune_step=tune,
+        )
+        # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size.
+        self._prefill_step_size = probe.prefill_step_size
+        self.reset()
+        summary = probe.as_dict()
+        summary.pop("cost_model")
+        log.info("engine.device_probe", **summary)
+        return probe
+
+    def _new_generator(self) -> Any:
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self.model,
+            max_tokens=self._config.default_max_tokens,
+            stop_tokens=[[t] for t in sorted(self._eos)],
+            completion_batch_size=self._config.max_batch,
+            prefill_batch_size=min(self._config.prefill_batch, self._config.max_batch),
+            prefill_step_size=self._prefill_step_size,
+            stream=self._stream,
+        )
+
+    def reset(self) -> None:
+        """Drop every row and start a fresh generator (after a failed step)."""
+        self.close()
+        self._rows.clear()
+        self._uids.clear()
+        self.generator = self._new_generator()
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
+        if self._stream is not None:
+            import mlx.core as mx
+
+            try:
+                mx.synchronize(self._stream)  # no work in flight when the thread's streams go
+            except RuntimeError:
+                log.warning("engine.synchronize_failed")
+
+    def landing(self, header: FileHeader) -> Landing:
+        """MLX arrays for a cold file to be read straight into (`kinds.landing`)."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        with mx.stream(self._stream):
+            return kinds.landing(header)
+
+    def measure_memory(self, reason: str) -> MemoryMeasured:
+        import mlx.core as mx
+
+        self._steps_unmeasured = 0
+        return MemoryMeasured(int(mx.get_active_memory()), int(mx.get_peak_memory()), reason)
+
+    @property
+    def measures_memory(self) -> bool:
+        return self._memory_budget > 0
+
+    @property
+    def prefill_step_size(self) -> int:
+        return int(self._prefill_step_size)
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            steps=c.steps, batch_rows=len(self._rows), generated_tokens=c.generated_tokens,
+            prompt_tokens=c.prompt_tokens, failed_steps=c.failed_steps,
+            checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
+        )
+
+    # --- a step --------------------------------------------------------------------------
+
+    def step(self, ops: StepOps) -> StepResult:
+        """Do `ops`, then one generator step if any row is left; the same on every rank."""
+        import mlx.core as mx
+
+        if ops.reset:
+            self.reset()
+            return StepResult(stats=self.stats())
+        out = StepOut()
+        with mx.stream(self._stream):
+            for start in ops.starts:
+                self._join(start, out)
+            self._end(ops.cancels, "cancelled", out)
+            self._end(ops.stops, "stop", out)
+            if self._rows:
+                self._next(out)
+        return StepResult(tuple(out.emits), tuple(out.notes), tuple(out.finished), tuple(out.rejected), self.stats())
+
+    def _join(self, start: RowStart, out: StepOut) -> None:
+        """Insert a row; a row that cannot join is refused alone, the batch untouched."""
+        try:
+            if start.resume is not None:
+                self._resume(start, out)
+            else:
+                self._insert(start, out)
+        except Exception as exc:
+            log.exception("engine.request_failed", request_id=start.request.request_id)
+            out.rejected.append(Rejected(start.request.request_id, f"generation failed: {type(exc).__name__}: {exc}"))
+            if start.checkpoint_key is not None:  # resumable by a retry
+                out.notes.append(GenerationAbandoned(start.checkpoint_key, start.request.request_id))
+
+    def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int) -> Row:
+        req, config = start.request, self._config
+        features: list[Feature] = [StopTokens(self._eos | frozenset(req.sampling.stop_token_ids))]
+        if config.prompt_cache_bytes > 0:
+            # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
+            threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
+            features.append(PromptCheckpoints(at_boundary=prompt_new_tokens >= threshold))
+        if start.checkpoint_key is not None:
+            features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
+        return Row(start=start, sampling=sampling, features=tuple(features))
+
+    def _admit(self, row: Row, prompt: list[int], max_tokens: int, caches: list[Any] | None, history: list[int]) -> None:
+        from mlx_lm.generate import StopSequences
+
+        joining = Joining()
+        for part in row.parts():
+            part.join(row, joining)
+        row_caches = self._batchable(caches)
+        (uid,) = self.generator.insert(
+            [prompt],
+            max_tokens=[max_tokens],
+            caches=[row_caches] if row_caches is not None else None,
+            all_tokens=[history],
+            samplers=[joining.sampler],
+            logits_processors=[joining.processors],
+            stop_sequences=[StopSequences([[t] for t in sorted(joining.stop_tokens)])],
+        )
+        row.uid = uid
+        self._rows[uid] = row
+        self._uids[row.request_id] = uid
+
+    def _insert(self, start: RowStart, out: StepOut) -> None:
+        from mlxd.kv import kinds
+
+        req = start.request
+        sampling = Sampling.of(req.sampling)  # built (and checked) before the generator sees the row
+        if start.restore is not None and start.restore.loaded is not None:
+            lent, usable, tier = self._restore(start, out)
+        elif start.hit is not None:
+            hit = start.hit
+            usable = hit.usable
+            lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens))
+            tier = "ram" if usable > 0 else "none"
+        else:
+            lent, usable, tier = None, 0, "none"
+        row = self._parts(start, sampling, len(req.prompt) - usable - 1)
+        self._admit(row, list(req.prompt[usable:]), req.sampling.max_tokens, lent, list(req.prompt[:usable]))
+        row.cached_tokens = usable
+        self.counters.prompt_tokens += len(req.prompt) - usable
+        out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
+
+    def _batchable(self, lent: list[Any] | None) -> list[Any] | None:
+        """What a row starts from: a lent prefix, or fresh caches; quantized ones made batchable."""
+        if self._config.kv_bits is None:
+            return lent
+        from mlxd.kv.quantized_batch import batchable
+
+        return batchable(lent if lent is not None else loading.fresh_caches(self.model, self._config))
+
+    def _restore(self, start: RowStart, out: StepOut) -> tuple[list[Any], int, str]:
+        """Adopt a cold file's bytes into MLX, publish it to RAM, and lend its prefix."""
+        from mlxd.kv import kinds
+
+        restore = start.restore
+        assert restore is not None and restore.loaded is not None
+        t0 = time.perf_counter()
+        caches = kinds.adopt(restore.loaded, landed=device_memory.to_device)
+        seconds = restore.loaded.seconds + (time.perf_counter() - t0)
+        tokens = tuple(restore.record.tokens)
+        out.notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
+        out.notes.append(
+            PublishPrefix(
+                tokens=tokens, namespace=start.request.namespace, payload=caches, nbytes=kinds.nbytes(caches),
+                trimmable=kinds.is_trimmable(caches), reason="restore", durable=True, session=start.request.session,
+            )
+        )
+        return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
+
+    def _resume(self, start: RowStart, out: StepOut) -> None:
+        """Continue a checkpointed generation: replay its tokens, then decode from the pending one."""
+        from mlxd.kv import kinds
+
+        resume = start.resume
+        assert resume is not None
+        req, record, s = start.request, resume.record, start.request.sampling
+        t0 = time.perf_counter()
+        caches = kinds.adopt(resume.loaded, landed=device_memory.to_device)
+        out.notes.append(RestoreMeasured(resume.loaded.nbytes, resume.loaded.seconds + time.perf_counter() - t0))
+        replay = [*record.emitted, record.pending]
+        rng = record.rng_key if s.temperature > 0 else None
+        row = self._parts(start, Sampling.of(s, rng), 0)
+        row.generated, row.cached_tokens = len(replay), len(req.prompt)
+        stop_ids = self._eos | frozenset(s.stop_token_ids)
+        finish = "stop" if record.pending in stop_ids else "length" if row.generated >= s.max_tokens else None
+        if finish is None:
+            self._admit(row, [record.pending], s.max_tokens - row.generated, caches,
+                        list(req.prompt) + list(record.emitted))
+        out.emit(row, PromptAccepted(len(req.prompt), len(req.prompt), "checkpoint", start.queued_s))
+        for t in replay:
+            out.emit(row, TokenGenerated(t))
+        if finish is not None:  # nothing left to decode: it never joins the batch
+            out.emit(row, GenerationFinished(finish, len(req.prompt), row.cached_tokens, row.generated))
+            out.finished.append(row.request_id)
+            if start.checkpoint_key is not None:
+                out.notes.append(GenerationCompleted(start.checkpoint_key, req.request_id))
+
+    def _end(self, request_ids: tuple[str, ...], reason: str, out: StepOut) -> None:
+        """Rows a client ended: "stop" (its stop string matched) or "cancelled" (it went away)."""
+        rows = [self._rows[self._uids[rid]] for rid in request_ids if rid in self._uids]
+        if not rows:
+            return
+        for row in rows:  # their checkpoints first, while the generator still holds them
+            for part in row.parts():
+                part.leave(row, Ending(reason, requested=True), self, out)
+        self.generator.remove([row.uid for row in rows])
+        for row in rows:
+            self._finish(row, reason, out)
+
+    def _finish(self, row: Row, reason: str, out: StepOut) -> None:
+        req = row.start.request
+        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated))
+        out.finished.append(row.request_id)
+        del self._rows[row.uid]
+        del self._uids[row.request_id]
+
+    def _next(self, out: StepOut) -> None:
+        decoding = any(r.generated for r in self._rows.values())
+        t0 = time.perf_counter()
+        prompt_responses, gen_responses = self.generator.next()
+        elapsed = time.perf_counter() - t0
+        self.counters.steps += 1
+        chunks = [r for r in prompt_responses if not r.end_of_prompt]
+        if len(chunks) == 1 and not decoding:
+            self._measure_prefill(chunks[0], elapsed, out)
+        for r in prompt_responses:
+            row = self._rows.get(r.uid)
+            if row is not None and r.end_of_segment and not r.end_of_prompt:
+                for part in row.parts():
+                    part.segment(row, self, out)
+        for r in gen_responses:
+            row = self._rows.get(r.uid)
+            if row is None:
+                continue
+            row.generated += 1
+            self.counters.generated_tokens += 1
+            out.emit(row, row.sampling.event(r))
+            if r.finish_reason is None:
+                for part in row.parts():
+                    part.token(row, r.token, self, out)
+            else:
+                ending = Ending(r.finish_reason, caches=r.prompt_cache, tokens=tuple(r.all_tokens or ()))
+                for part in row.parts():
+                    part.leave(row, ending, self, out)
+                self._finish(row, r.finish_reason, out)
+        if self._memory_budget > 0:  # last: the owner sees this step's publications first
+            self._steps_unmeasured += 1
+            if any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
+                out.notes.append(self.measure_memory("prefill"))
+            elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
+                out.notes.append(self.measure_memory("decode"))
+
+    def _measure_prefill(self, r: Any, seconds: float, out: StepOut) -> None:
+        row = self._rows.get(r.uid)
+        if row is None:
+            return
+        done = int(r.progress[0])
+        out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
+        row.prefilled = done
+
+    # --- what features call --------------------------------------------------------------
+
+    def extract(self, uid: int) -> tuple[list[Any], list[int]]:
+        """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""
+        caches, tokens = self.generator.extract_cache([uid])[uid]
+        return caches, list(tokens)
+
+    def checkpoint(
+        self, out: StepOut, reason: str, take: Callable[[], tuple[list[Any], list[int]]], namespace: str,
+        session: str | None,
+    ) -> None:
+        """Publish a prefix checkpoint; one that cannot be taken is skipped and logged, never fails its batch."""
+        try:
+            caches, tokens = take()
+            if caches and tokens:
+                out.notes.append(self._snapshot(tokens, namespace, caches, reason, session))
+        except Exception:
+            log.exception("engine.checkpoint_skipped", kind=reason)
+            self.counters.checkpoints_skipped += 1
+
+    def _snapshot(
+        self, tokens: list[int], namespace: str, caches: list[Any], reason: str, session: str | None
+    ) -> PublishPrefix:
+        """An evaluated checkpoint for the cache owner, with a write plan when the SSD tier is on."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        mx.eval([c.state for c in caches])
+        exact = tuple(tokens)
+        plan = None
+        if self._config.ssd_cache_dir is not None and self.store_identity is not None:
+            plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace))
+        return PublishPrefix(
+            tokens=exact, namespace=namespace, payload=caches, nbytes=kinds.nbytes(caches),
+            trimmable=kinds.is_trimmable(caches), reason=reason, plan=plan, session=session,
+        )

@@ -1,0 +1,209 @@
+"""Per-row features: the small parts a row carries, called by the core at fixed points of a step.
+
+A feature never adds a branch to the loop. The core calls, for every part a row
+carries:
+
+- `join(row, joining)` before the row enters the batch: add a sampler, logits
+  processors (penalties today; token masks for structured output next), stop
+  tokens;
+- `segment(row, core, out)` when a prefill chunk of its prompt ends;
+- `token(row, token, core, out)` after each token it generates that does not end it;
+- `leave(row, ending, core, out)` when it leaves the batch, by a finish reason,
+  a client's stop string ("stop") or a cancel ("cancelled").
+
+Today's features: `Sampling` (every row: sampler, penalties, logprobs),
+`StopTokens` (every row), `PromptCheckpoints` (with the prompt cache: the
+prompt-boundary and final checkpoints) and `GenerationCheckpoints`
+(`--generation-checkpoint N`: resumable in-flight generations).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from mlxd.runtime.messages import (
+    CheckpointGeneration,
+    GenerationAbandoned,
+    GenerationCompleted,
+    SamplingParams,
+    TokenGenerated,
+)
+
+if TYPE_CHECKING:
+    from mlxd.engine.core import EngineCore, Row, StepOut
+
+
+@attrs.define
+class Joining:
+    """What a row brings to the batch, filled in by its features before the generator sees it."""
+
+    sampler: Any = None  # None: the batch's shared greedy sampler
+    processors: list[Any] = attrs.Factory(list)  # mlx-lm logits processors, applied in order
+    stop_tokens: set[int] = attrs.Factory(set)
+
+
+@attrs.frozen
+class Ending:
+    """Why a row leaves, and what the generator handed back with a natural finish."""
+
+    reason: str  # a finish reason ("stop", "length"), or "cancelled"
+    requested: bool = False  # ended by ops (a client's stop string or a cancel), not by the generator
+    caches: Any = None  # the row's caches on a natural finish (mlx-lm's `prompt_cache`)
+    tokens: tuple[int, ...] = ()  # every token those caches hold
+
+
+class RowFeature(Protocol):
+    def join(self, row: Row, joining: Joining) -> None: ...
+    def segment(self, row: Row, core: EngineCore, out: StepOut) -> None: ...
+    def token(self, row: Row, token: int, core: EngineCore, out: StepOut) -> None: ...
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None: ...
+
+
+class Feature:
+    """A feature that does nothing at any point; subclasses override the points they use."""
+
+    def join(self, row: Row, joining: Joining) -> None:
+        pass
+
+    def segment(self, row: Row, core: EngineCore, out: StepOut) -> None:
+        pass
+
+    def token(self, row: Row, token: int, core: EngineCore, out: StepOut) -> None:
+        pass
+
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        pass
+
+
+@attrs.define
+class Sampling(Feature):
+    """Temperature sampling with its own RNG (a value: checkpoints save it), penalties, logprobs."""
+
+    params: SamplingParams
+    sampler: Any = None  # gen_hook.SeededSampler, or None for greedy
+
+    @classmethod
+    def of(cls, params: SamplingParams, rng_state: tuple[int, ...] | None = None) -> Sampling:
+        if params.temperature <= 0:
+            return cls(params)
+        from mlxd.runtime.gen_hook import SeededSampler
+
+        if rng_state is not None:  # a resumed generation continues its random stream
+            return cls(params, SeededSampler.restore(params, rng_state))
+        return cls(params, SeededSampler.seeded(params))
+
+    def join(self, row: Row, joining: Joining) -> None:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        s = self.params
+        joining.sampler = self.sampler
+        joining.processors += make_logits_processors(
+            logit_bias=dict(s.logit_bias) or None,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty or None,
+            frequency_penalty=s.frequency_penalty or None,
+        )
+
+    def rng_state(self) -> tuple[int, ...] | None:
+        return self.sampler.state() if self.sampler is not None else None
+
+    def event(self, response: Any) -> TokenGenerated:
+        """The token event, with its logprobs when the request asked for them."""
+        import mlx.core as mx
+
+        s = self.params
+        if not s.logprobs and s.top_logprobs == 0:
+            return TokenGenerated(response.token)
+        lp = response.logprobs
+        chosen = float(lp[response.token].item())
+        top: tuple[tuple[int, float], ...] = ()
+        if s.top_logprobs > 0:
+            k = min(s.top_logprobs, lp.shape[-1])
+            idx = mx.argpartition(-lp, kth=k - 1)[:k]
+            ids: list[Any] = idx.tolist()  # type: ignore[assignment]
+            vals: list[Any] = lp[idx].tolist()  # type: ignore[assignment]
+            pairs = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])
+            top = tuple((int(t), float(v)) for t, v in pairs)
+        return TokenGenerated(response.token, chosen, top)
+
+
+@attrs.frozen
+class StopTokens(Feature):
+    """The model's end tokens and the request's stop token ids end the row as "stop".
+
+    Stop *strings* are matched on text by whoever decodes it (the HTTP layer):
+    it sends `StopGeneration`, and the core ends the row with the next step's `stops`.
+    """
+
+    ids: frozenset[int]
+
+    def join(self, row: Row, joining: Joining) -> None:
+        joining.stop_tokens |= self.ids
+
+
+@attrs.define
+class PromptCheckpoints(Feature):
+    """With the prompt cache: a checkpoint where the prompt ends and one where the row ends."""
+
+    at_boundary: bool  # a prompt-boundary checkpoint is worth taking (enough new prompt tokens)
+
+    def segment(self, row: Row, core: EngineCore, out: StepOut) -> None:
+        if self.at_boundary:
+            self.at_boundary = False
+            req = row.start.request
+            core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session)
+
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        req = row.start.request
+        if not ending.requested:
+            if ending.caches is not None:
+                core.checkpoint(out, "final", lambda: (ending.caches, list(ending.tokens)), req.namespace, req.session)
+        elif row.generated > 0:
+            # Ended early (a stop string, a disconnect): every token the KV holds, a few of which
+            # may lie past where a stop string cut the text; a later lookup lends only what it shares.
+            core.checkpoint(out, "final", lambda: core.extract(row.uid), req.namespace, req.session)
+
+
+@attrs.define
+class GenerationCheckpoints(Feature):
+    """`--generation-checkpoint N` (seed §5.7): every N tokens a resumable snapshot for the SSD.
+
+    A finished row drops its checkpoint; a cancelled one leaves it for a retry to resume.
+    """
+
+    key: str
+    every: int
+
+    def token(self, row: Row, token: int, core: EngineCore, out: StepOut) -> None:
+        if self.every <= 0 or row.generated % self.every:
+            return
+        t0 = time.perf_counter()
+        try:
+            out.notes.append(self._snapshot(row, core))
+        except Exception:  # a checkpoint is an optimization: never fail the generation for it
+            core.log.exception("engine.generation_checkpoint_failed")
+        core.counters.checkpoint_s += time.perf_counter() - t0  # engine-thread time taken from decode
+
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        end = GenerationAbandoned if ending.reason == "cancelled" else GenerationCompleted
+        out.notes.append(end(self.key, row.start.request.request_id))
+
+    def _snapshot(self, row: Row, core: EngineCore) -> CheckpointGeneration:
+        from mlxd.kv import kinds
+        from mlxd.kv.gen_checkpoint import GenerationRecord
+        from mlxd.runtime.gen_hook import snapshot_row
+
+        req = row.start.request
+        snap = snapshot_row(core.generator, row.uid)
+        if snap is None:
+            raise RuntimeError("row is not decoding")
+        record = GenerationRecord(
+            key=self.key, prompt_tokens=len(req.prompt), emitted=snap.tokens[len(req.prompt):],
+            pending=snap.pending, rng_key=row.sampling.rng_state(),
+        )
+        meta = attrs.evolve(core.store_identity.meta(snap.tokens, req.namespace), generation=record.as_doc())
+        plan = kinds.plan_snapshot(snap.caches, meta=meta)
+        return CheckpointGeneration(self.key, req.request_id, plan, len(record.emitted))

@@ -1,0 +1,147 @@
+"""The values the engine core takes and gives: one `StepOps` in, one `StepResult` out.
+
+`StepOps` is what every rank does in one step: rank 0 builds it from its inbox,
+and in `--distributed` sends it (less what only rank 0 holds: its RAM prefixes,
+restores and resumes) to the followers, which drive their own core with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxd.kv.shard_mirror import PrefixRef, ShardRef
+from mlxd.runtime.messages import (
+    CheckpointGeneration,
+    EngineNote,
+    GenerationAbandoned,
+    GenerationCompleted,
+    GenerationEvent,
+    GenerationRequest,
+    RestoreSnapshot,
+    ResumeGeneration,
+)
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlxd.kv.device_costs import DeviceProbe
+    from mlxd.kv.prompt_cache import CacheHit
+    from mlxd.kv.ssd_store import StoreIdentity
+
+
+class ModelRefused(Exception):
+    """The model cannot be served as configured (its cache classes, or the KV scheme); raised at load."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineInfo:
+    """What the rest of the runtime may know about the loaded model."""
+
+    model_name: str
+    model_path: str
+    tokenizer: TokenizerWrapper  # thread-safe for encode/decode/templates
+    eos_token_ids: frozenset[int]
+    max_context: int
+    kv_bytes_per_token: int
+    vocab_size: int  # rows of the embedding: every valid token id is below this
+    model_identity: str  # sha256 of the weights', config's and tokenizer's bytes
+    store_identity: StoreIdentity  # what SSD files and KV-event block hashes must match
+    probe: DeviceProbe | None = None  # the startup device probe, when it ran
+    memory_budget_bytes: int = 0  # resolved --memory-budget (0 = none)
+
+
+@attrs.frozen(kw_only=True)
+class RowStart:
+    """A request joining the batch and what it starts from (at most one of hit, restore, resume)."""
+
+    request: GenerationRequest
+    hit: CacheHit | None = None  # a RAM prefix to lend
+    restore: RestoreSnapshot | None = None  # a cold file read for it (wins over `hit`)
+    resume: ResumeGeneration | None = None  # an in-flight generation to continue (wins over both)
+    checkpoint_key: str | None = None  # its generation-checkpoint key (--generation-checkpoint)
+    queued_s: float = 0.0  # from submission to this step
+
+
+def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:
+    if prefixes and len(prefixes) != len(ops.starts):
+        raise ValueError(f"{len(prefixes)} prefixes for {len(ops.starts)} starts")
+
+
+@attrs.frozen
+class StepOps:
+    """What the engine does in one step, the same on every rank."""
+
+    starts: tuple[RowStart, ...] = ()
+    # --distributed: the mirrored prefix each start lends (None: cold), in the order of
+    # `starts`; empty when every start is cold. A follower holds its shard under that key.
+    prefixes: tuple[PrefixRef | None, ...] = attrs.field(default=(), validator=_prefixes_match)
+    cancels: tuple[str, ...] = ()  # request ids leaving as "cancelled" (a client went away)
+    stops: tuple[str, ...] = ()  # request ids ending as a normal "stop" (a client's stop string)
+    # --distributed: mirrored prefixes rank 0's cache owner no longer holds (`ShardsDropped`):
+    # followers drop their shards, after lending this step's prefixes and before keeping
+    # this step's checkpoints.
+    drops: tuple[ShardRef, ...] = ()
+    reset: bool = False  # the last step failed: drop every row and start a fresh generator
+    # With `reset`: the failed step ran on rank 0, so its checkpoints never reached the cache
+    # owner; followers forget the prefixes that step added.
+    discard: bool = False
+    shutdown: bool = False  # rank 0 is stopping: followers exit
+
+    @property
+    def lends(self) -> bool:
+        """Whether a start begins from a mirrored prefix (the followers then confirm they hold it)."""
+        return any(p is not None for p in self.prefixes)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.starts or self.cancels or self.stops or self.drops or self.reset)
+
+
+# What a step produces for others: the cache owner's notes and the generation checkpointer's.
+Note = EngineNote | CheckpointGeneration | GenerationCompleted | GenerationAbandoned
+
+
+@attrs.frozen
+class Emit:
+    """One event for one request."""
+
+    request_id: str
+    event: GenerationEvent
+
+
+@attrs.frozen
+class Rejected:
+    """A start refused before it joined the batch (its request fails; the batch is untouched)."""
+
+    request_id: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """The engine's counters after a step (a value: the actor hands it out as it is)."""
+
+    steps: int = 0
+    batch_rows: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled (not reused from a cache)
+    failed_steps: int = 0
+    checkpoints_skipped: int = 0
+    checkpoint_s: float = 0.0  # engine-thread time spent on generation checkpoints
+    # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
+    mirrored_prefixes: int | None = None
+    mirror_misses: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in attrs.asdict(self).items() if v is not None}
+
+
+@attrs.frozen
+class StepResult:
+    emits: tuple[Emit, ...] = ()
+    notes: tuple[Note, ...] = ()  # in order: checkpoints before the memory reading that follows them
+    finished: tuple[str, ...] = ()  # request ids that left the batch (their last event is in `emits`)
+    rejected: tuple[Rejected, ...] = ()
+    stats: EngineStats = EngineStats()
