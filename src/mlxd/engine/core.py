@@ -133,8 +133,23 @@ class EngineCore:
         self._memory_budget = 0
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
+        self._fresh_generator: Callable[[], Any] = self._new_generator
 
     # --- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def over(
+        cls, config: RuntimeConfig, generator: Any, *, eos: frozenset[int], store_identity: StoreIdentity | None = None
+    ) -> EngineCore:
+        """A core around a generator already built, with no model loaded (tests drive one with a scripted
+        generator that has mlx-lm `BatchGenerator`'s insert/next/remove/extract_cache/close)."""
+        import mlx.core as mx
+
+        core = cls(config)
+        core._stream = mx.default_stream(mx.default_device())
+        core.generator, core._eos, core.store_identity = generator, eos, store_identity
+        core._fresh_generator = lambda: generator
+        return core
 
     def load(self) -> EngineInfo:
         """Load the model, measure its KV cost and the device, and start a generator."""
@@ -216,7 +231,7 @@ class EngineCore:
         self.close()
         self._rows.clear()
         self._uids.clear()
-        self.generator = self._new_generator()
+        self.generator = self._fresh_generator()
 
     def close(self) -> None:
         if self.generator is not None:
