@@ -74,7 +74,7 @@ def stdlib_docstrings() -> str:
     size = 0
     for name in MODULES:
         spec = importlib.util.find_spec(name)
-        if spec is None or not (spec.origin or "").endswith(".py"):
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
             continue
         tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
         for node in ast.walk(tree):

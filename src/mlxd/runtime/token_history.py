@@ -124,8 +124,8 @@ def encode_chat(
     """
     text, plain = rendered if rendered is not None else render(tokenizer, messages)
     replies = [m["content"] for m in messages if m.get("role") == "assistant" and m.get("content")]
-    known = [(r, history.get(r)) for r in replies]
-    known = [(r, ids) for r, ids in known if ids is not None]
+    looked_up = [(r, history.get(r)) for r in replies]
+    known = [(r, ids) for r, ids in looked_up if ids is not None]
     if not known:
         return plain, 0
     ids: list[int] = []

@@ -53,7 +53,7 @@ class _Replica(MlxdReplay):
     inbox: trio.MemoryReceiveChannel[TraceRequest] | None = None
     routed: int = 0
 
-    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | None]) -> None:
+    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
         assert self.inbox is not None
         async with send, self.inbox:
             async for r in self.inbox:

@@ -52,7 +52,7 @@ class TokenSynth:
     def prompt(self, r: TraceRequest):
         if r.tokens is not None:
             return r.tokens
-        return block_tokens(r.hash_ids, r.input_length)
+        return block_tokens(r.block_ids(), r.input_length)
 
     def hit_tokens(self, r: TraceRequest, usable: int) -> int:
         return usable
@@ -74,10 +74,10 @@ class BlockSynth:
     granularity = "block"
 
     def prompt(self, r: TraceRequest):
-        return half_block_tokens(r.hash_ids)
+        return half_block_tokens(r.block_ids())
 
     def hit_tokens(self, r: TraceRequest, usable: int) -> int:
-        if usable == 2 * len(r.hash_ids) - 1:
+        if usable == 2 * len(r.block_ids()) - 1:
             return r.input_length - 1
         return (usable // 2) * BLOCK_TOKENS
 

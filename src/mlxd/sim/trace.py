@@ -46,6 +46,12 @@ class TraceRequest:
     cached_tokens: int | None = None  # what the live server reported, when recorded
     cache_tier: str | None = None  # where the live server found it ("ram", "ssd", "none")
 
+    def block_ids(self) -> tuple[int, ...]:
+        """The Mooncake block ids; a ValueError for a request that has none (mlxd format)."""
+        if self.hash_ids is None:
+            raise ValueError(f"request {self.index}: no hash_ids (not a Mooncake request)")
+        return self.hash_ids
+
 
 def utf8_tokens(text: str) -> list[int]:
     """Fallback tokenizer for text-only traces: one token per UTF-8 byte."""
