@@ -128,7 +128,7 @@ class EngineCore:
         self.model: Any = None
         self.tokenizer: Any = None
         self.generator: Any = None
-        self.store_identity: StoreIdentity | None = None
+        self._store_identity: StoreIdentity | None = None
         self.channel: StepChannel | None = None  # --distributed: this rank's step channel
         self._memory_budget = 0
         self._eos: frozenset[int] = frozenset()
@@ -147,7 +147,9 @@ class EngineCore:
 
         core = cls(config)
         core._stream = mx.default_stream(mx.default_device())
-        core.generator, core._eos, core.store_identity = generator, eos, store_identity
+        core.generator, core._eos = generator, eos
+        core._store_identity = store_identity or StoreIdentity(model_id="scripted", fingerprint="scripted",
+                                                               tokenizer_hash="none")
         core._fresh_generator = lambda: generator
         return core
 
@@ -169,7 +171,7 @@ class EngineCore:
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
             identity = model_identity(loaded.path)  # content hash (memoized per file); not the served name
-            self.store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
+            self._store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
@@ -244,6 +246,17 @@ class EngineCore:
                 mx.synchronize(self._stream)  # no work in flight when the thread's streams go
             except RuntimeError:
                 log.warning("engine.synchronize_failed")
+
+    @property
+    def store_identity(self) -> StoreIdentity:
+        """What SSD files and KV-event hashes must match (known once a model is loaded)."""
+        if self._store_identity is None:
+            raise RuntimeError("the engine core has no model loaded")
+        return self._store_identity
+
+    @store_identity.setter
+    def store_identity(self, identity: StoreIdentity) -> None:
+        self._store_identity = identity
 
     def landing(self, header: FileHeader) -> Landing:
         """MLX arrays for a cold file to be read straight into (`kinds.landing`)."""
@@ -508,7 +521,7 @@ class EngineCore:
         mx.eval([c.state for c in caches])
         exact = tuple(tokens)
         plan = None
-        if self._config.ssd_cache_dir is not None and self.store_identity is not None:
+        if self._config.ssd_cache_dir is not None:
             plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace))
         return PublishPrefix(
             tokens=exact, namespace=namespace, payload=caches, nbytes=kinds.nbytes(caches),
