@@ -1,0 +1,263 @@
+"""A pairwise matrix over the `mlxd serve` flags that change wiring, each combination a real server.
+
+Every pair of flag values the CLI accepts meets in at least one combination; each
+combination serves a conversation's follow-up turn from the RAM tier, flushes, and
+exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import attrs
+import msgpack
+import pytest
+import zmq
+from allpairspy import AllPairs
+
+from mlxd.model import build_model
+
+from gateway import free_port
+from procs import ServeProcess
+
+# Each flag's values; the first is what the server gets when the flag is left out.
+FLAGS: dict[str, tuple[object, ...]] = {
+    "ssd": ("off", "whole", "blocks"),  # --ssd-cache DIR --ssd-layout whole|blocks
+    "memory_budget": (None, "0", "1"),  # GB; "0" = no budget
+    "retention": ("lru", "lfu", "cost"),
+    "ssd_shared": (False, True),
+    "kv_bits": (None, 8),
+    "generation_checkpoint": (0, 4),
+    "kv_events": (False, True),
+    "device_probe": ("off", "on"),
+    "api_key": (False, True),
+    "record_trace": (False, True),
+}
+API_KEY = "matrix-key"
+SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
+
+
+def allowed(combo: Mapping[str, object]) -> bool:
+    """False where the CLI refuses a combination on purpose, or ignores a flag (partial combinations too)."""
+    ssd = combo.get("ssd")
+    if combo.get("ssd_shared") and ssd in ("off", "blocks"):
+        return False  # ignored without --ssd-cache; refused with --ssd-layout blocks (RuntimeConfig)
+    if combo.get("generation_checkpoint") and ssd == "off":
+        return False  # refused: "--generation-checkpoint needs the SSD tier"
+    return True
+
+
+Pair = tuple[str, object, str, object]
+
+
+def pairs_of(combo: Mapping[str, object]) -> set[Pair]:
+    return {(a, combo[a], b, combo[b]) for a, b in itertools.combinations(combo, 2)}
+
+
+def pairwise(factors: Mapping[str, tuple[object, ...]], keep: Callable[[Mapping[str, object]], bool]) -> list[dict]:
+    """allpairspy's combinations, topped up: under a filter its greedy search can leave a few
+    allowed pairs out, so add the allowed combination covering most of them until none is."""
+    names = list(factors)
+
+    def named(values: Iterable[object]) -> dict[str, object]:  # allpairspy's filter gets partial rows
+        return dict(zip(names, values, strict=False))
+
+    rows = [named(r) for r in AllPairs(list(factors.values()), filter_func=lambda r: keep(named(r)))]
+    every = [c for c in map(named, itertools.product(*factors.values())) if keep(c)]
+    missing = set().union(*map(pairs_of, every)) - set().union(*map(pairs_of, rows))
+    while missing:
+        best = max(every, key=lambda c: len(pairs_of(c) & missing))
+        rows.append(best)
+        missing -= pairs_of(best)
+    return rows
+
+
+@attrs.frozen(kw_only=True)
+class Combo:
+    """One `mlxd serve` flag combination of the matrix."""
+
+    ssd: str
+    memory_budget: str | None
+    retention: str
+    ssd_shared: bool
+    kv_bits: int | None
+    generation_checkpoint: int
+    kv_events: bool
+    device_probe: str
+    api_key: bool
+    record_trace: bool
+
+    @property
+    def id(self) -> str:
+        """E.g. `ssd_whole-shared-kv8-ckpt4-events-budget1-probe-key-trace-lfu`; left-out flags are absent."""
+        parts = {
+            "ram" if self.ssd == "off" else f"ssd_{self.ssd}": True,
+            "shared": self.ssd_shared,
+            f"kv{self.kv_bits}": self.kv_bits is not None,
+            f"ckpt{self.generation_checkpoint}": self.generation_checkpoint > 0,
+            "events": self.kv_events,
+            f"budget{self.memory_budget}": self.memory_budget is not None,
+            "probe": self.device_probe == "on",
+            "key": self.api_key,
+            "trace": self.record_trace,
+            self.retention: True,
+        }
+        return "-".join(name for name, present in parts.items() if present)
+
+    def serve_args(self, *, model_dir: Path, workdir: Path, events_endpoint: str | None) -> list[str]:
+        args = ["--model", str(model_dir), "--model-name", "tiny", "--retention", self.retention,
+                "--device-probe", self.device_probe]
+        if self.ssd != "off":
+            args += ["--ssd-cache", str(workdir / "ssd"), "--ssd-layout", self.ssd]
+        if self.ssd_shared:
+            args.append("--ssd-shared")
+        if self.kv_bits is not None:
+            args += ["--kv-bits", str(self.kv_bits)]
+        if self.generation_checkpoint:
+            args += ["--generation-checkpoint", str(self.generation_checkpoint)]
+        if events_endpoint is not None:
+            args += ["--kv-events-endpoint", events_endpoint]
+        if self.memory_budget is not None:
+            args += ["--memory-budget", self.memory_budget]
+        if self.api_key:
+            args += ["--api-key", API_KEY]
+        if self.record_trace:
+            args += ["--record-trace", str(workdir / "trace.jsonl")]
+        return args
+
+
+COMBOS = [Combo(**row) for row in pairwise(FLAGS, allowed)]
+
+
+class Subscriber:
+    """A vLLM-style KV-event subscriber: binds SUB on a free port; the server's PUB connects."""
+
+    def __init__(self) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.bind(self.endpoint)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.events: list[list] = []
+
+    def wait_connected(self, timeout: float = 30.0) -> None:
+        assert self.monitor.poll(int(timeout * 1000)), "the server's publisher never connected"
+        self.monitor.recv_multipart()
+        # The subscription reaches the new peer only while the socket is being called.
+        end = time.monotonic() + 0.5
+        self.drain(lambda: time.monotonic() > end)
+
+    def drain(self, until: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, f"events so far: {self.events}"
+            if self.sock.poll(100):
+                _topic, _seq, payload = self.sock.recv_multipart()
+                self.events.extend(msgpack.unpackb(payload)[1])
+
+    def stored(self, medium: str) -> list[list]:
+        return [e for e in self.events if e[0] == "BlockStored" and e[6] == medium]
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test" preset with head_dim 64: --kv-bits needs head_dim divisible by the group size (>= 32)."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-wide", "test-wide", seed=0)
+
+
+def chat(http, messages: list[dict]) -> dict:
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "temperature": 0,
+                                                "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def read_trace(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_matrix_covers_every_allowed_pair() -> None:
+    every = [dict(zip(FLAGS, r, strict=True)) for r in itertools.product(*FLAGS.values())]
+    wanted = set().union(*(pairs_of(c) for c in every if allowed(c)))
+    assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
+    assert all(allowed(attrs.asdict(c)) for c in COMBOS)
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 16  # each a server start: keep it small
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])
+def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue("wide_model_dir" if combo.kv_bits else "tiny_model_dir")
+    sub = Subscriber() if combo.kv_events else None
+    args = combo.serve_args(model_dir=model_dir, workdir=tmp_path, events_endpoint=sub and sub.endpoint)
+    headers = {"Authorization": f"Bearer {API_KEY}"} if combo.api_key else {}
+    try:
+        with ServeProcess(*args, log_path=tmp_path / "serve.log") as proc, proc.client() as http:
+            http.headers.update(headers)
+            if sub is not None:
+                sub.wait_connected()
+            if combo.api_key:
+                assert http.post("/v1/chat/completions", headers={"Authorization": "Bearer wrong"},
+                                 json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+
+            turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a cache?"}]
+            first = chat(http, turn1)
+            turn2 = [*turn1, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Tell me more."}]
+            follow_up = chat(http, turn2)
+            assert follow_up["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # a RAM hit
+
+            stats = http.get("/stats").json()
+            assert stats["cache"]["ram"]["policy"] == combo.retention
+            if combo.memory_budget == "0":  # no budget: no memory governor
+                assert "memory" not in stats["cache"]
+            else:
+                budget = stats["cache"]["memory"]["budget_bytes"]
+                assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
+            assert ("device_probe" in stats) == (combo.device_probe == "on")
+            assert ("ssd_cache" in stats) == (combo.ssd != "off")
+            if combo.ssd != "off":
+                assert stats["ssd_cache"]["layout"] == combo.ssd
+                assert ("shared" in stats["ssd_cache"]) == combo.ssd_shared
+
+            flush = http.post("/admin/cache/flush")
+            if combo.ssd == "off":
+                assert flush.status_code == 400, flush.text
+                assert "no SSD tier" in flush.json()["error"]["message"]
+            else:
+                assert flush.status_code == 200, flush.text
+                report = flush.json()
+                assert report["durable"] is True and report["pending"] == 0 and report["failed"] == 0
+                assert report["longest_durable_prefix_tokens"] >= follow_up["usage"]["prompt_tokens"]
+                if combo.generation_checkpoint:
+                    assert report["generation_checkpoints_pending"] == 0
+
+            if sub is not None:
+                sub.drain(lambda: sub.stored("RAM"))
+                if combo.ssd != "off":
+                    sub.drain(lambda: sub.stored("SSD"))
+
+            proc.signal(signal.SIGTERM)
+            assert proc.wait() == 0, proc.log()
+    finally:
+        if sub is not None:
+            sub.close()
+
+    if combo.record_trace:
+        trace = read_trace(tmp_path / "trace.jsonl")
+        assert trace[0]["event"] == "server"
+        served = [line for line in trace if "tokens" in line]
+        assert len(served) == 2 and served[1]["cached_tokens"] > 0
+        # With the SSD tier: the admin flush, then the one at shutdown.
+        assert len([line for line in trace if line.get("event") == "flush"]) == (2 if combo.ssd != "off" else 0)
