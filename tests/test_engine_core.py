@@ -314,14 +314,12 @@ def test_a_lone_prefill_chunk_is_measured_from_its_context():
     assert measured == [(4, 8), (1, 12)]  # 5 new tokens before the last: a chunk of 4, then 1
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: _measure_prefill counts chunks no measure timed (row.prefilled "
-                   "moves only when a chunk is measured)")
 def test_a_prefill_measure_counts_only_the_chunk_it_timed():
     core, _ = make()
     results = steps(core, 3, StepOps(starts=(start("a", range(10, 23)), start("b"))))
     # Step 1 prefills a chunk of each row (not measured: two chunks); step 2 a's second chunk alone.
     measured = [(m.new_tokens, m.context) for m in notes(results, PrefillMeasured)]
-    assert measured == [(4, 4), (4, 8)]  # the core reports (8, 0) for step 2: two chunks in one chunk's time
+    assert measured == [(4, 4), (4, 8)]  # once reported as (8, 0): two chunks in one chunk's time
 
 
 def test_no_prefill_measure_while_another_row_decodes():
@@ -350,3 +348,12 @@ def test_memory_readings_at_prefill_boundaries_and_every_few_decode_steps(monkey
     first = [type(n).__name__ for n in results[0].notes]
     assert first == ["PrefillMeasured", "PublishPrefix", "MemoryMeasured"]  # the reading comes last
     assert results[0].notes[-1].active_bytes > 0
+
+
+def test_a_second_start_with_a_request_id_already_generating_is_refused_alone():
+    core, _ = make()
+    first = steps(core, 1, StepOps(starts=(start("a", max_tokens=10),)))
+    again = core.step(StepOps(starts=(start("a"),), cancels=("a", "a")))
+    assert [r.request_id for r in again.rejected] == ["a"] and "already generating" in again.rejected[0].message
+    assert again.finished == ("a",) and core.stats().batch_rows == 0  # the cancel, once
+    assert first

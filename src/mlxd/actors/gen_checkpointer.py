@@ -23,10 +23,9 @@ from typing import Any
 
 import trio
 
-from mlxd.actors.ssd_writer import PACE_SLICE, _lower_priority
 from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
-from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import (
@@ -38,7 +37,7 @@ from mlxd.runtime.messages import (
     ResumeGeneration,
     SettleCheckpoints,
 )
-from mlxd.runtime.mlx_thread import MlxThread
+from mlxd.runtime.mlx_thread import MlxThread, lower_priority
 
 log = get_logger("mlxd.gen_checkpoints")
 
@@ -89,7 +88,7 @@ class GenerationCheckpointer:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._thread = MlxThread("mlxd-gen-ckpt")  # no MLX calls on it, despite the helper's name
         try:
-            await self._thread.run(_lower_priority)
+            await self._thread.run(lower_priority)
             await self._thread.run(self._scan)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write_forever)

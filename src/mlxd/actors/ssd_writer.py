@@ -10,7 +10,6 @@ when the runtime shuts down (its cancellation sets the pacer's stop flag).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -18,31 +17,14 @@ import attrs
 import trio
 
 from mlxd.kv.file_format import SnapshotPlan
-from mlxd.kv.pacing import Pacer, WriteGovernor, WriteInterrupted
+from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
 from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.messages import DurabilityMessage, SnapshotWritten, WriterStats, WriteSnapshot
-from mlxd.runtime.mlx_thread import MlxThread
-
-# Write-behind must not take CPU from decode: the writer thread runs at a lower
-# scheduling priority (Linux nice values are per thread).
-WRITER_NICE = 10
-
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICE)
-    except (AttributeError, OSError):
-        pass  # not Linux, or not permitted: run at normal priority
+from mlxd.runtime.mlx_thread import MlxThread, lower_priority
 
 log = get_logger("mlxd.ssd_writer")
-
-# Bytes per paced slice: each slice wakes the writer once, and every wake-up
-# stalls decode's BLAS threads; large slices at a low rate cost the least
-# (docs/benchmarks.md, write-behind: pacing).
-PACE_SLICE = 16 << 20
-
 
 def _write(store: SsdStore, plan: SnapshotPlan, pacer: Pacer) -> WriteOutcome:
     # On CUDA the plan's buffers are the RAM tier's own KV: read them without
@@ -73,7 +55,7 @@ class SsdWriterActor:
         # A dedicated thread (no MLX calls on it, despite the helper's name).
         self._thread = MlxThread("mlxd-ssd-writer")
         try:
-            await self._thread.run(_lower_priority)
+            await self._thread.run(lower_priority)
             task_status.started()
             async with self._inbox, self._outbox:
                 async for job in self._inbox:

@@ -310,6 +310,9 @@ class EngineCore:
 
     def _join(self, start: RowStart, out: StepOut) -> None:
         """Insert a row; a row that cannot join is refused alone, the batch untouched."""
+        if start.request.request_id in self._uids:
+            out.rejected.append(Rejected(start.request.request_id, "a request with this id is already generating"))
+            return
         try:
             if start.resume is not None:
                 self._resume(start, out)
@@ -429,7 +432,7 @@ class EngineCore:
 
     def _end(self, request_ids: tuple[str, ...], reason: str, out: StepOut) -> None:
         """Rows a client ended: "stop" (its stop string matched) or "cancelled" (it went away)."""
-        rows = [self._rows[self._uids[rid]] for rid in request_ids if rid in self._uids]
+        rows = [self._rows[self._uids[rid]] for rid in dict.fromkeys(request_ids) if rid in self._uids]
         if not rows:
             return
         for row in rows:  # their checkpoints first, while the generator still holds them
@@ -452,9 +455,7 @@ class EngineCore:
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
-        chunks = [r for r in prompt_responses if not r.end_of_prompt]
-        if len(chunks) == 1 and not decoding:
-            self._measure_prefill(chunks[0], elapsed, out)
+        self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
         for r in prompt_responses:
             row = self._rows.get(r.uid)
             if row is not None and r.end_of_segment and not r.end_of_prompt:
@@ -482,13 +483,17 @@ class EngineCore:
             elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
 
-    def _measure_prefill(self, r: Any, seconds: float, out: StepOut) -> None:
-        row = self._rows.get(r.uid)
-        if row is None:
-            return
-        done = int(r.progress[0])
-        out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
-        row.prefilled = done
+    def _prefill_progress(self, responses: list[Any], seconds: float | None, out: StepOut) -> None:
+        """Move each prefilling row's progress; time the chunk when it ran alone (`seconds`)."""
+        chunks = [r for r in responses if not r.end_of_prompt]
+        for r in chunks:
+            row = self._rows.get(r.uid)
+            if row is None:
+                continue
+            done = int(r.progress[0])
+            if seconds is not None and len(chunks) == 1:
+                out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
+            row.prefilled = done
 
     # --- what features call --------------------------------------------------------------
 

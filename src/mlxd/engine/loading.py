@@ -68,7 +68,7 @@ def load(config: RuntimeConfig, stream: Any) -> Loaded:
     else:
         model, tokenizer = load_model(path)
     if mx.default_device() == mx.cpu:
-        cast_float_weights(model, mx.float32)  # bf16/fp16 matmuls are ~40x slower than fp32 on CPU
+        cast_float_weights(model, mx.float32)  # bf16/fp16 matmuls are far slower than fp32 on CPU
     if channel is not None:
         channel.connect()  # every rank has loaded its shard
         log.info("engine.step_channel", rank=channel.rank, mode=channel.mode)

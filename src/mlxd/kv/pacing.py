@@ -20,6 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
+# Bytes per paced slice: each slice wakes the writer once, and every wake-up
+# stalls decode's BLAS threads; large slices at a low rate cost the least
+# (docs/benchmarks.md, write-behind: pacing).
+PACE_SLICE = 16 << 20
+
 
 class WriteInterrupted(Exception):
     """The write was asked to stop between two slices (shutdown)."""

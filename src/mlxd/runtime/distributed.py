@@ -113,8 +113,8 @@ class StepChannel:
     connections from each follower to rank 0 (rank 0's host from the ring's
     hostfile, its port agreed through one `all_sum` at load): a follower
     waiting for the next step sleeps in the kernel. MLX's ring collectives
-    poll while they wait (a follower blocked in an `all_sum` for 10 s used
-    3.2 s of CPU here), which an idle server would pay all the time.
+    poll while they wait (docs/benchmarks.md), which an idle server would pay
+    all the time.
 
     Without a ring hostfile (other backends) the ops go through `all_sum`
     itself: followers add zeros. That runs on the engine's stream, the one

@@ -9,6 +9,7 @@ result comes back through the trio token; no polling, no stop flags.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import sys
 import threading
@@ -80,6 +81,19 @@ class MlxThread:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+# Write-behind must not take CPU from decode: background writer threads run at a
+# lower scheduling priority (Linux nice values are per thread).
+BACKGROUND_NICE = 10
+
+
+def lower_priority() -> None:
+    """Run the calling thread at a lower priority (a job for a background writer's thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not permitted: run at normal priority
 
 
 def _release_thread_streams() -> None:
