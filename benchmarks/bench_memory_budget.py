@@ -112,7 +112,7 @@ async def _one(args: argparse.Namespace, budget: int) -> dict[str, Any]:
             nursery.cancel_scope.cancel()
         elapsed = time.perf_counter() - t0
         peak = mx.get_peak_memory()
-        stats = await rt.stats()
+        stats = (await rt.stats()).as_dict()  # recorded as /stats shows it
     followups = [r for results in turns[1:] for r in results]
     return {
         "budget_bytes": budget,

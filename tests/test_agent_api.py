@@ -194,7 +194,7 @@ def test_a_stop_string_cut_publishes_its_checkpoint(server, tiny_model_dir):
     stop = text[-4:]
     assert text.find(stop) >= 6, text  # a cut after a few tokens
     before = server.call(server.runtime.stats)
-    published = before["cache"]["ram"]["published_final"]
+    published = before.cache.published["final"]
     # Room for far more tokens: the row is still decoding when the stop string cuts it.
     cut = chat(server, messages, stop=[stop], **{**kw, "max_tokens": 1000})
     assert cut.choices[0].finish_reason == "stop"
@@ -202,10 +202,10 @@ def test_a_stop_string_cut_publishes_its_checkpoint(server, tiny_model_dir):
     assert cut.usage.completion_tokens < 12
     # The engine ended the row as a normal stop: completed, not cancelled.
     after = server.call(server.runtime.stats)
-    assert after["scheduler"]["completed"] == before["scheduler"]["completed"] + 1
-    assert after["scheduler"]["cancelled"] == before["scheduler"]["cancelled"]
+    assert after.scheduler.completed == before.scheduler.completed + 1
+    assert after.scheduler.cancelled == before.scheduler.cancelled
     deadline = time.monotonic() + 30
-    while server.call(server.runtime.stats)["cache"]["ram"]["published_final"] == published:
+    while server.call(server.runtime.stats).cache.published["final"] == published:
         assert time.monotonic() < deadline, "the cut generation published nothing"
         time.sleep(0.05)
     # The next turn reuses the prompt and the reply's tokens up to the cut.
@@ -221,9 +221,9 @@ def test_a_stop_string_cut_publishes_its_checkpoint(server, tiny_model_dir):
 def test_n_choices_share_one_prefill_and_seed_each(server):
     messages = ask("Say something random.")
     kw = {"temperature": 1.0, "seed": 1234, "max_tokens": 12}
-    before = server.call(server.runtime.stats)["engine"]["prompt_tokens"]
+    before = server.call(server.runtime.stats).engine.prompt_tokens
     r = chat(server, messages, n=2, **kw)
-    prefilled = server.call(server.runtime.stats)["engine"]["prompt_tokens"] - before
+    prefilled = server.call(server.runtime.stats).engine.prompt_tokens - before
     assert [c.index for c in r.choices] == [0, 1]
     # One full prefill; the second choice borrows it from the cache.
     assert prefilled < r.usage.prompt_tokens + 8, (prefilled, r.usage.prompt_tokens)

@@ -106,7 +106,7 @@ async def test_startup_probe_measures_this_device_and_seeds_the_advisor(tiny_mod
         assert probe.decode_s_per_token > 0
         assert len(probe.restore) == 2 and probe.restore[1][0] > probe.restore[0][0]
         assert rt.cache_owner.tiers.advisor.base == probe.cost_model()
-        stats = await rt.stats()
+        stats = (await rt.stats()).as_dict()  # as /stats shows it
         assert stats["device_probe"]["device"] == probe.device
         assert stats["device_probe"]["cost_model"]["prefill_per_token"] == probe.cost_model().prefill_per_token
         # The probe's own snapshot files are gone; serving still works.
@@ -132,7 +132,7 @@ async def test_probe_can_tune_the_prefill_chunk_size(tiny_model_dir: Path):
 async def test_no_probe_without_the_ssd_tier_by_default(tiny_model_dir: Path):
     async with open_runtime(RuntimeConfig(model=str(tiny_model_dir))) as rt:
         assert rt.info.probe is None
-        assert "device_probe" not in await rt.stats()
+        assert "device_probe" not in (await rt.stats()).as_dict()
     await trio.lowlevel.checkpoint()
 
 

@@ -39,8 +39,8 @@ async def test_stream_tokens_and_reuse_prefix(tiny_model_dir):
         assert [e.logprob for e in again] == pytest.approx([e.logprob for e in first], abs=1e-4)
 
         stats = await rt.stats()
-        assert stats["cache"]["ram"]["hits"] >= 1
-        assert stats["channels"]["submit"]["capacity"] == rt.config.max_queue
+        assert stats.cache.tiers.ram.hits >= 1
+        assert stats.channels["submit"].capacity == rt.config.max_queue
 
 
 async def test_leaving_the_stream_early_cancels(tiny_model_dir):

@@ -137,10 +137,10 @@ def test_concurrent_streams_decode_together_and_match_solo(server):
             model="tiny", messages=[{"role": "user", "content": p}], temperature=0, max_tokens=16, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
-    steps_before = server.call(server.runtime.stats)["engine"]["steps"]
+    steps_before = server.call(server.runtime.stats).engine.steps
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(stream, prompts))
-    steps = server.call(server.runtime.stats)["engine"]["steps"] - steps_before
+    steps = server.call(server.runtime.stats).engine.steps - steps_before
     assert together == solo
     # Six 16-token generations one after another need at least 96 decode steps;
     # batched together they need far fewer.
@@ -213,7 +213,7 @@ def test_full_queue_gets_503_with_retry_after(tiny_model_dir):
                     httpx.post, f"{base}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2},
                     timeout=120)
                 deadline = time.monotonic() + 30
-                while s.call(s.runtime.stats)["scheduler"]["queued"] < 1:
+                while s.call(s.runtime.stats).scheduler.queued < 1:
                     assert time.monotonic() < deadline, s.call(s.runtime.stats)
                     time.sleep(0.05)
                 refused = http.post(f"{base}/v1/chat/completions", json={**body, "stream": False})
@@ -222,7 +222,7 @@ def test_full_queue_gets_503_with_retry_after(tiny_model_dir):
                 assert refused.json()["error"]["type"] == "server_overloaded"
             # Closing the running stream frees the slot; the queued request completes.
             assert queued.result(timeout=120).status_code == 200
-        assert s.call(s.runtime.stats)["scheduler"]["rejected"] == 1
+        assert s.call(s.runtime.stats).scheduler.rejected == 1
 
 
 def test_client_disconnect_cancels_generation_and_frees_slot(tiny_model_dir):
@@ -237,12 +237,12 @@ def test_client_disconnect_cancels_generation_and_frees_slot(tiny_model_dir):
         stream.close()
         deadline = time.monotonic() + 30
         while True:
-            sched = s.call(s.runtime.stats)["scheduler"]
-            if sched["cancelled"] == 1 and sched["running"] == 0:
+            sched = s.call(s.runtime.stats).scheduler
+            if sched.cancelled == 1 and sched.running == 0:
                 break
             assert time.monotonic() < deadline, sched
             time.sleep(0.05)
-        assert sched["generated_tokens"] < 3000
+        assert sched.generated_tokens < 3000
         # The only slot is free again.
         done = chat(s, [{"role": "user", "content": "next"}], max_tokens=2)
         assert done.choices[0].finish_reason in ("length", "stop")

@@ -43,12 +43,12 @@ async def test_over_the_budget_durable_entries_demote_and_come_back_from_ssd(tin
             while len(rt.cache_owner.cache):  # noqa: ASYNC110 - polling an actor from a test
                 await trio.sleep(0.05)
         stats = await rt.stats()
-        memory = stats["cache"]["memory"]
-        assert memory["budget_bytes"] == 1
-        assert 0 < memory["active_bytes"] <= memory["max_active_bytes"] <= memory["peak_active_bytes"]
-        assert memory["demotions"] >= 3 and memory["evictions"] == 0 and memory["freed_bytes"] > 0
-        assert stats["ssd_cache"]["dropped_spills"] == 0
-        assert stats["cache"]["ssd"]["dropped_unpersisted"] == 0
+        memory = stats.cache.tiers.memory
+        assert memory.budget_bytes == 1
+        assert 0 < memory.active_bytes <= memory.max_active_bytes <= memory.peak_active_bytes
+        assert memory.demotions >= 3 and memory.evictions == 0 and memory.freed_bytes > 0
+        assert stats.ssd.dropped_spills == 0
+        assert stats.cache.tiers.dropped_unpersisted == 0
         # Every conversation comes back from SSD with the same tokens and logprobs.
         for p, (tokens, logprobs, _) in zip(prompts, first, strict=True):
             again, again_lp, accepted = await answer(rt, p)
@@ -86,8 +86,8 @@ async def test_the_default_budget_is_a_share_of_the_machine_and_moves_nothing(ti
         await answer(rt, prompt)
         _, _, accepted = await answer(rt, prompt)
         assert accepted.cache_tier == "ram"
-        memory = (await rt.stats())["cache"]["memory"]
-        assert memory["over_bytes"] < 0 and memory["freed_bytes"] == 0 and memory["measurements"] >= 2
+        memory = (await rt.stats()).cache.tiers.memory
+        assert memory.over_bytes < 0 and memory.freed_bytes == 0 and memory.measurements >= 2
 
 
 def test_default_budget_prefers_the_recommended_working_set():

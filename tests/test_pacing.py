@@ -107,8 +107,8 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
             await stream.tokens()
         await trio.sleep(1.0)
         stats = await rt.ssd_stats()
-        assert stats["pending_spills"] >= 1, "the paced write is still in flight"
-        pacing = stats["writer"]["pacing"]
+        assert stats.pending_spills >= 1, "the paced write is still in flight"
+        pacing = stats.pacing
         assert pacing["bytes_out"] > 0  # the first slice went out...
         assert {k: v for k, v in pacing.items() if k != "bytes_out"} == {
             "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True}
@@ -117,5 +117,5 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         assert report["durable"] and report["entries"] >= 1, report
         assert governor.busy, "the decode was still running during the flush"
         assert governor.urgent == frozenset()  # urgency ends with the flush
-        assert (await rt.ssd_stats())["writer"]["paced_s"] > 0.5
+        assert (await rt.ssd_stats()).writer.paced_s > 0.5
         nursery.cancel_scope.cancel()

@@ -33,13 +33,13 @@ def test_recorded_trace_reproduces_live_hit_counts(tiny_model_dir, tmp_path, ram
                 conv.append({"role": "user", "content": f"Question {turn}?"})
                 conv.append({"role": "assistant", "content": chat(conv)})
         chat(conversations[0][:2])  # a retry of the very first request
-        live = server.call(server.runtime.stats)["cache"]["ram"]
+        live = server.call(server.runtime.stats).cache.tiers.ram
 
     reqs = load_trace(trace)
     assert len(reqs) == 10
     cost = attrs.evolve(DEFAULT, kv_bytes_per_token=kv_per_token)
     result = replay_mlxd(reqs, policy="lru", cost=cost, ram_bytes=ram_bytes, slots=1, granularity="token")
-    assert live["hits"] > 0
-    assert result.ram_hits == live["hits"]
-    assert result.ram_hit_tokens == live["hit_tokens"]
-    assert result.misses == live["misses"]
+    assert live.hits > 0
+    assert result.ram_hits == live.hits
+    assert result.ram_hit_tokens == live.hit_tokens
+    assert result.misses == live.misses

@@ -171,8 +171,8 @@ async def test_idle_entries_demote_to_ssd_and_come_back(tiny_model_dir, tmp_path
             while len(rt.cache_owner.cache):  # noqa: ASYNC110 - polling an actor from a test
                 await trio.sleep(0.1)
         stats = await rt.stats()
-        assert stats["ssd_cache"]["demotions"] >= 1
-        assert stats["cache"]["ram"]["bytes"] == 0
+        assert stats.ssd.demotions >= 1
+        assert stats.cache.tiers.ram.bytes == 0
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             again = [e.logprob async for e in stream if hasattr(e, "logprob")]
         assert stream.accepted.cache_tier == "ssd"
@@ -199,9 +199,9 @@ async def test_over_capacity_ram_spills_and_restores_without_loss(tiny_model_dir
                 first.append([e.logprob async for e in stream if hasattr(e, "logprob")])
         assert (await rt.flush())["durable"]
         stats = await rt.stats()
-        assert stats["cache"]["ram"]["bytes"] <= config.prompt_cache_bytes + 300_000
-        assert stats["ssd_cache"]["demotions"] >= 1
-        assert stats["ssd_cache"]["dropped_spills"] == 0
+        assert stats.cache.tiers.ram.bytes <= config.prompt_cache_bytes + 300_000
+        assert stats.ssd.demotions >= 1
+        assert stats.ssd.dropped_spills == 0
         # Every conversation comes back (from RAM or SSD) with the same logprobs.
         tiers = []
         for p, expected in zip(prompts, first, strict=True):

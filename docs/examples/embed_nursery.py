@@ -40,8 +40,8 @@ async def main():
         # Every actor channel is a bounded trio memory channel; statistics() shows its load.
         print("durability inbox:", rt.cold.durability_inbox.statistics())
         stats = await rt.stats()
-        for name, channel in stats["channels"].items():
-            print(f"channel {name}: {channel['queued']} queued of {channel['capacity']}")
+        for name, channel in stats.channels.items():
+            print(f"channel {name}: {channel.queued} queued of {channel.capacity}")
 
         # Make every RAM checkpoint durable on SSD (what POST /admin/cache/flush does).
         report = await rt.flush()

@@ -52,11 +52,11 @@ log = get_logger("mlxd.scheduler")
 
 @attrs.define
 class SchedulerStats:
-    submitted: int = 0
+    """The scheduler's own counters (admissions are the Runtime's: `runtime/stats.py`)."""
+
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
-    rejected: int = 0
     running: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -535,7 +535,7 @@ def create_app(
 
     @app.get("/stats")
     async def stats() -> Response:
-        data = await rt.stats()
+        data = (await rt.stats()).as_dict()
         if extra_stats is not None:
             data.update(extra_stats())
         return _json(data)

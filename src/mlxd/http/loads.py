@@ -16,18 +16,20 @@ from typing import Any
 
 from quart import Response
 
+from mlxd.runtime.stats import RuntimeStats
+
 
 def _ratio(part: float, whole: float) -> float:
     return round(part / whole, 6) if whole > 0 else 0.0
 
 
-def loads_body(stats: dict[str, Any]) -> dict[str, Any]:
+def loads_body(stats: RuntimeStats) -> dict[str, Any]:
     """The `/v1/loads` body from `Runtime.stats()` (pure, so tests can feed it numbers)."""
-    sched = stats["scheduler"]
-    ram = stats["cache"]["ram"]
-    running, queued, max_batch = sched["running"], sched["queued"], sched["max_batch"]
+    sched = stats.scheduler
+    ram = stats.cache.tiers.ram
+    running, queued, max_batch = sched.running, sched.queued, sched.max_batch
     occupancy = _ratio(min(running, max_batch), max_batch)
-    ram_usage = _ratio(ram["bytes"], ram["max_bytes"])
+    ram_usage = _ratio(ram.bytes, ram.max_bytes)
     snapshot = {
         "dp_rank": 0,
         "num_running_reqs": running,
@@ -36,23 +38,24 @@ def loads_body(stats: dict[str, Any]) -> dict[str, Any]:
         "max_running_requests": max_batch,
         # "token usage" is KV-pool occupancy in SGLang; here the RAM prompt-cache fill.
         "token_usage": ram_usage,
-        "cache_hit_rate": _ratio(sched["cached_tokens"], sched["prompt_tokens"]),
+        "cache_hit_rate": _ratio(sched.cached_tokens, sched.prompt_tokens),
         "utilization": occupancy,
     }
+    cache_utilization: dict[str, float | None] = {"ram": ram_usage}
     mlxd: dict[str, Any] = {
         "queue_depth": queued,
-        "max_queue": sched["max_queue"],
+        "max_queue": sched.max_queue,
         "running": running,
         "batch_occupancy": occupancy,
-        "cache_utilization": {"ram": ram_usage},
-        "ram_cache": {"entries": ram["entries"], "bytes": ram["bytes"], "max_bytes": ram["max_bytes"]},
-        "admitting": stats["admitting"],
+        "cache_utilization": cache_utilization,
+        "ram_cache": {"entries": ram.entries, "bytes": ram.bytes, "max_bytes": ram.max_bytes},
+        "admitting": stats.admitting,
     }
-    ssd = stats.get("ssd_cache")
-    if ssd:
+    ssd = stats.ssd
+    if ssd is not None:
         # None: no cap (--ssd-cache-max unset), so no fill ratio.
-        mlxd["cache_utilization"]["ssd"] = _ratio(ssd["bytes"], ssd["max_bytes"]) if ssd["max_bytes"] else None
-        mlxd["ssd_cache"] = {"entries": ssd["entries"], "bytes": ssd["bytes"], "max_bytes": ssd["max_bytes"]}
+        cache_utilization["ssd"] = _ratio(ssd.bytes, ssd.max_bytes) if ssd.max_bytes else None
+        mlxd["ssd_cache"] = {"entries": ssd.entries, "bytes": ssd.bytes, "max_bytes": ssd.max_bytes}
     return {
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
         "dp_rank_count": 1,

@@ -12,14 +12,17 @@ several servers can share a process):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from quart import Response
 
-from mlxd.runtime.messages import RequestRecord
+from mlxd.runtime.channels import ChannelStats
+from mlxd.runtime.messages import CacheStatsSnapshot, RequestRecord
+from mlxd.runtime.stats import RuntimeStats, SsdTierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,17 +104,17 @@ class StatsCollector:
     """
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: RuntimeStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
-        if not s:
+        if s is None:
             return
         yield from _runtime_families(s)
-        yield from _cache_families(s.get("cache", {}))
-        if s.get("ssd_cache"):
-            yield from _ssd_families(s["ssd_cache"])
-        yield from _channel_families(s.get("channels", {}))
+        yield from _cache_families(s.cache)
+        if s.ssd is not None:
+            yield from _ssd_families(s.ssd)
+        yield from _channel_families(s.channels)
 
 
 def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
@@ -126,130 +129,132 @@ def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
     return c
 
 
-def _labelled(kind: type, name: str, doc: str, label: str, values: dict[str, Any]) -> Metric:
+def _labelled(kind: type, name: str, doc: str, label: str, values: Mapping[str, float | None]) -> Metric:
     family = kind(name, doc, labels=[label])
     for key, value in values.items():
         family.add_metric([key], float(value or 0))
     return family
 
 
-def _runtime_families(s: dict[str, Any]) -> Iterator[Metric]:
-    sched, engine = s.get("scheduler", {}), s.get("engine", {})
-    yield _gauge("mlxd_model_info", "The served model (value is always 1).", 1, {"model": str(s.get("model"))})
-    yield _gauge("mlxd_uptime_seconds", "Seconds since the runtime started.", s.get("uptime_s"))
-    yield _gauge("mlxd_admitting", "1 while admitting requests, 0 while draining.", 1 if s.get("admitting") else 0)
-    yield _counter("mlxd_requests_submitted", "Requests admitted to the queue.", sched.get("submitted"))
-    yield _counter("mlxd_requests_rejected", "Requests refused because the queue was full (503).", sched.get("rejected"))
-    yield _gauge("mlxd_queue_depth", "Requests waiting for a batch slot.", sched.get("queued"))
-    yield _gauge("mlxd_queue_capacity", "Admission queue capacity (--max-queue).", sched.get("max_queue"))
-    yield _gauge("mlxd_requests_running", "Requests holding a batch slot.", sched.get("running"))
-    yield _gauge("mlxd_batch_size", "Rows in the engine's decode batch.", engine.get("batch_rows"))
-    yield _gauge("mlxd_batch_capacity", "Batch slots (--max-batch).", sched.get("max_batch"))
-    yield _counter("mlxd_engine_steps", "Engine steps (decode or prefill chunks).", engine.get("steps"))
-    yield _counter("mlxd_prompt_tokens", "Prompt tokens of admitted requests.", sched.get("prompt_tokens"))
-    yield _counter("mlxd_prefill_tokens", "Prompt tokens the engine actually prefilled.", engine.get("prompt_tokens"))
-    yield _counter("mlxd_cached_prompt_tokens", "Prompt tokens reused from a cache tier.", sched.get("cached_tokens"))
-    yield _counter("mlxd_generated_tokens", "Tokens generated.", sched.get("generated_tokens"))
+def _runtime_families(s: RuntimeStats) -> Iterator[Metric]:
+    sched, engine = s.scheduler, s.engine
+    yield _gauge("mlxd_model_info", "The served model (value is always 1).", 1, {"model": s.model})
+    yield _gauge("mlxd_uptime_seconds", "Seconds since the runtime started.", s.uptime_s)
+    yield _gauge("mlxd_admitting", "1 while admitting requests, 0 while draining.", 1 if s.admitting else 0)
+    yield _counter("mlxd_requests_submitted", "Requests admitted to the queue.", sched.submitted)
+    yield _counter("mlxd_requests_rejected", "Requests refused because the queue was full (503).", sched.rejected)
+    yield _gauge("mlxd_queue_depth", "Requests waiting for a batch slot.", sched.queued)
+    yield _gauge("mlxd_queue_capacity", "Admission queue capacity (--max-queue).", sched.max_queue)
+    yield _gauge("mlxd_requests_running", "Requests holding a batch slot.", sched.running)
+    yield _gauge("mlxd_batch_size", "Rows in the engine's decode batch.", engine.batch_rows)
+    yield _gauge("mlxd_batch_capacity", "Batch slots (--max-batch).", sched.max_batch)
+    yield _counter("mlxd_engine_steps", "Engine steps (decode or prefill chunks).", engine.steps)
+    yield _counter("mlxd_prompt_tokens", "Prompt tokens of admitted requests.", sched.prompt_tokens)
+    yield _counter("mlxd_prefill_tokens", "Prompt tokens the engine actually prefilled.", engine.prompt_tokens)
+    yield _counter("mlxd_cached_prompt_tokens", "Prompt tokens reused from a cache tier.", sched.cached_tokens)
+    yield _counter("mlxd_generated_tokens", "Tokens generated.", sched.generated_tokens)
 
 
-def _cache_families(cache: dict[str, Any]) -> Iterator[Metric]:
-    ram, ssd = cache.get("ram", {}), cache.get("ssd")
-    tiers = {"ram": ram, **({"ssd": ssd} if ssd else {})}
+def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:
+    t = cache.tiers
+    ram = t.ram
 
-    def per_tier(key: str) -> dict[str, Any]:
-        return {t: v.get(key) for t, v in tiers.items()}
+    def per_tier(ram_value: float, ssd_value: float) -> dict[str, float]:
+        return {"ram": ram_value, **({"ssd": ssd_value} if t.ssd_enabled else {})}
 
-    yield _labelled(GaugeMetricFamily, "mlxd_cache_entries", "Entries held, by tier.", "tier", per_tier("entries"))
-    yield _labelled(GaugeMetricFamily, "mlxd_cache_bytes", "Bytes held, by tier.", "tier", per_tier("bytes"))
+    yield _labelled(
+        GaugeMetricFamily, "mlxd_cache_entries", "Entries held, by tier.", "tier", per_tier(ram.entries, t.ssd_entries)
+    )
+    yield _labelled(GaugeMetricFamily, "mlxd_cache_bytes", "Bytes held, by tier.", "tier", per_tier(ram.bytes, t.ssd_bytes))
     yield _labelled(
         GaugeMetricFamily, "mlxd_cache_capacity_bytes", "Byte cap, by tier (0 = unlimited).", "tier",
-        per_tier("max_bytes"),
+        per_tier(ram.max_bytes, t.ssd_max_bytes),
     )
-    yield _labelled(CounterMetricFamily, "mlxd_cache_evictions", "Entries evicted, by tier.", "tier", per_tier("evictions"))
+    yield _labelled(
+        CounterMetricFamily, "mlxd_cache_evictions", "Entries evicted, by tier.", "tier",
+        per_tier(ram.evictions, t.ssd_evictions),
+    )
     yield _labelled(
         CounterMetricFamily, "mlxd_ram_cache_lookups", "RAM tier lookups, by result.", "result",
-        {"hit": ram.get("hits"), "miss": ram.get("misses")},
+        {"hit": ram.hits, "miss": ram.misses},
     )
-    yield _counter("mlxd_ram_cache_lookup_tokens", "Prompt tokens looked up in the RAM tier.", ram.get("lookup_tokens"))
-    yield _counter("mlxd_ram_cache_hit_tokens", "Prompt tokens the RAM tier matched.", ram.get("hit_tokens"))
-    yield _counter("mlxd_ram_cache_inserts", "Entries stored in the RAM tier.", ram.get("inserts"))
-    yield _counter("mlxd_ram_cache_evicted_bytes", "Bytes evicted from the RAM tier.", ram.get("evicted_bytes"))
-    if ssd:
-        yield _counter("mlxd_cache_demotions", "RAM entries dropped because an SSD copy covers them.", ssd.get("demotions"))
-        yield _counter("mlxd_cache_idle_demotions", "Demotions of entries idle past --ssd-demote-idle.", ssd.get("idle_demotions"))
+    yield _counter("mlxd_ram_cache_lookup_tokens", "Prompt tokens looked up in the RAM tier.", ram.lookup_tokens)
+    yield _counter("mlxd_ram_cache_hit_tokens", "Prompt tokens the RAM tier matched.", ram.hit_tokens)
+    yield _counter("mlxd_ram_cache_inserts", "Entries stored in the RAM tier.", ram.inserts)
+    yield _counter("mlxd_ram_cache_evicted_bytes", "Bytes evicted from the RAM tier.", ram.evicted_bytes)
+    if t.ssd_enabled:
+        yield _counter("mlxd_cache_demotions", "RAM entries dropped because an SSD copy covers them.", t.demotions)
+        yield _counter("mlxd_cache_idle_demotions", "Demotions of entries idle past --ssd-demote-idle.", t.idle_demotions)
         yield _counter(
-            "mlxd_cache_dropped_unpersisted", "RAM entries evicted before their SSD write.", ssd.get("dropped_unpersisted")
+            "mlxd_cache_dropped_unpersisted", "RAM entries evicted before their SSD write.", t.dropped_unpersisted
         )
-    memory = cache.get("memory")
-    if memory:
-        yield _gauge("mlxd_memory_budget_bytes", "The memory budget (--memory-budget).", memory.get("budget_bytes"))
-        yield _gauge("mlxd_memory_active_bytes", "MLX active memory at the last measurement.", memory.get("active_bytes"))
-        yield _gauge("mlxd_memory_peak_active_bytes", "MLX peak active memory so far.", memory.get("peak_active_bytes"))
+    memory = t.memory
+    if memory is not None:
+        yield _gauge("mlxd_memory_budget_bytes", "The memory budget (--memory-budget).", memory.budget_bytes)
+        yield _gauge("mlxd_memory_active_bytes", "MLX active memory at the last measurement.", memory.active_bytes)
+        yield _gauge("mlxd_memory_peak_active_bytes", "MLX peak active memory so far.", memory.peak_active_bytes)
         yield _counter(
             "mlxd_memory_budget_freed_bytes", "RAM-tier bytes demoted or evicted for the memory budget.",
-            memory.get("freed_bytes"),
+            memory.freed_bytes,
         )
 
 
-def _ssd_families(ssd: dict[str, Any]) -> Iterator[Metric]:
-    writer, prefetch = ssd.get("writer", {}), ssd.get("prefetch", {})
-    decisions = ssd.get("restore_decisions", {})
-    yield _counter("mlxd_ssd_restores", "Prefixes restored from SSD into a request.", ssd.get("restores"))
-    yield _gauge("mlxd_ssd_restore_last_seconds", "Duration of the last SSD restore.", (ssd.get("restore_ms_last") or 0) / 1000)
-    yield _counter("mlxd_ssd_written_bytes", "Bytes of cache files written.", writer.get("bytes_written"))
-    yield _counter("mlxd_ssd_read_bytes", "Bytes of cache files read.", prefetch.get("bytes_read"))
+def _ssd_families(ssd: SsdTierStats) -> Iterator[Metric]:
+    writer, prefetch = ssd.writer, ssd.prefetch
+    decisions = ssd.restore_decisions  # the restore advisor's counters (RestoreAdvisor.stats)
+    yield _counter("mlxd_ssd_restores", "Prefixes restored from SSD into a request.", ssd.restores)
+    yield _gauge("mlxd_ssd_restore_last_seconds", "Duration of the last SSD restore.", (ssd.restore_ms_last or 0) / 1000)
+    yield _counter("mlxd_ssd_written_bytes", "Bytes of cache files written.", writer.bytes_written)
+    yield _counter("mlxd_ssd_read_bytes", "Bytes of cache files read.", prefetch.bytes_read)
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_writes", "Cache file writes, by result.", "result",
-        {"ok": writer.get("writes"), "failed": writer.get("failures")},
+        {"ok": writer.writes, "failed": writer.failures},
     )
-    reads = prefetch.get("reads") or 0
-    failures = prefetch.get("read_failures") or 0
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_reads", "Cache file reads, by result.", "result",
-        {"ok": reads - failures, "failed": failures},
+        {"ok": prefetch.reads - prefetch.read_failures, "failed": prefetch.read_failures},
     )
-    yield _counter("mlxd_ssd_prefetches", "Reads started ahead of a batch slot.", prefetch.get("prefetches"))
-    yield _counter("mlxd_ssd_prefetch_hits", "Restores whose read was already started.", prefetch.get("prefetch_hits"))
+    yield _counter("mlxd_ssd_prefetches", "Reads started ahead of a batch slot.", prefetch.prefetches)
+    yield _counter("mlxd_ssd_prefetch_hits", "Restores whose read was already started.", prefetch.prefetch_hits)
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_spills", "Checkpoints sent to SSD, by outcome.", "outcome",
         {
-            "written": ssd.get("spills"),
-            "failed": ssd.get("failed_spills"),
-            "dropped": ssd.get("dropped_spills"),
-            "superseded": ssd.get("superseded_spills"),
+            "written": ssd.spills,
+            "failed": ssd.failed_spills,
+            "dropped": ssd.dropped_spills,
+            "superseded": ssd.superseded_spills,
         },
     )
-    yield _gauge("mlxd_ssd_pending_writes", "Checkpoints queued or being written.", ssd.get("pending_spills"))
-    yield _gauge("mlxd_ssd_pending_write_bytes", "Bytes of checkpoints queued or being written.", ssd.get("pending_spill_bytes"))
-    yield _gauge("mlxd_ssd_dirty_checkpoints", "Checkpoints not yet durable (incl. failed).", ssd.get("pending_snapshots"))
+    yield _gauge("mlxd_ssd_pending_writes", "Checkpoints queued or being written.", ssd.pending_spills)
+    yield _gauge("mlxd_ssd_pending_write_bytes", "Bytes of checkpoints queued or being written.", ssd.pending_spill_bytes)
+    yield _gauge("mlxd_ssd_dirty_checkpoints", "Checkpoints not yet durable (incl. failed).", ssd.pending_snapshots)
     yield _gauge(
-        "mlxd_ssd_longest_durable_prefix_tokens", "Longest prefix durable on SSD.", ssd.get("longest_durable_prefix_tokens")
+        "mlxd_ssd_longest_durable_prefix_tokens", "Longest prefix durable on SSD.", ssd.longest_durable_prefix_tokens
     )
-    yield _counter("mlxd_ssd_corrupt_removed", "Damaged cache files unlinked.", ssd.get("corrupt_removed"))
-    yield _gauge("mlxd_ssd_disk_full", "1 after a write hit a full disk.", 1 if ssd.get("disk_full") else 0)
-    yield _gauge("mlxd_ssd_blocks", "Content-addressed blocks the SSD tier's checkpoints name.", ssd.get("blocks"))
+    yield _counter("mlxd_ssd_corrupt_removed", "Damaged cache files unlinked.", ssd.corrupt_removed)
+    yield _gauge("mlxd_ssd_disk_full", "1 after a write hit a full disk.", 1 if ssd.disk_full else 0)
+    yield _gauge("mlxd_ssd_blocks", "Content-addressed blocks the SSD tier's checkpoints name.", ssd.blocks)
     yield _gauge(
-        "mlxd_ssd_checkpoint_bytes", "KV bytes of the SSD checkpoints before block sharing.",
-        ssd.get("checkpoint_bytes"),
+        "mlxd_ssd_checkpoint_bytes", "KV bytes of the SSD checkpoints before block sharing.", ssd.checkpoint_bytes
     )
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_restore_decisions", "Restore-or-recompute choices.", "choice",
-        {"restore": decisions.get("restores_chosen"), "recompute": decisions.get("recomputes_chosen")},
+        {"restore": decisions["restores_chosen"], "recompute": decisions["recomputes_chosen"]},
     )
 
 
-def _channel_families(channels: dict[str, Any]) -> Iterator[Metric]:
+def _channel_families(channels: Mapping[str, ChannelStats]) -> Iterator[Metric]:
     yield _labelled(
         GaugeMetricFamily, "mlxd_channel_queued", "Messages buffered in an actor channel.", "channel",
-        {name: c.get("queued") for name, c in channels.items()},
+        {name: c.queued for name, c in channels.items()},
     )
     yield _labelled(
         GaugeMetricFamily, "mlxd_channel_capacity", "Buffer size of an actor channel (-1 = unbounded).", "channel",
-        {name: -1 if c.get("capacity") is None else c.get("capacity") for name, c in channels.items()},
+        {name: -1 if c.capacity == math.inf else c.capacity for name, c in channels.items()},
     )
     yield _labelled(
         GaugeMetricFamily, "mlxd_channel_waiting_senders", "Tasks blocked sending to a full channel.", "channel",
-        {name: c.get("waiting_senders") for name, c in channels.items()},
+        {name: c.waiting_senders for name, c in channels.items()},
     )
 
 

@@ -79,6 +79,7 @@ from mlxd.runtime.messages import (
     WriteSnapshot,
 )
 from mlxd.runtime.prompt_tokens import PieceEncoder
+from mlxd.runtime.stats import RuntimeStats, SchedulerView, SsdTierStats
 from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
@@ -174,6 +175,9 @@ class Runtime:
         self.prompt_tokens = PieceEncoder(info.tokenizer)  # chat prompts: reuse the ids of pieces seen before
         self.admitting = True
         self.started_at = time.time()
+        # Admission is the Runtime's: it counts what it admitted and what a full queue refused.
+        self._submitted = 0
+        self._rejected = 0
         self._ids = itertools.count()
         # Called with each flush report (metrics); must not block.
         self.flush_observers: list[Callable[[dict[str, Any]], None]] = []
@@ -312,11 +316,11 @@ class Runtime:
         try:
             self._submit.send_nowait(SubmitGeneration(request, send, time.monotonic()))
         except trio.WouldBlock:
-            self.scheduler.stats.rejected += 1
+            self._rejected += 1
             send.close()
             receive.close()
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)") from None
-        self.scheduler.stats.submitted += 1
+        self._submitted += 1
         if self.cold is not None:
             try:  # a hint: the cache owner tells the prefetcher what to read; dropped when busy
                 self._cache.send_nowait(PrefetchHint(request.prompt, request.namespace))
@@ -341,75 +345,57 @@ class Runtime:
         return await reply.wait()
 
     async def cache_stats(self) -> dict[str, Any]:
+        return (await self._cache_snapshot()).as_dict()
+
+    async def _cache_snapshot(self) -> CacheStatsSnapshot:
         reply: Reply[CacheStatsSnapshot] = Reply()
         await self._cache.send(QueryCacheStats(reply))
-        return (await reply.wait()).as_dict()
+        return await reply.wait()
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> RuntimeStats:
+        """A snapshot of every actor's counters; `.as_dict()` is the `/stats` body."""
         from mlxd import _blas
 
-        sched = attrs.asdict(self.scheduler.stats)
-        sched["queued"] = ChannelStats.of(self._submit).as_dict()["queued"]
-        sched["max_queue"] = self.config.max_queue
-        sched["max_batch"] = self.config.max_batch
-        out = {
-            "model": self.info.model_name,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "admitting": self.admitting,
-            "scheduler": sched,
-            "engine": self.engine.stats.as_dict(),
-            "cache": await self.cache_stats(),
-            "channels": {name: ChannelStats.of(ch).as_dict() for name, ch in self.channels.items()},
-            "blas": dict(_blas.status),
-            "prompt_tokens": self.prompt_tokens.stats(),
-        }
-        if self.info.probe is not None:
-            out["device_probe"] = self.info.probe.as_dict()
-        if self.cold is not None:
-            out["ssd_cache"] = await self.ssd_stats()
-        if self.cold is not None and self.cold.checkpointer is not None:
-            out["generation_checkpoints"] = self.cold.checkpointer.snapshot_stats()
-        return out
+        cache = await self._cache_snapshot()
+        scheduler = SchedulerView.of(
+            self.scheduler.stats, submitted=self._submitted, rejected=self._rejected,
+            queued=ChannelStats.of(self._submit).queued, max_queue=self.config.max_queue,
+            max_batch=self.config.max_batch,
+        )
+        checkpointer = self.cold.checkpointer if self.cold is not None else None
+        return RuntimeStats(
+            model=self.info.model_name,
+            uptime_s=round(time.time() - self.started_at, 3),
+            admitting=self.admitting,
+            scheduler=scheduler,
+            engine=self.engine.stats,
+            cache=cache,
+            channels={name: ChannelStats.of(ch) for name, ch in self.channels.items()},
+            blas=dict(_blas.status),
+            prompt_tokens=self.prompt_tokens.stats(),
+            device_probe=self.info.probe,
+            ssd=await self._ssd_stats(cache) if self.cold is not None else None,
+            generation_checkpoints=checkpointer.snapshot_stats() if checkpointer is not None else None,
+        )
 
-    async def ssd_stats(self) -> dict[str, Any]:
-        """The SSD tier's counters (seed §5.6 names), or {} without a cold tier."""
+    async def ssd_stats(self) -> SsdTierStats | None:
+        """The SSD tier's counters (seed §5.6 names), or None without a cold tier."""
         if self.cold is None:
-            return {}
+            return None
+        return await self._ssd_stats(await self._cache_snapshot())
+
+    async def _ssd_stats(self, cache: CacheStatsSnapshot) -> SsdTierStats:
+        assert self.cold is not None
         reply: Reply[DurabilitySnapshot] = Reply()
         self.cold.durability_inbox.send_nowait(DurabilityStats(reply))
-        durability = attrs.asdict(await reply.wait())
+        durability = await reply.wait()
         prefetch: Reply[PrefetchSnapshot] = Reply()
         await self.cold.prefetch_inbox.send(PrefetchStats(prefetch))
-        prefetched = attrs.asdict(await prefetch.wait())
-        tier = (await self.cache_stats()).get("ssd", {})
-        writer = durability["writer"]
-        return {
-            "entries": tier.get("entries", 0),
-            "bytes": tier.get("bytes", 0),
-            "layout": self.cold.store.layout,
-            "block_tokens": self.cold.store.block_tokens if self.cold.store.layout == "blocks" else None,
-            "blocks": tier.get("blocks", 0),
-            "checkpoint_bytes": tier.get("checkpoint_bytes", 0),
-            "max_bytes": tier.get("max_bytes", 0),
-            "restores": tier.get("restores", 0),
-            "spills": durability["spills"],
-            "restore_ms_last": tier.get("restore_ms_last"),
-            "demotions": tier.get("demotions", 0),
-            "pending_snapshots": durability["pending_snapshots"],
-            "pending_spills": durability["pending_spills"],
-            "pending_spill_bytes": durability["pending_spill_bytes"],
-            "dropped_spills": durability["dropped_spills"],
-            "failed_spills": durability["failed_spills"],
-            "longest_durable_prefix_tokens": tier.get("longest_durable_prefix_tokens", 0),
-            "superseded_spills": durability["superseded"],
-            "corrupt_removed": tier.get("corrupt_removed", 0),
-            "disk_full": writer["disk_full"],
-            "not_stored": durability["not_stored"],
-            "prefetch": prefetched,
-            "writer": {**writer, "pacing": self.cold.governor.as_dict()},
-            "restore_decisions": tier.get("restore_decisions", {}),
-            **({"shared": tier["shared"]} if "shared" in tier else {}),
-        }
+        store = self.cold.store
+        return SsdTierStats.of(
+            cache, durability, await prefetch.wait(),
+            pacing=self.cold.governor.as_dict(), layout=store.layout, block_tokens=store.block_tokens,
+        )
 
     async def flush(self) -> dict[str, Any]:
         """Wait until every checkpoint in RAM is durable on SSD; report the evidence."""
