@@ -219,6 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
     from mlxd.engine.ops import ModelRefused
+    from mlxd.kv.dir_lock import DirLocked
     from mlxd.runtime.distributed import world_rank
 
     if config.distributed and world_rank() > 0:
@@ -226,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
     refused: list[BaseException] = []
     try:
         trio.run(_serve_main, config, args)
-    except* ModelRefused as group:
+    except* (ModelRefused, DirLocked) as group:  # refused at startup: exit 2 with the reason
         refused = list(group.exceptions)
     for error in refused:
         print(f"mlxd serve: {error}", file=sys.stderr)

@@ -5,11 +5,13 @@ Layout: `<root>/<fingerprint>/<ns-hash>/<uuid4 hex>.mlxkv`, dirs 0700, files
 config and weights, tokenizer, KV scheme, MLX version and backend), so a
 change of any of them selects another directory and old files stay intact.
 
-`SsdStore` is stateless file I/O, meant for worker threads: `scan()` reads
+`SsdStore` is file I/O with no index, meant for worker threads: `scan()` reads
 every header and returns the records, `write()` stores one snapshot and
 returns `Stored(record)` or `Failed(error)`, `load()` reads one back (None
 when it cannot), `unlink()` deletes one. What the tier holds, and which files
 to delete, is decided by the cache owner's `mlxd.kv.tiers.CacheTiers`.
+Its one piece of state: `scan()` first locks the directory (`mlxd.kv.dir_lock`),
+so a second server on it is refused unless all of them share it.
 
 Two layouts share the directory: whole files (one `.mlxkv` per checkpoint)
 and content-addressed blocks (`layout="blocks"`: `mlxd.kv.block_store`, one
@@ -37,6 +39,7 @@ import structlog
 
 from mlxd.kv import file_format as ff
 from mlxd.kv.block_store import BlockStore
+from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 
@@ -133,7 +136,7 @@ WriteOutcome = Stored | Failed
 
 @attrs.define
 class SsdStore:
-    """File I/O for the SSD cold tier over one fingerprint directory (no state, no index)."""
+    """File I/O for the SSD cold tier over one fingerprint directory (no index; its scan locks it)."""
 
     root: Path = attrs.field(converter=Path)
     identity: StoreIdentity
@@ -144,6 +147,8 @@ class SsdStore:
     layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
     block_tokens: int = 256  # the blocks layout's span (fixed per directory: names depend on it)
     _blocks: BlockStore = attrs.field(init=False)
+    # Taken by the first scan, before it touches a file, and held for the store's life (kv/dir_lock.py).
+    _lock: DirLock | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._blocks = BlockStore(self.root, self.identity, block_tokens=self.block_tokens)
@@ -160,7 +165,11 @@ class SsdStore:
     # ------------------------------------------------------- startup scan
 
     def scan(self) -> Scan:
-        """Header-only scan of our fingerprint dir; damaged files, orphans and duplicates are unlinked."""
+        """Header-only scan of our fingerprint dir; damaged files, orphans and duplicates are unlinked.
+
+        Raises `DirLocked` when another server uses the directory and not both share it.
+        """
+        self._lock_directory()
         counts = {"indexed": 0, "corrupt": 0, "orphans": 0, "duplicates": 0, "other": 0}
         found: dict[tuple[str, tuple[int, ...]], SsdRecord] = {}
         seen = 0
@@ -209,6 +218,16 @@ class SsdStore:
             log.info("ssd_whole_files_kept", files=whole_files,
                      note="checkpoints written as whole files stay readable; new ones are written as blocks")
         return Scan(tuple(found.values()), report)
+
+    def _lock_directory(self) -> None:
+        """Exclusive, or shared with other replicas (`shared_grace_s`); DirLocked if someone else objects."""
+        if self._lock is not None:
+            return
+        try:
+            _make_dirs(self.root, self.directory)
+            self._lock = lock_dir(self.directory, shared=self.shared_grace_s is not None)
+        except (OSError, ff.StorageError) as exc:  # a filesystem without locks, say: scan as before
+            log.warning("ssd_dir_not_locked", dir=str(self.directory), error=str(exc))
 
     def _ns_dirs(self) -> Iterator[Path]:
         if self.directory.is_dir():
@@ -290,13 +309,7 @@ class SsdStore:
     def reserve_path(self, namespace: str = "") -> Path:
         """A fresh file path in the namespace dir (created 0700). Raises StorageError."""
         ns_dir = self.directory / namespace_dir(namespace)
-        try:
-            for d in (self.root, self.directory, ns_dir):
-                if not d.is_dir():
-                    d.mkdir(mode=0o700, exist_ok=True)
-                    os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
-        except OSError as exc:
-            raise ff.storage_error(exc, f"creating {d}") from exc
+        _make_dirs(self.root, self.directory, ns_dir)
         return ns_dir / (uuid.uuid4().hex + ff.EXTENSION)
 
     def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> WriteOutcome:
@@ -373,6 +386,18 @@ def payload_bytes(header: ff.FileHeader) -> int:
     checkpoint identically in RAM, on SSD and in the simulator.
     """
     return sum(t.nbytes for _, t in header.tensors())
+
+
+def _make_dirs(*dirs: Path) -> None:
+    """Create the missing ones, 0700. Raises StorageError."""
+    for d in dirs:
+        if d.is_dir():
+            continue
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
+        except OSError as exc:
+            raise ff.storage_error(exc, f"creating {d}") from exc
 
 
 def _unlink(path: Path) -> None:
