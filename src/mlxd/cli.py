@@ -417,12 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_build_model_parser(sub)
-    try:
-        from mlxd.sim.cli import add_simulate_parser
-    except ImportError:
-        add_simulate_parser = None
-    if add_simulate_parser is not None:
-        add_simulate_parser(sub)
+    from mlxd.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

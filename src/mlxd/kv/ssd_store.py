@@ -365,6 +365,8 @@ class SsdStore:
 
     def _utime(self, record: SsdRecord) -> None:
         """The file's mtime is the LRU clock across restarts."""
+        if record.path is None:
+            return  # a simulated record: no file
         now = self.clock()
         try:
             os.utime(record.path, (now, now))
