@@ -41,7 +41,7 @@ import trio
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.model import ensure_model
-from mlxd.runtime.messages import TokenGenerated
+from mlxd.runtime.kernel.messages import TokenGenerated
 
 PROMPT = "Write a long, careful report on how a durable prompt cache survives a crash. " * 12
 

@@ -64,7 +64,7 @@ def _ssd_bytes_per_token(ssd: Path) -> float:
 async def _ttft(rt: Any, prompt: list[int]) -> tuple[float, int]:
     """Seconds from submit to the first generated token, and the cached tokens it reused."""
     from mlxd import SamplingParams
-    from mlxd.runtime.messages import TokenGenerated
+    from mlxd.runtime.kernel.messages import TokenGenerated
 
     t0 = time.perf_counter()
     first = None

@@ -47,7 +47,7 @@ REPLY = 16
 
 async def _turn(rt: Any, prompt: list[int]) -> dict[str, Any]:
     from mlxd import SamplingParams
-    from mlxd.runtime.messages import TokenGenerated
+    from mlxd.runtime.kernel.messages import TokenGenerated
 
     t0 = time.perf_counter()
     first = None

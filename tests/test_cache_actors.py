@@ -21,9 +21,9 @@ from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, StoreIdentity
 from mlxd.kv.tiers import CacheTiers, SsdRecord
 from mlxd.kv.write_queue import WriteQueue
-from mlxd.runtime.channels import Reply
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import Reply
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
     DurabilityMessage,
@@ -260,7 +260,7 @@ async def test_a_paced_write_stops_when_the_runtime_is_cancelled(tmp_path):
 def test_messages_are_typed_without_any():
     import ast
 
-    import mlxd.runtime.messages as messages
+    import mlxd.runtime.kernel.messages as messages
 
     tree = ast.parse(Path(messages.__file__).read_text())
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

@@ -21,7 +21,7 @@ from mlxd.kv.cost_model import CostModel
 from mlxd.kv.device_costs import DeviceProbe, fit_linear, fit_prefill
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.messages import SamplingParams
+from mlxd.runtime.kernel.messages import SamplingParams
 from mlxd.runtime.supervisor import open_runtime
 
 KV = 114_688

@@ -22,7 +22,7 @@ from mlxd.engine.ranks import Leader
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit
 from mlxd.kv.shard_mirror import FollowerShards, MissingShard, PrefixRef, ShardRef, shard_key
 from mlxd.runtime.distributed import StepChannel, decode_ops, encode_ops, pin_seed
-from mlxd.runtime.messages import GenerationRequest, PromptAccepted, SamplingParams
+from mlxd.runtime.kernel.messages import GenerationRequest, PromptAccepted, SamplingParams
 
 from procs import ServeProcess
 from serving import ServerThread, config_for

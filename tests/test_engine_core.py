@@ -20,7 +20,7 @@ from mlxd.kv import kinds
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit
 from mlxd.kv.ssd_store import StoreIdentity
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
     GenerationAbandoned,
     GenerationCompleted,

@@ -15,7 +15,7 @@ from tests.serving import ServerThread, config_for
 from mlxd import GenerationError, RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.kv.ssd_store import StoreIdentity
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     EngineInbox,
     GenerationEvent,
     GenerationFailed,

@@ -16,7 +16,7 @@ from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
 from mlxd.kv import kinds
-from mlxd.runtime.messages import TokenGenerated
+from mlxd.runtime.kernel.messages import TokenGenerated
 
 from procs import ServeProcess
 

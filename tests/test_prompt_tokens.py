@@ -1,4 +1,4 @@
-"""Chat prompts tokenized piece by piece (runtime/prompt_tokens.py) give exactly the tokenizer's ids."""
+"""Chat prompts tokenized piece by piece (runtime/chat/prompt_tokens.py) give exactly the tokenizer's ids."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlxd.model import bpe
-from mlxd.runtime.prompt_tokens import PieceEncoder, _join, _split
+from mlxd.runtime.chat.prompt_tokens import PieceEncoder, _join, _split
 
 WORDS = ["alpha", " beta", "gamma\n", "  delta", "ünï", "12", "\t", "x.y", "<|im", "end|>", "\n\n", "'s", "<think"]
 

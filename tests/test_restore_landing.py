@@ -109,8 +109,8 @@ async def test_the_prefetcher_reads_the_host_way_when_no_mlx_memory_can_be_had(t
 
     from mlxd.actors.prefetcher import PrefetcherActor
     from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity, compute_fingerprint
-    from mlxd.runtime.channels import Reply
-    from mlxd.runtime.messages import FetchSnapshot, PrefetchSnapshot, PrefetchStats
+    from mlxd.runtime.kernel.channels import Reply
+    from mlxd.runtime.kernel.messages import FetchSnapshot, PrefetchSnapshot, PrefetchStats
 
     identity = StoreIdentity(model_id="m", fingerprint=compute_fingerprint({"c": "landing"}), tokenizer_hash="t")
     store = SsdStore(tmp_path, identity)

@@ -17,9 +17,9 @@ from mlxd.kv.shard_mirror import (
     ShardRef,
     shard_key,
 )
-from mlxd.runtime.channels import Reply
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import Reply
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
     EngineInbox,

@@ -12,7 +12,7 @@ import trio
 
 import mlxd
 from mlxd.runtime.logging import configure_logging
-from mlxd.runtime.text import TextAssembler
+from mlxd.runtime.chat.text import TextAssembler
 
 
 async def main():

@@ -20,7 +20,7 @@ from mlxd import _blas
 _blas.preload()  # before anything imports mlx
 
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
-from mlxd.runtime.messages import (  # noqa: E402
+from mlxd.runtime.kernel.messages import (  # noqa: E402
     GenerationFailed,
     GenerationFinished,
     GenerationRequest,

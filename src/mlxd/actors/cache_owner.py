@@ -28,8 +28,7 @@ from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
     CloseSession,
@@ -55,6 +54,7 @@ from mlxd.runtime.messages import (
     RestoreMeasured,
     ShardsDropped,
 )
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.cache")
 

@@ -22,9 +22,8 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.ssd_store import Stored
 from mlxd.kv.tiers import Key
 from mlxd.kv.write_queue import WriteQueue
-from mlxd.runtime.channels import Reply
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import Reply
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
     DurabilityMessage,
@@ -42,6 +41,7 @@ from mlxd.runtime.messages import (
     WriterStats,
     WriteSnapshot,
 )
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.durability")
 

@@ -23,8 +23,7 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.shard_mirror import ShardRef
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.distributed import MAX_DROPS_PER_STEP
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CancelGeneration,
     CheckpointGeneration,
     EngineInbox,
@@ -39,7 +38,8 @@ from mlxd.runtime.messages import (
     StartGeneration,
     StopGeneration,
 )
-from mlxd.runtime.mlx_thread import MlxThread
+from mlxd.runtime.kernel.mlx_thread import MlxThread
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.engine")
 

@@ -27,8 +27,7 @@ from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
 from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.runtime import device_memory
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
     FindGenerationCheckpoint,
     GenCheckpointMessage,
@@ -37,7 +36,8 @@ from mlxd.runtime.messages import (
     ResumeGeneration,
     SettleCheckpoints,
 )
-from mlxd.runtime.mlx_thread import MlxThread, lower_priority
+from mlxd.runtime.kernel.mlx_thread import MlxThread, lower_priority
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.gen_checkpoints")
 

@@ -17,8 +17,8 @@ import time
 import trio
 
 from mlxd.kv.kv_events import AllBlocksCleared, encode_batch
+from mlxd.runtime.kernel.messages import PublishKvEvents
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import PublishKvEvents
 
 log = get_logger("mlxd.kv_events")
 

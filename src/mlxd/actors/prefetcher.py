@@ -24,8 +24,7 @@ import trio
 from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot
 from mlxd.kv.ssd_store import SsdStore
 from mlxd.kv.tiers import SsdRecord
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     FetchSnapshot,
     PrefetcherMessage,
@@ -34,6 +33,7 @@ from mlxd.runtime.messages import (
     PrefetchStats,
     RecordLost,
 )
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.prefetcher")
 

@@ -19,10 +19,9 @@ import structlog
 import trio
 
 from mlxd.kv.tiers import PrefixLookup, SsdMatch
-from mlxd.runtime.channels import Reply
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import Reply
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CancelGeneration,
     EngineInbox,
@@ -43,6 +42,7 @@ from mlxd.runtime.messages import (
     StartGeneration,
     TokenGenerated,
 )
+from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot

@@ -20,9 +20,14 @@ from mlxd.kv.file_format import SnapshotPlan
 from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
 from mlxd.runtime import device_memory
+from mlxd.runtime.kernel.messages import (
+    DurabilityMessage,
+    SnapshotWritten,
+    WriterStats,
+    WriteSnapshot,
+)
+from mlxd.runtime.kernel.mlx_thread import MlxThread, lower_priority
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import DurabilityMessage, SnapshotWritten, WriterStats, WriteSnapshot
-from mlxd.runtime.mlx_thread import MlxThread, lower_priority
 
 log = get_logger("mlxd.ssd_writer")
 

@@ -49,8 +49,7 @@ from mlxd.model.identity import model_identity
 from mlxd.runtime import device_memory
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.distributed import StepChannel
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     GenerationAbandoned,
     GenerationCompleted,
     GenerationFinished,
@@ -61,6 +60,7 @@ from mlxd.runtime.messages import (
     RestoreMeasured,
     TokenGenerated,
 )
+from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.engine")
 

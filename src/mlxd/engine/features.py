@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
     GenerationAbandoned,
     GenerationCompleted,
@@ -89,7 +89,7 @@ class Sampling(Feature):
     def of(cls, params: SamplingParams, rng_state: tuple[int, ...] | None = None) -> Sampling:
         if params.temperature <= 0:
             return cls(params)
-        from mlxd.runtime.gen_hook import SeededSampler
+        from mlxd.engine.gen_hook import SeededSampler
 
         if rng_state is not None:  # a resumed generation continues its random stream
             return cls(params, SeededSampler.restore(params, rng_state))
@@ -192,9 +192,9 @@ class GenerationCheckpoints(Feature):
         out.notes.append(end(self.key, row.start.request.request_id))
 
     def _snapshot(self, row: Row, core: EngineCore) -> CheckpointGeneration:
+        from mlxd.engine.gen_hook import snapshot_row
         from mlxd.kv import kinds
         from mlxd.kv.gen_checkpoint import GenerationRecord
-        from mlxd.runtime.gen_hook import snapshot_row
 
         req = row.start.request
         snap = snapshot_row(core.generator, row.uid)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mlxd.kv.shard_mirror import PrefixRef, ShardRef
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
     EngineNote,
     GenerationAbandoned,

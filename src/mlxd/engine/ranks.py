@@ -22,8 +22,8 @@ from mlxd.kv.shard_mirror import (
 )
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.distributed import StepChannel, pin_seed
+from mlxd.runtime.kernel.messages import PublishPrefix
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import PublishPrefix
 
 log = get_logger("mlxd.engine")
 

@@ -28,8 +28,14 @@ from mlxd.http.schemas import (
 )
 from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.http.sessions import install_sessions, session_id
+from mlxd.runtime.chat.text import TextAssembler
+from mlxd.runtime.kernel.messages import (
+    GenerationFinished,
+    PromptAccepted,
+    SamplingParams,
+    TokenGenerated,
+)
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import GenerationFinished, PromptAccepted, SamplingParams, TokenGenerated
 from mlxd.runtime.supervisor import (
     GenerationError,
     GenerationStream,
@@ -38,7 +44,6 @@ from mlxd.runtime.supervisor import (
     Runtime,
     ShuttingDown,
 )
-from mlxd.runtime.text import TextAssembler
 
 log = get_logger("mlxd.http")
 

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from quart import Response
 
-from mlxd.runtime.channels import ChannelStats
-from mlxd.runtime.messages import CacheStatsSnapshot, RequestRecord
+from mlxd.runtime.kernel.channels import ChannelStats
+from mlxd.runtime.kernel.messages import CacheStatsSnapshot, RequestRecord
 from mlxd.runtime.stats import RuntimeStats, SsdTierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

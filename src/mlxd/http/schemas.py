@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from mlxd.runtime.messages import SamplingParams
+from mlxd.runtime.kernel.messages import SamplingParams
 
 
 class ApiError(Exception):

@@ -43,7 +43,7 @@ import attrs
 
 from mlxd.engine.ops import RowStart, StepOps
 from mlxd.kv.shard_mirror import PrefixRef, ShardRef
-from mlxd.runtime.messages import GenerationRequest, SamplingParams
+from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams
 
 # Drops sent with one step at most; the rest go with the next ones.
 MAX_DROPS_PER_STEP = 512

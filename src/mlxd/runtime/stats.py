@@ -16,8 +16,8 @@ import attrs
 from mlxd.actors.scheduler import SchedulerStats
 from mlxd.engine.ops import EngineStats
 from mlxd.kv.device_costs import DeviceProbe
-from mlxd.runtime.channels import ChannelStats
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import ChannelStats
+from mlxd.runtime.kernel.messages import (
     CacheStatsSnapshot,
     DurabilitySnapshot,
     PrefetchSnapshot,

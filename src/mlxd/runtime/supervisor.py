@@ -44,10 +44,11 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.runtime import device_memory
-from mlxd.runtime.channels import ChannelStats, Reply
+from mlxd.runtime.chat.prompt_tokens import PieceEncoder
+from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.logging import get_logger
-from mlxd.runtime.messages import (
+from mlxd.runtime.kernel.channels import ChannelStats, Reply
+from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CacheStatsSnapshot,
     CloseSession,
@@ -78,9 +79,8 @@ from mlxd.runtime.messages import (
     TokenGenerated,
     WriteSnapshot,
 )
-from mlxd.runtime.prompt_tokens import PieceEncoder
+from mlxd.runtime.logging import get_logger
 from mlxd.runtime.stats import RuntimeStats, SchedulerView, SsdTierStats
-from mlxd.runtime.token_history import GeneratedHistory, best_realignment, encode_chat, render
 
 log = get_logger("mlxd.runtime")
 

@@ -25,7 +25,7 @@ from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.shard_mirror import ShardRef
 from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
-from mlxd.runtime.channels import Reply
+from mlxd.runtime.kernel.channels import Reply
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot, SnapshotPlan
