@@ -595,6 +595,7 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
             yield runtime
         finally:
             nursery.cancel_scope.cancel()
+            runtime.prompt_tokens.close()
 
 
 async def serve_runtime(

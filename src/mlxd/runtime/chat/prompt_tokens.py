@@ -90,6 +90,13 @@ class PieceEncoder:
         for f in checks:
             f.result()
 
+    def close(self) -> None:
+        """Stop the background checker thread (the runtime closes it when it stops)."""
+        with self._lock:
+            checker, self._checker, self._verify_left = self._checker, None, 0
+        if checker is not None:
+            checker.shutdown(wait=False, cancel_futures=True)
+
     def _check(self, text: str, ids: tuple[int, ...]) -> None:
         if self._whole(text) != ids:
             self._disable("a served prompt encoded differently by pieces")
