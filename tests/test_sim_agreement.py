@@ -9,6 +9,12 @@ serves them one at a time, flushing after each, while `--record-trace`'s
 recorder writes the trace. `mlxd simulate TRACE --cache-model mlxd --format
 json` with no other flags must then report RAM and SSD hit tokens within 1%
 of the prompt tokens of what the live server reported per request.
+
+The server runs its startup device probe, so whether a cold prefix is
+restored or recomputed depends on what the probe (and the online
+calibration after it) measured on this machine, loaded or not. Prompts are
+long enough that recomputing a returning conversation costs many times a
+restore's latency, so the SSD tier serves hits whatever was measured.
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ from mlxd.sim.trace import TraceRequest, load_recording, load_trace
 from serving import config_for
 
 TRACE = Path(__file__).resolve().parents[1] / "simulations" / "traces" / "conversation_trace.jsonl"
-BLOCK = 8  # tokens per Mooncake block here (512 in the trace): prompts a CPU test can prefill
-CONVERSATIONS = 20
+# Tokens per Mooncake block here (512 in the trace). Prefill grows with the square of the
+# length and a restore about linearly: at 8, every restore saved < 40 ms of prefill, within
+# a loaded machine's restore latency, and the advisor could rightly recompute them all.
+BLOCK = 32
+CONVERSATIONS = 10
 VOCAB = 1024  # the tiny "test" model's
 
 
@@ -65,8 +74,8 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
         tiny_model_dir,
         device_probe="on",  # as `mlxd serve --ssd-cache` starts: the recording carries the probe's model
         ssd_cache_dir=tmp_path / "ssd",
-        prompt_cache_bytes=600_000,  # ~2 conversations of KV (512 bytes per token)
-        ssd_cache_max_bytes=1_500_000,  # ~5 conversations
+        prompt_cache_bytes=2_400_000,  # a few conversations of KV (512 bytes per token)
+        ssd_cache_max_bytes=6_000_000,  # 2.5x that
         ssd_demote_idle_s=0,
     )
     trace = tmp_path / "live.jsonl"
@@ -78,16 +87,19 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
                 await stream.tokens()
             await rt.flush()
         stats = await rt.stats()
+    assert stats.ssd is not None
+    decisions = stats.ssd.restore_decisions
 
     recording = load_recording(trace)
     assert len(recording.reqs) == len(requests) and len(recording.flushes) == len(requests)
-    assert recording.server["prompt_cache_bytes"] == 600_000
+    assert recording.server["prompt_cache_bytes"] == 2_400_000
     live = tiers_of(recording.reqs)
     prompt_tokens = sum(r.input_length for r in recording.reqs)
     # Both caps bind: RAM demoted entries to SSD, and the SSD cap deleted files.
-    assert stats["ssd_cache"]["demotions"] > 0
-    assert stats["cache"]["ssd"]["evictions"] > 0
-    assert live["ram"] > 0.05 * prompt_tokens and live["ssd"] > 0.05 * prompt_tokens
+    assert stats.ssd.demotions > 0
+    assert stats.cache.tiers.ssd_evictions > 0
+    floor = 0.05 * prompt_tokens
+    assert live["ram"] > floor and live["ssd"] > floor, (live, prompt_tokens, decisions)
 
     with trio.fail_after(120):
         out = await trio.run_process(
@@ -95,7 +107,7 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
             capture_stdout=True, capture_stderr=True,
         )
     (sim,) = [json.loads(line) for line in out.stdout.decode().splitlines() if line.startswith("{")]
-    print("agreement", prompt_tokens, live, sim["ram_hit_tokens"], sim["ssd_hit_tokens"], stats["ssd_cache"]["demotions"], stats["cache"]["ssd"]["evictions"])
+    print("agreement", prompt_tokens, live, sim["ram_hit_tokens"], sim["ssd_hit_tokens"], stats.ssd.demotions, stats.cache.tiers.ssd_evictions, decisions)
     assert sim["input_tokens"] == prompt_tokens
     for tier in ("ram", "ssd"):
         gap = abs(sim[f"{tier}_hit_tokens"] - live[tier]) / prompt_tokens
