@@ -3,10 +3,11 @@
 For each tokenizer (the tiny test model's 1,024-token BPE and a 32k BPE
 trained offline on the corpus plus Python's stdlib sources) and each
 constraint (any JSON object, a nested JSON schema, a regex, a Lark grammar)
-it times: the tokenizer setup, a cold compile (grammar + first mask), a
-cached start (a fresh row from the compiled form + first mask), and per
-token of a fixed valid output: the mask (into a packed int32 bitmask) and
-the consume. Each cell runs in its own process under a time limit, since
+it times, for each library and for llguidance behind mlxd.structured (a bool
+mask, a checked consume): the tokenizer setup, a cold compile (grammar +
+first mask), a cached start (a fresh row from the compiled form + first
+mask), and per token of a fixed valid output: the mask (the libraries: into a
+packed int32 bitmask) and the consume. Each cell runs in its own process under a time limit, since
 some compiles take minutes.
 
     python benchmarks/bench_matchers.py [--reps 5] [--cell-timeout 180]
@@ -26,6 +27,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from mlxd.model import bpe
 from mlxd.model.presets import get_preset
+from mlxd.structured.matcher import GrammarCache, Matcher, vocabulary_from_json
+from mlxd.structured.spec import Constraint, llguidance_grammar
 
 EOS = bpe.SPECIAL_TOKENS.index(bpe.IM_END)
 
@@ -171,14 +175,19 @@ def walk(start: Callable[[], Any], mask: Callable[[Any], None], consume: Callabl
     return t_mask / len(tokens), t_consume / len(tokens)
 
 
+def constraint(case: str) -> Constraint:
+    kind, source, _ = CASES[case]
+    return Constraint({"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}[kind], source)
+
+
 def cell_llguidance(tok_path: str, case: str, reps: int) -> dict[str, Any]:
+    """llguidance's own API, on the grammar mlxd.structured gives it (one-line JSON)."""
     import llguidance as llg
     import llguidance.numpy as llnp
 
-    kind, source, sample = CASES[case]
+    sample = CASES[case][2]
     t_tok, lltok = timed(lambda: llg.LLTokenizer(Path(tok_path).read_text(), eos_token=[EOS]))
-    grammar = {"json_schema": llg.LLMatcher.grammar_from_json_schema, "regex": llg.LLMatcher.grammar_from_regex,
-               "lark": llg.LLMatcher.grammar_from_lark}[kind](source)
+    grammar = llguidance_grammar(constraint(case))
     bitmask = llnp.allocate_token_bitmask(1, lltok.vocab_size)
 
     def first(row: Any) -> Any:
@@ -212,7 +221,7 @@ def cell_outlines(tok_path: str, case: str, reps: int) -> dict[str, Any]:
 
     t_tok, vocab = timed(vocabulary)
     n_vocab = tokenizer.get_vocab_size()
-    bitmask = np.full((1, (n_vocab + 31) // 32), -1, dtype=np.int32)
+    bitmask: np.ndarray = np.full((1, (n_vocab + 31) // 32), -1, dtype=np.int32)
 
     def fill(guide: Any) -> None:
         guide.write_mask_into(bitmask.ctypes.data, bitmask.size, 4)
@@ -237,6 +246,24 @@ def cell_outlines(tok_path: str, case: str, reps: int) -> dict[str, Any]:
     return _cell(t_tok, t_cold, t_cached, t_load, len(blob), tokens, walks)
 
 
+def cell_mlxd(tok_path: str, case: str, reps: int) -> dict[str, Any]:
+    """llguidance through mlxd.structured: a bool mask of the vocab, and a checked consume."""
+    sample = CASES[case][2]
+    t_tok, vocab = timed(lambda: vocabulary_from_json(Path(tok_path).read_text(), eos_ids=[EOS]))
+    cache = GrammarCache(vocab)
+
+    def first(row: Matcher) -> Matcher:
+        row.allowed_mask()
+        return row
+
+    t_cold, _ = timed(lambda: first(cache.matcher(constraint(case))))
+    t_cached, _ = timed(lambda: first(cache.matcher(constraint(case))))
+    tokens = Tokenizer.from_file(tok_path).encode(sample).ids
+    walks = [walk(lambda: cache.matcher(constraint(case)), lambda r: r.allowed_mask(),
+                  lambda r, t: r.consume(t), tokens) for _ in range(reps)]
+    return _cell(t_tok, t_cold, t_cached, None, None, tokens, walks)
+
+
 def _cell(t_tok: float, t_cold: float, t_cached: float, t_load: float | None, size: int | None,
           tokens: list[int], walks: list[tuple[float, float]]) -> dict[str, Any]:
     """Figures in ms (setup, compile) and µs (per token); per-token medians skip the first walk."""
@@ -254,7 +281,8 @@ def _cell(t_tok: float, t_cold: float, t_cached: float, t_load: float | None, si
     }
 
 
-CELLS = {"llguidance": cell_llguidance, "outlines-core": cell_outlines}
+CELLS = {"llguidance": cell_llguidance, "outlines-core": cell_outlines, "mlxd.structured": cell_mlxd}
+PACKAGES = {"llguidance": "llguidance", "outlines-core": "outlines-core", "mlxd.structured": "llguidance"}
 
 
 # ---- the driver ----
@@ -310,16 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                 for lib in CELLS:
                     cell = run_cell(lib, path, case, args.reps, args.cell_timeout)
                     results.setdefault(tok_name, {}).setdefault(case, {})[lib] = cell
-                    print(f"{tok_name:10} {case:12} {lib:14} {describe(cell)}", flush=True)
-
-    import llguidance
-    import outlines_core  # noqa: F401  (its version comes from the package metadata)
-    from importlib.metadata import version
+                    print(f"{tok_name:10} {case:12} {lib:16} {describe(cell)}", flush=True)
 
     out = {
         "benchmark": "matchers",
         "argv": sys.argv[1:],
-        "versions": {"llguidance": llguidance.__version__, "outlines-core": version("outlines-core")},
+        "versions": {pkg: version(pkg) for pkg in set(PACKAGES.values())},
         "cases": {k: {"kind": v[0], "source": v[1], "sample": v[2]} for k, v in CASES.items()},
         "results": results,
     }
