@@ -99,8 +99,7 @@ async def test_cache_owner_tells_the_engine_which_mirrored_prefixes_left_ram():
     """The actor: replaced, evicted and never-stored publications come back as `ShardsDropped`."""
     inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](64)
     engine_send, engine = trio.open_memory_channel[EngineInbox](64)
-    owner = CacheOwnerActor(RuntimeConfig(prompt_cache_bytes=100), inbox=inbox)
-    owner.attach_engine(engine_send)
+    owner = CacheOwnerActor(RuntimeConfig(prompt_cache_bytes=100), inbox=inbox, engine=engine_send)
     a, b, c = (1, 2, 3, 4), (7, 8, 9), (5, 5)
     ka, kb, kc = (shard_key("", t) for t in (a, b, c))
 
