@@ -1,5 +1,5 @@
 """The agent-facing API over real HTTP with the `openai` client: tools, tool calls,
-reasoning, n > 1, response_format, unknown fields, quiet 404s, and cache reuse
+reasoning, n > 1, unknown fields, quiet 404s, and cache reuse
 across tool turns.
 
 Tool calls and reasoning come from a real model whose weights make greedy
@@ -260,17 +260,6 @@ def test_unknown_fields_are_ignored(server):
         "user": "u-1", "metadata": {"trace": "x"}, "parallel_tool_calls": True, "store": False,
         "x_gateway_route": "a/b", "service_tier": "auto"})
     assert r.choices[0].finish_reason in ("stop", "length")
-
-
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])
-def test_json_response_formats_are_refused_not_ignored(server, fmt):
-    with pytest.raises(openai.BadRequestError) as err:
-        chat(server, ask(), max_tokens=2, response_format=fmt)
-    assert err.value.body["param"] == "response_format"
-    assert "not supported" in err.value.body["message"]
-    ok = chat(server, ask(), max_tokens=2, response_format={"type": "text"})
-    assert ok.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("body", [

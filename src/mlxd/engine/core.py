@@ -24,6 +24,7 @@ import attrs
 
 from mlxd.engine import loading
 from mlxd.engine.features import (
+    Constrained,
     Ending,
     Feature,
     GenerationCheckpoints,
@@ -61,6 +62,7 @@ from mlxd.runtime.kernel.messages import (
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
+from mlxd.structured.matcher import GrammarCache, load_vocabulary
 
 log = get_logger("mlxd.engine")
 
@@ -134,6 +136,7 @@ class EngineCore:
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
         self._fresh_generator: Callable[[], Any] = self._new_generator
+        self._grammars: GrammarCache | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class EngineCore:
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
             identity = model_identity(loaded.path)  # content hash (memoized per file); not the served name
             self._store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
+            self._grammars = GrammarCache(load_vocabulary(loaded.path, eos_ids=sorted(self._eos)))
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
@@ -246,6 +250,17 @@ class EngineCore:
                 mx.synchronize(self._stream)  # no work in flight when the thread's streams go
             except RuntimeError:
                 log.warning("engine.synchronize_failed")
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled structured-output grammars for this model's vocabulary (built at load)."""
+        if self._grammars is None:
+            raise RuntimeError("the engine core has no model loaded")
+        return self._grammars
+
+    @grammars.setter
+    def grammars(self, cache: GrammarCache) -> None:
+        self._grammars = cache
 
     @property
     def store_identity(self) -> StoreIdentity:
@@ -327,6 +342,8 @@ class EngineCore:
     def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int) -> Row:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._eos | frozenset(req.sampling.stop_token_ids))]
+        if req.sampling.constraint is not None:
+            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt)))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
             threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)

@@ -12,7 +12,8 @@ carries:
   a client's stop string ("stop") or a cancel ("cancelled").
 
 Today's features: `Sampling` (every row: sampler, penalties, logprobs),
-`StopTokens` (every row), `PromptCheckpoints` (with the prompt cache: the
+`StopTokens` (every row), `Constrained` (structured output: a token mask from
+the request's grammar), `PromptCheckpoints` (with the prompt cache: the
 prompt-boundary and final checkpoints) and `GenerationCheckpoints`
 (`--generation-checkpoint N`: resumable in-flight generations).
 """
@@ -34,6 +35,7 @@ from mlxd.runtime.kernel.messages import (
 
 if TYPE_CHECKING:
     from mlxd.engine.core import EngineCore, Row, StepOut
+    from mlxd.structured.matcher import Matcher
 
 
 @attrs.define
@@ -142,6 +144,36 @@ class StopTokens(Feature):
 
     def join(self, row: Row, joining: Joining) -> None:
         joining.stop_tokens |= self.ids
+
+
+@attrs.define
+class Constrained(Feature):
+    """Structured output: before each sampled token, every token the grammar refuses is masked out.
+
+    The matcher follows the row's own tokens: the logits processor sees every token
+    the row holds, and consumes the ones generated since its last call (all of a
+    resumed generation's tokens at its first call, so a resume needs no saved state).
+    End tokens are allowed only where the grammar is complete.
+    """
+
+    matcher: Matcher
+    prompt_tokens: int  # the row's prompt: what the processor's context holds before generation
+    consumed: int = 0
+
+    def join(self, row: Row, joining: Joining) -> None:
+        joining.processors.append(self.mask)
+
+    def mask(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        generated = int(tokens.shape[0]) - self.prompt_tokens
+        if generated > self.consumed:
+            for t in tokens[self.prompt_tokens + self.consumed:].tolist():
+                if not self.matcher.consume(int(t)):
+                    raise RuntimeError(f"token {t} broke the row's {self.matcher.constraint.kind} constraint")
+            self.consumed = generated
+        allowed = mx.array(self.matcher.allowed_mask())
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 @attrs.define

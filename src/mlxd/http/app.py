@@ -44,6 +44,7 @@ from mlxd.runtime.supervisor import (
     Runtime,
     ShuttingDown,
 )
+from mlxd.structured.spec import TOOL_CALL_END, TOOL_CALL_START, Constraint
 
 log = get_logger("mlxd.http")
 
@@ -420,6 +421,17 @@ def create_app(
             )
 
 
+    def forced_call(sampling: SamplingParams, options: ChatOptions) -> Constraint | None:
+        """A forced tool call's grammar, for a model whose tool calls the grammar spells."""
+        if sampling.constraint is not None:
+            raise ApiError(400, "a forced tool call (tool_choice) cannot be combined with another output "
+                           "constraint (response_format, regex, grammar)", param="tool_choice")
+        if rt.tokenizer.tool_call_start != TOOL_CALL_START or rt.tokenizer.tool_call_end != TOOL_CALL_END:
+            raise ApiError(400, f"tool_choice 'required' or a named function needs the {TOOL_CALL_START} call "
+                           "format; this model's chat template has another (use 'auto')", param="tool_choice",
+                           code="unsupported_parameter")
+        return options.forced
+
     def submit(prompt: tuple[int, ...], sampling: SamplingParams, session: str | None) -> GenerationStream:
         try:
             return rt.submit(rt.request(prompt, sampling=sampling, session=session))
@@ -440,6 +452,8 @@ def create_app(
         Each samples with its own seed (seed, seed + 1, ... when one is given).
         """
         sampling = parsed.sampling
+        if options.forced is not None:
+            sampling = attrs.evolve(sampling, constraint=forced_call(sampling, options))
         if chat and options.tools and options.tool_choice == "none":
             start = rt.tokenizer.tool_call_start_tokens if rt.tokenizer.has_tool_calling else None
             if start and len(start) == 1:  # the model cannot open a call

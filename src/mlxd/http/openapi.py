@@ -150,9 +150,26 @@ def _sampling(max_tokens_limit: int) -> dict[str, Any]:
             "type": "object",
             "nullable": True,
             "required": ["type"],
-            "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}},
-            "description": "only 'text' is served; the JSON modes get a 400 (no constrained decoding)",
+            "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                   "strict": {"type": "boolean", "nullable": True}},
+                },
+            },
+            "description": "json_object and json_schema are enforced while decoding (docs/structured-output.md)",
         },
+        "regex": {"type": "string", "nullable": True,
+                  "description": "the whole reply matches this regex (Rust regex syntax); alias guided_regex"},
+        "grammar": {"type": "string", "nullable": True,
+                    "description": "the reply follows this Lark grammar (llguidance's dialect; GBNF is accepted); "
+                    "alias guided_grammar"},
+        "guided_json": {"nullable": True, "oneOf": [{"type": "object"}, {"type": "string"}],
+                        "description": "a JSON schema the reply follows (vLLM's name)"},
+        "guided_choice": {"type": "array", "nullable": True, "items": {"type": "string"},
+                          "description": "the reply is exactly one of these strings (vLLM's name)"},
     }
 
 
@@ -165,9 +182,20 @@ def _chat_request(max_tokens_limit: int) -> dict[str, Any]:
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True},
         "tools": {"type": "array", "nullable": True, "items": {"$ref": "#/components/schemas/Tool"},
                   "description": "rendered into the prompt by the chat template"},
-        "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True,
-                        "description": "'none' keeps the model from opening a call; 'required' and a named "
-                        "function get a 400"},
+        "tool_choice": {
+            "nullable": True,
+            "oneOf": [
+                {"type": "string", "enum": ["auto", "none", "required"]},
+                {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"type": "string", "enum": ["function"]},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}}},
+            ],
+            "description": "'none' keeps the model from opening a call; 'required' or a named function "
+            "forces a call whose arguments follow the tool's schema",
+        },
+        "parallel_tool_calls": {"type": "boolean", "nullable": True,
+                                "description": "with a forced call: one call (false) or one or more (true)"},
         "chat_template_kwargs": {"type": "object", "nullable": True,
                                  "description": "extra template variables, e.g. {'enable_thinking': false}"},
     })

@@ -11,6 +11,12 @@ from typing import Any
 import attrs
 
 from mlxd.runtime.kernel.messages import SamplingParams
+from mlxd.structured.spec import (
+    Constraint,
+    ConstraintError,
+    constraint_from_request,
+    tool_call_constraint,
+)
 
 
 class ApiError(Exception):
@@ -54,8 +60,9 @@ class ChatOptions:
     """What a chat request adds to the prompt and to how the reply is read."""
 
     tools: tuple[dict[str, Any], ...] = ()
-    tool_choice: str = "auto"  # "auto" or "none"
+    tool_choice: str = "auto"  # "auto" or "none" (a forced call is `forced`, and reads as "auto")
     template_kwargs: dict[str, Any] = attrs.Factory(dict)
+    forced: Constraint | None = None  # tool_choice "required" or a named function: the call's grammar
 
 
 def _num(body: dict[str, Any], name: str, default: float | None, *, lo: float, hi: float) -> float | None:
@@ -118,7 +125,7 @@ def parse_common(
         raise ApiError(400, "'model' must be a string", param="model")
     n = _int(body, "n", 1, lo=1, hi=MAX_CHOICES)
     assert n is not None
-    _response_format(body)
+    constraint = _constraint(body)
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name, default_max_tokens, lo=1)
     assert max_tokens is not None
@@ -158,25 +165,17 @@ def parse_common(
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         top_logprobs=top,
+        constraint=constraint,
     )
     return ParsedRequest(sampling, _stop(body), stream, include_usage, model, n)
 
 
-def _response_format(body: dict[str, Any]) -> None:
-    """Only plain text: JSON modes are refused rather than silently ignored."""
-    fmt = body.get("response_format")
-    if fmt is None:
-        return
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise ApiError(
-            400, f"response_format '{kind}' is not supported: this server does not constrain decoding "
-            "(ask for JSON in the prompt, or use tools)", param="response_format", code="unsupported_parameter",
-        )
-    raise ApiError(400, "'response_format' must be an object with 'type': 'text', 'json_object' or 'json_schema'",
-                   param="response_format")
+def _constraint(body: dict[str, Any]) -> Constraint | None:
+    """Structured output asked for: `response_format`, `regex`, `grammar` or vLLM's `guided_*` fields."""
+    try:
+        return constraint_from_request(body)
+    except ConstraintError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
 
 
 def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
@@ -197,12 +196,13 @@ def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    if choice not in ("auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise ApiError(400, "tool_choice 'required' or a named function is not supported (this server "
-                           "does not constrain decoding); use 'auto' or 'none'", param="tool_choice",
-                           code="unsupported_parameter")
-        raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or an object", param="tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    try:  # "required" or a named function: the reply is a call, by a grammar over the call format
+        forced = tool_call_constraint(tools, choice, parallel_tool_calls=parallel)
+    except ConstraintError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -211,7 +211,7 @@ def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
     reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "conversation"} & kwargs.keys()
     if reserved:
         raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
-    return ChatOptions(tuple(tools), choice, dict(kwargs))
+    return ChatOptions(tuple(tools), "none" if choice == "none" else "auto", dict(kwargs), forced)
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -44,6 +44,7 @@ import attrs
 from mlxd.engine.ops import RowStart, StepOps
 from mlxd.kv.shard_mirror import PrefixRef, ShardRef
 from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams
+from mlxd.structured.spec import Constraint
 
 # Drops sent with one step at most; the rest go with the next ones.
 MAX_DROPS_PER_STEP = 512
@@ -97,6 +98,8 @@ def _request(doc: dict[str, Any]) -> GenerationRequest:
     s = dict(doc["sampling"])
     s["stop_token_ids"] = tuple(s["stop_token_ids"])
     s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
+    c = s.get("constraint")
+    s["constraint"] = None if c is None else Constraint(c["kind"], c["source"])
     return GenerationRequest(
         request_id=doc["request_id"],
         prompt=tuple(doc["prompt"]),

@@ -30,6 +30,7 @@ from mlxd.runtime.kernel.channels import Reply
 if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot, SnapshotPlan
     from mlxd.kv.ssd_store import WriteOutcome
+    from mlxd.structured.spec import Constraint
 
 
 @attrs.frozen(kw_only=True)
@@ -50,6 +51,8 @@ class SamplingParams:
     # Report the chosen token's logprob, and this many alternatives per step.
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output: what the reply must match (mlxd.structured.spec); None for free text.
+    constraint: Constraint | None = None
 
 
 @attrs.frozen(kw_only=True)

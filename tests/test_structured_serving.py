@@ -1,0 +1,289 @@
+"""Structured output over real HTTP with the `openai` client: every constrained reply parses.
+
+The tiny random-weight model's free output is never JSON; under a constraint
+each reply must parse and validate against its schema, streamed or not, with
+n > 1, in a batch beside free rows, on both routes, and when a generation is
+resumed from its checkpoint (the matcher replays the resumed tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import trio
+
+from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
+from mlxd.structured.spec import constraint_from_request
+
+from procs import ServeProcess
+from serving import ServerThread, config_for
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+EMAIL = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, max_batch=8)) as s:
+        yield s
+
+
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(server, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 120)
+    kw.setdefault("messages", [{"role": "user", "content": "Describe a person as JSON."}])
+    return client(server).chat.completions.create(model="tiny", **kw)
+
+
+def streamed_text(server, **kw) -> tuple[str, str | None]:
+    text, reason = "", None
+    for chunk in chat(server, stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_nested_json_schema_reply_parses_and_validates(server, stream):
+    if stream:
+        text, reason = streamed_text(server, response_format=PERSON_FORMAT)
+    else:
+        r = chat(server, response_format=PERSON_FORMAT)
+        text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_free_output_of_the_same_request_is_not_json(server):
+    """The control: without the constraint the model's reply does not parse (so the constraint does the work)."""
+    text = chat(server).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_json_object_replies_parse(server):
+    for seed in (0, 1):
+        r = chat(server, response_format={"type": "json_object"}, temperature=1.0, seed=seed, max_tokens=200)
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_a_schema_too_long_for_max_tokens_ends_at_length_with_a_valid_prefix(server):
+    thirty = {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "array", "items": {"enum": ["alpha", "beta"]}, "minItems": 30, "maxItems": 30}}}
+    cut = chat(server, response_format=thirty, max_tokens=12)
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 12
+    text = cut.choices[0].message.content
+    assert re.fullmatch(r'\["(alpha|beta)(", "(alpha|beta))*("(, "?)?|, )?|\["?[a-z]*', text), text
+
+
+def test_a_regex_reply_fullmatches_on_both_routes(server):
+    r = chat(server, extra_body={"regex": EMAIL})
+    assert re.fullmatch(EMAIL, r.choices[0].message.content)
+    done = client(server).completions.create(model="tiny", prompt="My address:", max_tokens=40, temperature=0.7,
+                                            seed=3, extra_body={"guided_regex": EMAIL})
+    assert re.fullmatch(EMAIL, done.choices[0].text) and done.choices[0].finish_reason == "stop"
+
+
+def test_a_grammar_and_a_choice(server):
+    grammar = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no" | "maybe"'
+    r = chat(server, extra_body={"grammar": grammar})
+    assert re.fullmatch(r"The answer is (yes|no|maybe)\.", r.choices[0].message.content)
+    picked = chat(server, extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].message.content in ("red", "green", "blue")
+
+
+def test_n_choices_each_follow_the_schema(server):
+    r = chat(server, response_format=PERSON_FORMAT, n=2, temperature=0.9, seed=11)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_constrained_and_free_rows_share_a_batch(server):
+    def constrained(i: int) -> str:
+        return chat(server, response_format=PERSON_FORMAT, temperature=0.8, seed=i).choices[0].message.content
+
+    def free(i: int) -> str:
+        return chat(server, max_tokens=60, temperature=0.8, seed=i).choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(constrained if i % 2 else free, i) for i in range(6)]
+        replies = [f.result(timeout=120) for f in futures]
+    for i, text in enumerate(replies):
+        if i % 2:
+            jsonschema.validate(json.loads(text), PERSON)
+    assert server.call(server.runtime.stats).engine.steps > 0
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_is_always_a_valid_call(server, choice, stream):
+    kw = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER, TIME],
+              tool_choice=choice, parallel_tool_calls=False)
+    if stream:
+        calls: dict[int, dict] = {}
+        reason = None
+        for chunk in chat(server, stream=True, **kw):
+            for c in chunk.choices:
+                reason = c.finish_reason or reason
+                for tc in c.delta.tool_calls or ():
+                    call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+        got = list(calls.values())
+    else:
+        r = chat(server, **kw)
+        reason = r.choices[0].finish_reason
+        got = [{"name": tc.function.name, "arguments": tc.function.arguments} for tc in r.choices[0].message.tool_calls]
+    assert reason == "tool_calls" and len(got) == 1
+    name = got[0]["name"]
+    assert name == "get_time" if isinstance(choice, dict) else name in ("get_weather", "get_time")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"]
+    jsonschema.validate(json.loads(got[0]["arguments"]), schema)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
+     "response_format", ["not"]),
+    ({"regex": "(unclosed"}, "regex", ["regex"]),
+    ({"regex": "a+", "response_format": {"type": "json_object"}}, "regex", ["not several"]),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", ["nope"]),
+    ({"tools": [WEATHER], "tool_choice": "required", "regex": "a+"}, "tool_choice", ["cannot be combined"]),
+])
+def test_bad_constraints_get_a_400_naming_the_field(server, body, param, words):
+    base = server.base_url.removesuffix("/v1")
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
+    r = httpx.post(f"{base}/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and all(w in error["message"] for w in words), error
+
+
+# --- resumed generations: the matcher replays what the checkpoint holds ----------------------
+
+LONG = {"regex": "[a-z ]{0,20000}"}
+NO_EOS = ((0, -100.0), (2, -100.0))
+
+
+async def test_a_resumed_constrained_generation_continues_identically(tiny_model_dir, tmp_path):
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16)
+    grammar = constraint_from_request({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "letters", "schema": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                      "minItems": 30, "maxItems": 30}}}})
+    sampling = SamplingParams(max_tokens=400, temperature=0.9, seed=5, constraint=grammar)
+    async with open_runtime(config) as rt:
+        prompt = rt.encode("List thirty words. " * 4)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            full = await stream.tokens()
+        assert stream.finished.reason == "stop" and len(full) > 40
+        seen = []
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated):
+                    seen.append(event.token)
+                    if len(seen) == 36:
+                        break
+        ckpt = rt.cold.checkpointer
+        with trio.fail_after(30):  # resumable once written and released by the dropped request
+            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        assert ckpt.snapshot_stats()["entries"] == 1
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            again = await stream.tokens()
+            assert stream.accepted.cache_tier == "checkpoint"
+        assert again == full
+        text = rt.tokenizer.decode([t for t in again if t not in rt.info.eos_token_ids])
+        words = json.loads(text)
+        assert len(words) == 30 and set(words) <= {"alpha", "beta", "gamma"}
+
+
+def test_sigkill_mid_constrained_generation_then_restart_resumes_exactly(tmp_path, tiny_model_dir):
+    def serve(cache: Path, name: str) -> ServeProcess:
+        return ServeProcess("--model", str(tiny_model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
+                            "--generation-checkpoint", "32", log_path=tmp_path / f"{name}.log")
+
+    body = {"model": "tiny", "prompt": "Write letters. " * 6, "max_tokens": 900, "temperature": 0.8, "seed": 7,
+            "logit_bias": {"0": -100, "2": -100}, **LONG}
+    with serve(tmp_path / "ref", "ref") as ref, ref.client() as http:
+        reference = http.post("/v1/completions", json=body).json()
+    assert reference["usage"]["completion_tokens"] == 900
+    assert re.fullmatch(LONG["regex"], reference["choices"][0]["text"])
+
+    cache = tmp_path / "ssd"
+    first = serve(cache, "first").start()
+    cut: dict = {}
+
+    def doomed() -> None:
+        try:
+            with first.client() as h:
+                cut["r"] = h.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            cut["error"] = exc
+
+    worker = threading.Thread(target=doomed)
+    worker.start()
+    with first.client() as http:
+        deadline = time.monotonic() + 60
+        while http.get("/stats").json()["generation_checkpoints"]["written"] < 2:
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.01)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    worker.join(timeout=60)
+    assert "error" in cut, "the request must have been cut by the kill"
+
+    with serve(cache, "second") as second, second.client() as http:
+        again = http.post("/v1/completions", json=body).json()
+        assert http.get("/stats").json()["generation_checkpoints"]["resumed"] == 1
+    assert again["choices"][0]["text"] == reference["choices"][0]["text"]
