@@ -166,6 +166,9 @@ class Constrained(Feature):
     def mask(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
 
+        # Start this step's forward pass before waiting for the last token: the matcher's
+        # CPU work below then overlaps with it.
+        mx.async_eval(logits)
         generated = int(tokens.shape[0]) - self.prompt_tokens
         if generated > self.consumed:
             for t in tokens[self.prompt_tokens + self.consumed:].tolist():

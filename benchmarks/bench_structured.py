@@ -1,0 +1,128 @@
+# ruff: noqa: I001  (mlxd must be imported before mlx_lm: it preloads OpenBLAS)
+"""What does structured output cost decode, and what does a cached grammar save?
+
+1. Decode: one runtime decodes `--batch` rows at once, `--tokens` each (end
+   tokens banned, so every row runs to its limit), free or under a constraint
+   that stays open the whole way (a regex, and a JSON schema of a long array),
+   so every step computes a mask. Arms alternate for `--rounds` rounds in one
+   process; reported: median decode tokens/s per arm and its ratio to "free"
+   (the goal: >= 0.97), per batch size.
+2. Time to first token with a grammar compiled for this request (a schema no
+   earlier request used) against one from the grammar cache (the same schema
+   again); the prompt is a RAM hit in both.
+
+    python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8]
+
+Results go to benchmarks/results/structured-*.json.
+"""
+
+from __future__ import annotations
+
+import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
+from mlxd.model import ensure_model
+from mlxd.structured.spec import constraint_from_request
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS: dict[str, dict[str, Any] | None] = {
+    "free": None,
+    "regex": {"regex": "[a-z ]{0,1000000}"},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": {
+        "type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 100000}}}},
+}
+
+
+async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> float:
+    """Tokens/s of `batch` rows decoding together, from the first token of the batch to the last."""
+    stamps: list[float] = []
+
+    async def row() -> None:
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated):
+                    stamps.append(time.perf_counter())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(batch):
+            nursery.start_soon(row)
+    stamps.sort()
+    return (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
+
+
+async def ttft(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams) -> float:
+    t0 = time.perf_counter()
+    async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+        async for event in stream:
+            if isinstance(event, TokenGenerated):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    model = ensure_model(args.preset)
+    config = RuntimeConfig(model=str(model), max_batch=max(args.batch), device_probe="off")
+    out: dict[str, Any] = {"preset": args.preset, "tokens": args.tokens, "rounds": args.rounds,
+                           "host": platform.node(), "decode": {}, "ttft": {}}
+    async with open_runtime(config) as rt:
+        no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
+        prompt = await rt.render_chat([{"role": "user", "content": "Write a long list of words."}])
+        base = SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos)
+        samplings = {arm: SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos,
+                                         constraint=constraint_from_request(body) if body else None)
+                     for arm, body in ARMS.items()}
+        await decode_rate(rt, prompt, base, 1)  # warm: the prompt's checkpoint, MLX kernels, grammars
+        for arm in ARMS:
+            await decode_rate(rt, prompt, samplings[arm], 1)
+        for batch in args.batch:
+            rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for r in range(args.rounds):
+                order = list(ARMS)[r % len(ARMS):] + list(ARMS)[:r % len(ARMS)]
+                for arm in order:
+                    rates[arm].append(await decode_rate(rt, prompt, samplings[arm], batch))
+            free = statistics.median(rates["free"])
+            out["decode"][str(batch)] = {
+                arm: {"tok_s": round(statistics.median(v), 1), "ratio": round(statistics.median(v) / free, 3),
+                      "rounds": [round(x, 1) for x in v]}
+                for arm, v in rates.items()
+            }
+            print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x)"
+                                                 for a, d in out["decode"][str(batch)].items()), flush=True)
+        cold, cached = [], []
+        for r in range(args.rounds):
+            schema = {"type": "object", "properties": {f"field_{r}": {"enum": ["x", "y"]}},
+                      "required": [f"field_{r}"], "additionalProperties": False}
+            c = constraint_from_request({"response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": f"s{r}", "schema": schema}}})
+            s = SamplingParams(max_tokens=1, constraint=c)
+            cold.append(await ttft(rt, prompt, s))
+            cached.append(await ttft(rt, prompt, s))
+        out["ttft"] = {"cold_grammar_ms": round(1000 * statistics.median(cold), 2),
+                       "cached_grammar_ms": round(1000 * statistics.median(cached), 2),
+                       "cold": [round(1000 * x, 2) for x in cold], "cached": [round(1000 * x, 2) for x in cached]}
+        print(f"ttft: cold grammar {out['ttft']['cold_grammar_ms']} ms, cached {out['ttft']['cached_grammar_ms']} ms")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="default")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    result = trio.run(main, args)
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(path)
