@@ -34,7 +34,7 @@ def cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir, tmp_path, capfd):
+def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir, tmp_path, capfd, caplog):
     mnt = tmp_path / "small"
     mount_tmpfs(mnt, "size=4m,mode=0700")
     try:
@@ -60,7 +60,9 @@ def test_disk_full_warns_once_serves_from_ram_and_flush_says_why(tiny_model_dir,
             (mnt / "filler").unlink()
             r = httpx.post(f"{admin}/admin/cache/flush", timeout=60)
             assert r.status_code == 200, r.text
+        # mlxd logs to the `mlxd.*` stdlib loggers (caplog) unless structlog was configured (stderr).
         out = capfd.readouterr()
-        assert (out.out + out.err).count("ssd_disk_full") == 1  # warned once, not per write
+        logged = out.out + out.err + "\n".join(r.getMessage() for r in caplog.records)
+        assert logged.count("ssd_disk_full") == 1  # warned once, not per write
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
