@@ -82,12 +82,12 @@ def build(preset: presets.ModelPreset, dest: Path) -> Path:
 
 
 def load(model_dir: Path) -> tuple[Any, Any]:
-    from mlxd.actors.engine import _cast_float_weights
+    from mlxd.engine.loading import cast_float_weights
     from mlxd.model.detok import load_model
 
     model, tok = load_model(model_dir)
     if mx.default_device() == mx.cpu:
-        _cast_float_weights(model, mx.float32)  # as the engine does on CPU
+        cast_float_weights(model, mx.float32)  # as the engine does on CPU
     return model, tok
 
 
