@@ -130,7 +130,7 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
     # Block layout with the event block size as its span: events and SSD blocks share one chain.
     config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", ssd_demote_idle_s=1.0,
                         ssd_layout="blocks", ssd_block_tokens=16,
-                        kv_events_endpoint=f"tcp://127.0.0.1:{sub.port}")
+                        kv_events_endpoint=f"tcp://127.0.0.1:{sub.port}", kv_events_token_ids=True)
     try:
         with ServerThread(config) as server:
             base = server.base_url

@@ -126,8 +126,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
     p.add_argument("--kv-events-endpoint", metavar="URL",
-                   help="publish KV cache block events in vLLM's ZMQ format, e.g. tcp://*:5557 (bind) or "
-                   "tcp://indexer:5557 (connect); needs pyzmq and msgpack (pip install 'mlxd[fleet]')")
+                   help="publish KV cache block events in vLLM's ZMQ format: tcp://*:5557 binds 127.0.0.1:5557 "
+                   "(subscribers on this host connect), tcp://indexer:5557 connects to a subscriber that binds, "
+                   "ipc://PATH binds a Unix socket; needs pyzmq and msgpack (pip install 'mlxd[fleet]')")
+    p.add_argument("--kv-events-all-interfaces", action="store_true",
+                   help="let a wildcard --kv-events-endpoint (tcp://*:PORT, tcp://0.0.0.0:PORT) bind every network "
+                   "interface: anyone who reaches the port sees what this server caches (see SECURITY.md)")
+    p.add_argument("--kv-events-token-ids", choices=("off", "on"), default="off",
+                   help="put each stored block's token ids (the prompt itself) in BlockStored events, for "
+                   "indexers that hash tokens themselves (default off: block hashes only; see docs/fleet.md)")
     p.add_argument("--kv-events-block-size", type=_positive_int, default=16, metavar="TOKENS",
                    help="tokens per announced KV block (default 16)")
     p.add_argument("--distributed", action="store_true",
@@ -140,8 +147,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def _check_kv_events(endpoint: str | None) -> None:
+def _check_kv_events(args: argparse.Namespace) -> None:
+    endpoint = args.kv_events_endpoint
     if endpoint is None:
+        if args.kv_events_all_interfaces or args.kv_events_token_ids == "on":
+            print("mlxd serve: warning: --kv-events-all-interfaces and --kv-events-token-ids are ignored "
+                  "without --kv-events-endpoint", file=sys.stderr)
         return
     import importlib.util
 
@@ -155,7 +166,7 @@ def _check_kv_events(endpoint: str | None) -> None:
 def serve_config(args: argparse.Namespace):
     from mlxd.runtime.config import RuntimeConfig
 
-    _check_kv_events(args.kv_events_endpoint)
+    _check_kv_events(args)
     if args.distributed and args.ssd_cache is not None:
         raise ValueError("--distributed keeps the prompt cache in RAM only for now (each rank would need its "
                          "own shard files): leave out --ssd-cache")
@@ -203,6 +214,8 @@ def serve_config(args: argparse.Namespace):
         generation_checkpoint=args.generation_checkpoint,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_block_size=args.kv_events_block_size,
+        kv_events_all_interfaces=args.kv_events_all_interfaces,
+        kv_events_token_ids=args.kv_events_token_ids == "on",
         distributed=args.distributed,
     )
 

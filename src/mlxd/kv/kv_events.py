@@ -20,6 +20,11 @@ Wire format (vLLM `vllm/distributed/kv_events.py`, msgspec structs with
     BlockRemoved     = ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared = ["AllBlocksCleared"]
 
+Token ids are left out (`token_ids` is `[]`) unless the operator asks for
+them: the block hashes alone name what a replica holds, while the ids are the
+prompts themselves (SECURITY.md). `PublishAddress.of` decides where events go:
+a wildcard host binds loopback unless every interface is allowed.
+
 Pure: no trio, no sockets (`actors/kv_publisher.py` sends the batches).
 """
 
@@ -80,11 +85,55 @@ class AllBlocksCleared:
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def without_token_ids(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """The same events with every `BlockStored.token_ids` emptied (hashes, parents and sizes kept)."""
+    return [attrs.evolve(e, token_ids=()) if isinstance(e, BlockStored) else e for e in events]
+
+
 def encode_batch(ts: float, events: Sequence[KvEvent]) -> bytes:
     """msgpack of vLLM's `KVEventBatch` (array-like layout)."""
     import msgpack
 
     return msgpack.packb([ts, [e.wire() for e in events]], use_bin_type=True)
+
+
+LOOPBACK = "127.0.0.1"
+# Hosts that mean "every interface" to ZMQ's bind.
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+@attrs.frozen
+class PublishAddress:
+    """Where the publisher's ZMQ PUB socket goes: `bind` it (subscribers connect) or connect it."""
+
+    url: str
+    bind: bool
+    every_interface: bool = False
+
+    @classmethod
+    def of(cls, endpoint: str, *, all_interfaces: bool = False) -> PublishAddress:
+        """vLLM's rule (a wildcard host or `ipc://` binds, any other host is connected to), made
+        safe: `tcp://*:PORT` binds 127.0.0.1 unless `all_interfaces`; an explicit all-interfaces
+        host (`0.0.0.0`, `::`) without `all_interfaces` is refused (ValueError)."""
+        if endpoint.startswith(("ipc://", "inproc://")):
+            return cls(endpoint, bind=True)
+        if not endpoint.startswith("tcp://"):
+            raise ValueError(f"kv-events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+        host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not sep or not host or not port:
+            raise ValueError(f"kv-events endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+        if host not in _WILDCARDS:
+            return cls(endpoint, bind=False)
+        if all_interfaces:
+            return cls(endpoint, bind=True, every_interface=True)
+        if host == "*":
+            return cls(f"tcp://{LOOPBACK}:{port}", bind=True)
+        raise ValueError(
+            f"kv-events endpoint {endpoint!r} binds every network interface, and anyone who reaches the port "
+            f"reads which prompts this server caches (and the prompts, with token ids on): use tcp://*:{port} "
+            "to bind loopback only, or allow every interface with --kv-events-all-interfaces "
+            "(RuntimeConfig.kv_events_all_interfaces); see SECURITY.md"
+        )
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KvEvent]]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from mlxd.kv.kv_events import PublishAddress
 
 GB = 1024**3
 
@@ -130,10 +134,34 @@ class RuntimeConfig:
     # Tokens per block (0 = sized from the model's KV bytes per token: blocks.span_for).
     ssd_block_tokens: int = attrs.field(default=0, validator=_non_negative)
 
+    # Leaving open_runtime (return, exception or cancellation) first makes every RAM checkpoint
+    # durable on SSD, shielded, for at most this many seconds, as `mlxd serve` does on SIGTERM;
+    # skipped after rt.stop_admission() (the caller ran the graceful sequence itself). 0 = never.
+    shutdown_flush_s: float = attrs.field(default=60.0, validator=_non_negative)
+
     # KV cache events (vLLM's ZMQ format) for fleet routers and indexers; None = off.
-    kv_events_endpoint: str | None = None
+    # tcp://HOST:PORT connects; tcp://*:PORT binds 127.0.0.1 unless kv_events_all_interfaces
+    # (then every interface; 0.0.0.0 or :: hosts need it); ipc://PATH binds. See SECURITY.md.
+    kv_events_endpoint: str | None = attrs.field(default=None)
     kv_events_topic: str = ""
     kv_events_block_size: int = attrs.field(default=16, validator=_positive)
+    kv_events_all_interfaces: bool = False
+    # Send each stored block's token ids (the prompt text, to whoever subscribes); off by
+    # default: the block hashes alone say which replica holds which prefix.
+    kv_events_token_ids: bool = False
+
+    @kv_events_endpoint.validator
+    def _check_kv_events_endpoint(self, _attr: attrs.Attribute, value: str | None) -> None:
+        if value is not None:
+            self.kv_events_address()  # refuses a malformed or unallowed all-interfaces endpoint
+
+    def kv_events_address(self) -> PublishAddress | None:
+        """Where the KV-event publisher binds or connects (None: events off)."""
+        if self.kv_events_endpoint is None:
+            return None
+        from mlxd.kv.kv_events import PublishAddress
+
+        return PublishAddress.of(self.kv_events_endpoint, all_interfaces=self.kv_events_all_interfaces)
 
     # One model sharded over the ranks `mlx.launch` started (runtime/distributed.py):
     # rank 0 serves, the others follow. The prompt cache's RAM tier is mirrored (kv/shard_mirror.py);

@@ -11,7 +11,9 @@ or, as a service in a nursery you already have:
     rt = await nursery.start(mlxd.serve_runtime, RuntimeConfig())
 
 No signal handlers are installed here; the CLI adds them. Shutdown is
-cancellation: leaving the `async with` cancels every actor.
+cancellation: leaving the `async with` (or having it cancelled) makes the RAM
+tier durable on SSD, shielded and within `config.shutdown_flush_s`, then
+cancels every actor. An exception from the caller's block comes out as itself.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.ops import EngineInfo
 from mlxd.kv.blocks import span_for
 from mlxd.kv.file_format import FileHeader, Landing
+from mlxd.kv.kv_events import PublishAddress
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
@@ -510,20 +513,102 @@ def _cold_tier(
     )
 
 
-async def _start_kv_events(nursery: trio.Nursery, config: RuntimeConfig) -> trio.MemorySendChannel[Any]:
+async def _start_kv_events(
+    actors: _Actors, config: RuntimeConfig, address: PublishAddress, fingerprint: str
+) -> trio.MemorySendChannel[Any]:
     """Start the KV-event publisher (--kv-events-endpoint); return its inbox."""
     from mlxd.actors.kv_publisher import KvEventPublisherActor
 
     send, receive = trio.open_memory_channel[Any](64)
-    publisher = KvEventPublisherActor(config.kv_events_endpoint or "", inbox=receive, topic=config.kv_events_topic)
-    await nursery.start(publisher.run)
+    publisher = KvEventPublisherActor(
+        address, inbox=receive, topic=config.kv_events_topic, token_ids=config.kv_events_token_ids,
+        fingerprint=fingerprint,
+    )
+    await actors.start(publisher.run)
     return send
 
 
-@asynccontextmanager
-async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
-    """Start every actor; yield a ready Runtime; cancel them all on exit."""
-    config = config or RuntimeConfig()
+async def _run_in(
+    scope: trio.CancelScope, run: Callable[..., Awaitable[Any]], *, task_status: trio.TaskStatus[Any]
+) -> None:
+    with scope:
+        await run(task_status=task_status)
+
+
+@attrs.define
+class _Actors:
+    """The runtime's actor tasks, each in its own cancel scope.
+
+    Once the runtime is up they are shielded: cancelling the caller's scope
+    reaches the caller's code, not the actors, so shutdown can flush through
+    them first; `stop()` then cancels them.
+    """
+
+    nursery: trio.Nursery
+    _scopes: list[trio.CancelScope] = attrs.Factory(list)
+
+    async def start(self, run: Callable[..., Awaitable[Any]]) -> Any:
+        scope = trio.CancelScope()
+        self._scopes.append(scope)
+        return await self.nursery.start(_run_in, scope, run)
+
+    def shield(self) -> None:
+        for scope in self._scopes:
+            scope.shield = True
+
+    def stop(self) -> None:
+        for scope in self._scopes:
+            scope.cancel()
+
+    @property
+    def failed(self) -> bool:
+        """An actor raised (trio then cancels the nursery); nothing can flush through them."""
+        return self.nursery.cancel_scope.cancel_called
+
+
+async def _flush_on_exit(runtime: Runtime, actors: _Actors) -> None:
+    """The end of open_runtime, however it came: make RAM checkpoints durable first, shielded,
+    within config.shutdown_flush_s, as SIGTERM does in `mlxd serve`. Skipped when the caller
+    already ran the graceful sequence (admission stopped) or an actor failed."""
+    timeout = runtime.config.shutdown_flush_s
+    if runtime.cold is None or not runtime.admitting or actors.failed or timeout <= 0:
+        return
+    runtime.stop_admission()
+    with trio.move_on_after(timeout, shield=True) as scope:
+        try:
+            report = await runtime.flush()
+        except Exception as exc:  # a failed flush must not replace how the block ended
+            log.warning("runtime.exit_flush_failed", error=repr(exc))
+            return
+        log.info("runtime.exit_flushed", **report)
+    if scope.cancelled_caught:
+        log.warning("runtime.exit_flush_timed_out", timeout_s=timeout)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _callers_own(group: BaseExceptionGroup, raised: BaseException | None) -> BaseException | None:
+    """`raised` when it is all the actors' nursery holds (the nursery only wrapped the caller's
+    exception), else None: an actor's failure, or several errors, stay a group.
+
+    A group the caller raised comes back as a copy (a cancel scope's `split` rebuilds it), so
+    it is matched by type and by its leaf exceptions, which keep their identity.
+    """
+    if raised is None or len(group.exceptions) != 1:
+        return None
+    inner = group.exceptions[0]
+    if inner is raised:
+        return raised
+    same_leaves = [id(e) for e in _leaves(inner)] == [id(e) for e in _leaves(raised)]
+    return raised if type(inner) is type(raised) and same_leaves else None
+
+
+async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
+    """Wire the channels, start every actor in dependency order, and hand out the Runtime."""
     submit_send, submit_receive = trio.open_memory_channel[SchedulerInbox](config.max_queue)
     engine_send, engine_receive = trio.open_memory_channel[EngineInbox](config.max_batch * 2 + 8)
     cache_send, cache_receive = trio.open_memory_channel[CacheOwnerMessage](64)
@@ -537,65 +622,101 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     engine = EngineActor(
         config, inbox=engine_receive, publish=cache_send.clone(), governor=governor, checkpoints=gen_send
     )
-    async with trio.open_nursery() as nursery:
-        info = await nursery.start(engine.run)
-        store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
-        # Restored bytes land straight in MLX memory: no copy on the engine thread, and on CUDA
-        # no page-by-page migration (docs/benchmarks.md; Metal keeps the host path, unmeasured there).
-        direct = config.restore_landing == "mlx" or (
-            config.restore_landing == "auto" and not device_memory.is_metal()
-        )
-        cold = (
-            _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None,
-                       land=engine.landing if direct else None)
-            if store is not None else None
-        )
-        kv_events = await _start_kv_events(nursery, config) if config.kv_events_endpoint else None
-        # The restore advisor starts from what the startup probe measured on this device.
-        advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
-        cache_owner = CacheOwnerActor(
-            config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
-            records=scan.records if scan is not None else (),
-            corrupt_at_start=scan.report.corrupt if scan is not None else 0,
-            memory_budget=info.memory_budget_bytes,
-            durability=cold.durability_inbox.clone() if cold is not None else None,
-            prefetcher=cold.prefetch_inbox.clone() if cold is not None else None,
-            # --distributed: followers drop their shards of what leaves RAM (kv/shard_mirror.py)
-            engine=engine_send.clone() if config.distributed else None,
-            kv_events=kv_events, kv_fingerprint=info.store_identity.fingerprint,
-        )
-        if cold is not None:
-            await nursery.start(cold.writer.run)
-            await nursery.start(cold.durability.run)
-            await nursery.start(cold.prefetcher.run)
-            if cold.checkpointer is not None:
-                await nursery.start(cold.checkpointer.run)
-        await nursery.start(cache_owner.run)
-        scheduler = SchedulerActor(
-            config,
-            inbox=submit_receive,
-            engine=engine_send,
-            cache=cache_send.clone(),
-            prefetcher=cold.prefetch_inbox.clone() if cold else None,
-            checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
-        )
-        await nursery.start(scheduler.run)
-        runtime = Runtime(
-            config,
-            info=info,
-            submit=submit_send,
-            cache=cache_send,
-            scheduler=scheduler,
-            engine=engine,
-            engine_inbox=engine_send.clone(),
-            cache_owner=cache_owner,
-            cold=cold,
-        )
-        try:
-            yield runtime
-        finally:
-            nursery.cancel_scope.cancel()
-            runtime.prompt_tokens.close()
+    info = await actors.start(engine.run)
+    store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
+    # Restored bytes land straight in MLX memory: no copy on the engine thread, and on CUDA
+    # no page-by-page migration (docs/benchmarks.md; Metal keeps the host path, unmeasured there).
+    direct = config.restore_landing == "mlx" or (
+        config.restore_landing == "auto" and not device_memory.is_metal()
+    )
+    cold = (
+        _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None,
+                   land=engine.landing if direct else None)
+        if store is not None else None
+    )
+    address = config.kv_events_address()
+    kv_events = (
+        await _start_kv_events(actors, config, address, info.store_identity.fingerprint)
+        if address is not None else None
+    )
+    # The restore advisor starts from what the startup probe measured on this device.
+    advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
+    cache_owner = CacheOwnerActor(
+        config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
+        records=scan.records if scan is not None else (),
+        corrupt_at_start=scan.report.corrupt if scan is not None else 0,
+        memory_budget=info.memory_budget_bytes,
+        durability=cold.durability_inbox.clone() if cold is not None else None,
+        prefetcher=cold.prefetch_inbox.clone() if cold is not None else None,
+        # --distributed: followers drop their shards of what leaves RAM (kv/shard_mirror.py)
+        engine=engine_send.clone() if config.distributed else None,
+        kv_events=kv_events, kv_fingerprint=info.store_identity.fingerprint,
+    )
+    if cold is not None:
+        await actors.start(cold.writer.run)
+        await actors.start(cold.durability.run)
+        await actors.start(cold.prefetcher.run)
+        if cold.checkpointer is not None:
+            await actors.start(cold.checkpointer.run)
+    await actors.start(cache_owner.run)
+    scheduler = SchedulerActor(
+        config,
+        inbox=submit_receive,
+        engine=engine_send,
+        cache=cache_send.clone(),
+        prefetcher=cold.prefetch_inbox.clone() if cold else None,
+        checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
+    )
+    await actors.start(scheduler.run)
+    return Runtime(
+        config,
+        info=info,
+        submit=submit_send,
+        cache=cache_send,
+        scheduler=scheduler,
+        engine=engine,
+        engine_inbox=engine_send.clone(),
+        cache_owner=cache_owner,
+        cold=cold,
+    )
+
+
+@asynccontextmanager
+async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Runtime]:
+    """Start every actor; yield a ready Runtime; flush (SSD tier) and cancel them all on exit.
+
+    An exception raised inside the block comes out as itself, not in an
+    ExceptionGroup; an actor's failure comes out as a group.
+    """
+    config = config or RuntimeConfig()
+    raised: BaseException | None = None
+    unwrapped: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            actors = _Actors(nursery)
+            runtime: Runtime | None = None
+            try:
+                runtime = await _start_actors(actors, config)
+                actors.shield()  # from here on only stop() ends them: after the exit flush
+                try:
+                    yield runtime
+                except BaseException as exc:
+                    raised = exc
+                    raise
+                finally:
+                    await _flush_on_exit(runtime, actors)
+            finally:
+                actors.stop()
+                nursery.cancel_scope.cancel()
+                if runtime is not None:
+                    runtime.prompt_tokens.close()
+    except BaseExceptionGroup as group:
+        # The nursery wraps whatever crossed it; the caller's own exception goes back unwrapped.
+        unwrapped = _callers_own(group, raised)
+        if unwrapped is None:
+            raise
+    if unwrapped is not None:
+        raise unwrapped  # outside the except clause: no "during handling of the group" context
 
 
 async def serve_runtime(
@@ -604,7 +725,8 @@ async def serve_runtime(
     """The runtime as a service: `rt = await nursery.start(serve_runtime, config)`.
 
     Reports the Runtime once every actor is up, then runs until cancelled;
-    cancelling the nursery that started it shuts every actor down.
+    cancelling the nursery that started it flushes the SSD tier (bounded by
+    config.shutdown_flush_s) and shuts every actor down.
     """
     async with open_runtime(config) as rt:
         task_status.started(rt)
