@@ -99,7 +99,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "only as the directory's one collector (see docs/fleet.md)")
     p.add_argument("--ssd-rescan", type=_positive_float, metavar="SEC",
                    help="with --ssd-shared: how often to look for other replicas' files (default 1)")
-    p.add_argument("--ssd-cache-verify", action="store_true", help="verify per-tensor CRC-32 checksums on every restore")
+    p.add_argument("--ssd-cache-verify", choices=("on", "off"), nargs="?", const="on", default=None,
+                   help="check every restored byte against its file's per-tensor CRC-32 checksums, generation "
+                        "checkpoints included; a damaged file is a miss (default on; off checks only the hashed "
+                        "header, layout and size: see docs/benchmarks.md for the cost)")
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
                         "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
@@ -180,7 +183,7 @@ def serve_config(args: argparse.Namespace):
         ssd = {
             "ssd_cache_dir": args.ssd_cache,
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
-            "ssd_cache_verify": args.ssd_cache_verify,
+            "ssd_cache_verify": args.ssd_cache_verify != "off",
             "restore_landing": args.restore_landing,
             "ssd_shared": args.ssd_shared,
             **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),

@@ -12,10 +12,20 @@ Files live in `<ssd dir>/generations/<fingerprint>/<request key>.mlxgen`: the
 fixed name per key, written as tmp + fsync + rename, so the previous
 checkpoint stays valid until the new one is durable. At most `keep` files are
 kept (oldest removed first). Every failure degrades to "no checkpoint".
+
+A resume reads every byte it continues from, verified (each tensor's CRC-32
+and the padding, as the prompt cache's restores): a damaged checkpoint is
+removed and the request runs without it, never from wrong numbers. A write
+that fails is remembered until the key's next write succeeds or its request
+completes, and the next flush reports it (`unwritten()`), so a flush never
+calls a generation durable whose newest checkpoint is not on disk. The scan
+never follows a symbolic link (the directory or a file): it is logged and
+left alone.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -57,12 +67,16 @@ class GenerationCheckpointer:
         inbox: trio.MemoryReceiveChannel[Message],
         governor: WriteGovernor | None = None,
         keep: int = 64,
+        verify: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self._identity = identity
         self._inbox = inbox
         self._governor = governor
         self._keep = keep
+        self._verify = verify
+        # Keys whose newest snapshot failed to write (-> the error); a flush reports them.
+        self._unwritten: dict[str, str] = {}
         self._queue = gc.CheckpointQueue()
         self._entries: dict[str, gc.CheckpointEntry] = {}
         self._wake = trio.Event()
@@ -81,9 +95,22 @@ class GenerationCheckpointer:
             "entries": len(self._entries),
             "pending": len(self._queue),
             "owned": self._queue.owners,
+            "unwritten": len(self._unwritten),
             "pending_bytes": self._queue.pending_bytes(),
             "writing": self._writing,
         }
+
+    def unwritten(self) -> gc.UnwrittenCheckpoints:
+        """The checkpoints whose newest snapshot is not on disk (a flush reports them, then settles).
+
+        A live request's failed key stays until its next write succeeds or it
+        completes; an abandoned request's is reported once and then forgotten
+        (its snapshot is gone: nothing can write it any more).
+        """
+        report = gc.UnwrittenCheckpoints.of(self._unwritten)
+        for key in [k for k in self._unwritten if not self._queue.owned(k)]:
+            del self._unwritten[key]
+        return report
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._thread = MlxThread("mlxd-gen-ckpt")  # no MLX calls on it, despite the helper's name
@@ -108,6 +135,7 @@ class GenerationCheckpointer:
         elif isinstance(msg, GenerationCompleted):
             if self._queue.remove(msg.key, msg.request_id):
                 self._entries.pop(msg.key, None)  # no longer resumable; the file goes next
+                self._unwritten.pop(msg.key, None)  # nothing left to make durable
                 self._wake.set()
         elif isinstance(msg, GenerationAbandoned):
             self._queue.release(msg.key, msg.request_id)
@@ -130,7 +158,7 @@ class GenerationCheckpointer:
 
     async def _read(self, entry: gc.CheckpointEntry, msg: FindGenerationCheckpoint) -> None:
         try:
-            loaded = await trio.to_thread.run_sync(_read_file, entry.path)
+            loaded = await trio.to_thread.run_sync(_read_file, entry.path, self._verify)
             record = self._check(loaded.header, msg)
         except (ff.StorageError, ValueError) as exc:
             self.stats["read_failures"] += 1
@@ -192,7 +220,10 @@ class GenerationCheckpointer:
         except (ff.StorageError, WriteInterrupted) as exc:
             self.stats["write_failures"] += 1
             log.warning("gen_checkpoint.write_failed", error=str(exc))
+            if not self._queue.removing(job.key):  # unless its request completed meanwhile
+                self._unwritten[job.key] = str(exc) or type(exc).__name__
             return
+        self._unwritten.pop(job.key, None)
         self.stats["written"] += 1
         self.stats["bytes_written"] += written.nbytes
         self.stats["write_s_last"] = round(time.perf_counter() - t0, 4)
@@ -214,16 +245,27 @@ class GenerationCheckpointer:
     # --- startup ----------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """(I/O) Index the checkpoints a previous process left; reap tmp files and bad ones."""
+        """(I/O) Index the checkpoints a previous process left; reap tmp files and bad ones.
+
+        Symbolic links are never followed: a linked directory is not scanned, a linked
+        file is neither read nor removed (both logged).
+        """
+        if _linked(self.directory):
+            log.warning("gen_checkpoint.symlink_ignored", path=str(self.directory))
+            return
         try:
-            names = sorted(os.listdir(self.directory))
+            with os.scandir(self.directory) as it:
+                found = sorted((e.name, e.is_symlink()) for e in it)
         except FileNotFoundError:
             return
         except OSError as exc:
             log.warning("gen_checkpoint.scan_failed", dir=str(self.directory), error=str(exc))
             return
-        for name in names:
+        for name, is_link in found:
             path = self.directory / name
+            if is_link:
+                log.warning("gen_checkpoint.symlink_ignored", path=str(path))
+                continue
             if name.endswith(".tmp"):
                 _unlink(path)
                 continue
@@ -249,6 +291,8 @@ class GenerationCheckpointer:
 def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.WrittenFile:
     """(I/O) The directory (0700), then tmp + fsync + rename onto the key's fixed name."""
     try:
+        if _linked(path.parent):
+            raise OSError(errno.ELOOP, "a symbolic link in the cache directory (never followed)")
         for d in (path.parent.parent.parent, path.parent.parent, path.parent):
             if not d.is_dir():
                 d.mkdir(mode=0o700, exist_ok=True)
@@ -260,8 +304,14 @@ def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.Wr
     return ff.write_snapshot(plan, path, pacer=pacer)
 
 
-def _read_file(path: Path) -> ff.LoadedSnapshot:
-    return ff.read_snapshot(path, verify=False)
+def _read_file(path: Path, verify: bool) -> ff.LoadedSnapshot:
+    return ff.read_snapshot(path, verify=verify)
+
+
+def _linked(directory: Path) -> bool:
+    """Is the checkpoint directory, or `generations/` above it, a symbolic link?
+    (The cache root may be one: the operator chose it.)"""
+    return directory.is_symlink() or directory.parent.is_symlink()
 
 
 def _unlink(path: Path) -> None:

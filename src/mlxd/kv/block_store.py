@@ -25,6 +25,11 @@ The store keeps no index (the cache tiers do, with `blocks.BlockLedger`):
 `load()` returns the loaded snapshot or None (a miss; what is damaged is
 removed), `collect()` removes garbage blocks. `mlxd.kv.ssd_store.SsdStore`
 uses it for its "blocks" layout, beside its whole files.
+
+Symbolic links below the cache root are never followed: a linked `blocks/`
+or namespace directory is not scanned, collected or written into, and a
+linked file is skipped (logged as `ssd_symlink_ignored`), so neither the scan
+nor a collection can delete anything outside the cache directory.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import structlog
 
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
+from mlxd.kv.dir_lock import NOTE_PREFIX
 from mlxd.kv.file_format.header import NP_DTYPES as _NP_DTYPES
 from mlxd.kv.file_format.header import cache_doc as _cache_doc
 from mlxd.kv.file_format.header import parse_cache as _parse_cache
@@ -269,6 +275,8 @@ class BlockStore:
         d = self.root
         try:
             for d in (self.root, self.directory, self.blocks_dir, *more):
+                if d != self.root and d.is_symlink():  # the root may be a link: the operator chose it
+                    raise OSError(errno.ELOOP, "a symbolic link in the cache directory (never followed)")
                 if not d.is_dir():
                     d.mkdir(mode=0o700, exist_ok=True)
                     os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
@@ -371,11 +379,11 @@ class BlockStore:
         self,
         record: SsdRecord,
         *,
-        verify: bool = False,
+        verify: bool = True,
         land: Callable[[ff.FileHeader], ff.Landing] | None = None,
     ) -> ff.LoadedSnapshot | None:
         """Read a checkpoint's manifest and blocks for adoption; None (a miss) when anything is
-        missing or damaged. A damaged block is removed with the manifest that led to it; the
+        missing or damaged (with `verify`, the default, every tensor's CRC-32 and padding too). A damaged block is removed with the manifest that led to it; the
         other manifests naming it miss in turn when they are loaded.
 
         `land`, as for whole files (`read_snapshot`): called once with the checkpoint's header
@@ -418,6 +426,8 @@ class BlockStore:
         """Startup recovery: reap tmp files, read every manifest, collect unreferenced blocks."""
         records: list[SsdRecord] = []
         counts = {"corrupt": 0, "orphans": 0}
+        if any(_is_link(d) for d in (self.directory, self.blocks_dir)):
+            return BlockScan((), ScanReport())  # nothing behind a link is ours to read or remove
         with self._locked(exclusive=True):
             blocks = self._stored_blocks(counts)
             for ns_dir in self._ns_dirs():
@@ -477,12 +487,16 @@ class BlockStore:
         counts["corrupt"] += 1
 
     def _ns_dirs(self) -> Iterator[Path]:
-        if self.directory.is_dir():
+        if _real_dir(self.directory):
             yield from (p for p in _listdir(self.directory) if p.is_dir() and p != self.blocks_dir)
 
     def _stored_blocks(self, counts: dict[str, int]) -> dict[str, int]:
-        """name -> size of every committed block; tmp files are reaped (call with the lock exclusive)."""
-        found = {}
+        """name -> size of every committed block; tmp files are reaped (call with the lock exclusive).
+
+        A linked `blocks/` directory holds no block of ours: nothing in it is read or removed."""
+        found: dict[str, int] = {}
+        if not _real_dir(self.blocks_dir):
+            return found
         for path in _listdir(self.blocks_dir):
             if path.name.endswith(".tmp"):
                 _unlink_quietly(path)
@@ -811,13 +825,36 @@ def _namespace_dir(namespace: str) -> str:
 
 
 def _listdir(d: Path) -> list[Path]:
+    """The entries of `d`, sorted, without symbolic links (each logged): never followed, never unlinked."""
     try:
-        return sorted(d.iterdir())
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except FileNotFoundError:
         return []
     except OSError as exc:
         log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
         return []
+    out = []
+    for entry in entries:
+        if entry.is_symlink():
+            if not entry.name.startswith(NOTE_PREFIX):  # the directory lock's notes are links to /dev/null
+                log.warning("ssd_symlink_ignored", path=entry.path, note="links in the cache directory are never followed")
+            continue
+        out.append(Path(entry.path))
+    return out
+
+
+def _is_link(d: Path) -> bool:
+    """`d` is a symbolic link (logged: it is treated as absent, never followed)."""
+    if d.is_symlink():
+        log.warning("ssd_symlink_ignored", path=str(d), note="links in the cache directory are never followed")
+        return True
+    return False
+
+
+def _real_dir(d: Path) -> bool:
+    """`d` is a directory and not a link to one."""
+    return not _is_link(d) and d.is_dir()
 
 
 def _unlink_quietly(path: Path) -> None:

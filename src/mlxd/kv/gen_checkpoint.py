@@ -115,6 +115,24 @@ def _str(x: Any) -> str:
     return x
 
 
+@attrs.frozen
+class UnwrittenCheckpoints:
+    """Generation checkpoints whose newest snapshot failed to reach the disk (what a flush reports)."""
+
+    count: int = 0
+    error: str | None = None  # one failed write's cause (the OS's words)
+
+    @classmethod
+    def of(cls, failures: dict[str, str]) -> UnwrittenCheckpoints:
+        return cls(len(failures), next(reversed(failures.values()), None))
+
+    @property
+    def reason(self) -> str | None:
+        if not self.count:
+            return None
+        return f"{self.count} generation checkpoint write(s) failed: {self.error}"
+
+
 @attrs.define(eq=False)
 class CheckpointEntry:
     """A committed checkpoint file."""

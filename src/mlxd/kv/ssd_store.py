@@ -20,12 +20,20 @@ the configured layout; both kinds are scanned and read, so a directory
 written by either keeps serving after the layout changes.
 
 Every failure degrades to "miss" or "not stored": corrupt files are unlinked
-on sight, and a storage error carries its cause (the OS's errno text).
+on sight, and a storage error carries its cause (the OS's errno text). Every
+restored byte is checked by default (`load(verify=True)`: each tensor's CRC-32
+and the zero padding), so a damaged file is a miss, never an answer.
+
+The store never follows a symbolic link below the cache root: a link in place
+of the fingerprint directory, a namespace directory, `blocks/` or a file is
+logged (`ssd_symlink_ignored`) and left alone, never read, indexed or
+unlinked through, so nothing outside the cache directory is ever deleted.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +47,7 @@ import structlog
 
 from mlxd.kv import file_format as ff
 from mlxd.kv.block_store import BlockStore
-from mlxd.kv.dir_lock import DirLock, lock_dir
+from mlxd.kv.dir_lock import NOTE_PREFIX, DirLock, lock_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 
@@ -230,7 +238,7 @@ class SsdStore:
             log.warning("ssd_dir_not_locked", dir=str(self.directory), error=str(exc))
 
     def _ns_dirs(self) -> Iterator[Path]:
-        if self.directory.is_dir():
+        if _real_dir(self.directory):
             yield from (p for p in _listdir(self.directory) if p.is_dir() and p.name != "blocks")
 
     def _scan_file(self, path: Path, ns_name: str) -> SsdRecord | str:
@@ -255,8 +263,12 @@ class SsdStore:
         return SsdRecord(header.namespace, header.tokens, payload_bytes(header), mtime, header.trimmable, path)
 
     def read_record(self, path: Path) -> SsdRecord | None:
-        """Header-only read of one published file (e.g. another replica's); deletes nothing."""
-        if path.suffix != ff.EXTENSION:
+        """Header-only read of one published file (e.g. another replica's); deletes nothing.
+
+        A link (the file or its namespace directory) is no record: what is indexed may be
+        deleted later, and nothing is ever deleted through a link.
+        """
+        if path.suffix != ff.EXTENSION or path.is_symlink() or path.parent.is_symlink():
             return None
         try:
             header = ff.read_header(path)
@@ -334,13 +346,15 @@ class SsdStore:
     # --------------------------------------------------- reads and upkeep
 
     def load(
-        self, record: SsdRecord, *, verify: bool = False, land: Callable[[ff.FileHeader], ff.Landing] | None = None
+        self, record: SsdRecord, *, verify: bool = True, land: Callable[[ff.FileHeader], ff.Landing] | None = None
     ) -> ff.LoadedSnapshot | None:
         """Read a file for adoption (and touch its mtime); None when it cannot be used.
 
         A corrupt or mismatched file is unlinked; either way the caller reports
-        the record lost to the cache owner. `land`: where the tensors are read to
-        (`read_snapshot`; a block checkpoint's tensors likewise, `BlockStore.load`).
+        the record lost to the cache owner. `verify` (the default) checks every
+        tensor's CRC-32 and the padding: `verify=False` (`--ssd-cache-verify off`)
+        checks only the hashed header, layout and size. `land`: where the tensors
+        are read to (`read_snapshot`; a block checkpoint's tensors likewise, `BlockStore.load`).
         """
         assert record.path is not None
         if record.blocks:
@@ -390,9 +404,12 @@ def payload_bytes(header: ff.FileHeader) -> int:
     return sum(t.nbytes for _, t in header.tensors())
 
 
-def _make_dirs(*dirs: Path) -> None:
-    """Create the missing ones, 0700. Raises StorageError."""
-    for d in dirs:
+def _make_dirs(root: Path, *dirs: Path) -> None:
+    """Create the missing ones, 0700. Raises StorageError, also for a link below `root`
+    (the root may be a link: the operator chose it; nothing below it is followed)."""
+    for d in (root, *dirs):
+        if d != root and d.is_symlink():
+            raise ff.storage_error(OSError(errno.ELOOP, "a symbolic link in the cache directory (never followed)"), str(d))
         if d.is_dir():
             continue
         try:
@@ -410,11 +427,29 @@ def _unlink(path: Path) -> None:
 
 
 def _listdir(d: Path) -> list[Path]:
+    """The entries of `d`, sorted, without symbolic links (each logged): never followed, never unlinked."""
     try:
-        return sorted(d.iterdir())
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError as exc:
         log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
         return []
+    out = []
+    for entry in entries:
+        if entry.is_symlink():
+            if not entry.name.startswith(NOTE_PREFIX):  # the directory lock's notes are links to /dev/null
+                log.warning("ssd_symlink_ignored", path=entry.path, note="links in the cache directory are never followed")
+            continue
+        out.append(Path(entry.path))
+    return out
+
+
+def _real_dir(d: Path) -> bool:
+    """`d` is a directory and not a link to one (a link is logged and treated as absent)."""
+    if d.is_symlink():
+        log.warning("ssd_symlink_ignored", path=str(d), note="links in the cache directory are never followed")
+        return False
+    return d.is_dir()
 
 
 def _older_than(path: Path, when: float) -> bool:

@@ -106,7 +106,8 @@ class RuntimeConfig:
     # SSD cold tier (None = RAM only).
     ssd_cache_dir: Path | None = None
     ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
-    ssd_cache_verify: bool = False
+    # Check every restored byte (per-tensor CRC-32, zero padding); False = header, layout and size only.
+    ssd_cache_verify: bool = True
     # Where a restored file's bytes are read to: "mlx" = straight into MLX arrays
     # (no copy; on CUDA the pages then move to the device in bulk), "host" = a
     # private host buffer copied into MLX by the engine; "auto" = "mlx" on CUDA

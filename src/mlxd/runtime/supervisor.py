@@ -423,6 +423,13 @@ class Runtime:
             with trio.move_on_after(GEN_SETTLE_S):
                 pending = await settled.wait()
             report["generation_checkpoints_pending"] = pending
+            # A generation whose newest checkpoint failed to write is not durable: say so, and why.
+            unwritten = self.cold.checkpointer.unwritten()
+            report["generation_checkpoints_unwritten"] = unwritten.count
+            if unwritten.reason is not None:
+                report["durable"] = False
+                before = report.get("reason")
+                report["reason"] = unwritten.reason if before is None else f"{before}; {unwritten.reason}"
         return report
 
     def stop_admission(self) -> None:

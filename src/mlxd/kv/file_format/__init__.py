@@ -3,7 +3,8 @@
 Layout: a 64-byte preamble (magic, format version, header length, header
 sha256), a JSON header, then every tensor at a 4096-byte aligned offset, in
 header order. The header hash is always checked on read; per-tensor CRC-32
-checksums (and the zero padding between tensors) only with `verify=True`.
+checksums (and the zero padding between tensors) with `verify=True`, the
+default of every restore (`verify=False` is the `--ssd-cache-verify off` opt-out).
 Tensors carry a CRC-32 rather than a sha256 since format 2: the writer runs
 beside decode, and CRC-32 takes it less CPU per byte (docs/benchmarks.md,
 write-behind); it detects the damage a cache can meet (bit rot, torn or

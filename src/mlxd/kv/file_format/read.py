@@ -116,13 +116,14 @@ def _readinto_all(f: Any, dest: memoryview) -> None:
 
 
 def read_snapshot(
-    path: str | os.PathLike[str], *, verify: bool, land: Callable[[FileHeader], Landing] | None = None
+    path: str | os.PathLike[str], *, verify: bool = True, land: Callable[[FileHeader], Landing] | None = None
 ) -> LoadedSnapshot:
     """Read a whole file for adoption (reader thread; no MLX calls).
 
     The file is read sequentially once, in large reads, straight into one
     page-aligned anonymous buffer (hashing each tensor and checking that
-    padding is zero when `verify`). The tensors are views of that buffer, so
+    padding is zero when `verify`, the default: a damaged file raises
+    `CorruptFile` rather than restoring wrong numbers). The tensors are views of that buffer, so
     adopting them is one copy into MLX memory. Reading into private memory
     rather than mapping the file avoids a page fault per 4 KiB page at adopt
     time, which capped restore bandwidth (docs/benchmarks.md, H200).
