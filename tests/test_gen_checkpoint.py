@@ -17,6 +17,7 @@ from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
 from mlxd.kv import kinds
 from mlxd.runtime.kernel.messages import TokenGenerated
+from mlxd.structured.spec import constraint_from_request
 
 from procs import ServeProcess
 
@@ -36,6 +37,7 @@ def test_request_key_covers_prompt_namespace_and_every_sampling_field():
         "temperature": 0.8, "top_p": 0.5, "top_k": 5, "seed": 4, "max_tokens": 65, "stop_token_ids": (7,),
         "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
         "logit_bias": ((1, 2.0),), "logprobs": True, "top_logprobs": 1,
+        "constraint": constraint_from_request({"regex": "[a-z]+"}),
     }
     assert set(changes) == {f.name for f in attrs.fields(SamplingParams)}, "a new sampling field must be keyed"
     for name, value in changes.items():

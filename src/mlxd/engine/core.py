@@ -31,8 +31,10 @@ from mlxd.engine.features import (
     Joining,
     PromptCheckpoints,
     Sampling,
+    StepInputs,
     StopTokens,
 )
+from mlxd.engine.gen_hook import step_inputs
 from mlxd.engine.ops import (
     Emit,
     EngineInfo,
@@ -137,6 +139,7 @@ class EngineCore:
         self._prefill_step_size = config.prefill_step_size
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
+        self._inputs = StepInputs(lambda: step_inputs(self.generator))  # read by constrained rows
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -343,7 +346,7 @@ class EngineCore:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._eos | frozenset(req.sampling.stop_token_ids))]
         if req.sampling.constraint is not None:
-            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt)))
+            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
             threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
@@ -469,6 +472,7 @@ class EngineCore:
     def _next(self, out: StepOut) -> None:
         decoding = any(r.generated for r in self._rows.values())
         t0 = time.perf_counter()
+        self._inputs.clear()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1

@@ -147,36 +147,59 @@ class StopTokens(Feature):
 
 
 @attrs.define
+class StepInputs:
+    """The tokens the decoding rows feed the step in progress, read once per step for all of them."""
+
+    read: Any  # () -> {uid: token} (gen_hook.step_inputs over the core's generator)
+    _tokens: dict[int, int] | None = None
+
+    def clear(self) -> None:
+        """A new generator step starts: its inputs are not read yet."""
+        self._tokens = None
+
+    def token(self, uid: int) -> int:
+        if self._tokens is None:
+            self._tokens = self.read()
+        return self._tokens[uid]
+
+
+@attrs.define
 class Constrained(Feature):
     """Structured output: before each sampled token, every token the grammar refuses is masked out.
 
-    The matcher follows the row's own tokens: the logits processor sees every token
-    the row holds, and consumes the ones generated since its last call (all of a
-    resumed generation's tokens at its first call, so a resume needs no saved state).
-    End tokens are allowed only where the grammar is complete.
+    The matcher follows the row's own tokens: at each step it consumes the token the
+    row feeds that step (read once for the whole batch: `StepInputs`), or, at a resumed
+    row's first step, every token the checkpoint holds, so a resume needs no saved
+    state. End tokens are allowed only where the grammar is complete.
     """
 
     matcher: Matcher
     prompt_tokens: int  # the row's prompt: what the processor's context holds before generation
+    inputs: StepInputs
     consumed: int = 0
 
     def join(self, row: Row, joining: Joining) -> None:
-        joining.processors.append(self.mask)
+        joining.processors.append(lambda tokens, logits: self.mask(row, tokens, logits))
 
-    def mask(self, tokens: Any, logits: Any) -> Any:
+    def mask(self, row: Row, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
 
         # Start this step's forward pass before waiting for the last token: the matcher's
         # CPU work below then overlaps with it.
         mx.async_eval(logits)
         generated = int(tokens.shape[0]) - self.prompt_tokens
-        if generated > self.consumed:
-            for t in tokens[self.prompt_tokens + self.consumed:].tolist():
-                if not self.matcher.consume(int(t)):
-                    raise RuntimeError(f"token {t} broke the row's {self.matcher.constraint.kind} constraint")
-            self.consumed = generated
+        if generated == self.consumed + 1:
+            self._consume([self.inputs.token(row.uid)])
+        elif generated > self.consumed:  # a resumed row's first step: replay what it holds
+            self._consume(tokens[self.prompt_tokens + self.consumed:].tolist())
         allowed = mx.array(self.matcher.allowed_mask())
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _consume(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if not self.matcher.consume(int(t)):
+                raise RuntimeError(f"token {t} broke the row's {self.matcher.constraint.kind} constraint")
+        self.consumed += len(tokens)
 
 
 @attrs.define

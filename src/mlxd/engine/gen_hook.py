@@ -75,3 +75,17 @@ def snapshot_row(generator: Any, uid: int) -> RowSnapshot | None:
     caches = batch.extract_cache(i)
     pending = int(batch._next_tokens[i].item())
     return RowSnapshot(caches, list(batch.tokens[i]), pending)
+
+
+def step_inputs(generator: Any) -> dict[int, int]:
+    """The token each decoding row feeds the step in progress, by uid, in one read for the batch.
+
+    Called from a logits processor (inside `BatchGenerator.next()`), where mlx-lm's
+    generation batch holds them as `_current_tokens`; one read costs one sync for
+    every row instead of one per row.
+    """
+    batch = generator._generation_batch
+    if batch._current_tokens is None:
+        return {}
+    values: list[Any] = batch._current_tokens.tolist()
+    return {uid: int(t) for uid, t in zip(batch.uids, values, strict=True)}
