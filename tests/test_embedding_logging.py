@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 CHILD = textwrap.dedent('''
     import logging, sys
     import trio
@@ -58,9 +56,6 @@ def test_unconfigured_logging_prints_nothing(tmp_path, tiny_model_dir):
     assert "engine.ready" not in proc.stderr
 
 
-@pytest.mark.xfail(reason="kv/ssd_store.py and kv/block_store.py still log through structlog.get_logger "
-                          "(structlog's default prints to stdout): they should use mlxd.runtime.logging.get_logger",
-                   strict=False)
 def test_unconfigured_logging_prints_nothing_with_an_ssd_tier(tmp_path, tiny_model_dir):
     proc = run(tmp_path, tiny_model_dir, "none", ssd=True)
     assert proc.stdout == PROGRAM_OUTPUT

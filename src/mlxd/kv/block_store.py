@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
-import structlog
 
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
@@ -65,11 +64,12 @@ from mlxd.kv.file_format.header import parse_cache as _parse_cache
 from mlxd.kv.file_format.read import read_open_header as _read_header
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
+from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from mlxd.kv.ssd_store import StoreIdentity
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 BLOCK_EXT = ".mlxblk"

@@ -43,15 +43,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
-import structlog
 
 from mlxd.kv import file_format as ff
 from mlxd.kv.block_store import BlockStore
 from mlxd.kv.dir_lock import NOTE_PREFIX, DirLock, lock_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
+from mlxd.runtime.logging import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 TMP_SUFFIX = ff.EXTENSION + ".tmp"
 
