@@ -513,7 +513,8 @@ def _cold_tier(
     if gen_inbox is not None:
         directory = checkpoint_dir(Path(config.ssd_cache_dir or "."), store.identity.fingerprint)
         checkpointer = GenerationCheckpointer(
-            directory, store.identity, inbox=gen_inbox, governor=governor, keep=4 * config.max_batch + 16
+            directory, store.identity, inbox=gen_inbox, governor=governor, keep=4 * config.max_batch + 16,
+            verify=config.ssd_cache_verify,
         )
     return ColdTier(
         store, writer, durability, durability_send, prefetcher, prefetch_send, governor, checkpointer, gen_send
