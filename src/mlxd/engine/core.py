@@ -34,7 +34,6 @@ from mlxd.engine.features import (
     StepInputs,
     StopTokens,
 )
-from mlxd.engine.gen_hook import step_inputs
 from mlxd.engine.ops import (
     Emit,
     EngineInfo,
@@ -139,7 +138,7 @@ class EngineCore:
         self._prefill_step_size = config.prefill_step_size
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
-        self._inputs = StepInputs(lambda: step_inputs(self.generator))  # read by constrained rows
+        self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -517,6 +516,11 @@ class EngineCore:
             row.prefilled = done
 
     # --- what features call --------------------------------------------------------------
+
+    def _step_inputs(self) -> dict[int, int]:
+        from mlxd.engine.gen_hook import step_inputs
+
+        return step_inputs(self.generator)
 
     def extract(self, uid: int) -> tuple[list[Any], list[int]]:
         """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""
