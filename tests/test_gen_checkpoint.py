@@ -34,8 +34,9 @@ def test_request_key_covers_prompt_namespace_and_every_sampling_field():
     assert key != gc.request_key((1, 2, 4), "", base)
     assert key != gc.request_key((1, 2, 3), "adapter", base)
     changes = {
-        "temperature": 0.8, "top_p": 0.5, "top_k": 5, "seed": 4, "max_tokens": 65, "stop_token_ids": (7,),
+        "temperature": 0.8, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 4, "max_tokens": 65, "stop_token_ids": (7,),
         "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
+        "repetition_context_size": 5,
         "logit_bias": ((1, 2.0),), "logprobs": True, "top_logprobs": 1,
         "constraint": constraint_from_request({"regex": "[a-z]+"}),
     }

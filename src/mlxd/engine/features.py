@@ -105,6 +105,7 @@ class Sampling(Feature):
         joining.processors += make_logits_processors(
             logit_bias=dict(s.logit_bias) or None,
             repetition_penalty=s.repetition_penalty,
+            repetition_context_size=s.repetition_context_size,
             presence_penalty=s.presence_penalty or None,
             frequency_penalty=s.frequency_penalty or None,
         )

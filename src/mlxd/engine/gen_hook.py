@@ -13,11 +13,11 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
 class SeededSampler:
-    """Temperature / top-p / top-k sampling from a split chain of one RNG key.
+    """Temperature / top-p / min-p / top-k sampling from a split chain of one RNG key.
 
     Each call splits the key: the state after k samples is `key` after k
     splits, and `state()` returns it as two integers (None-free, JSON-able).
@@ -26,6 +26,7 @@ class SeededSampler:
     def __init__(self, sampling: Any, key: mx.array) -> None:
         self._top_p = sampling.top_p
         self._top_k = sampling.top_k
+        self._min_p = sampling.min_p
         self._inv_temp = 1.0 / sampling.temperature
         self.key = key
 
@@ -41,6 +42,8 @@ class SeededSampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         if 0 < self._top_p < 1.0:
             logprobs = apply_top_p(logprobs, self._top_p)
+        if self._min_p > 0:
+            logprobs = apply_min_p(logprobs, self._min_p)
         if self._top_k > 0:
             logprobs = apply_top_k(logprobs, self._top_k)
         self.key, sub = mx.random.split(self.key)

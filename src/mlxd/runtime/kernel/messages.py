@@ -40,6 +40,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # keep tokens at least this fraction of the likeliest one's probability
     seed: int | None = None
     max_tokens: int = 256
     # Generation stops after any of these token ids (the model's EOS ids are added).
@@ -47,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    repetition_context_size: int = 20  # how many recent tokens the repetition penalty looks at
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Report the chosen token's logprob, and this many alternatives per step.
     logprobs: bool = False
