@@ -49,6 +49,8 @@ from mlxd.structured.spec import TOOL_CALL_END, TOOL_CALL_START, Constraint
 log = get_logger("mlxd.http")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# Names that mean "the served model": ours, and mlx_lm.server's (its clients send it).
+MODEL_ALIASES = ("default", "default_model")
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -90,6 +92,8 @@ class _Choice:
         self.completion_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.text_offsets: list[int] = []  # each logprob entry's character offset in the completion text
+        self._text_end = 0
         self._events: AsyncIterator[Any] | None = None
         self._primed: list[Any] = []
 
@@ -117,6 +121,9 @@ class _Choice:
                     delta = self._read(self.text.add(event.token))
                     entries = self._logprob_entries(event)
                     self.logprobs.extend(entries)
+                    for e in entries:
+                        self.text_offsets.append(self._text_end)
+                        self._text_end += len(e["token"])
                     if delta or entries:
                         yield delta, entries
                     if self.text.stopped_by_string:
@@ -255,15 +262,16 @@ class _Completion:
                 choice["logprobs"] = {"content": entries} if entries else None
             return choice
         choice = {"index": c.index, "text": delta.content, "finish_reason": finish}
-        choice["logprobs"] = self._completion_logprobs(entries) if self.parsed.sampling.logprobs else None
+        offsets = c.text_offsets[len(c.text_offsets) - len(entries):]
+        choice["logprobs"] = self._completion_logprobs(entries, offsets) if self.parsed.sampling.logprobs else None
         return choice
 
-    def _completion_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    def _completion_logprobs(self, entries: list[dict[str, Any]], offsets: list[int]) -> dict[str, Any]:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
     # --- streaming ---------------------------------------------------------------
@@ -323,7 +331,8 @@ class _Completion:
                 "index": c.index,
                 "text": content,
                 "finish_reason": c.finish_reason(),
-                "logprobs": self._completion_logprobs(c.logprobs) if self.parsed.sampling.logprobs else None,
+                "logprobs": (self._completion_logprobs(c.logprobs, c.text_offsets)
+                             if self.parsed.sampling.logprobs else None),
             }
         calls = [{k: v for k, v in call.items() if k != "index"} for d in parts for call in d.tool_calls]
         reasoning = "".join(d.reasoning for d in parts)
@@ -363,6 +372,18 @@ class _Completion:
             "choices": bodies,
             "usage": self.usage(),
         }
+
+
+def _check_unicode(body: Any) -> None:
+    """A lone surrogate escape (e.g. "\\ud800") parses as JSON but is no text the tokenizer can read."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end].encode("utf-8", "backslashreplace").decode()
+        raise ApiError(400, f"the request body has a string with a lone surrogate ({bad}); "
+                       "strings must be valid Unicode") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -407,14 +428,18 @@ def create_app(
     async def read_json() -> Any:
         raw = await request.get_data(cache=False)
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except UnicodeDecodeError:
             raise ApiError(400, "the request body is not valid UTF-8") from None
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
+        _check_unicode(body)
+        return body
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (rt.info.model_name, "default"):
+        if name is not None and name not in (rt.info.model_name, *MODEL_ALIASES):
             raise ApiError(
                 404, f"the model '{name}' does not exist; this server serves '{rt.info.model_name}'",
                 param="model", code="model_not_found",

@@ -119,17 +119,21 @@ def _sampling(max_tokens_limit: int) -> dict[str, Any]:
     """The fields shared by chat and text completions."""
     number = {"type": "number"}
     return {
-        "model": {"type": "string", "description": "the served model name, or 'default'"},
+        "model": {"type": "string", "description": "the served model name, or 'default' / 'default_model'"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True},
         "temperature": {**number, "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {**number, "minimum": 0, "maximum": 1, "nullable": True},
         "top_k": {"type": "integer", "minimum": 0, "nullable": True},
+        "min_p": {**number, "minimum": 0, "maximum": 1, "nullable": True,
+                  "description": "keep tokens at least this fraction of the likeliest one's probability"},
         "seed": {"type": "integer", "nullable": True},
         "n": {"type": "integer", "minimum": 1, "maximum": 16, "nullable": True,
               "description": "choices; they share one prefill, choice i samples with seed + i"},
         "presence_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
         "frequency_penalty": {**number, "minimum": -2, "maximum": 2, "nullable": True},
         "repetition_penalty": {**number, "minimum": 0, "maximum": 10, "nullable": True},
+        "repetition_context_size": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1, "nullable": True,
+                                    "description": "recent tokens the repetition penalty looks at (default 20)"},
         "logit_bias": {
             "type": "object",
             "nullable": True,
@@ -198,6 +202,19 @@ def _chat_request(max_tokens_limit: int) -> dict[str, Any]:
                                 "description": "with a forced call: one call (false) or one or more (true)"},
         "chat_template_kwargs": {"type": "object", "nullable": True,
                                  "description": "extra template variables, e.g. {'enable_thinking': false}"},
+        "functions": {"type": "array", "nullable": True, "items": {"type": "object"},
+                      "description": "deprecated: read as tools of type function (not with tools)"},
+        "function_call": {
+            "nullable": True,
+            "oneOf": [
+                {"type": "string", "enum": ["auto", "none"]},
+                {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+            ],
+            "description": "deprecated: read as tool_choice (not with tool_choice)",
+        },
+        "reasoning_effort": {"type": "string", "nullable": True,
+                             "enum": ["none", "minimal", "low", "medium", "high", "xhigh"],
+                             "description": "passed to the chat template as the variable reasoning_effort"},
     })
     return {
         "type": "object",

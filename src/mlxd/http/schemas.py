@@ -157,11 +157,13 @@ def parse_common(
         temperature=_num(body, "temperature", 1.0, lo=0.0, hi=2.0) or 0.0,
         top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0) or 1.0,
         top_k=_int(body, "top_k", 0, lo=0) or 0,
+        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0) or 0.0,
         seed=None if seed is None else seed % 2**32,
         max_tokens=max_tokens,
         presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0) or 0.0,
         frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0) or 0.0,
         repetition_penalty=_num(body, "repetition_penalty", None, lo=0.0, hi=10.0),
+        repetition_context_size=_int(body, "repetition_context_size", 20, lo=1, hi=2**31 - 1) or 20,
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         top_logprobs=top,
@@ -178,9 +180,35 @@ def _constraint(body: dict[str, Any]) -> Constraint | None:
         raise ApiError(400, exc.message, param=exc.param) from None
 
 
+def _legacy_functions(body: dict[str, Any]) -> tuple[Any, Any]:
+    """`tools` and `tool_choice` from the deprecated `functions` / `function_call`, or as given."""
+    functions, call = body.get("functions"), body.get("function_call")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if functions is not None:
+        if tools is not None:
+            raise ApiError(400, "give 'tools' or the deprecated 'functions', not both", param="functions")
+        if not isinstance(functions, list):
+            raise ApiError(400, "'functions' must be a list", param="functions")
+        tools = [{"type": "function", "function": fn} for fn in functions]
+    if call is not None:
+        if choice is not None:
+            raise ApiError(400, "give 'tool_choice' or the deprecated 'function_call', not both",
+                           param="function_call")
+        if call in ("none", "auto"):
+            choice = call
+        elif isinstance(call, dict) and isinstance(call.get("name"), str):
+            choice = {"type": "function", "function": {"name": call["name"]}}
+        else:
+            raise ApiError(400, "'function_call' must be 'none', 'auto' or {'name': ...}", param="function_call")
+    return tools, choice
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
-    """`tools`, `tool_choice` and `chat_template_kwargs` of a chat request."""
-    tools = body.get("tools")
+    """`tools`, `tool_choice` (or `functions`, `function_call`), `chat_template_kwargs`, `reasoning_effort`."""
+    tools, choice = _legacy_functions(body)
     if tools is None:
         tools = []
     if not isinstance(tools, list):
@@ -193,7 +221,6 @@ def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
             raise ApiError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ApiError(400, f"tools[{i}].function.parameters must be an object", param="tools")
-    choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
     parallel = body.get("parallel_tool_calls", True)
@@ -211,6 +238,12 @@ def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
     reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "conversation"} & kwargs.keys()
     if reserved:
         raise ApiError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # a template variable, as gpt-oss's and other templates read it
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}",
+                           param="reasoning_effort")
+        kwargs = {"reasoning_effort": effort, **kwargs}
     return ChatOptions(tuple(tools), "none" if choice == "none" else "auto", dict(kwargs), forced)
 
 
