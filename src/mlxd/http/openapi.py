@@ -255,7 +255,8 @@ def _generation(request: str, summary: str) -> dict[str, Any]:
         "description": "the completion (JSON), or server-sent events when 'stream' is true",
         "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            # One server-sent event: `data` is a JSON chunk, an error, or "[DONE]".
+            "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}},
         },
     }
     return {
