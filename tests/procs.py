@@ -80,3 +80,32 @@ class ServeProcess:
             self.proc.wait(timeout=30)
         if not self._log.closed:
             self._log.close()
+
+
+def kill_mid_request(proc: ServeProcess, path: str, body: dict, *, checkpoints: int = 2) -> None:
+    """Send `body` to `path`, SIGKILL the server once it wrote `checkpoints` generation checkpoints.
+
+    Asserts the request was cut by the kill (it never answered).
+    """
+    import threading
+
+    cut: dict[str, object] = {}
+
+    def doomed() -> None:
+        try:
+            with proc.client() as h:
+                cut["reply"] = h.post(path, json=body)
+        except httpx.HTTPError as exc:
+            cut["error"] = exc
+
+    worker = threading.Thread(target=doomed)
+    worker.start()
+    with proc.client() as http:
+        deadline = time.monotonic() + 60
+        while http.get("/stats").json()["generation_checkpoints"]["written"] < checkpoints:
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.01)
+    proc.signal(signal.SIGKILL)
+    proc.wait()
+    worker.join(timeout=60)
+    assert "error" in cut, "the request must have been cut by the kill"

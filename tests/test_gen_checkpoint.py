@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
 import attrs
-import httpx
 import pytest
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
@@ -19,7 +17,7 @@ from mlxd.kv import kinds
 from mlxd.runtime.kernel.messages import TokenGenerated
 from mlxd.structured.spec import constraint_from_request
 
-from procs import ServeProcess
+from procs import ServeProcess, kill_mid_request
 
 NO_EOS = ((0, -100.0), (2, -100.0))  # the tiny model's EOS ids never win: generations run to max_tokens
 
@@ -176,27 +174,7 @@ def test_sigkill_mid_generation_then_restart_resumes_to_the_uninterrupted_text(t
     assert reference["usage"]["completion_tokens"] == 1200
 
     cache = tmp_path / "ssd"
-    first = _serve(tmp_path, tiny_model_dir, cache, "first").start()
-    failed: dict = {}
-
-    def doomed() -> None:
-        try:
-            with first.client() as h:
-                failed["r"] = h.post("/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            failed["error"] = exc
-
-    worker = threading.Thread(target=doomed)
-    worker.start()
-    with first.client() as http:
-        deadline = time.monotonic() + 60
-        while http.get("/stats").json()["generation_checkpoints"]["written"] < 2:
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.01)
-    first.signal(signal.SIGKILL)
-    first.wait()
-    worker.join(timeout=60)
-    assert "error" in failed, "the request must have been cut by the kill"
+    kill_mid_request(_serve(tmp_path, tiny_model_dir, cache, "first").start(), "/v1/completions", body)
     files = list(cache.rglob("*.mlxgen"))
     assert len(files) == 1
     emitted = ff.read_header(files[0]).meta.generation["emitted"]

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import trio
 from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
 from mlxd.structured.spec import constraint_from_request
 
-from procs import ServeProcess
+from procs import ServeProcess, kill_mid_request
 from serving import ServerThread, config_for
 
 PERSON = {
@@ -261,27 +258,7 @@ def test_sigkill_mid_constrained_generation_then_restart_resumes_exactly(tmp_pat
     assert re.fullmatch(LONG["regex"], reference["choices"][0]["text"])
 
     cache = tmp_path / "ssd"
-    first = serve(cache, "first").start()
-    cut: dict = {}
-
-    def doomed() -> None:
-        try:
-            with first.client() as h:
-                cut["r"] = h.post("/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            cut["error"] = exc
-
-    worker = threading.Thread(target=doomed)
-    worker.start()
-    with first.client() as http:
-        deadline = time.monotonic() + 60
-        while http.get("/stats").json()["generation_checkpoints"]["written"] < 2:
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.01)
-    first.signal(signal.SIGKILL)
-    first.wait()
-    worker.join(timeout=60)
-    assert "error" in cut, "the request must have been cut by the kill"
+    kill_mid_request(serve(cache, "first").start(), "/v1/completions", body)
 
     with serve(cache, "second") as second, second.client() as http:
         again = http.post("/v1/completions", json=body).json()

@@ -57,11 +57,11 @@ import numpy as np
 
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
-from mlxd.kv.dir_lock import NOTE_PREFIX
 from mlxd.kv.file_format.header import NP_DTYPES as _NP_DTYPES
 from mlxd.kv.file_format.header import cache_doc as _cache_doc
 from mlxd.kv.file_format.header import parse_cache as _parse_cache
 from mlxd.kv.file_format.read import read_open_header as _read_header
+from mlxd.kv.listing import is_link, listdir, real_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
@@ -426,12 +426,12 @@ class BlockStore:
         """Startup recovery: reap tmp files, read every manifest, collect unreferenced blocks."""
         records: list[SsdRecord] = []
         counts = {"corrupt": 0, "orphans": 0}
-        if any(_is_link(d) for d in (self.directory, self.blocks_dir)):
+        if any(is_link(d) for d in (self.directory, self.blocks_dir)):
             return BlockScan((), ScanReport())  # nothing behind a link is ours to read or remove
         with self._locked(exclusive=True):
             blocks = self._stored_blocks(counts)
             for ns_dir in self._ns_dirs():
-                for path in _listdir(ns_dir):
+                for path in listdir(ns_dir):
                     record = self._scan_file(path, ns_dir.name, blocks, counts)
                     if record is not None:
                         records.append(record)
@@ -487,17 +487,17 @@ class BlockStore:
         counts["corrupt"] += 1
 
     def _ns_dirs(self) -> Iterator[Path]:
-        if _real_dir(self.directory):
-            yield from (p for p in _listdir(self.directory) if p.is_dir() and p != self.blocks_dir)
+        if real_dir(self.directory):
+            yield from (p for p in listdir(self.directory) if p.is_dir() and p != self.blocks_dir)
 
     def _stored_blocks(self, counts: dict[str, int]) -> dict[str, int]:
         """name -> size of every committed block; tmp files are reaped (call with the lock exclusive).
 
         A linked `blocks/` directory holds no block of ours: nothing in it is read or removed."""
         found: dict[str, int] = {}
-        if not _real_dir(self.blocks_dir):
+        if not real_dir(self.blocks_dir):
             return found
-        for path in _listdir(self.blocks_dir):
+        for path in listdir(self.blocks_dir):
             if path.name.endswith(".tmp"):
                 _unlink_quietly(path)
                 counts["orphans"] += 1
@@ -513,7 +513,7 @@ class BlockStore:
         live: set[str] = set()
         seen: set[Path] = set()
         for ns_dir in self._ns_dirs():
-            for path in _listdir(ns_dir):
+            for path in listdir(ns_dir):
                 if path.suffix != MANIFEST_EXT:
                     continue
                 seen.add(path)
@@ -561,7 +561,7 @@ class BlockStore:
     def stored_block_bytes(self) -> int:
         """Bytes of every block file on disk (for benchmarks and tests)."""
         total = 0
-        for path in _listdir(self.blocks_dir):
+        for path in listdir(self.blocks_dir):
             if path.suffix == BLOCK_EXT:
                 total += path.stat().st_size
         return total
@@ -824,37 +824,7 @@ def _namespace_dir(namespace: str) -> str:
     return namespace_dir(namespace)
 
 
-def _listdir(d: Path) -> list[Path]:
-    """The entries of `d`, sorted, without symbolic links (each logged): never followed, never unlinked."""
-    try:
-        with os.scandir(d) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
-        return []
-    out = []
-    for entry in entries:
-        if entry.is_symlink():
-            if not entry.name.startswith(NOTE_PREFIX):  # the directory lock's notes are links to /dev/null
-                log.warning("ssd_symlink_ignored", path=entry.path, note="links in the cache directory are never followed")
-            continue
-        out.append(Path(entry.path))
-    return out
 
-
-def _is_link(d: Path) -> bool:
-    """`d` is a symbolic link (logged: it is treated as absent, never followed)."""
-    if d.is_symlink():
-        log.warning("ssd_symlink_ignored", path=str(d), note="links in the cache directory are never followed")
-        return True
-    return False
-
-
-def _real_dir(d: Path) -> bool:
-    """`d` is a directory and not a link to one."""
-    return not _is_link(d) and d.is_dir()
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -46,7 +46,8 @@ import attrs
 
 from mlxd.kv import file_format as ff
 from mlxd.kv.block_store import BlockStore
-from mlxd.kv.dir_lock import NOTE_PREFIX, DirLock, lock_dir
+from mlxd.kv.dir_lock import DirLock, lock_dir
+from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
@@ -182,7 +183,7 @@ class SsdStore:
         found: dict[tuple[str, tuple[int, ...]], SsdRecord] = {}
         seen = 0
         for ns_dir in self._ns_dirs():
-            for path in _listdir(ns_dir):
+            for path in listdir(ns_dir):
                 outcome = self._scan_file(path, ns_dir.name)
                 seen += 1
                 if isinstance(outcome, SsdRecord):
@@ -238,8 +239,8 @@ class SsdStore:
             log.warning("ssd_dir_not_locked", dir=str(self.directory), error=str(exc))
 
     def _ns_dirs(self) -> Iterator[Path]:
-        if _real_dir(self.directory):
-            yield from (p for p in _listdir(self.directory) if p.is_dir() and p.name != "blocks")
+        if real_dir(self.directory):
+            yield from (p for p in listdir(self.directory) if p.is_dir() and p.name != "blocks")
 
     def _scan_file(self, path: Path, ns_name: str) -> SsdRecord | str:
         if path.name.endswith(TMP_SUFFIX):
@@ -426,30 +427,6 @@ def _unlink(path: Path) -> None:
         log.warning("ssd_unlink_failed", path=str(path), error=str(exc))
 
 
-def _listdir(d: Path) -> list[Path]:
-    """The entries of `d`, sorted, without symbolic links (each logged): never followed, never unlinked."""
-    try:
-        with os.scandir(d) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError as exc:
-        log.warning("ssd_scan_failed", dir=str(d), error=str(exc))
-        return []
-    out = []
-    for entry in entries:
-        if entry.is_symlink():
-            if not entry.name.startswith(NOTE_PREFIX):  # the directory lock's notes are links to /dev/null
-                log.warning("ssd_symlink_ignored", path=entry.path, note="links in the cache directory are never followed")
-            continue
-        out.append(Path(entry.path))
-    return out
-
-
-def _real_dir(d: Path) -> bool:
-    """`d` is a directory and not a link to one (a link is logged and treated as absent)."""
-    if d.is_symlink():
-        log.warning("ssd_symlink_ignored", path=str(d), note="links in the cache directory are never followed")
-        return False
-    return d.is_dir()
 
 
 def _older_than(path: Path, when: float) -> bool:
