@@ -31,7 +31,7 @@ from mlxd.engine.features import (
     Joining,
     PromptCheckpoints,
     Sampling,
-    StepMasks,
+    StepInputs,
     StopTokens,
 )
 from mlxd.engine.ops import (
@@ -138,7 +138,7 @@ class EngineCore:
         self._prefill_step_size = config.prefill_step_size
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
-        self._masks = StepMasks(self._step_inputs)  # what constrained rows need each step
+        self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -239,7 +239,6 @@ class EngineCore:
         self.close()
         self._rows.clear()
         self._uids.clear()
-        self._masks.reset()
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
@@ -346,7 +345,7 @@ class EngineCore:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._eos | frozenset(req.sampling.stop_token_ids))]
         if req.sampling.constraint is not None:
-            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._masks))
+            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
             threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
@@ -472,7 +471,7 @@ class EngineCore:
     def _next(self, out: StepOut) -> None:
         decoding = any(r.generated for r in self._rows.values())
         t0 = time.perf_counter()
-        self._masks.clear()
+        self._inputs.clear()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1

@@ -148,69 +148,36 @@ class StopTokens(Feature):
 
 
 @attrs.define
-class StepMasks:
-    """What the constrained rows need each step, done once for all of them.
-
-    The tokens the decoding rows feed the step are read in one sync; every
-    constrained row already walking its grammar consumes its token, and all their
-    masks are computed together on llguidance's threads (`allowed_masks`). A row's
-    first step (a new row, or a resumed one replaying its tokens) takes its own path.
-    """
+class StepInputs:
+    """The tokens the decoding rows feed the step in progress, read once per step for all of them."""
 
     read: Any  # () -> {uid: token} (gen_hook.step_inputs over the core's generator)
-    _walking: dict[int, Constrained] = attrs.Factory(dict)  # by uid: rows past their first step
-    _started: dict[int, Constrained] = attrs.Factory(dict)  # rows whose first step is this one
-    _masks: dict[int, Any] | None = None
+    _tokens: dict[int, int] | None = None
 
     def clear(self) -> None:
-        """A new generator step starts: nothing is read or computed for it yet."""
-        self._masks = None
-        self._walking.update(self._started)
-        self._started.clear()
+        """A new generator step starts: its inputs are not read yet."""
+        self._tokens = None
 
-    def reset(self) -> None:
-        """The generator was replaced: its rows are gone."""
-        self._walking.clear()
-        self._started.clear()
-        self._masks = None
-
-    def walking(self, uid: int, part: Constrained) -> None:
-        """`part` took its first step on its own: from the next step on, it is fed here."""
-        self._started[uid] = part
-
-    def left(self, uid: int) -> None:
-        self._walking.pop(uid, None)
-        self._started.pop(uid, None)
-
-    def mask(self, uid: int) -> Any:
-        """This step's mask of a walking row (computed with every other walking row's on first use)."""
-        if self._masks is None:
-            from mlxd.structured.matcher import allowed_masks
-
-            tokens = self.read()
-            rows = [(u, p) for u, p in self._walking.items() if u in tokens]
-            for u, p in rows:
-                p.consume([tokens[u]])
-            self._masks = dict(zip([u for u, _ in rows], allowed_masks([p.matcher for _, p in rows]), strict=True))
-        return self._masks[uid]
+    def token(self, uid: int) -> int:
+        if self._tokens is None:
+            self._tokens = self.read()
+        return self._tokens[uid]
 
 
 @attrs.define
 class Constrained(Feature):
     """Structured output: before each sampled token, every token the grammar refuses is masked out.
 
-    The matcher follows the row's own tokens. At the row's first step it consumes
-    what its context holds past the prompt (nothing for a new row; every token of a
-    resumed one, so a resume needs no saved state); from then on `StepMasks` feeds
-    it each step's token and computes its mask with the other rows'. End tokens are
-    allowed only where the grammar is complete.
+    The matcher follows the row's own tokens: at each step it consumes the token the
+    row feeds that step (read once for the whole batch: `StepInputs`), or, at a resumed
+    row's first step, every token the checkpoint holds, so a resume needs no saved
+    state. End tokens are allowed only where the grammar is complete.
     """
 
     matcher: Matcher
     prompt_tokens: int  # the row's prompt: what the processor's context holds before generation
-    masks: StepMasks
+    inputs: StepInputs
     consumed: int = 0
-    started: bool = False
 
     def join(self, row: Row, joining: Joining) -> None:
         joining.processors.append(lambda tokens, logits: self.mask(row, tokens, logits))
@@ -221,25 +188,19 @@ class Constrained(Feature):
         # Start this step's forward pass before waiting for the last token: the matcher's
         # CPU work below then overlaps with it.
         mx.async_eval(logits)
-        if self.started:
-            allowed = self.masks.mask(row.uid)
-        else:
-            generated = int(tokens.shape[0]) - self.prompt_tokens
-            if generated > self.consumed:
-                self.consume(tokens[self.prompt_tokens + self.consumed:].tolist())
-            allowed = self.matcher.allowed_mask()
-            self.started = True
-            self.masks.walking(row.uid, self)
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        generated = int(tokens.shape[0]) - self.prompt_tokens
+        if generated == self.consumed + 1:
+            self._consume([self.inputs.token(row.uid)])
+        elif generated > self.consumed:  # a resumed row's first step: replay what it holds
+            self._consume(tokens[self.prompt_tokens + self.consumed:].tolist())
+        allowed = mx.array(self.matcher.allowed_mask())
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
-    def consume(self, tokens: list[int]) -> None:
+    def _consume(self, tokens: list[int]) -> None:
         for t in tokens:
             if not self.matcher.consume(int(t)):
                 raise RuntimeError(f"token {t} broke the row's {self.matcher.constraint.kind} constraint")
         self.consumed += len(tokens)
-
-    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
-        self.masks.left(row.uid)
 
 
 @attrs.define

@@ -28,7 +28,6 @@ from typing import Any
 import attrs
 import llguidance as llg
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from mlxd.structured.spec import Constraint, ConstraintError, llguidance_grammar
 
@@ -240,23 +239,3 @@ class Matcher:
     def fork(self) -> Matcher:
         """An independent copy at the same position (a few µs)."""
         return Matcher(self._grammar, self._ll.deep_copy(), list(self._tokens))
-
-
-_executor: llg.LLExecutor | None = None
-
-
-def allowed_masks(matchers: Sequence[Matcher]) -> list[np.ndarray]:
-    """Every matcher's `allowed_mask()`, computed together on llguidance's worker threads.
-
-    The matchers share one vocabulary (one model's).
-    """
-    global _executor
-    if not matchers:
-        return []
-    if _executor is None:
-        _executor = llg.LLExecutor()
-    size = matchers[0]._grammar.vocab.size
-    bits: np.ndarray = np.zeros((len(matchers), (size + 31) // 32), dtype=np.int32)
-    fill_next_token_bitmask_par(_executor, [(m._ll, i) for i, m in enumerate(matchers)], bits)
-    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :size]
-    return [row.view(np.bool_) for row in unpacked]
