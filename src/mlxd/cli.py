@@ -119,7 +119,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "plus a manifest (a shared prefix is stored once); both are always read")
     p.add_argument("--ssd-block-tokens", type=_positive_int, metavar="N",
                    help="tokens per block with --ssd-layout blocks (default: sized to ~16 MiB of KV, >= 256)")
-    p.add_argument("--shutdown-timeout", type=float, default=60.0, help="seconds to drain and flush on SIGTERM")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="seconds to drain and flush on SIGTERM (with an SSD tier, the last quarter is kept for the flush)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")
     p.add_argument("--admin-key", help="require this bearer token on /admin/* (env MLXD_ADMIN_KEY); without "
                    "it, admin routes are refused on a non-loopback --host")
@@ -376,6 +377,10 @@ def server_record(rt) -> dict:
     }
 
 
+# The share of --shutdown-timeout kept for the SSD flush: draining stops when only this is left.
+FLUSH_RESERVE = 0.25
+
+
 async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
     """First SIGINT/SIGTERM: stop admission, drain, flush, exit. A second one: exit at once."""
     import trio
@@ -399,14 +404,23 @@ async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
                     return
 
             nursery.start_soon(second_signal)
-            deadline = trio.current_time() + grace_s
-            with trio.move_on_at(deadline) as drain_scope:
+            # Draining may use the budget less the flush's reserved share; the flush then has
+            # the rest, so requests that never finish cannot leave it no time.
+            start = trio.current_time()
+            deadline = start + grace_s
+            reserve = FLUSH_RESERVE * grace_s if rt.cold is not None else 0.0
+            with trio.move_on_at(deadline - reserve) as drain_scope:
                 await rt.drain()
-            log.info("serve.drained", complete=not drain_scope.cancelled_caught)
+            log.info("serve.drained", complete=not drain_scope.cancelled_caught,
+                     seconds=round(trio.current_time() - start, 3))
             if rt.cold is not None:
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(deadline) as flush_scope:
                     report = await rt.flush()
                     log.info("serve.flushed", **report)
+                if flush_scope.cancelled_caught:
+                    log.warning("serve.flush_incomplete", timeout_s=grace_s,
+                                note="the flush did not finish within --shutdown-timeout; what was not "
+                                "written is lost with this process")
             stopped.set()  # hypercorn stops; the serve nursery is cancelled, and us with it
 
 
