@@ -1,6 +1,9 @@
 """A pairwise matrix over the `mlxd serve` flags that change wiring, each combination a real server.
 
-Every pair of flag values the CLI accepts meets in at least one combination; each
+Every pair of flag values the CLI accepts meets in at least one combination (the
+flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
+--generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
+--memory-budget, --device-probe, --api-key, --record-trace, --retention); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -31,9 +34,11 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "memory_budget": (None, "0", "1"),  # GB; "0" = no budget
     "retention": ("lru", "lfu", "cost"),
     "ssd_shared": (False, True),
+    "ssd_verify": ("on", "off"),  # --ssd-cache-verify off: restores check only header, layout and size
     "kv_bits": (None, 8),
     "generation_checkpoint": (0, 4),
     "kv_events": (False, True),
+    "kv_token_ids": (False, True),  # --kv-events-token-ids on
     "device_probe": ("off", "on"),
     "api_key": (False, True),
     "record_trace": (False, True),
@@ -49,6 +54,10 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # ignored without --ssd-cache; refused with --ssd-layout blocks (RuntimeConfig)
     if combo.get("generation_checkpoint") and ssd == "off":
         return False  # refused: "--generation-checkpoint needs the SSD tier"
+    if combo.get("ssd_verify") == "off" and ssd == "off":
+        return False  # nothing is restored without the SSD tier
+    if combo.get("kv_token_ids") and combo.get("kv_events") is False:
+        return False  # ignored (with a warning) without --kv-events-endpoint
     return True
 
 
@@ -85,9 +94,11 @@ class Combo:
     memory_budget: str | None
     retention: str
     ssd_shared: bool
+    ssd_verify: str
     kv_bits: int | None
     generation_checkpoint: int
     kv_events: bool
+    kv_token_ids: bool
     device_probe: str
     api_key: bool
     record_trace: bool
@@ -98,9 +109,11 @@ class Combo:
         parts = {
             "ram" if self.ssd == "off" else f"ssd_{self.ssd}": True,
             "shared": self.ssd_shared,
+            "noverify": self.ssd_verify == "off",
             f"kv{self.kv_bits}": self.kv_bits is not None,
             f"ckpt{self.generation_checkpoint}": self.generation_checkpoint > 0,
             "events": self.kv_events,
+            "ids": self.kv_token_ids,
             f"budget{self.memory_budget}": self.memory_budget is not None,
             "probe": self.device_probe == "on",
             "key": self.api_key,
@@ -116,12 +129,16 @@ class Combo:
             args += ["--ssd-cache", str(workdir / "ssd"), "--ssd-layout", self.ssd]
         if self.ssd_shared:
             args.append("--ssd-shared")
+        if self.ssd_verify == "off":
+            args += ["--ssd-cache-verify", "off"]
         if self.kv_bits is not None:
             args += ["--kv-bits", str(self.kv_bits)]
         if self.generation_checkpoint:
             args += ["--generation-checkpoint", str(self.generation_checkpoint)]
         if events_endpoint is not None:
             args += ["--kv-events-endpoint", events_endpoint]
+        if self.kv_token_ids:
+            args += ["--kv-events-token-ids", "on"]
         if self.memory_budget is not None:
             args += ["--memory-budget", self.memory_budget]
         if self.api_key:
@@ -245,6 +262,8 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
 
             if sub is not None:
                 sub.drain(lambda: sub.stored("RAM"))
+                # Token ids travel only when asked for (--kv-events-token-ids on).
+                assert all(bool(e[3]) == combo.kv_token_ids for e in sub.stored("RAM")), sub.stored("RAM")
                 if combo.ssd != "off":
                     sub.drain(lambda: sub.stored("SSD"))
 
