@@ -60,6 +60,7 @@ from mlxd.runtime.kernel.messages import (
     PromptAccepted,
     PublishPrefix,
     RestoreMeasured,
+    SamplingParams,
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
@@ -110,15 +111,12 @@ class Counters:
     steps: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
-    failed_steps: int = 0
     checkpoints_skipped: int = 0
     checkpoint_s: float = 0.0
 
 
 class EngineCore:
     """Load a model; run steps; lend landings. Every method runs on the one MLX thread."""
-
-    log = log
 
     def __init__(self, config: RuntimeConfig) -> None:
         self._config = config
@@ -138,6 +136,7 @@ class EngineCore:
         self._prefill_step_size = config.prefill_step_size
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
+        self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
 
     # --- lifecycle -------------------------------------------------------------------
@@ -177,7 +176,7 @@ class EngineCore:
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
             identity = model_identity(loaded.path)  # content hash (memoized per file); not the served name
             self._store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
-            self._grammars = GrammarCache(load_vocabulary(loaded.path, eos_ids=sorted(self._eos)))
+            self._model_path = loaded.path
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
@@ -255,9 +254,15 @@ class EngineCore:
 
     @property
     def grammars(self) -> GrammarCache:
-        """Compiled structured-output grammars for this model's vocabulary (built at load)."""
+        """Compiled structured-output grammars for this model's vocabulary.
+
+        Built by the first constrained request: a server that never gets one never reads
+        the tokenizer for llguidance.
+        """
         if self._grammars is None:
-            raise RuntimeError("the engine core has no model loaded")
+            if self._model_path is None:
+                raise RuntimeError("the engine core has no model loaded")
+            self._grammars = GrammarCache(load_vocabulary(self._model_path, eos_ids=sorted(self._eos)))
         return self._grammars
 
     @grammars.setter
@@ -302,7 +307,7 @@ class EngineCore:
         c = self.counters
         return EngineStats(
             steps=c.steps, batch_rows=len(self._rows), generated_tokens=c.generated_tokens,
-            prompt_tokens=c.prompt_tokens, failed_steps=c.failed_steps,
+            prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
         )
 
@@ -343,7 +348,7 @@ class EngineCore:
 
     def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int) -> Row:
         req, config = start.request, self._config
-        features: list[Feature] = [StopTokens(self._eos | frozenset(req.sampling.stop_token_ids))]
+        features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
         if config.prompt_cache_bytes > 0:
@@ -353,6 +358,10 @@ class EngineCore:
         if start.checkpoint_key is not None:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
         return Row(start=start, sampling=sampling, features=tuple(features))
+
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        """The tokens that end a row as "stop": the model's end tokens and the request's stop ids."""
+        return self._eos | frozenset(sampling.stop_token_ids)
 
     def _admit(self, row: Row, prompt: list[int], max_tokens: int, caches: list[Any] | None, history: list[int]) -> None:
         from mlx_lm.generate import StopSequences
@@ -435,8 +444,7 @@ class EngineCore:
         rng = record.rng_key if s.temperature > 0 else None
         row = self._parts(start, Sampling.of(s, rng), 0)
         row.generated, row.cached_tokens = len(replay), len(req.prompt)
-        stop_ids = self._eos | frozenset(s.stop_token_ids)
-        finish = "stop" if record.pending in stop_ids else "length" if row.generated >= s.max_tokens else None
+        finish = "stop" if record.pending in self._stop_ids(s) else "length" if row.generated >= s.max_tokens else None
         if finish is None:
             self._admit(row, [record.pending], s.max_tokens - row.generated, caches,
                         list(req.prompt) + list(record.emitted))

@@ -32,10 +32,13 @@ from mlxd.runtime.kernel.messages import (
     SamplingParams,
     TokenGenerated,
 )
+from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from mlxd.engine.core import EngineCore, Row, StepOut
     from mlxd.structured.matcher import Matcher
+
+log = get_logger("mlxd.engine")
 
 
 @attrs.define
@@ -243,7 +246,7 @@ class GenerationCheckpoints(Feature):
         try:
             out.notes.append(self._snapshot(row, core))
         except Exception:  # a checkpoint is an optimization: never fail the generation for it
-            core.log.exception("engine.generation_checkpoint_failed")
+            log.exception("engine.generation_checkpoint_failed")
         core.counters.checkpoint_s += time.perf_counter() - t0  # engine-thread time taken from decode
 
     def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
