@@ -198,8 +198,17 @@ class MergeableQuantizedKVCache(QuantizedKVCache):
 
 
 def batchable(caches: list[Any]) -> list[Any]:
-    """A row's caches with every QuantizedKVCache made mergeable; other layers as they are."""
-    return [MergeableQuantizedKVCache.of(c) if type(c) is QuantizedKVCache else c for c in caches]
+    """A row's caches with every QuantizedKVCache made mergeable (inside CacheLists too)."""
+    from mlx_lm.models.cache import CacheList
+
+    def one(c: Any) -> Any:
+        if type(c) is QuantizedKVCache:
+            return MergeableQuantizedKVCache.of(c)
+        if type(c) is CacheList:
+            return CacheList(*(one(x) for x in c.caches))
+        return c
+
+    return [one(c) for c in caches]
 
 
 def quantized_like(caches: list[Any], *, group_size: int, bits: int) -> list[Any]:
@@ -207,7 +216,17 @@ def quantized_like(caches: list[Any], *, group_size: int, bits: int) -> list[Any
 
     Sliding-window rings and recurrent state keep their precision: mlx-lm's
     `to_quantized` of a RotatingKVCache would drop the window.
-    """
-    from mlx_lm.models.cache import KVCache
 
-    return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches]
+    The attention half of a hybrid layer (a KVCache inside a CacheList, as in
+    falcon_h1) is quantized too: a scheme applies to every attention cache.
+    """
+    from mlx_lm.models.cache import CacheList, KVCache
+
+    def one(c: Any) -> Any:
+        if type(c) is KVCache:
+            return QuantizedKVCache(group_size=group_size, bits=bits)
+        if type(c) is CacheList:
+            return CacheList(*(one(x) for x in c.caches))
+        return c
+
+    return [one(c) for c in caches]
