@@ -121,6 +121,8 @@ PRESETS.update(
                 ("full_attention_interval", 2),
             ),
         ),
+        # Vision: "test" plus a Qwen2-VL-shaped vision tower and Qwen2-VL's image processor (model/vlm.py).
+        "test-vlm": attrs.evolve(_TEST, name="test-vlm", extra=(("vision", True),)),
         # Pure recurrent: every layer an ArraysCache (conv + SSM state); no layer counts tokens.
         "test-mamba2": attrs.evolve(
             _TEST,

@@ -104,7 +104,7 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM
 def _architecture_config(preset: ModelPreset) -> dict:
     """config.json fields of a non-Qwen3 preset (its model_type and extra fields)."""
     if preset.architecture == "qwen3":
-        return {}
+        return {}  # (test-vlm's "vision" extra is written by model/vlm.py)
     extra = {k: list(v) if isinstance(v, tuple) else v for k, v in preset.extra}
     return {"architectures": [_ARCHITECTURES[preset.architecture]], "model_type": preset.architecture} | extra
 
@@ -185,6 +185,11 @@ def write_model_files(dest: Path, preset: ModelPreset, *, seed: int, progress: P
     write_json(dest / "config.json", model_config(preset))
     eos = [bpe.SPECIAL_TOKENS.index(t) for t in (bpe.IM_END, bpe.ENDOFTEXT)]
     write_json(dest / "generation_config.json", {"eos_token_id": eos, "pad_token_id": eos[1]})
+    if dict(preset.extra).get("vision"):  # test-vlm: a vision tower, its processor and vision tokens
+        from mlxd.model.vlm import write_vision_files
+
+        write_vision_files(dest, hidden_size=preset.hidden_size, vocab_size=preset.vocab_size,
+                           model_max_length=preset.max_position_embeddings, seed=seed)
     write_manifest(dest, preset, seed=seed)
     progress("save", 1.0)
 
