@@ -138,6 +138,8 @@ class EngineCore:
         self._grammars: GrammarCache | None = None
         self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
+        # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
+        self._trims = True
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -171,6 +173,7 @@ class EngineCore:
             self._eos = frozenset(self.tokenizer.eos_token_ids)
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
+            self._trims = loading.trimmable(self.model, self._config)
             self.generator = self._new_generator()
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -352,8 +355,10 @@ class EngineCore:
         if req.sampling.constraint is not None:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
         if config.prompt_cache_bytes > 0:
-            # A session keeps its checkpoints below the anonymous threshold (seed §5.12).
-            threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
+            # A session keeps its checkpoints below the anonymous threshold (seed §5.12). So does a
+            # model whose caches cannot be cut back: its end-of-turn checkpoint cannot serve the same
+            # prompt again (a regenerated turn), only the prompt-boundary one can.
+            threshold = 1 if req.session is not None or not self._trims else max(1, config.snapshot_min_tokens)
             features.append(PromptCheckpoints(at_boundary=prompt_new_tokens >= threshold))
         if start.checkpoint_key is not None:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))

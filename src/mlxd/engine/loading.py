@@ -124,6 +124,13 @@ def fresh_caches(model: Any, config: RuntimeConfig) -> list[Any]:
     return quantized_like(caches, group_size=config.kv_group_size, bits=config.kv_bits)
 
 
+def trimmable(model: Any, config: RuntimeConfig) -> bool:
+    """Whether this model's caches can be cut back to a shorter prefix (plain attention can; recurrent can't)."""
+    from mlxd.kv import kinds
+
+    return kinds.is_trimmable(fresh_caches(model, config))
+
+
 def check_caches(model: Any, config: RuntimeConfig, path: Path) -> int:
     """Refuse a model whose caches cannot be served; return the KV bytes one more token costs."""
     from mlxd.kv import kinds

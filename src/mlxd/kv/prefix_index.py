@@ -19,6 +19,7 @@ one.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -285,6 +286,27 @@ class PrefixIndex:
         if trim is not None and trim_usable > 0:
             return IndexMatch(trim.value, trim_usable, trim.depth)
         return None
+
+    def diverging(self, prompt, *, at_most: int = 4) -> list[Any]:
+        """Entries that leave the prompt's path where the prompt leaves the tree, nearest first.
+
+        Whatever their kind: the candidates for re-aligning a re-tokenized prompt
+        with a checkpoint that spells the same text in other ids (an untrimmable
+        end-of-turn checkpoint after a restart is one). Bounded by `at_most`.
+        """
+        key = token_key(prompt)
+        walk = self._walk(key, len(key))
+        if walk.child is None and walk.node is self._root:
+            return []  # nothing shared with the prompt
+        roots = [walk.child] if walk.child is not None else list(walk.node.children.values())
+        found: list[Any] = []
+        queue = deque(roots)
+        while queue and len(found) < at_most:
+            node = queue.popleft()
+            if node.has_value:
+                found.append(node.value)
+            queue.extend(node.children.values())
+        return found
 
     def _trimmable_candidate(self, walk: _Walk) -> tuple[_Node | None, int]:
         """The shallowest trimmable entry below the deepest path point that has one."""

@@ -325,6 +325,11 @@ class PromptCache:
         index = self._indexes.get(namespace)
         return None if index is None else index.get(tokens)
 
+    def diverging(self, tokens, namespace: str = "") -> list[CacheEntry]:
+        """Entries that part from `tokens` where `tokens` leaves the index (realignment candidates)."""
+        index = self._indexes.get(namespace)
+        return [] if index is None else index.diverging(tokens)
+
     def strict_ancestors(self, tokens, namespace: str = "") -> list[CacheEntry]:
         """Entries whose tokens are a strict prefix of `tokens`, shortest first."""
         index = self._indexes.get(namespace)

@@ -209,6 +209,10 @@ class _SsdIndex:
         match = index.longest_usable(tokens, limit=limit)
         return None if match is None else SsdMatch(match.value, match.usable)
 
+    def diverging(self, tokens: Tokens, namespace: str) -> list[SsdRecord]:
+        index = self._indexes.get(namespace)
+        return [] if index is None else index.diverging(tokens)
+
     def covers(self, tokens: Tokens, namespace: str) -> bool:
         """Can some file restore exactly `tokens` (itself, or a trimmable descendant)?"""
         n = len(tokens)
@@ -422,16 +426,24 @@ class CacheTiers:
 
     def checkpoint_tokens(self, tokens: Tokens, namespace: str = "") -> list[tuple[int, ...]]:
         """The exact tokens of the best RAM and SSD checkpoints for `tokens` (no accounting)."""
-        found: list[tuple[int, ...]] = []
+        candidates: list[Tokens] = []
         hit = self.ram.peek(tokens, namespace)
         if hit is not None:
-            found.append(tuple(int(t) for t in hit.entry.tokens))
+            candidates.append(hit.entry.tokens)
         if self.ssd:
             cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
             if cold is not None:
-                exact = tuple(int(t) for t in cold.record.tokens)
-                if exact not in found:
-                    found.append(exact)
+                candidates.append(cold.record.tokens)
+        # Checkpoints that part from `tokens` where it leaves the indexes: an untrimmable
+        # end-of-turn checkpoint whose reply `tokens` re-tokenized (after a restart) is one.
+        candidates += [e.tokens for e in self.ram.diverging(tokens, namespace)]
+        if self.ssd:
+            candidates += [r.tokens for r in self._index.diverging(tokens, namespace)]
+        found: list[tuple[int, ...]] = []
+        for c in candidates:
+            exact = tuple(int(t) for t in c)
+            if exact not in found:
+                found.append(exact)
         return found
 
     # --- publications and durability ------------------------------------------------
