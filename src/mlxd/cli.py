@@ -129,6 +129,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "'length' (0 = no limit)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
+    p.add_argument("--allow-media-dir", type=Path, metavar="DIR",
+                   help="vision models: accept file:// image URLs under DIR (off: data: URLs only; http(s) never)")
+    p.add_argument("--max-images", type=int, default=16, metavar="N", help="vision models: images per request")
+    p.add_argument("--max-image-mb", type=_positive_float, default=20.0, metavar="MB",
+                   help="vision models: encoded bytes of one image, in MiB")
     p.add_argument("--kv-events-endpoint", metavar="URL",
                    help="publish KV cache block events in vLLM's ZMQ format: tcp://*:5557 binds 127.0.0.1:5557 "
                    "(subscribers on this host connect), tcp://indexer:5557 connects to a subscriber that binds, "
@@ -215,6 +220,9 @@ def serve_config(args: argparse.Namespace):
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        allow_media_dir=args.allow_media_dir,
+        max_images=args.max_images,
+        max_image_bytes=int(args.max_image_mb * 1024 * 1024),
         generation_checkpoint=args.generation_checkpoint,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_block_size=args.kv_events_block_size,

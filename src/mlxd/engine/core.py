@@ -65,6 +65,7 @@ from mlxd.runtime.kernel.messages import (
 )
 from mlxd.runtime.logging import get_logger
 from mlxd.structured.matcher import GrammarCache, load_vocabulary
+from mlxd.vision.encoder import Vision, load_vision
 
 log = get_logger("mlxd.engine")
 
@@ -138,6 +139,7 @@ class EngineCore:
         self._grammars: GrammarCache | None = None
         self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
+        self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
         self._trims = True
 
@@ -171,6 +173,10 @@ class EngineCore:
             loaded = loading.load(self._config, self._stream)
             self.model, self.tokenizer, self.channel = loaded.model, loaded.tokenizer, loaded.channel
             self._eos = frozenset(self.tokenizer.eos_token_ids)
+            self.vision = load_vision(
+                loaded.path, self.model, dtype=mx.float32 if mx.default_device() == mx.cpu else None,
+                tensors_root=self._config.ssd_cache_dir / "tensors" if self._config.ssd_cache_dir else None,
+            )
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
             self._trims = loading.trimmable(self.model, self._config)
@@ -312,6 +318,7 @@ class EngineCore:
             steps=c.steps, batch_rows=len(self._rows), generated_tokens=c.generated_tokens,
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
+            **(self.vision.stats() if self.vision is not None else {}),
         )
 
     # --- a step --------------------------------------------------------------------------
@@ -402,11 +409,26 @@ class EngineCore:
             tier = "ram" if usable > 0 else "none"
         else:
             lent, usable, tier = None, 0, "none"
+        joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
+        if req.media:
+            lent, joins_at = self._media_prefill(req, lent, usable)
         row = self._parts(start, sampling, len(req.prompt) - usable - 1)
-        self._admit(row, list(req.prompt[usable:]), req.sampling.max_tokens, lent, list(req.prompt[:usable]))
+        self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]))
         row.cached_tokens = usable
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
+
+    def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:
+        """Run the prompt through its last image (tower outputs in the image spans); the text joins after."""
+        from mlxd.kv.media import media_end
+
+        if self.vision is None:
+            raise ValueError("this model has no vision tower: it cannot read images")
+        if media_end([m.span for m in req.media]) <= usable:  # the cached prefix covers every image
+            return lent, usable
+        caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
+        end = self.vision.prefill(self.model, req.prompt, req.media, caches, usable, step=self._prefill_step_size)
+        return caches, end
 
     def _batchable(self, lent: list[Any] | None) -> list[Any] | None:
         """What a row starts from: a lent prefix, or fresh caches; quantized ones made batchable."""

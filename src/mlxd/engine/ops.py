@@ -133,6 +133,11 @@ class EngineStats:
     # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
     mirrored_prefixes: int | None = None
     mirror_misses: int | None = None
+    # A vision model (vision/encoder.py): images encoded, encoder outputs reused from RAM / SSD.
+    media_encoded: int | None = None
+    media_encoder_ram_hits: int | None = None
+    media_encoder_ssd_hits: int | None = None
+    media_prefills: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}

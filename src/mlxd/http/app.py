@@ -45,6 +45,7 @@ from mlxd.runtime.supervisor import (
     ShuttingDown,
 )
 from mlxd.structured.spec import TOOL_CALL_END, TOOL_CALL_START, Constraint
+from mlxd.vision.chat import chat_prompt, preparer_for
 
 log = get_logger("mlxd.http")
 
@@ -399,6 +400,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = rt.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
     access = AccessPolicy(api_key=rt.config.api_key, admin_key=rt.config.admin_key, loopback=is_loopback(host))
+    media_preparer = preparer_for(rt)  # None: a text-only model (docs/vision.md)
     timeout_s = rt.config.request_timeout_s
 
     @app.before_request
@@ -457,9 +459,11 @@ def create_app(
                            code="unsupported_parameter")
         return options.forced
 
-    def submit(prompt: tuple[int, ...], sampling: SamplingParams, session: str | None) -> GenerationStream:
+    def submit(
+        prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = ()
+    ) -> GenerationStream:
         try:
-            return rt.submit(rt.request(prompt, sampling=sampling, session=session))
+            return rt.submit(rt.request(prompt, sampling=sampling, session=session, media=media))
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
@@ -468,7 +472,8 @@ def create_app(
             raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
 
     async def start_choices(
-        parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool, session: str | None
+        parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool, session: str | None,
+        media: tuple[Any, ...] = (),
     ) -> list[_Choice]:
         """Submit the request's generations: the first alone, then (n > 1) the rest.
 
@@ -487,7 +492,7 @@ def create_app(
         try:
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
-                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session)
+                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media)
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and parsed.n > 1:
                     await choices[0].prime()
@@ -506,9 +511,11 @@ def create_app(
         chat: bool,
         options: ChatOptions | None = None,
         session: str | None = None,
+        media: tuple[Any, ...] = (),
     ) -> Response:
         check_model(parsed.model)
-        choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat, session=session)
+        choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat, session=session,
+                                      media=media)
         completion = _Completion(rt, choices, parsed, chat=chat)
         if parsed.stream:
             response = Response(completion.sse(app.nursery.start_soon), content_type="text/event-stream")
@@ -531,11 +538,17 @@ def create_app(
         )
         messages = parse_messages(body)
         options = parse_chat_options(body)
-        try:
-            prompt = await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        return await run(parsed, prompt, chat=True, options=options, session=session_id(request.headers, body))
+
+        async def render(realign: bool) -> tuple[int, ...]:
+            try:
+                return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
+                                            realign=realign)
+            except InvalidRequest as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+
+        prompt, media = await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)  # images: vision/
+        return await run(parsed, prompt, chat=True, options=options, session=session_id(request.headers, body),
+                         media=media)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -260,14 +260,19 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = m.get("content", "")
         if content is None:
             content = ""
-        if isinstance(content, list):  # content parts: text only
-            texts = []
+        if isinstance(content, list):  # content parts: text, and images (kept as parts, docs/vision.md)
+            texts, parts = [], []
             for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    parts.append({"type": "image_url", "image_url": part.get("image_url")})
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                    raise ApiError(400, f"messages[{i}].content: only text and image_url parts are supported",
+                                   param="messages")
                 texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
+                parts.append({"type": "text", "text": part["text"]})
+            content = parts if len(parts) > len(texts) else "".join(texts)
+        if not isinstance(content, str | list):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
         message: dict[str, Any] = {"role": role, "content": content}

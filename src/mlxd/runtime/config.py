@@ -178,6 +178,11 @@ class RuntimeConfig:
     request_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
     # Largest request body accepted (larger ones get 413).
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    # Vision models (docs/vision.md): file:// image URLs only under this directory (None = off),
+    # images per request, encoded bytes of one image.
+    allow_media_dir: Path | None = None
+    max_images: int = attrs.field(default=16, validator=_positive)
+    max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
 
     @property
     def kv_scheme(self) -> str:

@@ -215,6 +215,7 @@ class Runtime:
         namespace: str = "",
         tools: Sequence[dict[str, Any]] = (),
         template_kwargs: dict[str, Any] | None = None,
+        realign: bool = True,
     ) -> tuple[int, ...]:
         """Apply the model's chat template (with the generation prompt) and tokenize.
 
@@ -245,7 +246,8 @@ class Runtime:
                 ids = plain
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
-        if any(m.get("role") == "assistant" for m in messages):
+        if realign and any(m.get("role") == "assistant" for m in messages):
+            # (not for images: cached keys spell them with media ids, which do not decode)
             # Each round can move the alignment past one more re-tokenized reply.
             for _ in range(8):
                 reply: Reply[list[tuple[int, ...]]] = Reply()
@@ -274,8 +276,12 @@ class Runtime:
         namespace: str = "",
         request_id: str | None = None,
         session: str | None = None,
+        media: Sequence[Any] = (),
     ) -> GenerationRequest:
-        """Validate and build a request for exact prompt token ids (`session`: seed §5.12)."""
+        """Validate and build a request for exact prompt token ids (`session`: seed §5.12).
+
+        `media`: the prompt's images (vision/encoder.ImageInput); their spans hold media key ids (kv/media.py).
+        """
         prompt = tuple(int(t) for t in prompt)
         if sampling is None:
             room = self.info.max_context - len(prompt)
@@ -295,7 +301,13 @@ class Runtime:
                 f"model's context length of {limit} tokens"
             )
         vocab = self.info.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
+        if media:
+            from mlxd.kv.media import check_spans
+
+            why = check_spans(prompt, [m.span for m in media], vocab)
+            if why is not None:
+                raise InvalidRequest(why, param="messages")
+        elif any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         # Ids reach MLX indexing unchecked: an out-of-range one would write out of bounds.
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
@@ -306,7 +318,7 @@ class Runtime:
             sampling = attrs.evolve(sampling, top_k=0)  # covering the vocabulary = no top-k
         return GenerationRequest(
             request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace,
-            session=session,
+            session=session, media=tuple(media),
         )
 
     # --- submitting --------------------------------------------------------------

@@ -73,13 +73,6 @@ class VisionTower(nn.Module):
         return self.merger_fc2(nn.gelu(self.merger_fc1(x)))
 
 
-def has_vision(model_dir: Path) -> bool:
-    try:
-        return "vision_config" in json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def load_tower(model_dir: Path, *, dtype: Any = None) -> VisionTower:
     """The tower of a test-vlm-style model directory (config.json `vision_config` + vision.safetensors)."""
     cfg = json.loads((model_dir / "config.json").read_text())

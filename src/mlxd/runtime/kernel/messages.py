@@ -14,7 +14,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -66,6 +66,8 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     namespace: str = ""
     session: str | None = None
+    # Images (vision/encoder.ImageInput), in prompt order; their spans' key ids are in `prompt` (kv/media.py).
+    media: tuple[Any, ...] = ()
 
 
 # --- events for one request (engine -> scheduler -> client) -------------------

@@ -1,0 +1,61 @@
+"""A chat request with images: its prompt key and ImageInputs, or a 400 that says why."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from mlxd.http.schemas import ApiError
+from mlxd.vision.images import ImageLimits, ImageRejected
+from mlxd.vision.prepare import MediaPreparer, image_refs
+
+if TYPE_CHECKING:
+
+    from mlxd.runtime.kernel.messages import SamplingParams
+    from mlxd.runtime.supervisor import Runtime
+
+
+def preparer_for(rt: Runtime) -> MediaPreparer | None:
+    """The server's image preparer (None: a text-only model)."""
+    from pathlib import Path
+
+    c = rt.config
+    limits = ImageLimits(max_bytes=c.max_image_bytes, max_images=c.max_images,
+                         allow_dir=Path(c.allow_media_dir) if c.allow_media_dir is not None else None)
+    return MediaPreparer.for_model(Path(rt.info.model_path), limits=limits, ssd_dir=c.ssd_cache_dir)
+
+
+async def chat_prompt(
+    rt: Runtime,
+    preparer: MediaPreparer | None,
+    messages: Sequence[dict[str, Any]],
+    sampling: SamplingParams,
+    render: Any,
+) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """(prompt key, media) of a chat: `render(realign)` renders it; with no image, media is ()."""
+    try:
+        refs = image_refs(messages)
+    except ImageRejected as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    if not refs:
+        return await render(True), ()
+    if preparer is None:
+        raise ApiError(400, f"the model '{rt.info.model_name}' does not read images: serve a vision model "
+                       "(e.g. --preset test-vlm)", param="messages", code="unsupported_content")
+    if rt.config.speculative != "off":
+        raise ApiError(400, "images are not served with --speculative yet", param="messages",
+                       code="unsupported_content")
+    if sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty not in (None, 1.0):
+        raise ApiError(400, "penalties (presence, frequency, repetition) are not supported with images yet",
+                       param="messages", code="unsupported_parameter")
+    try:
+        prepared = await trio.to_thread.run_sync(preparer.prepare, refs)
+        ids = await render(False)
+        return preparer.widen(ids, prepared)
+    except ImageRejected as exc:
+        raise ApiError(400, str(exc), param="messages", code="invalid_image") from None
+
+
+

@@ -1,0 +1,96 @@
+"""A chat request's images, from content parts to the engine's `ImageInput`s (a worker thread).
+
+The HTTP layer renders the chat with one placeholder per image, then calls
+`MediaPreparer.prepare` off the event loop: each image is read (data: URL, or
+file:// under --allow-media-dir), checked against the limits, decoded, run
+through the model's image processor and hashed; its encoder output is read
+from the SSD tier when a verified copy is there. `widen` turns the rendered
+ids into the request's key (kv/media.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from mlxd.kv.media import expand
+from mlxd.vision.encoder import ImageInput, encoder_identity, has_vision
+from mlxd.vision.images import (
+    ImageLimits,
+    ImageProcessor,
+    ImageRejected,
+    PreparedImage,
+    decode,
+    image_part,
+    read_url,
+)
+from mlxd.vision.tensor_store import read_tensor, tensor_path
+
+
+def image_refs(messages: Sequence[dict[str, Any]]) -> list[tuple[Any, str, str]]:
+    """(url, detail, where) of every image part, in prompt order."""
+    refs = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.get("type") == "image_url":
+                    where = f"messages[{i}].content[{j}]"
+                    url, detail = image_part(part, where)
+                    refs.append((url, detail, where))
+    return refs
+
+
+@attrs.define
+class MediaPreparer:
+    """The model's processor, placeholder id and limits; reads encoder outputs from SSD."""
+
+    processor: ImageProcessor
+    placeholder: int
+    limits: ImageLimits
+    tensors_root: Path | None = None
+    identity: str = ""
+    ssd_reads: int = 0  # verified encoder outputs found on SSD
+
+    @classmethod
+    def for_model(cls, model_dir: Path, *, limits: ImageLimits, ssd_dir: Path | None) -> MediaPreparer | None:
+        """None for a text-only model."""
+        import json
+
+        if not has_vision(model_dir):
+            return None
+        cfg = json.loads((model_dir / "config.json").read_text())
+        return cls(ImageProcessor.from_dir(model_dir), int(cfg["image_token_id"]), limits,
+                   ssd_dir / "tensors" if ssd_dir is not None else None, encoder_identity(model_dir))
+
+    def prepare(self, refs: Sequence[tuple[Any, str, str]]) -> list[tuple[PreparedImage, Any]]:
+        """Each image processed and hashed, with its SSD encoder output (or None); ImageRejected on bad input."""
+        if len(refs) > self.limits.max_images:
+            raise ImageRejected(f"{len(refs)} images in one request, over this server's limit of "
+                                f"{self.limits.max_images}")
+        out = []
+        for url, detail, where in refs:
+            try:
+                img = decode(read_url(url, self.limits), self.limits)
+                prepared = self.processor.prepare(img, detail)
+            except ImageRejected as exc:
+                raise ImageRejected(f"{where}: {exc}") from None
+            features = None
+            if self.tensors_root is not None:
+                path = tensor_path(self.tensors_root, self.identity, prepared.digest)
+                features = read_tensor(path, digest=prepared.digest, identity=self.identity)
+                self.ssd_reads += features is not None
+            out.append((prepared, features))
+        return out
+
+    def widen(self, ids: Sequence[int], images: Sequence[tuple[PreparedImage, Any]]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """The request's key tokens and its ImageInputs from the rendered ids (one placeholder per image)."""
+        try:
+            key, spans = expand(ids, self.placeholder, [(p.digest, p.tokens) for p, _ in images])
+        except ValueError as exc:
+            raise ImageRejected(f"{exc} (an image placeholder written as text?)") from None
+        media = tuple(ImageInput(span, p.patches, p.grid, f) for span, (p, f) in zip(spans, images, strict=True))
+        return key, media
