@@ -44,6 +44,7 @@ from mlxd.engine.ops import (
     StepOps,
     StepResult,
 )
+from mlxd.engine.speculative import Drafts, Speculation, speculation_off_reason
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.ssd_store import StoreIdentity
@@ -140,6 +141,9 @@ class EngineCore:
         self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
+        # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
+        self._drafts = Drafts(self._rows)
+        self._speculate = config.speculative == "ngram"
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
         self._trims = True
 
@@ -180,6 +184,7 @@ class EngineCore:
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
             self._trims = loading.trimmable(self.model, self._config)
+            self._speculation_check()
             self.generator = self._new_generator()
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -229,10 +234,17 @@ class EngineCore:
         log.info("engine.device_probe", **summary)
         return probe
 
+    def _speculation_check(self) -> None:
+        reason = speculation_off_reason(self.model, self._config) if self._speculate else None
+        if reason is not None:
+            self._speculate = False
+            self._drafts.off_reason = reason
+            log.warning("engine.speculation_off", reason=reason)
+
     def _new_generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
 
-        return BatchGenerator(
+        generator = BatchGenerator(
             self.model,
             max_tokens=self._config.default_max_tokens,
             stop_tokens=[[t] for t in sorted(self._eos)],
@@ -241,6 +253,13 @@ class EngineCore:
             prefill_step_size=self._prefill_step_size,
             stream=self._stream,
         )
+        if self._speculate:  # decoding rows verify their drafts (engine/spec_batch.py)
+            from mlxd.engine.spec_batch import SpeculativeBatch
+
+            generator._generation_batch = SpeculativeBatch.build(
+                self.model, generator.sampler, drafts=self._drafts, k=self._config.num_draft_tokens
+            )
+        return generator
 
     def reset(self) -> None:
         """Drop every row and start a fresh generator (after a failed step)."""
@@ -319,6 +338,7 @@ class EngineCore:
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             **(self.vision.stats() if self.vision is not None else {}),
+            speculation=self._drafts.stats() if self._config.speculative != "off" else None,
         )
 
     # --- a step --------------------------------------------------------------------------
@@ -361,6 +381,9 @@ class EngineCore:
         features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
+            self._drafts.counters.constrained_rows += self._speculate  # drafts are not masked by the grammar yet
+        elif self._speculate:
+            features.append(Speculation(config.num_draft_tokens))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12). So does a
             # model whose caches cannot be cut back: its end-of-turn checkpoint cannot serve the same

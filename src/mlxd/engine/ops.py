@@ -120,6 +120,21 @@ class Rejected:
 
 
 @attrs.frozen(kw_only=True)
+class SpeculationStats:
+    """--speculative: what drafting did since the engine started."""
+
+    active: bool  # False: the model's caches cannot roll back (off_reason says why)
+    off_reason: str | None = None
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens the target agreed with
+    acceptance_rate: float = 0.0  # accepted / proposed
+    tokens_per_forward: float = 0.0  # tokens a drafting row emitted per target forward (1.0 = no gain)
+    verify_steps: int = 0  # target forwards that verified drafts
+    verified_rows: int = 0  # row verifications (a forward verifies every drafting row of the batch)
+    constrained_rows: int = 0  # rows that did not draft: a grammar constrains them
+
+
+@attrs.frozen(kw_only=True)
 class EngineStats:
     """The engine's counters after a step (a value: the actor hands it out as it is)."""
 
@@ -138,6 +153,7 @@ class EngineStats:
     media_encoder_ram_hits: int | None = None
     media_encoder_ssd_hits: int | None = None
     media_prefills: int | None = None
+    speculation: SpeculationStats | None = None  # --speculative (None: off)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}

@@ -153,6 +153,18 @@ def _runtime_families(s: RuntimeStats) -> Iterator[Metric]:
     yield _counter("mlxd_prefill_tokens", "Prompt tokens the engine actually prefilled.", engine.prompt_tokens)
     yield _counter("mlxd_cached_prompt_tokens", "Prompt tokens reused from a cache tier.", sched.cached_tokens)
     yield _counter("mlxd_generated_tokens", "Tokens generated.", sched.generated_tokens)
+    spec = engine.speculation
+    if spec is not None:  # --speculative
+        yield _gauge("mlxd_speculation_active", "1 while rows draft; 0 when the model cannot (see /stats).",
+                     1 if spec.active else 0)
+        yield _counter("mlxd_speculation_proposed_tokens", "Draft tokens verified by the target.", spec.proposed)
+        yield _counter("mlxd_speculation_accepted_tokens", "Draft tokens the target agreed with.", spec.accepted)
+        yield _gauge("mlxd_speculation_acceptance_rate", "Accepted / proposed draft tokens.", spec.acceptance_rate)
+        yield _gauge("mlxd_speculation_tokens_per_forward", "Tokens a drafting row emitted per target forward.",
+                     spec.tokens_per_forward)
+        yield _counter("mlxd_speculation_verify_steps", "Target forwards that verified drafts.", spec.verify_steps)
+        yield _counter("mlxd_speculation_constrained_rows", "Rows that did not draft: a grammar constrains them.",
+                       spec.constrained_rows)
 
 
 def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:

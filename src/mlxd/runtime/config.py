@@ -126,6 +126,11 @@ class RuntimeConfig:
     ssd_write_rate_bytes: int = attrs.field(default=24 * 1024 * 1024, validator=_non_negative)
     # Dirty bytes beyond which writing is urgent (0 = half the RAM tier).
     ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
+    # Speculative decoding: "ngram" = each row drafts up to num_draft_tokens tokens copied from its own
+    # prompt and output (prompt lookup) and one target forward verifies them (docs/speculative.md).
+    speculative: str = attrs.field(default="off", validator=attrs.validators.in_(("off", "ngram")))
+    num_draft_tokens: int = attrs.field(default=4, validator=_positive)
+
     # Checkpoint a running generation every N generated tokens so an identical
     # request resumes it after a crash or a client drop (0 = off; needs the SSD tier).
     generation_checkpoint: int = attrs.field(default=0, validator=_non_negative)

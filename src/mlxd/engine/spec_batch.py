@@ -1,0 +1,194 @@
+"""The verifying generation batch: drafts of every speculating row checked in one target forward.
+
+mlx-lm's `GenerationBatch` feeds each row one token per step. This subclass
+does the same when no row drafts (so a row that backs off costs nothing), and
+otherwise feeds every row its pending token followed by its drafts (rows with
+fewer drafts, or none, are padded), in one forward of shape (rows, 1 + most
+drafts). Each row then samples position by position with its own sampler,
+logits processors and random stream, exactly as plain decoding would, and
+keeps the drafts up to the first one its sample disagrees with; the sample
+there becomes its pending token. The KV of every rejected or padded position
+is dropped per row: a common trim, then each row with more to drop is shifted
+right by the rest and its left padding grows by as much (the batch cache's
+own way to hold rows of different lengths). Tokens, logprobs and finishes come
+out as one response per emitted token, in order, so stop tokens, logprobs and
+checkpoints see every accepted token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+
+from mlxd.engine.speculative import Drafts
+
+
+class SpeculativeBatch(GenerationBatch):
+    """A `GenerationBatch` whose steps verify drafts (see the module docstring)."""
+
+    drafts: Drafts
+    k: int
+    _next_tokens: Any
+    _next_logprobs: Any
+    _current_tokens: Any
+    _current_logprobs: Any
+
+    @classmethod
+    def build(cls, model: Any, fallback_sampler: Any, *, drafts: Drafts, k: int) -> SpeculativeBatch:
+        batch = cls.empty(model, fallback_sampler)
+        batch.drafts, batch.k = drafts, k
+        return batch
+
+    def next(self) -> list[Any]:
+        if not self.uids:
+            return []
+        wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid)]
+        if not wanting:
+            return super().next()
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
+        proposals: dict[int, list[int]] = {}
+        for i in wanting:
+            limit = min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1)
+            drafts = self.drafts.propose(self.uids[i], self.tokens[i], pending[i], limit)
+            if drafts:
+                proposals[i] = drafts
+        if not proposals:
+            return super().next()
+        return self._verify(pending, proposals)
+
+    def _verify(self, pending: list[int], proposals: dict[int, list[int]]) -> list[Any]:
+        n_rows = len(self.uids)
+        fed = [[pending[i], *proposals.get(i, ())] for i in range(n_rows)]
+        width = max(len(f) for f in fed)
+        inputs = mx.array([f + [f[-1]] * (width - len(f)) for f in fed], dtype=self._next_tokens.dtype)
+        self._current_tokens = self._next_tokens  # what a constrained row's matcher reads (gen_hook.step_inputs)
+        self._current_logprobs = self._next_logprobs
+
+        logits = self.model(inputs, cache=self.prompt_cache)
+        logits = self._processed(logits, fed)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        samples, keys = self._sample(logprobs, fed)
+        mx.eval(samples)
+        sampled: list[list[int]] = [s.tolist() for s in samples]  # type: ignore[misc]
+
+        kept: list[int] = []  # positions of each row's KV that stay (its pending token + accepted drafts)
+        for i in range(n_rows):
+            drafts = fed[i][1:]
+            n = 0
+            while n < len(drafts) and sampled[i][n] == drafts[n]:
+                n += 1
+            row_keys = keys[i]
+            if row_keys is not None:
+                self.samplers[i].key = row_keys[n]  # the stream as if only the kept samples were drawn
+            if drafts:
+                self.drafts.verified(self.uids[i], len(drafts), n)
+            kept.append(n + 1)
+        self.drafts.forward()
+        self._drop_rejected([width - k for k in kept])
+
+        emitted = [fed[i][:kept[i]] for i in range(n_rows)]
+        emitted_logprobs = [
+            [self._current_logprobs[i], *(logprobs[i, j] for j in range(kept[i] - 1))] for i in range(n_rows)
+        ]
+        for i in range(n_rows):
+            self.tokens[i].extend(emitted[i])
+            if self.logits_processors and self.logits_processors[i]:
+                self._token_context[i].update_and_fetch(mx.array(emitted[i], dtype=mx.int32))
+        self._next_tokens = mx.array([sampled[i][kept[i] - 1] for i in range(n_rows)], dtype=self._next_tokens.dtype)
+        self._next_logprobs = [logprobs[i, kept[i] - 1] for i in range(n_rows)]
+        return self._responses(emitted, emitted_logprobs)
+
+    def _processed(self, logits: mx.array, fed: list[list[int]]) -> mx.array:
+        """Each row's logits processors at each position it fed, with the context plain decoding would give."""
+        if not any(self.logits_processors):
+            return logits
+        rows = []
+        for i, f in enumerate(fed):
+            processors = self.logits_processors[i] or ()
+            if not processors:
+                rows.append(logits[i])
+                continue
+            before = self._token_context[i].tokens
+            positions = []
+            for j in range(logits.shape[1]):
+                row_logits = logits[i, j][None]
+                if j < len(f):
+                    context = mx.concatenate([before, mx.array(f[: j + 1], dtype=mx.int32)])
+                    for processor in processors:
+                        row_logits = processor(context, row_logits)
+                positions.append(row_logits)
+            rows.append(mx.concatenate(positions, axis=0))
+        return mx.stack(rows)
+
+    def _sample(self, logprobs: mx.array, fed: list[list[int]]) -> tuple[list[mx.array], list[list[Any] | None]]:
+        """Per row, one sample per fed position, drawn in order; a seeded sampler's key after each draw."""
+        samplers = self.samplers or [None] * len(fed)
+        shared = self.fallback_sampler(logprobs)  # (rows, width): the batch's greedy sampler
+        samples: list[mx.array] = []
+        keys: list[list[Any] | None] = []
+        for i, sampler in enumerate(samplers):
+            if sampler is None or sampler is self.fallback_sampler:
+                samples.append(shared[i, : len(fed[i])])
+                keys.append(None)
+                continue
+            row: list[mx.array] = []
+            row_keys: list[Any] = []
+            for j in range(len(fed[i])):
+                row.append(sampler(logprobs[i, j][None]))
+                row_keys.append(getattr(sampler, "key", None))
+            samples.append(mx.concatenate(row))
+            keys.append(row_keys if row_keys[0] is not None else None)
+        return samples, keys
+
+    def _drop_rejected(self, extra: list[int]) -> None:
+        """Drop each row's last `extra[i]` positions from every layer's KV."""
+        common = min(extra)
+        rest = [e - common for e in extra]
+        for cache in self.prompt_cache:
+            if common:
+                cache.trim(common)
+            if any(rest):
+                _shift_right(cache, rest)
+
+    def _responses(self, emitted: list[list[int]], logprobs: list[list[mx.array]]) -> list[Any]:
+        keep, responses = [], []
+        for i in range(len(self.uids)):
+            finish = None
+            for j, token in enumerate(emitted[i]):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(token):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(self.Response(self.uids[i], token, logprobs[i][j], None, None, None))
+                    continue
+                cut = len(emitted[i]) - j - 1  # accepted tokens past the finishing one: never emitted
+                caches = self.extract_cache(i)
+                if cut:
+                    del self.tokens[i][-cut:]
+                    for c in caches:
+                        c.trim(cut)
+                responses.append(self.Response(self.uids[i], token, logprobs[i][j], finish, caches, self.tokens[i]))
+                break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def _shift_right(cache: Any, shifts: list[int]) -> None:
+    """Drop each row's last `shifts[i]` positions: move the row right by that much, under more left padding."""
+    if not isinstance(cache, BatchKVCache):
+        raise TypeError(f"speculation rolls back BatchKVCache only, not {type(cache).__name__}")
+    by = mx.array(shifts)
+    end = cache._idx
+    cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], by[:, None], axis=2)
+    cache.values[..., :end, :] = dynamic_roll(cache.values[..., :end, :], by[:, None], axis=2)
+    cache.left_padding = cache.left_padding + by
+    cache.offset = cache.offset - by

@@ -1,0 +1,111 @@
+"""Speculative decoding (`--speculative ngram`): the per-row part and what the verifying batch asks of it.
+
+A row that speculates carries a `Speculation` part: a prompt-lookup index over
+its own tokens (kv/ngram.py) and a back-off. At a step, the verifying batch
+(engine/spec_batch.py) asks `Drafts` which rows want to draft, hands each its
+tokens and the pending one, and verifies every row's drafts in one target
+forward; then it reports what was accepted. Rows without the part (constrained
+rows, rows of a model whose caches cannot roll back) decode in the same step.
+
+No MLX here: importing this module loads nothing native.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxd.engine.features import Feature
+from mlxd.engine.ops import SpeculationStats
+from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup
+from mlxd.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from mlxd.engine.core import Row
+
+log = get_logger("mlxd.engine")
+
+
+@attrs.define
+class Speculation(Feature):
+    """Prompt-lookup drafts for one row: up to `k` tokens copied from where its last n-gram occurred before."""
+
+    k: int
+    lookup: PromptLookup = attrs.Factory(PromptLookup)
+    backoff: Backoff = attrs.Factory(Backoff)
+    counters: DraftCounters = attrs.Factory(DraftCounters)
+
+    def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
+        self.lookup.observe(tokens)
+        if len(self.lookup) == len(tokens):  # the pending token is indexed once (the next step's tokens hold it)
+            self.lookup.append(pending)
+        drafts = self.lookup.propose(min(self.k, limit))
+        if not drafts:
+            self.backoff.nothing_found()
+        return drafts
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.counters.add(proposed, accepted)
+        self.backoff.verified(proposed, accepted)
+
+
+@attrs.define
+class Drafts:
+    """What the verifying batch asks of the rows, by generator uid; counts for the whole engine."""
+
+    rows: Mapping[int, Row]
+    counters: DraftCounters = attrs.Factory(DraftCounters)
+    off_reason: str | None = None  # set at load when the model's caches cannot roll back
+
+    def stats(self) -> SpeculationStats:
+        c = self.counters
+        return SpeculationStats(
+            active=self.off_reason is None, off_reason=self.off_reason, proposed=c.proposed, accepted=c.accepted,
+            acceptance_rate=round(c.acceptance_rate, 4), tokens_per_forward=round(c.tokens_per_forward, 4),
+            verify_steps=c.verify_steps, verified_rows=c.verified_rows, constrained_rows=c.constrained_rows,
+        )
+
+    def _part(self, uid: int) -> Speculation | None:
+        row = self.rows.get(uid)
+        if row is None:
+            return None
+        for part in row.features:
+            if isinstance(part, Speculation):
+                return part
+        return None
+
+    def wants(self, uid: int) -> bool:
+        """Whether this row drafts at this step (no sync needed to know)."""
+        part = self._part(uid)
+        return part is not None and part.backoff.ready()
+
+    def propose(self, uid: int, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
+        part = self._part(uid)
+        if part is None or limit <= 0:
+            return []
+        return part.propose(tokens, pending, limit)
+
+    def verified(self, uid: int, proposed: int, accepted: int) -> None:
+        self.counters.add(proposed, accepted)
+        part = self._part(uid)
+        if part is not None:
+            part.verified(proposed, accepted)
+
+    def forward(self) -> None:
+        """One target forward verified drafts."""
+        self.counters.verify_steps += 1
+
+
+def speculation_off_reason(model: Any, config: Any) -> str | None:
+    """Why this model cannot speculate (None: it can): every layer's KV must roll back per row."""
+    from mlx_lm.models.cache import KVCache
+
+    if config.kv_bits is not None:
+        return f"--kv-bits {config.kv_bits}: quantized KV is not rolled back per row yet"
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    if kinds:
+        return f"cache kinds {', '.join(kinds)} cannot drop rejected drafts per row (only KVCache can)"
+    return None

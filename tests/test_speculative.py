@@ -1,0 +1,264 @@
+"""Speculative decoding (--speculative ngram): the pure proposer, and output identical to plain decoding.
+
+Every identity test runs the same requests with speculation off and on, on the
+real tiny model, and compares tokens and logprobs: in one EngineCore (batch of
+one, mixed batches with constrained, penalized and plain rows, stop tokens
+inside accepted drafts), in a runtime (a RAM hit afterwards, a generation
+checkpoint resumed) and over HTTP (stop strings, logprobs, /stats, /metrics).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd.engine.core import EngineCore
+from mlxd.engine.ops import RowStart, StepOps
+from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup
+from mlxd.model import build_model
+from mlxd.runtime.kernel.messages import GenerationFinished, GenerationRequest, TokenGenerated
+from mlxd.structured.spec import constraint_from_request
+
+from serving import ServerThread, config_for
+
+NO_EOS = ((0, -100.0), (2, -100.0))  # the tiny model's end tokens never win: rows run to max_tokens
+
+# --- the pure proposer --------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_longest_suffix_match():
+    lookup = PromptLookup(max_n=3, min_n=2)
+    lookup.observe([1, 2, 3, 4, 5, 9, 2, 3])
+    assert lookup.propose(2) == [4, 5], "the 2-gram (2, 3) was followed by 4, 5"
+    lookup.observe([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert lookup.propose(3) == [4, 5, 9], "the longest suffix that occurred before wins: (1, 2, 3)"
+    pairs = PromptLookup(max_n=2, min_n=2)
+    pairs.observe([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert pairs.propose(3) == [7, 8, 1], "of (2, 3)'s occurrences, the latest one"
+    assert lookup.propose(0) == []
+    fresh = PromptLookup()
+    fresh.observe([5, 6, 7, 8])
+    assert fresh.propose(4) == [], "nothing repeats: no drafts"
+
+
+def test_a_loop_is_read_on_past_the_end():
+    lookup = PromptLookup(max_n=2, min_n=2)
+    lookup.observe([9, 4, 5, 4, 5])  # (4, 5) last seen 2 back: the loop 4 5 4 5 ... continues
+    assert lookup.propose(5) == [4, 5, 4, 5, 4]
+
+
+def test_backoff_waits_longer_after_each_rejection_and_resets_on_acceptance():
+    b = Backoff(max_wait=4)
+    assert b.ready()
+    waits = []
+    for _ in range(4):
+        b.verified(3, 0)
+        n = 0
+        while not b.ready():
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 4]
+    b.verified(3, 1)
+    assert b.ready(), "an accepted draft resets the wait"
+    c = DraftCounters()
+    c.add(4, 4)
+    c.add(4, 0)
+    assert c.acceptance_rate == 0.5 and c.tokens_per_forward == 3.0
+
+
+# --- one EngineCore: speculation off and on give the same tokens and logprobs ----------------
+
+rnd = random.Random(1)
+BASE = tuple(rnd.randrange(3, 250) for _ in range(40))
+JSON_LETTERS = {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "letters", "schema": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                  "minItems": 3, "maxItems": 3}}}}
+
+
+def _run(model_dir: Path, speculative: str, requests: list[GenerationRequest], **config: object):
+    core = EngineCore(config_for(model_dir, speculative=speculative, prompt_cache_bytes=0, **config))
+    core.load()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    logprobs: dict[str, list[tuple]] = {r.request_id: [] for r in requests}
+    reasons: dict[str, str] = {}
+    ops = StepOps(starts=tuple(RowStart(request=r) for r in requests))
+    while len(reasons) < len(requests):
+        result = core.step(ops)
+        ops = StepOps()
+        assert not result.rejected, result.rejected
+        for emit in result.emits:
+            event = emit.event
+            if isinstance(event, TokenGenerated):
+                tokens[emit.request_id].append(event.token)
+                logprobs[emit.request_id].append((event.logprob, event.top_logprobs))
+            elif isinstance(event, GenerationFinished):
+                reasons[emit.request_id] = event.reason
+    core.close()
+    return tokens, logprobs, reasons, core.stats()
+
+
+def _same_logprobs(a: list[tuple], b: list[tuple]) -> None:
+    assert len(a) == len(b)
+    for (lp_a, top_a), (lp_b, top_b) in zip(a, b, strict=True):
+        if lp_a is None:
+            assert lp_b is None
+            continue
+        assert lp_b == pytest.approx(lp_a, abs=1e-4)
+        assert [t for t, _ in top_a] == [t for t, _ in top_b]
+        assert [v for _, v in top_b] == pytest.approx([v for _, v in top_a], abs=1e-4)
+
+
+def _request(rid: str, prompt: tuple[int, ...], **sampling: object) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt=prompt, sampling=SamplingParams(**sampling))  # type: ignore[arg-type]
+
+
+def test_one_row_greedy_and_seeded_are_identical(tiny_model_dir):
+    for sampling in ({"max_tokens": 60}, {"max_tokens": 60, "temperature": 1.5, "seed": 3, "top_logprobs": 2}):
+        requests = [_request("r", BASE + BASE[:20], **sampling)]
+        off = _run(tiny_model_dir, "off", requests)
+        on = _run(tiny_model_dir, "ngram", requests)
+        assert on[0] == off[0] and on[2] == off[2]
+        _same_logprobs(off[1]["r"], on[1]["r"])
+        spec = on[3].speculation
+        assert spec is not None and spec.active and spec.accepted > 0, spec
+        assert spec.tokens_per_forward > 1.0
+        assert off[3].speculation is None, "off: no speculation figures"
+
+
+def test_a_mixed_batch_is_identical_row_for_row(tiny_model_dir):
+    """Greedy, seeded (high temperature: drafts get rejected), penalized and constrained rows in one batch."""
+    grammar = constraint_from_request(JSON_LETTERS)
+    requests = [
+        _request("greedy", BASE, max_tokens=50, logit_bias=NO_EOS),
+        _request("hot", BASE[7:] + BASE, max_tokens=70, temperature=3.0, seed=11, logprobs=True, logit_bias=NO_EOS),
+        _request("warm", BASE[::-1], max_tokens=40, temperature=0.9, top_p=0.9, seed=5, top_logprobs=3),
+        _request("penalty", BASE[3:30], max_tokens=45, repetition_penalty=1.3, presence_penalty=0.5),
+        _request("json", BASE[:12], max_tokens=60, temperature=0.7, seed=2, constraint=grammar),
+    ]
+    off = _run(tiny_model_dir, "off", requests)
+    on = _run(tiny_model_dir, "ngram", requests)
+    for r in requests:
+        assert on[0][r.request_id] == off[0][r.request_id], r.request_id
+        assert on[2][r.request_id] == off[2][r.request_id], r.request_id
+        _same_logprobs(off[1][r.request_id], on[1][r.request_id])
+    spec = on[3].speculation
+    assert spec is not None and spec.constrained_rows == 1, "the constrained row decodes without drafts"
+    assert spec.accepted > 0 and spec.verified_rows > spec.verify_steps, "several rows verified per forward"
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_model_dir):
+    plain = _run(tiny_model_dir, "off", [_request("r", BASE + BASE[:20], max_tokens=60)])[0]["r"]
+    stop = plain[30]  # deep in the loop the tiny model falls into: drafts of several tokens are accepted there
+    requests = [_request("r", BASE + BASE[:20], max_tokens=60, stop_token_ids=(stop,))]
+    off = _run(tiny_model_dir, "off", requests)
+    on = _run(tiny_model_dir, "ngram", requests)
+    assert on[0] == off[0] and on[2] == off[2] == {"r": "stop"}
+    assert on[0]["r"][-1] == stop and len(on[0]["r"]) == plain.index(stop) + 1
+
+
+def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(tmp_path):
+    model_dir = build_model(tmp_path / "gemma3", "test-gemma3", seed=0)
+    requests = [_request("r", BASE, max_tokens=12)]
+    off = _run(model_dir, "off", requests)
+    on = _run(model_dir, "ngram", requests)
+    assert on[0] == off[0]
+    spec = on[3].speculation
+    assert spec is not None and not spec.active and "RotatingKVCache" in (spec.off_reason or "")
+    assert spec.proposed == 0
+
+
+# --- a runtime: a RAM hit afterwards, a generation checkpoint resumed --------------------------
+
+
+async def test_ram_hit_and_resumed_checkpoint_stay_identical(tiny_model_dir, tmp_path):
+    sampling = SamplingParams(max_tokens=60, temperature=1.2, seed=7, logit_bias=NO_EOS)
+    text = "Repeat after me: the cache keeps the prefix, the cache keeps the prefix. " * 2
+    reference: list[int] = []
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), device_probe="off")) as rt:
+        async with rt.submit(rt.request(rt.encode(text), sampling=sampling)) as stream:
+            reference = await stream.tokens()
+    config = RuntimeConfig(model=str(tiny_model_dir), device_probe="off", ssd_cache_dir=tmp_path / "ssd",
+                           generation_checkpoint=8, speculative="ngram")
+    async with open_runtime(config) as rt:
+        prompt = rt.encode(text)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            assert await stream.tokens() == reference
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            assert await stream.tokens() == reference
+            assert stream.accepted.cache_tier == "ram" and stream.accepted.cached_tokens > 0
+        seen: list[int] = []
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated):
+                    seen.append(event.token)
+                    if len(seen) == 30:
+                        break
+        assert seen == reference[:30]
+        ckpt = rt.cold.checkpointer
+        with trio.fail_after(30):
+            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            again = await stream.tokens()
+            assert stream.accepted.cache_tier == "checkpoint"
+        assert again == reference
+        stats = (await rt.stats()).engine.speculation
+        assert stats is not None and stats.accepted > 0
+
+
+# --- over HTTP: chat completions, stop strings, logprobs, /stats and /metrics ------------------
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir)) as off, \
+            ServerThread(config_for(tiny_model_dir, speculative="ngram", num_draft_tokens=6)) as on:
+        yield off, on
+
+
+def _chat(server: ServerThread, **body: object) -> dict:
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "say it again and again " * 6}],
+               "max_tokens": 48, **body}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=payload, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_http_replies_are_identical_with_speculation(servers):
+    off, on = servers
+    plain = _chat(off, temperature=0)["message"]["content"]
+    stop = plain[len(plain) // 2: len(plain) // 2 + 3]
+    for body in ({"temperature": 0, "logprobs": True, "top_logprobs": 2},
+                 {"temperature": 1.3, "seed": 4, "logprobs": True},
+                 {"temperature": 0, "stop": [stop]}):
+        a, b = _chat(off, **body), _chat(on, **body)
+        assert a["message"]["content"] == b["message"]["content"] and a["finish_reason"] == b["finish_reason"]
+        if body.get("logprobs"):
+            la, lb = a["logprobs"]["content"], b["logprobs"]["content"]
+            assert [x["token"] for x in la] == [x["token"] for x in lb]
+            assert [x["logprob"] for x in lb] == pytest.approx([x["logprob"] for x in la], abs=1e-4)
+    assert _chat(on, temperature=0, stop=[stop])["finish_reason"] == "stop"
+
+    root = on.base_url.removesuffix("/v1")
+    spec = httpx.get(f"{root}/stats", timeout=30).json()["engine"]["speculation"]
+    assert spec["active"] and spec["proposed"] >= spec["accepted"] > 0
+    assert 0 < spec["acceptance_rate"] <= 1 and spec["tokens_per_forward"] > 1
+    metrics = httpx.get(f"{root}/metrics", timeout=30).text
+    for name in ("mlxd_speculation_proposed_tokens_total", "mlxd_speculation_accepted_tokens_total",
+                 "mlxd_speculation_acceptance_rate", "mlxd_speculation_tokens_per_forward"):
+        assert name in metrics, name
+    assert "speculation" not in httpx.get(f"{off.base_url.removesuffix('/v1')}/stats", timeout=30).json()["engine"]
+
+
+def test_bad_speculation_settings_are_refused():
+    with pytest.raises(ValueError):
+        RuntimeConfig(speculative="eagle")
+    with pytest.raises(ValueError):
+        RuntimeConfig(speculative="ngram", num_draft_tokens=0)
+    assert attrs.evolve(RuntimeConfig(), speculative="ngram").num_draft_tokens == 4
