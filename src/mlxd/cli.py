@@ -134,6 +134,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "'length' (0 = no limit)")
     p.add_argument("--max-body-mb", type=_positive_float, default=16.0, metavar="MB",
                    help="largest request body in MiB (larger ones get 413)")
+    p.add_argument("--max-connections", type=_non_negative_int, default=0, metavar="N",
+                   help="open HTTP connections; past it a new connection gets a 503 and is closed (0 = half the "
+                   "process's file-handle limit, at most 4096)")
+    p.add_argument("--keep-alive-timeout", type=_positive_float, default=5.0, metavar="SEC",
+                   help="seconds an idle keep-alive connection, or one that sends nothing, stays open (default 5)")
     p.add_argument("--allow-media-dir", type=Path, metavar="DIR",
                    help="vision models: accept file:// image URLs under DIR (off: data: URLs only; http(s) never)")
     p.add_argument("--max-images", type=int, default=16, metavar="N", help="vision models: images per request")
@@ -225,6 +230,8 @@ def serve_config(args: argparse.Namespace):
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),
         request_timeout_s=args.request_timeout,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_connections=args.max_connections,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         allow_media_dir=args.allow_media_dir,
         max_images=args.max_images,
         max_image_bytes=int(args.max_image_mb * 1024 * 1024),

@@ -15,6 +15,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from mlxd.http.connections import ShieldedSendConnection
 from mlxd.http.openapi import openapi_document
 from mlxd.http.replies import ReplyDelta, ReplyReader, initial_state
 from mlxd.http.schemas import (
@@ -397,6 +398,7 @@ def create_app(
 ) -> QuartTrio:
     """Build the Quart app serving `rt` (the caller runs it under hypercorn bound to `host`)."""
     app = QuartTrio("mlxd")
+    app.asgi_http_class = ShieldedSendConnection  # keep-alive and Connection: close really close
     app.config["MAX_CONTENT_LENGTH"] = rt.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
     access = AccessPolicy(api_key=rt.config.api_key, admin_key=rt.config.admin_key, loopback=is_loopback(host))
@@ -420,7 +422,9 @@ def create_app(
             405: f"method {request.method} is not allowed on {request.path}",
             413: f"the request body exceeds {rt.config.max_body_bytes} bytes",
         }.get(err.code or 0, err.description or "bad request")
-        return _error(ApiError(err.code or 400, message, type=kind))
+        # The unread rest of a too-large body cannot start the next request: close the connection.
+        headers = {"Connection": "close"} if err.code == 413 else None
+        return _error(ApiError(err.code or 400, message, type=kind, headers=headers))
 
     @app.errorhandler(Exception)
     async def _unexpected(err: Exception) -> Response:
@@ -616,14 +620,21 @@ async def serve_http(
     shutdown_trigger: Callable[[], Any],
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API with hypercorn on trio until `shutdown_trigger` returns."""
+    """Serve the API with hypercorn on trio until `shutdown_trigger` returns.
+
+    Connections past `--max-connections` get a 503 and are closed; an idle
+    keep-alive connection closes after `--keep-alive-timeout` (http/connections.py).
+    """
     from hypercorn.config import Config
-    from hypercorn.trio import serve
+
+    from mlxd.http.connections import ConnectionGate, default_max_connections, serve
 
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = 5.0
+    config.keep_alive_timeout = rt.config.keep_alive_timeout_s
     config.accesslog = None
     config.errorlog = None
-    app = create_app(rt, host=host)
-    await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    gate = ConnectionGate(limit=rt.config.max_connections or default_max_connections())
+    app = create_app(rt, host=host, extra_stats=gate.stats)
+    await serve(app, config, gate=gate, shutdown_trigger=shutdown_trigger, task_status=task_status)

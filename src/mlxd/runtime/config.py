@@ -183,6 +183,11 @@ class RuntimeConfig:
     request_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
     # Largest request body accepted (larger ones get 413).
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    # Open HTTP connections; past it a new connection gets a 503 and is closed
+    # (0 = half the process's file-handle limit, at most 4096: http/connections.py).
+    max_connections: int = attrs.field(default=0, validator=_non_negative)
+    # Seconds an idle keep-alive connection (or one that never sends a request) stays open.
+    keep_alive_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     # Vision models (docs/vision.md): file:// image URLs only under this directory (None = off),
     # images per request, encoded bytes of one image.
     allow_media_dir: Path | None = None
