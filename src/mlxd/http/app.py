@@ -60,6 +60,10 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error(err: ApiError) -> Response:
+    if request.path.startswith("/v1/messages"):  # Anthropic's routes answer in Anthropic's error shape
+        from mlxd.http.anthropic import error_response
+
+        return error_response(err.status, err.message, err.headers)
     return _json(err.body(), err.status, err.headers)
 
 
@@ -104,6 +108,8 @@ class _Choice:
         self._events = aiter(self.stream)
         while (event := await self._next_event()) is not None:
             self._primed.append(event)
+            if isinstance(event, PromptAccepted):
+                self.accepted = event  # known before the first token (Anthropic's message_start)
             if isinstance(event, TokenGenerated | GenerationFinished):
                 return
 
@@ -408,7 +414,10 @@ def create_app(
     @app.before_request
     async def _check_access() -> None:
         g.deadline = trio.current_time() + timeout_s if timeout_s > 0 else math.inf
-        access.check(request.path, request.headers.get("Authorization"))
+        authorization = request.headers.get("Authorization")
+        if authorization is None and request.headers.get("x-api-key"):  # Anthropic clients' header
+            authorization = "Bearer " + request.headers["x-api-key"]
+        access.check(request.path, authorization)
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
@@ -601,10 +610,16 @@ def create_app(
             data.update(extra_stats())
         return _json(data)
 
+    from mlxd.http.anthropic import install_anthropic
     from mlxd.http.loads import install_loads
     from mlxd.http.metrics import install_metrics
+    from mlxd.http.responses import install_responses
+    from mlxd.http.routekit import RouteKit
     from mlxd.http.status import install_status_page
 
+    kit = RouteKit(read_json=read_json, check_model=check_model, start_choices=start_choices, close=_close)
+    install_anthropic(app, rt, kit)  # POST /v1/messages, /v1/messages/count_tokens
+    install_responses(app, rt, kit)  # POST /v1/responses, GET/DELETE /v1/responses/{id}
     install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}
     install_metrics(app, rt)  # GET /metrics
     install_status_page(app, rt)  # GET /

@@ -2,7 +2,10 @@
 
 A request names its session with the `X-Session-Id` header; without the
 header, the body's OpenAI `user` field is used. The header wins when both are
-present. The cache then finds the session's latest checkpoint without a
+present. OpenAI's `prompt_cache_key` field names the session too (after the
+header, before `user`), on every route. `prompt_cache_retention` is checked
+here as well: "in_memory" is what the cache does anyway; "24h" is refused
+(the cache has no retention classes), never silently ignored. The cache then finds the session's latest checkpoint without a
 candidate scan and evicts it after anonymous entries. `DELETE
 /v1/sessions/{id}` drops the session's references (cached state stays for
 anyone whose prompt matches it). Session metadata lives in this process only.
@@ -20,20 +23,43 @@ SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
 
 
+RETENTIONS = ("in_memory",)  # prompt_cache_retention values the cache honours
+
+
+def check_retention(body: Any) -> None:
+    """`prompt_cache_retention`: "in_memory" (the default behaviour) or a 400 naming the value."""
+    value = body.get("prompt_cache_retention") if isinstance(body, dict) else None
+    if value is None or value in RETENTIONS:
+        return
+    if value == "24h":
+        raise ApiError(400, "prompt_cache_retention '24h' is not supported: this server's cache has no "
+                       "retention classes (cached prefixes stay in RAM, then on the SSD tier, until "
+                       "evicted); use 'in_memory' or leave it out", param="prompt_cache_retention",
+                       code="unsupported_parameter")
+    raise ApiError(400, f"prompt_cache_retention must be 'in_memory' or '24h', got {value!r}",
+                   param="prompt_cache_retention")
+
+
 def session_id(headers: Any, body: Any) -> str | None:
-    """The request's session: the header, else the body's `user` field, else None."""
+    """The request's session: the header, else `prompt_cache_key`, else the body's `user`, else None.
+
+    Also checks the body's `prompt_cache_retention` (every route reads its session here).
+    """
+    check_retention(body)
     raw = headers.get(SESSION_HEADER)
     where = SESSION_HEADER
+    for name in ("prompt_cache_key", "user"):
+        if raw is not None:
+            break
+        raw = body.get(name) if isinstance(body, dict) else None
+        where = name
+        if raw is not None and not isinstance(raw, str):
+            raise ApiError(400, f"'{name}' must be a string", param=name)
     if raw is None:
-        raw = body.get("user") if isinstance(body, dict) else None
-        where = "user"
-        if raw is None:
-            return None
-        if not isinstance(raw, str):
-            raise ApiError(400, "'user' must be a string", param="user")
+        return None
     if not raw or len(raw) > MAX_SESSION_ID or not raw.isprintable():
         raise ApiError(400, f"{where} must be 1-{MAX_SESSION_ID} printable characters",
-                       param="user" if where == "user" else None)
+                       param=None if where == SESSION_HEADER else where)
     return raw
 
 

@@ -19,6 +19,7 @@ class TextAssembler:
         self._eos = frozenset(eos_ids)
         self._shown = 0
         self.stopped_by_string = False
+        self.stop_string: str | None = None  # the stop string that ended the text
         self.done = False
 
     @property
@@ -62,6 +63,7 @@ class TextAssembler:
             i = text.find(s, max(0, start - len(s) + 1))
             if i != -1 and (best is None or i < best):
                 best = i
+                self.stop_string = s
         return best
 
     def _holdback(self, text: str) -> int:

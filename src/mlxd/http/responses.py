@@ -1,0 +1,472 @@
+"""OpenAI's Responses API (`/v1/responses`) over the chat completions path.
+
+`input` (a string or items: messages, `function_call`, `function_call_output`,
+`reasoning`) and `instructions` become chat messages, appended to the stored
+conversation of `previous_response_id`; the request then runs through the same
+rendering, admission and prompt cache as `/v1/chat/completions`. The reply is
+shaped as output items (`reasoning`, `message`, `function_call`) or streamed as
+Responses events. Stored responses (`store`, true by default) are kept by
+`ResponseStore` (with the SSD tier, as files that survive a restart); a
+continued conversation keeps the cache session of the response it continues.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+from quart import Response, request
+
+from mlxd.http.replies import ReplyDelta
+from mlxd.http.response_store import ResponseStore
+from mlxd.http.routekit import RouteKit
+from mlxd.http.schemas import (
+    ApiError,
+    ChatOptions,
+    ParsedRequest,
+    parse_chat_options,
+    parse_common,
+    parse_messages,
+)
+from mlxd.http.sessions import session_id
+from mlxd.runtime.logging import get_logger
+from mlxd.runtime.supervisor import GenerationError, InvalidRequest
+
+log = get_logger("mlxd.http.responses")
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# --- the request ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class ResponsesRequest:
+    parsed: ParsedRequest
+    options: ChatOptions
+    instructions: str | None
+    input: list[dict[str, Any]]  # the request's own items as chat messages
+    previous: str | None
+    store: bool
+    echo: dict[str, Any]  # request fields the response object repeats
+
+
+def _part_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of content parts", "input")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}[{i}]: {kind} parts are not supported by this server (text-only model)", "input")
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise _bad(f"{where}[{i}] must be an input_text or output_text part", "input")
+    return "".join(texts)
+
+
+def input_messages(items: Any) -> list[dict[str, Any]]:
+    """Responses input items as chat messages (consecutive assistant items merge into one turn)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _bad("'input' must be a string or a list of items", "input")
+    out: list[dict[str, Any]] = []
+    reasoning = ""
+
+    def assistant() -> dict[str, Any]:
+        nonlocal reasoning
+        if not out or out[-1]["role"] != "assistant" or out[-1].get("_closed"):
+            out.append({"role": "assistant", "content": ""})
+        if reasoning:
+            out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + reasoning
+            reasoning = ""
+        return out[-1]
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
+            text = _part_text(item.get("content", ""), f"{where}.content")
+            if role == "assistant":
+                turn = assistant()
+                if turn["content"] or turn.get("tool_calls"):  # a second message: its own turn
+                    turn["_closed"] = True
+                    turn = assistant()
+                turn["content"] = text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", "{}"), str):
+                raise _bad(f"{where}: a function_call needs 'name' and 'arguments' (a JSON string)", "input")
+            call_id = item.get("call_id") or item.get("id") or ""
+            assistant().setdefault("tool_calls", []).append(
+                {"id": str(call_id), "type": "function",
+                 "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where}: a function_call_output needs a 'call_id'", "input")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _part_text(item.get("output", ""), f"{where}.output")})
+        elif kind == "reasoning":
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict)
+                                 and isinstance(p.get("text"), str))
+        else:
+            raise _bad(f"{where}: input items of type {kind!r} are not supported", "input")
+    for m in out:
+        m.pop("_closed", None)
+    return out
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise _bad(f"tools[{i}]: only function tools are supported, got {kind!r}", "tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(body: dict[str, Any]) -> Any:
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+               "tool_choice")
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`text.format` as the chat route's `response_format`."""
+    text = body.get("text")
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise _bad("text.format.type must be 'text', 'json_object' or 'json_schema'", "text")
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return {"type": fmt["type"]}
+
+
+def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    for name in ("background", "conversation"):
+        if body.get(name):
+            raise _bad(f"'{name}' is not supported by this server", name)
+    chat_body: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream") if k in body}
+    if body.get("max_output_tokens") is not None:
+        chat_body["max_tokens"] = body["max_output_tokens"]
+    response_format = _response_format(body)
+    if response_format is not None:
+        chat_body["response_format"] = response_format
+    try:
+        parsed = parse_common(chat_body, default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
+                              chat=True)
+    except ApiError as err:
+        if err.param == "max_tokens":
+            err.param, err.message = "max_output_tokens", err.message.replace("max_tokens", "max_output_tokens")
+        raise
+    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    options = parse_chat_options({
+        "tools": _tools(body), "tool_choice": _tool_choice(body),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        **({"reasoning_effort": effort} if effort is not None else {}),
+    })
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("'instructions' must be a string", "instructions")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _bad("'previous_response_id' must be a string", "previous_response_id")
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise _bad("'store' must be a boolean", "store")
+    if "input" not in body:
+        raise _bad("'input' is required", "input")
+    items = input_messages(body["input"])
+    if items:
+        parse_messages({"messages": items})  # the chat route's checks on what we built
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise _bad("'metadata' must be an object", "metadata")
+    echo = {
+        "instructions": instructions, "metadata": metadata,
+        "max_output_tokens": body.get("max_output_tokens"), "parallel_tool_calls": options.forced is None
+        and bool(body.get("parallel_tool_calls", True)), "previous_response_id": previous,
+        "temperature": parsed.sampling.temperature, "top_p": parsed.sampling.top_p,
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "text": {"format": body.get("text", {}).get("format") or {"type": "text"}}
+        if isinstance(body.get("text"), dict) else {"format": {"type": "text"}},
+        "store": store, "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
+        "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
+    }
+    return ResponsesRequest(parsed, options, instructions, items, previous, store, echo)
+
+
+# --- the reply ------------------------------------------------------------------------
+
+
+class OutputWriter:
+    """Reply deltas as output items, and the stream events that build them."""
+
+    def __init__(self, emit: Any) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._emit = emit  # (type, fields) -> an SSE event string
+        self._open: str | None = None  # "reasoning" | "message" while an item streams
+
+    def feed(self, delta: ReplyDelta) -> list[str]:
+        events: list[str] = []
+        if delta.reasoning:
+            events += self._text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text("message", delta.content)
+        for call in delta.tool_calls:
+            events += self._close()
+            fn = call["function"]
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"], "name": fn["name"],
+                    "arguments": fn["arguments"], "status": "completed"}
+            index = len(self.items)
+            self.items.append(item)
+            events.append(self._emit("response.output_item.added", output_index=index,
+                                     item={**item, "arguments": "", "status": "in_progress"}))
+            events.append(self._emit("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=index, delta=fn["arguments"]))
+            events.append(self._emit("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=index, name=fn["name"], arguments=fn["arguments"]))
+            events.append(self._emit("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        events: list[str] = []
+        if self._open != kind:
+            events += self._close()
+            self._open = kind
+            index = len(self.items)
+            item: dict[str, Any]
+            if kind == "message":
+                item = {"type": "message", "id": _new_id("msg"), "status": "in_progress", "role": "assistant",
+                        "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+                events.append(self._emit("response.output_item.added", output_index=index,
+                                         item={**item, "content": []}))
+                events.append(self._emit("response.content_part.added", item_id=item["id"], output_index=index,
+                                         content_index=0, part=dict(item["content"][0])))
+            else:
+                item = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+                events.append(self._emit("response.output_item.added", output_index=index,
+                                         item={**item, "content": []}))
+            self.items.append(item)
+        item = self.items[-1]
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(self._emit(name, item_id=item["id"], output_index=len(self.items) - 1, content_index=0,
+                                 delta=text, **extra))
+        return events
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        kind, self._open = self._open, None
+        index = len(self.items) - 1
+        item = self.items[index]
+        item["status"] = "completed"
+        part = item["content"][0]
+        if kind == "message":
+            events = [self._emit("response.output_text.done", item_id=item["id"], output_index=index,
+                                 content_index=0, text=part["text"], logprobs=[]),
+                      self._emit("response.content_part.done", item_id=item["id"], output_index=index,
+                                 content_index=0, part=part)]
+        else:
+            events = [self._emit("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                 content_index=0, text=part["text"])]
+        events.append(self._emit("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def close(self) -> list[str]:
+        return self._close()
+
+
+def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a continuation renders."""
+    return input_messages([{k: v for k, v in item.items() if k != "id" or item["type"] != "function_call"}
+                           for item in items])
+
+
+@attrs.define
+class _Reply:
+    rt: Any
+    kit: RouteKit
+    store: ResponseStore
+    req: ResponsesRequest
+    choice: Any
+    conversation: list[dict[str, Any]]  # the chat messages before this reply (instructions left out)
+    session: str
+    id: str
+    created_at: int = attrs.Factory(lambda: int(time.time()))
+    _seq: int = 0
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.choice.stream.request.prompt)
+        cached = self.choice.accepted.cached_tokens if self.choice.accepted else 0
+        out = self.choice.completion_tokens
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + out}
+
+    def response(self, output: list[dict[str, Any]], *, status: str) -> dict[str, Any]:
+        incomplete = None
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": None, "incomplete_details": incomplete, "model": self.rt.info.model_name,
+            "output": output, "usage": self.usage() if status != "in_progress" else None,
+            **self.req.echo,
+        }
+
+    def final_status(self) -> str:
+        return "incomplete" if self.choice.finish_reason() == "length" else "completed"
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    async def finish(self, output: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self.response(output, status=self.final_status())
+        if self.req.store:
+            record = {"response": body, "session": self.session,
+                      "conversation": self.conversation + output_messages(output)}
+            await trio.to_thread.run_sync(self.store.put, self.id, record)
+        return body
+
+    async def body(self) -> dict[str, Any]:
+        writer = OutputWriter(self.emit)
+        async for delta, _ in self.choice.deltas():
+            writer.feed(delta)
+        writer.close()
+        return await self.finish(writer.items)
+
+    async def sse(self) -> AsyncIterator[str]:
+        writer = OutputWriter(self.emit)
+        try:
+            yield self.emit("response.created", response=self.response([], status="in_progress"))
+            yield self.emit("response.in_progress", response=self.response([], status="in_progress"))
+            async for delta, _ in self.choice.deltas():
+                for event in writer.feed(delta):
+                    yield event
+            for event in writer.close():
+                yield event
+            body = await self.finish(writer.items)
+            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+            yield self.emit(kind, response=body)
+        except GenerationError as exc:
+            yield self.emit("error", code="server_error", message=str(exc), param=None)
+        except Exception as exc:
+            log.exception("responses.stream_failed", request_id=self.choice.stream.request.request_id)
+            yield self.emit("error", code="server_error", message=f"internal error: {type(exc).__name__}",
+                            param=None)
+        finally:
+            await self.kit.close([self.choice])
+
+
+def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
+    """POST /v1/responses, GET and DELETE /v1/responses/{id}."""
+    root = rt.config.ssd_cache_dir
+    store = ResponseStore(Path(root) / "responses" if root is not None else None)
+
+    def json_response(data: Any, status: int = 200) -> Response:
+        return Response(json.dumps(data), status=status, content_type="application/json")
+
+    def missing(rid: str) -> ApiError:
+        return ApiError(404, f"no stored response '{rid}' is known to this server", type="not_found_error",
+                        param="response_id", code="response_not_found")
+
+    @app.post("/v1/responses")
+    async def create() -> Response:
+        body = await kit.read_json()
+        req = parse_request(body, default_max_tokens=min(rt.config.default_max_tokens, rt.config.max_tokens_limit),
+                            max_tokens_limit=rt.config.max_tokens_limit)
+        kit.check_model(req.parsed.model)
+        session = session_id(request.headers, body)
+        conversation: list[dict[str, Any]] = []
+        if req.previous is not None:
+            record = await trio.to_thread.run_sync(store.get, req.previous)
+            if record is None:
+                raise ApiError(404, f"previous_response_id '{req.previous}' is not a stored response",
+                               type="not_found_error", param="previous_response_id", code="response_not_found")
+            conversation = list(record.get("conversation") or [])
+            if session is None and isinstance(record.get("session"), str):
+                session = record["session"]
+        conversation += req.input
+        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+        if not messages:
+            raise _bad("'input' is empty and there is no previous response to continue", "input")
+        try:
+            prompt = await rt.render_chat(messages, tools=req.options.tools,
+                                          template_kwargs=req.options.template_kwargs)
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param="input") from None
+        rid = _new_id("resp")
+        if session is None and req.store:  # a stored conversation's first response names its cache session
+            session = rid
+        (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session)
+        reply = _Reply(rt, kit, store, req, choice, conversation, session or "", id=rid)
+        if req.parsed.stream:
+            response = Response(reply.sse(), content_type="text/event-stream")
+            response.headers["Cache-Control"] = "no-cache"
+            response.timeout = None
+            return response
+        try:
+            return json_response(await reply.body())
+        except GenerationError as exc:
+            raise ApiError(500, str(exc), type="server_error") from None
+        finally:
+            await kit.close([choice])
+
+    @app.get("/v1/responses/<rid>")
+    async def get(rid: str) -> Response:
+        record = await trio.to_thread.run_sync(store.get, rid)
+        if record is None:
+            raise missing(rid)
+        return json_response(record["response"])
+
+    @app.delete("/v1/responses/<rid>")
+    async def delete(rid: str) -> Response:
+        if not await trio.to_thread.run_sync(store.delete, rid):
+            raise missing(rid)
+        return json_response({"id": rid, "object": "response.deleted", "deleted": True})

@@ -1,0 +1,24 @@
+"""What the chat route lends to the other agent protocols (Anthropic Messages, OpenAI Responses).
+
+Those routes translate their bodies into a chat request and run it through the
+very same path as `/v1/chat/completions` (same prompt rendering, same
+admission, same prompt cache), then shape the reply their own way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class RouteKit:
+    """The chat route's steps, as create_app builds them for one app."""
+
+    read_json: Callable[[], Awaitable[Any]]  # the body, or an ApiError (400) for bad JSON
+    check_model: Callable[[str | None], None]  # ApiError (404) for a model this server does not serve
+    # (parsed, prompt, options, *, chat, session) -> the request's generations (`_Choice`s)
+    start_choices: Callable[..., Awaitable[list[Any]]]
+    close: Callable[[list[Any]], Awaitable[None]]  # close the generations' streams (shielded)
