@@ -73,3 +73,83 @@ def test_image_turn_then_follow_up_reuses_everything(server: ServerThread) -> No
               {"role": "user", "content": "And the colours?"}]
     r2 = chat(server, follow)
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1
+
+
+def test_same_image_same_place_hits_and_a_different_image_hits_only_up_to_it(server: ServerThread) -> None:
+    system = {"role": "system", "content": "You describe pictures. " * 8}
+    a = chat(server, [system, user("Describe it.", png(2))])
+    # The same image in the same place, in a new conversation: everything before the new text is reused.
+    same = chat(server, [system, user("Describe it.", png(2))])
+    assert same.usage.prompt_tokens_details.cached_tokens == a.usage.prompt_tokens - 1
+    # A different image (same size, so the same span length): only the text before it is reused.
+    other = chat(server, [system, user("Describe it.", png(3))])
+    assert other.usage.prompt_tokens == a.usage.prompt_tokens
+    cached = other.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < a.usage.prompt_tokens - 12  # stops where the image's span starts
+    before = engine_stats(server)
+    again = chat(server, [system, user("Describe it again.", png(2))])  # a RAM hit through the image
+    assert again.usage.prompt_tokens_details.cached_tokens > cached + 12
+    assert engine_stats(server)["media_encoded"] == before["media_encoded"]
+
+
+def test_the_same_image_is_encoded_once(server: ServerThread) -> None:
+    before = engine_stats(server)
+    # Two conversations that differ before the image: the KV cannot be shared, the encoder output is.
+    chat(server, [{"role": "system", "content": "first"}, user("What?", png(4))])
+    chat(server, [{"role": "system", "content": "second"}, user("What?", png(4))])
+    after = engine_stats(server)
+    assert after["media_encoded"] == before["media_encoded"] + 1
+    assert after["media_encoder_ram_hits"] == before["media_encoder_ram_hits"] + 1
+
+
+def test_file_urls_only_under_the_allowed_dir(server: ServerThread, tmp_path: Path) -> None:
+    inside = (server.media_dir / "cat.png").as_uri()  # type: ignore[attr-defined]
+    ok = post(server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": inside}}]}])
+    assert ok.status_code == 200, ok.text
+    (tmp_path / "dog.png").write_bytes(png(8))
+    outside = post(server, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": (tmp_path / "dog.png").as_uri()}}]}])
+    assert outside.status_code == 400 and "outside" in outside.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("https://example.com/cat.png", "not fetched"),
+        ("data:image/png;base64,not-base64!!", "base64"),
+        (data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20), "could not be decoded"),
+        (data_url(png(5)[:200]), "could not be decoded"),  # truncated
+        ("ftp://host/x.png", "unsupported"),
+    ],
+)
+def test_bad_images_are_400s_and_the_server_keeps_serving(server: ServerThread, url: str, says: str) -> None:
+    r = post(server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    assert chat(server, [user("still there?", png(1))]).choices[0].finish_reason in ("length", "stop")
+
+
+def test_limits_are_400s(server: ServerThread) -> None:
+    many = post(server, [user("many", *[png(1)] * 17)])
+    assert many.status_code == 400 and "limit of 16" in many.json()["error"]["message"]
+    bomb = io.BytesIO()
+    Image.new("RGB", (9000, 9000)).save(bomb, format="PNG")  # 81M pixels, a small file
+    r = post(server, [user("big", bomb.getvalue())])
+    assert r.status_code == 400 and "pixels" in r.json()["error"]["message"]
+    bad_detail = post(server, [{"role": "user", "content": [image_part(png(1), detail="huge")]}])
+    assert bad_detail.status_code == 400
+
+
+def test_low_detail_is_a_shorter_span_and_another_key(server: ServerThread) -> None:
+    big = png(6, size=(280, 280))
+    high = chat(server, [user("x", big)])
+    low = chat(server, [{"role": "user", "content": [image_part(big, detail="low"), {"type": "text", "text": "x"}]}])
+    assert low.usage.prompt_tokens < high.usage.prompt_tokens
+
+
+def test_a_text_only_model_refuses_images(tiny_model_dir: Path) -> None:
+    with ServerThread(config_for(tiny_model_dir)) as s:
+        r = post(s, [user("what is this?", png(1))])
+        assert r.status_code == 400 and "does not read images" in r.json()["error"]["message"]
+        ok = post(s, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+        assert ok.status_code == 200
