@@ -1,0 +1,149 @@
+"""OpenAI's Responses API over real HTTP with the official `openai` client.
+
+The scripted model (tests/scripted_model.py) makes a real function call by
+greedy decoding, and reasoning + an answer when tool calls are banned. A
+conversation continues through `previous_response_id` (the stored response's
+conversation, in its cache session) and reads its prefix from the prompt
+cache; stored responses survive a restart of a real `mlxd serve` process with
+the SSD tier.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from scripted_model import ANSWER, REASONING, build_scripted_model
+
+from procs import ServeProcess
+from serving import ServerThread, config_for
+
+INSTRUCTIONS = "You are a careful assistant who answers briefly. " * 12
+TOOLS = [{
+    "type": "function", "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with ServerThread(config_for(model, model_name="tiny")) as s:
+        yield s
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def respond(base_url, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_output_tokens", 40)
+    kw.setdefault("instructions", INSTRUCTIONS)
+    return client(base_url).responses.create(model="tiny", **kw)
+
+
+def test_a_tool_loop_through_previous_response_id(server):
+    first = respond(server.base_url, input="What is the weather in Oslo?", tools=TOOLS)
+    assert first.status == "completed"
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.arguments == "{}"
+    assert first.usage.input_tokens_details.cached_tokens == 0
+
+    second = respond(server.base_url, previous_response_id=first.id, tools=TOOLS, tool_choice="none",
+                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    assert second.output[0].content[0].text == REASONING
+    assert second.output_text == ANSWER
+    assert second.previous_response_id == first.id
+    # The instructions, tools, question and the call come from the cache.
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached > first.usage.input_tokens // 2
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+    # The same conversation sent whole (no previous_response_id) is the same prompt.
+    whole = respond(server.base_url, tools=TOOLS, tool_choice="none", max_output_tokens=1, input=[
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ])
+    assert whole.usage.input_tokens == second.usage.input_tokens
+
+
+def test_streaming_events_build_the_same_response(server):
+    kw = {"input": "Stream the weather in Lima.", "tools": TOOLS, "tool_choice": "none"}
+    body = respond(server.base_url, **kw)
+    events = list(respond(server.base_url, stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == body.output_text == ANSWER
+    assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt as `body`'s
+    assert client(server.base_url).responses.retrieve(final.id).output_text == ANSWER
+
+
+def test_a_streamed_function_call(server):
+    with client(server.base_url).responses.stream(model="tiny", input="Weather in Cairo?", tools=TOOLS,
+                                                  instructions=INSTRUCTIONS, temperature=0,
+                                                  max_output_tokens=40) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert [(i.type, i.name) for i in final.output] == [("function_call", "get_weather")]
+
+
+def test_get_delete_and_store_false(server):
+    kept = respond(server.base_url, input="Weather?", max_output_tokens=2)
+    assert kept.status == "incomplete" and kept.incomplete_details.reason == "max_output_tokens"
+    again = client(server.base_url).responses.retrieve(kept.id)
+    assert again.id == kept.id and again.usage.output_tokens == 2
+    deleted = httpx.delete(f"{server.base_url}/responses/{kept.id}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    with pytest.raises(openai.NotFoundError):
+        client(server.base_url).responses.retrieve(kept.id)
+    loose = respond(server.base_url, input="Weather?", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client(server.base_url).responses.retrieve(loose.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        respond(server.base_url, input="more", previous_response_id=loose.id)
+    assert missing.value.body["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "store": "yes"}, "store"),
+    ({"input": "hi", "background": True}, "background"),
+])
+def test_bad_requests_name_the_field(server, body, param):
+    r = httpx.post(f"{server.base_url}/responses", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_stored_responses_survive_a_restart(model, tmp_path):
+    """A real `mlxd serve` with the SSD tier: stored, stopped, restarted, continued."""
+    args = ("--model", str(model), "--model-name", "tiny", "--ssd-cache", str(tmp_path / "ssd"))
+    with ServeProcess(*args, log_path=tmp_path / "a.log") as p:
+        first = respond(p.url + "/v1", input="What is the weather in Oslo?", tools=TOOLS)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        assert httpx.post(p.url + "/admin/cache/flush", timeout=60).status_code == 200
+    with ServeProcess(*args, log_path=tmp_path / "b.log") as p:
+        assert client(p.url + "/v1").responses.retrieve(first.id).output[0].name == "get_weather"
+        second = respond(p.url + "/v1", previous_response_id=first.id, tools=TOOLS, tool_choice="none",
+                         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        assert second.output_text == ANSWER
+        # The conversation's prefix comes back from the SSD tier.
+        assert second.usage.input_tokens_details.cached_tokens > 0
