@@ -285,6 +285,10 @@ class CacheOwnerActor:
                 if record is not None:
                     self._count.vanished += 1
                     self._apply(self.tiers.lost(record))
+            if self._guard is not None and self._guard.pending:
+                # Deletions refused under the grace: the cap must hold on disk too.
+                still = {r.path for r in self.tiers.ssd_records()}
+                await trio.to_thread.run_sync(self._guard.retry, still.__contains__)
             self._announce_residency()
 
     async def _demote_idle_forever(self) -> None:
@@ -307,5 +311,7 @@ class CacheOwnerActor:
                 "discovered": self._count.discovered,
                 "vanished": self._count.vanished,
                 "deletions_refused": self._guard.refused,
+                "deletions_retried": self._guard.retried,
+                "deletions_pending": self._guard.pending,
             },
         )

@@ -46,6 +46,8 @@ class DeletionGuard:
     clock: Callable[[], float] = time.time
     _fd: int | None = None
     refused: int = 0  # deletions skipped (not the collector, or too recently used)
+    retried: int = 0  # refused deletions carried out later, once the grace had passed
+    _pending: dict[Path, None] = attrs.field(factory=dict)  # refused as the collector: retry
 
     @property
     def is_collector(self) -> bool:
@@ -83,12 +85,42 @@ class DeletionGuard:
         """Delete `path` if allowed; True when it was deleted."""
         if not self.may_delete(path):
             self.refused += 1
+            if self.is_collector and path.exists():
+                self._pending[path] = None  # too recently used: `retry` deletes it after the grace
             return False
         try:
             path.unlink(missing_ok=True)
         except OSError:
             return False
+        self._pending.pop(path, None)
         return True
+
+    @property
+    def pending(self) -> int:
+        """Refused deletions waiting for their grace to pass."""
+        return len(self._pending)
+
+    def retry(self, indexed: Callable[[Path], bool]) -> int:
+        """Delete the refused files whose grace has passed; returns how many went.
+
+        Without this the cap would hold in the index only: a file evicted while
+        fresh would stay on disk for good. A file this replica indexes again (or
+        that someone used since) is not deleted; one already gone is forgotten.
+        """
+        deleted = 0
+        for path in list(self._pending):
+            if indexed(path) or not path.exists():
+                self._pending.pop(path, None)
+                continue
+            if self.may_delete(path):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    continue
+                self._pending.pop(path, None)
+                deleted += 1
+        self.retried += deleted
+        return deleted
 
     def release(self) -> None:
         if self._fd is not None:
