@@ -228,7 +228,7 @@ def parse_request(body: Any, *, max_tokens_limit: int) -> MessagesRequest:
     """Validate a Messages body; every problem is an ApiError (shaped by the route)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:
         raise _bad("'max_tokens' is required")
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -131,7 +131,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _part_text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
-            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            parts = [p for key in ("content", "summary") if isinstance(item.get(key), list) for p in item[key]]
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict)
                                  and isinstance(p.get("text"), str))
         else:
