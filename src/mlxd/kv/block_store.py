@@ -20,7 +20,9 @@ manifest on disk names (and tmp files, which only a dead writer can leave
 while nobody holds the lock). One writer thread per process does both, and
 `flock` serializes processes sharing the directory.
 
-The store keeps no index (the cache tiers do, with `blocks.BlockLedger`):
+The store keeps no index (the cache tiers do, with `blocks.BlockLedger`),
+only a hint of where known blocks start (`blocks.SharedStarts`, rebuilt by
+the scan) so a new block ends where it stops sharing a stored one:
 `scan()` returns the manifests' records, `write()` commits one checkpoint,
 `load()` returns the loaded snapshot or None (a miss; what is damaged is
 removed), `collect()` removes garbage blocks. `mlxd.kv.ssd_store.SsdStore`
@@ -246,6 +248,9 @@ class BlockStore:
     block_tokens: int = bk.BLOCK_TOKENS
     readers: int = READERS  # block files one load reads at once (their destinations are disjoint)
     _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
+    # Where this process's known blocks start (scan + writes): a new block ends where it stops sharing.
+    _starts: bk.SharedStarts = attrs.field(factory=bk.SharedStarts, init=False)
+    _starts_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)  # writer vs collecting threads
 
     @property
     def directory(self) -> Path:
@@ -301,6 +306,8 @@ class BlockStore:
                 _write_durably(path, data)
             except OSError as exc:
                 raise ff.storage_error(exc, f"writing {path}") from exc
+        with self._starts_lock:
+            self._starts.add(meta.tokens, refs)
         record = SsdRecord(
             meta.namespace, meta.tokens, manifest.nbytes, time.time(), manifest.trimmable, path, tuple(refs)
         )
@@ -330,6 +337,7 @@ class BlockStore:
                 fingerprint=meta.config_fingerprint,
                 exists=exists,
                 block_tokens=self.block_tokens,
+                shared=self._shared,
             )
             for s in spans:
                 payload = _payload(bk.span_descs(plan.caches, n, s.start, s.end))
@@ -353,6 +361,10 @@ class BlockStore:
         except OSError as exc:
             raise ff.storage_error(exc, f"syncing {self.blocks_dir}") from exc
         return refs, written, new
+
+    def _shared(self, parent: str, tokens: Sequence[int]) -> int:
+        with self._starts_lock:
+            return self._starts.shared(parent, tokens)
 
     def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
         path = self.block_path(name)
@@ -441,6 +453,10 @@ class BlockStore:
                 _unlink_quietly(self.block_path(name))
             if garbage:
                 ff.fsync_dir(self.blocks_dir)
+        with self._starts_lock:
+            self._starts.discard(garbage)
+            for record in records:
+                self._starts.add(record.tokens, record.blocks)
         report = ScanReport(
             manifests=len(records),
             blocks=len(blocks) - len(garbage),
@@ -548,6 +564,8 @@ class BlockStore:
                     _unlink_quietly(self.block_path(name))
                 if victims:
                     ff.fsync_dir(self.blocks_dir)
+                with self._starts_lock:
+                    self._starts.discard(victims)
         except (ff.StorageError, OSError) as exc:
             log.warning("ssd_collect_failed", dir=str(self.directory), error=str(exc))
             return GcReport()

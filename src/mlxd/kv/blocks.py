@@ -22,7 +22,11 @@ span the two name the same blocks.
 Spans end on multiples of `block_tokens` (a grid shared by every
 conversation), except that a growing conversation reuses the partial block
 its previous checkpoint ended with (`choose_spans` probes for it), so a
-follow-up checkpoint writes only its new tokens.
+follow-up checkpoint writes only its new tokens; and a new block that starts
+where a stored block starts, and shares only its first tokens with it, ends
+where they stop matching (`SharedStarts`), so the part of a grid cell that
+conversations share (an agent's system prompt past its last grid line) is
+stored once, not once per conversation.
 
 Nothing here does I/O (see `mlxd.kv.block_store`) or imports MLX.
 """
@@ -46,6 +50,7 @@ ROOT = "0" * 32  # the parent of a chain's first block
 _EVENT_MASK = (1 << 63) - 1  # non-negative in both signed and unsigned 64-bit decoders
 _NAME_CHARS = frozenset("0123456789abcdef")
 _SPANNED_KINDS = ("kv", "quant")  # token axis -2, trimmable
+MIN_SHARED_CUT = 16  # a block is cut where it stops sharing only after this many shared tokens
 
 
 def chain_hash(parent: str, tokens: Sequence[int] | np.ndarray, *, namespace: str, fingerprint: str) -> str:
@@ -232,15 +237,19 @@ def choose_spans(
     fingerprint: str,
     exists: Callable[[str], bool],
     block_tokens: int = BLOCK_TOKENS,
+    shared: Callable[[str, Sequence[int]], int] | None = None,
 ) -> list[Span]:
     """Cut `tokens` into span blocks, reusing the blocks `exists` says are stored.
 
     Walking from the first token: where the chain so far is stored, take the
     longest stored block that starts here and ends at or before the next grid
     line (a full grid cell, or the partial block an earlier checkpoint of this
-    conversation ended with); otherwise a new block up to the grid line. Once
-    a block is new no later one can exist (its parent's name is new), so the
-    probing stops there.
+    conversation ended with); otherwise a new block up to the grid line, or,
+    when `shared(parent, tokens[here:grid])` says a stored block after the
+    same parent begins with >= MIN_SHARED_CUT of those tokens and not all of
+    them, a new block of just the shared ones (`SharedStarts.shared`): the
+    next conversation over that prefix reuses it. Once a block is new no
+    later one can exist (its parent's name is new), so the probing stops there.
     """
     n = len(tokens)
     spans: list[Span] = []
@@ -255,9 +264,14 @@ def choose_spans(
                     found = Span(name, pos, end, True)
                     break
         if found is None:
+            end = grid
+            if chain_stored and shared is not None:
+                common = shared(parent, tokens[pos:grid])
+                if MIN_SHARED_CUT <= common < grid - pos:
+                    end = pos + common
             chain_stored = False
-            name = chain_hash(parent, tokens[pos:grid], namespace=namespace, fingerprint=fingerprint)
-            found = Span(name, pos, grid, False)
+            name = chain_hash(parent, tokens[pos:end], namespace=namespace, fingerprint=fingerprint)
+            found = Span(name, pos, end, False)
         spans.append(found)
         parent, pos = found.name, found.end
     return spans
@@ -355,6 +369,59 @@ class BlockLedger:
         return sum(b.nbytes for b in {b.name: b for b in blocks}.values() if self._refs.get(b.name, 0) == 1)
 
 
+@attrs.define
+class SharedStarts:
+    """The tokens of stored span blocks, by the block they follow: where a new block should end.
+
+    `choose_spans` asks it, for a block about to be written, how many of its
+    tokens a stored block after the same parent starts with; cutting the new
+    block there lets the next checkpoint over the same prefix reuse the
+    shared part. A hint only: a block it does not know (another process's,
+    one collected since) costs sharing, never correctness.
+    """
+
+    _after: dict[str, dict[str, np.ndarray]] = attrs.field(factory=dict)
+    _parent: dict[str, str] = attrs.field(factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def add(self, tokens: Sequence[int] | np.ndarray, blocks: Iterable[BlockRef]) -> None:
+        """Learn the span blocks of a stored checkpoint of `tokens`."""
+        parent = ROOT
+        for b in blocks:
+            if b.state:
+                continue
+            if b.name not in self._parent:
+                self._after.setdefault(parent, {})[b.name] = np.asarray(tokens[b.start : b.end], dtype=np.int64)
+                self._parent[b.name] = parent
+            parent = b.name
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Forget blocks that are gone (collected)."""
+        for name in names:
+            parent = self._parent.pop(name, None)
+            if parent is None:
+                continue
+            siblings = self._after[parent]
+            del siblings[name]
+            if not siblings:
+                del self._after[parent]
+
+    def shared(self, parent: str, tokens: Sequence[int]) -> int:
+        """The most leading `tokens` that a known block after `parent` starts with."""
+        siblings = self._after.get(parent)
+        if not siblings:
+            return 0
+        want = np.asarray(tokens, dtype=np.int64)
+        best = 0
+        for have in siblings.values():
+            m = min(len(have), len(want))
+            differ = np.flatnonzero(have[:m] != want[:m])
+            best = max(best, int(differ[0]) if len(differ) else m)
+        return best
+
+
 def unreferenced(stored: Iterable[str], manifests: Iterable[Iterable[str]]) -> set[str]:
     """GC planning: the stored block names that no manifest names."""
     live: set[str] = set()
@@ -372,6 +439,7 @@ def model_blocks(
     bytes_per_token: int,
     state_bytes: int = 0,
     block_tokens: int = BLOCK_TOKENS,
+    shared: Callable[[str, Sequence[int]], int] | None = None,
 ) -> tuple[BlockRef, ...]:
     """The blocks a checkpoint of `tokens` would use, with modeled sizes (the simulator's store).
 
@@ -380,7 +448,9 @@ def model_blocks(
     state block (when `state_bytes`) is `state_bytes`. Page padding and block
     headers are left out.
     """
-    spans = choose_spans(tokens, namespace=namespace, fingerprint=fingerprint, exists=stored, block_tokens=block_tokens)
+    spans = choose_spans(
+        tokens, namespace=namespace, fingerprint=fingerprint, exists=stored, block_tokens=block_tokens, shared=shared
+    )
     refs = [BlockRef(s.name, s.start, s.end, (s.end - s.start) * bytes_per_token) for s in spans]
     if state_bytes:
         n = len(tokens)

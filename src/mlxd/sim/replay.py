@@ -30,7 +30,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from mlxd.kv.blocks import BlockRef, model_blocks
+from mlxd.kv.blocks import BlockRef, SharedStarts, model_blocks
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -127,6 +127,7 @@ class MlxdReplay:
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _running: int = attrs.field(init=False, default=0)
     _quiet: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _starts: SharedStarts = attrs.field(init=False, factory=SharedStarts)  # as the block store's hint
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -248,8 +249,10 @@ class MlxdReplay:
                 self._dirty.set()
             elif isinstance(effect, Forget):
                 self._queue.forget(effect.namespace, effect.tokens)
-            elif isinstance(effect, NotStored | Unlink):
-                pass  # nothing to write or delete: the core already counted it
+            elif isinstance(effect, Unlink):
+                self._starts.discard(effect.garbage)  # the block store collects them: no hint is left
+            elif isinstance(effect, NotStored):
+                pass  # nothing to write: the core already counted it
 
     async def _writer(self) -> None:
         """The SSD writer: one dirty record at a time, in the queue's order."""
@@ -269,6 +272,7 @@ class MlxdReplay:
             stored = SsdRecord(
                 record.namespace, record.tokens, record.nbytes, self.now(), record.trimmable, None, blocks
             )
+            self._starts.add([int(t) for t in record.tokens], blocks)
             self._apply(self.tiers.durable(stored))
 
     def _blocks(self, tokens, namespace: str) -> tuple[BlockRef, ...]:
@@ -282,6 +286,7 @@ class MlxdReplay:
         return model_blocks(
             [int(t) for t in tokens], namespace=namespace, fingerprint="sim", stored=self.tiers.ssd_has_block,
             bytes_per_token=self.cost.kv_bytes(real), block_tokens=max(1, self.ssd_block_tokens // real),
+            shared=self._starts.shared,
         )
 
     def _new_bytes(self, blocks: tuple[BlockRef, ...]) -> int:
