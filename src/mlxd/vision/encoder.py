@@ -86,6 +86,11 @@ class Vision:
         return {"media_encoded": c.encoded, "media_encoder_ram_hits": c.ram_hits,
                 "media_encoder_ssd_hits": c.ssd_hits, "media_prefills": c.media_prefills}
 
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until the encoder outputs handed to the SSD writer are on disk (bounded)."""
+        if self.writer is not None:
+            self.writer.drain(timeout)
+
     def features(self, image: ImageInput, dtype: Any) -> Any:
         """The tower's output for `image`: from RAM, else from the SSD copy it brought, else encoded."""
         import mlx.core as mx

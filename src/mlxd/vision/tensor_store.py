@@ -120,8 +120,13 @@ class TensorWriter:
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until every queued tensor is written (tests, shutdown)."""
+        if self._thread is None:
+            return
         done = threading.Event()
-        self._queue.put(("", done), timeout=timeout)  # type: ignore[arg-type]
+        try:
+            self._queue.put(("", done), timeout=timeout)  # type: ignore[arg-type]
+        except queue.Full:
+            return
         done.wait(timeout)
 
     def _run(self) -> None:
