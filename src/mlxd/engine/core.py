@@ -67,7 +67,6 @@ from mlxd.runtime.kernel.messages import (
 from mlxd.runtime.logging import get_logger
 from mlxd.structured.matcher import GrammarCache, load_vocabulary
 from mlxd.vision.encoder import Vision, load_vision
-from mlxd.vision.encoder import Vision, load_vision
 
 log = get_logger("mlxd.engine")
 
@@ -142,7 +141,6 @@ class EngineCore:
         self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
-        self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
         self._drafts = Drafts(self._rows)
         self._speculate = config.speculative == "ngram"
@@ -179,10 +177,6 @@ class EngineCore:
             loaded = loading.load(self._config, self._stream)
             self.model, self.tokenizer, self.channel = loaded.model, loaded.tokenizer, loaded.channel
             self._eos = frozenset(self.tokenizer.eos_token_ids)
-            self.vision = load_vision(
-                loaded.path, self.model, dtype=mx.float32 if mx.default_device() == mx.cpu else None,
-                tensors_root=self._config.ssd_cache_dir / "tensors" if self._config.ssd_cache_dir else None,
-            )
             self.vision = load_vision(
                 loaded.path, self.model, dtype=mx.float32 if mx.default_device() == mx.cpu else None,
                 tensors_root=self._config.ssd_cache_dir / "tensors" if self._config.ssd_cache_dir else None,
@@ -346,7 +340,6 @@ class EngineCore:
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             **(self.vision.stats() if self.vision is not None else {}),
-            **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
         )
 
@@ -449,18 +442,6 @@ class EngineCore:
         row.cached_tokens = usable
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
-
-    def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:
-        """Run the prompt through its last image (tower outputs in the image spans); the text joins after."""
-        from mlxd.kv.media import media_end
-
-        if self.vision is None:
-            raise ValueError("this model has no vision tower: it cannot read images")
-        if media_end([m.span for m in req.media]) <= usable:  # the cached prefix covers every image
-            return lent, usable
-        caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
-        end = self.vision.prefill(self.model, req.prompt, req.media, caches, usable, step=self._prefill_step_size)
-        return caches, end
 
     def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:
         """Run the prompt through its last image (tower outputs in the image spans); the text joins after."""
