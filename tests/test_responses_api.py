@@ -147,3 +147,39 @@ def test_stored_responses_survive_a_restart(model, tmp_path):
         assert second.output_text == ANSWER
         # The conversation's prefix comes back from the SSD tier.
         assert second.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_the_agents_sdk_drives_a_five_step_tool_loop(server):
+    """The OpenAI Agents SDK (Responses model): four tool calls, then an answer; every step reads the
+    previous step's prompt from the cache."""
+    from agents import Agent, ModelSettings, RunHooks, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_responses import OpenAIResponsesModel
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+    usages: list = []
+
+    @function_tool
+    def get_weather(city: str = "Oslo") -> str:
+        """The current weather of a city."""
+        calls.append(city)
+        if len(calls) == 4:  # the fifth step answers
+            agent.model_settings = ModelSettings(temperature=0, max_tokens=40, tool_choice="none")
+        return f"sunny, {20 + len(calls)} C"
+
+    class Usage(RunHooks):
+        async def on_llm_end(self, context, agent, response) -> None:
+            usages.append(response.usage)
+
+    model = OpenAIResponsesModel(model="tiny", openai_client=AsyncOpenAI(
+        base_url=server.base_url, api_key="unused", max_retries=0))
+    agent = Agent(name="weather", instructions=INSTRUCTIONS, tools=[get_weather], model=model,
+                  model_settings=ModelSettings(temperature=0, max_tokens=40), reset_tool_choice=False)
+    result = Runner.run_sync(agent, "What is the weather in Oslo?", max_turns=5, hooks=Usage())
+    assert result.final_output == ANSWER
+    assert len(calls) == 4 and len(usages) == 5
+    for before, after in zip(usages, usages[1:], strict=False):
+        # Each step's prompt extends the last; the cache serves at least the last step's whole prompt.
+        assert after.input_tokens > before.input_tokens
+        assert after.input_tokens_details.cached_tokens >= before.input_tokens
