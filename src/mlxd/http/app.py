@@ -29,6 +29,7 @@ from mlxd.http.schemas import (
 )
 from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.http.sessions import install_sessions, session_id
+from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars, encode_off_loop
 from mlxd.runtime.chat.text import TextAssembler
 from mlxd.runtime.kernel.messages import (
     GenerationFinished,
@@ -51,6 +52,8 @@ from mlxd.vision.chat import chat_prompt, preparer_for
 log = get_logger("mlxd.http")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# Request bodies larger than this are parsed on a worker thread.
+PARSE_OFF_LOOP_BYTES = 256 * 1024
 # Names that mean "the served model": ours, and mlx_lm.server's (its clients send it).
 MODEL_ALIASES = ("default", "default_model")
 
@@ -394,6 +397,19 @@ def _check_unicode(body: Any) -> None:
         raise ApiError(400, "the request body is nested too deeply") from None
 
 
+def _parse_json(raw: str | bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8") from None
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    _check_unicode(body)
+    return body
+
+
 def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
     first = group.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
@@ -408,6 +424,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = rt.config.max_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
     access = AccessPolicy(api_key=rt.config.api_key, admin_key=rt.config.admin_key, loopback=is_loopback(host))
+    prompt_bound = PromptBound.of(rt.tokenizer)  # a prompt's fewest tokens from its characters
     media_preparer = preparer_for(rt)  # None: a text-only model (docs/vision.md)
     timeout_s = rt.config.request_timeout_s
 
@@ -442,16 +459,23 @@ def create_app(
 
     async def read_json() -> Any:
         raw = await request.get_data(cache=False)
+        if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes of JSON take a while: off the event loop
+            return await trio.to_thread.run_sync(_parse_json, raw)
+        return _parse_json(raw)
+
+    def refuse_early(parsed: ParsedRequest, chars: int, param: str) -> None:
+        """Refuse before tokenizing: a prompt whose characters alone cannot fit, or a full queue."""
+        fewest, limit = prompt_bound.fewest_tokens(chars), rt.info.max_context
+        if fewest + parsed.sampling.max_tokens > limit:
+            raise ApiError(400, f"the prompt ({chars} characters, so at least {fewest} tokens) + max_tokens "
+                           f"({parsed.sampling.max_tokens}) exceeds the model's context length of {limit} tokens",
+                           param=param, code="context_length_exceeded")
         try:
-            body = json.loads(raw)
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not valid UTF-8") from None
-        except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-        _check_unicode(body)
-        return body
+            rt.check_admission()
+        except QueueFull as exc:
+            raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (rt.info.model_name, *MODEL_ALIASES):
@@ -551,6 +575,7 @@ def create_app(
         )
         messages = parse_messages(body)
         options = parse_chat_options(body)
+        refuse_early(parsed, chat_chars(messages), "messages")
 
         async def render(realign: bool) -> tuple[int, ...]:
             try:
@@ -573,7 +598,8 @@ def create_app(
         if body.get("echo"):
             raise ApiError(400, "'echo' is not supported", param="echo")
         prompt = parse_prompt(body)
-        ids = rt.encode(prompt) if isinstance(prompt, str) else tuple(prompt)
+        refuse_early(parsed, len(prompt) if isinstance(prompt, str) else 0, "prompt")
+        ids = await encode_off_loop(rt.encode, prompt) if isinstance(prompt, str) else tuple(prompt)
         return await run(parsed, ids, chat=False, session=session_id(request.headers, body))
 
     @app.get("/v1/models")

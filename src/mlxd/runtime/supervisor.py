@@ -323,6 +323,15 @@ class Runtime:
 
     # --- submitting --------------------------------------------------------------
 
+    def check_admission(self) -> None:
+        """Raise now what `submit` would (ShuttingDown, QueueFull): before a prompt is tokenized for nothing."""
+        if not self.admitting:
+            raise ShuttingDown("the server is shutting down")
+        queue = self._submit.statistics()
+        if queue.current_buffer_used >= queue.max_buffer_size and queue.tasks_waiting_receive == 0:
+            self._rejected += 1
+            raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)")
+
     def submit(self, request: GenerationRequest) -> GenerationStream:
         """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting."""
         if not self.admitting:

@@ -1,0 +1,213 @@
+"""Fair under load: prompts are measured and admitted before they are tokenized, tokenizing never
+blocks the event loop, and many mixed streaming clients all get an answer (2xx or a clean 503)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.serving import ServerThread, config_for
+
+from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from load_test import stream_chat  # noqa: E402
+
+CONTEXT = (
+    60_000  # long enough that a 200k-character prompt passes the character bound and is tokenized
+)
+NO_EOS = {"0": -100, "2": -100}
+BOUND_S = 120.0  # generous: only bounds a failure
+TURNS = 1
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_model_dir):
+    """One batch slot and no queue: a second request while one generates is refused."""
+    config = config_for(
+        tiny_model_dir, max_context=CONTEXT, max_batch=1, prefill_batch=1, max_queue=0
+    )
+    with ServerThread(config) as server:
+        yield server
+
+
+def _root(server: ServerThread) -> str:
+    return server.base_url.removesuffix("/v1")
+
+
+def _words(chars: int) -> str:
+    text = "hello world, this is a test of many words. " * (chars // 40 + 1)
+    return text[:chars]
+
+
+def test_the_character_bound_never_exceeds_the_real_token_count(tiny_model):
+    _, tokenizer = tiny_model
+    bound = PromptBound.of(tokenizer)
+    assert bound.chars_per_token > 0
+    samples = [
+        _words(5000),
+        "ünïcödé ✓ 漢字 " * 200,
+        "<|im_start|>" * 100,
+        "a" * 3000,
+        " " * 2000,
+        "0123456789" * 300,
+    ]
+    for text in samples:
+        assert bound.fewest_tokens(len(text)) <= len(tokenizer.encode(text)), text[:30]
+
+
+def test_chat_chars_counts_what_every_template_copies():
+    messages = [
+        {"role": "system", "content": " be brief "},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "abc"}, {"type": "image_url", "image_url": {}}],
+        },
+        {"role": "assistant", "content": "<think>long</think>dropped by some templates"},
+        {"role": "tool", "content": "xy"},
+    ]
+    assert chat_chars(messages) == len("be brief") + 3 + 2
+
+
+def test_a_14_mib_prompt_is_refused_from_its_characters(one_slot):
+    prompt = _words(14 * 1024 * 1024)
+    r = httpx.post(
+        _root(one_slot) + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4},
+        timeout=BOUND_S,
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "characters, so at least" in error["message"]  # refused before tokenization, not after
+
+
+def test_a_chat_too_long_by_its_characters_is_refused_untokenized(one_slot):
+    messages = [{"role": "user", "content": _words(7_000_000)}]
+    r = httpx.post(
+        one_slot.base_url + "/chat/completions",
+        json={"messages": messages, "max_tokens": 4},
+        timeout=BOUND_S,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages" and "characters" in r.json()["error"]["message"]
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(one_slot, monkeypatch):
+    url, rt = _root(one_slot), one_slot.runtime
+    tokenizing, tokenized = threading.Event(), threading.Event()
+    encode = rt.encode
+
+    def watched_encode(text: str) -> tuple[int, ...]:  # the real encode, telling when it runs
+        tokenizing.set()
+        try:
+            return encode(text)
+        finally:
+            tokenized.set()
+
+    monkeypatch.setattr(rt, "encode", watched_encode)
+    big: dict[str, httpx.Response] = {}
+
+    def send_big() -> None:
+        big["r"] = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": _words(400_000), "max_tokens": 4},
+            timeout=BOUND_S,
+        )
+
+    thread = threading.Thread(target=send_big)
+    thread.start()
+    assert tokenizing.wait(BOUND_S)
+    during = 0  # /health answers given while the prompt was being tokenized
+    with httpx.Client(timeout=BOUND_S) as client:
+        while not tokenized.is_set():
+            if client.get(url + "/health").status_code == 200 and not tokenized.is_set():
+                during += 1
+    thread.join()
+    # The prompt passes the character bound, is tokenized (off the event loop), then is too long.
+    r = big["r"]
+    assert r.status_code == 400 and "tokens) + max_tokens" in r.json()["error"]["message"], r.text[
+        :300
+    ]
+    assert during >= 1  # with tokenization on the event loop, /health waits for all of it
+
+
+def test_a_full_queue_refuses_before_tokenizing(one_slot):
+    url = _root(one_slot)
+    busy = {
+        "prompt": "keep the only slot busy",
+        "max_tokens": 3000,
+        "stream": True,
+        "logit_bias": NO_EOS,
+    }
+    before = httpx.get(url + "/stats", timeout=BOUND_S).json()
+    with (
+        httpx.Client(timeout=BOUND_S) as client,
+        client.stream("POST", url + "/v1/completions", json=busy) as s,
+    ):
+        assert s.status_code == 200
+        lines = s.iter_lines()
+        assert next(
+            line for line in lines if line.startswith("data: ")
+        )  # generating: the slot is taken
+        # Too long once tokenized (a 400 after tokenizing), but the queue is full: a 503 first.
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": _words(400_000), "max_tokens": 4},
+            timeout=BOUND_S,
+        )
+        assert r.status_code == 503, r.text[:300]
+        assert r.json()["error"]["type"] == "server_overloaded" and r.headers["retry-after"] == "1"
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            timeout=BOUND_S,
+        )
+        assert chat.status_code == 503
+    after = httpx.get(url + "/stats", timeout=BOUND_S).json()
+    assert after["scheduler"]["rejected"] >= before["scheduler"]["rejected"] + 2
+
+
+# --- many mixed streaming clients ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, max_batch=4, max_queue=4)) as server:
+        yield server
+
+
+def test_32_mixed_streaming_clients_all_answered(small_server):
+    """Short and long prompts together: every request ends with [DONE] or a clean 503, none hangs."""
+    outcomes: list = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        long_prompt = i % 4 == 0
+        words = " ".join(f"word{j % 97}" for j in range(300 if long_prompt else 8))
+        with httpx.Client(
+            base_url=small_server.base_url.removesuffix("/v1"), timeout=BOUND_S
+        ) as http:
+            for turn in range(TURNS):
+                messages = [{"role": "user", "content": f"client {i} turn {turn}: {words}"}]
+                outcome, _ = stream_chat(http, messages, 4)
+                with lock:
+                    outcomes.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2 * BOUND_S)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert len(outcomes) == 32 * TURNS
+    kinds = {o.kind for o in outcomes}
+    assert kinds <= {"ok", "refused"}, [
+        (o.kind, o.status, o.detail) for o in outcomes if o.kind not in ("ok", "refused")
+    ]
+    assert {o.status for o in outcomes if o.kind == "refused"} <= {503}
+    assert sum(o.kind == "ok" for o in outcomes) >= 8
