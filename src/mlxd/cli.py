@@ -66,6 +66,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
+    p.add_argument("--host-cache-gb", type=_gb, default=0,
+                   help="host-memory tier in GB between the RAM tier and SSD: RAM victims move there instead of "
+                   "leaving (CUDA; a logged no-op on unified memory: CPU, Apple); 0 disables (default)")
     p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
     p.add_argument("--kv-bits", type=int, choices=(4, 8),
                    help="store attention KV affine-quantized to 4 or 8 bits (default: the model's precision)")
@@ -214,6 +217,7 @@ def serve_config(args: argparse.Namespace):
         model_preset=args.preset,
         model_name=args.model_name,
         prompt_cache_bytes=args.prompt_cache_gb,
+        host_cache_bytes=args.host_cache_gb,
         retention=args.retention,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
@@ -373,6 +377,12 @@ def record_trace(rt, path: Path) -> None:
     rt.flush_observers.append(flushed)
 
 
+def _host_tier_in_effect() -> bool:
+    from mlxd.runtime import host_memory
+
+    return host_memory.separate_host_memory()
+
+
 def server_record(rt) -> dict:
     """What a replay needs to know about this server's cache (the trace's first line)."""
     import attrs
@@ -382,6 +392,8 @@ def server_record(rt) -> dict:
         "model": rt.info.model_name,
         "kv_bytes_per_token": rt.info.kv_bytes_per_token,
         "prompt_cache_bytes": c.prompt_cache_bytes,
+        # the host tier only where it was in effect (a no-op on unified memory)
+        "host_cache_bytes": c.host_cache_bytes if _host_tier_in_effect() else 0,
         "retention": c.retention,
         "snapshot_min_tokens": c.snapshot_min_tokens,
         "max_batch": c.max_batch,

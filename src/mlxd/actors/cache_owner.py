@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
 import trio
 
-from mlxd.kv.kv_events import RAM, SSD, ResidencyLedger
+from mlxd.kv.host_tier import HostTier
+from mlxd.kv.kv_events import CPU, RAM, SSD, ResidencyLedger
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -26,7 +28,19 @@ from mlxd.kv.retention import make_policy
 from mlxd.kv.shard_mirror import OwnerMirror, ShardRef
 from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 from mlxd.kv.ssd_store import SsdStore
-from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
+from mlxd.kv.tiers import (
+    CacheTiers,
+    Demote,
+    Effect,
+    Forget,
+    NotStored,
+    Persist,
+    Promote,
+    SsdRecord,
+    TierStats,
+    Unlink,
+)
+from mlxd.runtime import host_memory
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
@@ -86,11 +100,14 @@ class CacheOwnerActor:
         engine: trio.MemorySendChannel[EngineInbox] | None = None,
         kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None,
         kv_fingerprint: str = "",
+        host_tier: bool | None = None,
     ) -> None:
         """`durability` and `prefetcher`: the SSD tier's inboxes (with `store`). `engine`: under
         `--distributed`, told which mirrored prefixes left RAM so the followers drop their shards.
         `kv_events`: every change of what RAM and SSD hold, as KV block events (kv/kv_events.py),
         hashed along the SSD block store's chain of the store identity's `kv_fingerprint`.
+        `host_tier`: keep `config.host_cache_bytes` of RAM victims in a host tier; None decides by
+        the device (only where host memory is not the device's: CUDA), True keeps it anyway (tests).
         """
         self._config = config
         self._governor = governor  # told when RAM is over its cap waiting for writes
@@ -98,6 +115,7 @@ class CacheOwnerActor:
         ram = PromptCache(max_bytes=config.prompt_cache_bytes, policy=make_policy(config.retention))
         if clock is not None:
             ram.clock = clock
+        host, self._host_noop = self._host_tier(config, host_tier, ram.clock)
         self.tiers = CacheTiers(
             ram,
             ssd=store is not None,
@@ -105,6 +123,7 @@ class CacheOwnerActor:
             advisor=advisor or RestoreAdvisor(),
             demote_idle_s=config.ssd_demote_idle_s,
             memory_budget=memory_budget,  # resolved by the engine (--memory-budget or the device's share)
+            host=host,
         )
         self._store = store
         # A shared directory (kv/shared_dir.py): other replicas' files come and go.
@@ -129,6 +148,20 @@ class CacheOwnerActor:
         self._mirror = OwnerMirror()
         self._shards_left: list[ShardRef] = []
 
+    @staticmethod
+    def _host_tier(config: RuntimeConfig, wanted: bool | None, clock: Callable[[], float]) -> tuple[HostTier | None, str | None]:
+        """The host tier, or None and why it is a no-op (logged once)."""
+        if config.host_cache_bytes <= 0:
+            return None, None
+        if wanted is None:
+            wanted = host_memory.separate_host_memory()
+        if not wanted:
+            why = "host and device share one memory here (CPU or Apple unified memory): the RAM tier is host memory"
+            log.info("host_cache.noop", requested_bytes=config.host_cache_bytes, reason=why)
+            return None, why
+        log.info("host_cache.enabled", max_bytes=config.host_cache_bytes)
+        return HostTier(max_bytes=config.host_cache_bytes, clock=clock), None
+
     def _report_shards(self) -> None:
         if self._engine is None:
             return
@@ -146,6 +179,8 @@ class CacheOwnerActor:
         if self._kv_events is None:
             return
         events = self._ledger.sync(RAM, self.tiers.ram.entries())
+        if self.tiers.host is not None:
+            events += self._ledger.sync(CPU, self.tiers.host.entries())
         if self.tiers.ssd:
             events += self._ledger.sync(SSD, self.tiers.ssd_records())
         self._kv_pending.extend(events)
@@ -192,7 +227,9 @@ class CacheOwnerActor:
         tiers = self.tiers
         if isinstance(msg, LookupPrefix):
             msg.reply.send(tiers.lookup(msg.tokens, msg.namespace, session=msg.session))
-            self._apply(tiers.check_budget())  # after the lookup: its hit is the most recently used
+            # A promotion first (its pages start back to the device before the engine reads them),
+            # then the budget: after the lookup, its hit is the most recently used.
+            self._apply(tiers.take_effects() + tiers.check_budget())
         elif isinstance(msg, PrefetchHint):
             record = tiers.prefetch_candidate(msg.tokens, msg.namespace)
             if record is not None and self._prefetcher is not None:
@@ -255,6 +292,8 @@ class CacheOwnerActor:
                 log.warning("ssd.not_stored", tokens=len(effect.tokens), nbytes=effect.nbytes, reason=effect.reason)
                 if self._durability is not None:
                     self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
+            elif isinstance(effect, Demote | Promote):
+                self._move_pages(effect)
             elif isinstance(effect, Unlink):
                 if self._store is None or self._nursery is None or effect.record.path is None:
                     continue
@@ -268,6 +307,16 @@ class CacheOwnerActor:
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
             self._governor.set_urgent("budget", self.tiers.budget_waiting)
+
+    def _move_pages(self, effect: Demote | Promote) -> None:
+        """A host-tier move: on CUDA the entry's pages migrate in bulk, started on a worker thread
+        (a promotion's before the engine's first forward pass reads them); elsewhere nothing moves."""
+        if self._nursery is None or not host_memory.separate_host_memory():
+            return
+        to_host = isinstance(effect, Demote)
+        self._nursery.start_soon(
+            partial(trio.to_thread.run_sync, partial(host_memory.move_pages, effect.entry.payload, to_host=to_host))
+        )
 
     async def _watch_shared_dir(self) -> None:
         """Index the files other replicas publish; forget the ones they delete."""
@@ -298,6 +347,13 @@ class CacheOwnerActor:
             self._apply(self.tiers.demote_idle())
             self._announce_residency()
 
+    def _host_stats(self, tiers: TierStats) -> dict[str, object] | None:
+        if tiers.host is not None:
+            return {"enabled": True, **attrs.asdict(tiers.host)}
+        if self._host_noop is not None:
+            return {"enabled": False, "requested_bytes": self._config.host_cache_bytes, "reason": self._host_noop}
+        return None
+
     def stats(self) -> CacheStatsSnapshot:
         tiers = self.tiers.stats()
         return CacheStatsSnapshot(
@@ -306,6 +362,7 @@ class CacheOwnerActor:
             restores=self._count.restores,
             restore_ms_last=self._count.restore_ms_last,
             corrupt_removed=self._count.corrupt_removed + tiers.lost_files - self._count.vanished,
+            host=self._host_stats(tiers),
             shared=None if self._guard is None else {
                 "collector": self._guard.is_collector,
                 "discovered": self._count.discovered,

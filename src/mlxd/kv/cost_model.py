@@ -39,6 +39,8 @@ class CostModel:
     restore_fixed: float  # seconds per SSD restore (open, header, setup)
     restore_bytes_per_s: float  # SSD restore bandwidth into RAM
     kv_bytes_per_token: int  # KV bytes one token of context occupies
+    # Host tier (--host-cache-gb) back to the device; 0 = free (unified memory: nothing moves).
+    host_bytes_per_s: float = 0.0
 
     def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:
         """Prefill `new_tokens` on top of a `context`-token cached prefix."""
@@ -59,6 +61,10 @@ class CostModel:
     def restore_seconds(self, nbytes: int) -> float:
         """Read `nbytes` of KV state back from SSD into RAM."""
         return self.restore_fixed + nbytes / self.restore_bytes_per_s
+
+    def host_seconds(self, nbytes: int) -> float:
+        """Bring `nbytes` of KV back from the host tier to the device."""
+        return nbytes / self.host_bytes_per_s if self.host_bytes_per_s > 0 else 0.0
 
     def kv_bytes(self, tokens: int) -> int:
         """KV bytes of a `tokens`-token prefix."""

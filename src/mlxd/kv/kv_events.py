@@ -40,6 +40,7 @@ from mlxd.kv import blocks as bk
 
 RAM = "RAM"
 SSD = "SSD"
+CPU = "CPU"  # the host-memory tier (--host-cache-gb), vLLM's name for host-offloaded blocks
 DEFAULT_BLOCK_SIZE = 16
 
 

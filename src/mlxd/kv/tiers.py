@@ -17,6 +17,10 @@ holds, and every decision between the two:
 - the SSD cap: least recently used by mtime first; an evicted file clears the
   `durable` flag of RAM entries it was covering;
 - idle demotion: durable RAM entries unused for a while leave RAM;
+- the host tier (`host`, kv/host_tier.py): with one, every entry that leaves
+  RAM (the byte cap, idle demotion, the memory budget) is admitted there
+  (`Demote`) instead of dropped, and a lookup whose longest usable prefix is
+  there promotes it back to RAM (`Promote`) before the SSD is considered;
 - the memory budget: when the process's memory (MLX active memory outside
   the cache, as last measured, plus the cache now) passes `memory_budget`,
   durable RAM entries leave RAM coldest first (`relieve`); entries still
@@ -24,7 +28,8 @@ holds, and every decision between the two:
   entries are simply evicted.
 
 No trio, no threads, no files: every method returns the effects the caller
-must carry out (`Persist`, `Forget`, `Unlink`, `NotStored`) and time comes
+must carry out (`Persist`, `Forget`, `Unlink`, `NotStored`, `Demote`, `Promote`;
+a lookup's are collected by `take_effects`) and time comes
 from the injected clock (wall time when serving, virtual time when simulating).
 """
 
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from mlxd.kv.blocks import BlockLedger, BlockRef
+from mlxd.kv.host_tier import HostTier, HostTierStats
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -89,6 +95,7 @@ class PrefixLookup:
 
     hit: CacheHit | None
     restore: SsdMatch | None = None  # strictly longer than the RAM hit, and worth it
+    promoted: bool = False  # `hit` came back from the host tier (and is in RAM again)
 
 
 # --- effects: what the caller must do after a call ---------------------------------
@@ -134,7 +141,21 @@ class Unlink:
     garbage: tuple[str, ...] = ()
 
 
-Effect = Persist | Forget | NotStored | Unlink
+@attrs.frozen(eq=False)
+class Demote:
+    """This RAM entry moved to the host tier: move its memory there (CUDA) or do nothing (unified memory)."""
+
+    entry: CacheEntry  # the host tier's entry (same payload)
+
+
+@attrs.frozen(eq=False)
+class Promote:
+    """This host-tier entry is back in RAM for a lookup: move its memory to the device, now."""
+
+    entry: CacheEntry  # the RAM tier's entry (same payload)
+
+
+Effect = Persist | Forget | NotStored | Unlink | Demote | Promote
 
 
 @attrs.frozen
@@ -178,6 +199,7 @@ class TierStats:
     ssd_blocks: int = 0  # unique blocks the records name (blocks layout)
     ssd_checkpoint_bytes: int = 0  # KV bytes of every record, shared blocks counted per record
     memory: MemoryStats | None = None  # with a memory budget
+    host: HostTierStats | None = None  # with a host tier
 
 
 @attrs.define
@@ -308,6 +330,8 @@ class CacheTiers:
     advisor: RestoreAdvisor = attrs.Factory(RestoreAdvisor)
     demote_idle_s: float = 0.0  # 0 = never demote idle entries
     memory_budget: int = 0  # bytes of MLX memory the process may use (0 = no budget)
+    host: HostTier | None = None  # the host-memory tier between RAM and SSD (None: victims leave)
+    _pending: list[Effect] = attrs.field(init=False, factory=list)  # a lookup's effects (take_effects)
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
     # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
     sessions: SessionIndex = attrs.field(init=False, factory=SessionIndex)
@@ -385,11 +409,14 @@ class CacheTiers:
             if direct is not None:
                 return PrefixLookup(direct)
         hit = self.ram.take(tokens, namespace)
+        promoted = self._promote(tokens, namespace, hit)
+        if promoted is not None:
+            hit = promoted
         record = self._index.get(ref, namespace) if ref is not None and self.ssd else None
         if ref is not None and record is None:
             self.sessions.fallback()
         if not self.ssd:
-            return PrefixLookup(hit)
+            return PrefixLookup(hit, promoted=promoted is not None)
         if record is not None and ref is not None:
             cold: SsdMatch | None = SsdMatch(record, ref.num_tokens)
         else:
@@ -408,9 +435,31 @@ class CacheTiers:
         ):
             if record is not None:
                 self.sessions.fallback()  # the session's file was not worth restoring
-            return PrefixLookup(hit)
+            return PrefixLookup(hit, promoted=promoted is not None)
         self._index.touch(cold.record, self.now)
-        return PrefixLookup(hit, cold)
+        return PrefixLookup(hit, cold, promoted=promoted is not None)
+
+    def take_effects(self) -> list[Effect]:
+        """The effects of the lookups since the last call (a promotion, the demotions it caused)."""
+        effects, self._pending = self._pending, []
+        return effects
+
+    def _promote(self, tokens: Tokens, namespace: str, hit: CacheHit | None) -> CacheHit | None:
+        """A host-tier entry serving a longer prefix than RAM's hit goes back to RAM; its hit, counted."""
+        if self.host is None:
+            return None
+        found = self.host.find(tokens, namespace, longer_than=hit.usable if hit is not None else 0)
+        if found is None:
+            return None
+        entry = self.host.promote(found)
+        outcome = self.ram.put(entry.tokens, namespace, payload=entry.payload, nbytes=entry.nbytes,
+                               trimmable=entry.trimmable)
+        back = outcome.entry if outcome.entry is not None else entry  # RAM too small: lend it as it is
+        back.durable = self.ssd and self._index.covers(back.tokens, namespace)
+        self._pending.append(Promote(back))
+        if outcome.entry is not None:
+            self._pending += self._evict(keep=back)
+        return CacheHit(back, found.usable)
 
     def prefetch_candidate(self, tokens: Tokens, namespace: str = "") -> SsdRecord | None:
         """The SSD record a newly arrived prompt will likely restore (no accounting)."""
@@ -517,12 +566,14 @@ class CacheTiers:
         """Free RAM held by durable entries idle for `demote_idle_s` (their prefix stays on SSD)."""
         if not self.ssd or self.demote_idle_s <= 0:
             return []
+        gone = []
         for entry in self.ram.idle_entries(idle_for=self.demote_idle_s):
             if entry.durable:
                 self.ram.remove(entry, evicted=True)
                 self._idle_demotions += 1
                 self._demotions += 1
-        return []
+                gone.append(entry)
+        return self._to_host(gone)
 
     # --- the memory budget --------------------------------------------------------
 
@@ -548,7 +599,8 @@ class CacheTiers:
         m = self._memory
         m.active, m.peak = active_bytes, max(m.peak, peak_bytes, active_bytes)
         m.max_active = max(m.max_active, active_bytes)
-        m.other = max(0, active_bytes - self.ram.bytes)
+        # Host-tier entries are MLX arrays whose pages moved to the host: still MLX memory, not "other".
+        m.other = max(0, active_bytes - self.ram.bytes - (self.host.bytes if self.host is not None else 0))
         m.measurements += 1
         return self.check_budget()
 
@@ -583,7 +635,7 @@ class CacheTiers:
             m.evictions += len(released.evicted)
         pending = sum(e.nbytes for e in self.ram.entries() if not self._may_evict(e)) if self.ssd else 0
         m.waiting = min(max(0, over_bytes - released.freed_bytes), pending)
-        return []
+        return self._to_host(released.evicted)
 
     def _memory_stats(self) -> MemoryStats | None:
         if self.memory_budget <= 0:
@@ -659,10 +711,12 @@ class CacheTiers:
             return True
         return key_of(entry.namespace, entry.tokens) in self._unpersistable
 
-    def _evict(self) -> list[Effect]:
+    def _evict(self, *, keep: CacheEntry | None = None) -> list[Effect]:
         prefer = self._unreferenced if len(self.sessions) else None
-        eviction = self.ram.evict(may_evict=self._may_evict if self.ssd else _always, prefer=prefer)
-        effects: list[Effect] = []
+        may = self._may_evict if self.ssd else _always
+        eviction = self.ram.evict(may_evict=may if keep is None else (lambda e: e is not keep and may(e)),
+                                  prefer=prefer)
+        effects: list[Effect] = self._to_host(eviction.evicted)
         for entry in eviction.evicted:
             if not self.ssd:
                 continue
@@ -674,6 +728,17 @@ class CacheTiers:
                 self._unpersistable.discard(key)
             self._dropped_unpersisted += 1
             effects.append(Forget(entry.namespace, entry.tokens))
+        return effects
+
+    def _to_host(self, entries: Iterable[CacheEntry]) -> list[Effect]:
+        """RAM victims go to the host tier (when there is one): `Demote` each admitted one."""
+        if self.host is None:
+            return []
+        effects: list[Effect] = []
+        for entry in entries:
+            kept, _dropped = self.host.admit(entry)
+            if kept is not None:
+                effects.append(Demote(kept))
         return effects
 
     # --- stats ----------------------------------------------------------------------
@@ -699,4 +764,5 @@ class CacheTiers:
             restore_decisions=self.advisor.stats(),
             sessions=self.sessions.stats,
             memory=self._memory_stats(),
+            host=self.host.stats() if self.host is not None else None,
         )

@@ -63,6 +63,9 @@ class RuntimeConfig:
 
     # RAM tier byte cap; 0 disables the prompt cache.
     prompt_cache_bytes: int = attrs.field(default=2 * GB, validator=_non_negative)
+    # Host-memory tier between RAM and SSD (kv/host_tier.py): RAM victims move there
+    # instead of leaving (0 = off; a no-op where host and device memory are one: CPU, Apple).
+    host_cache_bytes: int = attrs.field(default=0, validator=_non_negative)
     retention: str = attrs.field(
         default="lru", validator=attrs.validators.in_(("lru", "lfu", "cost"))
     )

@@ -50,6 +50,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         f"bare --sweep = {','.join(map(str, DEFAULT_SWEEP))}",
     )
     p.add_argument("--ssd-gb", type=float, help="add an SSD tier of this many GiB (mlxd model)")
+    p.add_argument("--host-gb", type=float, default=None,
+                   help="add a host-memory tier of this many GiB between RAM and SSD (mlxd model; "
+                   "default: the recorded server's --host-cache-gb where it was in effect)")
+    p.add_argument("--host-gbps", type=float, default=None,
+                   help="host tier to device bandwidth in GB/s (default: the cost model's; 0 there = free)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
                    help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
     p.add_argument("--ssd-block-tokens", type=int, default=None,
@@ -183,6 +188,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             ssd_layout=args.ssd_layout or "whole",
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
+            host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -223,6 +229,8 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.recorded_ssd = True
         args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
     args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
+    if getattr(args, "host_gb", None) is None and server.get("host_cache_bytes"):
+        args.host_gb = int(server["host_cache_bytes"]) / GIB
     args.ssd_layout = args.ssd_layout or server.get("ssd_layout")
     args.ssd_block_tokens = args.ssd_block_tokens or server.get("ssd_block_tokens")
     if args.granularity == "auto":
@@ -303,6 +311,8 @@ def run_simulate(args) -> int:
     recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
+    if args.host_gbps is not None:
+        cost = attrs.evolve(cost, host_bytes_per_s=args.host_gbps * 1e9)
     if is_mooncake(reqs) and args.granularity != "token":
         check_block_structure(reqs)
     args.calibrations = recording.calibrations

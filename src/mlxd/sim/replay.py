@@ -32,6 +32,7 @@ import trio.testing
 
 from mlxd.kv.blocks import BlockRef, SharedStarts, model_blocks
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
+from mlxd.kv.host_tier import HostTier
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import CostPolicy, RetentionPolicy, make_policy
@@ -193,6 +194,9 @@ class MlxdReplay:
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
                 restore_s = self._restore(lookup.restore.record, r.namespace)
+            elif lookup.hit is not None and lookup.promoted:  # back from the host tier: one bulk copy
+                hit, source = real(lookup.hit.usable), "host"
+                restore_s = self.cost.host_seconds(lookup.hit.entry.nbytes)
             elif lookup.hit is not None:
                 hit, source = real(lookup.hit.usable), "ram"
             else:
@@ -208,7 +212,7 @@ class MlxdReplay:
                 self.on_request(r, hit, source)
             await trio.sleep(self.cost.decode_seconds(r.output_tokens, r.input_length))
             self.tally.add_timing(
-                queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now()
+                queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now(), source=source
             )
             if r.output_ids:
                 full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
@@ -335,6 +339,7 @@ def replay_mlxd(
     ssd_layout: str = "whole",
     ssd_block_tokens: int = 1024,
     advisor_base: CostModel | None = None,
+    host_bytes: int | None = None,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
@@ -366,6 +371,8 @@ def replay_mlxd(
         ssd_block_tokens=ssd_block_tokens,
     )
     cache.clock = replay.now
+    if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
+        tiers.host = HostTier(max_bytes=host_bytes, clock=replay.now)
     started = time.perf_counter()
     tally = replay.run(seed=seed)
     block_bytes = cost.kv_bytes(BLOCK_TOKENS)
@@ -377,4 +384,5 @@ def replay_mlxd(
         ssd_capacity_bytes=ssd_bytes if ssd else None,
         wall_s=time.perf_counter() - started,
         ssd_layout=ssd_layout if ssd else "whole",
+        host_capacity_bytes=host_bytes or None,
     )

@@ -40,6 +40,10 @@ class RunResult:
     session_fallbacks: int = 0  # session references that no longer fit or were evicted
     ssd_layout: str = "whole"
     ssd_bytes_retained: int = 0  # what the SSD tier holds at the end (blocks: each block once)
+    host_capacity_bytes: int | None = None  # --host-gb: the host-memory tier
+    host_hits: int = 0  # lookups served by promoting a host-tier entry
+    host_hit_tokens: int = 0
+    ttft_by_source_s: dict[str, dict[str, float]] = attrs.Factory(dict)  # p50/... per ram/host/ssd/miss
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -68,8 +72,9 @@ class Tally:
     input_tokens: int = 0
     hit_tokens: int = 0
     fraction_sum: float = 0.0
-    hits: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
-    hit_tokens_by: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "ssd": 0, "miss": 0})
+    hits: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "host": 0, "ssd": 0, "miss": 0})
+    hit_tokens_by: dict[str, int] = attrs.Factory(lambda: {"ram": 0, "host": 0, "ssd": 0, "miss": 0})
+    ttft_by: dict[str, list[float]] = attrs.Factory(dict)
     ssd_bytes_written: int = 0
     ssd_bytes_read: int = 0
     ssd_bytes_retained: int = 0
@@ -90,9 +95,11 @@ class Tally:
         self.hits[source] += 1
         self.hit_tokens_by[source] += hit
 
-    def add_timing(self, *, queue: float, ttft: float, end: float = 0.0) -> None:
+    def add_timing(self, *, queue: float, ttft: float, end: float = 0.0, source: str | None = None) -> None:
         self.queue.append(queue)
         self.ttft.append(ttft)
+        if source is not None:
+            self.ttft_by.setdefault(source, []).append(ttft)
         self.end = max(self.end, end)
 
     def result(self, **fields) -> RunResult:
@@ -108,6 +115,9 @@ class Tally:
             misses=self.hits["miss"],
             ram_hit_tokens=self.hit_tokens_by["ram"],
             ssd_hit_tokens=self.hit_tokens_by["ssd"],
+            host_hits=self.hits["host"],
+            host_hit_tokens=self.hit_tokens_by["host"],
+            ttft_by_source_s={k: percentiles(v) for k, v in sorted(self.ttft_by.items())},
             ssd_bytes_written=self.ssd_bytes_written,
             ssd_bytes_read=self.ssd_bytes_read,
             ssd_bytes_retained=self.ssd_bytes_retained,

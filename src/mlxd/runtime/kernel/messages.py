@@ -325,6 +325,7 @@ class CacheStatsSnapshot:
     restore_ms_last: float | None
     corrupt_removed: int
     shared: dict[str, int | bool] | None = None  # a directory shared with other replicas (--ssd-shared)
+    host: dict[str, object] | None = None  # --host-cache-gb: the host tier, or why it is a no-op
 
     def as_dict(self) -> dict[str, object]:
         t = self.tiers
@@ -356,6 +357,8 @@ class CacheStatsSnapshot:
             out["ssd"] = ssd
         if t.memory is not None:
             out["memory"] = attrs.asdict(t.memory)
+        if self.host is not None:
+            out["host"] = self.host
         return out
 
 

@@ -1,0 +1,252 @@
+"""The host-memory tier (--host-cache-gb): the pure core, the tiers around it, the simulator, the wiring."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import trio
+from mlx_lm.models import cache as mlc
+
+from mlxd.actors.cache_owner import CacheOwnerActor
+from mlxd.kv.cost_model import DEFAULT
+from mlxd.kv.host_tier import HostTier
+from mlxd.kv.kv_events import CPU, RAM, BlockRemoved, BlockStored
+from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.retention import make_policy
+from mlxd.kv.tiers import CacheTiers, Demote, Forget, Persist, Promote, SsdRecord
+from mlxd.runtime import host_memory
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.kernel.channels import Reply
+from mlxd.runtime.kernel.messages import (
+    CacheOwnerMessage,
+    LookupPrefix,
+    PublishKvEvents,
+    PublishPrefix,
+    QueryCacheStats,
+)
+from mlxd.sim.replay import replay_mlxd
+from mlxd.sim.trace import TraceRequest
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def toks(start: int, n: int = 10) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def tiers_with_host(*, ram: int = 100, host: int = 250, ssd: bool = False) -> CacheTiers:
+    clock = Clock()
+    return CacheTiers(
+        PromptCache(max_bytes=ram, policy=make_policy("lru"), clock=clock),
+        ssd=ssd,
+        host=HostTier(max_bytes=host, clock=clock),
+    )
+
+
+# --- the pure tier --------------------------------------------------------------------------------
+
+
+def test_host_tier_keeps_victims_lru_by_bytes_and_refuses_what_never_fits():
+    clock = Clock()
+    ram = PromptCache(max_bytes=1000, clock=clock)
+    host = HostTier(max_bytes=100, clock=clock)
+    entries = [ram.put(toks(i * 100), "", payload=f"p{i}", nbytes=40, trimmable=True).entry for i in range(3)]
+    kept, dropped = host.admit(entries[0])
+    assert kept is not None and kept.payload == "p0" and dropped == []
+    host.admit(entries[1])
+    _, dropped = host.admit(entries[2])  # 120 > 100: the coldest goes
+    assert [e.payload for e in dropped] == ["p0"]
+    assert host.find(toks(0) + (1,)) is None
+    found = host.find(toks(100) + (7,))
+    assert found is not None and found.usable == 10 and found.entry.payload == "p1"
+    assert host.find(toks(100) + (7,), longer_than=10) is None
+    big = ram.put(toks(900), "", payload="big", nbytes=101, trimmable=True).entry
+    assert host.admit(big) == (None, [])
+    host.promote(found)
+    s = host.stats()
+    assert (s.entries, s.bytes, s.demotions, s.promotions, s.promoted_tokens, s.evictions, s.too_large) == (
+        1, 40, 3, 1, 10, 1, 1,
+    )
+
+
+def test_ram_victims_are_demoted_and_a_longer_host_prefix_is_promoted_back():
+    tiers = tiers_with_host()
+    effects = []
+    for i in range(4):
+        effects += tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=60, trimmable=True)
+    # RAM holds one 60-byte entry; the three victims went to the host tier instead of leaving.
+    assert [type(e) for e in effects] == [Demote, Demote, Demote]
+    assert [e.entry.payload for e in effects] == ["p0", "p1", "p2"]
+    assert tiers.ram.bytes == 60 and tiers.host.bytes == 180
+    lookup = tiers.lookup(toks(0) + (5,))
+    assert lookup.promoted and lookup.hit.usable == 10 and lookup.hit.entry.payload == "p0"
+    moved = tiers.take_effects()
+    assert [type(e) for e in moved] == [Promote, Demote]  # p0 back, p3 made room for it
+    assert moved[0].entry is tiers.ram.find_exact(toks(0), "") and moved[1].entry.payload == "p3"
+    assert tiers.take_effects() == []
+    # A RAM hit at least as long wins over the host tier: nothing moves.
+    lookup = tiers.lookup(toks(0) + (6,))
+    assert not lookup.promoted and lookup.hit.entry.payload == "p0" and tiers.take_effects() == []
+    stats = tiers.stats()
+    assert stats.host is not None and stats.host.promotions == 1 and stats.host.demotions == 4
+
+
+def test_without_an_ssd_tier_the_host_tier_is_where_victims_go_and_the_cap_drops_them():
+    tiers = tiers_with_host(host=120)
+    for i in range(5):
+        tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=60, trimmable=True)
+    assert sorted(e.payload for e in tiers.host.entries()) == ["p2", "p3"]
+    assert tiers.lookup(toks(0) + (1,)).hit is None  # gone from both
+    assert tiers.stats().host.evictions == 2
+
+
+def test_with_an_ssd_tier_persist_before_demotion_still_holds_and_durable_entries_move_down():
+    tiers = tiers_with_host(ssd=True)
+    a, b = toks(0), toks(100)
+    first = tiers.publish(a, payload="a", nbytes=60, trimmable=True)
+    second = tiers.publish(b, payload="b", nbytes=60, trimmable=True)
+    assert [type(e) for e in first + second] == [Persist, Persist]  # a waits for its write in RAM
+    assert len(tiers.host) == 0 and tiers.ram.bytes == 120
+    effects = tiers.durable(SsdRecord("", a, 60, 0.0))
+    assert [type(e) for e in effects] == [Demote] and effects[0].entry.durable
+    lookup = tiers.lookup(a + (1,))  # host before SSD: no restore, the promoted entry is still durable
+    assert lookup.promoted and lookup.restore is None and lookup.hit.entry.durable
+    assert [type(e) for e in tiers.take_effects()] == [Promote]  # b cannot leave yet: not durable
+
+
+def test_an_unpersistable_victim_is_forgotten_for_ssd_but_kept_on_the_host():
+    tiers = tiers_with_host(ssd=True)
+    a = toks(0)
+    tiers.publish(a, payload="a", nbytes=60, trimmable=True)
+    tiers.not_persisted("", a)
+    effects = tiers.publish(toks(100), payload="b", nbytes=60, trimmable=True)
+    assert {type(e) for e in effects} == {Persist, Demote, Forget}
+    assert tiers.host.find(a + (1,)) is not None
+
+
+def test_the_memory_budget_does_not_count_host_tier_bytes_as_other_memory():
+    clock = Clock()
+    tiers = CacheTiers(PromptCache(max_bytes=1000, clock=clock), host=HostTier(max_bytes=1000, clock=clock),
+                       memory_budget=500)
+    for i in range(3):
+        tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=100, trimmable=True)
+    effects = tiers.observe_memory(450)  # 300 of it the RAM tier
+    assert effects == [] and tiers.stats().memory.other_bytes == 150
+    effects = tiers.observe_memory(700)  # 200 over: two entries move to the host tier
+    assert [type(e) for e in effects] == [Demote, Demote] and tiers.ram.bytes == 100
+    tiers.observe_memory(700)  # the moved entries are still MLX memory: other stays 400, not 600
+    assert tiers.stats().memory.other_bytes == 400 and tiers.over_budget_bytes == 0
+
+
+# --- the simulator ---------------------------------------------------------------------------------
+
+
+def _conversations(n: int, turns: int, tokens: int) -> list[TraceRequest]:
+    """n conversations, interleaved: each turn repeats its conversation's history plus 128 new tokens."""
+    reqs = []
+    t = 0.0
+    for turn in range(turns):
+        for c in range(n):
+            length = tokens + turn * 128
+            ids = tuple(c * 1_000_000 + i for i in range(length))
+            reqs.append(TraceRequest(index=len(reqs), t=t, input_length=length, output_tokens=64, tokens=ids))
+            t += 100.0
+    return reqs
+
+
+def test_the_simulator_serves_returning_conversations_from_the_host_tier():
+    cost = DEFAULT.__class__(**{**DEFAULT.to_json(), "host_bytes_per_s": 50e9})
+    reqs = _conversations(4, 3, 2048)
+    one_entry = cost.kv_bytes(2048 + 3 * 128)
+    plain = replay_mlxd(reqs, policy="lru", cost=cost, ram_bytes=one_entry, granularity="token")
+    host = replay_mlxd(reqs, policy="lru", cost=cost, ram_bytes=one_entry, granularity="token",
+                       host_bytes=8 * one_entry)
+    assert plain.host_hits == 0 and host.host_capacity_bytes == 8 * one_entry
+    assert host.host_hits >= 4 and host.host_hit_tokens > 0
+    assert host.hit_tokens > plain.hit_tokens
+    assert host.ttft_s["p50"] < plain.ttft_s["p50"]
+    assert set(host.ttft_by_source_s) >= {"host", "miss"}
+
+
+# --- the wiring -----------------------------------------------------------------------------------
+
+
+def _kv(n: int) -> list[mlc.KVCache]:
+    c = mlc.KVCache()
+    c.update_and_fetch(mx.ones((1, 1, n, 8)), mx.ones((1, 1, n, 8)))
+    mx.eval(c.keys, c.values)
+    return [c]
+
+
+async def _ask(channel, make):
+    reply: Reply = Reply()
+    await channel.send(make(reply))
+    return await reply.wait()
+
+
+async def test_the_cache_owner_demotes_promotes_reports_and_announces_cpu_blocks():
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=10_000, kv_events_block_size=4)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    events_send, events = trio.open_memory_channel[PublishKvEvents](math.inf)
+    owner = CacheOwnerActor(config, inbox=inbox, kv_events=events_send, host_tier=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        a, b = toks(0, 8), toks(100, 8)
+        payload = _kv(8)
+        for t in (a, b):
+            await inbox_send.send(PublishPrefix(t, "", payload=payload, nbytes=512, trimmable=True, reason="final"))
+        stats = await _ask(inbox_send, QueryCacheStats)
+        host = stats.as_dict()["host"]
+        assert host["enabled"] and host["entries"] == 1 and host["demotions"] == 1
+        lookup = await _ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))
+        assert lookup.promoted and lookup.hit.usable == 8 and lookup.hit.entry.payload is payload
+        stats = (await _ask(inbox_send, QueryCacheStats)).as_dict()
+        assert stats["host"]["promotions"] == 1 and stats["ram"]["entries"] == 1
+        nursery.cancel_scope.cancel()
+    seen = []
+    while True:
+        try:
+            seen += events.receive_nowait().events
+        except trio.WouldBlock:
+            break
+    stored_cpu = [e for e in seen if isinstance(e, BlockStored) and e.medium == CPU]
+    removed_cpu = [e for e in seen if isinstance(e, BlockRemoved) and e.medium == CPU]
+    assert len(stored_cpu) >= 2 and len(removed_cpu) >= 1  # a went down, came back up, b went down
+    assert any(isinstance(e, BlockStored) and e.medium == RAM for e in seen)
+
+
+async def test_on_unified_memory_the_flag_is_a_reported_no_op(tmp_path: Path):
+    assert not host_memory.separate_host_memory()  # this CPU: host memory is the RAM tier's memory
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=2**30)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox)
+    assert owner.tiers.host is None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert host["enabled"] is False and host["requested_bytes"] == 2**30 and "unified" in host["reason"]
+        nursery.cancel_scope.cancel()
+
+
+def test_host_copies_round_trip_through_a_landing_on_this_backend():
+    """The bulk copies the host tier and the SSD writer's staging use (numpy here, DMA on CUDA)."""
+    src = mx.arange(2 * 3 * 16 * 4, dtype=mx.float32).reshape(2, 3, 16, 4)
+    strided = src[:, :, :10, :]  # a cache sliced to its offset: not contiguous
+    mx.eval(strided)
+    view = np.asarray(memoryview(strided))
+    host, arrays = host_memory.to_host([view])
+    assert host.nbytes == view.nbytes and np.array_equal(arrays[0], view)
+    dest = np.zeros(view.nbytes, dtype=np.uint8)
+    assert host_memory.from_host([memoryview(dest)], arrays) == view.nbytes
+    assert np.array_equal(dest.view(np.float32).reshape(view.shape), view)
+    assert host_memory.move_pages(_kv(4), to_host=True) == 0  # nothing to move on unified memory
