@@ -153,3 +153,21 @@ def test_a_text_only_model_refuses_images(tiny_model_dir: Path) -> None:
         assert r.status_code == 400 and "does not read images" in r.json()["error"]["message"]
         ok = post(s, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
         assert ok.status_code == 200
+
+
+def test_image_and_text_rows_batch_together(server: ServerThread) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    convs = [
+        [{"role": "system", "content": f"batch {i}"}, user(f"Row {i}: what is it?", png(20 + i))] if i % 2 else
+        [{"role": "system", "content": f"batch {i}"}, {"role": "user", "content": f"Row {i}: text only."}]
+        for i in range(4)
+    ]
+    before = engine_stats(server)
+    with ThreadPoolExecutor(4) as pool:  # cold, at once: media prefills, then one decoding batch
+        together = list(pool.map(lambda c: chat(server, c, max_tokens=8).choices[0].message.content, convs))
+    during = engine_stats(server)
+    assert during["media_prefills"] == before.get("media_prefills", 0) + 2
+    assert during["steps"] - before.get("steps", 0) < 4 * 8  # fewer steps than one row after another
+    alone = [chat(server, c, max_tokens=8).choices[0].message.content for c in convs]  # one by one
+    assert together == alone
