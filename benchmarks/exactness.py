@@ -59,20 +59,24 @@ async def run(args: argparse.Namespace, out: Path) -> dict:
     while len(replays) < args.replays:
         preset, bits = cells[i % len(cells)]
         seed = args.seed * 100_003 + i
+        # Each round over the cells takes the next SSD layout and restore landing (the first runtime's).
+        layout = ("whole", "blocks")[(i // len(cells)) % 2]
+        landing = ("mlx", "host")[(i // (2 * len(cells))) % 2]
         work = Path(tempfile.mkdtemp(prefix="mlxd-exactness-", dir=args.dir))
         started = time.perf_counter()
         try:
             got = await ex.run_cell(models[preset], preset, bits, work, conversations=args.conversations, seed=seed,
                                     scenarios=args.scenarios, concurrency=args.concurrency,
                                     max_tokens=tuple(args.max_tokens), checkpoint_every=args.checkpoint_every,
-                                    demote_idle_s=args.demote_idle)
+                                    demote_idle_s=args.demote_idle, ssd_layout=layout, restore_landing=landing)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         replays += got
-        chunks.append({"cell": f"{preset}/{bits or 'native'}", "seed": seed, "replays": len(got),
+        chunks.append({"cell": f"{preset}/{bits or 'native'}", "seed": seed, "layout": layout, "landing": landing,
+                       "replays": len(got),
                        "mismatches": sum(r.verdict == "mismatch" for r in got), "seconds": time.perf_counter() - started})
         summary = ex.summarize(replays)
-        print(f"chunk {i}: {chunks[-1]['cell']:<20} seed {seed}: {len(got)} replays, {chunks[-1]['mismatches']} "
+        print(f"chunk {i}: {chunks[-1]['cell']:<21} {layout:<6} {landing:<4} seed {seed}: {len(got)} replays, {chunks[-1]['mismatches']} "
               f"mismatches ({chunks[-1]['seconds']:.0f} s); total {len(replays)}, {summary['mismatches']} mismatches, "
               f"{summary['ties']} ties", flush=True)
         result = {

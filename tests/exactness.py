@@ -289,13 +289,16 @@ async def _empty_ram(rt: Runtime) -> None:
 async def run_cell(model_dir: Path, preset: str, kv_bits: int | None, work: Path, *, conversations: int,
                    seed: int, scenarios: Sequence[str] = SCENARIOS, checkpoint_every: int = CHECKPOINT_EVERY,
                    max_tokens: tuple[int, int] = (3 * CHECKPOINT_EVERY, 24), concurrency: int = 1,
-                   demote_idle_s: float = 3.0) -> list[Replay]:
+                   demote_idle_s: float = 3.0, ssd_layout: str = "whole", restore_landing: str = "auto",
+                   ) -> list[Replay]:
     """Every scenario of one cell: the reference, then the replays, as `Replay` records.
 
     `max_tokens` is the range each request's limit is drawn from; its low end must leave room
     to drop a client past a generation checkpoint (every `checkpoint_every` tokens). With
     `concurrency` > 1 the passes send that many requests at once, so replays also run batched
     with other rows (the reference serves one request at a time); the resumed pass stays serial.
+    `ssd_layout` and `restore_landing` pick the first runtime's SSD store format and restore
+    path (the sharing runtimes read its files; they write whole files, as sharing requires).
     """
     assert max_tokens[0] >= 2 * checkpoint_every + 2
     rng = random.Random(seed)
@@ -334,7 +337,8 @@ async def run_cell(model_dir: Path, preset: str, kv_bits: int | None, work: Path
     ssd = work / f"ssd-{preset}-{kv_bits}-{seed}"
     ssd.mkdir(parents=True, exist_ok=True)
     main_config = base_config(model_dir, kv_bits, ssd_cache_dir=ssd, ssd_demote_idle_s=demote_idle_s,
-                              generation_checkpoint=checkpoint_every)
+                              generation_checkpoint=checkpoint_every, ssd_layout=ssd_layout,
+                              restore_landing=restore_landing)
 
     async def first_runtime() -> None:  # its own frame: nothing keeps the runtime alive after it
         async with open_runtime(main_config) as rt:
@@ -361,7 +365,7 @@ async def run_cell(model_dir: Path, preset: str, kv_bits: int | None, work: Path
         return out
     gc.collect()  # the closed store's directory lock goes with its last reference (the sharers lock shared)
     shared = attrs.evolve(main_config, ssd_shared=True, ssd_rescan_s=0.2, ssd_demote_idle_s=300.0,
-                          generation_checkpoint=0)
+                          generation_checkpoint=0, ssd_layout="whole")
     async with open_runtime(shared) as first, open_runtime(shared) as second:
         if "restart" in scenarios:
             await each(main, lambda spec: replay(first, "restart", spec))
