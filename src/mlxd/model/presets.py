@@ -123,6 +123,13 @@ PRESETS.update(
         ),
         # Vision: "test" plus a Qwen2-VL-shaped vision tower and Qwen2-VL's image processor (model/vlm.py).
         "test-vlm": attrs.evolve(_TEST, name="test-vlm", extra=(("vision", True),)),
+        # For benchmarks/bench_vision.py: "default"'s decoder, a tower of 6 blocks x 256, up to 256 tokens an image.
+        "bench-vlm": attrs.evolve(
+            PRESETS["default"],
+            name="bench-vlm",
+            extra=(("vision", True), ("vision_embed_dim", 256), ("vision_depth", 6), ("vision_heads", 4),
+                   ("vision_max_tokens", 256)),
+        ),
         # Pure recurrent: every layer an ArraysCache (conv + SSM state); no layer counts tokens.
         "test-mamba2": attrs.evolve(
             _TEST,

@@ -189,7 +189,7 @@ def write_model_files(dest: Path, preset: ModelPreset, *, seed: int, progress: P
         from mlxd.model.vlm import write_vision_files
 
         write_vision_files(dest, hidden_size=preset.hidden_size, vocab_size=preset.vocab_size,
-                           model_max_length=preset.max_position_embeddings, seed=seed)
+                           model_max_length=preset.max_position_embeddings, seed=seed, extra=dict(preset.extra))
     write_manifest(dest, preset, seed=seed)
     progress("save", 1.0)
 

@@ -74,7 +74,9 @@ def write_tokenizer(dest: Path, vocab_size: int, *, model_max_length: int) -> di
     return ids
 
 
-def write_vision_files(dest: Path, *, hidden_size: int, vocab_size: int, model_max_length: int, seed: int) -> None:
+def write_vision_files(
+    dest: Path, *, hidden_size: int, vocab_size: int, model_max_length: int, seed: int, extra: dict[str, Any] | None = None
+) -> None:
     """Replace a built text model's tokenizer with the vision one, add the tower and the processor."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -82,13 +84,18 @@ def write_vision_files(dest: Path, *, hidden_size: int, vocab_size: int, model_m
     from mlxd.vision.tower import WEIGHTS_FILE, VisionConfig, VisionTower
 
     ids = write_tokenizer(dest, vocab_size, model_max_length=model_max_length)
-    cfg = VisionConfig(out_hidden_size=hidden_size)
+    extra = extra or {}
+    # A preset's "vision_*" extras size the tower (the defaults are test-vlm's).
+    names = {"vision_embed_dim": "embed_dim", "vision_depth": "depth", "vision_heads": "num_heads"}
+    shape = {field: extra[key] for key, field in names.items() if key in extra}
+    cfg = VisionConfig(out_hidden_size=hidden_size, **shape)
     mx.random.seed(seed + 1)
     tower = VisionTower(cfg)
     weights = dict(tree_flatten(tower.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(dest / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
-    (dest / "preprocessor_config.json").write_text(json.dumps(processor_config(), indent=2) + "\n")
+    processor = processor_config(max_tokens=int(extra.get("vision_max_tokens", 64)))
+    (dest / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     config = json.loads((dest / "config.json").read_text())
     import attrs
 
