@@ -11,7 +11,11 @@ import httpx
 import pytest
 from tests.serving import ServerThread, config_for
 
+from mlxd.engine.core import EngineCore
+from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.prefill_slices import MIN_CHUNK, PrefillSlicer
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
+from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams, TokenGenerated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -211,3 +215,66 @@ def test_32_mixed_streaming_clients_all_answered(small_server):
     ]
     assert {o.status for o in outcomes if o.kind == "refused"} <= {503}
     assert sum(o.kind == "ok" for o in outcomes) >= 8
+
+
+# --- long prefills in slices ------------------------------------------------------------------
+
+
+def test_slices_follow_the_measured_rate_in_powers_of_two():
+    slicer = PrefillSlicer(0.05)
+    assert (
+        slicer.chunk(2048, newcomers=[], shared=False) == 2048
+    )  # nothing measured yet: whole steps
+    slicer.measured(2048, 1.0)  # 2048 tokens/s: 102 tokens in 50 ms
+    assert slicer.chunk(2048, newcomers=[], shared=False) == 64
+    assert (
+        slicer.chunk(2048, newcomers=[20], shared=True) == 32
+    )  # newcomers finish their prompt this step
+    assert slicer.chunk(2048, newcomers=[3], shared=True) == MIN_CHUNK
+    assert slicer.chunk(2048, newcomers=[500], shared=True) == 64  # still one slice
+    assert slicer.chunk(8, newcomers=[], shared=False) == 8  # never past the step size
+    assert PrefillSlicer(0.0, rate=2048.0).chunk(2048, newcomers=[20], shared=True) == 2048  # off
+
+
+def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
+    """Which request got its first token first: the long prompt joins, one step later the short one."""
+    order: list[str] = []
+    ops = [StepOps(starts=(long,)), StepOps(starts=(short,))]
+    for step in range(2000):
+        result = core.step(ops[step] if step < len(ops) else StepOps())
+        for e in result.emits:
+            if isinstance(e.event, TokenGenerated) and e.request_id not in order:
+                order.append(e.request_id)
+        if len(order) == 2:
+            return order
+    raise AssertionError("no first tokens")
+
+
+def _row(rid: str, prompt: list[int]) -> RowStart:
+    return RowStart(
+        request=GenerationRequest(
+            request_id=rid, prompt=tuple(prompt), sampling=SamplingParams(max_tokens=2)
+        )
+    )
+
+
+@pytest.mark.parametrize("slice_s", [1e-6, 0.0])
+def test_a_short_prompt_gets_its_first_token_while_a_long_one_prefills(tiny_model_dir, slice_s):
+    """With slices, the short prompt answers before the long one; in whole steps, after it."""
+    config = config_for(
+        tiny_model_dir, prompt_cache_bytes=0, prefill_slice_s=slice_s, max_context=8192
+    )
+    core = EngineCore(config)
+    core.load()
+    try:
+        core.step(
+            StepOps(starts=(_row("warm", list(range(20, 120))),))
+        )  # measures the prefill rate
+        while core.step(StepOps()).stats.batch_rows:
+            pass
+        order = _first_tokens(
+            core, _row("long", [20 + i % 900 for i in range(1500)]), _row("short", [30] * 20)
+        )
+    finally:
+        core.close()
+    assert order == (["short", "long"] if slice_s else ["long", "short"])

@@ -86,6 +86,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill-step-size", type=_prefill_step, default=None,
         help="prefill chunk size in tokens, or 'auto' (default: 2048; on a GPU timed at startup when the device probe runs)",
     )
+    p.add_argument("--prefill-slice-ms", type=_non_negative_float, default=50.0, metavar="MS",
+                   help="milliseconds of prefill per engine step: a long prompt is prefilled in slices this long "
+                   "so other requests prefill and decode between them (0 = whole --prefill-step-size chunks)")
     p.add_argument(
         "--device-probe", choices=("auto", "on", "off"), default="auto",
         help="measure prefill, decode and restore speed before listening (auto: with --ssd-cache)",
@@ -226,6 +229,7 @@ def serve_config(args: argparse.Namespace):
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
         prefill_step_size=args.prefill_step_size if isinstance(args.prefill_step_size, int) else 2048,
+        prefill_slice_s=args.prefill_slice_ms / 1000,
         tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),
         device_probe="off" if args.distributed else args.device_probe,
         device_probe_budget_s=args.device_probe_budget,

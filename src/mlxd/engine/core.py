@@ -44,6 +44,7 @@ from mlxd.engine.ops import (
     StepOps,
     StepResult,
 )
+from mlxd.engine.prefill_slices import PrefillSlicer
 from mlxd.engine.speculative import Drafts, Speculation, speculation_off_reason
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing
@@ -86,6 +87,7 @@ class Row:
     cached_tokens: int = 0
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
+    prompt_new: int = 0  # prompt tokens this insert prefills (the last one goes with the first decode)
 
     @property
     def request_id(self) -> str:
@@ -136,6 +138,9 @@ class EngineCore:
         self._memory_budget = 0
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
+        # Long prefills in time slices, interleaved with other rows (engine/prefill_slices.py); off across
+        # ranks, where every rank must take the same chunk and their clocks differ.
+        self._slicer = PrefillSlicer(0.0 if config.distributed else config.prefill_slice_s)
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
         self._model_path: Path | None = None
@@ -417,6 +422,7 @@ class EngineCore:
             stop_sequences=[StopSequences([[t] for t in sorted(joining.stop_tokens)])],
         )
         row.uid = uid
+        row.prompt_new = len(prompt) - 1
         self._rows[uid] = row
         self._uids[row.request_id] = uid
 
@@ -530,6 +536,8 @@ class EngineCore:
 
     def _next(self, out: StepOut) -> None:
         decoding = any(r.generated for r in self._rows.values())
+        if hasattr(self.generator, "prefill_step_size"):
+            self.generator.prefill_step_size = self._prefill_chunk()
         t0 = time.perf_counter()
         self._inputs.clear()
         prompt_responses, gen_responses = self.generator.next()
@@ -573,7 +581,14 @@ class EngineCore:
             done = int(r.progress[0])
             if seconds is not None and len(chunks) == 1:
                 out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
+                self._slicer.measured(done - row.prefilled, seconds)
             row.prefilled = done
+
+    def _prefill_chunk(self) -> int:
+        """This step's prefill chunk: a time slice, cut so rows that just joined finish their prompt."""
+        newcomers = [r.prompt_new for r in self._rows.values() if r.prefilled == 0 and r.generated == 0]
+        shared = len(newcomers) < len(self._rows)
+        return self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared)
 
     # --- what features call --------------------------------------------------------------
 

@@ -90,6 +90,9 @@ class RuntimeConfig:
     max_batch: int = attrs.field(default=8, validator=_positive)
     prefill_batch: int = attrs.field(default=8, validator=_positive)
     prefill_step_size: int = attrs.field(default=2048, validator=_positive)
+    # Seconds of prefill per engine step: a long prompt is prefilled in slices this long, so rows
+    # that arrive meanwhile prefill and decode between them (engine/prefill_slices.py); 0 = whole steps.
+    prefill_slice_s: float = attrs.field(default=0.05, validator=_non_negative)
     # Pick the prefill chunk size by timing candidates at startup (None = on GPU
     # devices whenever the device probe runs; see actors/device_probe.py).
     tune_prefill_step: bool | None = None

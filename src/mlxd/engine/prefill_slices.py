@@ -1,0 +1,56 @@
+"""How many prompt tokens the prefilling rows process in the next step: long prefills in short slices.
+
+mlx-lm's `BatchGenerator` runs, per `next()`, one decode step for the decoding
+rows and one chunk of `prefill_step_size` tokens for every prefilling row,
+right-padded to the longest chunk. A short prompt that arrives while a long
+one is prefilling waits for the chunk in flight, then is padded to the long
+row's chunk: behind a 6k-token prompt its first token came many chunks late.
+
+Here each step's chunk is sized so it takes about `slice_s` (from the prefill
+rate measured on chunks that ran alone), so a newcomer never waits long for
+the chunk in flight; and on a step where newcomers join rows already in the
+batch, the chunk is cut to the newcomers' remaining prompt, so they finish
+their prefill in that step without padding while the long row moves on by
+as much. Pure and deterministic given its inputs (the engine core calls it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+# Smallest chunk: below this a step's fixed costs outweigh its prefill work.
+MIN_CHUNK = 16
+
+
+@attrs.define
+class PrefillSlicer:
+    """`chunk(...)`: tokens per prefilling row in the next step; `measured(...)` feeds it the prefill rate."""
+
+    slice_s: float  # 0 = off: every chunk is the whole prefill step size
+    rate: float = 0.0  # prompt tokens per second, from chunks that ran alone (0 = not measured yet)
+
+    def measured(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.rate = tokens / seconds
+
+    def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool) -> int:
+        """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch."""
+        if self.slice_s <= 0:
+            return step_size
+        size = step_size if self.rate <= 0 else _power_of_two_below(int(self.rate * self.slice_s))
+        if shared and newcomers:
+            size = min(
+                size, _power_of_two_above(max(newcomers))
+            )  # newcomers finish their prompt in this step
+        return min(step_size, max(MIN_CHUNK, size))
+
+
+# Chunks are powers of two: a few shapes for the kernels, and the same chunks for the same measured speed.
+def _power_of_two_below(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def _power_of_two_above(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
