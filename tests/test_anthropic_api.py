@@ -163,7 +163,9 @@ def test_prefill_continues_the_assistant_turn(server):
     ({"messages": [{"role": "user", "content": "hi"}]}, "'max_tokens' is required"),
     ({"max_tokens": 5, "messages": []}, "'messages' must be a non-empty list"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "image blocks are not supported"),
+     "messages[0].content[0].source must be"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "does not read images"),
     ({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}, "between 0 and 1"),
     ({"max_tokens": 5, "tool_choice": {"type": "maybe"}, "messages": [{"role": "user", "content": "hi"}]},
      "tool_choice.type"),
@@ -203,3 +205,40 @@ def test_x_api_key_is_the_api_key(tmp_path_factory):
         with pytest.raises(anthropic.AuthenticationError) as denied:
             bad.messages.create(model="tiny", max_tokens=1, messages=ask("hi"))
         assert json.loads(denied.value.response.text)["error"]["type"] == "authentication_error"
+
+
+def test_an_image_is_the_same_prompt_on_every_route(tmp_path_factory):
+    """On a vision model, one image + question through chat, Messages (base64 source) and Responses
+    (input_image): the same prompt, and each route after the first reads it from the cache."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mlxd.model import build_model
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(3).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    url = f"data:image/png;base64,{data}"
+    vlm = build_model(tmp_path_factory.mktemp("models") / "vlm", "test-vlm", seed=0)
+    with ServerThread(config_for(vlm)) as s:
+        chat = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0).chat.completions.create(
+            model="tiny", max_tokens=1, temperature=0, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}])
+        message = anthropic.Anthropic(base_url=s.base_url.removesuffix("/v1"), api_key="x", max_retries=0
+                                      ).messages.create(model="tiny", max_tokens=1, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": data}},
+                                         {"type": "text", "text": "What is it?"}]}])
+        response = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0).responses.create(
+            model="tiny", max_output_tokens=1, temperature=0, store=False, input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}]}])
+    prompt = chat.usage.prompt_tokens
+    assert prompt > 12  # the image's span counts as prompt tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt
+    assert message.usage.cache_read_input_tokens >= prompt - 1
+    assert response.usage.input_tokens == prompt
+    assert response.usage.input_tokens_details.cached_tokens >= prompt - 1

@@ -33,7 +33,7 @@ from mlxd.http.schemas import (
 )
 from mlxd.http.sessions import session_id
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.supervisor import GenerationError, InvalidRequest
+from mlxd.runtime.supervisor import GenerationError
 
 log = get_logger("mlxd.http.anthropic")
 
@@ -105,6 +105,13 @@ def _user_turn(content: Any, where: str) -> tuple[list[dict[str, Any]], int]:
         raise _bad(f"{where}.content must be a string or a non-empty list of content blocks")
     out: list[dict[str, Any]] = []
     marks = 0
+
+    def user_parts() -> list[dict[str, Any]]:
+        if not out or out[-1]["role"] != "user":
+            out.append({"role": "user", "content": []})
+        parts: list[dict[str, Any]] = out[-1]["content"]
+        return parts
+
     for i, block in enumerate(content):
         at = f"{where}.content[{i}]"
         if not isinstance(block, dict):
@@ -114,10 +121,9 @@ def _user_turn(content: Any, where: str) -> tuple[list[dict[str, Any]], int]:
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise _bad(f"{at}.text must be a string")
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += block["text"]
-            else:
-                out.append({"role": "user", "content": block["text"]})
+            user_parts().append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            user_parts().append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise _bad(f"{at}.tool_use_id must be a string")
@@ -126,11 +132,26 @@ def _user_turn(content: Any, where: str) -> tuple[list[dict[str, Any]], int]:
             if block.get("is_error"):
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
-        elif kind in ("image", "document"):
-            raise _bad(f"{at}: {kind} blocks are not supported by this server (text-only model)")
+        elif kind == "document":
+            raise _bad(f"{at}: document blocks are not supported by this server")
         else:
             raise _bad(f"{at}: unsupported content block type {kind!r} in a user turn")
+    for m in out:  # text only: one string, as the chat route renders it
+        if m["role"] == "user" and all(p["type"] == "text" for p in m["content"]):
+            m["content"] = "".join(p["text"] for p in m["content"])
     return out, marks
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as the chat route's image_url: a data URL, or the URL as given."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type")
+        if media not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+            raise _bad(f"{where}.source.media_type must be image/jpeg, image/png, image/gif or image/webp")
+        return f"data:{media};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise _bad(f"{where}.source must be {{'type': 'base64', 'media_type', 'data'}} or {{'type': 'url', 'url'}}")
 
 
 def _assistant_turn(content: Any, where: str) -> tuple[dict[str, Any], int]:
@@ -418,14 +439,10 @@ class _Reply:
 def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
     """POST /v1/messages and /v1/messages/count_tokens, answering errors in Anthropic's shape."""
 
-    async def prompt_of(req: MessagesRequest) -> tuple[int, ...]:
+    async def prompt_of(req: MessagesRequest) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         kit.check_model(req.model)
-        try:
-            ids = await rt.render_chat(req.messages, tools=req.options.tools,
-                                       template_kwargs=req.options.template_kwargs)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc)) from None
-        return ids + rt.encode(req.prefill) if req.prefill else ids
+        ids, media = await kit.chat_prompt(req.parsed, req.messages, req.options, "messages")
+        return (ids + rt.encode(req.prefill) if req.prefill else ids), media
 
     async def read(with_max_tokens: bool) -> tuple[MessagesRequest, Any]:
         body = await kit.read_json()
@@ -450,8 +467,9 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
         async def route() -> Response:
             req, body = await read(True)
             session = session_id(request.headers, _session_body(body))
-            prompt = await prompt_of(req)
-            (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session)
+            prompt, media = await prompt_of(req)
+            (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
+                                                media=media)
             reply = _Reply(rt, choice, kit)
             if req.parsed.stream:
                 response = Response(reply.sse(), content_type="text/event-stream")
@@ -469,7 +487,7 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
     async def count_tokens() -> Response:
         async def route() -> Response:
             req, _ = await read(False)
-            prompt = await prompt_of(req)
+            prompt, _ = await prompt_of(req)
             return Response(json.dumps({"input_tokens": len(prompt)}), content_type="application/json")
 
         return await answer(route)

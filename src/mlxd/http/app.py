@@ -643,7 +643,27 @@ def create_app(
     from mlxd.http.routekit import RouteKit
     from mlxd.http.status import install_status_page
 
-    kit = RouteKit(read_json=read_json, check_model=check_model, start_choices=start_choices, close=_close)
+    async def kit_prompt(
+        parsed: ParsedRequest, messages: list[dict[str, Any]], options: ChatOptions, param: str
+    ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The chat route's prompt steps for another protocol's messages: (prompt, media)."""
+        refuse_early(parsed, chat_chars(messages), param)
+
+        async def render(realign: bool) -> tuple[int, ...]:
+            try:
+                return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
+                                            realign=realign)
+            except InvalidRequest as exc:
+                raise ApiError(400, str(exc), param=param) from None
+
+        try:
+            return await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)
+        except ApiError as err:
+            err.param = param if err.param == "messages" else err.param  # the protocol's own field
+            raise
+
+    kit = RouteKit(read_json=read_json, check_model=check_model, chat_prompt=kit_prompt,
+                   start_choices=start_choices, close=_close)
     install_anthropic(app, rt, kit)  # POST /v1/messages, /v1/messages/count_tokens
     install_responses(app, rt, kit)  # POST /v1/responses, GET/DELETE /v1/responses/{id}
     install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}

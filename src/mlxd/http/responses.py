@@ -36,7 +36,7 @@ from mlxd.http.schemas import (
 )
 from mlxd.http.sessions import session_id
 from mlxd.runtime.logging import get_logger
-from mlxd.runtime.supervisor import GenerationError, InvalidRequest
+from mlxd.runtime.supervisor import GenerationError
 
 log = get_logger("mlxd.http.responses")
 
@@ -74,12 +74,32 @@ def _part_text(content: Any, where: str) -> str:
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{where}[{i}]: {kind} parts are not supported by this server (text-only model)", "input")
+            raise _bad(f"{where}[{i}]: {kind} parts are not supported here", "input")
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         else:
             raise _bad(f"{where}[{i}] must be an input_text or output_text part", "input")
     return "".join(texts)
+
+
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user or system message's content: its text, or parts when it has images (input_image)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _part_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise _bad(f"{where}[{i}]: an input_image needs an 'image_url' (file_id is not supported)", "input")
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            parts.append({"type": "text", "text": _part_text([part], f"{where}[{i}]")})
+    return parts
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
@@ -109,15 +129,15 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
-            text = _part_text(item.get("content", ""), f"{where}.content")
             if role == "assistant":
                 turn = assistant()
                 if turn["content"] or turn.get("tool_calls"):  # a second message: its own turn
                     turn["_closed"] = True
                     turn = assistant()
-                turn["content"] = text
+                turn["content"] = _part_text(item.get("content", ""), f"{where}.content")
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                out.append({"role": "system" if role == "developer" else role,
+                            "content": _user_content(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", "{}"), str):
                 raise _bad(f"{where}: a function_call needs 'name' and 'arguments' (a JSON string)", "input")
@@ -436,15 +456,12 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         if not messages:
             raise _bad("'input' is empty and there is no previous response to continue", "input")
-        try:
-            prompt = await rt.render_chat(messages, tools=req.options.tools,
-                                          template_kwargs=req.options.template_kwargs)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param="input") from None
+        prompt, media = await kit.chat_prompt(req.parsed, messages, req.options, "input")
         rid = _new_id("resp")
         if session is None and req.store:  # a stored conversation's first response names its cache session
             session = rid
-        (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session)
+        (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
+                                            media=media)
         reply = _Reply(rt, kit, store, req, choice, conversation, session or "", id=rid)
         if req.parsed.stream:
             response = Response(reply.sse(), content_type="text/event-stream")
