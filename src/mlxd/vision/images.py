@@ -134,11 +134,15 @@ class ImageProcessor:
     def _get(self) -> Any:
         with self._lock:
             if self._processor is None:  # transformers takes seconds to import: on first use
-                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-                    Qwen2VLImageProcessorPil,
-                )
-
-                self._processor = Qwen2VLImageProcessorPil(**self.config)
+                try:  # transformers 5: the numpy + Pillow processor (no torch)
+                    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                        Qwen2VLImageProcessorPil as Processor,
+                    )
+                except ImportError:  # transformers 4: the same processor under its plain name
+                    from transformers.models.qwen2_vl.image_processing_qwen2_vl import (  # type: ignore[no-redef]
+                        Qwen2VLImageProcessor as Processor,
+                    )
+                self._processor = Processor(**self.config)
             return self._processor
 
     def size(self, detail: str) -> dict[str, int]:

@@ -10,6 +10,9 @@ ids into the request's key (kv/media.py).
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,13 @@ class MediaPreparer:
     tensors_root: Path | None = None
     identity: str = ""
     ssd_reads: int = 0  # verified encoder outputs found on SSD
+    # A conversation re-sends its images every turn: processed images by the hash of their
+    # encoded bytes and detail, so a known image is not decoded and processed again.
+    max_prepared_bytes: int = 256 << 20
+    prepared_hits: int = 0
+    _prepared: OrderedDict[tuple[str, str], PreparedImage] = attrs.Factory(OrderedDict)
+    _prepared_bytes: int = 0
+    _lock: threading.Lock = attrs.Factory(threading.Lock)
 
     @classmethod
     def for_model(cls, model_dir: Path, *, limits: ImageLimits, ssd_dir: Path | None) -> MediaPreparer | None:
@@ -74,8 +84,7 @@ class MediaPreparer:
         out = []
         for url, detail, where in refs:
             try:
-                img = decode(read_url(url, self.limits), self.limits)
-                prepared = self.processor.prepare(img, detail)
+                prepared = self._prepare(read_url(url, self.limits), detail)
             except ImageRejected as exc:
                 raise ImageRejected(f"{where}: {exc}") from None
             features = None
@@ -85,6 +94,24 @@ class MediaPreparer:
                 self.ssd_reads += features is not None
             out.append((prepared, features))
         return out
+
+    def _prepare(self, data: bytes, detail: str) -> PreparedImage:
+        key = (hashlib.sha256(data).hexdigest(), detail)
+        with self._lock:
+            known = self._prepared.get(key)
+            if known is not None:
+                self._prepared.move_to_end(key)
+                self.prepared_hits += 1
+                return known
+        prepared = self.processor.prepare(decode(data, self.limits), detail)
+        with self._lock:
+            if key not in self._prepared:
+                self._prepared[key] = prepared
+                self._prepared_bytes += prepared.patches.nbytes
+            while self._prepared_bytes > self.max_prepared_bytes and self._prepared:
+                _, old = self._prepared.popitem(last=False)
+                self._prepared_bytes -= old.patches.nbytes
+        return prepared
 
     def widen(self, ids: Sequence[int], images: Sequence[tuple[PreparedImage, Any]]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """The request's key tokens and its ImageInputs from the rendered ids (one placeholder per image)."""

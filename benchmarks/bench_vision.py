@@ -1,0 +1,158 @@
+"""What do media prefix identity and the encoder-output cache buy a vision conversation?
+
+One real `mlxd serve` on a random-weight vision preset (`bench-vlm` by default:
+the "default" decoder and a 6-block x 256 Qwen2-VL-shaped tower), over HTTP.
+Latency is a `max_tokens=1` request's wall time (prefill + one token: the TTFT).
+Per round, fresh images (so nothing carries over between rounds):
+
+- turn 2 / turn 1: an image turn, then its text follow-up (the image's KV is reused);
+- N-image follow-up / text follow-up: a conversation of N turns with one image
+  each, then one more text turn, against the same conversation with each image
+  replaced by as many text tokens (goal <= 1.1x: images cost nothing once cached);
+- encoder hit / re-encode: the same image in a new conversation (the KV misses,
+  the encoder output is lent from RAM) against a new image of the same size.
+
+    python benchmarks/bench_vision.py [--preset bench-vlm] [--images 10] [--rounds 3] [--side 448]
+
+Results go to benchmarks/results/vision-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_proc import ServeProc  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def png(seed: int, side: int) -> str:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_turn(url: str, text: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+
+
+class Client:
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=600)
+
+    def ask(self, messages: list[dict[str, Any]], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
+        t0 = time.perf_counter()
+        r = self.http.post("/v1/chat/completions",
+                           json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        seconds = time.perf_counter() - t0
+        r.raise_for_status()
+        return seconds, r.json()
+
+    def engine(self) -> dict[str, Any]:
+        return self.http.get("/stats").json()["engine"]
+
+
+def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
+    """Play `turns` (user messages) one by one with real replies, as a chat UI would."""
+    messages = [{"role": "system", "content": system}]
+    for turn in turns:
+        messages.append(turn)
+        _, body = client.ask(messages, max_tokens=6)
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return messages
+
+
+def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> dict[str, Any]:
+    seed = 1000 * (r + 1)
+    out: dict[str, Any] = {}
+    # Turn 1 (cold: encode + prefill) and its follow-up.
+    first = [{"role": "system", "content": f"Round {r}."}, image_turn(png(seed, side), "What is in this picture?")]
+    t1, b1 = client.ask(first)
+    follow = [*first, {"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "And what colour is it mostly?"}]
+    t2, b2 = client.ask(follow)
+    out.update(turn1_s=t1, turn2_s=t2, turn1_prompt=b1["usage"]["prompt_tokens"],
+               turn2_cached=b2["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # An N-image conversation's follow-up against a text-only one of the same length.
+    filler = " a" * span  # one token per " a" in the test tokenizers; lengths are reported
+    system = f"Round {r}: you are a careful assistant who looks at pictures."
+    with_images = conversation(
+        client, [image_turn(png(seed + 1 + i, side), f"Picture {i}?") for i in range(images)], system)
+    text_only = conversation(client, [{"role": "user", "content": f"{filler} Picture {i}?"} for i in range(images)],
+                             system + " ")
+    last = {"role": "user", "content": "Which of these pictures was the brightest, and why do you think so?"}
+    ti, bi = client.ask([*with_images, last])
+    tt, bt = client.ask([*text_only, last])
+    out.update(images_followup_s=ti, text_followup_s=tt, images_prompt=bi["usage"]["prompt_tokens"],
+               text_prompt=bt["usage"]["prompt_tokens"],
+               images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
+               text_cached=bt["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # The encoder cache: the same image in a new conversation vs a new image (both miss the KV).
+    before = client.engine()
+    th, _ = client.ask([{"role": "system", "content": f"Elsewhere {r}."}, image_turn(png(seed, side), "Again?")])
+    mid = client.engine()
+    tm, _ = client.ask([{"role": "system", "content": f"Elsewhere {r}!"}, image_turn(png(seed + 999, side), "Again?")])
+    after = client.engine()
+    out.update(encoder_hit_s=th, reencode_s=tm,
+               encoder_hit_ram_hits=mid["media_encoder_ram_hits"] - before["media_encoder_ram_hits"],
+               reencode_encoded=after["media_encoded"] - mid["media_encoded"])
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="bench-vlm")
+    p.add_argument("--model", help="a vision model directory (instead of --preset)")
+    p.add_argument("--images", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--side", type=int, default=448, help="image side in pixels (448: 256 tokens on bench-vlm)")
+    p.add_argument("--label", default=platform.node())
+    args = p.parse_args()
+    model = ["--model", args.model] if args.model else ["--preset", args.preset]
+    with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off"], Path(tmp) / "serve.log") as proc:
+        client = Client(proc.url)
+        _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
+        span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
+        rounds = [one_round(client, r, images=args.images, side=args.side, span=span) for r in range(args.rounds)]
+    med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+    ratios = {
+        "turn2 / turn1": statistics.median(x["turn2_s"] / x["turn1_s"] for x in rounds),
+        f"{args.images}-image follow-up / text follow-up": statistics.median(
+            x["images_followup_s"] / x["text_followup_s"] for x in rounds),
+        "encoder hit / re-encode": statistics.median(x["encoder_hit_s"] / x["reencode_s"] for x in rounds),
+    }
+    print(f"image span {span} tokens ({args.side}x{args.side} px); {args.rounds} rounds; medians:")
+    print(f"  turn 1 {med['turn1_s'] * 1000:8.1f} ms   turn 2 {med['turn2_s'] * 1000:8.1f} ms"
+          f"   (cached {med['turn2_cached']:.0f} of {med['turn1_prompt']:.0f}+)")
+    print(f"  {args.images}-image follow-up {med['images_followup_s'] * 1000:8.1f} ms ({med['images_prompt']:.0f} tokens, "
+          f"{med['images_cached']:.0f} cached)   text follow-up {med['text_followup_s'] * 1000:8.1f} ms "
+          f"({med['text_prompt']:.0f} tokens, {med['text_cached']:.0f} cached)")
+    print(f"  encoder hit {med['encoder_hit_s'] * 1000:8.1f} ms   re-encode {med['reencode_s'] * 1000:8.1f} ms")
+    for name, value in ratios.items():
+        print(f"  {name:45s} {value:6.3f}x")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"vision-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"label": args.label, "args": vars(args), "span": span, "rounds": rounds,
+                               "medians": med, "ratios": ratios}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
