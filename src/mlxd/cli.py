@@ -63,6 +63,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="built-in random-weight model when --model is not given: default, bench, test, test-wide, "
                    "test-gemma3 (sliding window), test-qwen3next (hybrid), test-mamba2 (recurrent)")
     p.add_argument("--model-name", help="name to serve the model under (default: --model)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template file used instead of the model's own (its tool-call format "
+                   "is inferred from it, as mlx-lm does for the model's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
@@ -219,6 +222,7 @@ def serve_config(args: argparse.Namespace):
         model=args.model,
         model_preset=args.preset,
         model_name=args.model_name,
+        chat_template=args.chat_template,
         prompt_cache_bytes=args.prompt_cache_gb,
         host_cache_bytes=args.host_cache_gb,
         retention=args.retention,

@@ -53,11 +53,12 @@ def load(config: RuntimeConfig, stream: Any) -> Loaded:
     from mlxd.model.detok import load_model
 
     path = resolve_model_path(config)
+    extra = {"tokenizer_config": {"chat_template": _chat_template(config)}} if config.chat_template else {}
     channel = None
     if config.distributed:
         group = _distributed_group()
         channel = StepChannel(group, stream)
-        model, tokenizer = load_model(path, lazy=True)
+        model, tokenizer = load_model(path, lazy=True, **extra)
         _shard(model, path, group)
         log.info(
             "engine.distributed", rank=group.rank(), world_size=group.size(), pid=os.getpid(),
@@ -66,13 +67,22 @@ def load(config: RuntimeConfig, stream: Any) -> Loaded:
                           else "ram, mirrored: every rank keeps its shard of each cached prefix"),
         )
     else:
-        model, tokenizer = load_model(path)
+        model, tokenizer = load_model(path, **extra)
     if mx.default_device() == mx.cpu:
         cast_float_weights(model, mx.float32)  # bf16/fp16 matmuls are far slower than fp32 on CPU
     if channel is not None:
         channel.connect()  # every rank has loaded its shard
         log.info("engine.step_channel", rank=channel.rank, mode=channel.mode)
     return Loaded(path, model, tokenizer, json.loads((path / "config.json").read_text()), channel)
+
+
+def _chat_template(config: RuntimeConfig) -> str:
+    """--chat-template FILE's text (the tokenizer renders chats with it instead of the model's)."""
+    assert config.chat_template is not None
+    try:
+        return Path(config.chat_template).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelRefused(f"--chat-template {config.chat_template}: cannot read it ({exc})") from exc
 
 
 def _distributed_group() -> Any:

@@ -60,6 +60,8 @@ class RuntimeConfig:
     model_preset: str = "default"
     # Name served in /v1/models and accepted in requests (defaults from the model).
     model_name: str | None = None
+    # A Jinja chat template file that replaces the model's own (--chat-template, as mlx_lm.server's).
+    chat_template: str | None = None
 
     # RAM tier byte cap; 0 disables the prompt cache.
     prompt_cache_bytes: int = attrs.field(default=2 * GB, validator=_non_negative)
