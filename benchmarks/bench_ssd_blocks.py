@@ -270,6 +270,7 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
     whole_path = ff.write_snapshot(plan, work / "bw.mlxkv").path
     plain = work / "plain.bin"
     shutil.copyfile(whole_path, plain)
+    flush = fresh_writes(args, work, plan)
     stores: dict[str, tuple[bs.BlockStore, SsdRecord, int, bool]] = {}
     for bt in args.block_tokens:
         store = bs.BlockStore(work / f"bw-{bt}", IDENTITY, block_tokens=bt)
@@ -355,10 +356,32 @@ def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any])
         },
         "median_adopt_ms": {k: statistics.median(r[f"{k}_adopt_ms"] for r in rounds) for k in names if k != "raw"},
         "goal_ratio_min": 0.8,
+        "fresh_flush": flush,
     }
     summary["goal_met"] = {k: v >= 0.8 for k, v in summary["median_ratio_to_raw"].items() if k != "raw"}
     print(json.dumps(summary, indent=1), flush=True)
     return {"rounds": rounds, "summary": summary}
+
+
+def fresh_writes(args: argparse.Namespace, work: Path, plan: ff.SnapshotPlan) -> dict[str, Any]:
+    """Flush bandwidth with nothing to share: the same fresh checkpoint written as a whole file and
+    as blocks into an empty store (tmp + fsync + rename each), alternating, `--rounds` times."""
+    names = ["whole", *(f"blocks_{bt}" for bt in args.block_tokens)]
+    rates: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            target = work / f"flush-{name}-{r}"
+            t0 = time.perf_counter()
+            if name == "whole":
+                target.mkdir()
+                nbytes = ff.write_snapshot(plan, target / "x.mlxkv").nbytes
+            else:
+                store = bs.BlockStore(target, IDENTITY, block_tokens=int(name.split("_")[1]))
+                nbytes = store.write(plan).written_bytes
+            rates[name].append(nbytes / (time.perf_counter() - t0) / 1e6)
+            shutil.rmtree(target)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"median_MBps": med, "over_whole": {k: v / med["whole"] for k, v in med.items()}, "MBps": rates}
 
 
 def run_file_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:

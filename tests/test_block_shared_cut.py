@@ -28,7 +28,7 @@ SYSTEM = bw.SYSTEM  # 300 tokens: 4 full 64-token cells, then 44 shared tokens i
 
 def spans(tokens, starts: bk.SharedStarts, stored: set[str], block_tokens: int = 16) -> list[bk.Span]:
     out = bk.choose_spans(tokens, namespace="", fingerprint=FP, exists=stored.__contains__,
-                          block_tokens=block_tokens, shared=starts.shared)
+                          block_tokens=block_tokens, starts=starts)
     stored.update(s.name for s in out)
     starts.add(tokens, [bk.BlockRef(s.name, s.start, s.end, s.end - s.start) for s in out])
     return out

@@ -303,10 +303,17 @@ class CacheOwnerActor:
                     )
                 elif effect.record.path not in {r.path for r in self.tiers.ssd_records()}:
                     # Shared: only the collector deletes, and only files unused for the grace.
-                    self._nursery.start_soon(trio.to_thread.run_sync, self._guard.unlink, effect.record.path)
+                    self._nursery.start_soon(trio.to_thread.run_sync, self._unlink_shared, effect)
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
             self._governor.set_urgent("budget", self.tiers.budget_waiting)
+
+    def _unlink_shared(self, effect: Unlink) -> None:
+        """(I/O) The collector deletes a file or manifest, then the blocks it leaves that no
+        manifest on disk names (another replica's manifests keep theirs)."""
+        assert self._guard is not None and self._store is not None and effect.record.path is not None
+        if self._guard.unlink(effect.record.path) and effect.garbage:
+            self._store.blocks.collect(effect.garbage)
 
     def _move_pages(self, effect: Demote | Promote) -> None:
         """A host-tier move: on CUDA the entry's pages migrate in bulk, started on a worker thread

@@ -331,14 +331,15 @@ class BlockStore:
         refs: list[bk.BlockRef] = []
         written = new = 0
         if views.spanned:
-            spans = bk.choose_spans(
-                meta.tokens,
-                namespace=meta.namespace,
-                fingerprint=meta.config_fingerprint,
-                exists=exists,
-                block_tokens=self.block_tokens,
-                shared=self._shared,
-            )
+            with self._starts_lock:  # probes only the ends of blocks it knows (and the grid line)
+                spans = bk.choose_spans(
+                    meta.tokens,
+                    namespace=meta.namespace,
+                    fingerprint=meta.config_fingerprint,
+                    exists=exists,
+                    block_tokens=self.block_tokens,
+                    starts=self._starts,
+                )
             for s in spans:
                 payload = _payload(bk.span_descs(plan.caches, n, s.start, s.end))
                 if s.exists:
@@ -362,14 +363,10 @@ class BlockStore:
             raise ff.storage_error(exc, f"syncing {self.blocks_dir}") from exc
         return refs, written, new
 
-    def _shared(self, parent: str, tokens: Sequence[int]) -> int:
-        with self._starts_lock:
-            return self._starts.shared(parent, tokens)
-
     def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
         path = self.block_path(name)
         try:
-            return ff.write_snapshot(plan, path, pacer=pacer).nbytes
+            return ff.write_snapshot(plan, path, pacer=pacer, sync_dir=False).nbytes  # synced once, below
         except ff.StorageError as exc:
             if exc.errno != errno.EEXIST:
                 raise
@@ -428,6 +425,20 @@ class BlockStore:
             return None
         _touch(record)
         return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0, None if landing is None else landing.owner)
+
+    def read_record(self, path: Path) -> SsdRecord | None:
+        """The record of one published manifest (e.g. another replica's); deletes nothing.
+        Its blocks become known to the shared-prefix hint."""
+        try:
+            mtime = path.stat().st_mtime
+            m = read_manifest(path)
+        except (ff.StorageError, OSError):
+            return None
+        if self.identity.mismatch(m.meta, path.parent.name):
+            return None
+        with self._starts_lock:
+            self._starts.add(m.tokens, m.blocks)
+        return SsdRecord(m.namespace, m.tokens, m.nbytes, mtime, m.trimmable, path, m.blocks)
 
     def block_paths(self, record: SsdRecord) -> list[Path]:
         return [self.block_path(b.name) for b in record.blocks]

@@ -231,13 +231,13 @@ class Span:
 
 
 def choose_spans(
-    tokens: Sequence[int],
+    tokens: Sequence[int] | np.ndarray,
     *,
     namespace: str,
     fingerprint: str,
     exists: Callable[[str], bool],
     block_tokens: int = BLOCK_TOKENS,
-    shared: Callable[[str, Sequence[int]], int] | None = None,
+    starts: SharedStarts | None = None,
 ) -> list[Span]:
     """Cut `tokens` into span blocks, reusing the blocks `exists` says are stored.
 
@@ -245,32 +245,38 @@ def choose_spans(
     longest stored block that starts here and ends at or before the next grid
     line (a full grid cell, or the partial block an earlier checkpoint of this
     conversation ended with); otherwise a new block up to the grid line, or,
-    when `shared(parent, tokens[here:grid])` says a stored block after the
-    same parent begins with >= MIN_SHARED_CUT of those tokens and not all of
-    them, a new block of just the shared ones (`SharedStarts.shared`): the
-    next conversation over that prefix reuses it. Once a block is new no
-    later one can exist (its parent's name is new), so the probing stops there.
+    when a stored block after the same parent begins with >= MIN_SHARED_CUT of
+    those tokens and not all of them (`starts`), a new block of just the
+    shared ones: the next conversation over that prefix reuses it. Once a
+    block is new no later one can exist (its parent's name is new), so the
+    probing stops there.
+
+    With `starts`, the ends probed are the grid line and those of the blocks
+    it knows after the same parent (one `exists` call each, not one per
+    token); without it, every end down from the grid line.
     """
-    n = len(tokens)
+    toks = np.asarray(tokens, dtype="<i8")  # sliced per probe: one conversion, not one per probe
+    n = len(toks)
     spans: list[Span] = []
     parent, pos, chain_stored = ROOT, 0, True
     while pos < n:
         grid = min(n, (pos // block_tokens + 1) * block_tokens)
         found = None
         if chain_stored:
-            for end in range(grid, pos, -1):
-                name = chain_hash(parent, tokens[pos:end], namespace=namespace, fingerprint=fingerprint)
+            ends = range(grid, pos, -1) if starts is None else starts.ends(parent, toks[pos:grid], pos)
+            for end in ends:
+                name = chain_hash(parent, toks[pos:end], namespace=namespace, fingerprint=fingerprint)
                 if exists(name):
                     found = Span(name, pos, end, True)
                     break
         if found is None:
             end = grid
-            if chain_stored and shared is not None:
-                common = shared(parent, tokens[pos:grid])
+            if chain_stored and starts is not None:
+                common = starts.shared(parent, toks[pos:grid])
                 if MIN_SHARED_CUT <= common < grid - pos:
                     end = pos + common
             chain_stored = False
-            name = chain_hash(parent, tokens[pos:end], namespace=namespace, fingerprint=fingerprint)
+            name = chain_hash(parent, toks[pos:end], namespace=namespace, fingerprint=fingerprint)
             found = Span(name, pos, end, False)
         spans.append(found)
         parent, pos = found.name, found.end
@@ -408,7 +414,7 @@ class SharedStarts:
             if not siblings:
                 del self._after[parent]
 
-    def shared(self, parent: str, tokens: Sequence[int]) -> int:
+    def shared(self, parent: str, tokens: Sequence[int] | np.ndarray) -> int:
         """The most leading `tokens` that a known block after `parent` starts with."""
         siblings = self._after.get(parent)
         if not siblings:
@@ -420,6 +426,16 @@ class SharedStarts:
             differ = np.flatnonzero(have[:m] != want[:m])
             best = max(best, int(differ[0]) if len(differ) else m)
         return best
+
+    def ends(self, parent: str, tokens: Sequence[int] | np.ndarray, pos: int) -> list[int]:
+        """Where a stored block starting at `pos` after `parent` may end, longest first: the end of
+        `tokens` (the grid line) and every known block there that holds a prefix of them."""
+        want = np.asarray(tokens, dtype=np.int64)
+        out = {pos + len(want)}
+        for have in self._after.get(parent, {}).values():
+            if len(have) <= len(want) and np.array_equal(have, want[: len(have)]):
+                out.add(pos + len(have))
+        return sorted(out, reverse=True)
 
 
 def unreferenced(stored: Iterable[str], manifests: Iterable[Iterable[str]]) -> set[str]:
@@ -439,7 +455,7 @@ def model_blocks(
     bytes_per_token: int,
     state_bytes: int = 0,
     block_tokens: int = BLOCK_TOKENS,
-    shared: Callable[[str, Sequence[int]], int] | None = None,
+    starts: SharedStarts | None = None,
 ) -> tuple[BlockRef, ...]:
     """The blocks a checkpoint of `tokens` would use, with modeled sizes (the simulator's store).
 
@@ -449,7 +465,7 @@ def model_blocks(
     headers are left out.
     """
     spans = choose_spans(
-        tokens, namespace=namespace, fingerprint=fingerprint, exists=stored, block_tokens=block_tokens, shared=shared
+        tokens, namespace=namespace, fingerprint=fingerprint, exists=stored, block_tokens=block_tokens, starts=starts
     )
     refs = [BlockRef(s.name, s.start, s.end, (s.end - s.start) * bytes_per_token) for s in spans]
     if state_bytes:

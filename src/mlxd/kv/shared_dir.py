@@ -5,8 +5,10 @@ and named by a fresh uuid, so replicas never write over each other. What
 sharing adds is discovery and deletion discipline:
 
 - Discovery (`DirWatch`): a replica lists its fingerprint directory and reads
-  the header of every `.mlxkv` file it has not seen, so a conversation another
-  replica flushed becomes restorable here. Listing is skipped while no
+  the header of every `.mlxkv` file and `.mlxmf` block manifest it has not
+  seen, so a conversation another replica flushed becomes restorable here.
+  The `blocks/` directory is never listed: blocks are found through the
+  manifests that name them. Listing is skipped while no
   namespace directory changed its mtime, so an idle poll costs a few `stat`s.
 - Deletion (`DeletionGuard`): only the replica holding the directory's
   garbage-collector lock (`flock` on `.gc.lock`, released by the kernel when
@@ -15,7 +17,10 @@ sharing adds is discovery and deletion discipline:
   refreshes a file's mtime), never a file its own index still references.
   Another replica's read in progress is safe anyway (an open file outlives its
   name on POSIX); a replica that indexed a file which is later deleted finds
-  it gone when it reads it or at its next poll, and counts a miss.
+  it gone when it reads it or at its next poll, and counts a miss. Blocks
+  are collected only after the manifest that named them is deleted, and only
+  those no manifest on disk names (`BlockStore.collect`, under the blocks
+  lock that every writer holds shared from its probes to its manifest).
 - Caps: every replica indexes every file, so each sees the directory's total
   and enforces the same `--ssd-cache-max` on it (give all replicas the same).
 
@@ -140,7 +145,7 @@ class DirWatch:
 
     directory: Path  # the fingerprint directory
     read: Callable[[Path], Any | None]  # header-only read of one file -> a record, or None
-    suffix: str = ".mlxkv"
+    suffix: str | tuple[str, ...] = (".mlxkv", ".mlxmf")  # whole files and block manifests
     # Every this many polls, list every directory even if its mtime did not move
     # (filesystems with coarse timestamps can hide a second change within one tick).
     full_every: int = 30
@@ -154,7 +159,7 @@ class DirWatch:
 
     def poll(self) -> DirChanges:
         try:
-            ns_dirs = [p for p in self.directory.iterdir() if p.is_dir()]
+            ns_dirs = [p for p in self.directory.iterdir() if p.is_dir() and p.name != "blocks"]
         except OSError:
             return DirChanges((), frozenset())
         self._polls += 1

@@ -45,7 +45,7 @@ from pathlib import Path
 import attrs
 
 from mlxd.kv import file_format as ff
-from mlxd.kv.block_store import BlockStore
+from mlxd.kv.block_store import MANIFEST_EXT, BlockStore
 from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
@@ -212,7 +212,8 @@ class SsdStore:
                 continue
             loser = old if old.mtime <= record.mtime else record
             found[key] = record if loser is old else old
-            self.unlink(loser)
+            if self.shared_grace_s is None:  # shared: the collector deletes it
+                self.unlink(loser)
             counts["duplicates"] += 1
         if blocks is not None:
             counts["corrupt"] += blocks.report.corrupt
@@ -227,6 +228,11 @@ class SsdStore:
             log.info("ssd_whole_files_kept", files=whole_files,
                      note="checkpoints written as whole files stay readable; new ones are written as blocks")
         return Scan(tuple(found.values()), report)
+
+    def close(self) -> None:
+        """Let the directory go (its server has stopped); the lock goes with the last store of this process
+        that holds it (kv/dir_lock.py), so the next server can take it, in either mode."""
+        self._lock = None
 
     def _lock_directory(self) -> None:
         """Exclusive, or shared with other replicas (`shared_grace_s`); DirLocked if someone else objects."""
@@ -267,9 +273,14 @@ class SsdStore:
         """Header-only read of one published file (e.g. another replica's); deletes nothing.
 
         A link (the file or its namespace directory) is no record: what is indexed may be
-        deleted later, and nothing is ever deleted through a link.
+        deleted later, and nothing is ever deleted through a link. A block manifest's record
+        comes from the manifest alone (its blocks are checked when it is loaded).
         """
-        if path.suffix != ff.EXTENSION or path.is_symlink() or path.parent.is_symlink():
+        if path.is_symlink() or path.parent.is_symlink():
+            return None
+        if path.suffix == MANIFEST_EXT:
+            return self._blocks.read_record(path)
+        if path.suffix != ff.EXTENSION:
             return None
         try:
             header = ff.read_header(path)

@@ -218,7 +218,3 @@ class RuntimeConfig:
                              "own shard files): leave out --ssd-cache")
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")
-        if self.ssd_shared and self.ssd_layout == "blocks":
-            # A shared directory's collector deletes whole files only; blocks named by
-            # another replica's manifests would need a fleet-wide block ledger.
-            raise ValueError("--ssd-shared works with --ssd-layout whole only (blocks are per replica for now)")

@@ -290,7 +290,7 @@ class MlxdReplay:
         return model_blocks(
             [int(t) for t in tokens], namespace=namespace, fingerprint="sim", stored=self.tiers.ssd_has_block,
             bytes_per_token=self.cost.kv_bytes(real), block_tokens=max(1, self.ssd_block_tokens // real),
-            shared=self._starts.shared,
+            starts=self._starts,
         )
 
     def _new_bytes(self, blocks: tuple[BlockRef, ...]) -> int:

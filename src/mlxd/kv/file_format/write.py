@@ -116,9 +116,15 @@ def _with_digests(caches: Sequence[CacheDesc], digests: Iterator[str]) -> tuple[
     return tuple(fill(c) for c in caches)
 
 def write_snapshot(
-    plan: SnapshotPlan, path: str | os.PathLike[str], *, pacer: Pacer | None = None, direct: bool | None = None
+    plan: SnapshotPlan,
+    path: str | os.PathLike[str],
+    *,
+    pacer: Pacer | None = None,
+    direct: bool | None = None,
+    sync_dir: bool = True,
 ) -> WrittenFile:
-    """Write `<path>.tmp`, checksumming as it goes; fsync; rename onto `path`; fsync the dir.
+    """Write `<path>.tmp`, checksumming as it goes; fsync; rename onto `path`; fsync the dir
+    (`sync_dir=False`: the caller fsyncs it once after several files, as the block store does).
 
     No MLX calls. With a `pacer`, bytes go out in its slices at its rate.
     `direct` chooses O_DIRECT (True), the page cache (False), or (None) O_DIRECT
@@ -137,7 +143,8 @@ def write_snapshot(
     try:
         header = _write_tmp(plan, layout, fd, pacer, direct)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        if sync_dir:
+            fsync_dir(path.parent)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise storage_error(exc, f"writing {path}") from exc
