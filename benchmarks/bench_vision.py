@@ -53,8 +53,9 @@ def image_turn(url: str, text: str) -> dict[str, Any]:
 
 
 class Client:
-    def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=600)
+    def __init__(self, proc: ServeProc) -> None:
+        self.proc = proc
+        self.http = httpx.Client(base_url=proc.url, timeout=600)
 
     def ask(self, messages: list[dict[str, Any]], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -63,6 +64,11 @@ class Client:
         seconds = time.perf_counter() - t0
         r.raise_for_status()
         return seconds, r.json()
+
+    def engine_ttft(self) -> float:
+        """The server's own TTFT of the last request (its request.done log line), in seconds."""
+        done = [line for line in self.proc.log().splitlines() if '"request.done"' in line]
+        return json.loads(done[-1])["ttft_ms"] / 1000
 
     def engine(self) -> dict[str, Any]:
         return self.http.get("/stats").json()["engine"]
@@ -84,10 +90,12 @@ def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> d
     # Turn 1 (cold: encode + prefill) and its follow-up.
     first = [{"role": "system", "content": f"Round {r}."}, image_turn(png(seed, side), "What is in this picture?")]
     t1, b1 = client.ask(first)
+    s1 = client.engine_ttft()
     follow = [*first, {"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
               {"role": "user", "content": "And what colour is it mostly?"}]
     t2, b2 = client.ask(follow)
-    out.update(turn1_s=t1, turn2_s=t2, turn1_prompt=b1["usage"]["prompt_tokens"],
+    s2 = client.engine_ttft()
+    out.update(turn1_s=t1, turn2_s=t2, turn1_server_s=s1, turn2_server_s=s2, turn1_prompt=b1["usage"]["prompt_tokens"],
                turn2_cached=b2["usage"]["prompt_tokens_details"]["cached_tokens"])
     # An N-image conversation's follow-up against a text-only one of the same length.
     filler = " a" * span  # one token per " a" in the test tokenizers; lengths are reported
@@ -98,8 +106,10 @@ def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> d
                              system + " ")
     last = {"role": "user", "content": "Which of these pictures was the brightest, and why do you think so?"}
     ti, bi = client.ask([*with_images, last])
+    si = client.engine_ttft()
     tt, bt = client.ask([*text_only, last])
-    out.update(images_followup_s=ti, text_followup_s=tt, images_prompt=bi["usage"]["prompt_tokens"],
+    st = client.engine_ttft()
+    out.update(images_followup_s=ti, text_followup_s=tt, images_followup_server_s=si, text_followup_server_s=st, images_prompt=bi["usage"]["prompt_tokens"],
                text_prompt=bt["usage"]["prompt_tokens"],
                images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
                text_cached=bt["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -126,7 +136,7 @@ def main() -> int:
     args = p.parse_args()
     model = ["--model", args.model] if args.model else ["--preset", args.preset]
     with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off"], Path(tmp) / "serve.log") as proc:
-        client = Client(proc.url)
+        client = Client(proc)
         _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
         span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
         rounds = [one_round(client, r, images=args.images, side=args.side, span=span) for r in range(args.rounds)]
@@ -136,6 +146,8 @@ def main() -> int:
         f"{args.images}-image follow-up / text follow-up": statistics.median(
             x["images_followup_s"] / x["text_followup_s"] for x in rounds),
         "encoder hit / re-encode": statistics.median(x["encoder_hit_s"] / x["reencode_s"] for x in rounds),
+        f"{args.images}-image / text follow-up, server TTFT": statistics.median(
+            x["images_followup_server_s"] / x["text_followup_server_s"] for x in rounds),
     }
     print(f"image span {span} tokens ({args.side}x{args.side} px); {args.rounds} rounds; medians:")
     print(f"  turn 1 {med['turn1_s'] * 1000:8.1f} ms   turn 2 {med['turn2_s'] * 1000:8.1f} ms"
@@ -144,6 +156,9 @@ def main() -> int:
           f"{med['images_cached']:.0f} cached)   text follow-up {med['text_followup_s'] * 1000:8.1f} ms "
           f"({med['text_prompt']:.0f} tokens, {med['text_cached']:.0f} cached)")
     print(f"  encoder hit {med['encoder_hit_s'] * 1000:8.1f} ms   re-encode {med['reencode_s'] * 1000:8.1f} ms")
+    print(f"  server-side TTFT (request.done): turn 1 {med['turn1_server_s'] * 1000:.1f} ms, turn 2 "
+          f"{med['turn2_server_s'] * 1000:.1f} ms, image follow-up {med['images_followup_server_s'] * 1000:.1f} ms, "
+          f"text follow-up {med['text_followup_server_s'] * 1000:.1f} ms")
     for name, value in ratios.items():
         print(f"  {name:45s} {value:6.3f}x")
     RESULTS.mkdir(exist_ok=True)
