@@ -72,7 +72,7 @@ def expand(tokens: Sequence[int], placeholder: int, images: Sequence[tuple[str, 
 
 def check_spans(tokens: Sequence[int], spans: Sequence[MediaSpan], vocab_size: int) -> str | None:
     """Why `tokens` with `spans` is not a valid media key (None when it is)."""
-    inside = set()
+    inside: set[int] = set()
     for s in spans:
         if s.start < 0 or s.length < 1 or s.end > len(tokens):
             return f"a media span [{s.start}, {s.end}) lies outside the prompt"
