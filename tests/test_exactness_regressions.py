@@ -72,3 +72,17 @@ async def test_a_sharing_replica_keeps_the_block_manifests_it_restores(tiny_mode
         assert tier == "ssd" and [t for t, _ in again] == [t for t, _ in cold]
         report = await replica.flush()
         assert report["durable"], report
+
+
+async def test_a_closed_runtime_lets_its_ssd_directory_go(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Leaving `open_runtime` kept the SSD directory locked until the runtime was garbage-collected, so
+    a server started next on it in the other mode (here: sharing it) was refused while the embedder
+    still held the old `Runtime` (the harness's restart-then-replica step)."""
+    ssd = tmp_path / "ssd"
+    async with open_runtime(_config(tiny_model_dir, ssd)) as rt:
+        prompt = rt.encode("A conversation that outlives its server. " * 4)
+        before, _ = await _serve(rt, prompt)
+    async with open_runtime(_config(tiny_model_dir, ssd, ssd_shared=True)) as replica:
+        again, tier = await _serve(replica, prompt)
+    assert tier == "ssd" and [t for t, _ in again] == [t for t, _ in before]
+    assert rt.cold is not None  # the old runtime is still referenced

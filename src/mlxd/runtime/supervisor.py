@@ -720,10 +720,10 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
     config = config or RuntimeConfig()
     raised: BaseException | None = None
     unwrapped: BaseException | None = None
+    runtime: Runtime | None = None
     try:
         async with trio.open_nursery() as nursery:
             actors = _Actors(nursery)
-            runtime: Runtime | None = None
             try:
                 runtime = await _start_actors(actors, config)
                 actors.shield()  # from here on only stop() ends them: after the exit flush
@@ -744,6 +744,9 @@ async def open_runtime(config: RuntimeConfig | None = None) -> AsyncIterator[Run
         unwrapped = _callers_own(group, raised)
         if unwrapped is None:
             raise
+    finally:
+        if runtime is not None and runtime.cold is not None:
+            runtime.cold.store.close()  # every actor has stopped: the next server may lock the directory
     if unwrapped is not None:
         raise unwrapped  # outside the except clause: no "during handling of the group" context
 
