@@ -31,7 +31,9 @@ async def test_a_sample_of_replays_matches_cold_recompute(model_dirs: dict[str, 
     replays: list[ex.Replay] = []
     for i, (preset, bits) in enumerate(ex.CELLS):
         replays += await ex.run_cell(model_dirs[preset], preset, bits, tmp_path / str(i), conversations=3,
-                                     seed=2027 + i, max_tokens=(6, 9), checkpoint_every=2)
+                                     seed=2027 + i, max_tokens=(6, 9), checkpoint_every=2, concurrency=4,
+                                     demote_idle_s=1.0, ssd_layout=("whole", "blocks")[i % 2],
+                                     restore_landing=("mlx", "host")[i // 2 % 2])
     summary = ex.summarize(replays)
     assert summary["mismatches"] == 0, [r for r in replays if r.verdict == "mismatch"]
     assert summary["replays"] >= 200, summary["replays"]
