@@ -81,6 +81,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="MLX memory (weights, batches and the RAM cache) to keep to: past it, durable RAM "
                    "entries demote to SSD, or are evicted without --ssd-cache (default: 0.9 x the GPU's "
                    "recommended working set, else 0.75 x the GPU's memory or RAM; 0 = no budget)")
+    p.add_argument("--kv-admission", action="store_true",
+                   help="start a request only when its KV (prompt + max_tokens) fits the memory budget beside "
+                   "the model and the running rows; else it waits in the queue, and one that never fits gets "
+                   "a 400 at once")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
@@ -229,6 +233,7 @@ def serve_config(args: argparse.Namespace):
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         memory_budget_bytes=args.memory_budget,
+        kv_admission=args.kv_admission,
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,

@@ -18,6 +18,7 @@ import attrs
 import structlog
 import trio
 
+from mlxd.kv.admission import Admit, KvAdmission, Refuse
 from mlxd.kv.tiers import PrefixLookup, SsdMatch
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import Reply
@@ -74,8 +75,12 @@ class SchedulerActor:
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
         checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
+        kv_admission: KvAdmission | None = None,
     ) -> None:
+        """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget."""
         self._config = config
+        self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
+        self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves
         self._prefetcher = prefetcher
         self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
         self._inbox = inbox
@@ -99,7 +104,35 @@ class SchedulerActor:
                     except trio.EndOfChannel:
                         self._slots.release()
                         return
+                    if self.kv_admission is not None and not await self._admit_kv(submit):
+                        self._slots.release()
+                        continue
                     self._start(nursery, submit)
+
+    async def _admit_kv(self, submit: SchedulerInbox) -> bool:
+        """Wait (first in the queue: later requests wait behind it) until the request's KV fits the
+        memory budget; False when it never can (it fails at once; `Runtime.request` refuses most)."""
+        assert self.kv_admission is not None
+        request, waited = submit.request, False
+        while True:
+            room = self._kv_room
+            decision = self.kv_admission.decide(len(request.prompt), request.sampling.max_tokens)
+            if isinstance(decision, Admit):
+                self.kv_admission.admit(request.request_id, decision.nbytes, waited=waited)
+                return True
+            if isinstance(decision, Refuse):
+                self.kv_admission.refused += 1
+                try:
+                    submit.events.send_nowait(GenerationFailed(decision.message))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                    pass
+                submit.events.close()
+                return False
+            if not waited:
+                log.info("request.kv_wait", request_id=request.request_id, need_bytes=decision.nbytes,
+                         free_bytes=decision.free_bytes)
+            waited = True
+            await room.wait()
 
     def _start(self, nursery: trio.Nursery, submit: SchedulerInbox) -> None:
         self.stats.running += 1
@@ -132,6 +165,10 @@ class SchedulerActor:
                     await self._engine.send(CancelGeneration(request.request_id))
             finally:
                 submit.events.close()
+                if self.kv_admission is not None:
+                    self.kv_admission.release(request.request_id)
+                    room, self._kv_room = self._kv_room, trio.Event()
+                    room.set()
                 self._slots.release()
                 self.stats.running -= 1
                 if self.stats.running == 0:

@@ -87,6 +87,10 @@ class RuntimeConfig:
     memory_budget_bytes: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_non_negative)
     )
+    # Admit a request only when its KV (prompt + max_tokens, under the KV scheme) fits the
+    # memory budget beside the model and the rows running (kv/admission.py); else it waits
+    # in the queue, and one that can never fit gets a 400 at once. Needs a memory budget.
+    kv_admission: bool = False
 
     # Continuous batching: rows decoding together, and rows prefilling together.
     max_batch: int = attrs.field(default=8, validator=_positive)

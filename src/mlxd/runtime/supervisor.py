@@ -40,6 +40,7 @@ from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.ops import EngineInfo
+from mlxd.kv.admission import KvAdmission, weights_bytes
 from mlxd.kv.blocks import span_for
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.kv_events import PublishAddress
@@ -300,6 +301,11 @@ class Runtime:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                 f"model's context length of {limit} tokens"
             )
+        kv = self.scheduler.kv_admission  # --kv-admission: a request whose KV never fits is refused now
+        why = kv.never_fits(len(prompt), sampling.max_tokens) if kv is not None else None
+        if why is not None:
+            kv.refused += 1  # type: ignore[union-attr]
+            raise InvalidRequest(why, param="max_tokens")
         vocab = self.info.vocab_size
         if media:
             from mlxd.kv.media import check_spans
@@ -695,6 +701,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         cache=cache_send.clone(),
         prefetcher=cold.prefetch_inbox.clone() if cold else None,
         checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
+        kv_admission=_kv_admission(config, info),
     )
     await actors.start(scheduler.run)
     return Runtime(
@@ -708,6 +715,13 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         cache_owner=cache_owner,
         cold=cold,
     )
+
+
+def _kv_admission(config: RuntimeConfig, info: EngineInfo) -> KvAdmission | None:
+    """--kv-admission: reservations against the memory budget, beside the model's weights."""
+    if not config.kv_admission or info.memory_budget_bytes <= 0:
+        return None
+    return KvAdmission(info.memory_budget_bytes, info.kv_bytes_per_token, fixed_bytes=weights_bytes(info.model_path))
 
 
 @asynccontextmanager

@@ -1,0 +1,92 @@
+"""Admission by KV bytes (`--kv-admission`, kv/admission.py): pure rule, a live runtime, HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd.kv.admission import Admit, KvAdmission, Refuse, Wait, weights_bytes
+from mlxd.runtime.supervisor import InvalidRequest
+
+from serving import ServerThread, config_for
+
+MIB = 1024 * 1024
+
+
+def test_the_rule_admits_waits_and_refuses_with_the_numbers():
+    kv = KvAdmission(budget_bytes=100 * MIB, kv_bytes_per_token=MIB // 16, fixed_bytes=40 * MIB)
+    assert kv.kv_bytes(600, 40) == 40 * MIB
+    assert kv.decide(600, 40) == Admit(40 * MIB)
+    kv.admit("a", 40 * MIB)
+    # 20 MiB left: a second 40 MiB request waits, a 20 MiB one fits.
+    assert kv.decide(600, 40) == Wait(40 * MIB, 20 * MIB)
+    assert kv.decide(300, 20) == Admit(20 * MIB)
+    # Bytes the tiers cannot free yet (entries waiting for their SSD write) count too.
+    assert isinstance(kv.decide(300, 20, pinned_bytes=MIB), Wait)
+    kv.release("a")
+    assert kv.decide(600, 40) == Admit(40 * MIB) and kv.reserved_bytes == 0
+    # More than the budget leaves beside the model: never, whatever runs.
+    refused = kv.decide(900, 100)
+    assert isinstance(refused, Refuse) and refused.nbytes == 62.5 * MIB
+    assert "1000" not in refused.message and "prompt (900 tokens) + max_tokens (100)" in refused.message
+    assert "62.5 MiB" in refused.message and "60.0 MiB" in refused.message and "100.0 MiB" in refused.message
+    assert kv.never_fits(600, 40) is None
+    # Alone it always runs if it can ever fit (nothing to wait for).
+    big = KvAdmission(budget_bytes=100 * MIB, kv_bytes_per_token=MIB, fixed_bytes=0)
+    big.admit("x", 99 * MIB)
+    assert isinstance(big.decide(2, 0), Wait)
+    big.release("x")
+    assert isinstance(big.decide(99, 1), Admit)
+    # No budget: everything is admitted and nothing reserved.
+    off = KvAdmission(budget_bytes=0, kv_bytes_per_token=MIB)
+    assert not off.enabled and off.decide(10**6, 10**6) == Admit(0) and off.never_fits(10**6, 1) is None
+
+
+def _budget(model_dir, kv_per_token: int, tokens: int) -> int:
+    """A budget with room beside the weights for `tokens` tokens of KV."""
+    return weights_bytes(model_dir) + tokens * kv_per_token
+
+
+async def test_a_burst_waits_for_room_and_none_fails(tiny_model_dir):
+    probe = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, memory_budget_bytes=0)
+    async with open_runtime(probe) as rt:
+        per_token = rt.info.kv_bytes_per_token
+        prompt = await rt.render_chat([{"role": "user", "content": "Tell me everything about rivers. " * 6}])
+    sampling = SamplingParams(max_tokens=8)
+    need = len(prompt) + sampling.max_tokens
+    # Room for one request's KV at a time (and a half): the other three of a burst of four wait.
+    config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True,
+                           memory_budget_bytes=_budget(tiny_model_dir, per_token, need * 3 // 2))
+    async with open_runtime(config) as rt:
+        kv = rt.scheduler.kv_admission
+        assert kv is not None and kv.fixed_bytes == weights_bytes(tiny_model_dir) > 0
+        outputs: list[list[int]] = []
+
+        async def one(i: int) -> None:
+            async with rt.submit(rt.request(prompt, sampling=sampling, request_id=f"r{i}")) as stream:
+                outputs.append([e.token async for e in stream if hasattr(e, "logprob")])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert len(outputs) == 4 and all(len(o) == sampling.max_tokens for o in outputs)
+        assert kv.admitted == 4 and kv.waited >= 3 and kv.refused == 0
+        assert kv.peak_reserved_bytes == need * per_token  # never two at once
+        assert kv.reserved_bytes == 0
+        # A request that can never fit is refused before it is queued, naming the numbers.
+        with pytest.raises(InvalidRequest, match=r"need .* MiB of KV") as refused:
+            rt.request(prompt, sampling=SamplingParams(max_tokens=need * 2))
+        assert refused.value.param == "max_tokens" and kv.refused == 1
+
+
+def test_http_answers_400_for_a_request_that_never_fits(tiny_model_dir):
+    config = config_for(tiny_model_dir, kv_admission=True, memory_budget_bytes=weights_bytes(tiny_model_dir) + 4096)
+    with ServerThread(config) as server:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there."}], "max_tokens": 64}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "max_tokens"
+        assert "MiB of KV" in error["message"] and "memory budget" in error["message"]
