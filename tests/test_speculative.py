@@ -20,7 +20,7 @@ import trio
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
-from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup
+from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.model import build_model
 from mlxd.runtime.kernel.messages import GenerationFinished, GenerationRequest, TokenGenerated
 from mlxd.structured.spec import constraint_from_request
@@ -70,6 +70,32 @@ def test_backoff_waits_longer_after_each_rejection_and_resets_on_acceptance():
     c.add(4, 4)
     c.add(4, 0)
     assert c.acceptance_rate == 0.5 and c.tokens_per_forward == 3.0
+
+
+def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_ones():
+    gate = SpeculationGate()
+    now = 0.0
+
+    def step(verifying: bool, tokens: int, seconds: float) -> None:
+        nonlocal now
+        gate.started(now)
+        gate.ran(verifying=verifying, tokens=tokens, start=now)
+        now += seconds
+
+    step(False, 8, 0.010)  # plain: 800 tokens/s
+    step(True, 20, 0.020)  # verifying: 1000 tokens/s: keep going
+    gate.started(now)
+    assert gate.allow() and gate.pauses == 0
+    for pause in (8, 16, 32):
+        step(True, 2, 0.100)  # 20 tokens/s: slower than plain
+        gate.started(now)
+        waited = 0
+        while not gate.allow():
+            waited += 1
+        assert waited == pause
+    step(True, 30, 0.020)  # faster again: the next slow verify pauses 8 steps again
+    gate.started(now)
+    assert gate.pauses == 0 and gate.allow()
 
 
 # --- one EngineCore: speculation off and on give the same tokens and logprobs ----------------

@@ -132,6 +132,7 @@ class SpeculationStats:
     verify_steps: int = 0  # target forwards that verified drafts
     verified_rows: int = 0  # row verifications (a forward verifies every drafting row of the batch)
     constrained_rows: int = 0  # rows that did not draft: a grammar constrains them
+    gate_pauses: int = 0  # drafting is paused: verifying steps were slower than plain ones (pauses in a row)
 
 
 @attrs.frozen(kw_only=True)

@@ -10,13 +10,16 @@ keeps the drafts up to the first one its sample disagrees with; the sample
 there becomes its pending token. The KV of every rejected or padded position
 is dropped per row: a common trim, then each row with more to drop is shifted
 right by the rest and its left padding grows by as much (the batch cache's
-own way to hold rows of different lengths). Tokens, logprobs and finishes come
+own way to hold rows of different lengths). A step verifies only while the
+engine's `SpeculationGate` finds verifying steps faster than plain ones on this
+device (kv/ngram.py). Tokens, logprobs and finishes come
 out as one response per emitted token, in order, so stop tokens, logprobs and
 checkpoints see every accepted token.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -43,25 +46,37 @@ class SpeculativeBatch(GenerationBatch):
         return batch
 
     def next(self) -> list[Any]:
+        start = time.perf_counter()
+        gate = self.drafts.gate
+        gate.started(start)
         if not self.uids:
             return []
+        proposals = self._proposals() if gate.allow() else {}
+        if proposals:
+            responses = self._verify(proposals)
+        else:
+            responses = super().next()
+        gate.ran(verifying=bool(proposals), tokens=len(responses), start=start)
+        return responses
+
+    def _proposals(self) -> dict[int, list[int]]:
+        """Each drafting row's drafts, by batch index (reads the pending tokens only if a row drafts)."""
         wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid)]
         if not wanting:
-            return super().next()
+            return {}
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         proposals: dict[int, list[int]] = {}
         for i in wanting:
             limit = min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1)
             drafts = self.drafts.propose(self.uids[i], self.tokens[i], pending[i], limit)
             if drafts:
-                proposals[i] = drafts
-        if not proposals:
-            return super().next()
-        return self._verify(pending, proposals)
+                proposals[i] = [pending[i], *drafts]
+        return proposals
 
-    def _verify(self, pending: list[int], proposals: dict[int, list[int]]) -> list[Any]:
+    def _verify(self, proposals: dict[int, list[int]]) -> list[Any]:
         n_rows = len(self.uids)
-        fed = [[pending[i], *proposals.get(i, ())] for i in range(n_rows)]
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
+        fed = [proposals.get(i) or [pending[i]] for i in range(n_rows)]
         width = max(len(f) for f in fed)
         inputs = mx.array([f + [f[-1]] * (width - len(f)) for f in fed], dtype=self._next_tokens.dtype)
         self._current_tokens = self._next_tokens  # what a constrained row's matcher reads (gen_hook.step_inputs)

@@ -19,7 +19,7 @@ import attrs
 
 from mlxd.engine.features import Feature
 from mlxd.engine.ops import SpeculationStats
-from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup
+from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class Drafts:
 
     rows: Mapping[int, Row]
     counters: DraftCounters = attrs.Factory(DraftCounters)
+    gate: SpeculationGate = attrs.Factory(SpeculationGate)
     off_reason: str | None = None  # set at load when the model's caches cannot roll back
 
     def stats(self) -> SpeculationStats:
@@ -65,6 +66,7 @@ class Drafts:
             active=self.off_reason is None, off_reason=self.off_reason, proposed=c.proposed, accepted=c.accepted,
             acceptance_rate=round(c.acceptance_rate, 4), tokens_per_forward=round(c.tokens_per_forward, 4),
             verify_steps=c.verify_steps, verified_rows=c.verified_rows, constrained_rows=c.constrained_rows,
+            gate_pauses=self.gate.pauses,
         )
 
     def _part(self, uid: int) -> Speculation | None:

@@ -6,7 +6,8 @@ generation) as they grow, append-only; `propose(k)` looks the row's last
 `max_n` .. `min_n` tokens up and returns up to `k` tokens that followed their
 most recent earlier occurrence. `Backoff` decides when a row stops trying: each
 proposal that the target rejected outright doubles the steps it waits before
-the next one, so a row whose text does not repeat costs (almost) nothing.
+the next one (so does a lookup that found nothing), so a row whose text does
+not repeat costs (almost) nothing.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class Backoff:
         self._wait = min(self.max_wait, 1 << (self._misses - 1))
 
     def nothing_found(self) -> None:
-        """No n-gram matched: wait a step (a lookup needs the pending token, which costs a sync)."""
-        self._wait = max(self._wait, 1)
+        """No n-gram matched: back off as after a rejection (a lookup reads the pending token: a sync)."""
+        self._misses += 1
+        self._wait = min(self.max_wait, 1 << (self._misses - 1))
 
 
 @attrs.define
@@ -112,3 +114,54 @@ class DraftCounters:
     def tokens_per_forward(self) -> float:
         """Tokens a speculating row emitted per target forward (1.0 = no gain)."""
         return (self.verified_rows + self.accepted) / self.verified_rows if self.verified_rows else 0.0
+
+
+@attrs.define
+class SpeculationGate:
+    """Verify drafts only while verifying steps emit tokens faster than plain ones, as measured here.
+
+    Each step's time runs from its start to the next step's start (so the engine's own work
+    on its results counts), and its tokens are what it emitted. The rates of plain and of
+    verifying steps are moving averages; when verifying is slower, drafting pauses for 8,
+    16, 32 ... steps (at most `max_pause`), and a verifying step that keeps up resets that.
+    The device decides: a wider forward costs almost nothing on a GPU at batch 1 and a
+    lot on a CPU at batch 8.
+    """
+
+    alpha: float = 0.25
+    max_pause: int = 512
+    plain_rate: float = 0.0  # tokens/s of plain steps (0: not measured yet)
+    verify_rate: float = 0.0  # tokens/s of verifying steps
+    pauses: int = 0  # pauses in a row (the next one is twice as long)
+    _pause: int = 0
+    _open: tuple[bool, int, float] | None = None  # the step in progress: (verifying, tokens, start)
+
+    def allow(self) -> bool:
+        """Whether this step may verify drafts (counts a paused step when not)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return False
+        return True
+
+    def started(self, now: float) -> None:
+        """A step starts: the previous one ends here."""
+        if self._open is None:
+            return
+        verifying, tokens, start = self._open
+        self._open = None
+        if now <= start or tokens <= 0:
+            return
+        rate = tokens / (now - start)
+        if not verifying:
+            self.plain_rate = rate if self.plain_rate == 0 else self.plain_rate + self.alpha * (rate - self.plain_rate)
+            return
+        self.verify_rate = rate if self.verify_rate == 0 else self.verify_rate + self.alpha * (rate - self.verify_rate)
+        if self.plain_rate > 0 and self.verify_rate < self.plain_rate:
+            self._pause = min(self.max_pause, 8 << self.pauses)
+            self.pauses += 1
+            self.verify_rate = 0.0  # measured afresh after the pause
+        elif self.plain_rate > 0:
+            self.pauses = 0
+
+    def ran(self, *, verifying: bool, tokens: int, start: float) -> None:
+        self._open = (verifying, tokens, start)
