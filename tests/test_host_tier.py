@@ -250,3 +250,25 @@ def test_host_copies_round_trip_through_a_landing_on_this_backend():
     assert host_memory.from_host([memoryview(dest)], arrays) == view.nbytes
     assert np.array_equal(dest.view(np.float32).reshape(view.shape), view)
     assert host_memory.move_pages(_kv(4), to_host=True) == 0  # nothing to move on unified memory
+
+
+def test_a_staged_checkpoint_writes_the_same_file(tmp_path: Path):
+    """The SSD writer's staging on CUDA (one bulk copy to host memory, then the write): same bytes."""
+    from mlxd.kv import file_format as ff
+    from mlxd.kv import kinds
+
+    caches = _kv(12)
+    caches[0].keys = caches[0].keys * mx.arange(8, dtype=mx.float32)  # not all ones
+    plan = kinds.plan_snapshot(caches, meta=ff.SnapshotMeta(
+        model_id="m", config_fingerprint="f", namespace="", tokenizer_hash="t", tokens=range(12)))
+    staging = host_memory.Staging()
+    staged = staging.stage(plan)
+    assert staged.caches == plan.caches and all(
+        bytes(a) == bytes(b) for a, b in zip(staged.buffers, plan.buffers, strict=True))
+    again = staging.stage(plan)  # the buffer is reused
+    assert staging.staged == 2 and staging.staged_bytes == 2 * plan.nbytes and again.nbytes == plan.nbytes
+    a = ff.read_snapshot(ff.write_snapshot(plan, tmp_path / "a.mlxkv").path)
+    b = ff.read_snapshot(ff.write_snapshot(staged, tmp_path / "b.mlxkv").path)  # verified (CRC-32) on read
+    assert a.header.caches == b.header.caches
+    assert all(np.array_equal(x, y) for x, y in zip(a.buffers, b.buffers, strict=True))
+    assert np.array_equal(b.buffers[0].reshape(-1).view(np.uint8), np.frombuffer(plan.buffers[0], np.uint8))

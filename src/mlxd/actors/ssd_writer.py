@@ -19,7 +19,7 @@ import trio
 from mlxd.kv.file_format import SnapshotPlan
 from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
-from mlxd.runtime import device_memory
+from mlxd.runtime import device_memory, host_memory
 from mlxd.runtime.kernel.messages import (
     DurabilityMessage,
     SnapshotWritten,
@@ -31,10 +31,15 @@ from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.ssd_writer")
 
-def _write(store: SsdStore, plan: SnapshotPlan, pacer: Pacer) -> WriteOutcome:
-    # On CUDA the plan's buffers are the RAM tier's own KV: read them without
-    # moving their pages off the device (runtime/device_memory.py).
-    device_memory.read_mostly(plan.buffers)
+def _write(store: SsdStore, plan: SnapshotPlan, pacer: Pacer, staging: host_memory.Staging | None) -> WriteOutcome:
+    # On CUDA the plan's buffers are the RAM tier's own KV (managed memory):
+    # copy them to host memory in bulk first, so the write never reads device
+    # pages beside decode (runtime/host_memory.py); without a side stream, read
+    # them without moving their pages off the device (runtime/device_memory.py).
+    if staging is not None:
+        plan = staging.stage(plan)
+    else:
+        device_memory.read_mostly(plan.buffers)
     return store.write(plan, pacer)
 
 
@@ -55,12 +60,15 @@ class SsdWriterActor:
         # Set when the runtime shuts down: a paced write in flight stops at its next slice.
         self.stopping = threading.Event()
         self._stats = WriterStats()
+        self._staging: host_memory.Staging | None = None  # set on the thread once it runs (CUDA only)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # A dedicated thread (no MLX calls on it, despite the helper's name).
         self._thread = MlxThread("mlxd-ssd-writer")
         try:
             await self._thread.run(lower_priority)
+            if await self._thread.run(host_memory.separate_host_memory):
+                self._staging = host_memory.Staging()
             task_status.started()
             async with self._inbox, self._outbox:
                 async for job in self._inbox:
@@ -77,7 +85,9 @@ class SsdWriterActor:
             assert self._thread is not None and plan is not None
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set)
             # Shutdown cancels us: the paced write stops at its next slice.
-            outcome: WriteOutcome = await self._thread.run(_write, self._store, plan, pacer, on_cancel=self.stopping.set)
+            outcome: WriteOutcome = await self._thread.run(
+                _write, self._store, plan, pacer, self._staging, on_cancel=self.stopping.set
+            )
         except WriteInterrupted as exc:
             outcome = Failed(f"write interrupted: {exc}")
         except Exception as exc:  # every storage failure degrades to "not stored"

@@ -269,3 +269,32 @@ def wait_moves() -> None:
     if cuda is not None:
         with cuda._lock:
             cuda._lib.cudaStreamSynchronize(cuda._stream)
+
+
+class Staging:
+    """A reusable host buffer the SSD writer copies each checkpoint into before writing it (one thread).
+
+    On CUDA the writer then reads host memory only: one bulk DMA per
+    contiguous block instead of the host faulting the RAM tier's managed
+    pages one by one beside decode. The buffer grows to the largest
+    checkpoint seen and is kept (allocating and freeing page-locked memory
+    synchronizes the device).
+    """
+
+    def __init__(self) -> None:
+        self._buffer: HostBuffer | None = None
+        self.staged = 0
+        self.staged_bytes = 0
+
+    def stage(self, plan: Any) -> Any:
+        """The plan with its buffers replaced by host copies (a `SnapshotPlan`; descriptors unchanged)."""
+        import attrs
+
+        need = nbytes_of(plan.buffers)
+        if self._buffer is None or self._buffer.nbytes < need:
+            self._buffer = None  # the old one goes first: never both at once
+            self._buffer = alloc(need)
+        _, arrays = to_host(plan.buffers, self._buffer)
+        self.staged += 1
+        self.staged_bytes += need
+        return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays))  # type: ignore[arg-type]
