@@ -315,7 +315,7 @@ def test_a_lone_prefill_chunk_is_measured_from_its_context():
 
 
 def test_a_prefill_measure_counts_only_the_chunk_it_timed():
-    core, _ = make()
+    core, _ = make(prefill_slice_s=0)  # whole chunks (slices would shrink them once b waits for its token)
     results = steps(core, 3, StepOps(starts=(start("a", range(10, 23)), start("b"))))
     # Step 1 prefills a chunk of each row (not measured: two chunks); step 2 a's second chunk alone.
     measured = [(m.new_tokens, m.context) for m in notes(results, PrefillMeasured)]

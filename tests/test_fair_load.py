@@ -233,6 +233,9 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert slicer.chunk(2048, newcomers=[3], shared=True) == MIN_CHUNK
     assert slicer.chunk(2048, newcomers=[500], shared=True) == 64  # still one slice
     assert slicer.chunk(8, newcomers=[], shared=False) == 8  # never past the step size
+    # A row waits for its first token: the others' steps stay as short as a decode step.
+    assert slicer.chunk(2048, newcomers=[], shared=True, awaiting=True) == 1
+    assert slicer.chunk(2048, newcomers=[], shared=False, awaiting=True) == 64  # alone: its own slice
     assert PrefillSlicer(0.0, rate=2048.0).chunk(2048, newcomers=[20], shared=True) == 2048  # off
 
 
@@ -278,3 +281,51 @@ def test_a_short_prompt_gets_its_first_token_while_a_long_one_prefills(tiny_mode
     finally:
         core.close()
     assert order == (["short", "long"] if slice_s else ["long", "short"])
+
+
+# --- a bounded wait in the queue -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def queue_of_two(tiny_model_dir):
+    config = config_for(
+        tiny_model_dir,
+        max_batch=1,
+        prefill_batch=1,
+        max_queue=2,
+        queue_timeout_s=0.5,
+        max_context=60_000,
+        max_tokens_limit=60_000,
+    )
+    with ServerThread(config) as server:
+        yield server
+
+
+def test_a_request_that_waits_too_long_for_a_slot_gets_a_503(queue_of_two):
+    url = _root(queue_of_two)
+    busy = {
+        "prompt": "keep the only slot busy",
+        "max_tokens": 50_000,
+        "stream": True,
+        "logit_bias": NO_EOS,
+    }
+    with (
+        httpx.Client(timeout=BOUND_S) as client,
+        client.stream("POST", url + "/v1/completions", json=busy) as s,
+    ):
+        assert s.status_code == 200
+        lines = s.iter_lines()  # held: a dropped iterator would close the stream and free the slot
+        assert next(line for line in lines if line.startswith("data: "))  # the slot is taken
+        for stream in (False, True):  # queued, then refused: a stream gets its 503 before any event
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "wait", "max_tokens": 2, "stream": stream},
+                timeout=BOUND_S,
+            )
+            assert r.status_code == 503, r.text[:300]
+            assert r.json()["error"]["type"] == "server_overloaded" and "--queue-timeout" in r.text
+    # The slot is free again: served.
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": "now", "max_tokens": 2}, timeout=BOUND_S
+    )
+    assert r.status_code == 200

@@ -89,6 +89,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
     p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
+    p.add_argument("--queue-timeout", type=_non_negative_float, default=60.0, metavar="SEC",
+                   help="seconds an HTTP request may wait in the queue for a batch slot before it gets a 503 "
+                   "(0 = no limit)")
     p.add_argument(
         "--prefill-step-size", type=_prefill_step, default=None,
         help="prefill chunk size in tokens, or 'auto' (default: 2048; on a GPU timed at startup when the device probe runs)",
@@ -237,6 +240,7 @@ def serve_config(args: argparse.Namespace):
         max_batch=args.max_batch,
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout,
         prefill_step_size=args.prefill_step_size if isinstance(args.prefill_step_size, int) else 2048,
         prefill_slice_s=args.prefill_slice_ms / 1000,
         tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),

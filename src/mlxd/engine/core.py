@@ -587,8 +587,9 @@ class EngineCore:
     def _prefill_chunk(self) -> int:
         """This step's prefill chunk: a time slice, cut so rows that just joined finish their prompt."""
         newcomers = [r.prompt_new for r in self._rows.values() if r.prefilled == 0 and r.generated == 0]
+        awaiting = any(0 < r.prompt_new <= r.prefilled and r.generated == 0 for r in self._rows.values())
         shared = len(newcomers) < len(self._rows)
-        return self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared)
+        return self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared, awaiting=awaiting)
 
     # --- what features call --------------------------------------------------------------
 

@@ -11,7 +11,9 @@ rate measured on chunks that ran alone), so a newcomer never waits long for
 the chunk in flight; and on a step where newcomers join rows already in the
 batch, the chunk is cut to the newcomers' remaining prompt, so they finish
 their prefill in that step without padding while the long row moves on by
-as much. Pure and deterministic given its inputs (the engine core calls it).
+as much; while a row that has prefilled waits for its first token (the
+next step or two), the others advance by one token a step. Pure and
+deterministic given its inputs (the engine core calls it).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ class PrefillSlicer:
         if tokens > 0 and seconds > 0:
             self.rate = tokens / seconds
 
-    def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool) -> int:
-        """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch."""
+    def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool, awaiting: bool = False) -> int:
+        """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch;
+        `awaiting`: a row has prefilled its prompt and waits for its first token (one or two steps)."""
         if self.slice_s <= 0:
             return step_size
+        if shared and awaiting and not newcomers:
+            return 1  # those steps stay as short as a decode step: the first token is not held up
         size = step_size if self.rate <= 0 else _power_of_two_below(int(self.rate * self.slice_s))
         if shared and newcomers:
             size = min(

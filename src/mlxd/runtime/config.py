@@ -108,6 +108,8 @@ class RuntimeConfig:
     device_probe_budget_s: float = attrs.field(default=3.0, validator=_positive)
     # Admitted requests waiting for a batch slot; beyond this, requests are refused (503).
     max_queue: int = attrs.field(default=32, validator=_non_negative)
+    # Seconds an HTTP request may wait in that queue for a slot before it is answered 503 (0 = no limit).
+    queue_timeout_s: float = attrs.field(default=60.0, validator=_non_negative)
 
     # Generation limits.
     default_max_tokens: int = attrs.field(default=512, validator=_positive)
