@@ -44,6 +44,9 @@ async def chat_prompt(
     if preparer is None:
         raise ApiError(400, f"the model '{rt.info.model_name}' does not read images: serve a vision model "
                        "(e.g. --preset test-vlm)", param="messages", code="unsupported_content")
+    if rt.config.distributed:
+        raise ApiError(400, "images are not served with --distributed yet", param="messages",
+                       code="unsupported_content")
     if rt.config.speculative != "off":
         raise ApiError(400, "images are not served with --speculative yet", param="messages",
                        code="unsupported_content")
