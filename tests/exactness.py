@@ -203,12 +203,17 @@ def _sentence(rng: random.Random, lo: int = 4, hi: int = 14) -> str:
 
 
 def _sampling(rng: random.Random, max_tokens: tuple[int, int]) -> SamplingParams:
-    max_tokens = rng.randint(*max_tokens)
-    no_eos = ((0, -100.0), (1, -100.0), (2, -100.0))  # random weights: run to max_tokens (or a stop string)
+    kw: dict[str, Any] = {"max_tokens": rng.randint(*max_tokens), "logprobs": True, "top_logprobs": 2}
+    if rng.random() < 0.8:  # random weights: most run to max_tokens (or a stop string), some may end early
+        kw["logit_bias"] = ((0, -100.0), (1, -100.0), (2, -100.0))
+    if rng.random() < 0.3:  # history-dependent processors: they must see a cached prefix's tokens too
+        kw.update(repetition_penalty=rng.choice((1.1, 1.5)), repetition_context_size=rng.choice((8, 20, 64)))
+    if rng.random() < 0.2:
+        kw.update(presence_penalty=rng.choice((0.5, 1.0)), frequency_penalty=rng.choice((0.0, 0.5)))
     if rng.random() < 0.5:
-        return SamplingParams(max_tokens=max_tokens, logprobs=True, top_logprobs=2, logit_bias=no_eos)
-    return SamplingParams(max_tokens=max_tokens, temperature=rng.choice((0.6, 0.9, 1.3)), top_p=rng.choice((1.0, 0.9)),
-                          seed=rng.randrange(2**31), logprobs=True, top_logprobs=2, logit_bias=no_eos)
+        kw.update(temperature=rng.choice((0.6, 0.9, 1.3)), top_p=rng.choice((1.0, 0.9)), top_k=rng.choice((0, 0, 20)),
+                  min_p=rng.choice((0.0, 0.0, 0.05)), seed=rng.randrange(2**31))
+    return SamplingParams(**kw)
 
 
 async def build_workload(rt: Runtime, rng: random.Random, *, conversations: int, prefix: str,
