@@ -159,7 +159,7 @@ class Decoder:
         self.gen.remove(self.uids)
 
 
-def _writer(kind: str, plan: Any, path: Path, stop: threading.Event, done: dict[str, Any], payload: Any = None) -> None:
+def _writer(kind: str, plan: Any, path: Path, stop: threading.Event, done: dict[str, Any], payload: Any = None, staging: Any = None) -> None:
     from mlxd.kv import file_format
     from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor
     from mlxd.runtime import device_memory, host_memory
@@ -179,11 +179,10 @@ def _writer(kind: str, plan: Any, path: Path, stop: threading.Event, done: dict[
             pacer = Pacer(gov, slice_bytes=PACE_SLICE, stop=stop.is_set)
         if kind in ("paced_advised", "full_advised"):
             device_memory.read_mostly(plan.buffers)
-        if kind == "full_staged":
+        if kind == "full_staged":  # what the serving writer does on CUDA (one reused host buffer)
             s0 = time.perf_counter()
-            _, views = host_memory.to_host(plan.buffers)
+            p = staging.stage(plan)
             stage_s += time.perf_counter() - s0
-            p = type(plan)(meta=plan.meta, caches=plan.caches, buffers=tuple(memoryview(v) for v in views))
         try:
             nbytes += file_format.write_snapshot(p, path, pacer=pacer).nbytes
             writes += 1
@@ -197,9 +196,11 @@ def _writer(kind: str, plan: Any, path: Path, stop: threading.Event, done: dict[
 
 def decode_beside_writes(model: Any, entry: list[Any], n: int, work: Path, streams: list[int], rounds: int,
                          steps: int, context: int) -> dict[str, Any]:
-    from mlxd.runtime import device_memory
+    from mlxd.runtime import device_memory, host_memory
 
     plan = plan_of(entry, n)
+    staging = host_memory.Staging()
+    staging.stage(plan)  # allocated once, before any window (as the writer keeps it)
     out: dict[str, Any] = {}
     kinds_ = ["paced_advised", "full_advised", "full_plain", "full_staged"]
     if device_memory.managed() is not None:
@@ -216,7 +217,7 @@ def decode_beside_writes(model: Any, entry: list[Any], n: int, work: Path, strea
                         res[kind]["alone"].append(dec.window(steps))
                         continue
                     stop, done = threading.Event(), {}
-                    t = threading.Thread(target=_writer, args=(kind, plan, work / f"w-{kind}.mlxkv", stop, done, entry))
+                    t = threading.Thread(target=_writer, args=(kind, plan, work / f"w-{kind}.mlxkv", stop, done, entry, staging))
                     t.start()
                     time.sleep(0.1 if kind != "full_staged" else 0.02)
                     res[kind]["with"].append(dec.window(steps))
