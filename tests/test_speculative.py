@@ -174,8 +174,22 @@ def test_a_mixed_batch_is_identical_row_for_row(tiny_model_dir):
         assert on[2][r.request_id] == off[2][r.request_id], r.request_id
         _same_logprobs(off[1][r.request_id], on[1][r.request_id])
     spec = on[3].speculation
-    assert spec is not None and spec.constrained_rows == 1, "the constrained row decodes without drafts"
+    assert spec is not None and spec.constrained_rows == 1, "the constrained row's grammar checks its drafts"
     assert spec.accepted > 0 and spec.verified_rows > spec.verify_steps, "several rows verified per forward"
+
+
+def test_a_constrained_row_drafts_what_its_grammar_allows_and_stays_identical(tiny_model_dir):
+    grammar = constraint_from_request({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "letters", "schema": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                      "minItems": 30, "maxItems": 30}}}})
+    for sampling in ({"max_tokens": 300}, {"max_tokens": 300, "temperature": 0.9, "seed": 5, "logprobs": True}):
+        requests = [_request("json", BASE[:12], constraint=grammar, **sampling)]
+        off = _run(tiny_model_dir, "off", requests)
+        on = _run(tiny_model_dir, "ngram", requests)
+        assert on[0] == off[0] and on[2] == off[2] == {"json": "stop"}
+        _same_logprobs(off[1]["json"], on[1]["json"])
+        spec = on[3].speculation
+        assert spec is not None and spec.constrained_rows == 1 and spec.accepted > 0, spec
 
 
 def test_a_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_model_dir):

@@ -388,8 +388,8 @@ class EngineCore:
         features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
-            self._drafts.counters.constrained_rows += self._speculate  # drafts are not masked by the grammar yet
-        elif self._speculate:
+            self._drafts.counters.constrained_rows += self._speculate  # its grammar checks its drafts
+        if self._speculate:
             features.append(Speculation(config.num_draft_tokens))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12). So does a

@@ -181,9 +181,31 @@ class Constrained(Feature):
     prompt_tokens: int  # the row's prompt: what the processor's context holds before generation
     inputs: StepInputs
     consumed: int = 0
+    drafted: int = 0  # --speculative: drafts being verified this step (masked position by position)
 
     def join(self, row: Row, joining: Joining) -> None:
         joining.processors.append(lambda tokens, logits: self.mask(row, tokens, logits))
+
+    def admit(self, tokens: Any, pending: int, drafts: list[int]) -> list[int]:
+        """--speculative: the drafts up to the first one the grammar refuses after the pending token.
+
+        Only when the matcher has caught up with the row (not at a resumed row's first step).
+        The step then masks each position with the matcher after the tokens before it, and
+        `verified` rolls the refused drafts back.
+        """
+        if len(tokens) - self.prompt_tokens != self.consumed or not drafts:
+            return []
+        probe = self.matcher.fork()
+        admitted = probe.consume_all([pending, *drafts]) - 1
+        self.drafted = max(admitted, 0)
+        return drafts[: self.drafted]
+
+    def verified(self, accepted: int) -> None:
+        """The step kept `accepted` of this row's drafts: forget the rest."""
+        rejected, self.drafted = self.drafted - accepted, 0
+        if rejected > 0:
+            self.matcher.rollback(rejected)
+            self.consumed -= rejected
 
     def mask(self, row: Row, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
@@ -192,7 +214,7 @@ class Constrained(Feature):
         # CPU work below then overlaps with it.
         mx.async_eval(logits)
         generated = int(tokens.shape[0]) - self.prompt_tokens
-        if generated == self.consumed + 1:
+        if generated == self.consumed + 1 and not self.drafted:
             self._consume([self.inputs.token(row.uid)])
         elif generated > self.consumed:  # a resumed row's first step: replay what it holds
             self._consume(tokens[self.prompt_tokens + self.consumed:].tolist())

@@ -131,7 +131,8 @@ class SpeculationStats:
     tokens_per_forward: float = 0.0  # tokens a drafting row emitted per target forward (1.0 = no gain)
     verify_steps: int = 0  # target forwards that verified drafts
     verified_rows: int = 0  # row verifications (a forward verifies every drafting row of the batch)
-    constrained_rows: int = 0  # rows that did not draft: a grammar constrains them
+    constrained_rows: int = 0  # speculating rows whose drafts their grammar checks before verification
+    grammar_refused: int = 0  # draft tokens cut before verification because the grammar refused them
     gate_pauses: int = 0  # drafting is paused: verifying steps were slower than plain ones (pauses in a row)
 
 

@@ -4,8 +4,9 @@ A row that speculates carries a `Speculation` part: a prompt-lookup index over
 its own tokens (kv/ngram.py) and a back-off. At a step, the verifying batch
 (engine/spec_batch.py) asks `Drafts` which rows want to draft, hands each its
 tokens and the pending one, and verifies every row's drafts in one target
-forward; then it reports what was accepted. Rows without the part (constrained
-rows, rows of a model whose caches cannot roll back) decode in the same step.
+forward; then it reports what was accepted. A constrained row's drafts are cut
+at the first token its grammar refuses, and the refused ones are rolled back
+from its matcher after verification. Rows without drafts decode in the same step.
 
 No MLX here: importing this module loads nothing native.
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxd.engine.features import Feature
+from mlxd.engine.features import Constrained, Feature
 from mlxd.engine.ops import SpeculationStats
 from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.runtime.logging import get_logger
@@ -66,6 +67,7 @@ class Drafts:
             active=self.off_reason is None, off_reason=self.off_reason, proposed=c.proposed, accepted=c.accepted,
             acceptance_rate=round(c.acceptance_rate, 4), tokens_per_forward=round(c.tokens_per_forward, 4),
             verify_steps=c.verify_steps, verified_rows=c.verified_rows, constrained_rows=c.constrained_rows,
+            grammar_refused=c.grammar_refused,
             gate_pauses=self.gate.pauses,
         )
 
@@ -87,13 +89,28 @@ class Drafts:
         part = self._part(uid)
         if part is None or limit <= 0:
             return []
-        return part.propose(tokens, pending, limit)
+        drafts = part.propose(tokens, pending, limit)
+        grammar = self._grammar(uid)
+        if grammar is not None and drafts:  # a constrained row verifies only what its grammar allows
+            admitted = grammar.admit(tokens, pending, drafts)
+            self.counters.grammar_refused += len(drafts) - len(admitted)
+            drafts = admitted
+        return drafts
 
     def verified(self, uid: int, proposed: int, accepted: int) -> None:
         self.counters.add(proposed, accepted)
         part = self._part(uid)
         if part is not None:
             part.verified(proposed, accepted)
+        grammar = self._grammar(uid)
+        if grammar is not None:
+            grammar.verified(accepted)
+
+    def _grammar(self, uid: int) -> Constrained | None:
+        row = self.rows.get(uid)
+        if row is None:
+            return None
+        return next((p for p in row.features if isinstance(p, Constrained)), None)
 
     def forward(self) -> None:
         """One target forward verified drafts."""

@@ -163,8 +163,10 @@ def _runtime_families(s: RuntimeStats) -> Iterator[Metric]:
         yield _gauge("mlxd_speculation_tokens_per_forward", "Tokens a drafting row emitted per target forward.",
                      spec.tokens_per_forward)
         yield _counter("mlxd_speculation_verify_steps", "Target forwards that verified drafts.", spec.verify_steps)
-        yield _counter("mlxd_speculation_constrained_rows", "Rows that did not draft: a grammar constrains them.",
+        yield _counter("mlxd_speculation_constrained_rows", "Speculating rows whose grammar checks their drafts.",
                        spec.constrained_rows)
+        yield _counter("mlxd_speculation_grammar_refused_tokens", "Draft tokens cut because the grammar refused them.",
+                       spec.grammar_refused)
 
 
 def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:

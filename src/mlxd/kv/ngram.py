@@ -99,7 +99,8 @@ class DraftCounters:
     accepted: int = 0  # of those, the ones the target agreed with (emitted without their own forward)
     verified_rows: int = 0  # a row's drafts verified in one target forward (counted per row)
     verify_steps: int = 0  # target forwards that verified drafts (any number of rows)
-    constrained_rows: int = 0  # rows that did not speculate: a grammar constrains them
+    constrained_rows: int = 0  # speculating rows whose drafts their grammar checks
+    grammar_refused: int = 0  # draft tokens cut before verification: the row's grammar refused them
 
     def add(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
