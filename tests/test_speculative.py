@@ -83,17 +83,22 @@ def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_on
         now += seconds
 
     step(False, 8, 0.010)  # plain: 800 tokens/s
-    step(True, 20, 0.020)  # verifying: 1000 tokens/s: keep going
+    for _ in range(4):
+        step(True, 20, 0.020)  # verifying: 1000 tokens/s: keep going
     gate.started(now)
     assert gate.allow() and gate.pauses == 0
-    for pause in (8, 16, 32):
-        step(True, 2, 0.100)  # 20 tokens/s: slower than plain
-        gate.started(now)
-        waited = 0
+    for slow, pause in ((1, 8), (4, 16), (4, 32)):
+        # The average of 4 fast steps turns on one slow one; after a pause, 4 new steps are judged.
+        for n in range(slow):
+            step(True, 2, 0.100)  # 20 tokens/s: slower than plain
+            gate.started(now)
+            assert gate.allow() == (n < slow - 1)
+        waited = 1
         while not gate.allow():
             waited += 1
         assert waited == pause
-    step(True, 30, 0.020)  # faster again: the next slow verify pauses 8 steps again
+    for _ in range(4):
+        step(True, 30, 0.020)  # faster again: the pauses start over
     gate.started(now)
     assert gate.pauses == 0 and gate.allow()
 

@@ -123,17 +123,20 @@ class SpeculationGate:
 
     Each step's time runs from its start to the next step's start (so the engine's own work
     on its results counts), and its tokens are what it emitted. The rates of plain and of
-    verifying steps are moving averages; when verifying is slower, drafting pauses for 8,
-    16, 32 ... steps (at most `max_pause`), and a verifying step that keeps up resets that.
+    verifying steps are moving averages; once `min_samples` verifying steps are in and
+    verifying is the slower, drafting pauses for 8, 16, 32 ... steps (at most `max_pause`),
+    and verifying that keeps up resets that.
     The device decides: a wider forward costs almost nothing on a GPU at batch 1 and a
     lot on a CPU at batch 8.
     """
 
     alpha: float = 0.25
-    max_pause: int = 512
+    max_pause: int = 256
+    min_samples: int = 4  # verifying steps measured before they are judged (one step is noisy)
     plain_rate: float = 0.0  # tokens/s of plain steps (0: not measured yet)
     verify_rate: float = 0.0  # tokens/s of verifying steps
     pauses: int = 0  # pauses in a row (the next one is twice as long)
+    _samples: int = 0  # verifying steps measured since the last pause
     _pause: int = 0
     _open: tuple[bool, int, float] | None = None  # the step in progress: (verifying, tokens, start)
 
@@ -157,11 +160,14 @@ class SpeculationGate:
             self.plain_rate = rate if self.plain_rate == 0 else self.plain_rate + self.alpha * (rate - self.plain_rate)
             return
         self.verify_rate = rate if self.verify_rate == 0 else self.verify_rate + self.alpha * (rate - self.verify_rate)
-        if self.plain_rate > 0 and self.verify_rate < self.plain_rate:
+        self._samples += 1
+        if self.plain_rate <= 0 or self._samples < self.min_samples:
+            return
+        if self.verify_rate < self.plain_rate:
             self._pause = min(self.max_pause, 8 << self.pauses)
             self.pauses += 1
-            self.verify_rate = 0.0  # measured afresh after the pause
-        elif self.plain_rate > 0:
+            self.verify_rate, self._samples = 0.0, 0  # measured afresh after the pause
+        else:
             self.pauses = 0
 
     def ran(self, *, verifying: bool, tokens: int, start: float) -> None:
