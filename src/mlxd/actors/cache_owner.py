@@ -344,7 +344,10 @@ class CacheOwnerActor:
             if self._guard is not None and self._guard.pending:
                 # Deletions refused under the grace: the cap must hold on disk too.
                 still = {r.path for r in self.tiers.ssd_records()}
-                await trio.to_thread.run_sync(self._guard.retry, still.__contains__)
+                deleted = await trio.to_thread.run_sync(self._guard.retry, still.__contains__)
+                if deleted and self._store is not None and self._store.blocks.blocks_dir.is_dir():
+                    # Manifests among them: their blocks that no manifest on disk names go too.
+                    await trio.to_thread.run_sync(self._store.blocks.collect)
             self._announce_residency()
 
     async def _demote_idle_forever(self) -> None:
