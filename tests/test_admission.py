@@ -44,24 +44,21 @@ def test_the_rule_admits_waits_and_refuses_with_the_numbers():
     assert not off.enabled and off.decide(10**6, 10**6) == Admit(0) and off.never_fits(10**6, 1) is None
 
 
-def _budget(model_dir, kv_per_token: int, tokens: int) -> int:
-    """A budget with room beside the weights for `tokens` tokens of KV."""
-    return weights_bytes(model_dir) + tokens * kv_per_token
-
-
 async def test_a_burst_waits_for_room_and_none_fails(tiny_model_dir):
-    probe = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, memory_budget_bytes=0)
+    probe = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True)
     async with open_runtime(probe) as rt:
         per_token = rt.info.kv_bytes_per_token
+        assert rt.scheduler.kv_admission is not None
+        fixed = rt.scheduler.kv_admission.fixed_bytes
         prompt = await rt.render_chat([{"role": "user", "content": "Tell me everything about rivers. " * 6}])
     sampling = SamplingParams(max_tokens=8)
     need = len(prompt) + sampling.max_tokens
     # Room for one request's KV at a time (and a half): the other three of a burst of four wait.
     config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True,
-                           memory_budget_bytes=_budget(tiny_model_dir, per_token, need * 3 // 2))
+                           memory_budget_bytes=fixed + need * 3 // 2 * per_token)
     async with open_runtime(config) as rt:
         kv = rt.scheduler.kv_admission
-        assert kv is not None and kv.fixed_bytes == weights_bytes(tiny_model_dir) > 0
+        assert kv is not None and kv.fixed_bytes == fixed == weights_bytes(tiny_model_dir) > 0
         outputs: list[list[int]] = []
 
         async def one(i: int) -> None:

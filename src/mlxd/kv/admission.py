@@ -3,7 +3,8 @@
 A request can grow to `prompt + max_tokens` tokens of KV, `kv_bytes_per_token`
 each under the KV scheme (the engine's `EngineInfo.kv_bytes_per_token`). The
 memory budget (`--memory-budget`) holds the fixed memory (weights, buffers:
-`fixed_bytes`), the rows being generated, and the RAM tier. The RAM tier is
+`fixed_bytes`: serving counts the weights' files; working buffers, e.g. a
+long prefill's activations, are not counted, see docs/benchmarks.md), the rows being generated, and the RAM tier. The RAM tier is
 what the tiers can free: under a budget they demote or evict its entries as
 rows need the room (`CacheTiers.check_budget`), except entries still waiting
 for their SSD write (`pinned_bytes`), which leave once written.
@@ -16,8 +17,8 @@ So a request is
 - refused at once when it can never fit: `fixed + its KV > budget` (HTTP 400,
   with the numbers).
 
-Pure and synchronous (no trio): the scheduler drives it, and `mlxd simulate`
-applies the same rule (`sim/replay.py`).
+Pure and synchronous (no trio): the scheduler drives it (`mlxd simulate` does
+not model it yet).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class KvAdmission:
 
     budget_bytes: int
     kv_bytes_per_token: int
-    fixed_bytes: int = 0  # memory no request frees: weights, buffers
+    fixed_bytes: int = 0  # memory no request frees (serving: the weights' files; buffers are not counted)
     _reserved: dict[str, int] = attrs.field(factory=dict)
     admitted: int = 0
     waited: int = 0  # admissions that had to wait for room

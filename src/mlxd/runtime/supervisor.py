@@ -718,7 +718,8 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
 
 
 def _kv_admission(config: RuntimeConfig, info: EngineInfo) -> KvAdmission | None:
-    """--kv-admission: reservations against the memory budget, beside the model's weights."""
+    """--kv-admission: reservations against the memory budget, beside the model's weights (the size of
+    its safetensors files: deterministic, where MLX's active memory is the process's, other runtimes' too)."""
     if not config.kv_admission or info.memory_budget_bytes <= 0:
         return None
     return KvAdmission(info.memory_budget_bytes, info.kv_bytes_per_token, fixed_bytes=weights_bytes(info.model_path))
