@@ -218,6 +218,51 @@ def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(tmp_path):
     assert spec.proposed == 0
 
 
+# --- --draft-model: a draft equal to the target, an unrelated one, a foreign tokenizer ---------
+
+
+def test_a_draft_model_proposes_and_output_stays_identical(tiny_model_dir, tmp_path):
+    # Same tokenizer, other weights (random tiny models still tend to fall into the same loop,
+    # so its acceptance is not asserted).
+    unrelated = build_model(tmp_path / "other", "test", seed=1)
+    requests = [
+        _request("greedy", BASE, max_tokens=40),
+        _request("seeded", BASE[5:], max_tokens=40, temperature=1.5, seed=3, top_logprobs=2),
+    ]
+    off = _run(tiny_model_dir, "off", requests)
+    for draft, accepted_all in ((tiny_model_dir, True), (unrelated, False)):
+        on = _run(tiny_model_dir, "draft", requests, draft_model=str(draft))
+        assert on[0] == off[0] and on[2] == off[2]
+        for r in requests:
+            _same_logprobs(off[1][r.request_id], on[1][r.request_id])
+        spec = on[3].speculation
+        assert spec is not None and spec.proposed > 0, spec
+        if accepted_all:  # the target as its own draft: its greedy drafts are mostly right
+            assert spec.accepted > 0.7 * spec.proposed and spec.tokens_per_forward > 2, spec
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from mlxd.engine.ops import ModelRefused
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_model_dir, foreign)
+    doc = json.loads((foreign / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids
+    (foreign / "tokenizer.json").write_text(json.dumps(doc))
+    core = EngineCore(config_for(tiny_model_dir, speculative="draft", draft_model=str(foreign)))
+    with pytest.raises(ModelRefused, match="tokenizer is not the model's"):
+        core.load()
+    with pytest.raises(ValueError, match="go together"):
+        RuntimeConfig(speculative="draft")
+    with pytest.raises(ValueError, match="go together"):
+        RuntimeConfig(speculative="ngram", draft_model=str(foreign))
+
+
 # --- a runtime: a RAM hit afterwards, a generation checkpoint resumed --------------------------
 
 

@@ -130,9 +130,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--generation-checkpoint", type=_non_negative_int, default=0, metavar="N",
                    help="checkpoint running generations every N tokens to the SSD tier, so an identical "
                         "request resumes after a crash or disconnect (default 0: off; needs --ssd-cache)")
-    p.add_argument("--speculative", choices=("off", "ngram"), default="off",
+    p.add_argument("--speculative", choices=("off", "ngram", "draft"), default="off",
                    help="speculative decoding: ngram = each row drafts tokens copied from its own prompt and output "
-                        "(prompt lookup), verified in one forward; output is unchanged (default off; docs/speculative.md)")
+                        "(prompt lookup), draft = a small model drafts them (--draft-model); verified in one forward, "
+                        "output is unchanged (default off; docs/speculative.md)")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="with --speculative draft: a local model directory with the model's tokenizer (checked)")
     p.add_argument("--num-draft-tokens", type=_positive_int, default=4, metavar="K",
                    help="with --speculative: most draft tokens a row proposes per step (default 4)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
@@ -259,6 +262,7 @@ def serve_config(args: argparse.Namespace):
         generation_checkpoint=args.generation_checkpoint,
         speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_block_size=args.kv_events_block_size,
         kv_events_all_interfaces=args.kv_events_all_interfaces,

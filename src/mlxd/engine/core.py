@@ -45,7 +45,13 @@ from mlxd.engine.ops import (
     StepResult,
 )
 from mlxd.engine.prefill_slices import PrefillSlicer
-from mlxd.engine.speculative import Drafts, Speculation, speculation_off_reason
+from mlxd.engine.speculative import (
+    Drafts,
+    DraftSource,
+    NgramDrafts,
+    Speculation,
+    speculation_off_reason,
+)
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.ssd_store import StoreIdentity
@@ -148,7 +154,8 @@ class EngineCore:
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
         self._drafts = Drafts(self._rows)
-        self._speculate = config.speculative == "ngram"
+        self._speculate = config.speculative != "off"
+        self._draft: Any = None  # --draft-model: engine/draft.py's DraftModel (set by load())
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
         self._trims = True
 
@@ -190,6 +197,11 @@ class EngineCore:
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
             self._trims = loading.trimmable(self.model, self._config)
             self._speculation_check()
+            if self._speculate and self._config.draft_model is not None:
+                from mlxd.engine.draft import load_draft
+
+                self._draft = load_draft(self._config.draft_model, self.tokenizer,
+                                         prefill_step=self._prefill_step_size)
             self.generator = self._new_generator()
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -390,7 +402,7 @@ class EngineCore:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
             self._drafts.counters.constrained_rows += self._speculate  # its grammar checks its drafts
         if self._speculate:
-            features.append(Speculation(config.num_draft_tokens))
+            features.append(Speculation(config.num_draft_tokens, self._draft_source()))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12). So does a
             # model whose caches cannot be cut back: its end-of-turn checkpoint cannot serve the same
@@ -400,6 +412,14 @@ class EngineCore:
         if start.checkpoint_key is not None:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
         return Row(start=start, sampling=sampling, features=tuple(features))
+
+    def _draft_source(self) -> DraftSource:
+        """Where a speculating row's drafts come from: its own n-grams, or the draft model."""
+        if self._draft is None:
+            return NgramDrafts()
+        from mlxd.engine.draft import ModelDrafts
+
+        return ModelDrafts(self._draft)
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a row as "stop": the model's end tokens and the request's stop ids."""

@@ -1,7 +1,8 @@
 """Speculative decoding (`--speculative ngram`): the per-row part and what the verifying batch asks of it.
 
-A row that speculates carries a `Speculation` part: a prompt-lookup index over
-its own tokens (kv/ngram.py) and a back-off. At a step, the verifying batch
+A row that speculates carries a `Speculation` part: a draft source (a
+prompt-lookup index over its own tokens, kv/ngram.py, or a draft model with its
+own KV, engine/draft.py) and a back-off. At a step, the verifying batch
 (engine/spec_batch.py) asks `Drafts` which rows want to draft, hands each its
 tokens and the pending one, and verifies every row's drafts in one target
 forward; then it reports what was accepted. A constrained row's drafts are cut
@@ -14,7 +15,7 @@ No MLX here: importing this module loads nothing native.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -29,20 +30,34 @@ if TYPE_CHECKING:
 log = get_logger("mlxd.engine")
 
 
+class DraftSource(Protocol):
+    def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]: ...
+
+
+@attrs.define
+class NgramDrafts:
+    """`--speculative ngram`: drafts copied from where the row's last n-gram occurred before."""
+
+    lookup: PromptLookup = attrs.Factory(PromptLookup)
+
+    def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]:
+        self.lookup.observe(tokens)
+        if len(self.lookup) == len(tokens):  # the pending token is indexed once (the next step's tokens hold it)
+            self.lookup.append(pending)
+        return self.lookup.propose(k)
+
+
 @attrs.define
 class Speculation(Feature):
-    """Prompt-lookup drafts for one row: up to `k` tokens copied from where its last n-gram occurred before."""
+    """A row that drafts up to `k` tokens a step from its source (n-grams or a draft model) and backs off."""
 
     k: int
-    lookup: PromptLookup = attrs.Factory(PromptLookup)
+    source: DraftSource = attrs.Factory(NgramDrafts)
     backoff: Backoff = attrs.Factory(Backoff)
     counters: DraftCounters = attrs.Factory(DraftCounters)
 
     def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
-        self.lookup.observe(tokens)
-        if len(self.lookup) == len(tokens):  # the pending token is indexed once (the next step's tokens hold it)
-            self.lookup.append(pending)
-        drafts = self.lookup.propose(min(self.k, limit))
+        drafts = self.source.propose(tokens, pending, min(self.k, limit))
         if not drafts:
             self.backoff.nothing_found()
         return drafts
@@ -119,11 +134,11 @@ class Drafts:
 
 def speculation_off_reason(model: Any, config: Any) -> str | None:
     """Why this model cannot speculate (None: it can): every layer's KV must roll back per row."""
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     if config.kv_bits is not None:
         return f"--kv-bits {config.kv_bits}: quantized KV is not rolled back per row yet"
-    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    caches = make_prompt_cache(model)
     kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if kinds:
         return f"cache kinds {', '.join(kinds)} cannot drop rejected drafts per row (only KVCache can)"

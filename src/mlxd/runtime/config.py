@@ -142,8 +142,10 @@ class RuntimeConfig:
     ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
     # Speculative decoding: "ngram" = each row drafts up to num_draft_tokens tokens copied from its own
     # prompt and output (prompt lookup) and one target forward verifies them (docs/speculative.md).
-    speculative: str = attrs.field(default="off", validator=attrs.validators.in_(("off", "ngram")))
+    # "draft" = a small model with the same tokenizer (draft_model, a local directory) proposes them.
+    speculative: str = attrs.field(default="off", validator=attrs.validators.in_(("off", "ngram", "draft")))
     num_draft_tokens: int = attrs.field(default=4, validator=_positive)
+    draft_model: str | None = None
 
     # Checkpoint a running generation every N generated tokens so an identical
     # request resumes it after a crash or a client drop (0 = off; needs the SSD tier).
@@ -216,6 +218,8 @@ class RuntimeConfig:
     def __attrs_post_init__(self) -> None:
         if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft and --draft-model DIR go together (ngram needs no draft model)")
         if self.generation_checkpoint > 0 and self.ssd_cache_dir is None:
             raise ValueError("--generation-checkpoint needs the SSD tier: set --ssd-cache DIR")
         if self.distributed and self.ssd_cache_dir is not None:

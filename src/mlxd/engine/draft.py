@@ -1,0 +1,120 @@
+"""`--draft-model DIR`: a small model proposes each row's drafts (greedy), with its own KV per row.
+
+The draft model is loaded beside the target at `EngineCore.load()` and must
+share its tokenizer (the same vocabulary, id for id: checked, and refused with
+a message otherwise). Each speculating row keeps a `ModelDrafts`: the draft's
+own caches and the tokens they hold. At a step it cuts those caches back to
+what they share with the row (rejected drafts go), feeds what is missing (at a
+row's first step that is its whole prompt: the draft recomputes its prefix; it
+does not follow the target's prompt cache) and then K greedy tokens, chained
+lazily and evaluated once. Runs on the engine's MLX thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from mlxd.engine.ops import ModelRefused
+
+
+@attrs.frozen(eq=False)
+class DraftModel:
+    """The loaded draft model (shared by every row's `ModelDrafts`)."""
+
+    path: Path
+    model: Any
+    prefill_step: int = 512
+
+
+def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftModel:
+    """Load `--draft-model`, refusing one whose tokenizer or caches cannot serve as a draft."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlxd.engine.loading import cast_float_weights
+    from mlxd.model.detok import load_model
+
+    where = Path(path).expanduser()
+    if not (where / "config.json").exists():
+        raise ModelRefused(f"--draft-model {path}: no config.json there (a local model directory is needed)")
+    model, tokenizer = load_model(where)
+    mismatch = tokenizer_mismatch(target_tokenizer, tokenizer)
+    if mismatch is not None:
+        raise ModelRefused(f"--draft-model {path}: its tokenizer is not the model's ({mismatch}); "
+                           "a draft must use the same token ids")
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    if kinds:
+        raise ModelRefused(f"--draft-model {path}: its caches ({', '.join(kinds)}) cannot drop rejected drafts")
+    if mx.default_device() == mx.cpu:
+        cast_float_weights(model, mx.float32)
+    return DraftModel(where, model, prefill_step)
+
+
+def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
+    """Why two tokenizers differ in the ids they give (None: the same vocabulary and end tokens)."""
+    a, b = _vocab(target), _vocab(draft)
+    if len(a) != len(b):
+        return f"{len(b)} tokens, the model has {len(a)}"
+    differ = [t for t in a if b.get(t) != a[t]]
+    if differ:
+        return f"{len(differ)} tokens have other ids, e.g. {differ[0]!r}"
+    if set(target.eos_token_ids) != set(draft.eos_token_ids):
+        return f"end tokens {sorted(draft.eos_token_ids)}, the model's are {sorted(target.eos_token_ids)}"
+    return None
+
+
+def _vocab(tokenizer: Any) -> dict[str, int]:
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    return dict(inner.get_vocab())
+
+
+@attrs.define
+class ModelDrafts:
+    """One row's drafts from the draft model: its caches and the tokens they hold."""
+
+    draft: DraftModel
+    caches: list[Any] | None = None
+    held: list[int] = attrs.Factory(list)
+
+    def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if k <= 0:
+            return []
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.draft.model)
+        seq = [*tokens, pending]
+        keep = _shared(self.held, seq)
+        keep = min(keep, len(seq) - 1)  # at least the pending token is fed: its logits give the first draft
+        if keep < len(self.held):
+            for c in self.caches:
+                c.trim(len(self.held) - keep)
+        feed = seq[keep:]
+        model, step = self.draft.model, self.draft.prefill_step
+        while len(feed) > step:  # a long prefix (a row's first step) in chunks
+            model(mx.array([feed[:step]]), cache=self.caches)
+            mx.eval([c.state for c in self.caches])
+            feed = feed[step:]
+        y = mx.argmax(model(mx.array([feed]), cache=self.caches)[:, -1, :], axis=-1)
+        drafts = [y]
+        for _ in range(k - 1):
+            y = mx.argmax(model(y[:, None], cache=self.caches)[:, -1, :], axis=-1)
+            drafts.append(y)
+        out: list[int] = mx.concatenate(drafts).tolist()  # type: ignore[assignment]
+        self.held = seq + out[:-1]  # the last draft is not fed yet
+        return out
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
