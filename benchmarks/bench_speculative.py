@@ -1,9 +1,10 @@
 # ruff: noqa: I001  (mlxd must be imported before mlx_lm: it preloads OpenBLAS)
 """What does prompt-lookup speculation (--speculative ngram) buy decode, and what does it cost when it misses?
 
-Two engine cores over the same model, one with speculation off and one with
-`--speculative ngram`, decode the same rows in alternating rounds in one
-process. Decode tok/s counts the tokens after every row's first one, over the
+Engine cores over the same model, one with speculation off, one with
+`--speculative ngram` and one per `--draft DIR` (`--speculative draft`; the
+model itself as its own draft is the upper bound), decode the same rows in
+rotating order, round after round, in one process. Decode tok/s counts the tokens after every row's first one, over the
 time from that step to the last (prefill excluded). Two workloads:
 
 - repetitive (edit-style): greedy, the prompt quotes a long span twice and
@@ -16,10 +17,12 @@ time from that step to the last (prefill excluded). Two workloads:
   the back-off), at 2 drafts are partly accepted.
 
 Outputs are checked token for token between the arms. Reported per workload
-and batch size: median tok/s per arm, the median per-round ratio on ÷ off,
-acceptance rate and tokens per target forward.
+and batch size: median tok/s per arm, the median per-round ratio arm ÷ off,
+acceptance rate and tokens per target forward, and whether each arm's tokens
+equalled off's (and off's its own, run twice).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
+        [--temperature 2 4] [--draft DIR ...] [--draft-preset test ...]
 
 Results go to benchmarks/results/speculative-*.json.
 """
@@ -92,6 +95,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                          default_max_tokens=args.tokens, max_context=8192)
     cores = {"off": EngineCore(base), "ngram": EngineCore(
         RuntimeConfig(**{**_fields(base), "speculative": "ngram", "num_draft_tokens": args.k}))}
+    for draft in args.draft:  # --speculative draft arms, named by the draft's directory
+        name = "draft=self" if Path(draft).resolve() == model.resolve() else f"draft={Path(draft).name}"
+        cores[name] = EngineCore(RuntimeConfig(**{**_fields(base), "speculative": "draft", "draft_model": draft,
+                                                  "num_draft_tokens": args.k}))
     infos = {arm: core.load() for arm, core in cores.items()}
     vocab = infos["off"].vocab_size
     out: dict[str, Any] = {
@@ -102,38 +109,43 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for name, temperature in [("repetitive", 0.0)] + [("non-repetitive", t) for t in args.temperature]:
         for batch in args.batch:
             requests = workload(name, batch, args.tokens, vocab, args.span, temperature)
-            decode(cores["off"], requests[:1])  # warm both arms' kernels for this shape
-            decode(cores["ngram"], requests[:1])
-            rates: dict[str, list[float]] = {"off": [], "ngram": []}
-            ratios: list[float] = []
-            before = cores["ngram"].stats().speculation
-            same = True
+            for core in cores.values():
+                decode(core, requests[:1])  # warm every arm's kernels for this shape
             # The same arm twice: is the platform itself deterministic for this workload?
             repeatable = decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
+            arms = list(cores)
+            rates: dict[str, list[float]] = {arm: [] for arm in arms}
+            ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
+            same = dict.fromkeys(arms[1:], True)
+            before = {arm: cores[arm].stats().speculation for arm in arms[1:]}
             for r in range(args.rounds):
-                order = ("off", "ngram") if r % 2 == 0 else ("ngram", "off")
-                got: dict[str, tuple[float, dict[str, list[int]]]] = {}
-                for arm in order:
-                    got[arm] = decode(cores[arm], requests)
+                order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate who goes first
+                got = {arm: decode(cores[arm], requests) for arm in order}
+                for arm in arms:
                     rates[arm].append(got[arm][0])
-                same = same and got["off"][1] == got["ngram"][1]
-                ratios.append(got["ngram"][0] / got["off"][0])
-            after = cores["ngram"].stats().speculation
-            assert before is not None and after is not None
-            proposed, accepted = after.proposed - before.proposed, after.accepted - before.accepted
-            rows = after.verified_rows - before.verified_rows
-            case = {
-                "batch": batch, "off_tok_s": statistics.median(rates["off"]),
-                "ngram_tok_s": statistics.median(rates["ngram"]), "ratio_median": statistics.median(ratios),
-                "ratios": [round(x, 3) for x in ratios], "acceptance": accepted / proposed if proposed else 0.0,
-                "tokens_per_forward": (rows + accepted) / rows if rows else 0.0, "proposed": proposed,
-                "accepted": accepted, "identical": same, "off_repeatable": repeatable,
-            }
+                for arm in arms[1:]:
+                    same[arm] = same[arm] and got[arm][1] == got["off"][1]
+                    ratios[arm].append(got[arm][0] / got["off"][0])
             label = name if name == "repetitive" else f"{name} t={temperature:g}"
+            case: dict[str, Any] = {"batch": batch, "off_tok_s": statistics.median(rates["off"]),
+                                    "off_repeatable": repeatable, "arms": {}}
+            for arm in arms[1:]:
+                b, a = before[arm], cores[arm].stats().speculation
+                assert b is not None and a is not None
+                proposed, accepted = a.proposed - b.proposed, a.accepted - b.accepted
+                rows = a.verified_rows - b.verified_rows
+                case["arms"][arm] = {
+                    "tok_s": statistics.median(rates[arm]), "ratio_median": statistics.median(ratios[arm]),
+                    "ratios": [round(x, 3) for x in ratios[arm]],
+                    "acceptance": accepted / proposed if proposed else 0.0,
+                    "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
+                    "proposed": proposed, "accepted": accepted, "identical": same[arm],
+                }
+                c = case["arms"][arm]
+                print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
+                      f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
+                      f"{c['tokens_per_forward']:.2f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
             out["cases"][f"{label}/batch{batch}"] = case
-            print(f"{label:>20} batch {batch}: off {case['off_tok_s']:.1f} tok/s, ngram {case['ngram_tok_s']:.1f} "
-                  f"tok/s, ratio {case['ratio_median']:.3f} {case['ratios']}, acceptance {case['acceptance']:.2f}, "
-                  f"tokens/forward {case['tokens_per_forward']:.2f}, identical {same} (off vs off: {repeatable})", flush=True)
     return out
 
 
@@ -152,9 +164,16 @@ if __name__ == "__main__":
     p.add_argument("--span", type=int, default=256, help="tokens of the quoted span (repetitive) / half the prompt")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=4, help="--num-draft-tokens")
+    p.add_argument("--draft", action="append", default=[], metavar="DIR",
+                   help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
+                        "the upper bound)")
+    p.add_argument("--draft-preset", action="append", default=[], metavar="PRESET",
+                   help="a built-in preset as a draft arm (same tokenizer as the other presets but `test`)")
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0, 4.0],
                    help="of the non-repetitive workload (one case per value)")
-    result = main(p.parse_args())
+    parsed = p.parse_args()
+    parsed.draft += [str(ensure_model(name)) for name in parsed.draft_preset]
+    result = main(parsed)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"speculative-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
