@@ -97,6 +97,7 @@ from mlxd.kv import block_store as bs
 from mlxd.kv.ssd_store import SsdStore, Stored
 
 store = SsdStore(Path(sys.argv[1]), bw.IDENTITY, layout="blocks", block_tokens=bw.BLOCK_TOKENS)
+store.blocks.writers = 1  # one block at a time, in chain order: the kill lands after the cut block
 store.scan()
 first = store.write(bw.plan(bw.SYSTEM + list(range(5000, 5020))))
 assert isinstance(first, Stored)

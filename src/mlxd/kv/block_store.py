@@ -80,6 +80,9 @@ MANIFEST_MAGIC = b"MLXDMF\r\n"
 MANIFEST_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, body_len, sha256, reserved
 _MAX_MANIFEST = 64 << 20
+WRITERS = 4
+"""New block files one write commits at once while nothing paces the writer (a flush, an idle
+engine): each file's write and fsync overlap the others'. Paced write-behind writes one at a time."""
 READERS = 8
 """Block files one load reads at once (`BlockStore.readers`). One file at a time, every block
 pays the disk's first-read latency and readahead ramp in series; with several files in flight
@@ -247,6 +250,7 @@ class BlockStore:
     identity: StoreIdentity
     block_tokens: int = bk.BLOCK_TOKENS
     readers: int = READERS  # block files one load reads at once (their destinations are disjoint)
+    writers: int = WRITERS  # new block files one unpaced write commits at once
     _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
     # Where this process's known blocks start (scan + writes): a new block ends where it stops sharing.
     _starts: bk.SharedStarts = attrs.field(factory=bk.SharedStarts, init=False)
@@ -340,14 +344,13 @@ class BlockStore:
                     block_tokens=self.block_tokens,
                     starts=self._starts,
                 )
+            fresh = [s for s in spans if not s.exists]
+            made = self._write_blocks_of([(s.name, views.span_plan(meta, s.start, s.end)) for s in fresh], pacer)
             for s in spans:
                 payload = _payload(bk.span_descs(plan.caches, n, s.start, s.end))
-                if s.exists:
-                    refs.append(bk.BlockRef(s.name, s.start, s.end, payload, sizes[s.name]))
-                    continue
-                size = self._write_block(s.name, views.span_plan(meta, s.start, s.end), pacer)
+                size = made[s.name] if not s.exists else sizes[s.name]
                 refs.append(bk.BlockRef(s.name, s.start, s.end, payload, size))
-                written, new = written + size, new + 1
+            written, new = sum(made.values()), len(made)
         if views.whole:
             name = bk.state_hash(meta.tokens, namespace=meta.namespace, fingerprint=meta.config_fingerprint)
             payload = _payload(bk.state_descs(plan.caches, n))
@@ -362,6 +365,19 @@ class BlockStore:
         except OSError as exc:
             raise ff.storage_error(exc, f"syncing {self.blocks_dir}") from exc
         return refs, written, new
+
+    def _write_blocks_of(self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None) -> dict[str, int]:
+        """Commit new blocks (name -> file size): `writers` at a time unless the pacer is pacing."""
+        if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.pacing()):
+            return {name: self._write_block(name, plan, pacer) for name, plan in jobs}
+        pool = _thread_pool(self.writers, "mlxd-block-write")
+        futures = [pool.submit(self._write_block, name, plan, pacer) for name, plan in jobs]
+        try:
+            return {name: f.result() for (name, _), f in zip(jobs, futures, strict=True)}
+        finally:  # after a failure: blocks not started are not written, and none is still writing
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
     def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
         path = self.block_path(name)
@@ -669,7 +685,7 @@ def _read_blocks(
         for job in jobs:
             read(job)
         return tuple(full)
-    pool = _reader_pool(store.readers)
+    pool = _thread_pool(store.readers, "mlxd-block-read")
     futures = [pool.submit(read, job) for job in jobs]  # several files in flight (see READERS)
     try:
         for future in futures:
@@ -681,15 +697,15 @@ def _read_blocks(
     return tuple(full)
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def _reader_pool(readers: int) -> ThreadPoolExecutor:
+def _thread_pool(workers: int, name: str) -> ThreadPoolExecutor:
     with _pool_lock:
-        pool = _pools.get(readers)
+        pool = _pools.get((workers, name))
         if pool is None:
-            pool = _pools[readers] = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="mlxd-block-read")
+            pool = _pools[(workers, name)] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         return pool
 
 
