@@ -17,3 +17,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model(tiny_model_dir: Path):
     """(model, tokenizer) of the tiny model: mlx_lm.load plus the exact detokenizer."""
     return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "test-vlm" preset (a vision tower and its image processor), built once per session."""
+    return build_model(tmp_path_factory.mktemp("models") / "vlm", "test-vlm", seed=0)

@@ -12,8 +12,6 @@ import openai
 import pytest
 from PIL import Image
 
-from mlxd.model import build_model
-
 from serving import ServerThread, config_for
 
 
@@ -37,16 +35,11 @@ def user(text: str, *images: bytes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("models") / "vlm", "test-vlm", seed=0)
-
-
-@pytest.fixture(scope="module")
-def server(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(vlm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     media = tmp_path_factory.mktemp("media")
     (media / "cat.png").write_bytes(png(7))
     ssd = tmp_path_factory.mktemp("ssd")
-    with ServerThread(config_for(vlm_dir, ssd_cache_dir=ssd, allow_media_dir=media)) as s:
+    with ServerThread(config_for(vlm_model_dir, ssd_cache_dir=ssd, allow_media_dir=media)) as s:
         s.media_dir = media  # type: ignore[attr-defined]
         s.ssd_dir = ssd  # type: ignore[attr-defined]
         yield s

@@ -11,7 +11,6 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from mlxd.model import build_model
 from mlxd.vision.tensor_store import read_tensor, write_tensor
 
 from procs import ServeProcess
@@ -32,8 +31,8 @@ def ask(client: httpx.Client, system: str) -> dict:
     return r.json()
 
 
-def test_restart_restores_the_image_prefix_and_its_encoder_output(tmp_path: Path) -> None:
-    model = build_model(tmp_path / "vlm", "test-vlm", seed=0)
+def test_restart_restores_the_image_prefix_and_its_encoder_output(tmp_path: Path, vlm_model_dir: Path) -> None:
+    model = vlm_model_dir
     ssd = tmp_path / "ssd"
     args = ("--model", str(model), "--ssd-cache", str(ssd))
     with ServeProcess(*args, log_path=tmp_path / "a.log") as a:

@@ -14,7 +14,6 @@ from PIL import Image
 
 from mlxd import SamplingParams, open_runtime
 from mlxd.cli import record_trace
-from mlxd.model import build_model
 from mlxd.sim.trace import load_recording
 from mlxd.vision.images import ImageLimits
 from mlxd.vision.prepare import MediaPreparer, image_refs
@@ -34,8 +33,8 @@ def chat(image: str, text: str) -> list[dict]:
                                          {"type": "text", "text": text}]}]
 
 
-async def test_a_recording_with_images_replays_with_the_same_hits(tmp_path: Path) -> None:
-    model = build_model(tmp_path / "vlm", "test-vlm", seed=0)
+async def test_a_recording_with_images_replays_with_the_same_hits(tmp_path: Path, vlm_model_dir: Path) -> None:
+    model = vlm_model_dir
     preparer = MediaPreparer.for_model(model, limits=ImageLimits(), ssd_dir=None)
     assert preparer is not None
     trace = tmp_path / "live.jsonl"
@@ -48,6 +47,9 @@ async def test_a_recording_with_images_replays_with_the_same_hits(tmp_path: Path
             prompt, media = preparer.widen(await rt.render_chat(messages, realign=False), images)
             async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=4), media=media)) as stream:
                 await stream.tokens()
+            # The replay places requests at their recorded times and prices them with a default cost
+            # model (no device probe here): leave it time to finish each before the next arrives.
+            await trio.sleep(0.5)
     recording = load_recording(trace)
     live = [r.cached_tokens for r in recording.reqs]
     assert live[0] == 0 and live[1] > 0 and 0 < live[2] < live[1]
