@@ -15,7 +15,12 @@ from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
 from mlxd.engine.prefill_slices import MIN_CHUNK, PrefillSlicer
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
-from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams, TokenGenerated
+from mlxd.runtime.kernel.messages import (
+    GenerationRequest,
+    PublishPrefix,
+    SamplingParams,
+    TokenGenerated,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -235,7 +240,9 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert slicer.chunk(8, newcomers=[], shared=False) == 8  # never past the step size
     # A row waits for its first token: the others' steps stay as short as a decode step.
     assert slicer.chunk(2048, newcomers=[], shared=True, awaiting=True) == 1
-    assert slicer.chunk(2048, newcomers=[], shared=False, awaiting=True) == 64  # alone: its own slice
+    assert (
+        slicer.chunk(2048, newcomers=[], shared=False, awaiting=True) == 64
+    )  # alone: its own slice
     assert PrefillSlicer(0.0, rate=2048.0).chunk(2048, newcomers=[20], shared=True) == 2048  # off
 
 
@@ -324,8 +331,61 @@ def test_a_request_that_waits_too_long_for_a_slot_gets_a_503(queue_of_two):
             )
             assert r.status_code == 503, r.text[:300]
             assert r.json()["error"]["type"] == "server_overloaded" and "--queue-timeout" in r.text
-    # The slot is free again: served.
-    r = httpx.post(
-        url + "/v1/completions", json={"prompt": "now", "max_tokens": 2}, timeout=BOUND_S
+    # Once the busy client's generation is cancelled, the slot is free again: served.
+    statuses = []
+    while not statuses or statuses[-1] == 503 and len(statuses) < 100:
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": "now", "max_tokens": 2}, timeout=BOUND_S
+        )
+        statuses.append(r.status_code)
+    assert statuses[-1] == 200, statuses
+
+
+def _tokens(results_by_step: list, rid: str) -> list[int]:
+    return [
+        e.event.token
+        for r in results_by_step
+        for e in r.emits
+        if e.request_id == rid and isinstance(e.event, TokenGenerated)
+    ]
+
+
+def test_a_short_prompt_prefilled_apart_answers_as_it_does_alone(tiny_model_dir):
+    """Behind a long prefill the short prompt is prefilled on its own: the same greedy tokens as alone."""
+    config = config_for(
+        tiny_model_dir, prefill_slice_s=1e-6, max_context=8192, snapshot_min_tokens=4
     )
-    assert r.status_code == 200
+    core = EngineCore(config)
+    core.load()
+    short = [40 + i % 50 for i in range(12)]  # within MIN_CHUNK: prefilled apart at any slice
+
+    def until_done(first: StepOps) -> list:
+        results = [core.step(first)]
+        while results[-1].stats.batch_rows:
+            results.append(core.step(StepOps()))
+        return results
+
+    def row(rid: str, prompt: list[int], n: int) -> RowStart:
+        sampling = SamplingParams(max_tokens=n, logit_bias=((0, -100.0), (2, -100.0)))
+        return RowStart(
+            request=GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling)
+        )
+
+    try:
+        alone = _tokens(until_done(StepOps(starts=(row("alone", short, 8),))), "alone")
+        results = [
+            core.step(StepOps(starts=(row("long", [20 + i % 900 for i in range(1500)], 2),)))
+        ]
+        results += until_done(StepOps(starts=(row("short", short, 8),)))
+    finally:
+        core.close()
+    assert len(alone) == 8 and _tokens(results, "short") == alone
+    # Its prompt-boundary checkpoint is published as a batch prefill would have published it.
+    boundaries = [
+        n.tokens
+        for r in results
+        for n in r.notes
+        if isinstance(n, PublishPrefix) and n.reason == "boundary"
+    ]
+    assert tuple(short[:-1]) in boundaries
+    assert core.counters.checkpoints_skipped == 0

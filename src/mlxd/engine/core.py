@@ -461,13 +461,38 @@ class EngineCore:
         else:
             lent, usable, tier = None, 0, "none"
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
+        apart = False
         if req.media:
             lent, joins_at = self._media_prefill(req, lent, usable)
+        elif self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
+            lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]))
+        if apart:  # its prompt ends now: the parts see the boundary a batch prefill would have shown them
+            for part in row.parts():
+                part.segment(row, self, out)
         row.cached_tokens = usable
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
+
+    def _prefilling(self) -> bool:
+        """Whether a row in the batch is part way through its prompt."""
+        return any(r.generated == 0 and r.prefilled < r.prompt_new for r in self._rows.values())
+
+    def _prefill_apart(self, prompt: tuple[int, ...], lent: list[Any] | None, usable: int) -> tuple[list[Any], int]:
+        """Prefill a short prompt on its own caches, outside the batch, up to its last token.
+
+        In the batch it would share each forward pass with a long prompt's chunk (padded to it, and
+        attending over its context); alone it costs what it costs when nothing else runs.
+        """
+        import mlx.core as mx
+
+        caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
+        end, step = len(prompt) - 1, self._prefill_step_size
+        for at in range(usable, end, step):
+            self.model(mx.array([list(prompt[at:min(at + step, end)])]), cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches, end
 
     def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:
         """Run the prompt through its last image (tower outputs in the image spans); the text joins after."""

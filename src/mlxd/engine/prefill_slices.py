@@ -12,7 +12,10 @@ the chunk in flight; and on a step where newcomers join rows already in the
 batch, the chunk is cut to the newcomers' remaining prompt, so they finish
 their prefill in that step without padding while the long row moves on by
 as much; while a row that has prefilled waits for its first token (the
-next step or two), the others advance by one token a step. Pure and
+next step or two), the others advance by one token a step. A short prompt
+(a few slices) that joins while another row is part way through its prompt
+is prefilled on its own, before it joins: in the batch it would be padded to
+the long row's chunk and attend over its context. Pure and
 deterministic given its inputs (the engine core calls it).
 """
 
@@ -24,6 +27,9 @@ import attrs
 
 # Smallest chunk: below this a step's fixed costs outweigh its prefill work.
 MIN_CHUNK = 16
+# A short prompt joining while another row is part way through its prompt is prefilled on its own
+# (the others wait that long) when it fits this many slices.
+APART_SLICES = 4
 
 
 @attrs.define
@@ -36,6 +42,12 @@ class PrefillSlicer:
     def measured(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.rate = tokens / seconds
+
+    def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
+        """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
+        if self.slice_s <= 0 or self.rate <= 0 or not others_prefilling or new_tokens <= 0:
+            return False
+        return new_tokens <= max(MIN_CHUNK, self.rate * self.slice_s * APART_SLICES)
 
     def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool, awaiting: bool = False) -> int:
         """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch;
