@@ -138,6 +138,8 @@ def speculation_off_reason(model: Any, config: Any) -> str | None:
 
     if config.kv_bits is not None:
         return f"--kv-bits {config.kv_bits}: quantized KV is not rolled back per row yet"
+    if config.distributed:  # the gate decides by each rank's own timing: ranks could disagree on a step's shape
+        return "--distributed: every rank would have to take the same verify decisions (not done yet)"
     caches = make_prompt_cache(model)
     kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if kinds:
