@@ -55,6 +55,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    "default: the recorded server's --host-cache-gb where it was in effect)")
     p.add_argument("--host-gbps", type=float, default=None,
                    help="host tier to device bandwidth in GB/s (default: the cost model's; 0 there = free)")
+    p.add_argument("--kv-admission-gb", type=float, default=None,
+                   help="admit a request only when its KV (input + output tokens x the cost model's KV bytes "
+                   "per token) fits this many GiB beside the rows running, as --kv-admission does (mlxd model)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
                    help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
     p.add_argument("--ssd-block-tokens", type=int, default=None,
@@ -189,6 +192,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
+            kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 

@@ -30,6 +30,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from mlxd.kv.admission import Admit, KvAdmission, Refuse
 from mlxd.kv.blocks import BlockRef, SharedStarts, model_blocks
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
 from mlxd.kv.host_tier import HostTier
@@ -119,6 +120,7 @@ class MlxdReplay:
     sessions: bool = True  # honour the trace's session field (the session index, seed §5.12)
     ssd_layout: str = "whole"  # or "blocks": content-addressed blocks, as `--ssd-layout blocks` serves
     ssd_block_tokens: int = 1024  # real tokens per block
+    kv_admission: KvAdmission | None = None  # --kv-admission: the scheduler's rule, on the cost model's KV bytes
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -129,6 +131,7 @@ class MlxdReplay:
     _running: int = attrs.field(init=False, default=0)
     _quiet: trio.Event = attrs.field(init=False, factory=trio.Event)
     _starts: SharedStarts = attrs.field(init=False, factory=SharedStarts)  # as the block store's hint
+    _kv_room: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -149,11 +152,33 @@ class MlxdReplay:
                         self._calibrate(r)
                         continue
                     await slots.acquire()
+                    if self.kv_admission is not None and not await self._admit_kv(r):
+                        slots.release()
+                        continue
                     self._running += 1
                     self._quiet = trio.Event()
                     nursery.start_soon(self._serve, r, slots)
             await self._barrier()
             nursery.cancel_scope.cancel()
+
+    async def _admit_kv(self, r: TraceRequest) -> bool:
+        """As the scheduler: wait at the head of the queue until the request's KV fits; False = refused."""
+        kv = self.kv_admission
+        assert kv is not None
+        waited = False
+        while True:
+            room = self._kv_room
+            decision = kv.decide(r.input_length, r.output_tokens)
+            if isinstance(decision, Admit):
+                kv.admit(str(r.index), decision.nbytes, waited=waited)
+                self.tally.kv_waited += int(waited)
+                self.tally.kv_peak_reserved_bytes = kv.peak_reserved_bytes
+                return True
+            if isinstance(decision, Refuse):
+                self.tally.kv_refused += 1
+                return False
+            waited = True
+            await room.wait()
 
     def _calibrate(self, flush: int) -> None:
         """Take the restore advisor's calibration the recorded server had at this flush."""
@@ -220,6 +245,10 @@ class MlxdReplay:
             else:  # the generated ids are unknown: the prompt stands in for prompt + generation
                 self._publish(prompt, r.namespace, r.input_length, session)
         finally:
+            if self.kv_admission is not None:
+                self.kv_admission.release(str(r.index))
+                room, self._kv_room = self._kv_room, trio.Event()
+                room.set()
             slots.release()
             self._running -= 1
             if self._running == 0:
@@ -340,6 +369,7 @@ def replay_mlxd(
     ssd_block_tokens: int = 1024,
     advisor_base: CostModel | None = None,
     host_bytes: int | None = None,
+    kv_admission_bytes: int = 0,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
@@ -369,6 +399,8 @@ def replay_mlxd(
         sessions=sessions,
         ssd_layout=ssd_layout,
         ssd_block_tokens=ssd_block_tokens,
+        # The budget's room for rows' KV (weights are not modeled): the scheduler's rule per request.
+        kv_admission=KvAdmission(kv_admission_bytes, cost.kv_bytes_per_token) if kv_admission_bytes else None,
     )
     cache.clock = replay.now
     if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)

@@ -44,6 +44,11 @@ class RunResult:
     host_hits: int = 0  # lookups served by promoting a host-tier entry
     host_hit_tokens: int = 0
     ttft_by_source_s: dict[str, dict[str, float]] = attrs.Factory(dict)  # p50/... per ram/host/ssd/miss
+    # Admission by KV bytes (--kv-admission-gb): requests that waited for room, refused ones,
+    # and the most KV bytes reserved at once.
+    kv_waited: int = 0
+    kv_refused: int = 0
+    kv_peak_reserved_bytes: int = 0
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -86,6 +91,9 @@ class Tally:
     queue: list[float] = attrs.Factory(list)
     ttft: list[float] = attrs.Factory(list)
     end: float = 0.0
+    kv_waited: int = 0
+    kv_refused: int = 0
+    kv_peak_reserved_bytes: int = 0
 
     def add_request(self, input_length: int, hit: int, *, source: str) -> None:
         self.requests += 1
@@ -121,6 +129,9 @@ class Tally:
             ssd_bytes_written=self.ssd_bytes_written,
             ssd_bytes_read=self.ssd_bytes_read,
             ssd_bytes_retained=self.ssd_bytes_retained,
+            kv_waited=self.kv_waited,
+            kv_refused=self.kv_refused,
+            kv_peak_reserved_bytes=self.kv_peak_reserved_bytes,
             evictions=self.evictions,
             demotions=self.demotions,
             ssd_evictions=self.ssd_evictions,
