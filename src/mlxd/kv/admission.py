@@ -17,8 +17,9 @@ So a request is
 - refused at once when it can never fit: `fixed + its KV > budget` (HTTP 400,
   with the numbers).
 
-Pure and synchronous (no trio): the scheduler drives it (`mlxd simulate` does
-not model it yet).
+Pure and synchronous (no trio): the scheduler drives it, and `mlxd simulate
+--kv-admission-gb` applies it to a replay (`sim/replay.py`; the budget there
+is the room for rows' KV, no weights modeled).
 """
 
 from __future__ import annotations
