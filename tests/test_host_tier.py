@@ -119,6 +119,7 @@ def test_with_an_ssd_tier_persist_before_demotion_still_holds_and_durable_entrie
     assert len(tiers.host) == 0 and tiers.ram.bytes == 120
     effects = tiers.durable(SsdRecord("", a, 60, 0.0))
     assert [type(e) for e in effects] == [Demote] and effects[0].entry.durable
+    assert tiers.prefetch_candidate(a + (1,)) is None  # the host tier serves it: no SSD read ahead
     lookup = tiers.lookup(a + (1,))  # host before SSD: no restore, the promoted entry is still durable
     assert lookup.promoted and lookup.restore is None and lookup.hit.entry.durable
     assert [type(e) for e in tiers.take_effects()] == [Promote]  # b cannot leave yet: not durable

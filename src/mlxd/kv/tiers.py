@@ -471,6 +471,8 @@ class CacheTiers:
         warm = self.ram.peek(tokens, namespace)
         if warm is not None and warm.usable >= cold.usable:
             return None
+        if self.host is not None and self.host.find(tokens, namespace, longer_than=cold.usable - 1) is not None:
+            return None  # the host tier will serve it: no SSD read
         return cold.record
 
     def checkpoint_tokens(self, tokens: Tokens, namespace: str = "") -> list[tuple[int, ...]]:
