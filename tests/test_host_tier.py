@@ -273,3 +273,17 @@ def test_a_staged_checkpoint_writes_the_same_file(tmp_path: Path):
     assert a.header.caches == b.header.caches
     assert all(np.array_equal(x, y) for x, y in zip(a.buffers, b.buffers, strict=True))
     assert np.array_equal(b.buffers[0].reshape(-1).view(np.uint8), np.frombuffer(plan.buffers[0], np.uint8))
+
+
+def test_the_flag_reaches_a_live_server_whose_stats_report_the_no_op(tiny_model_dir: Path):
+    import httpx
+    from tests.serving import ServerThread, config_for
+
+    from mlxd.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "--host-cache-gb", "4"])
+    assert serve_config(args).host_cache_bytes == 4 * 2**30
+    with ServerThread(config_for(tiny_model_dir, host_cache_bytes=serve_config(args).host_cache_bytes)) as s:
+        stats = httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()
+    host = stats["cache"]["host"]
+    assert host["enabled"] is False and host["requested_bytes"] == serve_config(args).host_cache_bytes
