@@ -117,6 +117,19 @@ def test_get_delete_and_store_false(server):
     assert missing.value.body["param"] == "previous_response_id"
 
 
+def test_input_items_of_a_stored_response(server):
+    c = client(server.base_url)
+    first = respond(server.base_url, input="Weather?", max_output_tokens=1)
+    (item,) = c.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Weather?"
+    second = respond(server.base_url, previous_response_id=first.id, max_output_tokens=1, input=[
+        {"role": "user", "content": "And Rome?"}, {"role": "user", "content": "And Lima?"}])
+    listed = c.responses.input_items.list(second.id, order="asc")
+    assert [i.content[0].text for i in listed.data] == ["And Rome?", "And Lima?"]
+    page = c.responses.input_items.list(second.id, limit=1)
+    assert [i.content[0].text for i in page.data] == ["And Lima?"] and page.has_more
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({}, "input"),
     ({"input": 5}, "input"),

@@ -61,6 +61,24 @@ class ResponsesRequest:
     previous: str | None
     store: bool
     echo: dict[str, Any]  # request fields the response object repeats
+    items: list[dict[str, Any]] = attrs.Factory(list)  # the input as items with ids (GET .../input_items)
+
+
+def input_items(raw: Any) -> list[dict[str, Any]]:
+    """The request's input as Responses items, each with an id (a string is one user message)."""
+    if isinstance(raw, str):
+        raw = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw}]}]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    out = []
+    for item in raw:
+        kind = item.get("type", "message")
+        item = {"type": kind, **item}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", _new_id(prefixes.get(kind, "item")))
+        out.append(item)
+    return out
 
 
 def _part_text(content: Any, where: str) -> str:
@@ -253,7 +271,7 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
         "store": store, "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
         "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
     }
-    return ResponsesRequest(parsed, options, instructions, items, previous, store, echo)
+    return ResponsesRequest(parsed, options, instructions, items, previous, store, echo, input_items(body["input"]))
 
 
 # --- the reply ------------------------------------------------------------------------
@@ -389,7 +407,7 @@ class _Reply:
     async def finish(self, output: list[dict[str, Any]]) -> dict[str, Any]:
         body = self.response(output, status=self.final_status())
         if self.req.store:
-            record = {"response": body, "session": self.session,
+            record = {"response": body, "session": self.session, "input_items": self.req.items,
                       "conversation": self.conversation + output_messages(output)}
             await trio.to_thread.run_sync(self.store.put, self.id, record)
         return body
@@ -481,6 +499,31 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
         if record is None:
             raise missing(rid)
         return json_response(record["response"])
+
+    @app.get("/v1/responses/<rid>/input_items")
+    async def get_input_items(rid: str) -> Response:
+        record = await trio.to_thread.run_sync(store.get, rid)
+        if record is None:
+            raise missing(rid)
+        items = list(record.get("input_items") or [])
+        order = request.args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise _bad("'order' must be 'asc' or 'desc'", "order")
+        if order == "desc":
+            items.reverse()
+        after = request.args.get("after")
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        try:
+            limit = int(request.args.get("limit", "20"))
+        except ValueError:
+            raise _bad("'limit' must be an integer between 1 and 100", "limit") from None
+        if not 1 <= limit <= 100:
+            raise _bad("'limit' must be an integer between 1 and 100", "limit")
+        page = items[:limit]
+        return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     @app.delete("/v1/responses/<rid>")
     async def delete(rid: str) -> Response:
