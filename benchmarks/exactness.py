@@ -78,7 +78,7 @@ async def run(args: argparse.Namespace, out: Path) -> dict:
         summary = ex.summarize(replays)
         print(f"chunk {i}: {chunks[-1]['cell']:<21} {layout:<6} {landing:<4} seed {seed}: {len(got)} replays, {chunks[-1]['mismatches']} "
               f"mismatches ({chunks[-1]['seconds']:.0f} s); total {len(replays)}, {summary['mismatches']} mismatches, "
-              f"{summary['ties']} ties", flush=True)
+              f"{summary['ties']} ties, {summary['kv_noise']} kv-noise", flush=True)
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "seconds": time.perf_counter() - t0,
@@ -117,7 +117,7 @@ def main() -> int:
     s = result["summary"]
     for key in ("by_scenario", "by_cell", "by_feature", "by_sampling", "by_tier"):
         print(ex.table(s, key), end="\n\n")
-    print(f"{s['replays']} replays, {s['mismatches']} mismatches, {s['ties']} near-ties; "
+    print(f"{s['replays']} replays, {s['mismatches']} mismatches, {s['ties']} near-ties, {s['kv_noise']} kv-noise; "
           f"distributed: skipped ({DISTRIBUTED_SKIPPED.split(';')[0]})")
     print(f"wrote {out}")
     return 1 if s["mismatches"] else 0

@@ -17,7 +17,9 @@ replayed through real runtimes over one real SSD directory:
 
 Tokens must be equal; logprobs (chosen and top-2) within `tolerance(cell)`. A
 token divergence where the reference's top two logprobs are closer than that
-tolerance is reported as a ``tie`` (float noise may pick either), not a mismatch.
+tolerance is reported as a ``tie`` (float noise may pick either), not a mismatch;
+in quantized cells, equal tokens with logprobs past the tolerance but within
+`KV_NOISE` are ``kv-noise`` (counted and listed, not a mismatch).
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ TOOLS = (
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
 )
 STOPS = (" the", "e", ".", "a", "\n", "in")
+# Quantized schemes (KV8, KV4): a replay whose tokens all match but whose logprobs differ from the
+# reference by more than the tolerance and at most this is "kv-noise", counted apart from mismatches.
+# Seen only in quantized cells, only in some runs of a seed (timing), with every cached path of the
+# request agreeing with each other: an ulp-level difference upstream of a quantizer that moves one
+# value to the next level (docs/benchmarks.md, "Exactness").
+KV_NOISE = 1e-2
 
 
 def tolerance(preset: str, kv_bits: int | None) -> float:
@@ -252,8 +260,13 @@ async def build_workload(rt: Runtime, rng: random.Random, *, conversations: int,
 # --- comparing ------------------------------------------------------------------------------
 
 
-def compare(ref: Sequence[Choice], got: Sequence[Choice], tol: float) -> tuple[str, float, str]:
-    """(verdict, largest logprob difference, detail) of one replay against its reference."""
+def compare(ref: Sequence[Choice], got: Sequence[Choice], tol: float, *, quantized: bool = False) -> tuple[
+        str, float, str]:
+    """(verdict, largest logprob difference, detail) of one replay against its reference.
+
+    "kv-noise": a quantized KV scheme, every token and finish equal, logprobs past `tol` but
+    within `KV_NOISE` (see the module docstring); "mismatch" is everything else past `tol`.
+    """
     worst = 0.0
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         same = 0
@@ -273,7 +286,8 @@ def compare(ref: Sequence[Choice], got: Sequence[Choice], tol: float) -> tuple[s
         if a.reason != b.reason:
             return "mismatch", worst, f"choice {i}: finish {a.reason} vs {b.reason}"
     if worst > tol:
-        return "mismatch", worst, f"logprob difference {worst:.2e} > {tol:.0e}"
+        verdict = "kv-noise" if quantized and worst <= KV_NOISE else "mismatch"
+        return verdict, worst, f"logprob difference {worst:.2e} > {tol:.0e}"
     return "ok", worst, ""
 
 
@@ -312,7 +326,7 @@ async def run_cell(model_dir: Path, preset: str, kv_bits: int | None, work: Path
     out: list[Replay] = []
 
     def record(scenario: str, spec: Spec, got: Sequence[Choice]) -> None:
-        verdict, worst, detail = compare(refs[spec.name], got, tol)
+        verdict, worst, detail = compare(refs[spec.name], got, tol, quantized=kv_bits is not None)
         out.append(Replay(cell, scenario, spec.name, spec.feature, spec.sampling.temperature == 0, got[0].tier,
                           verdict, worst, detail))
 
@@ -398,7 +412,8 @@ def summarize(replays: Sequence[Replay]) -> dict[str, Any]:
     def group(key) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for r in replays:
-            g = out.setdefault(key(r), {"replays": 0, "ok": 0, "tie": 0, "mismatch": 0, "max_logprob_diff": 0.0})
+            g = out.setdefault(key(r), {"replays": 0, "ok": 0, "tie": 0, "kv-noise": 0, "mismatch": 0,
+                                       "max_logprob_diff": 0.0})
             g["replays"] += 1
             g[r.verdict] += 1
             g["max_logprob_diff"] = max(g["max_logprob_diff"], r.max_logprob_diff)
@@ -408,6 +423,7 @@ def summarize(replays: Sequence[Replay]) -> dict[str, Any]:
         "replays": len(replays),
         "mismatches": sum(r.verdict == "mismatch" for r in replays),
         "ties": sum(r.verdict == "tie" for r in replays),
+        "kv_noise": sum(r.verdict == "kv-noise" for r in replays),
         "by_scenario": group(lambda r: r.scenario),
         "by_cell": group(lambda r: r.cell),
         "by_feature": group(lambda r: r.feature),
@@ -417,9 +433,9 @@ def summarize(replays: Sequence[Replay]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any], key: str) -> str:
-    rows = [f"{key:<24} {'replays':>8} {'ok':>8} {'tie':>5} {'mismatch':>9} {'max |dlogprob|':>15}"]
+    rows = [f"{key:<24} {'replays':>8} {'ok':>8} {'tie':>5} {'kv-noise':>9} {'mismatch':>9} {'max |dlogprob|':>15}"]
     for name, g in summary[key].items():
-        rows.append(f"{name:<24} {g['replays']:>8} {g['ok']:>8} {g['tie']:>5} {g['mismatch']:>9} "
+        rows.append(f"{name:<24} {g['replays']:>8} {g['ok']:>8} {g['tie']:>5} {g['kv-noise']:>9} {g['mismatch']:>9} "
                     f"{g['max_logprob_diff']:>15.2e}")
     return "\n".join(rows)
 

@@ -35,6 +35,7 @@ async def test_a_sample_of_replays_matches_cold_recompute(model_dirs: dict[str, 
                                      demote_idle_s=1.0, ssd_layout=("whole", "blocks")[i % 2],
                                      restore_landing=("mlx", "host")[i // 2 % 2])
     summary = ex.summarize(replays)
+    # Quantized cells may show "kv-noise" (equal tokens, logprobs within exactness.KV_NOISE): allowed here.
     assert summary["mismatches"] == 0, [r for r in replays if r.verdict == "mismatch"]
     assert summary["replays"] >= 200, summary["replays"]
     # Every path, cell, feature and sampling mode was exercised (the tier each replay's prefix came from).
