@@ -267,16 +267,17 @@ def compare(ref: Sequence[Choice], got: Sequence[Choice], tol: float, *, quantiz
     "kv-noise": a quantized KV scheme, every token and finish equal, logprobs past `tol` but
     within `KV_NOISE` (see the module docstring); "mismatch" is everything else past `tol`.
     """
-    worst = 0.0
+    worst, where = 0.0, ""
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         same = 0
         while same < min(len(a.tokens), len(b.tokens)) and a.tokens[same] == b.tokens[same]:
             same += 1
         if b.logprobs:  # resumed replays carry no logprobs
             for k in range(same):
-                worst = max(worst, abs(a.logprobs[k] - b.logprobs[k]))
                 ta, tb = dict(a.top[k]), dict(b.top[k])
-                worst = max(worst, *(abs(ta[t] - tb[t]) for t in ta.keys() & tb.keys()), 0.0)
+                here = max(abs(a.logprobs[k] - b.logprobs[k]), *(abs(ta[t] - tb[t]) for t in ta.keys() & tb.keys()))
+                if here > worst:
+                    worst, where = here, f" (choice {i}, token {k}: {a.logprobs[k]:.6f} vs {b.logprobs[k]:.6f})"
         if a.tokens != b.tokens:
             if same < len(a.tokens) and same < len(b.tokens) and len(a.top[same]) == 2:
                 (_, lp1), (_, lp2) = a.top[same]
@@ -287,7 +288,7 @@ def compare(ref: Sequence[Choice], got: Sequence[Choice], tol: float, *, quantiz
             return "mismatch", worst, f"choice {i}: finish {a.reason} vs {b.reason}"
     if worst > tol:
         verdict = "kv-noise" if quantized and worst <= KV_NOISE else "mismatch"
-        return verdict, worst, f"logprob difference {worst:.2e} > {tol:.0e}"
+        return verdict, worst, f"logprob difference {worst:.2e} > {tol:.0e}{where}"
     return "ok", worst, ""
 
 
