@@ -389,3 +389,19 @@ def test_a_short_prompt_prefilled_apart_answers_as_it_does_alone(tiny_model_dir)
     ]
     assert tuple(short[:-1]) in boundaries
     assert core.counters.checkpoints_skipped == 0
+
+
+def test_no_first_token_within_the_ttft_timeout_is_a_503_even_for_a_stream(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, ttft_timeout_s=1e-4)) as server:
+        url = _root(server)
+        for stream in (
+            False,
+            True,
+        ):  # a stream's headers wait for its first token: a real 503 status
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2, "stream": stream},
+                timeout=BOUND_S,
+            )
+            assert r.status_code == 503, r.text[:300]
+            assert "--ttft-timeout" in r.json()["error"]["message"]

@@ -92,6 +92,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-timeout", type=_non_negative_float, default=60.0, metavar="SEC",
                    help="seconds an HTTP request may wait in the queue for a batch slot before it gets a 503 "
                    "(0 = no limit)")
+    p.add_argument("--ttft-timeout", type=_non_negative_float, default=0.0, metavar="SEC",
+                   help="seconds from arrival to a request's first token; past it the request is cancelled and "
+                   "answered 503, and a stream's headers wait for its first token (0 = no limit)")
     p.add_argument(
         "--prefill-step-size", type=_prefill_step, default=None,
         help="prefill chunk size in tokens, or 'auto' (default: 2048; on a GPU timed at startup when the device probe runs)",
@@ -244,6 +247,7 @@ def serve_config(args: argparse.Namespace):
         prefill_batch=args.prefill_batch,
         max_queue=args.max_queue,
         queue_timeout_s=args.queue_timeout,
+        ttft_timeout_s=args.ttft_timeout,
         prefill_step_size=args.prefill_step_size if isinstance(args.prefill_step_size, int) else 2048,
         prefill_slice_s=args.prefill_slice_ms / 1000,
         tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),

@@ -106,14 +106,16 @@ class _Choice:
         self._events: AsyncIterator[Any] | None = None
         self._primed: list[Any] = []
 
-    async def admitted(self, wait_s: float) -> bool:
-        """Read events until the engine takes the request; False if it waited over `wait_s` for a batch slot."""
+    async def reached(self, kind: type | tuple[type, ...], deadline: float) -> bool:
+        """Read events until one of `kind` (or the end); False if `deadline` (trio clock) came first."""
         if self._events is None:
             self._events = aiter(self.stream)
-        with trio.move_on_after(wait_s):
+        if any(isinstance(e, kind | GenerationFinished) for e in self._primed):
+            return True
+        with trio.move_on_at(deadline):
             while (event := await self._next_event()) is not None:
                 self._primed.append(event)
-                if isinstance(event, PromptAccepted | GenerationFinished):
+                if isinstance(event, kind | GenerationFinished):
                     return True
             return True  # ended or failed: the reply says so
         return False
@@ -441,6 +443,7 @@ def create_app(
     media_preparer = preparer_for(rt)  # None: a text-only model (docs/vision.md)
     timeout_s = rt.config.request_timeout_s
     queue_timeout_s = rt.config.queue_timeout_s
+    ttft_timeout_s = rt.config.ttft_timeout_s
 
     @app.before_request
     async def _check_access() -> None:
@@ -545,9 +548,12 @@ def create_app(
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
                 stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media)
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
-                if i == 0 and queue_timeout_s > 0 and not await choices[0].admitted(queue_timeout_s):
+                if i == 0 and queue_timeout_s > 0 and not await choices[0].reached(PromptAccepted, arrived + queue_timeout_s):
                     raise ApiError(503, f"no batch slot came free within {queue_timeout_s:g} s (--queue-timeout); "
                                    "retry later", type="server_overloaded", headers={"Retry-After": "5"})
+                if i == 0 and ttft_timeout_s > 0 and not await choices[0].reached(TokenGenerated, arrived + ttft_timeout_s):
+                    raise ApiError(503, f"no first token within {ttft_timeout_s:g} s (--ttft-timeout); the server is "
+                                   "overloaded, retry later", type="server_overloaded", headers={"Retry-After": "5"})
                 if i == 0 and parsed.n > 1:
                     await choices[0].prime()
         except GenerationError as exc:

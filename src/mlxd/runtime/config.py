@@ -110,6 +110,9 @@ class RuntimeConfig:
     max_queue: int = attrs.field(default=32, validator=_non_negative)
     # Seconds an HTTP request may wait in that queue for a slot before it is answered 503 (0 = no limit).
     queue_timeout_s: float = attrs.field(default=60.0, validator=_non_negative)
+    # Seconds from arrival to an HTTP request's first token; past it the request is cancelled and
+    # answered 503 (a stream's headers wait for its first token). 0 = no limit.
+    ttft_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
 
     # Generation limits.
     default_max_tokens: int = attrs.field(default=512, validator=_positive)
