@@ -447,7 +447,8 @@ def create_app(
 
     @app.before_request
     async def _check_access() -> None:
-        g.deadline = trio.current_time() + timeout_s if timeout_s > 0 else math.inf
+        g.arrived = trio.current_time()
+        g.deadline = g.arrived + timeout_s if timeout_s > 0 else math.inf
         authorization = request.headers.get("Authorization")
         if authorization is None and request.headers.get("x-api-key"):  # Anthropic clients' header
             authorization = "Bearer " + request.headers["x-api-key"]
@@ -543,6 +544,7 @@ def create_app(
             if start and len(start) == 1:  # the model cannot open a call
                 sampling = attrs.evolve(sampling, logit_bias=(*sampling.logit_bias, (start[0], -100.0)))
         choices: list[_Choice] = []
+        arrived = g.get("arrived", trio.current_time())
         try:
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
