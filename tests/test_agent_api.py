@@ -281,7 +281,7 @@ def test_unknown_paths_get_a_quiet_404(server, capfd):
     base = server.base_url.removesuffix("/v1")
     capfd.readouterr()
     for method, path in [("GET", "/v1/engines"), ("GET", "/api/tags"), ("GET", "/favicon.ico"),
-                         ("POST", "/v1/responses"), ("GET", "/.well-known/security.txt")]:
+                         ("POST", "/v1/assistants"), ("GET", "/.well-known/security.txt")]:
         r = httpx.request(method, f"{base}{path}", timeout=30)
         assert r.status_code == 404
         assert r.json()["error"]["type"] == "not_found_error"
