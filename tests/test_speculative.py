@@ -263,10 +263,10 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
         RuntimeConfig(speculative="ngram", draft_model=str(foreign))
 
 
-# --- a runtime: a RAM hit afterwards, a generation checkpoint resumed --------------------------
+# --- a runtime: a RAM hit afterwards, a generation checkpoint resumed, a restart ---------------
 
 
-async def test_ram_hit_and_resumed_checkpoint_stay_identical(tiny_model_dir, tmp_path):
+async def test_ram_hit_resumed_checkpoint_and_restart_stay_identical(tiny_model_dir, tmp_path):
     sampling = SamplingParams(max_tokens=60, temperature=1.2, seed=7, logit_bias=NO_EOS)
     text = "Repeat after me: the cache keeps the prefix, the cache keeps the prefix. " * 2
     reference: list[int] = []
@@ -300,6 +300,12 @@ async def test_ram_hit_and_resumed_checkpoint_stay_identical(tiny_model_dir, tmp
         assert again == reference
         stats = (await rt.stats()).engine.speculation
         assert stats is not None and stats.accepted > 0
+    # A restart over the same SSD directory (leaving the runtime flushed it): the prompt comes back
+    # from disk and the speculating continuation is the same again.
+    async with open_runtime(config) as rt:
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            assert await stream.tokens() == reference
+            assert stream.accepted.cache_tier == "ssd" and stream.accepted.cached_tokens > 0
 
 
 # --- over HTTP: chat completions, stop strings, logprobs, /stats and /metrics ------------------
