@@ -6,8 +6,8 @@
 The report goes to benchmarks/results/fairness-<phase>-<timestamp>.json (--out DIR).
 
 interleave: a short prompt (32 random token ids, unique each time: no cache hit)
-is timed alone, then sent while a long prompt (unique random ids) is being
-prefilled; the ratio behind / alone is what chunked, interleaved prefill keeps
+is timed alone, then --rounds times one after another while one long prompt
+(unique random ids) is being prefilled, spread over its alone TTFT; the ratio behind / alone is what chunked, interleaved prefill keeps
 near 1 (issue 27's goal: at most 2). The long prompt's own TTFT, alone and with
 the short one beside it, shows what the interleaving costs it.
 
@@ -106,19 +106,20 @@ def interleave(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         ttft(proc.url, ids(args.long), 1)
         alone = [ttft(proc.url, ids(args.short), 2) for _ in range(args.rounds)]
         long_alone = [ttft(proc.url, ids(args.long), 1) for _ in range(max(1, args.rounds // 2))]
-        delay = args.delay if args.delay is not None else 0.25 * statistics.median(long_alone)
         behind, long_behind = [], []
-        for _ in range(args.rounds):
-            result: dict[str, float] = {}
-            long_prompt = ids(args.long)
-            t = threading.Thread(
-                target=lambda p=long_prompt, r=result: r.update(long=ttft(proc.url, p, 1))
-            )
-            t.start()
-            time.sleep(delay)  # the long prompt is being prefilled
+        fractions = [(k + 1) / (args.rounds + 1) for k in range(args.rounds)]
+        result: dict[str, float] = {}
+        long_prompt = ids(args.long)
+        t = threading.Thread(target=lambda: result.update(long=ttft(proc.url, long_prompt, 1)))
+        t0 = time.perf_counter()
+        t.start()
+        for f in fractions:  # shorts one after another while the long prompt is prefilled
+            time.sleep(max(0.0, f * statistics.median(long_alone) - (time.perf_counter() - t0)))
+            if not t.is_alive():
+                break
             behind.append(ttft(proc.url, ids(args.short), 2))
-            t.join()
-            long_behind.append(result["long"])
+        t.join()
+        long_behind.append(result["long"])
     a, b = statistics.median(alone), statistics.median(behind)
     report.update(
         {
@@ -126,7 +127,7 @@ def interleave(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "short_behind_ms": [round(1000 * x, 1) for x in behind],
             "long_alone_ms": [round(1000 * x, 1) for x in long_alone],
             "long_beside_short_ms": [round(1000 * x, 1) for x in long_behind],
-            "delay_ms": round(1000 * delay, 1),
+            "sent_at_fractions_of_long_alone": fractions[: len(behind)],
             "ratio_behind_over_alone": round(b / a, 2),
             "long_slowdown": round(
                 statistics.median(long_behind) / statistics.median(long_alone), 2
@@ -251,12 +252,6 @@ def main() -> int:
     p.add_argument("--short", type=int, default=32, help="tokens of the short prompt")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--vocab", type=int, default=1024, help="token ids are drawn below this")
-    p.add_argument(
-        "--delay",
-        type=float,
-        help="seconds between the long and the short request "
-        "(default: a quarter of the long prompt's alone TTFT)",
-    )
     # load
     p.add_argument("--clients", type=int, nargs="+", default=[64, 256])
     p.add_argument("--seconds", type=float, default=60.0)

@@ -13,7 +13,7 @@ from tests.serving import ServerThread, config_for
 
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
-from mlxd.engine.prefill_slices import MIN_CHUNK, PrefillSlicer
+from mlxd.engine.prefill_slices import APART_MIN, MIN_CHUNK, PrefillSlicer
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
 from mlxd.runtime.kernel.messages import (
     GenerationRequest,
@@ -244,6 +244,12 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
         slicer.chunk(2048, newcomers=[], shared=False, awaiting=True) == 64
     )  # alone: its own slice
     assert PrefillSlicer(0.0, rate=2048.0).chunk(2048, newcomers=[20], shared=True) == 2048  # off
+    # A short prompt joining while another row is part way through its prompt is prefilled on its own.
+    assert slicer.apart(APART_MIN, others_prefilling=True)
+    assert slicer.apart(400, others_prefilling=True)  # 4 slices of 102 tokens
+    assert not slicer.apart(500, others_prefilling=True)
+    assert not slicer.apart(20, others_prefilling=False)
+    assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
 
 
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:

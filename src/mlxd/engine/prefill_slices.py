@@ -30,6 +30,8 @@ MIN_CHUNK = 16
 # A short prompt joining while another row is part way through its prompt is prefilled on its own
 # (the others wait that long) when it fits this many slices.
 APART_SLICES = 4
+# ... and always when it has at most this many new tokens (a question, a short chat turn).
+APART_MIN = 64
 
 
 @attrs.define
@@ -47,7 +49,7 @@ class PrefillSlicer:
         """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
         if self.slice_s <= 0 or self.rate <= 0 or not others_prefilling or new_tokens <= 0:
             return False
-        return new_tokens <= max(MIN_CHUNK, self.rate * self.slice_s * APART_SLICES)
+        return new_tokens <= max(APART_MIN, self.rate * self.slice_s * APART_SLICES)
 
     def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool, awaiting: bool = False) -> int:
         """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch;
