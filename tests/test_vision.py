@@ -164,3 +164,14 @@ def test_image_and_text_rows_batch_together(server: ServerThread) -> None:
     assert during["steps"] - before.get("steps", 0) < 4 * 8  # fewer steps than one row after another
     alone = [chat(server, c, max_tokens=8).choices[0].message.content for c in convs]  # one by one
     assert together == alone
+
+
+def test_a_session_with_images_takes_its_checkpoint(server: ServerThread) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0,
+                           default_headers={"X-Session-Id": "vision-session"})
+    first = [user("Look at this.", png(30))]
+    r1 = client.chat.completions.create(model="tiny", messages=first, max_tokens=4, temperature=0)
+    follow = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              {"role": "user", "content": "More?"}]
+    r2 = client.chat.completions.create(model="tiny", messages=follow, max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1
