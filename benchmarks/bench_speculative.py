@@ -106,7 +106,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds, "k": args.k, "temperatures": args.temperature, "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "cases": {},
     }
-    for name, temperature in [("repetitive", 0.0)] + [("non-repetitive", t) for t in args.temperature]:
+    workloads = [("repetitive", 0.0)] + [("non-repetitive", t) for t in args.temperature]
+    for name, temperature in workloads if args.cases == "all" else []:
         for batch in args.batch:
             requests = workload(name, batch, args.tokens, vocab, args.span, temperature)
             for core in cores.values():
@@ -146,7 +147,45 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                       f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
                       f"{c['tokens_per_forward']:.2f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
             out["cases"][f"{label}/batch{batch}"] = case
+    for draft in args.draft:
+        out.setdefault("draft_prefix", {})[draft] = draft_prefix(draft, cores["off"], args.prefix_lengths, args.k)
     return out
+
+
+def draft_prefix(draft_dir: str, target: EngineCore, lengths: list[int], k: int) -> dict[str, Any]:
+    """What a draft model's prefix recompute costs at a row's first step, next to a step that follows."""
+    from mlxd.engine.draft import ModelDrafts, load_draft
+
+    draft = load_draft(draft_dir, target.tokenizer, prefill_step=target.prefill_step_size)
+    rnd = random.Random(7)
+    out: dict[str, Any] = {}
+    for n in lengths:
+        tokens = [rnd.randrange(3, 8000) for _ in range(n)]
+        row = ModelDrafts(draft)
+        t0 = time.perf_counter()
+        drafts = row.propose(tokens, 5, k)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        row.propose([*tokens, 5, *drafts[:2]], drafts[2], k)  # two drafts accepted, the rest rolled back
+        then = time.perf_counter() - t0
+        target_s = _prefill_seconds(target, tokens)
+        out[str(n)] = {"first_step_s": first, "next_step_s": then, "target_prefill_s": target_s}
+        print(f"draft {Path(draft_dir).name}: prefix {n} tokens recomputed in {first * 1000:.1f} ms "
+              f"(the target prefills them in {target_s * 1000:.1f} ms); a following step {then * 1000:.1f} ms",
+              flush=True)
+    return out
+
+
+def _prefill_seconds(core: EngineCore, tokens: list[int]) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(core.model)
+    t0 = time.perf_counter()
+    for at in range(0, len(tokens), core.prefill_step_size):
+        core.model(mx.array([tokens[at:at + core.prefill_step_size]]), cache=caches)
+        mx.eval([c.state for c in caches])
+    return time.perf_counter() - t0
 
 
 def _fields(config: RuntimeConfig) -> dict[str, Any]:
@@ -167,6 +206,10 @@ if __name__ == "__main__":
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
                    help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
                         "the upper bound)")
+    p.add_argument("--prefix-lengths", type=int, nargs="+", default=[256, 1024, 4096],
+                   help="with --draft: prompt lengths whose draft-prefix recompute is timed")
+    p.add_argument("--cases", choices=("all", "none"), default="all",
+                   help="none: only the draft-prefix timing (with --draft)")
     p.add_argument("--draft-preset", action="append", default=[], metavar="PRESET",
                    help="a built-in preset as a draft arm (same tokenizer as the other presets but `test`)")
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0, 4.0],
