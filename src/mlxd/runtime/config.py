@@ -121,7 +121,7 @@ class RuntimeConfig:
     max_context: int | None = None
 
     # SSD cold tier (None = RAM only).
-    ssd_cache_dir: Path | None = None
+    ssd_cache_dir: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))  # str too
     ssd_cache_max_bytes: int = attrs.field(default=0, validator=_non_negative)  # 0 = unlimited
     # Check every restored byte (per-tensor CRC-32, zero padding); False = header, layout and size only.
     ssd_cache_verify: bool = True
