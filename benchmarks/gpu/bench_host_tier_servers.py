@@ -53,11 +53,13 @@ def conversation(base: str, model: str, first: str, texts: dict[str, str]) -> di
     return {"history": hist, "cold": cold, "hit": hit, "next": nxt}
 
 
-def run_server(s: Proc, model: str, prompts: list[list[str]], texts: dict[str, str]) -> dict[str, Any]:
+def run_server(s: Proc, model: str, prompts: list[list[str]], texts: dict[str, str], out: dict[str, Any],
+               save_progress: Any) -> dict[str, Any]:
     import httpx
 
-    rows = []
-    out: dict[str, Any] = {"start_s": s.start()}
+    rows: list[dict[str, Any]] = []
+    out["start_s"] = s.start()
+    save_progress()
     asyncio.run(ttft(s.base, model, "warm up " * 20))
     for a, b, c in prompts:
         conv = conversation(s.base, model, a, texts)
@@ -66,6 +68,8 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], texts: dict[str, s
         row = {k: conv[k] for k in ("cold", "hit", "next")} | {"others": others, "returning": back,
                                                                  "history": conv["history"]}
         rows.append(row)
+        out["rows"] = rows
+        save_progress()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
                              ("cold", "hit", "next", "returning")))
     out["rows"] = rows
@@ -108,12 +112,24 @@ def main() -> int:
     def save() -> None:
         res.write_text(json.dumps(out, indent=1, default=str))
 
+    def stop(*_: Any) -> None:  # `timeout` sends SIGTERM: keep what was measured, with the server logs' tails
+        for name in wanted:
+            path = work / f"{name}.log"
+            if path.exists():
+                out.setdefault("log_tails", {})[name] = path.read_text(errors="replace")[-4000:]
+        save()
+        raise SystemExit(124)
+
+    import signal
+
+    signal.signal(signal.SIGTERM, stop)
+
     for name in wanted:
         cmd, port = cmds[name]
         s = Proc(name, cmd, port, "/v1/models" if name == "mlx_lm" else "/health", work / f"{name}.log")
         model = "default_model" if name == "mlx_lm" else model_dir.name
         try:
-            out[name] = run_server(s, model, prompts, texts)
+            run_server(s, model, prompts, texts, out.setdefault(name, {}), save)
         except Exception as exc:  # keep what was measured
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             log(name, "failed", exc)

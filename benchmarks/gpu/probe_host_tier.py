@@ -233,6 +233,7 @@ def decode_beside_writes(model: Any, entry: list[Any], n: int, work: Path, strea
             junk = mx.multiply(entry[0].keys, 1)
             for c in entry[1:]:
                 junk = mx.concatenate([junk, c.keys], axis=2)
+            junk = junk.view(mx.uint16)  # the buffer protocol's formats have no bfloat16
             mx.eval(junk)
             device_memory.read_mostly([memoryview(junk)])
             del junk  # back to MLX's buffer cache, advice and all
