@@ -14,7 +14,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot, SnapshotPlan
     from mlxd.kv.ssd_store import WriteOutcome
     from mlxd.structured.spec import Constraint
+    from mlxd.vision.encoder import ImageInput
 
 
 @attrs.frozen(kw_only=True)
@@ -66,8 +67,8 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     namespace: str = ""
     session: str | None = None
-    # Images (vision/encoder.ImageInput), in prompt order; their spans' key ids are in `prompt` (kv/media.py).
-    media: tuple[Any, ...] = ()
+    # Images in prompt order; their spans' key ids are in `prompt` (kv/media.py).
+    media: tuple[ImageInput, ...] = ()
 
 
 # --- events for one request (engine -> scheduler -> client) -------------------
