@@ -358,3 +358,16 @@ def test_bad_speculation_settings_are_refused():
     with pytest.raises(ValueError):
         RuntimeConfig(speculative="ngram", num_draft_tokens=0)
     assert attrs.evolve(RuntimeConfig(), speculative="ngram").num_draft_tokens == 4
+
+
+def test_drafts_stop_before_an_image_span_key() -> None:
+    """Media key ids (kv/media.py) live in a row's prompt but are no vocabulary tokens: never drafted."""
+    from mlxd.engine.speculative import Speculation
+    from mlxd.kv.media import MEDIA_BASE
+
+    image = [MEDIA_BASE + 11, MEDIA_BASE + 12]
+    tokens = [5, 6, 7, 8, *image, 9, 5, 6, 7]
+    part = Speculation(k=4)
+    assert part.propose(tokens[:-1], tokens[-1], 4) == [8]  # cut where the image's span starts
+    plain = Speculation(k=4)
+    assert plain.propose([5, 6, 7, 8, 1, 2, 9, 5, 6], 7, 4) == [8, 1, 2, 9]

@@ -21,6 +21,7 @@ import attrs
 
 from mlxd.engine.features import Constrained, Feature
 from mlxd.engine.ops import SpeculationStats
+from mlxd.kv.media import is_media_id
 from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.runtime.logging import get_logger
 
@@ -58,6 +59,10 @@ class Speculation(Feature):
 
     def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
         drafts = self.source.propose(tokens, pending, min(self.k, limit))
+        for i, t in enumerate(drafts):  # an image's span keys (kv/media.py) are no vocabulary tokens
+            if is_media_id(t):
+                drafts = drafts[:i]
+                break
         if not drafts:
             self.backoff.nothing_found()
         return drafts
