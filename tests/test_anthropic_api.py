@@ -193,12 +193,9 @@ def test_the_client_raises_typed_errors(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_x_api_key_is_the_api_key(tmp_path_factory):
+def test_x_api_key_is_the_api_key(tiny_model_dir):
     """Anthropic clients authenticate with x-api-key; it is accepted as the API key."""
-    from mlxd.model import build_model
-
-    model = build_model(tmp_path_factory.mktemp("m") / "tiny", "test", seed=0)
-    with ServerThread(config_for(model, api_key="sekrit")) as s:
+    with ServerThread(config_for(tiny_model_dir, api_key="sekrit")) as s:
         ok = anthropic.Anthropic(base_url=s.base_url.removesuffix("/v1"), api_key="sekrit", max_retries=0)
         assert ok.messages.create(model="tiny", max_tokens=1, messages=ask("hi")).usage.output_tokens == 1
         bad = anthropic.Anthropic(base_url=s.base_url.removesuffix("/v1"), api_key="wrong", max_retries=0)
