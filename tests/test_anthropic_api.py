@@ -144,7 +144,7 @@ def test_the_chat_route_reports_the_same_prompt(server):
 
 
 def test_system_blocks_with_cache_control_render_as_the_string(server):
-    """cache_control is accepted (advisory) and does not change the prompt."""
+    """cache_control is accepted (it pins, tests/test_pins.py) and does not change the prompt."""
     blocks = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     plain = client(server).messages.count_tokens(model="tiny", system=SYSTEM, messages=ask("Hi"))
     marked = client(server).messages.count_tokens(model="tiny", system=blocks, messages=ask("Hi"))

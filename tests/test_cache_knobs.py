@@ -1,6 +1,7 @@
 """OpenAI's cache knobs on every route: `prompt_cache_key` names the cache session,
-`prompt_cache_retention` is honoured ("in_memory") or refused with a 400 naming
-the value ("24h": the cache has no retention classes), never silently ignored."""
+`prompt_cache_retention` is honoured ("in_memory", the default; "24h" pins the
+request's checkpoints in RAM, tests/test_pins.py) or refused with a 400 naming an
+unknown value, never silently ignored."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def test_prompt_cache_key_is_the_session(server, route):
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_24h_retention_is_refused_naming_the_value(server, route):
+def test_24h_retention_pins_and_unknown_values_are_refused(server, route):
+    stats_url = server.base_url.removesuffix("/v1") + "/stats"
+    before = httpx.get(stats_url, timeout=30).json()["cache"]["pins"]["pinned"]
     r = post(server, route, prompt_cache_retention="24h")
-    assert r.status_code == 400
-    assert "prompt_cache_retention '24h' is not supported" in message_of(r)
+    assert r.status_code == 200, r.text
+    assert httpx.get(stats_url, timeout=30).json()["cache"]["pins"]["pinned"] == before + 1
     other = post(server, route, prompt_cache_retention="forever")
     assert other.status_code == 400 and "'forever'" in message_of(other)
 
@@ -58,8 +61,9 @@ def test_the_openai_client_sends_the_knobs(server):
     c.chat.completions.create(model="tiny", messages=messages, max_tokens=1, prompt_cache_key="colours")
     again = c.chat.completions.create(model="tiny", messages=messages, max_tokens=1, prompt_cache_key="colours")
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    c.responses.create(model="tiny", input="hi", max_output_tokens=1, prompt_cache_retention="24h")
     with pytest.raises(openai.BadRequestError) as refused:
-        c.responses.create(model="tiny", input="hi", prompt_cache_retention="24h")
+        c.responses.create(model="tiny", input="hi", extra_body={"prompt_cache_retention": "forever"})
     assert refused.value.body["param"] == "prompt_cache_retention"
 
 

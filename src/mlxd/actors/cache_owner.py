@@ -57,6 +57,7 @@ from mlxd.runtime.kernel.messages import (
     MarkDirty,
     MarkNotStored,
     MemoryMeasured,
+    PinSession,
     PrefetcherMessage,
     PrefetchHint,
     PrefetchRecord,
@@ -270,6 +271,9 @@ class CacheOwnerActor:
             msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, CloseSession):
             msg.reply.send(tiers.close_session(msg.session))
+        elif isinstance(msg, PinSession):
+            if not tiers.pin_session(msg.session, msg.ttl_s):
+                log.warning("cache.pin_refused", session=msg.session, ttl_s=msg.ttl_s)
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
         elif isinstance(msg, FlushThrough):

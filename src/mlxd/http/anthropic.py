@@ -6,8 +6,12 @@ cache as `/v1/chat/completions`; the reply is shaped as a Message (content
 blocks `thinking`, `text`, `tool_use`) or streamed as Anthropic's SSE events.
 Errors have Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
 
-`cache_control` breakpoints are validated and advisory: every prompt's prefix
-is checkpointed by the cache anyway, and the cache has no pin to give them.
+`cache_control` breakpoints pin: every prompt's prefix is checkpointed by the
+cache anyway, and a request with a breakpoint pins its conversation's latest
+checkpoints (prompt boundary, then the end of the reply) in RAM for the
+longest TTL among its breakpoints (5m by default, or 1h), through the session
+(one is made up when the request names none). The pinned checkpoint covers the
+whole prompt, so it covers the prefix that ends at the last breakpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from mlxd.http.schemas import (
     parse_common,
     parse_messages,
 )
-from mlxd.http.sessions import session_id
+from mlxd.http.sessions import request_session
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.supervisor import GenerationError
 
@@ -66,8 +70,24 @@ class MessagesRequest:
     options: ChatOptions
     prefill: str  # text of a final assistant turn the reply continues ("" when none)
     model: str | None
-    breakpoints: int  # cache_control blocks (advisory)
+    breakpoints: int  # cache_control blocks (each pins the conversation for its TTL)
     body: dict[str, Any]
+
+
+_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
+_NOT_BLOCKS = ("input", "input_schema", "metadata")  # free-form JSON: a key named cache_control there is data
+
+
+def _pin_seconds(node: Any) -> float:
+    """The longest `cache_control` TTL in a (validated) body, in seconds; 0 without a breakpoint."""
+    if isinstance(node, list):
+        return max((_pin_seconds(v) for v in node), default=0.0)
+    if not isinstance(node, dict):
+        return 0.0
+    cc = node.get("cache_control")
+    ttl = _TTL_S.get(cc.get("ttl"), 0.0) if isinstance(cc, dict) else 0.0
+    inner = (_pin_seconds(v) for k, v in node.items() if k not in _NOT_BLOCKS and isinstance(v, list | dict))
+    return max([ttl, *inner])
 
 
 def _cache_control(block: dict[str, Any], where: str) -> int:
@@ -466,7 +486,8 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
     async def messages() -> Response:
         async def route() -> Response:
             req, body = await read(True)
-            session = session_id(request.headers, _session_body(body))
+            pin_s = _pin_seconds(body) if req.breakpoints else 0.0
+            session = await request_session(rt, request.headers, _session_body(body), pin_s=pin_s)
             prompt, media = await prompt_of(req)
             (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
                                                 media=media)

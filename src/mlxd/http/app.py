@@ -28,7 +28,7 @@ from mlxd.http.schemas import (
     parse_prompt,
 )
 from mlxd.http.security import AccessPolicy, is_loopback
-from mlxd.http.sessions import install_sessions, session_id
+from mlxd.http.sessions import install_sessions, request_session
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars, encode_off_loop
 from mlxd.runtime.chat.text import TextAssembler
 from mlxd.runtime.kernel.messages import (
@@ -610,8 +610,8 @@ def create_app(
                 raise ApiError(400, str(exc), param="messages") from None
 
         prompt, media = await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)  # images: vision/
-        return await run(parsed, prompt, chat=True, options=options, session=session_id(request.headers, body),
-                         media=media)
+        return await run(parsed, prompt, chat=True, options=options,
+                         session=await request_session(rt, request.headers, body), media=media)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -625,7 +625,7 @@ def create_app(
         prompt = parse_prompt(body)
         refuse_early(parsed, len(prompt) if isinstance(prompt, str) else 0, "prompt")
         ids = await encode_off_loop(rt.encode, prompt) if isinstance(prompt, str) else tuple(prompt)
-        return await run(parsed, ids, chat=False, session=session_id(request.headers, body))
+        return await run(parsed, ids, chat=False, session=await request_session(rt, request.headers, body))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -34,7 +34,7 @@ from mlxd.http.schemas import (
     parse_common,
     parse_messages,
 )
-from mlxd.http.sessions import session_id
+from mlxd.http.sessions import request_session
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.supervisor import GenerationError
 
@@ -460,7 +460,7 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
         req = parse_request(body, default_max_tokens=min(rt.config.default_max_tokens, rt.config.max_tokens_limit),
                             max_tokens_limit=rt.config.max_tokens_limit)
         kit.check_model(req.parsed.model)
-        session = session_id(request.headers, body)
+        session = await request_session(rt, request.headers, body)
         conversation: list[dict[str, Any]] = []
         if req.previous is not None:
             record = await trio.to_thread.run_sync(store.get, req.previous)

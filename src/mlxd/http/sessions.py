@@ -3,41 +3,56 @@
 A request names its session with the `X-Session-Id` header; without the
 header, the body's OpenAI `user` field is used. The header wins when both are
 present. OpenAI's `prompt_cache_key` field names the session too (after the
-header, before `user`), on every route. `prompt_cache_retention` is checked
-here as well: "in_memory" is what the cache does anyway; "24h" is refused
-(the cache has no retention classes), never silently ignored. The cache then finds the session's latest checkpoint without a
-candidate scan and evicts it after anonymous entries. `DELETE
-/v1/sessions/{id}` drops the session's references (cached state stays for
-anyone whose prompt matches it). Session metadata lives in this process only.
+header, before `user`), on every route. `prompt_cache_retention` is read
+here as well: "in_memory" is the default; "24h" pins the session's latest
+checkpoints in RAM for 24 hours (`request_session`; a request without a session
+gets a made-up one for its pin). The cache then finds the session's latest
+checkpoint without a candidate scan and evicts it after anonymous entries.
+`DELETE /v1/sessions/{id}` drops the session's references and its pin (cached
+state stays for anyone whose prompt matches it). Session metadata lives in
+this process only.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from quart import Response
 
 from mlxd.http.schemas import ApiError
+from mlxd.kv.tiers import IMPLICIT_PIN_SESSION  # a made-up session, closed when its pin expires
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
 
 
-RETENTIONS = ("in_memory",)  # prompt_cache_retention values the cache honours
+# prompt_cache_retention values and how long each pins the request's checkpoints in RAM (seconds)
+RETENTIONS = {"in_memory": 0.0, "24h": 24 * 3600.0}
 
 
-def check_retention(body: Any) -> None:
-    """`prompt_cache_retention`: "in_memory" (the default behaviour) or a 400 naming the value."""
+def check_retention(body: Any) -> float:
+    """`prompt_cache_retention`: seconds to pin (0 for "in_memory" or none), or a 400 naming the value."""
     value = body.get("prompt_cache_retention") if isinstance(body, dict) else None
-    if value is None or value in RETENTIONS:
-        return
-    if value == "24h":
-        raise ApiError(400, "prompt_cache_retention '24h' is not supported: this server's cache has no "
-                       "retention classes (cached prefixes stay in RAM, then on the SSD tier, until "
-                       "evicted); use 'in_memory' or leave it out", param="prompt_cache_retention",
-                       code="unsupported_parameter")
+    if value is None:
+        return 0.0
+    if isinstance(value, str) and value in RETENTIONS:
+        return RETENTIONS[value]
     raise ApiError(400, f"prompt_cache_retention must be 'in_memory' or '24h', got {value!r}",
                    param="prompt_cache_retention")
+
+
+async def request_session(rt: Any, headers: Any, body: Any, *, pin_s: float = 0.0) -> str | None:
+    """`session_id`, and the pin the request asks for (24h retention, or `pin_s` from cache_control).
+
+    A pinned request without a session gets a made-up one, so its own checkpoints are what is pinned.
+    """
+    session = session_id(headers, body)
+    ttl = max(check_retention(body), pin_s)
+    if ttl > 0:
+        session = session or f"{IMPLICIT_PIN_SESSION}{uuid.uuid4().hex}"
+        await rt.pin_session(session, ttl)
+    return session
 
 
 def session_id(headers: Any, body: Any) -> str | None:

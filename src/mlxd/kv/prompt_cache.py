@@ -242,17 +242,19 @@ class PromptCache:
         *,
         may_evict: Callable[[CacheEntry], bool] = _evict_anything,
         prefer: Callable[[CacheEntry], bool] | None = None,
+        keep: Callable[[CacheEntry], bool] | None = None,
     ) -> Eviction:
         """Evict coldest-first until within max_bytes; stop at the first refused victim.
 
         With `prefer`, a first pass considers only preferred victims (in policy
         order, e.g. entries no session references), and the rest only if that
-        was not enough: a preference, not a pin.
+        was not enough: a preference, not a pin. `keep` is a pin: those entries
+        are passed over (not a stop), whatever the pressure.
         """
         evicted: list[CacheEntry] = []
         blocked = None
         for only in ((prefer, None) if prefer is not None else (None,)):
-            blocked = self._evict_pass(may_evict, only, evicted)
+            blocked = self._evict_pass(may_evict, only, evicted, keep)
             if self._bytes <= self.max_bytes:
                 break
         freed = sum(e.nbytes for e in evicted)
@@ -263,7 +265,7 @@ class PromptCache:
 
     def _evict_pass(
         self, may_evict: Callable[[CacheEntry], bool], only: Callable[[CacheEntry], bool] | None,
-        evicted: list[CacheEntry],
+        evicted: list[CacheEntry], keep: Callable[[CacheEntry], bool] | None = None,
     ) -> CacheEntry | None:
         """Evict victims (those `only` accepts) until within max_bytes; the refused victim, if any."""
         victims = self.policy.victims()
@@ -272,7 +274,7 @@ class PromptCache:
                 victim = next(victims, None)
                 if victim is None:
                     return None
-                if only is not None and not only(victim):
+                if (only is not None and not only(victim)) or (keep is not None and keep(victim)):
                     continue
                 if not may_evict(victim):
                     return victim
@@ -288,11 +290,13 @@ class PromptCache:
         *,
         may_evict: Callable[[CacheEntry], bool] = _evict_anything,
         prefer: Callable[[CacheEntry], bool] | None = None,
+        keep: Callable[[CacheEntry], bool] | None = None,
     ) -> Eviction:
         """Evict at least `nbytes`, coldest first, whatever the cap (memory pressure).
 
         Unlike `evict`, a refused victim is skipped, not a stop: the next one in
-        policy order may go instead. With `prefer`, preferred victims go first.
+        policy order may go instead. With `prefer`, preferred victims go first;
+        `keep` (pinned) entries never go.
         `blocked` is the first refused victim, if any.
         """
         evicted: list[CacheEntry] = []
@@ -305,7 +309,7 @@ class PromptCache:
                     victim = next(victims, None)
                     if victim is None:
                         break
-                    if only is not None and not only(victim):
+                    if (only is not None and not only(victim)) or (keep is not None and keep(victim)):
                         continue
                     if not may_evict(victim):
                         blocked = blocked or victim

@@ -26,6 +26,13 @@ holds, and every decision between the two:
   durable RAM entries leave RAM coldest first (`relieve`); entries still
   waiting for their write stay until it commits, and without an SSD tier
   entries are simply evicted.
+- pins (`pin_session`): a session's latest checkpoints stay in RAM until a
+  deadline on this clock (a prompt-cache retention class, an Anthropic
+  `cache_control` TTL). The byte cap, idle demotion and the memory budget pass
+  pinned entries over. Pinned bytes stay within `pin_cap` (half the RAM tier
+  by default): a pin whose checkpoint would pass it is dropped and counted
+  (`refused`), never honoured by growing RAM. A pin ends at its deadline or
+  when its session is closed.
 
 No trio, no threads, no files: every method returns the effects the caller
 must carry out (`Persist`, `Forget`, `Unlink`, `NotStored`, `Demote`, `Promote`;
@@ -178,6 +185,31 @@ class MemoryStats:
 
 
 @attrs.frozen
+class PinStats:
+    """Pinned sessions and what they hold in RAM now."""
+
+    sessions: int  # sessions whose pin holds now
+    entries: int  # RAM entries those pins hold
+    bytes: int
+    max_bytes: int  # the cap on pinned bytes
+    pinned: int  # pins granted or extended
+    refused: int  # pins dropped because their checkpoint would pass the cap
+    expired: int  # pins ended by their deadline
+    released: int  # pins ended by the session's deletion
+
+
+@attrs.define
+class _PinCounters:
+    pinned: int = 0
+    refused: int = 0
+    expired: int = 0
+    released: int = 0
+
+
+IMPLICIT_PIN_SESSION = "mlxd-pin-"  # sessions made up for a pinned request without one; closed at expiry
+
+
+@attrs.frozen
 class TierStats:
     """A snapshot of both tiers' counters (travels in replies; never shared)."""
 
@@ -200,6 +232,7 @@ class TierStats:
     ssd_checkpoint_bytes: int = 0  # KV bytes of every record, shared blocks counted per record
     memory: MemoryStats | None = None  # with a memory budget
     host: HostTierStats | None = None  # with a host tier
+    pins: PinStats | None = None
 
 
 @attrs.define
@@ -331,6 +364,7 @@ class CacheTiers:
     demote_idle_s: float = 0.0  # 0 = never demote idle entries
     memory_budget: int = 0  # bytes of MLX memory the process may use (0 = no budget)
     host: HostTier | None = None  # the host-memory tier between RAM and SSD (None: victims leave)
+    pin_max_bytes: int = -1  # cap on pinned RAM bytes (-1: half the RAM tier; never more than all of it)
     _pending: list[Effect] = attrs.field(init=False, factory=list)  # a lookup's effects (take_effects)
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
     # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
@@ -344,6 +378,8 @@ class CacheTiers:
     _not_stored: int = attrs.field(init=False, default=0)
     _lost: int = attrs.field(init=False, default=0)
     _memory: _MemoryCounters = attrs.field(init=False, factory=_MemoryCounters)
+    _pins: dict[str, float] = attrs.field(init=False, factory=dict)  # session -> deadline (this clock)
+    _pin_count: _PinCounters = attrs.field(init=False, factory=_PinCounters)
 
     @property
     def now(self) -> float:
@@ -525,6 +561,8 @@ class CacheTiers:
         entry = outcome.entry
         if entry is not None and session is not None:
             self.sessions.advance(session, namespace, entry.tokens)
+            if session in self._pins:
+                self._honour_pin(session)
         effects: list[Effect] = []
         if entry is not None and self.ssd:
             if self._index.covers(entry.tokens, namespace):
@@ -561,16 +599,80 @@ class CacheTiers:
         return [Unlink(record, garbage)] if garbage else []
 
     def close_session(self, session: str) -> bool:
-        """Drop a session's references (its cached state stays); False if it is unknown."""
-        return self.sessions.close(session)
+        """Drop a session's references and its pin (its cached state stays); False if it is unknown."""
+        pinned = self._pins.pop(session, None) is not None
+        self._pin_count.released += pinned
+        return self.sessions.close(session) or pinned
+
+    # --- pins -----------------------------------------------------------------------
+
+    @property
+    def pin_cap(self) -> int:
+        """The most RAM bytes pinned entries may hold."""
+        cap = self.ram.max_bytes // 2 if self.pin_max_bytes < 0 else self.pin_max_bytes
+        return max(0, min(cap, self.ram.max_bytes))
+
+    def pin_session(self, session: str, ttl_s: float) -> bool:
+        """Pin `session`'s latest checkpoints (now and as it advances) for `ttl_s` seconds.
+
+        Extends an earlier pin, never shortens it. False (counted `refused`) when
+        the pin cannot be honoured: no RAM tier, or its checkpoints already pass the cap.
+        """
+        if ttl_s <= 0 or self.pin_cap <= 0:
+            self._pin_count.refused += 1
+            return False
+        deadline = self.now + ttl_s
+        self._pins[session] = max(self._pins.get(session, deadline), deadline)
+        self._pin_count.pinned += 1
+        return self._honour_pin(session)
+
+    def pinned(self) -> set[CacheEntry]:
+        """The RAM entries live pins hold (expired pins end here)."""
+        now = self.now
+        for session, deadline in list(self._pins.items()):
+            if deadline <= now:
+                del self._pins[session]
+                self._pin_count.expired += 1
+                if session.startswith(IMPLICIT_PIN_SESSION):
+                    self.sessions.close(session)
+        held: set[CacheEntry] = set()
+        namespaces = self.ram.namespaces()
+        for session in self._pins:
+            for namespace in namespaces:
+                ref = self.sessions.latest(session, namespace)
+                entry = None if ref is None else self.ram.find_exact(ref, namespace)
+                if entry is not None:
+                    held.add(entry)
+        return held
+
+    def _honour_pin(self, session: str) -> bool:
+        """Keep `session`'s pin if pinned bytes stay within the cap; else drop it (`refused`)."""
+        if sum(e.nbytes for e in self.pinned()) <= self.pin_cap:
+            return session in self._pins
+        self._pins.pop(session, None)
+        self._pin_count.refused += 1
+        return False
+
+    def _keep(self) -> Callable[[CacheEntry], bool] | None:
+        held = self.pinned() if self._pins else set()
+        return held.__contains__ if held else None
+
+    def _pin_stats(self) -> PinStats:
+        held = self.pinned() if self._pins else set()
+        c = self._pin_count
+        return PinStats(
+            sessions=len(self._pins), entries=len(held), bytes=sum(e.nbytes for e in held),
+            max_bytes=self.pin_cap, pinned=c.pinned, refused=c.refused, expired=c.expired, released=c.released,
+        )
 
     def demote_idle(self) -> list[Effect]:
         """Free RAM held by durable entries idle for `demote_idle_s` (their prefix stays on SSD)."""
         if not self.ssd or self.demote_idle_s <= 0:
             return []
         gone = []
+        keep = self._keep() or (lambda e: False)
         for entry in self.ram.idle_entries(idle_for=self.demote_idle_s):
-            if entry.durable:
+            if entry.durable and not keep(entry):
                 self.ram.remove(entry, evicted=True)
                 self._idle_demotions += 1
                 self._demotions += 1
@@ -627,7 +729,7 @@ class CacheTiers:
         """
         prefer = self._unreferenced if len(self.sessions) else None
         may = (lambda e: e.durable) if self.ssd else _always
-        released = self.ram.release(over_bytes, may_evict=may, prefer=prefer)
+        released = self.ram.release(over_bytes, may_evict=may, prefer=prefer, keep=self._keep())
         m = self._memory
         m.freed += released.freed_bytes
         if self.ssd:
@@ -717,7 +819,7 @@ class CacheTiers:
         prefer = self._unreferenced if len(self.sessions) else None
         may = self._may_evict if self.ssd else _always
         eviction = self.ram.evict(may_evict=may if keep is None else (lambda e: e is not keep and may(e)),
-                                  prefer=prefer)
+                                  prefer=prefer, keep=self._keep())
         effects: list[Effect] = self._to_host(eviction.evicted)
         for entry in eviction.evicted:
             if not self.ssd:
@@ -767,4 +869,5 @@ class CacheTiers:
             sessions=self.sessions.stats,
             memory=self._memory_stats(),
             host=self.host.stats() if self.host is not None else None,
+            pins=self._pin_stats(),
         )

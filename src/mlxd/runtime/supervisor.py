@@ -69,6 +69,7 @@ from mlxd.runtime.kernel.messages import (
     GenerationFailed,
     GenerationFinished,
     GenerationRequest,
+    PinSession,
     PrefetcherMessage,
     PrefetchHint,
     PrefetchSnapshot,
@@ -373,6 +374,10 @@ class Runtime:
         reply: Reply[bool] = Reply()
         await self._cache.send(CloseSession(session, reply))
         return await reply.wait()
+
+    async def pin_session(self, session: str, ttl_s: float) -> None:
+        """Keep the session's latest checkpoints in RAM for `ttl_s` seconds (send before its request)."""
+        await self._cache.send(PinSession(session, ttl_s))
 
     async def cache_stats(self) -> dict[str, Any]:
         return (await self._cache_snapshot()).as_dict()

@@ -335,6 +335,8 @@ class CacheStatsSnapshot:
         out: dict[str, object] = {"ram": ram}
         if t.sessions is not None:
             out["sessions"] = attrs.asdict(t.sessions)
+        if t.pins is not None:
+            out["pins"] = attrs.asdict(t.pins)
         if t.ssd_enabled:
             ssd: dict[str, object] = {
                 "entries": t.ssd_entries,
@@ -384,6 +386,17 @@ class CloseSession:
     reply: Reply[bool]
 
 
+@attrs.frozen(eq=False)
+class PinSession:
+    """Keep a session's latest checkpoints in RAM for `ttl_s` seconds (a retention class, a cache_control TTL).
+
+    Sent before the session's request, so its checkpoints are pinned as they are published.
+    """
+
+    session: str
+    ttl_s: float
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -398,6 +411,7 @@ CacheOwnerMessage = (
     | MemoryMeasured
     | QueryCacheStats
     | CloseSession
+    | PinSession
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
