@@ -171,3 +171,27 @@ def test_a_pinned_conversation_survives_pressure_that_evicts_an_unpinned_one(sma
     assert httpx.delete(f"{server.base_url}/sessions/a", timeout=30).status_code == 200
     stats = pins(server)
     assert stats["sessions"] == 0 and stats["released"] == 1
+
+
+def test_a_pin_holds_the_descendant_that_superseded_its_checkpoint():
+    tiers, _ = make(ram=300)
+    tiers.pin_session("a", 60)
+    publish(tiers, range(10), 100, session="a")
+    publish(tiers, range(20), 120)  # another request extends the pinned prefix: the ancestor is superseded
+    assert not resident(tiers, range(10))
+    pins = tiers.stats().pins
+    assert (pins.entries, pins.bytes) == (1, 120)
+    publish(tiers, range(100, 110), 100)
+    publish(tiers, range(200, 210), 100)
+    assert resident(tiers, range(20))  # the pinned prefix is still in RAM, inside its descendant
+
+
+def test_a_descendant_too_large_for_the_cap_ends_the_pin():
+    tiers, _ = make(ram=300)  # pins may hold 150 bytes
+    tiers.pin_session("a", 60)
+    publish(tiers, range(10), 100, session="a")
+    publish(tiers, range(20), 200)  # supersedes the pinned checkpoint with more than the cap
+    pins = tiers.stats().pins
+    assert (pins.sessions, pins.bytes, pins.refused) == (0, 0, 1)
+    publish(tiers, range(100, 110), 200)  # RAM stays within its cap: the descendant can go
+    assert tiers.ram.bytes <= 300

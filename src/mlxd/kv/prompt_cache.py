@@ -329,6 +329,15 @@ class PromptCache:
         index = self._indexes.get(namespace)
         return None if index is None else index.get(tokens)
 
+    def covering(self, tokens, namespace: str = "") -> CacheEntry | None:
+        """The entry that holds exactly `tokens`: itself, or a trimmable descendant (no accounting)."""
+        index = self._indexes.get(namespace)
+        if index is None:
+            return None
+        key = token_key(tokens)
+        match = index.longest_usable(key, limit=key.num_tokens)
+        return match.value if match is not None and match.usable == key.num_tokens else None
+
     def diverging(self, tokens, namespace: str = "") -> list[CacheEntry]:
         """Entries that part from `tokens` where `tokens` leaves the index (realignment candidates)."""
         index = self._indexes.get(namespace)

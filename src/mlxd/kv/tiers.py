@@ -627,7 +627,11 @@ class CacheTiers:
         return self._honour_pin(session)
 
     def pinned(self) -> set[CacheEntry]:
-        """The RAM entries live pins hold (expired pins end here)."""
+        """The RAM entries live pins hold (expired pins end here).
+
+        Pins count in the order they were first granted; one whose entries would
+        take pinned bytes past `pin_cap` is dropped (`refused`).
+        """
         now = self.now
         for session, deadline in list(self._pins.items()):
             if deadline <= now:
@@ -636,22 +640,29 @@ class CacheTiers:
                 if session.startswith(IMPLICIT_PIN_SESSION):
                     self.sessions.close(session)
         held: set[CacheEntry] = set()
+        held_bytes, cap = 0, self.pin_cap
         namespaces = self.ram.namespaces()
-        for session in self._pins:
+        for session in list(self._pins):
+            mine: set[CacheEntry] = set()
             for namespace in namespaces:
                 ref = self.sessions.latest(session, namespace)
-                entry = None if ref is None else self.ram.find_exact(ref, namespace)
-                if entry is not None:
-                    held.add(entry)
+                # the checkpoint, or the trimmable descendant that superseded it (it holds the prefix now)
+                entry = None if ref is None else self.ram.covering(ref, namespace)
+                if entry is not None and entry not in held:
+                    mine.add(entry)
+            more = sum(e.nbytes for e in mine)
+            if held_bytes + more > cap:
+                del self._pins[session]
+                self._pin_count.refused += 1
+                continue
+            held |= mine
+            held_bytes += more
         return held
 
     def _honour_pin(self, session: str) -> bool:
-        """Keep `session`'s pin if pinned bytes stay within the cap; else drop it (`refused`)."""
-        if sum(e.nbytes for e in self.pinned()) <= self.pin_cap:
-            return session in self._pins
-        self._pins.pop(session, None)
-        self._pin_count.refused += 1
-        return False
+        """Keep `session`'s pin if pinned bytes stay within the cap; else it is dropped (`refused`)."""
+        self.pinned()
+        return session in self._pins
 
     def _keep(self) -> Callable[[CacheEntry], bool] | None:
         held = self.pinned() if self._pins else set()
