@@ -7,6 +7,7 @@ import pytest
 
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.tiers import IMPLICIT_PIN_SESSION, CacheTiers, Persist, SsdRecord
+from mlxd.kv.write_queue import WriteQueue
 
 from serving import ServerThread, config_for
 
@@ -123,6 +124,22 @@ def test_idle_demotion_and_the_memory_budget_keep_pinned_entries():
     tiers.memory_budget = 100
     tiers.observe_memory(1000)  # far over the budget: every durable unpinned entry leaves
     assert resident(tiers, range(10)) and not resident(tiers, range(300, 310))
+
+
+
+def test_a_pinned_checkpoint_is_written_to_ssd_first():
+    tiers, _ = make(ram=1000, ssd=True)
+    tiers.pin_session("a", 60)
+    (waiting,) = publish(tiers, range(100, 110), 100)
+    (pinned,) = publish(tiers, range(10), 100, session="a")
+    assert not waiting.first and pinned.first
+    # The write queue puts it ahead of what was already waiting.
+    queue = WriteQueue()
+    for effect in (waiting, pinned):
+        queue.mark(effect.namespace, effect.tokens, plan=None, trimmable=True, nbytes=effect.nbytes,
+                   first=effect.first)
+    job = queue.next_job()
+    assert job is not None and tuple(job.record.tokens) == tuple(range(10))
 
 
 # --- over HTTP: a pinned conversation survives RAM pressure that evicts an unpinned one ----------

@@ -289,7 +289,8 @@ class CacheOwnerActor:
                     self._apply(self.tiers.not_persisted(effect.namespace, effect.tokens))
                     continue
                 self._durability.send_nowait(
-                    MarkDirty(effect.namespace, tuple(effect.tokens), effect.plan, effect.trimmable, effect.nbytes)
+                    MarkDirty(effect.namespace, tuple(effect.tokens), effect.plan, effect.trimmable, effect.nbytes,
+                              first=effect.first)
                 )
             elif isinstance(effect, Forget):
                 if self._durability is not None:

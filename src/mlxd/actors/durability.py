@@ -99,7 +99,8 @@ class DurabilityCoordinator:
     async def _handle(self, msg: DurabilityMessage) -> None:
         queue = self._queue
         if isinstance(msg, MarkDirty):
-            queue.mark(msg.namespace, msg.tokens, plan=msg.plan, trimmable=msg.trimmable, nbytes=msg.nbytes)
+            queue.mark(msg.namespace, msg.tokens, plan=msg.plan, trimmable=msg.trimmable, nbytes=msg.nbytes,
+                       first=msg.first)
         elif isinstance(msg, SnapshotWritten):
             await self._written(msg)
         elif isinstance(msg, ForgetDirty):

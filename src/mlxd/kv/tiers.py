@@ -117,6 +117,7 @@ class Persist:
     plan: SnapshotPlan | None  # None in the simulator
     trimmable: bool
     nbytes: int
+    first: bool = False  # pinned: write it before the checkpoints already waiting
 
 
 @attrs.frozen(eq=False)
@@ -573,7 +574,8 @@ class CacheTiers:
             else:
                 size = nbytes if file_nbytes is None else file_nbytes
                 if self.ssd_fits(size):
-                    effects.append(Persist(namespace, entry.tokens, plan, trimmable, size))
+                    first = session is not None and session in self._pins
+                    effects.append(Persist(namespace, entry.tokens, plan, trimmable, size, first=first))
                 else:
                     effects.append(self._never_stored(entry.namespace, entry.tokens, size))
         return effects + self._evict() + self.check_budget()

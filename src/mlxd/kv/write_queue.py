@@ -75,12 +75,20 @@ class WriteQueue:
     def writing(self) -> bool:
         return self._writing is not None
 
-    def mark(self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | None, trimmable: bool, nbytes: int) -> None:
-        """A new checkpoint to write (a newer version of the same tokens replaces a queued one)."""
+    def mark(
+        self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | None, trimmable: bool, nbytes: int,
+        first: bool = False,
+    ) -> None:
+        """A new checkpoint to write (a newer version of the same tokens replaces a queued one).
+
+        `first` (a pinned checkpoint) puts it ahead of the records already queued.
+        """
         key = key_of(namespace, tokens)
         self._versions += 1
         self._records.pop(key, None)  # a version being written finishes; this one gets its own try
         self._records[key] = DirtyRecord(namespace, tokens, plan, trimmable, nbytes, self._versions)
+        if first:
+            self._records.move_to_end(key, last=False)
         if trimmable:
             for other, record in list(self._records.items()):
                 if record.state != "writing" and other[0] == namespace and _strict_prefix(other[1], key[1]):

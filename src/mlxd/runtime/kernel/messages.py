@@ -430,6 +430,7 @@ class MarkDirty:
     plan: SnapshotPlan
     trimmable: bool
     nbytes: int
+    first: bool = False  # pinned: queued before the checkpoints already waiting
 
 
 @attrs.frozen(eq=False)
