@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import attrs
 import httpx
 import pytest
 
+from mlxd.kv.cost_model import DEFAULT
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.tiers import IMPLICIT_PIN_SESSION, CacheTiers, Persist, SsdRecord
 from mlxd.kv.write_queue import WriteQueue
+from mlxd.sim.replay import replay_mlxd
+from mlxd.sim.trace import TraceRequest
 
 from serving import ServerThread, config_for
 
@@ -140,6 +144,25 @@ def test_a_pinned_checkpoint_is_written_to_ssd_first():
                    first=effect.first)
     job = queue.next_job()
     assert job is not None and tuple(job.record.tokens) == tuple(range(10))
+
+
+
+def test_the_simulator_replays_a_pin_through_the_same_core():
+    def req(i: int, tokens: list[int], pin_s: float = 0.0) -> TraceRequest:
+        return TraceRequest(index=i, t=float(i), input_length=len(tokens), output_tokens=1, tokens=tuple(tokens),
+                            pin_s=pin_s)
+
+    a, b, c = list(range(100)), list(range(1000, 1100)), list(range(2000, 2100))
+
+    def hit_of_a(pin_s: float) -> int:
+        seen: dict[int, int] = {}
+        trace = [req(0, a, pin_s), req(1, b), req(2, c), req(3, [*a, 7])]
+        replay_mlxd(trace, policy="lru", cost=attrs.evolve(DEFAULT, kv_bytes_per_token=1), ram_bytes=250,
+                    slots=1, snapshot_min_tokens=1, on_request=lambda r, hit, src: seen.setdefault(r.index, hit))
+        return seen[3]
+
+    assert hit_of_a(3600.0) == 100  # pinned: still in RAM after two other prompts
+    assert hit_of_a(0.0) == 0  # the same trace unpinned: evicted
 
 
 # --- over HTTP: a pinned conversation survives RAM pressure that evicts an unpinned one ----------

@@ -37,7 +37,16 @@ from mlxd.kv.host_tier import HostTier
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import CostPolicy, RetentionPolicy, make_policy
-from mlxd.kv.tiers import CacheTiers, Effect, Forget, NotStored, Persist, SsdRecord, Unlink
+from mlxd.kv.tiers import (
+    IMPLICIT_PIN_SESSION,
+    CacheTiers,
+    Effect,
+    Forget,
+    NotStored,
+    Persist,
+    SsdRecord,
+    Unlink,
+)
 from mlxd.kv.write_queue import WriteQueue
 from mlxd.sim.results import RunResult, Tally
 from mlxd.sim.trace import TraceRequest, block_tokens, half_block_tokens
@@ -211,6 +220,9 @@ class MlxdReplay:
             prompt = self.synth.prompt(r)
             real = partial(self.synth.hit_tokens, r)
             session = r.session if self.sessions else None
+            if r.pin_s > 0:  # as the HTTP layer: a pin without a session gets a made-up one
+                session = session or f"{IMPLICIT_PIN_SESSION}{r.index}"
+                self.tiers.pin_session(session, r.pin_s)
             lookup = self.tiers.lookup(
                 prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
                 session=session,
@@ -277,7 +289,8 @@ class MlxdReplay:
         for effect in effects:
             if isinstance(effect, Persist):
                 self._queue.mark(
-                    effect.namespace, effect.tokens, plan=None, trimmable=effect.trimmable, nbytes=effect.nbytes
+                    effect.namespace, effect.tokens, plan=None, trimmable=effect.trimmable, nbytes=effect.nbytes,
+                    first=effect.first,
                 )
                 self._dirty.set()
             elif isinstance(effect, Forget):

@@ -45,6 +45,7 @@ class TraceRequest:
     output_ids: tuple[int, ...] | None = None  # mlxd format: generated ids, when recorded
     cached_tokens: int | None = None  # what the live server reported, when recorded
     cache_tier: str | None = None  # where the live server found it ("ram", "ssd", "none")
+    pin_s: float = 0.0  # a pin of the request's session (24h retention, cache_control TTL), seconds
 
     def block_ids(self) -> tuple[int, ...]:
         """The Mooncake block ids; a ValueError for a request that has none (mlxd format)."""
@@ -86,6 +87,7 @@ def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> Trace
         output_ids=None if out_ids is None else tuple(int(x) for x in out_ids),
         cached_tokens=obj.get("cached_tokens"),
         cache_tier=obj.get("cache_tier"),
+        pin_s=float(obj.get("pin_s") or 0.0),
     )
 
 
