@@ -196,6 +196,11 @@ class EngineCore:
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
             self._trims = loading.trimmable(self.model, self._config)
+            if self._slicer.slice_s > 0 and loading.has_windows(self.model, self._config):
+                # Batched rotating caches fed uneven chunks (a one-token step beside a newcomer's
+                # prompt) gave other logprobs than one row alone (tests/test_prefill_slices_windows.py).
+                self._slicer = PrefillSlicer(0.0)
+                log.warning("engine.prefill_slices_off", reason="sliding-window caches prefill in whole steps")
             self._speculation_check()
             if self._speculate and self._config.draft_model is not None:
                 from mlxd.engine.draft import load_draft
@@ -349,6 +354,11 @@ class EngineCore:
     @property
     def prefill_step_size(self) -> int:
         return int(self._prefill_step_size)
+
+    @property
+    def prefill_slice_s(self) -> float:
+        """The prefill time slice in use (0: whole steps; see engine/prefill_slices.py)."""
+        return self._slicer.slice_s
 
     def stats(self) -> EngineStats:
         c = self.counters

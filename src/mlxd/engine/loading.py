@@ -141,6 +141,18 @@ def trimmable(model: Any, config: RuntimeConfig) -> bool:
     return kinds.is_trimmable(fresh_caches(model, config))
 
 
+def has_windows(model: Any, config: RuntimeConfig) -> bool:
+    """Whether any layer (inside CacheLists too) keeps a sliding window (mlx-lm's RotatingKVCache)."""
+    from mlx_lm.models.cache import CacheList, RotatingKVCache
+
+    def windowed(c: Any) -> bool:
+        if type(c) is CacheList:
+            return any(windowed(x) for x in c.caches)
+        return isinstance(c, RotatingKVCache)
+
+    return any(windowed(c) for c in fresh_caches(model, config))
+
+
 def check_caches(model: Any, config: RuntimeConfig, path: Path) -> int:
     """Refuse a model whose caches cannot be served; return the KV bytes one more token costs."""
     from mlxd.kv import kinds
