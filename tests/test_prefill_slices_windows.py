@@ -57,8 +57,8 @@ def test_concurrent_window_rows_match_each_alone(gemma3: Path) -> None:
         with ServerThread(config_for(gemma3, prompt_cache_bytes=0, prefill_slice_s=0.001)) as server:
             together: list[dict] = [{}] * n
 
-            def run(i: int, url: str = server.base_url) -> None:
-                together[i] = httpx.post(f"{url}/chat/completions", json=body(i), timeout=120).json()
+            def run(i: int, url: str = server.base_url, out: list[dict] = together) -> None:
+                out[i] = httpx.post(f"{url}/chat/completions", json=body(i), timeout=120).json()
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
             for t in threads:
