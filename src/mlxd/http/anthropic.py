@@ -26,7 +26,7 @@ from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
 from mlxd.http.replies import ReplyDelta
-from mlxd.http.routekit import RouteKit
+from mlxd.http.routekit import RouteKit, event_stream
 from mlxd.http.schemas import (
     ApiError,
     ChatOptions,
@@ -493,10 +493,7 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
                                                 media=media)
             reply = _Reply(rt, choice, kit)
             if req.parsed.stream:
-                response = Response(reply.sse(), content_type="text/event-stream")
-                response.headers["Cache-Control"] = "no-cache"
-                response.timeout = None
-                return response
+                return event_stream(reply.sse())
             try:
                 return Response(json.dumps(await reply.body()), content_type="application/json")
             finally:

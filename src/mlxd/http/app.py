@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from mlxd.http.connections import ShieldedSendConnection
 from mlxd.http.openapi import openapi_document
 from mlxd.http.replies import ReplyDelta, ReplyReader, initial_state
+from mlxd.http.routekit import event_stream
 from mlxd.http.schemas import (
     ApiError,
     ChatOptions,
@@ -580,10 +581,7 @@ def create_app(
                                       media=media)
         completion = _Completion(rt, choices, parsed, chat=chat)
         if parsed.stream:
-            response = Response(completion.sse(app.nursery.start_soon), content_type="text/event-stream")
-            response.headers["Cache-Control"] = "no-cache"
-            response.timeout = None
-            return response
+            return event_stream(completion.sse(app.nursery.start_soon))
         try:
             return _json(await completion.body())
         except GenerationError as exc:

@@ -25,7 +25,7 @@ from quart import Response, request
 
 from mlxd.http.replies import ReplyDelta
 from mlxd.http.response_store import ResponseStore
-from mlxd.http.routekit import RouteKit
+from mlxd.http.routekit import RouteKit, event_stream
 from mlxd.http.schemas import (
     ApiError,
     ChatOptions,
@@ -482,10 +482,7 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
                                             media=media)
         reply = _Reply(rt, kit, store, req, choice, conversation, session or "", id=rid)
         if req.parsed.stream:
-            response = Response(reply.sse(), content_type="text/event-stream")
-            response.headers["Cache-Control"] = "no-cache"
-            response.timeout = None
-            return response
+            return event_stream(reply.sse())
         try:
             return json_response(await reply.body())
         except GenerationError as exc:

@@ -7,10 +7,19 @@ admission, same prompt cache), then shape the reply their own way.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
+from quart import Response
+
+
+def event_stream(events: AsyncIterator[str]) -> Response:
+    """A server-sent-events response that streams `events` as they come (no caching, no timeout)."""
+    response = Response(events, content_type="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response
 
 
 @attrs.frozen
