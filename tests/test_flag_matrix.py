@@ -3,7 +3,8 @@
 Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
---memory-budget, --device-probe, --api-key, --record-trace, --retention); each
+--memory-budget, --device-probe, --api-key, --record-trace, --retention,
+--speculative, --kv-admission, --host-cache-gb); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -42,6 +43,9 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "device_probe": ("off", "on"),
     "api_key": (False, True),
     "record_trace": (False, True),
+    "speculative": ("off", "ngram"),
+    "kv_admission": (False, True),
+    "host_cache": (None, "1"),  # GB; a reported no-op on this CPU (unified memory)
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -50,8 +54,8 @@ SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
 def allowed(combo: Mapping[str, object]) -> bool:
     """False where the CLI refuses a combination on purpose, or ignores a flag (partial combinations too)."""
     ssd = combo.get("ssd")
-    if combo.get("ssd_shared") and ssd in ("off", "blocks"):
-        return False  # ignored without --ssd-cache; refused with --ssd-layout blocks (RuntimeConfig)
+    if combo.get("ssd_shared") and ssd == "off":
+        return False  # ignored without --ssd-cache
     if combo.get("generation_checkpoint") and ssd == "off":
         return False  # refused: "--generation-checkpoint needs the SSD tier"
     if combo.get("ssd_verify") == "off" and ssd == "off":
@@ -102,6 +106,9 @@ class Combo:
     device_probe: str
     api_key: bool
     record_trace: bool
+    speculative: str
+    kv_admission: bool
+    host_cache: str | None
 
     @property
     def id(self) -> str:
@@ -118,6 +125,9 @@ class Combo:
             "probe": self.device_probe == "on",
             "key": self.api_key,
             "trace": self.record_trace,
+            "ngram": self.speculative == "ngram",
+            "admission": self.kv_admission,
+            f"host{self.host_cache}": self.host_cache is not None,
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -145,6 +155,12 @@ class Combo:
             args += ["--api-key", API_KEY]
         if self.record_trace:
             args += ["--record-trace", str(workdir / "trace.jsonl")]
+        if self.speculative != "off":
+            args += ["--speculative", self.speculative]
+        if self.kv_admission:
+            args.append("--kv-admission")
+        if self.host_cache is not None:
+            args += ["--host-cache-gb", self.host_cache]
         return args
 
 
@@ -243,6 +259,13 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
                 budget = stats["cache"]["memory"]["budget_bytes"]
                 assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
             assert ("device_probe" in stats) == (combo.device_probe == "on")
+            if combo.speculative == "ngram":  # on, or off with the reason (quantized KV cannot roll back)
+                speculation = stats["engine"]["speculation"]
+                assert speculation["active"] == (combo.kv_bits is None), speculation
+                assert (speculation["off_reason"] is None) == (combo.kv_bits is None), speculation
+            if combo.host_cache is not None:  # unified memory: the flag is a reported no-op
+                host = stats["cache"]["host"]
+                assert host["enabled"] is False and host["requested_bytes"] == 2**30 and host["reason"], host
             assert ("ssd_cache" in stats) == (combo.ssd != "off")
             if combo.ssd != "off":
                 assert stats["ssd_cache"]["layout"] == combo.ssd
