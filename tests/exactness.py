@@ -449,25 +449,7 @@ def now() -> str:
 
 
 def falcon_h1_dir(tokenizer_dir: Path, dest: Path) -> Path:
-    """A random 2-layer falcon_h1 model directory: each layer a CacheList(ArraysCache, KVCache)."""
-    import json
-    import shutil
+    """The harness's falcon_h1 cell (tests/models.py), with the weights its recorded runs used."""
+    from models import falcon_h1_dir as build
 
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import falcon_h1
-
-    config = {
-        "model_type": "falcon_h1", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
-        "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_chunk_size": 16,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    }
-    dest.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(0)
-    model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (dest / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, dest / name)
-    return dest
+    return build(tokenizer_dir, dest, seed=0)

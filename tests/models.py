@@ -54,7 +54,7 @@ def chunked_llama4_dir(tokenizer_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def falcon_h1_dir(tokenizer_dir: Path, dest: Path) -> Path:
+def falcon_h1_dir(tokenizer_dir: Path, dest: Path, *, seed: int = 7) -> Path:
     """A random 2-layer falcon_h1 model directory: each layer's cache is a CacheList(ArraysCache, KVCache)."""
     from mlx_lm.models import falcon_h1
 
@@ -65,7 +65,7 @@ def falcon_h1_dir(tokenizer_dir: Path, dest: Path) -> Path:
         "max_position_embeddings": 4096, "rope_theta": 10000.0,
     }
     dest.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(7)
+    mx.random.seed(seed)
     model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
     mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (dest / "config.json").write_text(json.dumps(config))
