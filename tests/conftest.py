@@ -1,10 +1,17 @@
 import mlxd  # preloads OpenBLAS before mlx  # noqa: F401, I001
 
+import os
 from pathlib import Path
 
 import pytest
 
 from mlxd.model import build_model, load_model
+
+# Restore every usable SSD prefix: on the tiny models a restore and a prefill take about the
+# same few milliseconds, so the measured choice (the default) tips either way on a loaded
+# machine and a test expecting an SSD hit would rest on timing luck. Set in the environment
+# so server subprocesses inherit it; tests of the measured choice set restore_choice.
+os.environ.setdefault("MLXD_RESTORE_CHOICE", "always")
 
 
 @pytest.fixture(scope="session")

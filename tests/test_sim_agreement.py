@@ -73,6 +73,7 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
     config = config_for(
         tiny_model_dir,
         device_probe="on",  # as `mlxd serve --ssd-cache` starts: the recording carries the probe's model
+        restore_choice="measured",  # the default, which conftest.py turns to "always" for other tests
         ssd_cache_dir=tmp_path / "ssd",
         prompt_cache_bytes=2_400_000,  # a few conversations of KV (512 bytes per token)
         ssd_cache_max_bytes=6_000_000,  # 2.5x that

@@ -27,3 +27,10 @@ def test_json_round_trip(tmp_path):
     path = tmp_path / "cost.json"
     DEFAULT.save(path)
     assert CostModel.load(path) == DEFAULT
+
+
+def test_restore_choice_always_restores_what_the_costs_would_recompute():
+    ask = {"restore_bytes": 10**12, "cold_tokens": 10, "warm_tokens": 0, "prompt_tokens": 12}
+    assert not RestoreAdvisor(base=DEFAULT).should_restore(**ask)  # a terabyte for 10 tokens
+    always = RestoreAdvisor(base=DEFAULT, always=True)
+    assert always.should_restore(**ask) and always.stats()["restores_chosen"] == 1

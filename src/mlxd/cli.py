@@ -125,6 +125,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
                         "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
+    p.add_argument("--restore-choice", choices=("measured", "always"), default=None,
+                   help="restore a cold prefix only when the measured costs say it beats prefilling it again "
+                        "(measured, the default), or every time it is longer than RAM's prefix (always)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
@@ -223,6 +226,7 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_max_bytes": args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify != "off",
             "restore_landing": args.restore_landing,
+            **({} if args.restore_choice is None else {"restore_choice": args.restore_choice}),
             "ssd_shared": args.ssd_shared,
             **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
@@ -395,7 +399,8 @@ def record_trace(rt, path: Path) -> None:
         # The restore advisor's online calibration at this point, so a replay decides
         # restore-or-recompute with the numbers this server used (read on the trio thread).
         advisor = rt.cache_owner.tiers.advisor
-        calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s}
+        calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
+                       "always": advisor.always}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)

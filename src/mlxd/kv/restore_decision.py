@@ -24,6 +24,7 @@ class RestoreAdvisor:
     restore_bytes_per_s: float = attrs.field(default=None)
     prefill_samples: int = 0
     restore_samples: int = 0
+    always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     restores_chosen: int = 0
     recomputes_chosen: int = 0
 
@@ -61,7 +62,7 @@ class RestoreAdvisor:
             prompt_tokens - cold_tokens, cold_tokens
         )
         recompute = self.prefill_seconds(prompt_tokens - warm_tokens, warm_tokens)
-        choice = with_restore < recompute
+        choice = self.always or with_restore < recompute
         if choice:
             self.restores_chosen += 1
         else:

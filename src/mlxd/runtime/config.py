@@ -130,6 +130,14 @@ class RuntimeConfig:
     # private host buffer copied into MLX by the engine; "auto" = "mlx" on CUDA
     # and the CPU (faster on both, docs/benchmarks.md), "host" on Apple GPUs.
     restore_landing: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "mlx", "host")))
+    # Restore a cold prefix or prefill it again: "measured" = whichever the restore advisor's
+    # calibrated costs say is faster (kv/restore_decision.py), "always" = restore every usable
+    # SSD prefix longer than RAM's (deterministic tiers, whatever the timings; tests pin it via
+    # MLXD_RESTORE_CHOICE, whose value is the default when it is set).
+    restore_choice: str = attrs.field(
+        factory=lambda: os.environ.get("MLXD_RESTORE_CHOICE", "measured"),
+        validator=attrs.validators.in_(("measured", "always")),
+    )
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
     # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files
     # every ssd_rescan_s; delete only as the collector, only files unused for the grace.

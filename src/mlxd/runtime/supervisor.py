@@ -42,6 +42,7 @@ from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.ops import EngineInfo
 from mlxd.kv.admission import KvAdmission, weights_bytes
 from mlxd.kv.blocks import span_for
+from mlxd.kv.cost_model import DEFAULT
 from mlxd.kv.file_format import FileHeader, Landing
 from mlxd.kv.kv_events import PublishAddress
 from mlxd.kv.pacing import WriteGovernor
@@ -680,7 +681,8 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         if address is not None else None
     )
     # The restore advisor starts from what the startup probe measured on this device.
-    advisor = RestoreAdvisor(base=info.probe.cost_model()) if info.probe is not None else None
+    always = config.restore_choice == "always"
+    advisor = RestoreAdvisor(base=info.probe.cost_model() if info.probe is not None else DEFAULT, always=always)
     cache_owner = CacheOwnerActor(
         config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
         records=scan.records if scan is not None else (),

@@ -196,6 +196,7 @@ class MlxdReplay:
             advisor = self.tiers.advisor
             advisor.prefill_scale = float(cal.get("prefill_scale", advisor.prefill_scale))
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
+            advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
 
     async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
         events: list[tuple[float, int, TraceRequest | int]] = sorted(
