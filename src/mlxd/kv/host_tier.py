@@ -83,7 +83,7 @@ class HostTier:
             self._count.too_large += 1
             return None, []
         outcome = self._cache.put(entry.tokens, entry.namespace, payload=entry.payload, nbytes=entry.nbytes,
-                                  trimmable=entry.trimmable)
+                                  trimmable=entry.trimmable, pages=entry.pages)
         kept = outcome.entry
         if kept is None:
             return None, []

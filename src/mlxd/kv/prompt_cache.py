@@ -9,7 +9,10 @@ retention policy's order and stops at the first victim the owner refuses
 (e.g. one without durable SSD coverage yet).
 
 The payload is opaque here (a list of mlx-lm caches when serving, None in the
-simulator); nothing in this module touches MLX.
+simulator); nothing in this module touches MLX. An entry with `pages`
+(`--ram-pages on`, kv/ram_pages.py) is counted through a `PageLedger`: each
+shared page once, and an entry that leaves frees only the pages no other
+entry names.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import attrs
 import numpy as np
 
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
+from mlxd.kv.ram_pages import PageLedger, PageRef
 from mlxd.kv.retention import LruPolicy, RetentionPolicy
 
 Tokens = tuple[int, ...] | np.ndarray  # a tuple, or a read-only 1-D int32 array
@@ -51,6 +55,7 @@ class CacheEntry:
     last_used: float
     hits: int = 0
     durable: bool = False  # an SSD file covers exactly these tokens (set by the tier)
+    pages: tuple[PageRef, ...] = ()  # shared KV pages (--ram-pages on); () = a contiguous entry
 
 
 @attrs.frozen
@@ -104,6 +109,9 @@ class PromptCacheStats:
     evictions: int
     evicted_bytes: int
     blocked: int  # evict() calls that stopped at a refused victim
+    pages: int = 0  # unique KV pages held (--ram-pages on)
+    page_bytes: int = 0  # their bytes, each page once (part of `bytes`)
+    checkpoint_bytes: int = 0  # every entry's own KV bytes: what contiguous entries would hold
 
 
 @attrs.define
@@ -132,7 +140,8 @@ class PromptCache:
     policy: RetentionPolicy = attrs.field(factory=LruPolicy)
     clock: Callable[[], float] = time.monotonic
     _indexes: dict[str, PrefixIndex] = attrs.field(init=False, factory=dict)
-    _bytes: int = attrs.field(init=False, default=0)
+    _bytes: int = attrs.field(init=False, default=0)  # contiguous entries; pages are in `_pages`
+    _pages: PageLedger = attrs.field(init=False, factory=PageLedger)
     _count: _Counters = attrs.field(init=False, factory=_Counters)
 
     @property
@@ -141,7 +150,13 @@ class PromptCache:
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        """What the entries hold: contiguous entries' bytes plus every page once."""
+        return self._bytes + self._pages.bytes
+
+    @property
+    def pages(self) -> PageLedger:
+        """The pages entries hold (read it; `put` and removals keep it)."""
+        return self._pages
 
     def __len__(self) -> int:
         return sum(len(index) for index in self._indexes.values())
@@ -190,15 +205,21 @@ class PromptCache:
         return None if match is None else CacheHit(match.value, match.usable)
 
     def put(
-        self, tokens, namespace: str = "", *, payload: Any, nbytes: int, trimmable: bool
+        self, tokens, namespace: str = "", *, payload: Any, nbytes: int, trimmable: bool,
+        pages: tuple[PageRef, ...] = (),
     ) -> PutOutcome:
-        """Store the state after `tokens`. Does not evict: call `evict()` next."""
+        """Store the state after `tokens`. Does not evict: call `evict()` next.
+
+        With `pages` the entry is paged: it costs only the pages no entry holds yet.
+        """
         if not self.enabled:
             return PutOutcome(None)
         now = self.clock()
         entry = CacheEntry(
-            namespace, freeze_tokens(tokens), payload, int(nbytes), trimmable, now, now
+            namespace, freeze_tokens(tokens), payload, int(nbytes), trimmable, now, now, pages=tuple(pages)
         )
+        if entry.pages:  # referenced before a replaced or superseded entry lets go of the pages they share
+            self._pages.add(entry.tokens, entry.pages)
         key = token_key(entry.tokens)
         index = self._indexes.setdefault(namespace, PrefixIndex())
         replaced = index.insert(key, entry, trimmable=trimmable)
@@ -214,28 +235,35 @@ class PromptCache:
         # A conversation's next checkpoint keeps its reuse history, so frequency-based
         # policies see the conversation, not a brand-new entry each turn.
         entry.hits = max((e.hits for e in (replaced, *superseded) if e is not None), default=0)
-        self._bytes += entry.nbytes
+        if not entry.pages:
+            self._bytes += entry.nbytes
         self._count.inserts += 1
         self.policy.on_insert(entry, now)
         return PutOutcome(entry, replaced, superseded)
 
-    def _forget(self, entry: CacheEntry, *, evicted: bool = False) -> None:
-        """Drop an entry already taken out of its index from the policy and byte count."""
-        self._bytes -= entry.nbytes
+    def _forget(self, entry: CacheEntry, *, evicted: bool = False) -> int:
+        """Drop an entry already taken out of its index from the policy and byte count; the bytes freed."""
+        if entry.pages:
+            freed = self._pages.remove(entry.pages)
+        else:
+            freed = entry.nbytes
+            self._bytes -= entry.nbytes
         self.policy.on_remove(entry, evicted=evicted)
+        return freed
 
-    def remove(self, entry: CacheEntry, *, evicted: bool = False) -> None:
-        """Drop this exact entry; a no-op if it was already replaced or removed."""
+    def remove(self, entry: CacheEntry, *, evicted: bool = False) -> int:
+        """Drop this exact entry (a no-op if it was already replaced or removed); the bytes freed."""
         index = self._indexes.get(entry.namespace)
         if index is None:
-            return
+            return 0
         key = token_key(entry.tokens)
         if index.get(key) is not entry:
-            return
+            return 0
         index.remove(key)
-        self._forget(entry, evicted=evicted)
+        freed = self._forget(entry, evicted=evicted)
         if not len(index):
             del self._indexes[entry.namespace]
+        return freed
 
     def evict(
         self,
@@ -253,11 +281,12 @@ class PromptCache:
         """
         evicted: list[CacheEntry] = []
         blocked = None
+        before = self.bytes
         for only in ((prefer, None) if prefer is not None else (None,)):
             blocked = self._evict_pass(may_evict, only, evicted, keep)
-            if self._bytes <= self.max_bytes:
+            if self.bytes <= self.max_bytes:
                 break
-        freed = sum(e.nbytes for e in evicted)
+        freed = before - self.bytes
         self._count.evictions += len(evicted)
         self._count.evicted_bytes += freed
         self._count.blocked += blocked is not None
@@ -270,7 +299,7 @@ class PromptCache:
         """Evict victims (those `only` accepts) until within max_bytes; the refused victim, if any."""
         victims = self.policy.victims()
         try:
-            while self._bytes > self.max_bytes:
+            while self.bytes > self.max_bytes:
                 victim = next(victims, None)
                 if victim is None:
                     return None
@@ -314,9 +343,8 @@ class PromptCache:
                     if not may_evict(victim):
                         blocked = blocked or victim
                         continue
-                    self.remove(victim, evicted=True)
+                    freed += self.remove(victim, evicted=True)
                     evicted.append(victim)
-                    freed += victim.nbytes
             finally:
                 getattr(victims, "close", lambda: None)()
             if freed >= nbytes:
@@ -365,9 +393,12 @@ class PromptCache:
     def stats(self) -> PromptCacheStats:
         return PromptCacheStats(
             entries=len(self),
-            bytes=self._bytes,
+            bytes=self.bytes,
             max_bytes=self.max_bytes,
             namespaces=len(self._indexes),
             policy=self.policy.name,
             **attrs.asdict(self._count),
+            pages=len(self._pages),
+            page_bytes=self._pages.bytes,
+            checkpoint_bytes=sum(e.nbytes for e in self.entries()),
         )

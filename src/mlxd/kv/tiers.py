@@ -53,6 +53,7 @@ from mlxd.kv.blocks import BlockLedger, BlockRef
 from mlxd.kv.host_tier import HostTier, HostTierStats
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
+from mlxd.kv.ram_pages import PageRef
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.sessions import SessionIndex, SessionStats
 
@@ -490,7 +491,7 @@ class CacheTiers:
             return None
         entry = self.host.promote(found)
         outcome = self.ram.put(entry.tokens, namespace, payload=entry.payload, nbytes=entry.nbytes,
-                               trimmable=entry.trimmable)
+                               trimmable=entry.trimmable, pages=entry.pages)
         back = outcome.entry if outcome.entry is not None else entry  # RAM too small: lend it as it is
         back.durable = self.ssd and self._index.covers(back.tokens, namespace)
         self._pending.append(Promote(back))
@@ -548,6 +549,7 @@ class CacheTiers:
         file_nbytes: int | None = None,
         durable: bool = False,
         session: str | None = None,
+        pages: tuple[PageRef, ...] = (),
     ) -> list[Effect]:
         """Store a checkpoint in RAM; persist it unless a file covers it already; evict.
 
@@ -556,9 +558,10 @@ class CacheTiers:
         file was deleted since the lookup chose it (the cap), it is reported
         `NotStored`: a flush must not count it, and leaving RAM is a loss.
         `file_nbytes` is its size on SSD (default: `nbytes`). A `session`'s
-        reference advances to this checkpoint.
+        reference advances to this checkpoint. `pages`: the shared KV pages of a paged
+        entry (`--ram-pages on`), counted once in RAM however many entries name them.
         """
-        outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable)
+        outcome = self.ram.put(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable, pages=pages)
         entry = outcome.entry
         if entry is not None and session is not None:
             self.sessions.advance(session, namespace, entry.tokens)
