@@ -43,6 +43,7 @@ from mlxd.kv.tiers import (
 from mlxd.runtime import host_memory
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.messages import (
+    AdoptCheckpoint,
     CacheOwnerMessage,
     CacheStatsSnapshot,
     CloseSession,
@@ -51,6 +52,7 @@ from mlxd.runtime.kernel.messages import (
     EntryDurable,
     EntryNotPersisted,
     FindCheckpointTokens,
+    FindSessionCheckpoint,
     FlushThrough,
     ForgetDirty,
     LookupPrefix,
@@ -274,6 +276,12 @@ class CacheOwnerActor:
         elif isinstance(msg, PinSession):
             if not tiers.pin_session(msg.session, msg.ttl_s):
                 log.warning("cache.pin_refused", session=msg.session, ttl_s=msg.ttl_s)
+        elif isinstance(msg, FindSessionCheckpoint):
+            msg.reply.send(tiers.session_checkpoint(msg.session, msg.namespace))
+        elif isinstance(msg, AdoptCheckpoint):
+            self._apply(tiers.adopt(msg.tokens, msg.namespace, payload=msg.payload, nbytes=msg.nbytes,
+                                    trimmable=msg.trimmable, record=msg.record, session=msg.session))
+            msg.reply.send(tiers.ram.find_exact(msg.tokens, msg.namespace) is not None)
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
         elif isinstance(msg, FlushThrough):

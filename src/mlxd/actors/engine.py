@@ -18,7 +18,7 @@ import trio
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import EngineInfo, EngineStats, RowStart, StepOps, StepResult
 from mlxd.engine.ranks import Leader
-from mlxd.kv.file_format import FileHeader, Landing
+from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot, SnapshotMeta, SnapshotPlan
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.shard_mirror import ShardRef
 from mlxd.runtime.config import RuntimeConfig
@@ -110,6 +110,16 @@ class EngineActor:
         """MLX arrays for a cold file to be read straight into (`kinds.landing`, on the engine's thread)."""
         assert self._thread is not None, "the engine is not running"
         return await self._thread.run(self.core.landing, header)
+
+    async def plan_checkpoint(self, caches: list[object], length: int, total: int, meta: SnapshotMeta) -> SnapshotPlan:
+        """A write plan of a cached checkpoint's first `length` tokens (a session export; engine thread)."""
+        assert self._thread is not None, "the engine is not running"
+        return await self._thread.run(self.core.plan_checkpoint, caches, length, total, meta)
+
+    async def adopt_checkpoint(self, loaded: LoadedSnapshot) -> tuple[list[object], int, bool]:
+        """An imported file's caches, nbytes and trimmability (engine thread); ValueError when they do not fit."""
+        assert self._thread is not None, "the engine is not running"
+        return await self._thread.run(self.core.adopt_checkpoint, loaded)
 
     # --- the serving loop -----------------------------------------------------------
 

@@ -53,7 +53,7 @@ from mlxd.engine.speculative import (
     speculation_off_reason,
 )
 from mlxd.kv.device_costs import DeviceProbe
-from mlxd.kv.file_format import FileHeader, Landing
+from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot, SnapshotMeta, SnapshotPlan
 from mlxd.kv.ssd_store import StoreIdentity
 from mlxd.model.identity import model_identity
 from mlxd.runtime import device_memory
@@ -340,6 +340,39 @@ class EngineCore:
 
         with mx.stream(self._stream):
             return kinds.landing(header)
+
+    def plan_checkpoint(self, caches: list[Any], length: int, total: int, meta: SnapshotMeta) -> SnapshotPlan:
+        """A write plan of a cached checkpoint's first `length` tokens (a session export)."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        with mx.stream(self._stream):
+            lent = kinds.lend(caches, length, total=total) if length < total else caches
+            return kinds.plan_snapshot(lent, meta=meta)
+
+    def adopt_checkpoint(self, loaded: LoadedSnapshot) -> tuple[list[Any], int, bool]:
+        """An imported file's caches, nbytes and trimmability; ValueError when they do not fit this model.
+
+        Checked: the cache kinds of every layer, the token count, and one forward token on a copy.
+        """
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        n = len(loaded.header.tokens)
+        with mx.stream(self._stream):
+            caches = kinds.adopt(loaded, landed=device_memory.to_device)
+            want, got = kinds.signatures(loading.fresh_caches(self.model, self._config)), kinds.signatures(caches)
+            if got != want:
+                raise ValueError(f"its caches are {got}, this model's are {want}")
+            kinds.num_tokens(caches, total=n)  # ValueError when a layer holds another count
+            try:
+                probe = kinds.lend(caches, n, total=n)
+                mx.eval(self.model(mx.array([[0]]), cache=probe))
+            except Exception as exc:
+                raise ValueError(f"its tensors do not fit this model ({type(exc).__name__}: {exc})") from exc
+            return caches, kinds.nbytes(caches), kinds.is_trimmable(caches)
 
     def measure_memory(self, reason: str) -> MemoryMeasured:
         import mlx.core as mx

@@ -11,17 +11,30 @@ checkpoint without a candidate scan and evicts it after anonymous entries.
 `DELETE /v1/sessions/{id}` drops the session's references and its pin (cached
 state stays for anyone whose prompt matches it). Session metadata lives in
 this process only.
+
+A session's KV travels as a verified `.mlxkv` file (runtime/session_files.py):
+`GET /admin/sessions/{id}/export` downloads its latest checkpoint, and
+`POST /admin/sessions/{id}/import` adopts such a file (same model, tokenizer
+and KV scheme, every checksum checked) as that session's checkpoint, in RAM
+and on SSD. Both are admin routes: an import writes state other requests are
+served from, and an export holds the session's prompt tokens.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-from quart import Response
+import trio
+from quart import Response, request
 
 from mlxd.http.schemas import ApiError
 from mlxd.kv.tiers import IMPLICIT_PIN_SESSION  # a made-up session, closed when its pin expires
+from mlxd.runtime import session_files
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 256
@@ -78,8 +91,68 @@ def session_id(headers: Any, body: Any) -> str | None:
     return raw
 
 
+_IMPORT_PATH = re.compile(r"^/admin/sessions/.+/import$")
+_CHUNK = 1 << 20  # export reads, upload writes
+
+
+def _check_id(sid: str) -> None:
+    if not sid or len(sid) > MAX_SESSION_ID or not sid.isprintable():
+        raise ApiError(400, f"a session id must be 1-{MAX_SESSION_ID} printable characters", param="session_id")
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the file exceeds {limit} bytes, the largest checkpoint this model can have",
+                    type="invalid_request_error", code="request_too_large", headers={"Connection": "close"})
+
+
+async def _receive(body: Any, path: Path, limit: int) -> int:
+    """Write the request body to a new file (0600), refusing it past `limit` bytes; its size."""
+    fd = await trio.to_thread.run_sync(lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    size, pending = 0, bytearray()
+    try:
+        async for chunk in body:
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            pending += chunk
+            if len(pending) >= _CHUNK:
+                data, pending = bytes(pending), bytearray()
+                await trio.to_thread.run_sync(os.write, fd, data)
+        if pending:
+            await trio.to_thread.run_sync(os.write, fd, bytes(pending))
+    finally:
+        os.close(fd)
+    return size
+
+
+async def _stream_file(path: Path) -> AsyncIterator[bytes]:
+    """The file's bytes, read on a worker thread; the file is removed once sent (or abandoned)."""
+    try:
+        with open(path, "rb") as f:  # noqa: ASYNC230 - opening is instant; reads go to a thread
+            while chunk := await trio.to_thread.run_sync(f.read, _CHUNK):
+                yield chunk
+    finally:
+        path.unlink(missing_ok=True)  # noqa: ASYNC240 - one unlink, also when the stream is abandoned
+
+
 def install_sessions(app: Any, rt: Any, json_response: Any) -> None:
-    """DELETE /v1/sessions/{id}: 200 when the session was known, 404 otherwise."""
+    """DELETE /v1/sessions/{id}: 200 when the session was known, 404 otherwise.
+
+    GET /admin/sessions/{id}/export and POST /admin/sessions/{id}/import: a session's KV as a file.
+    """
+    limit = session_files.import_limit(max_context=rt.info.max_context, kv_bytes_per_token=rt.info.kv_bytes_per_token,
+                                       slack=rt.config.max_body_bytes)
+    base = app.request_class
+
+    class SessionUploadRequest(base):  # type: ignore[misc, valid-type]
+        """An import's body may be larger than --max-body-bytes, up to the largest checkpoint."""
+
+        def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
+            if method == "POST" and _IMPORT_PATH.match(path):
+                kwargs["max_content_length"] = limit
+            super().__init__(method, scheme, path, *args, **kwargs)
+
+    app.request_class = SessionUploadRequest
 
     @app.delete("/v1/sessions/<path:sid>")
     async def delete_session(sid: str) -> Response:
@@ -87,3 +160,31 @@ def install_sessions(app: Any, rt: Any, json_response: Any) -> None:
             raise ApiError(404, f"no session '{sid}' is known to this server", type="not_found_error",
                            param="session_id", code="session_not_found")
         return json_response({"id": sid, "object": "session", "deleted": True})
+
+    @app.get("/admin/sessions/<path:sid>/export")
+    async def export_session(sid: str) -> Response:
+        _check_id(sid)
+        path = await rt.export_session(sid)
+        if path is None:
+            raise ApiError(404, f"no checkpoint of session '{sid}' is cached on this server", type="not_found_error",
+                           param="session_id", code="session_not_found")
+        size = (await trio.Path(path).stat()).st_size
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", sid)[:64]
+        headers = {"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{safe}.mlxkv"'}
+        return Response(_stream_file(path), content_type="application/octet-stream", headers=headers)
+
+    @app.post("/admin/sessions/<path:sid>/import")
+    async def import_session(sid: str) -> Response:
+        _check_id(sid)
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(limit)
+        path = session_files.new_upload_path(rt.transfer_dir)
+        try:
+            await _receive(request.body, path, limit)
+            done = await rt.import_session(sid, path)
+        except session_files.ImportRefused as exc:
+            raise ApiError(exc.status, str(exc), type="invalid_request_error", code=exc.code) from None
+        finally:
+            await trio.Path(path).unlink(missing_ok=True)
+        return json_response({"id": sid, "object": "session.import", "tokens": done.tokens,
+                              "nbytes": done.nbytes, "ram": done.ram, "ssd": done.ssd})

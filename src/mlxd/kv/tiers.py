@@ -51,7 +51,7 @@ import attrs
 
 from mlxd.kv.blocks import BlockLedger, BlockRef
 from mlxd.kv.host_tier import HostTier, HostTierStats
-from mlxd.kv.prefix_index import PrefixIndex, TokenKey, token_key
+from mlxd.kv.prefix_index import PrefixIndex, TokenKey, key_tokens, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.ram_pages import PageRef
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -95,6 +95,16 @@ class SsdMatch:
     @property
     def needs_trim(self) -> bool:
         return self.usable < len(self.record.tokens)
+
+
+@attrs.frozen(eq=False)
+class SessionCheckpoint:
+    """A session's latest checkpoint (`tokens`) and where it is held: a RAM entry (itself or a
+    trimmable descendant) and/or an SSD record (likewise). At least one is set."""
+
+    tokens: tuple[int, ...]
+    entry: CacheEntry | None
+    record: SsdRecord | None
 
 
 @attrs.frozen(eq=False)
@@ -608,6 +618,30 @@ class CacheTiers:
         pinned = self._pins.pop(session, None) is not None
         self._pin_count.released += pinned
         return self.sessions.close(session) or pinned
+
+    # --- session files (export / import) ----------------------------------------------
+
+    def session_checkpoint(self, session: str, namespace: str = "") -> SessionCheckpoint | None:
+        """The session's latest checkpoint and what holds it; None when neither tier does (no accounting)."""
+        ref = self.sessions.latest(session, namespace)
+        if ref is None:
+            return None
+        tokens = key_tokens(ref)
+        entry = self.ram.covering(ref, namespace)
+        match = self._index.find(tokens, namespace, limit=len(tokens)) if self.ssd else None
+        record = match.record if match is not None and match.usable == len(tokens) else None
+        return None if entry is None and record is None else SessionCheckpoint(tokens, entry, record)
+
+    def adopt(
+        self, tokens: Tokens, namespace: str = "", *, payload: object, nbytes: int, trimmable: bool,
+        record: SsdRecord | None = None, session: str | None = None,
+    ) -> list[Effect]:
+        """An imported checkpoint: index its committed SSD file (`record`), then publish it to RAM."""
+        effects = self.durable(record) if record is not None else []
+        if session is not None:
+            self.sessions.advance(session, namespace, tokens)  # also when RAM cannot hold it: its file can
+        return effects + self.publish(tokens, namespace, payload=payload, nbytes=nbytes, trimmable=trimmable,
+                                      durable=record is not None, session=session)
 
     # --- pins -----------------------------------------------------------------------
 

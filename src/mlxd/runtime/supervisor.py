@@ -48,12 +48,14 @@ from mlxd.kv.kv_events import PublishAddress
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
-from mlxd.runtime import device_memory
+from mlxd.kv.tiers import SessionCheckpoint, SsdRecord
+from mlxd.runtime import device_memory, session_files
 from mlxd.runtime.chat.prompt_tokens import PieceEncoder
 from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import ChannelStats, Reply
 from mlxd.runtime.kernel.messages import (
+    AdoptCheckpoint,
     CacheOwnerMessage,
     CacheStatsSnapshot,
     CloseSession,
@@ -62,6 +64,7 @@ from mlxd.runtime.kernel.messages import (
     DurabilityStats,
     EngineInbox,
     FindCheckpointTokens,
+    FindSessionCheckpoint,
     FlushReport,
     FlushRequest,
     FlushThrough,
@@ -77,6 +80,7 @@ from mlxd.runtime.kernel.messages import (
     PrefetchStats,
     PromptAccepted,
     QueryCacheStats,
+    RecordLost,
     SamplingParams,
     SchedulerInbox,
     SettleCheckpoints,
@@ -379,6 +383,46 @@ class Runtime:
     async def pin_session(self, session: str, ttl_s: float) -> None:
         """Keep the session's latest checkpoints in RAM for `ttl_s` seconds (send before its request)."""
         await self._cache.send(PinSession(session, ttl_s))
+
+    # --- a session's KV as a file (runtime/session_files.py) ----------------------------
+
+    @property
+    def transfer_dir(self) -> Path:
+        """Where session exports are written and uploads received."""
+        return session_files.transfer_dir(self.cold.store if self.cold is not None else None)
+
+    async def export_session(self, session: str, namespace: str = "") -> Path | None:
+        """The session's latest checkpoint written as a `.mlxkv` file (the caller removes it); None if no tier
+        holds one."""
+        reply: Reply[SessionCheckpoint | None] = Reply()
+        await self._cache.send(FindSessionCheckpoint(session, namespace, reply))
+        found = await reply.wait()
+        if found is None:
+            return None
+
+        async def lost(record: SsdRecord) -> None:
+            await self._cache.send(RecordLost(record))
+
+        return await session_files.export_checkpoint(
+            found, namespace, engine=self.engine, store=self.cold.store if self.cold is not None else None,
+            identity=self.info.store_identity, directory=self.transfer_dir, lost=lost,
+        )
+
+    async def import_session(self, session: str, path: Path) -> session_files.Imported:
+        """Verify an uploaded `.mlxkv` file and adopt it as the session's checkpoint (ImportRefused otherwise)."""
+
+        async def adopt(header: FileHeader, caches: list[object], nbytes: int, trimmable: bool,
+                        record: SsdRecord | None) -> bool:
+            reply: Reply[bool] = Reply()
+            await self._cache.send(AdoptCheckpoint(tuple(header.tokens), header.namespace, caches, nbytes, trimmable,
+                                                   record, session, reply))
+            return await reply.wait()
+
+        return await session_files.import_file(
+            path, session, engine=self.engine, store=self.cold.store if self.cold is not None else None,
+            identity=self.info.store_identity, vocab=self.info.vocab_size, max_context=self.info.max_context,
+            adopt=adopt,
+        )
 
     async def cache_stats(self) -> dict[str, Any]:
         return (await self._cache_snapshot()).as_dict()

@@ -23,7 +23,7 @@ from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.shard_mirror import ShardRef
-from mlxd.kv.tiers import PrefixLookup, SsdRecord, TierStats
+from mlxd.kv.tiers import PrefixLookup, SessionCheckpoint, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
 from mlxd.runtime.kernel.channels import Reply
 
@@ -397,6 +397,32 @@ class PinSession:
     ttl_s: float
 
 
+@attrs.frozen(eq=False)
+class FindSessionCheckpoint:
+    """A session's latest checkpoint and what holds it (an export). Reply: None when no tier holds it."""
+
+    session: str
+    namespace: str
+    reply: Reply[SessionCheckpoint | None]
+
+
+@attrs.frozen(eq=False)
+class AdoptCheckpoint:
+    """An imported, verified checkpoint: its SSD file (`record`, already in the store) and its caches.
+
+    Reply: whether RAM holds it now.
+    """
+
+    tokens: tuple[int, ...]
+    namespace: str
+    payload: list[object]  # mlx-lm caches (opaque to the cache)
+    nbytes: int
+    trimmable: bool
+    record: SsdRecord | None
+    session: str | None
+    reply: Reply[bool]
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -412,6 +438,8 @@ CacheOwnerMessage = (
     | QueryCacheStats
     | CloseSession
     | PinSession
+    | FindSessionCheckpoint
+    | AdoptCheckpoint
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
