@@ -56,6 +56,16 @@ def _secret(flag: str | None, env: str) -> str | None:
     return value or None
 
 
+def _adapter_spec(text: str) -> tuple[str, str]:
+    """--adapter NAME=DIR -> (name, dir)."""
+    name, sep, directory = text.partition("=")
+    name, directory = name.strip(), directory.strip()
+    if not sep or not name or not directory or any(c.isspace() for c in name) or "/" in name:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (a name without spaces or /, and an mlx-lm "
+                                         f"adapter directory), got {text!r}")
+    return name, directory
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", help="local model directory or Hugging Face repo id (default: a built-in model)")
@@ -66,6 +76,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template file used instead of the model's own (its tool-call format "
                    "is inferred from it, as mlx-lm does for the model's)")
+    p.add_argument("--adapter", type=_adapter_spec, action="append", default=[], metavar="NAME=DIR",
+                   help="serve an mlx-lm LoRA adapter directory (adapter_config.json + adapters.safetensors) "
+                   "as model NAME; repeatable. Rows of different adapters and the base batch together; each "
+                   "adapter is its own cache namespace (docs/adapters.md)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 picks a free port)")
     p.add_argument("--prompt-cache-gb", type=_gb, default=2 * GB, help="RAM prompt-cache byte cap in GB (0 disables)")
@@ -240,6 +254,7 @@ def serve_config(args: argparse.Namespace):
         model_preset=args.preset,
         model_name=args.model_name,
         chat_template=args.chat_template,
+        adapters=tuple(args.adapter),
         prompt_cache_bytes=args.prompt_cache_gb,
         host_cache_bytes=args.host_cache_gb,
         retention=args.retention,

@@ -155,6 +155,7 @@ class EngineActor:
         starts = tuple(
             RowStart(
                 request=m.request, hit=m.hit, restore=m.restore, resume=m.resume, checkpoint_key=m.checkpoint_key,
+                draft=m.draft,
                 queued_s=now - m.submitted_at if m.submitted_at else 0.0,
             )
             for m in self._pending

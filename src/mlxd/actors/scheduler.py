@@ -25,6 +25,7 @@ from mlxd.runtime.kernel.channels import Reply
 from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     CancelGeneration,
+    DraftPrefix,
     EngineInbox,
     FetchSnapshot,
     FindGenerationCheckpoint,
@@ -76,8 +77,11 @@ class SchedulerActor:
         prefetcher: trio.MemorySendChannel[PrefetcherMessage] | None = None,
         checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
         kv_admission: KvAdmission | None = None,
+        draft_tag: str | None = None,
     ) -> None:
-        """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget."""
+        """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget.
+        `draft_tag` (--draft-model): the draft's cache entries are looked up too, in their own namespace."""
+        self._draft_tag = draft_tag
         self._config = config
         self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
         self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves
@@ -202,17 +206,19 @@ class SchedulerActor:
             return
         key = self._checkpoint_key(request)
         resume = await self._find_checkpoint(request, key) if key is not None else None
-        hit = restore = None
+        hit = restore = draft = None
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
             hit = lookup.hit
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
+            draft = await self._draft_prefix(request) if self._draft_tag is not None else None
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         await self._engine.send(
-            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume)
+            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
+                            draft=draft)
         )
         client_gone = False
         first_token_at: float | None = None
@@ -250,6 +256,18 @@ class SchedulerActor:
             FindGenerationCheckpoint(key, request.request_id, request.prompt, request.namespace, reply)
         )
         return await reply.wait()
+
+    async def _draft_prefix(self, request: GenerationRequest) -> DraftPrefix:
+        """--draft-model: the draft's own checkpoints, looked up with the same tokens in its namespace."""
+        from mlxd.engine.speculative import draft_namespace
+
+        assert self._draft_tag is not None
+        namespace = draft_namespace(request.namespace, self._draft_tag)
+        reply: Reply[PrefixLookup] = Reply()
+        await self._cache.send(LookupPrefix(request.prompt, namespace, reply, session=request.session))
+        lookup = await reply.wait()
+        restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
+        return DraftPrefix(namespace, lookup.hit, restore)
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:
         """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""

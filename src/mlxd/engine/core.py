@@ -46,10 +46,11 @@ from mlxd.engine.ops import (
 )
 from mlxd.engine.prefill_slices import PrefillSlicer
 from mlxd.engine.speculative import (
+    DraftCheckpoints,
     Drafts,
-    DraftSource,
     NgramDrafts,
     Speculation,
+    draft_namespace,
     speculation_off_reason,
 )
 from mlxd.kv.device_costs import DeviceProbe
@@ -228,6 +229,7 @@ class EngineCore:
             store_identity=self.store_identity,
             probe=probe,
             memory_budget_bytes=self._memory_budget,
+            draft_tag=self._draft.tag if self._draft is not None else None,
         )
 
     def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
@@ -445,7 +447,7 @@ class EngineCore:
             features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
             self._drafts.counters.constrained_rows += self._speculate  # its grammar checks its drafts
         if self._speculate:
-            features.append(Speculation(config.num_draft_tokens, self._draft_source()))
+            features.append(self._speculation(start, prompt_new_tokens))
         if config.prompt_cache_bytes > 0:
             # A session keeps its checkpoints below the anonymous threshold (seed §5.12). So does a
             # model whose caches cannot be cut back: its end-of-turn checkpoint cannot serve the same
@@ -456,13 +458,48 @@ class EngineCore:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
         return Row(start=start, sampling=sampling, features=tuple(features))
 
-    def _draft_source(self) -> DraftSource:
-        """Where a speculating row's drafts come from: its own n-grams, or the draft model."""
+    def _speculation(self, start: RowStart, prompt_new_tokens: int) -> Speculation:
+        """A speculating row's part: drafts from its own n-grams, or from the draft model, whose KV
+        checkpoints go to the prompt cache when the target's do (in the draft's namespace)."""
+        req, config = start.request, self._config
         if self._draft is None:
-            return NgramDrafts()
+            return Speculation(config.num_draft_tokens, NgramDrafts())
         from mlxd.engine.draft import ModelDrafts
 
-        return ModelDrafts(self._draft)
+        source = ModelDrafts(self._draft, self._drafts.prefix)
+        checkpoints = None
+        if config.prompt_cache_bytes > 0:  # the same boundary rule as the target's PromptCheckpoints
+            threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
+            checkpoints = DraftCheckpoints(source, draft_namespace(req.namespace, self._draft.tag),
+                                           boundary=prompt_new_tokens >= threshold)
+        return Speculation(config.num_draft_tokens, source, checkpoints=checkpoints)
+
+    def _draft_prefix(self, row: Row, start: RowStart, out: StepOut) -> None:
+        """--draft-model: the row's draft starts from its own cached prefix (RAM, or a cold file adopted
+        and published to RAM); without one it computes the prefix at its first step."""
+        from mlxd.engine.draft import ModelDrafts
+        from mlxd.kv import kinds
+
+        found, source = start.draft, next((p.source for p in row.features if isinstance(p, Speculation)), None)
+        if found is None or not isinstance(source, ModelDrafts):
+            return
+        if found.restore is not None and found.restore.loaded is not None:
+            restore = found.restore
+            t0 = time.perf_counter()
+            caches = kinds.adopt(restore.loaded, landed=device_memory.to_device)
+            tokens = tuple(restore.record.tokens)
+            out.notes.append(RestoreMeasured(restore.loaded.nbytes, restore.loaded.seconds + time.perf_counter() - t0))
+            out.notes.append(PublishPrefix(
+                tokens=tokens, namespace=found.namespace, payload=caches, nbytes=kinds.nbytes(caches),
+                trimmable=kinds.is_trimmable(caches), reason="restore", durable=True, session=start.request.session,
+            ))
+            usable, lent = restore.usable, kinds.lend(caches, restore.usable, total=len(tokens))
+        elif found.hit is not None and found.hit.usable > 0:
+            usable = found.hit.usable
+            lent = kinds.lend(found.hit.entry.payload, usable, total=len(found.hit.entry.tokens))
+        else:
+            return
+        source.start(lent, start.request.prompt[:usable])
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a row as "stop": the model's end tokens and the request's stop ids."""
@@ -510,6 +547,7 @@ class EngineCore:
         elif self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
             lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1)
+        self._draft_prefix(row, start, out)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]))
         if apart:  # its prompt ends now: the parts see the boundary a batch prefill would have shown them
             for part in row.parts():

@@ -4,10 +4,17 @@ The draft model is loaded beside the target at `EngineCore.load()` and must
 share its tokenizer (the same vocabulary, id for id: checked, and refused with
 a message otherwise). Each speculating row keeps a `ModelDrafts`: the draft's
 own caches and the tokens they hold. At a step it cuts those caches back to
-what they share with the row (rejected drafts go), feeds what is missing (at a
-row's first step that is its whole prompt: the draft recomputes its prefix; it
-does not follow the target's prompt cache) and then K greedy tokens, chained
-lazily and evaluated once. Runs on the engine's MLX thread only.
+what they share with the row (rejected drafts go), feeds what is missing and
+then K greedy tokens, chained lazily and evaluated once. Runs on the engine's
+MLX thread only.
+
+The draft's KV follows the target's prefix cache: its checkpoints are cache
+entries of their own namespace (`draft_namespace`: the target's namespace plus
+the draft's identity), published when the target publishes its own (the
+prompt boundary, the row's end) and cut to accepted tokens, so the RAM tier,
+SSD spill and restore, flush and restarts carry them like any entry. A row
+starts from the draft's longest cached prefix (`start`), which may be shorter
+than the target's: the draft then prefills only the rest at its first step.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 import attrs
 
 from mlxd.engine.ops import ModelRefused
+from mlxd.engine.speculative import DraftPrefixCounts
 
 
 @attrs.frozen(eq=False)
@@ -28,6 +36,7 @@ class DraftModel:
     path: Path
     model: Any
     prefill_step: int = 512
+    tag: str = ""  # the draft's content identity (short): its cache entries' namespace suffix
 
 
 def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftModel:
@@ -37,6 +46,7 @@ def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftM
 
     from mlxd.engine.loading import cast_float_weights
     from mlxd.model.detok import load_model
+    from mlxd.model.identity import model_identity
 
     where = Path(path).expanduser()
     if not (where / "config.json").exists():
@@ -51,7 +61,7 @@ def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftM
         raise ModelRefused(f"--draft-model {path}: its caches ({', '.join(kinds)}) cannot drop rejected drafts")
     if mx.default_device() == mx.cpu:
         cast_float_weights(model, mx.float32)
-    return DraftModel(where, model, prefill_step)
+    return DraftModel(where, model, prefill_step, tag=model_identity(where)[:16])
 
 
 def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
@@ -74,11 +84,21 @@ def _vocab(tokenizer: Any) -> dict[str, int]:
 
 @attrs.define
 class ModelDrafts:
-    """One row's drafts from the draft model: its caches and the tokens they hold."""
+    """One row's drafts from the draft model: its caches, the tokens they hold, its prefix counts."""
 
     draft: DraftModel
+    prefix: DraftPrefixCounts = attrs.Factory(DraftPrefixCounts)  # shared by the engine's rows
     caches: list[Any] | None = None
     held: list[int] = attrs.Factory(list)
+    accepted: int = 0  # leading tokens of `held` that the row is known to hold (the rest are unverified drafts)
+    first_step: bool = True
+    computed: int = 0  # prefix tokens the first step computed (not from the cache)
+
+    def start(self, caches: list[Any] | None, tokens: Sequence[int]) -> None:
+        """Begin from a cached prefix of the draft's KV (lent caches holding exactly `tokens`)."""
+        if caches is not None and tokens:
+            self.caches, self.held = caches, list(tokens)
+            self.accepted = len(tokens)
 
     def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]:
         import mlx.core as mx
@@ -91,6 +111,11 @@ class ModelDrafts:
         seq = [*tokens, pending]
         keep = _shared(self.held, seq)
         keep = min(keep, len(seq) - 1)  # at least the pending token is fed: its logits give the first draft
+        if self.first_step:  # the row's prefix: how much came from the cache, how much the draft computes
+            self.first_step = False
+            self.computed = len(tokens) - keep
+            self.prefix.reused += keep
+            self.prefix.recomputed += self.computed
         if keep < len(self.held):
             for c in self.caches:
                 c.trim(len(self.held) - keep)
@@ -107,7 +132,18 @@ class ModelDrafts:
             drafts.append(y)
         out: list[int] = mx.concatenate(drafts).tolist()  # type: ignore[assignment]
         self.held = seq + out[:-1]  # the last draft is not fed yet
+        self.accepted = len(seq)  # the pending token is always emitted; the drafts are not verified yet
         return out
+
+    def checkpoint(self, tokens: Sequence[int] | None = None) -> tuple[list[Any], list[int]]:
+        """The draft's KV (new array objects) over accepted tokens: those it shares with `tokens`
+        (the row's), or without them the ones known accepted at the last step. Empty: nothing held."""
+        from mlxd.kv import kinds
+
+        n = self.accepted if tokens is None else min(_shared(self.held, tokens), len(self.held))
+        if self.caches is None or n <= 0:
+            return [], []
+        return kinds.lend(self.caches, n), self.held[:n]
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

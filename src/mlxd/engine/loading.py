@@ -114,6 +114,17 @@ def _shard(model: Any, path: Path, group: Any) -> None:
         raise ModelRefused(f"cannot shard {path} over {group.size()} ranks: {exc}") from exc
 
 
+# Names that already mean the served model in requests (the HTTP layer's MODEL_ALIASES).
+MODEL_ALIASES = ("default", "default_model")
+
+
+def adapters(model: Any, config: RuntimeConfig) -> Any:
+    """--adapter: every LoRA adapter applied to `model`, each row selecting its own (engine/adapters.py)."""
+    from mlxd.engine.adapters import install
+
+    return install(model, config.adapters, reserved=(served_name(config), *MODEL_ALIASES))
+
+
 def served_name(config: RuntimeConfig) -> str:
     if config.model_name:
         return config.model_name

@@ -14,6 +14,7 @@ import attrs
 from mlxd.kv.shard_mirror import PrefixRef, ShardRef
 from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
+    DraftPrefix,
     EngineNote,
     GenerationAbandoned,
     GenerationCompleted,
@@ -50,6 +51,7 @@ class EngineInfo:
     store_identity: StoreIdentity  # what SSD files and KV-event block hashes must match
     probe: DeviceProbe | None = None  # the startup device probe, when it ran
     memory_budget_bytes: int = 0  # resolved --memory-budget (0 = none)
+    draft_tag: str | None = None  # --draft-model: its identity, the suffix of its cache entries' namespace
 
 
 @attrs.frozen(kw_only=True)
@@ -60,6 +62,7 @@ class RowStart:
     hit: CacheHit | None = None  # a RAM prefix to lend
     restore: RestoreSnapshot | None = None  # a cold file read for it (wins over `hit`)
     resume: ResumeGeneration | None = None  # an in-flight generation to continue (wins over both)
+    draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix (its RAM hit or cold file)
     checkpoint_key: str | None = None  # its generation-checkpoint key (--generation-checkpoint)
     queued_s: float = 0.0  # from submission to this step
 
@@ -134,6 +137,8 @@ class SpeculationStats:
     constrained_rows: int = 0  # speculating rows whose drafts their grammar checks before verification
     grammar_refused: int = 0  # draft tokens cut before verification because the grammar refused them
     gate_pauses: int = 0  # drafting is paused: verifying steps were slower than plain ones (pauses in a row)
+    draft_prefix_reused: int = 0  # --draft-model: prefix tokens a row's draft KV took from the prompt cache
+    draft_prefix_recomputed: int = 0  # --draft-model: prefix tokens the draft computed at a row's first step
 
 
 @attrs.frozen(kw_only=True)

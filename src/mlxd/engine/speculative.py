@@ -2,7 +2,8 @@
 
 A row that speculates carries a `Speculation` part: a draft source (a
 prompt-lookup index over its own tokens, kv/ngram.py, or a draft model with its
-own KV, engine/draft.py) and a back-off. At a step, the verifying batch
+own KV, engine/draft.py, whose checkpoints go to the prompt cache beside the
+target's: `DraftCheckpoints`) and a back-off. At a step, the verifying batch
 (engine/spec_batch.py) asks `Drafts` which rows want to draft, hands each its
 tokens and the pending one, and verifies every row's drafts in one target
 forward; then it reports what was accepted. A constrained row's drafts are cut
@@ -19,20 +20,69 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from mlxd.engine.features import Constrained, Feature
+from mlxd.engine.features import Constrained, Ending, Feature
 from mlxd.engine.ops import SpeculationStats
 from mlxd.kv.media import is_media_id
 from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
-    from mlxd.engine.core import Row
+    from mlxd.engine.core import EngineCore, Row, StepOut
 
 log = get_logger("mlxd.engine")
 
 
 class DraftSource(Protocol):
     def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]: ...
+
+
+class CheckpointedSource(DraftSource, Protocol):
+    """A draft source with KV of its own (engine/draft.py's ModelDrafts)."""
+
+    computed: int  # prefix tokens its first step computed itself (0: all came from the cache, or not run yet)
+
+    def checkpoint(self, tokens: Sequence[int] | None = None) -> tuple[list[Any], list[int]]: ...
+
+
+@attrs.define
+class DraftPrefixCounts:
+    """A draft model's prefix at each row's first step: tokens taken from the cache, tokens computed."""
+
+    reused: int = 0
+    recomputed: int = 0
+
+
+def draft_namespace(namespace: str, tag: str) -> str:
+    """Where a draft model's cache entries live: beside the target's namespace, one per draft model."""
+    return f"{namespace}#draft-{tag}"
+
+
+@attrs.define
+class DraftCheckpoints:
+    """A draft model's KV checkpoints, published when the target publishes its own (accepted tokens only).
+
+    `boundary`: the target checkpoints the prompt boundary; the draft does too, after its first
+    step (where it has computed the prompt), unless the whole prompt came from the cache.
+    """
+
+    source: CheckpointedSource
+    namespace: str
+    boundary: bool
+
+    def token(self, row: Row, core: EngineCore, out: StepOut) -> None:
+        if self.boundary and self.source.computed > 0:
+            self.boundary = False
+            prompt = row.start.request.prompt
+            core.checkpoint(out, "boundary", lambda: self.source.checkpoint(prompt), self.namespace,
+                            row.start.request.session)
+
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        session = row.start.request.session
+        if not ending.requested:
+            if ending.caches is not None:
+                core.checkpoint(out, "final", lambda: self.source.checkpoint(ending.tokens), self.namespace, session)
+        elif row.generated > 0:
+            core.checkpoint(out, "final", lambda: self.source.checkpoint(None), self.namespace, session)
 
 
 @attrs.define
@@ -56,6 +106,7 @@ class Speculation(Feature):
     source: DraftSource = attrs.Factory(NgramDrafts)
     backoff: Backoff = attrs.Factory(Backoff)
     counters: DraftCounters = attrs.Factory(DraftCounters)
+    checkpoints: DraftCheckpoints | None = None  # a draft model's KV in the prompt cache (with the target's)
 
     def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
         drafts = self.source.propose(tokens, pending, min(self.k, limit))
@@ -71,6 +122,14 @@ class Speculation(Feature):
         self.counters.add(proposed, accepted)
         self.backoff.verified(proposed, accepted)
 
+    def token(self, row: Row, token: int, core: EngineCore, out: StepOut) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.token(row, core, out)
+
+    def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.leave(row, ending, core, out)
+
 
 @attrs.define
 class Drafts:
@@ -80,6 +139,7 @@ class Drafts:
     counters: DraftCounters = attrs.Factory(DraftCounters)
     gate: SpeculationGate = attrs.Factory(SpeculationGate)
     off_reason: str | None = None  # set at load when the model's caches cannot roll back
+    prefix: DraftPrefixCounts = attrs.Factory(DraftPrefixCounts)  # --draft-model: each row's first step
 
     def stats(self) -> SpeculationStats:
         c = self.counters
@@ -89,6 +149,7 @@ class Drafts:
             verify_steps=c.verify_steps, verified_rows=c.verified_rows, constrained_rows=c.constrained_rows,
             grammar_refused=c.grammar_refused,
             gate_pauses=self.gate.pauses,
+            draft_prefix_reused=self.prefix.reused, draft_prefix_recomputed=self.prefix.recomputed,
         )
 
     def _part(self, uid: int) -> Speculation | None:

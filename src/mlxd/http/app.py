@@ -249,6 +249,9 @@ class _Completion:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        # The model the reply names: the adapter the request chose (--adapter), else the served model.
+        adapters = {a.name for a in rt.info.adapters}
+        self.model = parsed.model if parsed.model in adapters else rt.info.model_name
 
     def usage(self) -> dict[str, Any]:
         first = self.choices[0]
@@ -270,7 +273,7 @@ class _Completion:
             "id": self.id,
             "object": obj,
             "created": self.created,
-            "model": self.rt.info.model_name,
+            "model": self.model,
             "choices": [choice] if choice else [],
         }
         if usage is not None or self.parsed.include_usage:
@@ -395,7 +398,7 @@ class _Completion:
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.rt.info.model_name,
+            "model": self.model,
             "choices": bodies,
             "usage": self.usage(),
         }
@@ -496,12 +499,19 @@ def create_app(
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), type="server_shutting_down", headers={"Retry-After": "5"}) from None
 
+    adapter_namespaces = {a.name: a.namespace for a in rt.info.adapters}  # --adapter (docs/adapters.md)
+
     def check_model(name: str | None) -> None:
-        if name is not None and name not in (rt.info.model_name, *MODEL_ALIASES):
+        if name is not None and name not in (rt.info.model_name, *MODEL_ALIASES, *adapter_namespaces):
+            served = ", ".join(f"'{n}'" for n in (rt.info.model_name, *adapter_namespaces))
             raise ApiError(
-                404, f"the model '{name}' does not exist; this server serves '{rt.info.model_name}'",
+                404, f"the model '{name}' does not exist; this server serves {served}",
                 param="model", code="model_not_found",
             )
+
+    def namespace_of(name: str | None) -> str:
+        """The cache namespace a request's `model` selects: an adapter's own, or the base model's ("")."""
+        return adapter_namespaces.get(name or "", "")
 
 
     def forced_call(sampling: SamplingParams, options: ChatOptions) -> Constraint | None:
@@ -516,10 +526,11 @@ def create_app(
         return options.forced
 
     def submit(
-        prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = ()
+        prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = (),
+        namespace: str = "",
     ) -> GenerationStream:
         try:
-            return rt.submit(rt.request(prompt, sampling=sampling, session=session, media=media))
+            return rt.submit(rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace))
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
@@ -549,7 +560,7 @@ def create_app(
         try:
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
-                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media)
+                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model))
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and queue_timeout_s > 0 and not await choices[0].reached(PromptAccepted, arrived + queue_timeout_s):
                     raise ApiError(503, f"no batch slot came free within {queue_timeout_s:g} s (--queue-timeout); "
@@ -603,7 +614,7 @@ def create_app(
         async def render(realign: bool) -> tuple[int, ...]:
             try:
                 return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
-                                            realign=realign)
+                                            realign=realign, namespace=namespace_of(parsed.model))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), param="messages") from None
 
@@ -625,15 +636,20 @@ def create_app(
         ids = await encode_off_loop(rt.encode, prompt) if isinstance(prompt, str) else tuple(prompt)
         return await run(parsed, ids, chat=False, session=await request_session(rt, request.headers, body))
 
+    def model_card(name: str) -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": int(rt.started_at), "owned_by": "mlxd"}
+        if name in adapter_namespaces:  # an adapter: the model it adapts
+            card["parent"] = rt.info.model_name
+        return card
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": rt.info.model_name, "object": "model", "created": int(rt.started_at), "owned_by": "mlxd"}
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [model_card(n) for n in (rt.info.model_name, *adapter_namespaces)]})
 
     @app.get("/v1/models/<path:name>")
     async def model(name: str) -> Response:
         check_model(name)
-        return _json({"id": rt.info.model_name, "object": "model", "created": int(rt.started_at), "owned_by": "mlxd"})
+        return _json(model_card(name if name in adapter_namespaces else rt.info.model_name))
 
     @app.get("/health")
     async def health() -> Response:
@@ -675,7 +691,7 @@ def create_app(
         async def render(realign: bool) -> tuple[int, ...]:
             try:
                 return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
-                                            realign=realign)
+                                            realign=realign, namespace=namespace_of(parsed.model))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), param=param) from None
 

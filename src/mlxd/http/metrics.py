@@ -167,6 +167,12 @@ def _runtime_families(s: RuntimeStats) -> Iterator[Metric]:
                        spec.constrained_rows)
         yield _counter("mlxd_speculation_grammar_refused_tokens", "Draft tokens cut because the grammar refused them.",
                        spec.grammar_refused)
+        yield _counter("mlxd_speculation_draft_prefix_reused_tokens",
+                       "Prompt tokens a draft model's KV took from the prompt cache at a row's first step.",
+                       spec.draft_prefix_reused)
+        yield _counter("mlxd_speculation_draft_prefix_recomputed_tokens",
+                       "Prompt tokens a draft model computed itself at a row's first step.",
+                       spec.draft_prefix_recomputed)
 
 
 def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:

@@ -62,6 +62,9 @@ class RuntimeConfig:
     model_name: str | None = None
     # A Jinja chat template file that replaces the model's own (--chat-template, as mlx_lm.server's).
     chat_template: str | None = None
+    # LoRA adapters (--adapter NAME=DIR, mlx-lm's adapter directories): (name, dir) pairs; a request
+    # names one as its `model`, and each is its own cache namespace (engine/adapters.py).
+    adapters: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
 
     # RAM tier byte cap; 0 disables the prompt cache.
     prompt_cache_bytes: int = attrs.field(default=2 * GB, validator=_non_negative)
@@ -237,5 +240,8 @@ class RuntimeConfig:
             # Each rank would have to write, restore and flush its own shard files in step with rank 0.
             raise ValueError("--distributed keeps the prompt cache in RAM only for now (each rank would need its "
                              "own shard files): leave out --ssd-cache")
+        if self.distributed and self.adapters:
+            # Every rank would have to shard each adapter's A and B the way its linear layers are sharded.
+            raise ValueError("--adapter is not supported with --distributed yet: serve adapters on one process")
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")

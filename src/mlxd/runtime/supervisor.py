@@ -753,6 +753,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         prefetcher=cold.prefetch_inbox.clone() if cold else None,
         checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         kv_admission=_kv_admission(config, info),
+        draft_tag=info.draft_tag,
     )
     await actors.start(scheduler.run)
     return Runtime(

@@ -171,6 +171,15 @@ class RestoreSnapshot:
 
 
 @attrs.frozen(eq=False)
+class DraftPrefix:
+    """--draft-model: the draft's own cached prefix of a request (its namespace; a RAM hit or a cold file read)."""
+
+    namespace: str
+    hit: CacheHit | None = None
+    restore: RestoreSnapshot | None = None  # wins over `hit`
+
+
+@attrs.frozen(eq=False)
 class ResumeGeneration:
     """An in-flight generation checkpoint read from disk, to continue on the engine thread."""
 
@@ -188,6 +197,7 @@ class StartGeneration:
     # The request key when generation checkpoints are on (kv.gen_checkpoint.request_key).
     checkpoint_key: str | None = None
     resume: ResumeGeneration | None = None  # wins over `hit` and `restore`
+    draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix
 
 
 @attrs.frozen

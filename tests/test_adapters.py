@@ -1,0 +1,309 @@
+"""--adapter NAME=DIR: mlx-lm LoRA adapters chosen per request by `model`, batched with the base.
+
+Two random adapters for the tiny test model are written as `mlx_lm.lora` writes
+trained ones (mlx-lm's own tuner converts the layers; mlxd.model.lora). Each
+row must give what `mlx_lm.load(model, adapter_path=DIR)` gives alone (greedy
+tokens, logprobs), in a batch mixing adapters and the base; and each adapter is
+its own cache namespace, in RAM and on SSD across a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+from mlxd.cli import build_parser
+from mlxd.engine import adapters as adapters_mod
+from mlxd.engine.core import EngineCore
+from mlxd.engine.loading import cast_float_weights
+from mlxd.engine.ops import ModelRefused, RowStart, StepOps
+from mlxd.model.lora import build_adapter
+from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.kernel.messages import (
+    GenerationFinished,
+    GenerationRequest,
+    SamplingParams,
+    TokenGenerated,
+)
+
+from serving import ServerThread, config_for
+
+rnd = random.Random(25)
+
+
+def prompt(n: int = 40) -> tuple[int, ...]:
+    return tuple(rnd.randrange(3, 250) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """"one": every linear of every layer, rank 4; "two": q and v of the last layer only, rank 8."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "one": build_adapter(tiny_model_dir, root / "one", seed=1, rank=4),
+        "two": build_adapter(tiny_model_dir, root / "two", seed=2, rank=8, num_layers=1,
+                             keys=["self_attn.q_proj", "self_attn.v_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """name -> (prompt, n) -> (greedy tokens, their logprobs) from mlx-lm alone, the adapter loaded its way."""
+    from mlx_lm.generate import generate_step
+
+    models: dict[str | None, object] = {}
+
+    def run(adapter: Path | None, ids: tuple[int, ...], n: int) -> tuple[list[int], list[float]]:
+        if adapter not in models:
+            model, _ = load(str(tiny_model_dir), adapter_path=str(adapter) if adapter else None)
+            cast_float_weights(model, mx.float32)  # as the server does on CPU
+            models[adapter] = model
+        tokens, logprobs = [], []
+        for (token, lp), _ in zip(generate_step(mx.array(ids), models[adapter], max_tokens=n), range(n), strict=False):
+            tokens.append(int(token))
+            logprobs.append(float(lp[int(token)]))
+        return tokens, logprobs
+
+    return run
+
+
+def adapter_config(tiny_model_dir: Path, lora_dirs: dict[str, Path], **overrides: object) -> RuntimeConfig:
+    pairs = tuple((name, str(path)) for name, path in lora_dirs.items())
+    return config_for(tiny_model_dir, adapters=pairs, **overrides)
+
+
+# --- the engine core: one batch mixing the base and both adapters ------------------------------
+
+
+def test_a_mixed_batch_matches_mlx_lm_row_for_row(tiny_model_dir, lora_dirs, reference):
+    """Base, "one" and "two" rows decode together (one joins mid-decode); each equals mlx-lm alone."""
+    for speculative in ("off", "ngram"):  # the verifying batch selects adapters too
+        core = EngineCore(adapter_config(tiny_model_dir, lora_dirs, prompt_cache_bytes=0, speculative=speculative))
+        info = core.load()
+        ns = {a.name: a.namespace for a in info.adapters}
+        assert set(ns) == {"one", "two"} and len(set(ns.values())) == 2 and "" not in ns.values()
+        p = {"base": prompt(), "one": prompt(), "two": prompt(), "one-late": prompt(30)}
+        names = {"base": "", "one": ns["one"], "two": ns["two"], "one-late": ns["one"]}
+        requests = {rid: GenerationRequest(request_id=rid, prompt=p[rid], namespace=names[rid],
+                                           sampling=SamplingParams(max_tokens=12, logprobs=True)) for rid in p}
+        tokens: dict[str, list[int]] = {rid: [] for rid in p}
+        logprobs: dict[str, list[float]] = {rid: [] for rid in p}
+        done: set[str] = set()
+        ops = StepOps(starts=tuple(RowStart(request=requests[r]) for r in ("base", "one", "two")))
+        steps = 0
+        while len(done) < len(p):
+            result = core.step(ops)
+            steps += 1
+            ops = StepOps(starts=(RowStart(request=requests["one-late"]),)) if steps == 4 else StepOps()
+            assert not result.rejected, result.rejected
+            for emit in result.emits:
+                if isinstance(emit.event, TokenGenerated):
+                    tokens[emit.request_id].append(emit.event.token)
+                    logprobs[emit.request_id].append(emit.event.logprob)
+                elif isinstance(emit.event, GenerationFinished):
+                    done.add(emit.request_id)
+        spec = core.stats().speculation
+        assert speculative == "off" or (spec is not None and spec.accepted > 0), "drafts were verified"
+        core.close()
+        for rid in p:
+            adapter = lora_dirs.get(rid.removesuffix("-late"))
+            want_tokens, want_logprobs = reference(adapter, p[rid], len(tokens[rid]))
+            assert tokens[rid] == want_tokens, (speculative, rid)
+            assert logprobs[rid] == pytest.approx(want_logprobs, abs=1e-4), (speculative, rid)
+    # The adapters change the model: the base model's logprobs for "one"'s prompt differ.
+    base_tokens, base_logprobs = reference(None, p["one"], 12)
+    one_tokens, one_logprobs = reference(lora_dirs["one"], p["one"], 12)
+    assert base_logprobs != pytest.approx(one_logprobs, abs=1e-2)
+
+
+# --- over HTTP ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, lora_dirs):
+    with ServerThread(adapter_config(tiny_model_dir, lora_dirs)) as s:
+        yield s
+
+
+def complete(server, model: str, ids: tuple[int, ...], max_tokens: int = 8) -> dict:
+    r = httpx.post(server.base_url + "/completions", timeout=120, json={
+        "model": model, "prompt": list(ids), "max_tokens": max_tokens, "logprobs": 0, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_against(reference, tokenizer, body: dict, adapter: Path | None, ids: tuple[int, ...]) -> None:
+    got = body["choices"][0]["logprobs"]
+    want_tokens, want_logprobs = reference(adapter, ids, len(got["tokens"]))
+    assert got["tokens"] == [tokenizer.decode([t]) for t in want_tokens]
+    assert got["token_logprobs"] == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def test_each_model_name_serves_its_adapter(server, lora_dirs, reference):
+    tokenizer = server.runtime.tokenizer
+    for model in ("tiny", "default", "one", "two"):
+        ids = prompt()
+        body = complete(server, model, ids)
+        check_against(reference, tokenizer, body, lora_dirs.get(model), ids)
+        assert body["model"] == (model if model in lora_dirs else "tiny")
+
+
+def test_concurrent_requests_of_each_adapter_match_mlx_lm(server, lora_dirs, reference):
+    tokenizer = server.runtime.tokenizer
+    jobs = [(model, prompt(36 + 4 * i)) for i, model in enumerate(("tiny", "one", "two", "one", "tiny", "two"))]
+    bodies: list[dict | None] = [None] * len(jobs)
+
+    def send(i: int) -> None:
+        bodies[i] = complete(server, jobs[i][0], jobs[i][1], max_tokens=16)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for (model, ids), body in zip(jobs, bodies, strict=True):
+        assert body is not None
+        check_against(reference, tokenizer, body, lora_dirs.get(model), ids)
+
+
+def cached(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_no_prefix_is_shared_across_adapters_or_with_the_base(server):
+    ids = prompt(48)
+    assert cached(complete(server, "one", ids)) == 0
+    assert cached(complete(server, "one", ids)) > 0, "the same adapter reuses its own prefix"
+    assert cached(complete(server, "two", ids)) == 0, "another adapter never does"
+    assert cached(complete(server, "tiny", ids)) == 0, "nor does the base model"
+    assert cached(complete(server, "default", ids)) > 0, "the base reuses its own (under its alias too)"
+    chat = {"messages": [{"role": "user", "content": "Adapters keep their own caches. " * 4}], "max_tokens": 2}
+    for model, want in (("one", 0), ("one", 1), ("two", 0)):
+        r = httpx.post(server.base_url + "/chat/completions", json={"model": model, **chat}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert (cached(r.json()) > 0) == bool(want), (model, r.json()["usage"])
+
+
+def test_models_lists_the_adapters_and_unknown_names_are_404(server):
+    listed = httpx.get(server.base_url + "/models", timeout=30).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None), ("one", "tiny"), ("two", "tiny")]
+    assert httpx.get(server.base_url + "/models/two", timeout=30).json()["parent"] == "tiny"
+    for route, body in (("/completions", {"prompt": "hi"}),
+                        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                        ("/responses", {"input": "hi"})):
+        r = httpx.post(server.base_url + route, json={"model": "three", **body}, timeout=30)
+        assert r.status_code == 404, (route, r.text)
+        assert "'three'" in r.text and "'one'" in r.text, r.text
+
+
+def test_the_other_routes_select_the_adapter_too(server):
+    """Messages and Responses run the chat route's path: the adapter's namespace, its own cache."""
+    for route, body, usage in (
+        ("/messages", {"messages": [{"role": "user", "content": "Messages keep the adapter's own. " * 4}],
+                       "max_tokens": 2},
+         lambda u: u["cache_read_input_tokens"]),
+        ("/responses", {"input": "Responses keep the adapter's own. " * 4, "max_output_tokens": 2},
+         lambda u: u["input_tokens_details"]["cached_tokens"]),
+    ):
+        reads = []
+        for model in ("two", "two", "one"):
+            r = httpx.post(server.base_url + route, json={"model": model, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            reads.append(usage(r.json()["usage"]))
+        # (the template's first few tokens may hit: earlier requests of the same adapter opened that way)
+        assert reads[1] > 40 and reads[0] < 10 and reads[2] < 10, (route, reads)
+
+
+def test_the_ssd_tier_keeps_namespaces_apart_across_a_restart(tiny_model_dir, lora_dirs, tmp_path):
+    ids = prompt(48)
+    config = adapter_config(tiny_model_dir, lora_dirs, ssd_cache_dir=tmp_path / "ssd")
+    with ServerThread(config) as first:
+        for model in ("one", "tiny"):
+            assert cached(complete(first, model, ids)) == 0
+        r = httpx.post(first.base_url.removesuffix("/v1") + "/admin/cache/flush", timeout=60)
+        assert r.status_code == 200 and r.json()["durable"], r.text
+    namespaces = {p.parent.name for p in (tmp_path / "ssd").rglob("*.mlxkv")}
+    assert len(namespaces) == 2, "one directory per namespace: the base's and one's"
+    with ServerThread(config) as second:
+        assert cached(complete(second, "two", ids)) == 0, "two never reads one's or the base's files"
+        one = complete(second, "one", ids)
+        assert cached(one) > 0, "one restores its own"
+        assert cached(complete(second, "tiny", ids)) > 0, "the base restores its own"
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def _rewrite(src: Path, dest: Path, *, config=None, weights=None) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (dest / "adapter_config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    w = dict(mx.load(str(src / "adapters.safetensors")))
+    mx.save_safetensors(str(dest / "adapters.safetensors"), weights(w) if weights else w)
+    return dest
+
+
+def _first_a(w: dict) -> dict:
+    key = sorted(k for k in w if k.endswith("lora_a"))[0]
+    return {**w, key: mx.zeros((w[key].shape[0] + 8, w[key].shape[1]))}
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("missing", "no adapter_config.json there"),
+    ("dora", "DoRA adapters are not supported"),
+    ("full", "serve it with --model"),
+    ("unknown", "unknown fine_tune_type 'prefix'"),
+    ("alpha", "use 'scale'"),
+    ("shape", "does not fit this model"),
+    ("stranger", "not a LoRA parameter of this model"),
+    ("clash", "the served model's own"),
+    ("alias", "the served model's own"),
+    ("twice", "is given twice"),
+])
+def test_adapters_that_cannot_serve_are_refused_at_load(tiny_model_dir, lora_dirs, tmp_path, case, message):
+    one = lora_dirs["one"]
+    made = {
+        "missing": lambda: (tmp_path / "empty").mkdir() or tmp_path / "empty",
+        "dora": lambda: _rewrite(one, tmp_path / "d", config=lambda c: {**c, "fine_tune_type": "dora"}),
+        "full": lambda: _rewrite(one, tmp_path / "d", config=lambda c: {**c, "fine_tune_type": "full"}),
+        "unknown": lambda: _rewrite(one, tmp_path / "d", config=lambda c: {**c, "fine_tune_type": "prefix"}),
+        "alpha": lambda: _rewrite(one, tmp_path / "d", config=lambda c: {
+            **c, "lora_parameters": {"rank": 4, "alpha": 8}}),
+        "shape": lambda: _rewrite(one, tmp_path / "d", weights=_first_a),
+        "stranger": lambda: _rewrite(one, tmp_path / "d", weights=lambda w: {**w, "model.norm.lora_a": mx.zeros((2,))}),
+    }
+    path = made[case]() if case in made else one
+    pairs = {"clash": [("tiny", str(one))], "alias": [("default", str(one))],
+             "twice": [("x", str(one)), ("x", str(lora_dirs["two"]))]}.get(case, [("x", str(path))])
+    model, _ = load(str(tiny_model_dir))
+    with pytest.raises(ModelRefused, match=message):
+        adapters_mod.install(model, pairs, reserved=("tiny", "default", "default_model"))
+    assert not any(isinstance(m, adapters_mod.RowLoRA) for _, m in model.named_modules()), "left untouched"
+
+
+def test_a_refused_adapter_stops_the_server_with_its_reason(tiny_model_dir, tmp_path):
+    config = config_for(tiny_model_dir, adapters=(("x", str(tmp_path / "nowhere")),))
+    with pytest.raises(BaseException) as failed:
+        with ServerThread(config):
+            pass
+    assert failed.group_contains(ModelRefused) if isinstance(failed.value, BaseExceptionGroup) else isinstance(
+        failed.value, ModelRefused), repr(failed.value)
+
+
+def test_flags():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--adapter", "a=/x", "--adapter", "b = /y"])
+    assert args.adapter == [("a", "/x"), ("b", "/y")]
+    for bad in ("nodir", "=/x", "a b=/x", "a="):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--adapter", bad])
+    with pytest.raises(ValueError, match="--adapter is not supported with --distributed"):
+        RuntimeConfig(distributed=True, adapters=(("a", "/x"),))
