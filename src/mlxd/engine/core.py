@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from mlxd.engine import loading
+from mlxd.engine.adapters import RowAdapters
 from mlxd.engine.features import (
     Constrained,
     Ending,
@@ -90,6 +91,7 @@ class Row:
     start: RowStart
     sampling: Sampling
     features: tuple[Feature, ...]
+    adapter: int = 0  # --adapter: the index its forwards select (0: the base model)
     uid: int = -1
     cached_tokens: int = 0
     generated: int = 0
@@ -159,6 +161,8 @@ class EngineCore:
         self._draft: Any = None  # --draft-model: engine/draft.py's DraftModel (set by load())
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
         self._trims = True
+        # --adapter: LoRA adapters each row may select (engine/adapters.py; set by load()).
+        self.adapters = RowAdapters()
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class EngineCore:
         with mx.stream(self._stream):
             loaded = loading.load(self._config, self._stream)
             self.model, self.tokenizer, self.channel = loaded.model, loaded.tokenizer, loaded.channel
+            self.adapters = loading.adapters(self.model, self._config)
             self._eos = frozenset(self.tokenizer.eos_token_ids)
             self.vision = load_vision(
                 loaded.path, self.model, dtype=mx.float32 if mx.default_device() == mx.cpu else None,
@@ -229,6 +234,7 @@ class EngineCore:
             store_identity=self.store_identity,
             probe=probe,
             memory_budget_bytes=self._memory_budget,
+            adapters=self.adapters.infos,
             draft_tag=self._draft.tag if self._draft is not None else None,
         )
 
@@ -283,7 +289,13 @@ class EngineCore:
             generator._generation_batch = SpeculativeBatch.build(
                 self.model, generator.sampler, drafts=self._drafts, k=self._config.num_draft_tokens
             )
+        self.adapters.bind(generator, self._row_adapter)  # --adapter: each forward selects its rows' adapters
         return generator
+
+    def _row_adapter(self, uid: int) -> int:
+        """The adapter a generator row selects (0 for rows not in the batch's book, e.g. the device probe's)."""
+        row = self._rows.get(uid)
+        return row.adapter if row is not None else 0
 
     def reset(self) -> None:
         """Drop every row and start a fresh generator (after a failed step)."""
@@ -456,7 +468,8 @@ class EngineCore:
             features.append(PromptCheckpoints(at_boundary=prompt_new_tokens >= threshold))
         if start.checkpoint_key is not None:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
-        return Row(start=start, sampling=sampling, features=tuple(features))
+        return Row(start=start, sampling=sampling, features=tuple(features),
+                   adapter=self.adapters.index_of(req.namespace))
 
     def _speculation(self, start: RowStart, prompt_new_tokens: int) -> Speculation:
         """A speculating row's part: drafts from its own n-grams, or from the draft model, whose KV
@@ -542,10 +555,11 @@ class EngineCore:
             lent, usable, tier = None, 0, "none"
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
-        if req.media:
-            lent, joins_at = self._media_prefill(req, lent, usable)
-        elif self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
-            lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
+        with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
+            if req.media:
+                lent, joins_at = self._media_prefill(req, lent, usable)
+            elif self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
+                lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1)
         self._draft_prefix(row, start, out)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]))

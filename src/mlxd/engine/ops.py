@@ -27,6 +27,7 @@ from mlxd.runtime.kernel.messages import (
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from mlxd.engine.adapters import AdapterInfo
     from mlxd.kv.device_costs import DeviceProbe
     from mlxd.kv.prompt_cache import CacheHit
     from mlxd.kv.ssd_store import StoreIdentity
@@ -51,6 +52,7 @@ class EngineInfo:
     store_identity: StoreIdentity  # what SSD files and KV-event block hashes must match
     probe: DeviceProbe | None = None  # the startup device probe, when it ran
     memory_budget_bytes: int = 0  # resolved --memory-budget (0 = none)
+    adapters: tuple[AdapterInfo, ...] = ()  # --adapter: the LoRA adapters requests may name
     draft_tag: str | None = None  # --draft-model: its identity, the suffix of its cache entries' namespace
 
 
