@@ -86,6 +86,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-cache-gb", type=_gb, default=0,
                    help="host-memory tier in GB between the RAM tier and SSD: RAM victims move there instead of "
                    "leaving (CUDA; a logged no-op on unified memory: CPU, Apple); 0 disables (default)")
+    p.add_argument("--ram-pages", choices=("on", "off"), default="off",
+                   help="hold RAM entries as shared KV pages, so conversations over one prefix hold it once "
+                   "(attention-only models; others stay contiguous, logged); off = one contiguous copy per "
+                   "entry (default; docs/operations.md#paged-ram-tier)")
+    p.add_argument("--ram-page-tokens", type=_positive_int, metavar="N",
+                   help="tokens per RAM page with --ram-pages on (default: the SSD block span, "
+                   "--ssd-block-tokens or sized from the model's KV bytes per token)")
     p.add_argument("--retention", choices=("lru", "lfu", "cost"), default="lru", help="RAM retention policy")
     p.add_argument("--kv-bits", type=int, choices=(4, 8),
                    help="store attention KV affine-quantized to 4 or 8 bits (default: the model's precision)")
@@ -257,6 +264,8 @@ def serve_config(args: argparse.Namespace):
         adapters=tuple(args.adapter),
         prompt_cache_bytes=args.prompt_cache_gb,
         host_cache_bytes=args.host_cache_gb,
+        ram_pages=args.ram_pages,
+        ram_page_tokens=args.ram_page_tokens or 0,
         retention=args.retention,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,

@@ -248,7 +248,7 @@ class CacheOwnerActor:
                 tiers.publish(
                     msg.tokens, msg.namespace, payload=msg.payload, nbytes=msg.nbytes, trimmable=msg.trimmable,
                     plan=msg.plan, file_nbytes=None if msg.plan is None else msg.plan.nbytes, durable=msg.durable,
-                    session=msg.session,
+                    session=msg.session, pages=msg.pages,
                 )
             )
             if msg.shard is not None and self._engine is not None:

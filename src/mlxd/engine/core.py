@@ -155,6 +155,7 @@ class EngineCore:
         self._model_path: Path | None = None
         self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
+        self._pages: Any = None  # --ram-pages on: kv/page_pool.PagePool, RAM entries' shared pages (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
         self._drafts = Drafts(self._rows)
         self._speculate = config.speculative != "off"
@@ -218,6 +219,7 @@ class EngineCore:
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
             identity = model_identity(loaded.path)  # content hash (memoized per file); not the served name
             self._store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
+            self._pages = self._page_pool(kv_bytes_per_token)
             self._model_path = loaded.path
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
@@ -237,6 +239,26 @@ class EngineCore:
             adapters=self.adapters.infos,
             draft_tag=self._draft.tag if self._draft is not None else None,
         )
+
+    def _page_pool(self, kv_bytes_per_token: int) -> Any:
+        """--ram-pages on: where RAM entries' shared pages come from (None: off, or caches that stay contiguous)."""
+        if self._config.ram_pages != "on":
+            return None
+        from mlxd.kv.blocks import span_for
+        from mlxd.kv.page_pool import PagePool, unpaged_reason
+
+        reason = unpaged_reason(loading.fresh_caches(self.model, self._config))
+        if reason is not None:
+            log.warning("engine.ram_pages_off", reason=reason)
+            return None
+        tokens = self._config.ram_page_tokens or self._config.ssd_block_tokens or span_for(kv_bytes_per_token)
+        log.info("engine.ram_pages", page_tokens=tokens)
+        return PagePool(fingerprint=self.store_identity.fingerprint, page_tokens=tokens)
+
+    def _paged(self, caches: list[Any], tokens: tuple[int, ...], namespace: str) -> tuple[Any, tuple[Any, ...]]:
+        """A checkpoint's RAM payload and its pages: shared pages with --ram-pages on, else the caches as they are."""
+        paged = None if self._pages is None else self._pages.page(caches, tokens, namespace)
+        return (caches, ()) if paged is None else (paged, paged.refs)
 
     def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
         """Measure this device (seconds) before serving; see actors/device_probe.py."""
@@ -359,10 +381,11 @@ class EngineCore:
         """A write plan of a cached checkpoint's first `length` tokens (a session export)."""
         import mlx.core as mx
 
-        from mlxd.kv import kinds
+        from mlxd.kv import kinds, page_pool
 
         with mx.stream(self._stream):
-            lent = kinds.lend(caches, length, total=total) if length < total else caches
+            whole = length == total and isinstance(caches, list)
+            lent = caches if whole else page_pool.lend(caches, length, total=total)
             return kinds.plan_snapshot(lent, meta=meta)
 
     def adopt_checkpoint(self, loaded: LoadedSnapshot) -> tuple[list[Any], int, bool]:
@@ -491,7 +514,7 @@ class EngineCore:
         """--draft-model: the row's draft starts from its own cached prefix (RAM, or a cold file adopted
         and published to RAM); without one it computes the prefix at its first step."""
         from mlxd.engine.draft import ModelDrafts
-        from mlxd.kv import kinds
+        from mlxd.kv import kinds, page_pool
 
         found, source = start.draft, next((p.source for p in row.features if isinstance(p, Speculation)), None)
         if found is None or not isinstance(source, ModelDrafts):
@@ -509,7 +532,7 @@ class EngineCore:
             usable, lent = restore.usable, kinds.lend(caches, restore.usable, total=len(tokens))
         elif found.hit is not None and found.hit.usable > 0:
             usable = found.hit.usable
-            lent = kinds.lend(found.hit.entry.payload, usable, total=len(found.hit.entry.tokens))
+            lent = page_pool.lend(found.hit.entry.payload, usable, total=len(found.hit.entry.tokens))
         else:
             return
         source.start(lent, start.request.prompt[:usable])
@@ -540,7 +563,7 @@ class EngineCore:
         self._uids[row.request_id] = uid
 
     def _insert(self, start: RowStart, out: StepOut) -> None:
-        from mlxd.kv import kinds
+        from mlxd.kv import page_pool
 
         req = start.request
         sampling = Sampling.of(req.sampling)  # built (and checked) before the generator sees the row
@@ -549,7 +572,7 @@ class EngineCore:
         elif start.hit is not None:
             hit = start.hit
             usable = hit.usable
-            lent = kinds.lend(hit.entry.payload, usable, total=len(hit.entry.tokens))
+            lent = page_pool.lend(hit.entry.payload, usable, total=len(hit.entry.tokens))
             tier = "ram" if usable > 0 else "none"
         else:
             lent, usable, tier = None, 0, "none"
@@ -620,10 +643,12 @@ class EngineCore:
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
         tokens = tuple(restore.record.tokens)
         out.notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
+        payload, pages = self._paged(caches, tokens, start.request.namespace)
         out.notes.append(
             PublishPrefix(
-                tokens=tokens, namespace=start.request.namespace, payload=caches, nbytes=kinds.nbytes(caches),
+                tokens=tokens, namespace=start.request.namespace, payload=payload, nbytes=kinds.nbytes(caches),
                 trimmable=kinds.is_trimmable(caches), reason="restore", durable=True, session=start.request.session,
+                pages=pages,
             )
         )
         return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
@@ -769,7 +794,8 @@ class EngineCore:
         plan = None
         if self._config.ssd_cache_dir is not None:
             plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace))
+        payload, pages = self._paged(caches, exact, namespace)
         return PublishPrefix(
-            tokens=exact, namespace=namespace, payload=caches, nbytes=kinds.nbytes(caches),
-            trimmable=kinds.is_trimmable(caches), reason=reason, plan=plan, session=session,
+            tokens=exact, namespace=namespace, payload=payload, nbytes=kinds.nbytes(caches),
+            trimmable=kinds.is_trimmable(caches), reason=reason, plan=plan, session=session, pages=pages,
         )

@@ -71,6 +71,12 @@ class RuntimeConfig:
     # Host-memory tier between RAM and SSD (kv/host_tier.py): RAM victims move there
     # instead of leaving (0 = off; a no-op where host and device memory are one: CPU, Apple).
     host_cache_bytes: int = attrs.field(default=0, validator=_non_negative)
+    # RAM entries as shared, reference-counted KV pages (kv/ram_pages.py): "on" = conversations over
+    # one prefix hold its KV once (attention-only models; others stay contiguous, logged at load);
+    # "off" = one contiguous copy per entry.
+    ram_pages: str = attrs.field(default="off", validator=attrs.validators.in_(("on", "off")))
+    # Tokens per RAM page (0 = the SSD blocks' span: ssd_block_tokens, else blocks.span_for).
+    ram_page_tokens: int = attrs.field(default=0, validator=_non_negative)
     retention: str = attrs.field(
         default="lru", validator=attrs.validators.in_(("lru", "lfu", "cost"))
     )
@@ -243,5 +249,11 @@ class RuntimeConfig:
         if self.distributed and self.adapters:
             # Every rank would have to shard each adapter's A and B the way its linear layers are sharded.
             raise ValueError("--adapter is not supported with --distributed yet: serve adapters on one process")
+        if self.ram_pages == "on" and self.distributed:
+            # Follower ranks mirror the leader's entries as contiguous shards (kv/shard_mirror.py).
+            raise ValueError("--ram-pages on is not supported with --distributed yet: leave it off")
+        if self.ram_pages == "on" and self.host_cache_bytes > 0:
+            # A demotion moves an entry's memory to the host; a page other RAM entries share must stay.
+            raise ValueError("--ram-pages on and --host-cache-gb do not combine yet: choose one")
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")

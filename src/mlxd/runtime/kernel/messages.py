@@ -22,6 +22,7 @@ import trio
 from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
+from mlxd.kv.ram_pages import PageRef
 from mlxd.kv.shard_mirror import ShardRef
 from mlxd.kv.tiers import PrefixLookup, SessionCheckpoint, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
@@ -275,6 +276,7 @@ class PublishPrefix:
     durable: bool = False  # already on SSD (a restored file)
     session: str | None = None  # the session whose latest checkpoint this becomes
     shard: ShardRef | None = None  # --distributed: the followers keep their shard of it under this key
+    pages: tuple[PageRef, ...] = ()  # --ram-pages on: the shared KV pages `payload` is made of
 
 
 @attrs.frozen(eq=False)
