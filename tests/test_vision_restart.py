@@ -39,7 +39,7 @@ def test_restart_restores_the_image_prefix_and_its_encoder_output(tmp_path: Path
         first = ask(a.client(), "You look at pictures.")
         a.signal()
         assert a.wait() == 0, a.log()
-    assert list((ssd / "tensors").glob("*/*.mlxt"))  # the encoder output is on disk
+    assert list((ssd / "tensors").glob("*/*/*.mlxt"))  # the encoder output is on disk
     with ServeProcess(*args, log_path=tmp_path / "b.log") as b:
         client = b.client()
         again = ask(client, "You look at pictures.")

@@ -21,6 +21,7 @@ import trio
 
 from mlxd.kv.host_tier import HostTier
 from mlxd.kv.kv_events import CPU, RAM, SSD, ResidencyLedger
+from mlxd.kv.media import ENCODER_NAMESPACE, encoder_key
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -48,6 +49,7 @@ from mlxd.runtime.kernel.messages import (
     CacheStatsSnapshot,
     CloseSession,
     DurabilityMessage,
+    EncoderOutputs,
     EngineInbox,
     EntryDurable,
     EntryNotPersisted,
@@ -185,7 +187,8 @@ class CacheOwnerActor:
         if self.tiers.host is not None:
             events += self._ledger.sync(CPU, self.tiers.host.entries())
         if self.tiers.ssd:
-            events += self._ledger.sync(SSD, self.tiers.ssd_records())
+            # (vision encoder outputs are no KV blocks)
+            events += self._ledger.sync(SSD, [r for r in self.tiers.ssd_records() if r.namespace != ENCODER_NAMESPACE])
         self._kv_pending.extend(events)
         if self._kv_pending:
             try:
@@ -269,6 +272,8 @@ class CacheOwnerActor:
             self._count.restore_ms_last = round(msg.seconds * 1000, 3)
         elif isinstance(msg, MemoryMeasured):
             self._apply(tiers.observe_memory(msg.active_bytes, peak_bytes=msg.peak_bytes))
+        elif isinstance(msg, EncoderOutputs):
+            self._encoder_outputs(msg)
         elif isinstance(msg, FindCheckpointTokens):
             msg.reply.send(tiers.checkpoint_tokens(msg.tokens, msg.namespace))
         elif isinstance(msg, CloseSession):
@@ -288,6 +293,18 @@ class CacheOwnerActor:
             if self._durability is None:
                 raise RuntimeError("no SSD tier to flush to")
             self._durability.send_nowait(msg.flush)
+
+    def _encoder_outputs(self, msg: EncoderOutputs) -> None:
+        """Vision encoder outputs are SSD records like checkpoints (vision/tensor_store.py): a new one is
+        written through the coordinator (a flush waits for it), a reused one is the most recently used."""
+        if self._durability is None or self._store is None or self._store.encoder_identity is None:
+            return
+        for digest in msg.used:
+            self.tiers.touch_ssd(encoder_key(digest), ENCODER_NAMESPACE)
+        for plan in msg.encoded:
+            if self.tiers.ssd_fits(plan.nbytes):  # an output larger than the cap is a re-encode each time
+                self._durability.send_nowait(
+                    MarkDirty(ENCODER_NAMESPACE, encoder_key(plan.digest), plan, False, plan.nbytes))
 
     def _apply(self, effects: list[Effect]) -> None:
         """Carry out the core's effects (never blocking)."""
@@ -385,7 +402,10 @@ class CacheOwnerActor:
 
     def stats(self) -> CacheStatsSnapshot:
         tiers = self.tiers.stats()
+        encoder = [r.nbytes for r in self.tiers.ssd_records() if r.namespace == ENCODER_NAMESPACE]
         return CacheStatsSnapshot(
+            encoder_files=len(encoder),
+            encoder_bytes=sum(encoder),
             tiers=tiers,
             published=dict(self.published),
             restores=self._count.restores,

@@ -138,11 +138,14 @@ class DurabilityCoordinator:
         # What the SSD tier holds now, from the cache owner (it owns the index).
         reply: Reply[CacheStatsSnapshot] = Reply()
         await self._cache.send(QueryCacheStats(reply))
-        tiers = (await reply.wait()).tiers
+        snapshot = await reply.wait()
+        tiers = snapshot.tiers
         for waiter in done:
             self._queue.close_flush(waiter.targets)
-            waiter.reply.send(self._report(waiter, tiers.ssd_entries, tiers.ssd_bytes,
-                                           tiers.longest_durable_prefix_tokens))
+            report = self._report(waiter, tiers.ssd_entries, tiers.ssd_bytes, tiers.longest_durable_prefix_tokens)
+            # Vision encoder outputs are written through this queue too (vision/tensor_store.py).
+            waiter.reply.send(attrs.evolve(report, encoder_outputs=snapshot.encoder_files,
+                                           encoder_output_bytes=snapshot.encoder_bytes))
         self._waiters = [w for w in self._waiters if w not in done]
         self._queue.dropped_since_flush = 0
         self._not_stored = []

@@ -28,10 +28,15 @@ from mlxd.runtime.kernel.messages import (
 )
 from mlxd.runtime.kernel.mlx_thread import MlxThread, lower_priority
 from mlxd.runtime.logging import get_logger
+from mlxd.vision.tensor_store import TensorPlan
 
 log = get_logger("mlxd.ssd_writer")
 
-def _write(store: SsdStore, plan: SnapshotPlan, pacer: Pacer, staging: host_memory.Staging | None) -> WriteOutcome:
+def _write(
+    store: SsdStore, plan: SnapshotPlan | TensorPlan, pacer: Pacer, staging: host_memory.Staging | None
+) -> WriteOutcome:
+    if isinstance(plan, TensorPlan):  # a vision encoder output: small, already in host memory
+        return store.write(plan)
     # On CUDA the plan's buffers are the RAM tier's own KV (managed memory):
     # copy them to host memory in bulk first, so the write never reads device
     # pages beside decode (runtime/host_memory.py); without a side stream, read

@@ -198,7 +198,7 @@ class EngineCore:
             self._eos = frozenset(self.tokenizer.eos_token_ids)
             self.vision = load_vision(
                 loaded.path, self.model, dtype=mx.float32 if mx.default_device() == mx.cpu else None,
-                tensors_root=self._config.ssd_cache_dir / "tensors" if self._config.ssd_cache_dir else None,
+                persist=self._config.ssd_cache_dir is not None,
             )
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
@@ -327,8 +327,6 @@ class EngineCore:
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
-        if self.vision is not None:  # encoder outputs queued for the SSD tier are written first
-            self.vision.drain()
         if self.generator is not None:
             self.generator.close()
             self.generator = None
@@ -457,6 +455,8 @@ class EngineCore:
             self._end(ops.stops, "stop", out)
             if self._rows:
                 self._next(out)
+        if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
+            out.notes.extend(self.vision.notes())
         return StepResult(tuple(out.emits), tuple(out.notes), tuple(out.finished), tuple(out.rejected), self.stats())
 
     def _join(self, start: RowStart, out: StepOut) -> None:

@@ -93,3 +93,15 @@ def model_tokens(tokens: Sequence[int], placeholder: int) -> list[int]:
 def media_end(spans: Sequence[MediaSpan]) -> int:
     """The position just past the last image (0 with none)."""
     return max((s.end for s in spans), default=0)
+
+
+# Encoder outputs (vision/tensor_store.py) are SSD records in a namespace of their own,
+# one no request can name, keyed by two ids from the image's digest.
+ENCODER_NAMESPACE = "\x00mlxd-encoder-outputs"
+
+
+def encoder_key(digest: str) -> tuple[int, int]:
+    """The SSD index key of an image's encoder output (two media-range ids)."""
+    h = hashlib.blake2b(f"encoder:{digest}".encode(), digest_size=16).digest()
+    a, b = int.from_bytes(h[:8], "little"), int.from_bytes(h[8:], "little")
+    return MEDIA_BASE + a % _MEDIA_RANGE, MEDIA_BASE + b % _MEDIA_RANGE

@@ -51,6 +51,13 @@ from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
+from mlxd.vision.tensor_store import (
+    TensorPlan,
+    is_tensor_record,
+    scan_tensors,
+    unlink_tensor,
+    write_plan,
+)
 
 log = get_logger(__name__)
 
@@ -155,6 +162,9 @@ class SsdStore:
     shared_grace_s: float | None = None
     layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
     block_tokens: int = 256  # the blocks layout's span (fixed per directory: names depend on it)
+    # A vision model's encoder identity: its encoder outputs under `tensors/` are records too
+    # (vision/tensor_store.py); not with a shared directory.
+    encoder_identity: str | None = None
     _blocks: BlockStore = attrs.field(init=False)
     # Taken by the first scan, before it touches a file, and held for the store's life (kv/dir_lock.py).
     _lock: DirLock | None = attrs.field(init=False, default=None)
@@ -170,6 +180,11 @@ class SsdStore:
     @property
     def blocks(self) -> BlockStore:
         return self._blocks
+
+    @property
+    def tensors_dir(self) -> Path:
+        """Encoder outputs: `<root>/tensors/<encoder identity>/<digest>/` (vision/tensor_store.py)."""
+        return self.root / "tensors"
 
     # ------------------------------------------------------- startup scan
 
@@ -220,6 +235,12 @@ class SsdStore:
             counts["orphans"] += blocks.report.orphans
             if counts["duplicates"]:
                 self._blocks.collect()
+        if self.encoder_identity is not None and self.shared_grace_s is None:
+            tensors = scan_tensors(self.tensors_dir, self.encoder_identity)  # a vision model's encoder outputs
+            found.update({(r.namespace, tuple(r.tokens)): r for r in tensors.records})
+            counts["corrupt"] += tensors.corrupt
+            counts["orphans"] += tensors.orphans
+            counts["duplicates"] += tensors.duplicates
         counts.pop("other", None)
         counts["indexed"] = len(found)
         report = ScanReport(**counts)
@@ -336,8 +357,16 @@ class SsdStore:
         _make_dirs(self.root, self.directory, ns_dir)
         return ns_dir / (uuid.uuid4().hex + ff.EXTENSION)
 
-    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> WriteOutcome:
+    def write(self, plan: ff.SnapshotPlan | TensorPlan, pacer: Pacer | None = None) -> WriteOutcome:
         """Write one snapshot (tmp + fsync + rename); `Stored` or `Failed` with the cause."""
+        if isinstance(plan, TensorPlan):  # a vision encoder output
+            t0 = time.perf_counter()
+            try:
+                record = write_plan(self.tensors_dir, plan, now=self.clock())
+            except OSError as exc:
+                err = ff.storage_error(exc, "writing an encoder output")
+                return Failed(str(err), disk_full=isinstance(err, ff.DiskFull))
+            return Stored(record, time.perf_counter() - t0)
         meta = plan.meta
         if self.layout == "blocks":
             try:
@@ -401,6 +430,9 @@ class SsdStore:
 
     def unlink(self, record: SsdRecord, garbage: Sequence[str] = ()) -> None:
         """Delete a file or manifest, then the blocks it leaves unnamed (`Unlink.garbage`)."""
+        if record.path is not None and is_tensor_record(record):
+            unlink_tensor(record.path)  # and its image's directory when empty
+            return
         if record.path is not None:
             _unlink(record.path)
         if garbage:

@@ -419,6 +419,12 @@ class CacheTiers:
         """Does an indexed record name this block (the simulator's stand-in for the block files)?"""
         return self._index.has_block(name)
 
+    def touch_ssd(self, tokens: Tokens, namespace: str = "") -> None:
+        """A record read outside a lookup (a vision encoder output) is now the most recently used."""
+        record = self._index.get(tokens, namespace)
+        if record is not None:
+            self._index.touch(record, self.now)
+
     def ssd_fits(self, nbytes: int) -> bool:
         return self.ssd_max_bytes <= 0 or nbytes <= self.ssd_max_bytes
 

@@ -23,6 +23,7 @@ from mlxd.kv.tiers import Key, key_of
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import SnapshotPlan
+    from mlxd.vision.tensor_store import TensorPlan
 
 State = Literal["queued", "writing", "failed"]
 
@@ -31,7 +32,7 @@ State = Literal["queued", "writing", "failed"]
 class DirtyRecord:
     namespace: str
     tokens: Tokens
-    plan: SnapshotPlan | None
+    plan: SnapshotPlan | TensorPlan | None  # a TensorPlan: a vision encoder output
     trimmable: bool
     nbytes: int
     version: int
@@ -76,7 +77,7 @@ class WriteQueue:
         return self._writing is not None
 
     def mark(
-        self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | None, trimmable: bool, nbytes: int,
+        self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | TensorPlan | None, trimmable: bool, nbytes: int,
         first: bool = False,
     ) -> None:
         """A new checkpoint to write (a newer version of the same tokens replaces a queued one).

@@ -87,6 +87,8 @@ class SsdTierStats:
     pacing: dict[str, object]  # the write governor's state (`WriteGovernor.as_dict`)
     restore_decisions: dict[str, float]
     shared: dict[str, int | bool] | None  # a directory shared with other replicas (--ssd-shared)
+    encoder_outputs: int = 0  # of `entries`: vision encoder outputs (vision/tensor_store.py)
+    encoder_output_bytes: int = 0  # of `bytes`
 
     @classmethod
     def of(
@@ -126,6 +128,8 @@ class SsdTierStats:
             pacing=pacing,
             restore_decisions=t.restore_decisions,
             shared=cache.shared,
+            encoder_outputs=cache.encoder_files,
+            encoder_output_bytes=cache.encoder_bytes,
         )
 
     @property
@@ -159,6 +163,7 @@ class SsdTierStats:
             "prefetch": attrs.asdict(self.prefetch),
             "writer": {**attrs.asdict(self.writer), "pacing": self.pacing},
             "restore_decisions": self.restore_decisions,
+            "encoder_outputs": {"entries": self.encoder_outputs, "bytes": self.encoder_output_bytes},
         }
         if self.shared is not None:
             out["shared"] = self.shared

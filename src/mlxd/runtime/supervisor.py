@@ -91,6 +91,7 @@ from mlxd.runtime.kernel.messages import (
 )
 from mlxd.runtime.logging import get_logger
 from mlxd.runtime.stats import RuntimeStats, SchedulerView, SsdTierStats
+from mlxd.vision.encoder import vision_identity
 
 log = get_logger("mlxd.runtime")
 
@@ -545,6 +546,8 @@ async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore
     store = SsdStore(
         Path(config.ssd_cache_dir), info.store_identity, layout=config.ssd_layout, block_tokens=block_tokens,
         shared_grace_s=config.ssd_shared_grace_s if config.ssd_shared else None,
+        # A vision model's encoder outputs are records of the tier too (vision/tensor_store.py).
+        encoder_identity=None if config.ssd_shared else vision_identity(Path(info.model_path)),
     )
     t0 = time.perf_counter()
     log.info("ssd.scan_started", dir=str(store.directory))

@@ -10,7 +10,9 @@ every image needs no tower at all.
 
 Encoder outputs are tensor objects (seed §5.13): kept by image digest in a
 byte-capped LRU in RAM (MLX arrays are immutable values: a lookup lends the
-array), handed to the SSD writer thread, and read back from SSD by the request
+array); with an SSD tier each new output leaves with the step's notes for the
+cache owner, which writes it through the durability coordinator like a
+checkpoint (vision/tensor_store.py), and the request reads it back from SSD
 before it reaches the engine (`ImageInput.features`).
 """
 
@@ -26,7 +28,8 @@ import attrs
 import numpy as np
 
 from mlxd.kv.media import MediaSpan, media_end, model_tokens
-from mlxd.vision.tensor_store import TensorWriter
+from mlxd.runtime.kernel.messages import EncoderOutputs
+from mlxd.vision.tensor_store import TensorPlan
 
 ENCODER_SCHEMA = "mlxd-encoder-v1"
 
@@ -51,6 +54,11 @@ def has_vision(model_dir: Path) -> bool:
         return False
 
 
+def vision_identity(model_dir: Path) -> str | None:
+    """A vision model's encoder identity (what its SSD encoder outputs are filed under); None without a tower."""
+    return encoder_identity(model_dir) if has_vision(model_dir) else None
+
+
 def encoder_identity(model_dir: Path) -> str:
     """What an encoder output depends on beyond the image: tower weights, processor, schema."""
     h = hashlib.sha256(ENCODER_SCHEMA.encode())
@@ -70,15 +78,21 @@ class EncoderCounters:
 
 @attrs.define
 class Vision:
-    """The tower, the placeholder id, the RAM tensor cache and the SSD writer (engine thread)."""
+    """The tower, the placeholder id and the RAM tensor cache (engine thread).
+
+    `persist` (an SSD tier): new outputs and reused digests go out with the step (`notes`).
+    """
 
     tower: Any
     placeholder: int
+    identity: str = ""
+    persist: bool = False
     max_bytes: int = 256 << 20
-    writer: TensorWriter | None = None
     counters: EncoderCounters = attrs.Factory(EncoderCounters)
     _cache: OrderedDict[str, Any] = attrs.Factory(OrderedDict)
     _bytes: int = 0
+    _encoded: list[TensorPlan] = attrs.Factory(list)
+    _used: dict[str, None] = attrs.Factory(dict)
 
     def stats(self) -> dict[str, int]:
         """EngineStats' media fields."""
@@ -86,10 +100,14 @@ class Vision:
         return {"media_encoded": c.encoded, "media_encoder_ram_hits": c.ram_hits,
                 "media_encoder_ssd_hits": c.ssd_hits, "media_prefills": c.media_prefills}
 
-    def drain(self, timeout: float = 10.0) -> None:
-        """Wait until the encoder outputs handed to the SSD writer are on disk (bounded)."""
-        if self.writer is not None:
-            self.writer.drain(timeout)
+    def notes(self) -> list[EncoderOutputs]:
+        """What this step encoded (to write) and reused (to refresh on SSD); [] when nothing."""
+        if not (self._encoded or self._used):
+            return []
+        note = EncoderOutputs(tuple(self._encoded), tuple(self._used))
+        self._encoded.clear()
+        self._used.clear()
+        return [note]
 
     def features(self, image: ImageInput, dtype: Any) -> Any:
         """The tower's output for `image`: from RAM, else from the SSD copy it brought, else encoded."""
@@ -100,18 +118,22 @@ class Vision:
         if cached is not None:
             self._cache.move_to_end(digest)
             self.counters.ram_hits += 1
+            if self.persist:
+                self._used[digest] = None
             return cached
         if image.features is not None and image.features.shape[0] == image.span.length:
             out = mx.array(image.features).astype(dtype)
             self.counters.ssd_hits += 1
+            if self.persist:
+                self._used[digest] = None
         else:
             out = self.tower(mx.array(image.patches)).astype(dtype)
             mx.eval(out)
             self.counters.encoded += 1
             if out.shape[0] != image.span.length:
                 raise ValueError(f"the tower gave {out.shape[0]} rows for a span of {image.span.length}")
-            if self.writer is not None:
-                self.writer.put(digest, np.array(out.astype(mx.float32)))
+            if self.persist:
+                self._encoded.append(TensorPlan(digest, self.identity, np.array(out.astype(mx.float32))))
         self._remember(digest, out)
         return out
 
@@ -161,8 +183,10 @@ def _embedding(model: Any) -> Any:
     return inner.embed_tokens
 
 
-def load_vision(model_dir: Path, model: Any, *, tensors_root: Path | None, dtype: Any = None) -> Vision | None:
-    """The Vision part of a model dir with a vision tower (None for a text-only model)."""
+def load_vision(model_dir: Path, model: Any, *, persist: bool, dtype: Any = None) -> Vision | None:
+    """The Vision part of a model dir with a vision tower (None for a text-only model).
+
+    `persist`: there is an SSD tier to keep the encoder outputs on."""
     import json
 
     from mlxd.vision.tower import load_tower
@@ -171,8 +195,4 @@ def load_vision(model_dir: Path, model: Any, *, tensors_root: Path | None, dtype
         return None
     cfg = json.loads((model_dir / "config.json").read_text())
     tower = load_tower(model_dir, dtype=dtype)
-    writer = None
-    if tensors_root is not None:
-        writer = TensorWriter(tensors_root, encoder_identity(model_dir))
-        writer.start()
-    return Vision(tower, int(cfg["image_token_id"]), writer=writer)
+    return Vision(tower, int(cfg["image_token_id"]), encoder_identity(model_dir), persist)

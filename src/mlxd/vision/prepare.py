@@ -30,7 +30,7 @@ from mlxd.vision.images import (
     image_part,
     read_url,
 )
-from mlxd.vision.tensor_store import read_tensor, tensor_path
+from mlxd.vision.tensor_store import find_tensor
 
 
 def image_refs(messages: Sequence[dict[str, Any]]) -> list[tuple[Any, str, str]]:
@@ -89,8 +89,7 @@ class MediaPreparer:
                 raise ImageRejected(f"{where}: {exc}") from None
             features = None
             if self.tensors_root is not None:
-                path = tensor_path(self.tensors_root, self.identity, prepared.digest)
-                features = read_tensor(path, digest=prepared.digest, identity=self.identity)
+                features = find_tensor(self.tensors_root, self.identity, prepared.digest)
                 self.ssd_reads += features is not None
             out.append((prepared, features))
         return out

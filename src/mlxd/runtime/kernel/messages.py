@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from mlxd.kv.ssd_store import WriteOutcome
     from mlxd.structured.spec import Constraint
     from mlxd.vision.encoder import ImageInput
+    from mlxd.vision.tensor_store import TensorPlan
 
 
 @attrs.frozen(kw_only=True)
@@ -328,6 +329,15 @@ class MemoryMeasured:
     reason: str  # "prefill" (a prefill boundary) or "decode" (every few hundred steps)
 
 
+@attrs.frozen(eq=False)
+class EncoderOutputs:
+    """A step's vision encoder outputs (vision/encoder.py): new ones for the SSD tier, and the images
+    whose outputs were reused (their SSD copies become the most recently used)."""
+
+    encoded: tuple[TensorPlan, ...]
+    used: tuple[str, ...]  # image digests
+
+
 @attrs.frozen
 class CacheStatsSnapshot:
     """The cache owner's counters, frozen at the time of the query."""
@@ -339,6 +349,8 @@ class CacheStatsSnapshot:
     corrupt_removed: int
     shared: dict[str, int | bool] | None = None  # a directory shared with other replicas (--ssd-shared)
     host: dict[str, object] | None = None  # --host-cache-gb: the host tier, or why it is a no-op
+    encoder_files: int = 0  # of the SSD tier's entries: vision encoder outputs (vision/tensor_store.py)
+    encoder_bytes: int = 0
 
     def as_dict(self) -> dict[str, object]:
         t = self.tiers
@@ -366,6 +378,7 @@ class CacheStatsSnapshot:
                 "evictions": t.ssd_evictions,
                 "not_stored": t.not_stored,
                 "restore_decisions": t.restore_decisions,
+                "encoder_outputs": {"entries": self.encoder_files, "bytes": self.encoder_bytes},
             }
             if self.shared is not None:
                 ssd["shared"] = self.shared
@@ -447,6 +460,7 @@ CacheOwnerMessage = (
     | PrefillMeasured
     | RestoreMeasured
     | MemoryMeasured
+    | EncoderOutputs
     | QueryCacheStats
     | CloseSession
     | PinSession
@@ -455,7 +469,7 @@ CacheOwnerMessage = (
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
-EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured | MemoryMeasured
+EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured | MemoryMeasured | EncoderOutputs
 
 
 # --- durability coordinator and SSD writer ---------------------------------------
@@ -467,7 +481,7 @@ class MarkDirty:
 
     namespace: str
     tokens: tuple[int, ...]
-    plan: SnapshotPlan
+    plan: SnapshotPlan | TensorPlan  # a TensorPlan: a vision encoder output (vision/tensor_store.py)
     trimmable: bool
     nbytes: int
     first: bool = False  # pinned: queued before the checkpoints already waiting
@@ -524,6 +538,8 @@ class FlushReport:
     longest_durable_prefix_tokens: int
     seconds: float
     reason: str | None = None
+    encoder_outputs: int = 0  # of `entries`: vision encoder outputs on SSD (vision/tensor_store.py)
+    encoder_output_bytes: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)
