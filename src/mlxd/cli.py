@@ -146,9 +146,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
                         "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
-    p.add_argument("--restore-choice", choices=("measured", "always"), default=None,
-                   help="restore a cold prefix only when the measured costs say it beats prefilling it again "
-                        "(measured, the default), or every time it is longer than RAM's prefix (always)")
+    p.add_argument("--restore-choice", choices=("measured", "always", "split"), default=None,
+                   help="restore a cold prefix only when the measured costs say it beats prefilling it again, "
+                        "whole or (block layout) its leading blocks (measured, the default), every time it is "
+                        "longer than RAM's prefix (always), or a middle part of it, the rest prefilled (split: tests)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
@@ -424,7 +425,7 @@ def record_trace(rt, path: Path) -> None:
         # restore-or-recompute with the numbers this server used (read on the trio thread).
         advisor = rt.cache_owner.tiers.advisor
         calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
-                       "always": advisor.always}
+                       "always": advisor.always, "split": advisor.split}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)
@@ -459,6 +460,7 @@ def server_record(rt) -> dict:
         "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
         "ssd_layout": c.ssd_layout,
         "ssd_block_tokens": rt.ssd_block_tokens,
+        "restore_choice": c.restore_choice,  # measured, always or split: a replay decides the same way
         # The cost model the restore advisor starts from: the startup probe's, when it ran
         # (without one the advisor starts from the default model, as a replay does).
         "restore_advisor_base": attrs.asdict(rt.info.probe.cost_model()) if rt.info.probe is not None else None,

@@ -239,10 +239,10 @@ class CacheOwnerActor:
             msg.reply.send(lookup)
             self._apply(tiers.check_budget())
         elif isinstance(msg, PrefetchHint):
-            record = tiers.prefetch_candidate(msg.tokens, msg.namespace)
-            if record is not None and self._prefetcher is not None:
+            match = tiers.prefetch_match(msg.tokens, msg.namespace)
+            if match is not None and self._prefetcher is not None:
                 try:  # a hint: dropped when the prefetcher is busy
-                    self._prefetcher.send_nowait(PrefetchRecord(record))
+                    self._prefetcher.send_nowait(PrefetchRecord(match.record, upto=match.read_tokens))
                 except trio.WouldBlock:
                     pass
         elif isinstance(msg, PublishPrefix):

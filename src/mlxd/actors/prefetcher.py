@@ -43,9 +43,10 @@ class _LandingFailed(Exception):
 
 
 class _Read:
-    def __init__(self) -> None:
+    def __init__(self, upto: int = 0) -> None:
         self.done = trio.Event()
         self.loaded: LoadedSnapshot | None = None
+        self.upto = upto  # > 0: the record's first `upto` tokens only
 
 
 class PrefetcherActor:
@@ -85,7 +86,7 @@ class PrefetcherActor:
         if isinstance(msg, PrefetchRecord):
             if msg.record.path not in self._reads:
                 self._count(prefetches=1)
-                self._start(nursery, msg.record)
+                self._start(nursery, msg.record, msg.upto)
         elif isinstance(msg, FetchSnapshot):
             nursery.start_soon(self._fetch, nursery, msg)
         elif isinstance(msg, PrefetchStats):
@@ -95,15 +96,15 @@ class PrefetcherActor:
         s = self._stats
         self._stats = attrs.evolve(s, **{k: getattr(s, k) + v for k, v in delta.items()})
 
-    def _start(self, nursery: trio.Nursery, record: SsdRecord) -> _Read:
-        read = _Read()
+    def _start(self, nursery: trio.Nursery, record: SsdRecord, upto: int = 0) -> _Read:
+        read = _Read(upto)
         self._reads[record.path] = read
         while len(self._reads) > self._max_ready:
             self._reads.popitem(last=False)  # drop the oldest unclaimed read (its bytes)
-        nursery.start_soon(self._read, record, read)
+        nursery.start_soon(self._read, record, read, upto)
         return read
 
-    async def _read(self, record: SsdRecord, read: _Read) -> None:
+    async def _read(self, record: SsdRecord, read: _Read, upto: int = 0) -> None:
         allocate = self._land
 
         def land(header: FileHeader) -> Landing:
@@ -116,10 +117,10 @@ class PrefetcherActor:
         def load() -> LoadedSnapshot | None:
             if allocate is not None:
                 try:
-                    return self._store.load(record, verify=self._verify, land=land)
+                    return self._store.load(record, verify=self._verify, land=land, upto=upto)
                 except _LandingFailed as exc:  # the file is fine: read it the host way instead
                     log.warning("prefetch.landing_failed", path=str(record.path), error=str(exc))
-            return self._store.load(record, verify=self._verify)
+            return self._store.load(record, verify=self._verify, upto=upto)
 
         try:
             read.loaded = await trio.to_thread.run_sync(load, limiter=self._threads)
@@ -139,10 +140,12 @@ class PrefetcherActor:
 
     async def _fetch(self, nursery: trio.Nursery, msg: FetchSnapshot) -> None:
         read = self._reads.pop(msg.record.path, None)
+        if read is not None and read.upto not in (0, msg.upto):
+            read = None  # read ahead to another length: read what this restore takes (a whole read serves all)
         if read is not None:
             self._count(prefetch_hits=1)
         else:
-            read = self._start(nursery, msg.record)
+            read = self._start(nursery, msg.record, msg.upto)  # a split reads only its leading blocks
             self._reads.pop(msg.record.path, None)
         await read.done.wait()
         msg.reply.send(read.loaded)

@@ -274,7 +274,7 @@ class SchedulerActor:
         if self._prefetcher is None:
             return None
         reply: Reply[LoadedSnapshot | None] = Reply()
-        await self._prefetcher.send(FetchSnapshot(match.record, reply))
+        await self._prefetcher.send(FetchSnapshot(match.record, reply, upto=match.read_tokens))
         loaded = await reply.wait()
         return RestoreSnapshot(match.record, match.usable, loaded) if loaded is not None else None
 

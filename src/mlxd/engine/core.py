@@ -641,7 +641,7 @@ class EngineCore:
         t0 = time.perf_counter()
         caches = kinds.adopt(restore.loaded, landed=device_memory.to_device)
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
-        tokens = tuple(restore.record.tokens)
+        tokens = tuple(restore.loaded.header.tokens)  # the record's, or its leading blocks' (a split)
         out.notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
         payload, pages = self._paged(caches, tokens, start.request.namespace)
         out.notes.append(

@@ -406,6 +406,7 @@ class BlockStore:
         *,
         verify: bool = True,
         land: Callable[[ff.FileHeader], ff.Landing] | None = None,
+        upto: int = 0,
     ) -> ff.LoadedSnapshot | None:
         """Read a checkpoint's manifest and blocks for adoption; None (a miss) when anything is
         missing or damaged (with `verify`, the default, every tensor's CRC-32 and padding too). A damaged block is removed with the manifest that led to it; the
@@ -413,7 +414,10 @@ class BlockStore:
 
         `land`, as for whole files (`read_snapshot`): called once with the checkpoint's header
         (the manifest's caches), it gives the memory every tensor is read into (e.g. MLX
-        arrays, which `adopt()` then takes without a copy) instead of a private mapping."""
+        arrays, which `adopt()` then takes without a copy) instead of a private mapping.
+
+        `upto` > 0: read only the leading blocks of the first `upto` tokens (a block boundary;
+        `blocks.leading`), a checkpoint of those tokens; the whole one when that cannot be."""
         assert record.path is not None
         t0 = time.perf_counter()
         landing = None
@@ -424,6 +428,8 @@ class BlockStore:
             problem = self.identity.mismatch(manifest.meta, record.path.parent.name)
             if problem:
                 raise ff.CorruptFile(problem)
+            if upto:
+                manifest = bk.leading(manifest, upto) or manifest
             header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
             landing = land(header) if land is not None else None
             buffers = _read_blocks(self, manifest, verify=verify, landing=landing)

@@ -163,6 +163,30 @@ class Manifest:
         return chain(self.blocks)
 
 
+def leading(manifest: Manifest, tokens: int) -> Manifest | None:
+    """The checkpoint of the manifest's first `tokens` tokens (a block boundary), read from its
+    leading span blocks alone; None when the layout cannot (a state block, or no boundary there).
+
+    Attention KV at a position depends only on the tokens before it, so the first
+    blocks of a checkpoint are exactly the checkpoint of their tokens.
+    """
+    n = len(manifest.tokens)
+    if manifest.state is not None or not 0 < tokens < n:
+        return None
+    head = tuple(b for b in manifest.spans if b.end <= tokens)
+    if not head or head[-1].end != tokens or any(not spanned(c, n) for c in leaves(manifest.caches)):
+        return None
+
+    def cut(c: ff.CacheDesc) -> ff.CacheDesc:
+        if c.kind == "list":
+            return attrs.evolve(c, children=tuple(cut(x) for x in c.children))
+        shorter = tuple(None if t is None else _span_tensor(t, tokens) for t in c.tensors)
+        return attrs.evolve(c, offset=tokens, tensors=shorter)
+
+    meta = attrs.evolve(manifest.meta, tokens=manifest.tokens[:tokens])
+    return attrs.evolve(manifest, meta=meta, caches=tuple(cut(c) for c in manifest.caches), blocks=head)
+
+
 def chain(blocks: Iterable[BlockRef]) -> tuple[tuple[str, int, int], ...]:
     """The hash chain of a checkpoint's blocks (e.g. `SsdRecord.blocks`): names for KV events."""
     return tuple((b.name, b.start, b.end) for b in blocks if not b.state)

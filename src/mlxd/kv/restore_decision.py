@@ -6,15 +6,53 @@ CPU the restore wins by orders of magnitude. The advisor starts from a
 `CostModel` and calibrates it online from the engine's own timings: an
 exponentially weighted scale on prefill cost, and the observed restore
 bandwidth. Pure: no trio, no MLX.
+
+Between the two arms lies a split: restore the first `k` tokens of a cold
+record and prefill the rest (`plan`). A cut's cost is its restore (the bytes
+read for those tokens) plus the prefill of the rest on top of them. With a
+restore cost proportional to the bytes, the sum is concave in `k` (restoring
+token i costs the same for every i, recomputing it costs more the later it
+is), so the best cut is an arm; a split wins where the bytes behind a cut are
+cheaper to read than the rest (a record partly in a fast medium: page cache,
+host memory). Only cuts the layout can read alone are offered (a block
+layout's block boundaries; a whole file's only cut is the whole file).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 
 from mlxd.kv.cost_model import DEFAULT, CostModel
 
 _WEIGHT = 0.3  # weight of a new observation in the moving averages
+
+RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
+
+
+@attrs.frozen
+class RestoreCut:
+    """Restoring the first `tokens` tokens of a cold record reads `nbytes`.
+
+    `resident_nbytes` of them are already in a faster medium (read at the
+    advisor's `resident_bytes_per_s`). Tokens are model tokens.
+    """
+
+    tokens: int
+    nbytes: int
+    resident_nbytes: int = 0
+
+
+@attrs.frozen
+class RestorePlan:
+    """The chosen arm: prefill on the warm prefix, restore all of the record, or its first `tokens`."""
+
+    arm: str  # RECOMPUTE | RESTORE | SPLIT
+    cut: RestoreCut | None  # None for RECOMPUTE
+    seconds: float  # predicted: restore (if any) + prefill of the rest
+    recompute_seconds: float
+    restore_seconds: float  # the whole record restored, then the rest prefilled
 
 
 @attrs.define
@@ -25,8 +63,11 @@ class RestoreAdvisor:
     prefill_samples: int = 0
     restore_samples: int = 0
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
+    split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
+    resident_bytes_per_s: float = 0.0  # bytes already in a fast medium (0: as fast as the rest)
     restores_chosen: int = 0
     recomputes_chosen: int = 0
+    splits_chosen: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
@@ -53,26 +94,67 @@ class RestoreAdvisor:
     def prefill_seconds(self, new_tokens: int, context: int) -> float:
         return self.prefill_scale * self.base.prefill_seconds(new_tokens, context)
 
-    def restore_seconds(self, nbytes: int) -> float:
-        return self.base.restore_fixed + nbytes / self.restore_bytes_per_s
+    def restore_seconds(self, nbytes: int, resident_nbytes: int = 0) -> float:
+        fast = min(resident_nbytes, nbytes) if self.resident_bytes_per_s > 0 else 0
+        return self.base.restore_fixed + (nbytes - fast) / self.restore_bytes_per_s + (
+            fast / self.resident_bytes_per_s if fast else 0.0
+        )
 
     def should_restore(self, *, restore_bytes: int, cold_tokens: int, warm_tokens: int, prompt_tokens: int) -> bool:
         """Restore `cold_tokens` from SSD, or prefill on top of the `warm_tokens` RAM prefix?"""
-        with_restore = self.restore_seconds(restore_bytes) + self.prefill_seconds(
-            prompt_tokens - cold_tokens, cold_tokens
-        )
+        plan = self.plan(cuts=[RestoreCut(cold_tokens, restore_bytes)], warm_tokens=warm_tokens,
+                         prompt_tokens=prompt_tokens)
+        return plan.arm != RECOMPUTE
+
+    def plan(
+        self, *, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int, count: bool = True
+    ) -> RestorePlan:
+        """Recompute on the `warm_tokens` prefix, restore the whole record (the last cut), or a
+        shorter cut and prefill the rest: the least predicted time (counted in the stats).
+
+        `cuts` are the prefixes the record's layout can read alone, shortest first, the
+        last one the whole usable record. Cuts no longer than the warm prefix are ignored.
+        `count` False: a look ahead (the prefetcher's), not a decision: the stats stay.
+        """
+        plan = self._plan(cuts, warm_tokens, prompt_tokens)
+        if count:
+            if plan.arm == RECOMPUTE:
+                self.recomputes_chosen += 1
+            elif plan.arm == RESTORE:
+                self.restores_chosen += 1
+            else:
+                self.splits_chosen += 1
+        return plan
+
+    def _plan(self, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int) -> RestorePlan:
+        usable = sorted((c for c in cuts if c.tokens > warm_tokens), key=lambda c: c.tokens)
         recompute = self.prefill_seconds(prompt_tokens - warm_tokens, warm_tokens)
-        choice = self.always or with_restore < recompute
-        if choice:
-            self.restores_chosen += 1
+        if not usable:
+            return RestorePlan(RECOMPUTE, None, recompute, recompute, float("inf"))
+        costs = [self._cut_seconds(c, prompt_tokens) for c in usable]
+        whole = usable[-1]
+        if self.split and len(usable) > 1:
+            # the cut nearest the middle of what the record adds over the warm prefix
+            mid = (warm_tokens + whole.tokens) / 2
+            i = min(range(len(usable) - 1), key=lambda j: abs(usable[j].tokens - mid))
+        elif self.always or self.split:
+            i = len(usable) - 1
         else:
-            self.recomputes_chosen += 1
-        return choice
+            i = min(range(len(usable)), key=lambda j: (costs[j], -usable[j].tokens))
+            if costs[i] >= recompute:
+                return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
+        arm = RESTORE if i == len(usable) - 1 else SPLIT
+        return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
+
+    def _cut_seconds(self, cut: RestoreCut, prompt_tokens: int) -> float:
+        rest = self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
+        return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + rest
 
     def stats(self) -> dict[str, float]:
         return {
             "restores_chosen": self.restores_chosen,
             "recomputes_chosen": self.recomputes_chosen,
+            "splits_chosen": self.splits_chosen,
             "prefill_scale": round(self.prefill_scale, 4),
             "prefill_samples": self.prefill_samples,
             "restore_bytes_per_s": round(self.restore_bytes_per_s),

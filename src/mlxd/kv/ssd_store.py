@@ -387,7 +387,12 @@ class SsdStore:
     # --------------------------------------------------- reads and upkeep
 
     def load(
-        self, record: SsdRecord, *, verify: bool = True, land: Callable[[ff.FileHeader], ff.Landing] | None = None
+        self,
+        record: SsdRecord,
+        *,
+        verify: bool = True,
+        land: Callable[[ff.FileHeader], ff.Landing] | None = None,
+        upto: int = 0,
     ) -> ff.LoadedSnapshot | None:
         """Read a file for adoption (and touch its mtime); None when it cannot be used.
 
@@ -396,10 +401,12 @@ class SsdStore:
         tensor's CRC-32 and the padding: `verify=False` (`--ssd-cache-verify off`)
         checks only the hashed header, layout and size. `land`: where the tensors
         are read to (`read_snapshot`; a block checkpoint's tensors likewise, `BlockStore.load`).
+        `upto`: a block checkpoint's first `upto` tokens only (`BlockStore.load`); a whole file is
+        read whole (its CRC-32s cover every token).
         """
         assert record.path is not None
         if record.blocks:
-            return self._blocks.load(record, verify=verify, land=land)
+            return self._blocks.load(record, verify=verify, land=land, upto=upto)
         try:
             loaded = ff.read_snapshot(record.path, verify=verify, land=land)
         except ff.CorruptFile as exc:

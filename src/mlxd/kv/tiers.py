@@ -54,7 +54,7 @@ from mlxd.kv.host_tier import HostTier, HostTierStats
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, key_tokens, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.ram_pages import PageRef
-from mlxd.kv.restore_decision import RestoreAdvisor
+from mlxd.kv.restore_decision import RestoreAdvisor, RestoreCut, RestorePlan
 from mlxd.kv.sessions import SessionIndex, SessionStats
 
 if TYPE_CHECKING:
@@ -87,10 +87,15 @@ class SsdRecord:
 
 @attrs.frozen
 class SsdMatch:
-    """A record that can serve `usable` tokens of a prompt (<= len(prompt) - 1)."""
+    """A record that can serve `usable` tokens of a prompt (<= len(prompt) - 1).
+
+    `read_tokens` > 0: read only the record's first `read_tokens` tokens (a block
+    layout's leading blocks, >= `usable`); 0: read the whole record.
+    """
 
     record: SsdRecord
     usable: int
+    read_tokens: int = 0
 
     @property
     def needs_trim(self) -> bool:
@@ -114,6 +119,7 @@ class PrefixLookup:
     hit: CacheHit | None
     restore: SsdMatch | None = None  # strictly longer than the RAM hit, and worth it
     promoted: bool = False  # `hit` came back from the host tier (and is in RAM again)
+    plan: RestorePlan | None = None  # the restore advisor's choice, when an SSD record was weighed
 
 
 # --- effects: what the caller must do after a call ---------------------------------
@@ -346,6 +352,40 @@ def _always(entry: CacheEntry) -> bool:
     return True
 
 
+def restore_cuts(
+    cold: SsdMatch, warm: int, real: Callable[[int], int], *, split: bool = False
+) -> list[tuple[RestoreCut, SsdMatch]]:
+    """The prefixes of a cold record that can be restored alone, longer than `warm`, shortest
+    first, each with the match that restores it; the last is the whole usable record.
+
+    A block layout (span blocks only: trimmable attention caches) reads its leading
+    blocks alone, so a cut ends on a block boundary and costs those blocks' bytes. A
+    whole file is read whole (its tensors' CRC-32 covers every token), so its only cut
+    is the whole file; with `split` (a forced split, for tests) a middle cut is offered
+    at the whole file's cost: it is read, then trimmed.
+    """
+    record, usable = cold.record, cold.usable
+    spans = sorted((b for b in record.blocks if not b.state), key=lambda b: b.start)
+    if record.blocks and record.trimmable and len(spans) == len(record.blocks):
+        cuts: list[tuple[RestoreCut, SsdMatch]] = []
+        read = 0
+        for b in spans:
+            read += b.nbytes
+            end = min(b.end, usable)
+            whole = b.end >= usable
+            if end > warm:
+                tokens = 0 if b.end >= len(record.tokens) else b.end
+                cuts.append((RestoreCut(real(end), read), SsdMatch(record, end, tokens)))
+            if whole:
+                break
+        return cuts
+    cuts = [(RestoreCut(real(usable), record.nbytes), cold)]
+    middle = (warm + usable) // 2
+    if split and warm < middle < usable and record.trimmable:
+        cuts.insert(0, (RestoreCut(real(middle), record.nbytes), SsdMatch(record, middle)))
+    return cuts
+
+
 @attrs.define
 class _MemoryCounters:
     active: int = 0
@@ -477,21 +517,19 @@ class CacheTiers:
             cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
         warm = hit.usable if hit is not None else 0
         real = model_tokens or (lambda n: n)
-        if (
-            cold is None
-            or cold.usable <= warm
-            or not self.advisor.should_restore(
-                restore_bytes=cold.record.nbytes,
-                cold_tokens=real(cold.usable),
-                warm_tokens=real(warm),
-                prompt_tokens=real(len(tokens)),
+        plan = None
+        if cold is not None and cold.usable > warm:
+            cuts = restore_cuts(cold, warm, real, split=self.advisor.split)
+            plan = self.advisor.plan(
+                cuts=[c for c, _ in cuts], warm_tokens=real(warm), prompt_tokens=real(len(tokens))
             )
-        ):
+        if cold is None or plan is None or plan.cut is None:
             if record is not None:
                 self.sessions.fallback()  # the session's file was not worth restoring
-            return PrefixLookup(hit, promoted=promoted is not None)
+            return PrefixLookup(hit, promoted=promoted is not None, plan=plan)
         self._index.touch(cold.record, self.now)
-        return PrefixLookup(hit, cold, promoted=promoted is not None)
+        chosen = next(m for c, m in cuts if c is plan.cut)
+        return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan)
 
     def take_effects(self) -> list[Effect]:
         """The effects of the lookups since the last call (a promotion, the demotions it caused)."""
@@ -517,6 +555,12 @@ class CacheTiers:
 
     def prefetch_candidate(self, tokens: Tokens, namespace: str = "") -> SsdRecord | None:
         """The SSD record a newly arrived prompt will likely restore (no accounting)."""
+        match = self.prefetch_match(tokens, namespace)
+        return None if match is None else match.record
+
+    def prefetch_match(self, tokens: Tokens, namespace: str = "") -> SsdMatch | None:
+        """What a newly arrived prompt will likely read from SSD (no accounting): the record and,
+        where the restore advisor would split it, the leading part (`read_tokens`)."""
         if not self.ssd:
             return None
         cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
@@ -527,7 +571,11 @@ class CacheTiers:
             return None
         if self.host is not None and self.host.find(tokens, namespace, longer_than=cold.usable - 1) is not None:
             return None  # the host tier will serve it: no SSD read
-        return cold.record
+        usable = warm.usable if warm is not None else 0
+        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split)
+        plan = self.advisor.plan(cuts=[c for c, _ in cuts], warm_tokens=usable, prompt_tokens=len(tokens),
+                                 count=False)
+        return next((m for c, m in cuts if c is plan.cut), cold)
 
     def checkpoint_tokens(self, tokens: Tokens, namespace: str = "") -> list[tuple[int, ...]]:
         """The exact tokens of the best RAM and SSD checkpoints for `tokens` (no accounting)."""

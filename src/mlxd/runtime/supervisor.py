@@ -728,8 +728,10 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         if address is not None else None
     )
     # The restore advisor starts from what the startup probe measured on this device.
-    always = config.restore_choice == "always"
-    advisor = RestoreAdvisor(base=info.probe.cost_model() if info.probe is not None else DEFAULT, always=always)
+    always, split = config.restore_choice == "always", config.restore_choice == "split"
+    advisor = RestoreAdvisor(
+        base=info.probe.cost_model() if info.probe is not None else DEFAULT, always=always, split=split
+    )
     cache_owner = CacheOwnerActor(
         config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
         records=scan.records if scan is not None else (),

@@ -191,6 +191,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             ssd_layout=args.ssd_layout or "whole",
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
+            restore_choice=getattr(args, "restore_choice", "measured"),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
         )
@@ -233,6 +234,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.recorded_ssd = True
         args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
     args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
+    args.restore_choice = server.get("restore_choice", "measured")
     if getattr(args, "host_gb", None) is None and server.get("host_cache_bytes"):
         args.host_gb = int(server["host_cache_bytes"]) / GIB
     args.ssd_layout = args.ssd_layout or server.get("ssd_layout")

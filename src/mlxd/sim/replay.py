@@ -44,6 +44,7 @@ from mlxd.kv.tiers import (
     Forget,
     NotStored,
     Persist,
+    SsdMatch,
     SsdRecord,
     Unlink,
 )
@@ -197,6 +198,7 @@ class MlxdReplay:
             advisor.prefill_scale = float(cal.get("prefill_scale", advisor.prefill_scale))
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
+            advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
 
     async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
         events: list[tuple[float, int, TraceRequest | int]] = sorted(
@@ -231,7 +233,7 @@ class MlxdReplay:
             restore_s = 0.0
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
-                restore_s = self._restore(lookup.restore.record, r.namespace)
+                restore_s = self._restore(lookup.restore, r.namespace)
             elif lookup.hit is not None and lookup.promoted:  # back from the host tier: one bulk copy
                 hit, source = real(lookup.hit.usable), "host"
                 restore_s = self.cost.host_seconds(lookup.hit.entry.nbytes)
@@ -267,16 +269,18 @@ class MlxdReplay:
             if self._running == 0:
                 self._quiet.set()
 
-    def _restore(self, record: SsdRecord, namespace: str) -> float:
-        """Read an SSD record back and publish it in RAM (durable)."""
-        self.tally.ssd_bytes_read += record.nbytes
+    def _restore(self, match: SsdMatch, namespace: str) -> float:
+        """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable)."""
+        record = match.record
+        tokens, nbytes = record.tokens, record.nbytes
+        if match.read_tokens:  # as BlockStore.load(upto=...): the checkpoint of the leading blocks
+            tokens = record.tokens[: match.read_tokens]
+            nbytes = sum(b.nbytes for b in record.blocks if not b.state and b.end <= match.read_tokens)
+        self.tally.ssd_bytes_read += nbytes
         self._apply(
-            self.tiers.publish(
-                record.tokens, namespace, payload=None, nbytes=record.nbytes,
-                trimmable=record.trimmable, durable=True,
-            )
+            self.tiers.publish(tokens, namespace, payload=None, nbytes=nbytes, trimmable=record.trimmable, durable=True)
         )
-        return self.cost.restore_seconds(record.nbytes)
+        return self.cost.restore_seconds(nbytes)
 
     def _publish(self, tokens, namespace: str, num_tokens: int, session: str | None = None) -> None:
         self._apply(
@@ -384,10 +388,12 @@ def replay_mlxd(
     advisor_base: CostModel | None = None,
     host_bytes: int | None = None,
     kv_admission_bytes: int = 0,
+    restore_choice: str = "measured",
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
-    restore advisor started from (its startup probe), when it was not `cost`."""
+    restore advisor started from (its startup probe), when it was not `cost`; `restore_choice`
+    its --restore-choice (measured, always, split)."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
@@ -397,7 +403,9 @@ def replay_mlxd(
         policy=make_retention(policy, cost),
     )
     tiers = CacheTiers(
-        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(base=advisor_base or cost),
+        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(
+            base=advisor_base or cost, always=restore_choice == "always", split=restore_choice == "split"
+        ),
         demote_idle_s=demote_idle_s,
     )
     replay = MlxdReplay(
@@ -431,4 +439,5 @@ def replay_mlxd(
         wall_s=time.perf_counter() - started,
         ssd_layout=ssd_layout if ssd else "whole",
         host_capacity_bytes=host_bytes or None,
+        restore_decisions=tiers.advisor.stats(),
     )

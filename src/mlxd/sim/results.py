@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 95, 99)
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +49,7 @@ class RunResult:
     kv_waited: int = 0
     kv_refused: int = 0
     kv_peak_reserved_bytes: int = 0
+    restore_decisions: dict[str, float] = attrs.Factory(dict)  # the restore advisor's counters (splits too)
 
     @property
     def avoided_prefill_tokens(self) -> int:

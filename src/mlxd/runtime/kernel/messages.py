@@ -632,6 +632,7 @@ class PrefetchRecord:
     """The cache owner says: this record will likely be restored; read it now."""
 
     record: SsdRecord
+    upto: int = 0  # > 0: only its first `upto` tokens (the restore advisor would split it)
 
 
 @attrs.frozen(eq=False)
@@ -640,6 +641,7 @@ class FetchSnapshot:
 
     record: SsdRecord
     reply: Reply[LoadedSnapshot | None]
+    upto: int = 0  # > 0: only the record's first `upto` tokens (a block layout's leading blocks)
 
 
 @attrs.frozen
