@@ -259,7 +259,8 @@ def _ssd_families(ssd: SsdTierStats) -> Iterator[Metric]:
     )
     yield _labelled(
         CounterMetricFamily, "mlxd_ssd_restore_decisions", "Restore-or-recompute choices.", "choice",
-        {"restore": decisions["restores_chosen"], "recompute": decisions["recomputes_chosen"]},
+        {"restore": decisions["restores_chosen"], "recompute": decisions["recomputes_chosen"],
+         "split": decisions.get("splits_chosen", 0)},
     )
 
 
