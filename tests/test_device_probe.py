@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -153,3 +154,38 @@ def test_blas_preload_is_skipped_where_mlx_has_its_cuda_backend(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     status = json.loads(out.stdout.strip().splitlines()[-1])
     assert status["library"] is None and "mlx-cuda-13" in status["reason"]
+
+
+def test_host_tier_promotions_set_the_host_bandwidth():
+    # A CUDA probe with --host-cache-gb times the host tier's promotion; on unified memory it has none.
+    gpu = DeviceProbe(
+        device="Device(gpu, 0)", prefill=((64, 0.01), (1024, 0.02), (16384, 0.2)), decode_s_per_token=0.005,
+        restore=((1 << 30, 0.7),), host=((1 << 30, 0.02), (2 << 30, 0.04)), kv_bytes_per_token=KV,
+        prefill_step_size=2048,
+    )
+    assert gpu.cost_model().host_bytes_per_s == pytest.approx((3 << 30) / 0.06)
+    assert gpu.as_dict()["host_bytes_per_s"] == round(gpu.cost_model().host_bytes_per_s)
+    assert attrs.evolve(gpu, host=()).cost_model().host_bytes_per_s == 0.0
+
+
+@pytest.mark.parametrize(("landing", "layout", "host_gb"), [("auto", "blocks", 1), ("host", "whole", 0)])
+async def test_the_probe_restores_by_the_path_serving_uses(tiny_model_dir: Path, tmp_path: Path, landing, layout,
+                                                          host_gb):
+    from mlxd.actors.device_probe import lands_in_mlx
+
+    config = RuntimeConfig(
+        model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2,
+        restore_landing=landing, ssd_layout=layout, host_cache_bytes=host_gb << 30,
+    )
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None and len(probe.restore) == 2
+        want = "mlx" if lands_in_mlx(config) else "host"  # serving's rule; "auto" is "mlx" on this CPU
+        assert want == ("mlx" if landing == "auto" else "host")
+        assert (probe.restore_landing, probe.restore_layout) == (want, layout)
+        assert probe.restores_into_mlx == (2 if want == "mlx" else 0)
+        # --host-cache-gb on unified memory: no host copies to time, promotions cost nothing.
+        assert probe.host == () and probe.cost_model().host_bytes_per_s == 0.0
+        shown = (await rt.stats()).as_dict()["device_probe"]
+        assert (shown["restore_landing"], shown["restore_layout"]) == (want, layout)
+        assert list((tmp_path / "ssd").glob(".device-probe-*")) == []  # its own files are gone

@@ -3,9 +3,12 @@
 Runs real prefills through the engine's own `BatchGenerator` (the same
 chunking and caches serving uses) at growing lengths until a time budget is
 spent, a few decode steps, and, with an SSD tier, a cold restore of real
-snapshot files (written, dropped from the page cache, read back and adopted
-by the same code a restore uses). `kv.device_costs` fits a cost model to the
-numbers; the restore advisor starts from it and keeps refining online.
+snapshot files through the path serving restores by (`RestorePath`): the
+store's own layout (whole files or blocks) and CRC checks, read into MLX
+arrays where serving lands them there (`restore_landing`), adopted as the
+engine adopts them; with a host tier on separate host memory, its two bulk
+copies too. `kv.device_costs` fits a cost model to the numbers; the restore
+advisor starts from it and keeps refining online.
 
 Optionally it also picks the prefill chunk size: the same prefill timed at
 each candidate chunk size, the fastest kept (GPU only by default: on a CPU
@@ -18,12 +21,19 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.runtime import device_memory
 from mlxd.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from mlxd.kv.file_format import FileHeader, Landing
+    from mlxd.runtime.config import RuntimeConfig
 
 log = get_logger("mlxd.probe")
 
@@ -35,6 +45,27 @@ STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 RESTORE_MAX_BYTES = 512 << 20
 
 
+@attrs.frozen(kw_only=True)
+class RestorePath:
+    """How serving restores a cold prefix; the probe times this same path."""
+
+    directory: Path  # the SSD cache directory (the probe's files go in a temporary directory under it)
+    land: Callable[[FileHeader], Landing] | None = None  # MLX arrays to read into; None = a host buffer
+    verify: bool = True  # every tensor's CRC-32 checked (--ssd-cache-verify)
+    layout: str = "whole"  # or "blocks"
+    block_tokens: int = 256
+    host_tier: bool = False  # --host-cache-gb on separate host memory: time its demotion and promotion
+
+    @property
+    def landing(self) -> str:
+        return "mlx" if self.land is not None else "host"
+
+
+def lands_in_mlx(config: RuntimeConfig) -> bool:
+    """Does serving read restored bytes straight into MLX arrays (restore_landing, "auto" resolved)?"""
+    return config.restore_landing == "mlx" or (config.restore_landing == "auto" and not device_memory.is_metal())
+
+
 def probe_device(
     generator: Any,
     *,
@@ -42,10 +73,10 @@ def probe_device(
     max_context: int,
     kv_bytes_per_token: int,
     budget_s: float,
-    restore_dir: Path | None,
+    restore: RestorePath | None,
     tune_step: bool,
 ) -> DeviceProbe:
-    """Measure prefill, decode and (with `restore_dir`) restore on this thread's device."""
+    """Measure prefill, decode and (with `restore`) restore on this thread's device."""
     import mlx.core as mx
 
     t0 = time.perf_counter()
@@ -83,18 +114,26 @@ def probe_device(
     trials: list[tuple[int, float]] = []
     if tune_step:
         step, trials = _tune_step(generator, rng, prefill[-1][0])
-    restore: list[tuple[int, float]] = []
-    if restore_dir is not None:
+    restored: list[tuple[int, float]] = []
+    host: list[tuple[int, float]] = []
+    landed = 0
+    if restore is not None:
         # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
         # The large point is the longest probe whose KV fits RESTORE_MAX_BYTES (startup time).
         fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
-        restore = _probe_restore(restore_dir, [caches[0], caches[0], fits[-1]])[1:]
+        timed = _probe_restore(restore, [caches[0], caches[0], fits[-1]])
+        restored, host = [t.restore for t in timed[1:]], [t.host for t in timed[1:] if t.host is not None]
+        landed = sum(t.into_mlx for t in timed[1:])
     decode.sort()
     probe = DeviceProbe(
         device=str(mx.default_device()),
         prefill=tuple(prefill),
         decode_s_per_token=decode[len(decode) // 2] if decode else 0.0,
-        restore=tuple(restore),
+        restore=tuple(restored),
+        restore_landing=restore.landing if restore is not None else "",
+        restore_layout=restore.layout if restore is not None else "",
+        restores_into_mlx=landed,
+        host=tuple(host),
         kv_bytes_per_token=kv_bytes_per_token,
         prefill_step_size=step,
         step_trials=tuple(trials),
@@ -156,37 +195,65 @@ def _tune_step(generator: Any, rng: _Tokens, tokens: int) -> tuple[int, list[tup
     return best, trials
 
 
-def _probe_restore(root: Path, caches: list[tuple[int, list[Any]]]) -> list[tuple[int, float]]:
-    """Write each cache as a real snapshot file, drop it from the page cache, read it back cold."""
+@attrs.frozen
+class _Timed:
+    restore: tuple[int, float]  # (KV bytes, seconds to read cold and adopt)
+    into_mlx: bool  # read straight into MLX arrays
+    host: tuple[int, float] | None  # (KV bytes, seconds of the host tier's demotion + promotion)
+
+
+def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> list[_Timed]:
+    """Write each cache through a real store of serving's layout, drop its files from the page
+    cache, and restore it cold as serving does (read, landing, verify, adopt)."""
     import mlx.core as mx
 
     from mlxd.kv import file_format, kinds
+    from mlxd.kv.ssd_store import Failed, SsdStore, StoreIdentity, compute_fingerprint
 
-    root.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".device-probe-", dir=root))
-    out: list[tuple[int, float]] = []
+    path.directory.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=".device-probe-", dir=path.directory))
+    identity = StoreIdentity("probe", compute_fingerprint({"probe": "restore"}), "probe")
+    store = SsdStore(workdir, identity, layout=path.layout, block_tokens=path.block_tokens)
+    out: list[_Timed] = []
     try:
-        for i, (n, cache) in enumerate(caches):
+        for n, cache in caches:
             if not cache:
                 continue
-            meta = file_format.SnapshotMeta(
-                model_id="probe", config_fingerprint="probe", namespace="", tokenizer_hash="probe",
-                tokens=range(n),
-            )
-            plan = kinds.plan_snapshot(cache, meta=meta)
-            path = workdir / f"{i}{file_format.EXTENSION}"
-            written = file_format.write_snapshot(plan, path, direct=False)
-            _drop_page_cache(path)
+            stored = store.write(kinds.plan_snapshot(cache, meta=identity.meta(range(n), "")))
+            if isinstance(stored, Failed):
+                raise file_format.StorageError(stored.error)
+            record = stored.record
+            assert record.path is not None
+            for f in (record.path, *store.blocks.block_paths(record)):
+                _drop_page_cache(f)
             t0 = time.perf_counter()
-            loaded = file_format.read_snapshot(path, verify=False)
+            loaded = store.load(record, verify=path.verify, land=path.land)
+            if loaded is None:
+                raise file_format.StorageError("the probe's own snapshot did not read back")
             adopted = kinds.adopt(loaded, landed=device_memory.to_device)
             mx.eval([c.state for c in adopted])
-            out.append((written.nbytes, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            host = _probe_host_tier(adopted, loaded.nbytes) if path.host_tier else None
+            out.append(_Timed((loaded.nbytes, seconds), loaded.landed is not None, host))
     except (file_format.SnapshotError, OSError) as exc:
         log.warning("probe.restore_failed", error=str(exc))
     finally:
+        store.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return out
+
+
+def _probe_host_tier(caches: list[Any], nbytes: int) -> tuple[int, float]:
+    """The host tier's two bulk copies of a restored entry: demoted to host memory, promoted back
+    (what a returning conversation waits for), as the cache owner moves them."""
+    from mlxd.runtime import host_memory
+
+    host_memory.move_pages(caches, to_host=True)
+    host_memory.wait_moves()
+    t0 = time.perf_counter()
+    host_memory.move_pages(caches, to_host=False)
+    host_memory.wait_moves()
+    return nbytes, time.perf_counter() - t0
 
 
 def _drop_page_cache(path: Path) -> None:

@@ -264,18 +264,29 @@ class EngineCore:
         """Measure this device (seconds) before serving; see actors/device_probe.py."""
         import mlx.core as mx
 
-        from mlxd.actors.device_probe import probe_device
+        from mlxd.actors.device_probe import RestorePath, lands_in_mlx, probe_device
+        from mlxd.kv.blocks import span_for
+        from mlxd.runtime import host_memory
 
         tune = self._config.tune_prefill_step
         if tune is None:
             tune = mx.default_device() != mx.cpu
+        c = self._config
+        restore = None
+        if c.ssd_cache_dir:  # the path serving restores by: its landing, checks, layout and host tier
+            restore = RestorePath(
+                directory=Path(c.ssd_cache_dir), land=self.landing if lands_in_mlx(c) else None,
+                verify=c.ssd_cache_verify, layout=c.ssd_layout,
+                block_tokens=c.ssd_block_tokens or span_for(kv_bytes_per_token),
+                host_tier=c.host_cache_bytes > 0 and host_memory.separate_host_memory(),
+            )
         probe = probe_device(
             self.generator,
             vocab_size=vocab_size,
             max_context=max_context,
             kv_bytes_per_token=kv_bytes_per_token,
-            budget_s=self._config.device_probe_budget_s,
-            restore_dir=Path(self._config.ssd_cache_dir) if self._config.ssd_cache_dir else None,
+            budget_s=c.device_probe_budget_s,
+            restore=restore,
             tune_step=tune,
         )
         # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size.

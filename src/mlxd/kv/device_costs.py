@@ -30,6 +30,10 @@ class DeviceProbe:
     prefill: tuple[tuple[int, float], ...]  # (prompt tokens from empty context, seconds)
     decode_s_per_token: float
     restore: tuple[tuple[int, float], ...] = ()  # (file bytes, seconds to read cold + adopt)
+    restore_landing: str = ""  # where the timed restores were read to: "mlx" or "host" (serving's landing)
+    restore_layout: str = ""  # "whole" or "blocks" (serving's layout)
+    restores_into_mlx: int = 0  # timed restores that were read straight into MLX arrays
+    host: tuple[tuple[int, float], ...] = ()  # (KV bytes, seconds to promote from the host tier)
     kv_bytes_per_token: int
     prefill_step_size: int  # the chunk size prefill runs with (chosen by the probe if tuned)
     step_trials: tuple[tuple[int, float], ...] = ()  # (chunk size, seconds for the same prefill)
@@ -42,6 +46,9 @@ class DeviceProbe:
             restore_bw = 1.0 / per_byte if per_byte > 0 else DEFAULT.restore_bytes_per_s
         else:
             restore_fixed, restore_bw = DEFAULT.restore_fixed, DEFAULT.restore_bytes_per_s
+        host_bw = 0.0  # no host tier timed (or unified memory): promotions are free
+        if self.host and sum(s for _, s in self.host) > 0:
+            host_bw = sum(b for b, _ in self.host) / sum(s for _, s in self.host)
         return CostModel(
             model=f"probe:{self.device}",
             prefill_fixed=fixed,
@@ -52,6 +59,7 @@ class DeviceProbe:
             restore_fixed=restore_fixed,
             restore_bytes_per_s=restore_bw,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            host_bytes_per_s=host_bw,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -64,6 +72,11 @@ class DeviceProbe:
             "decode_tokens_per_s": round(1.0 / self.decode_s_per_token, 2) if self.decode_s_per_token > 0 else None,
             "restore": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.restore],
             "restore_bytes_per_s": round(model.restore_bytes_per_s) if self.restore else None,
+            "restore_landing": self.restore_landing or None,
+            "restore_layout": self.restore_layout or None,
+            "restores_into_mlx": self.restores_into_mlx,
+            "host": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.host],
+            "host_bytes_per_s": round(model.host_bytes_per_s) if self.host else None,
             "prefill_step_size": self.prefill_step_size,
             "step_trials": [{"step": n, "seconds": round(s, 5)} for n, s in self.step_trials],
             "cost_model": model.to_json(),
