@@ -31,3 +31,47 @@ def test_bad_keys_are_refused() -> None:
     assert "in [0, 16)" in check_spans((1, *key[1:3], MEDIA_BASE), spans, 16)  # a media id outside a span
     with pytest.raises(ValueError, match="placeholders"):
         expand([1, 9, 9], 9, [("x", 2)])
+
+
+def test_a_repeated_data_url_is_not_decoded_again(vlm_model_dir) -> None:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mlxd.vision.images import ImageLimits
+    from mlxd.vision.prepare import MediaPreparer
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    prep = MediaPreparer.for_model(vlm_model_dir, limits=ImageLimits(), ssd_dir=None)
+    assert prep is not None
+    [(first, _)] = prep.prepare([(url, "auto", "here")])
+    [(again, _)] = prep.prepare([("".join([url[:9], url[9:]]), "auto", "here")])  # an equal string, another object
+    assert again is first and prep.prepared_hits == 1
+    # The same bytes under another media type: another key, processed again, the same image digest.
+    [(other, _)] = prep.prepare([(url.replace("image/png", "image/x-png", 1), "auto", "here")])
+    assert other is not first and other.digest == first.digest and prep.prepared_hits == 1
+    [(low, _)] = prep.prepare([(url, "low", "here")])  # the detail is part of the key
+    assert low is not first
+
+
+def test_only_a_body_that_may_hold_a_lone_surrogate_is_re_checked() -> None:
+    import json
+
+    from mlxd.http.app import _may_hold_surrogates, _parse_json
+    from mlxd.http.schemas import ApiError
+
+    images = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJD" * 50_000}},
+        {"type": "text", "text": "line\nbreak, a \"quote\", a \\ud800 backslash and \u00e9"}]}]}).encode()
+    assert not _may_hold_surrogates(images)
+    assert _parse_json(images)["messages"][0]["content"][1]["text"].endswith("\\ud800 backslash and \u00e9")
+    bad = [b'{"p": "\\ud800"}', b'{"p": "x\\uDFFF"}', '{"p": "\ud800"}'.encode("utf-8", "surrogatepass"),
+           b'{"p": "\\\\\\udc00"}', json.dumps({"p": "\ud800"}).encode("utf-16")]
+    for raw in bad:
+        assert _may_hold_surrogates(raw)
+        with pytest.raises(ApiError, match="surrogate"):
+            _parse_json(raw)

@@ -416,6 +416,22 @@ def _check_unicode(body: Any) -> None:
         raise ApiError(400, "the request body is nested too deeply") from None
 
 
+# A lone surrogate reaches a parsed string only from a \\uD800-\\uDFFF escape or (json.loads
+# decodes bytes with "surrogatepass") from UTF-8 bytes ED A0-BF: a UTF-8 body with neither
+# (a body of inline images, say) skips re-encoding the whole body in `_check_unicode`.
+def _may_hold_surrogates(raw: str | bytes) -> bool:
+    if not isinstance(raw, bytes) or b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return True  # text, or UTF-16/32: check the parsed body
+    if b"\xed" in raw:
+        return True
+    at = raw.find(b"\\")  # each backslash starts an escape: look at each one's letter (single-byte finds are fast)
+    while at != -1:
+        if raw[at + 1 : at + 3] in (b"ud", b"uD"):
+            return True
+        at = raw.find(b"\\", at + 2)
+    return False
+
+
 def _parse_json(raw: str | bytes) -> Any:
     try:
         body = json.loads(raw)
@@ -425,7 +441,8 @@ def _parse_json(raw: str | bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
-    _check_unicode(body)
+    if _may_hold_surrogates(raw):
+        _check_unicode(body)
     return body
 
 

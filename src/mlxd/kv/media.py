@@ -14,6 +14,7 @@ Pure: no trio, no MLX.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -40,6 +41,7 @@ def is_media_id(token: int) -> bool:
     return token >= MEDIA_BASE
 
 
+@functools.lru_cache(maxsize=4096)  # a conversation's images come back every turn
 def span_ids(digest: str, length: int) -> tuple[int, ...]:
     """The key ids of an image's span: position i hashes (digest, i) into the media range."""
     out = []

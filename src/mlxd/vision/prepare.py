@@ -57,8 +57,8 @@ class MediaPreparer:
     tensors_root: Path | None = None
     identity: str = ""
     ssd_reads: int = 0  # verified encoder outputs found on SSD
-    # A conversation re-sends its images every turn: processed images by the hash of their
-    # encoded bytes and detail, so a known image is not decoded and processed again.
+    # A conversation re-sends its images every turn: processed images by their data: URL (a
+    # file's by the hash of its bytes) and detail, so a known image is not decoded and processed again.
     max_prepared_bytes: int = 256 << 20
     prepared_hits: int = 0
     _prepared: OrderedDict[tuple[str, str], PreparedImage] = attrs.Factory(OrderedDict)
@@ -84,7 +84,7 @@ class MediaPreparer:
         out = []
         for url, detail, where in refs:
             try:
-                prepared = self._prepare(read_url(url, self.limits), detail)
+                prepared = self._prepare(url, detail)
             except ImageRejected as exc:
                 raise ImageRejected(f"{where}: {exc}") from None
             features = None
@@ -94,22 +94,31 @@ class MediaPreparer:
             out.append((prepared, features))
         return out
 
-    def _prepare(self, data: bytes, detail: str) -> PreparedImage:
-        key = (hashlib.sha256(data).hexdigest(), detail)
+    def _prepare(self, url: Any, detail: str) -> PreparedImage:
+        # A data: URL is its image: known by its very text (a dict lookup compares it whole, no
+        # digest to compute), it is not even base64-decoded again (a follow-up re-sends every
+        # image of the conversation). A file is known by the hash of its bytes.
+        if isinstance(url, str) and url[:5].lower() == "data:":
+            key, data = (url, detail), None
+        else:
+            data = read_url(url, self.limits)
+            key = ("\x00file:" + hashlib.sha256(data).hexdigest(), detail)
         with self._lock:
             known = self._prepared.get(key)
             if known is not None:
                 self._prepared.move_to_end(key)
                 self.prepared_hits += 1
                 return known
+        if data is None:
+            data = read_url(url, self.limits)
         prepared = self.processor.prepare(decode(data, self.limits), detail)
         with self._lock:
             if key not in self._prepared:
                 self._prepared[key] = prepared
-                self._prepared_bytes += prepared.patches.nbytes
+                self._prepared_bytes += _cost(key, prepared)
             while self._prepared_bytes > self.max_prepared_bytes and self._prepared:
-                _, old = self._prepared.popitem(last=False)
-                self._prepared_bytes -= old.patches.nbytes
+                old_key, old = self._prepared.popitem(last=False)
+                self._prepared_bytes -= _cost(old_key, old)
         return prepared
 
     def widen(self, ids: Sequence[int], images: Sequence[tuple[PreparedImage, Any]]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
@@ -120,3 +129,8 @@ class MediaPreparer:
             raise ImageRejected(f"{exc} (an image placeholder written as text?)") from None
         media = tuple(ImageInput(span, p.patches, p.grid, f) for span, (p, f) in zip(spans, images, strict=True))
         return key, media
+
+
+def _cost(key: tuple[str, str], prepared: PreparedImage) -> int:
+    """What a processed image holds: its patches and its key (a data: URL's text)."""
+    return prepared.patches.nbytes + len(key[0])
