@@ -14,15 +14,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
+from mlxd.kv import pins as pin_file
 from mlxd.kv.host_tier import HostTier
 from mlxd.kv.kv_events import CPU, RAM, SSD, ResidencyLedger
 from mlxd.kv.media import ENCODER_NAMESPACE, encoder_key
 from mlxd.kv.pacing import WriteGovernor
+from mlxd.kv.pins import PinSet
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import make_policy
@@ -106,6 +109,8 @@ class CacheOwnerActor:
         kv_events: trio.MemorySendChannel[PublishKvEvents] | None = None,
         kv_fingerprint: str = "",
         host_tier: bool | None = None,
+        pins_file: Path | None = None,
+        saved_pins: PinSet | None = None,
     ) -> None:
         """`durability` and `prefetcher`: the SSD tier's inboxes (with `store`). `engine`: under
         `--distributed`, told which mirrored prefixes left RAM so the followers drop their shards.
@@ -139,6 +144,12 @@ class CacheOwnerActor:
             self._watch = DirWatch(store.directory, store.read_record)
             self._watch.know(r.path for r in records if r.path is not None)
         self._startup = list(self.tiers.load_records(records))
+        # Pins survive a restart (kv/pins.py): re-applied now, saved again whenever they change.
+        if saved_pins is not None:
+            self.tiers.restore_pins(saved_pins, time.time())
+        self._pins_file = pins_file
+        self._pins_state = self.tiers.pin_state()
+        self._pins_changed: trio.Event | None = None
         # Sends to the coordinator and prefetcher never block (unbounded / dropped
         # when full), so the actors cannot deadlock.
         self._durability = durability
@@ -212,10 +223,14 @@ class CacheOwnerActor:
                 nursery.start_soon(self._demote_idle_forever)
             if self._watch is not None:
                 nursery.start_soon(self._watch_shared_dir)
+            if self._pins_file is not None:
+                self._pins_changed = trio.Event()
+                nursery.start_soon(self._save_pins_forever)
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
+                    self._note_pins()
                     self._announce_residency()
                     self._report_shards()
             nursery.cancel_scope.cancel()
@@ -385,6 +400,27 @@ class CacheOwnerActor:
                     # Manifests among them: their blocks that no manifest on disk names go too.
                     await trio.to_thread.run_sync(self._store.blocks.collect)
             self._announce_residency()
+
+    def _note_pins(self) -> None:
+        """Wake the pin saver when the pins to persist changed (a cheap comparison)."""
+        if self._pins_changed is None:
+            return
+        state = self.tiers.pin_state()
+        if state != self._pins_state:
+            self._pins_state = state
+            self._pins_changed.set()
+
+    async def _save_pins_forever(self) -> None:
+        """Write the live pins whenever they change (a worker thread; one write at a time, the latest set)."""
+        assert self._pins_file is not None and self._pins_changed is not None
+        while True:
+            await self._pins_changed.wait()
+            self._pins_changed = trio.Event()
+            pins = self.tiers.pin_set(time.time())
+            try:
+                await trio.to_thread.run_sync(pin_file.save, self._pins_file, pins)
+            except OSError as exc:  # the pins stay in RAM: a full disk costs them the restart only
+                log.warning("cache.pins_not_saved", path=str(self._pins_file), error=str(exc))
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s

@@ -62,6 +62,10 @@ class SessionIndex:
     def latest(self, session: str, namespace: str) -> TokenKey | None:
         return self._latest.get((namespace, session))
 
+    def references(self, session: str) -> list[tuple[str, TokenKey]]:
+        """The session's latest checkpoint in each namespace, as (namespace, tokens)."""
+        return [(ns, key) for (ns, s), key in self._latest.items() if s == session]
+
     def usable_for(self, session: str, namespace: str, prompt: TokenKey) -> TokenKey | None:
         """The session's checkpoint if it is a usable prefix of `prompt` (<= len - 1), else None.
 

@@ -51,6 +51,7 @@ import attrs
 
 from mlxd.kv.blocks import BlockLedger, BlockRef
 from mlxd.kv.host_tier import HostTier, HostTierStats
+from mlxd.kv.pins import PinSet, PrefixPin, SessionPin
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, key_tokens, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.ram_pages import PageRef
@@ -214,6 +215,8 @@ class PinStats:
     refused: int  # pins dropped because their checkpoint would pass the cap
     expired: int  # pins ended by their deadline
     released: int  # pins ended by the session's deletion
+    prefixes: int = 0  # pinned prefixes (cache_control breakpoints) holding now
+    restored: int = 0  # pins re-applied from the pins file at startup (kv/pins.py)
 
 
 @attrs.define
@@ -222,6 +225,7 @@ class _PinCounters:
     refused: int = 0
     expired: int = 0
     released: int = 0
+    restored: int = 0
 
 
 IMPLICIT_PIN_SESSION = "mlxd-pin-"  # sessions made up for a pinned request without one; closed at expiry
@@ -431,6 +435,8 @@ class CacheTiers:
     _lost: int = attrs.field(init=False, default=0)
     _memory: _MemoryCounters = attrs.field(init=False, factory=_MemoryCounters)
     _pins: dict[str, float] = attrs.field(init=False, factory=dict)  # session -> deadline (this clock)
+    # (session, namespace, exact tokens) -> deadline: a breakpoint's prefix, held by the entry covering it
+    _prefix_pins: dict[tuple[str, Key], float] = attrs.field(init=False, factory=dict)
     _pin_count: _PinCounters = attrs.field(init=False, factory=_PinCounters)
 
     @property
@@ -629,7 +635,7 @@ class CacheTiers:
         entry = outcome.entry
         if entry is not None and session is not None:
             self.sessions.advance(session, namespace, entry.tokens)
-            if session in self._pins:
+            if session in self._pins or self._prefix_pins:
                 self._honour_pin(session)
         effects: list[Effect] = []
         if entry is not None and self.ssd:
@@ -670,8 +676,11 @@ class CacheTiers:
     def close_session(self, session: str) -> bool:
         """Drop a session's references and its pin (its cached state stays); False if it is unknown."""
         pinned = self._pins.pop(session, None) is not None
-        self._pin_count.released += pinned
-        return self.sessions.close(session) or pinned
+        prefixes = [k for k in self._prefix_pins if k[0] == session]
+        for k in prefixes:
+            del self._prefix_pins[k]
+        self._pin_count.released += pinned + len(prefixes)
+        return self.sessions.close(session) or pinned or bool(prefixes)
 
     # --- session files (export / import) ----------------------------------------------
 
@@ -719,6 +728,53 @@ class CacheTiers:
         self._pin_count.pinned += 1
         return self._honour_pin(session)
 
+    def pin_prefix(self, session: str, namespace: str, tokens: Tokens, ttl_s: float) -> bool:
+        """Pin the prefix of exactly `tokens` (a `cache_control` breakpoint) for `ttl_s` seconds: whichever RAM
+        entry covers it (itself, or a trimmable descendant) stays. Released with `session` or at the deadline."""
+        if ttl_s <= 0 or self.pin_cap <= 0 or not len(tokens):
+            self._pin_count.refused += 1
+            return False
+        key = (session, key_of(namespace, tokens))
+        deadline = self.now + ttl_s
+        self._prefix_pins[key] = max(self._prefix_pins.get(key, deadline), deadline)
+        self._pin_count.pinned += 1
+        self.pinned()
+        return key in self._prefix_pins
+
+    def pin_state(self) -> tuple[object, ...]:
+        """A cheap value that changes when the persisted pins would (`pin_set`): compare, then save."""
+        sessions = tuple(sorted((s, d, tuple(sorted(self.sessions.references(s)))) for s, d in self._pins.items()))
+        return sessions, tuple(sorted(self._prefix_pins.items()))
+
+    def pin_set(self, wall_now: float) -> PinSet:
+        """The live pins with wall-clock deadlines and each pinned session's latest checkpoints (to persist)."""
+        now = self.now
+        sessions = tuple(
+            SessionPin(s, wall_now + (d - now), tuple((ns, key_tokens(k)) for ns, k in self.sessions.references(s)))
+            for s, d in self._pins.items() if d > now
+        )
+        prefixes = tuple(
+            PrefixPin(s, ns, key_tokens(k), wall_now + (d - now)) for (s, (ns, k)), d in self._prefix_pins.items()
+            if d > now
+        )
+        return PinSet(sessions, prefixes)
+
+    def restore_pins(self, pins: PinSet, wall_now: float) -> None:
+        """Re-apply persisted pins (startup): sessions point at their checkpoints again, deadlines carry over."""
+        now = self.now
+        for sp in pins.sessions:
+            if sp.deadline <= wall_now:
+                continue
+            for ns, tokens in sp.checkpoints:
+                self.sessions.advance(sp.session, ns, tokens)
+            self._pins[sp.session] = max(self._pins.get(sp.session, 0.0), now + (sp.deadline - wall_now))
+            self._pin_count.restored += 1
+        for pp in pins.prefixes:
+            if pp.deadline > wall_now and pp.tokens:
+                key = (pp.session, key_of(pp.namespace, pp.tokens))
+                self._prefix_pins[key] = max(self._prefix_pins.get(key, 0.0), now + (pp.deadline - wall_now))
+                self._pin_count.restored += 1
+
     def pinned(self) -> set[CacheEntry]:
         """The RAM entries live pins hold (expired pins end here).
 
@@ -732,6 +788,10 @@ class CacheTiers:
                 self._pin_count.expired += 1
                 if session.startswith(IMPLICIT_PIN_SESSION):
                     self.sessions.close(session)
+        for pkey, deadline in list(self._prefix_pins.items()):
+            if deadline <= now:
+                del self._prefix_pins[pkey]
+                self._pin_count.expired += 1
         held: set[CacheEntry] = set()
         held_bytes, cap = 0, self.pin_cap
         namespaces = self.ram.namespaces()
@@ -750,6 +810,17 @@ class CacheTiers:
                 continue
             held |= mine
             held_bytes += more
+        for pkey in list(self._prefix_pins):
+            _, (namespace, key) = pkey
+            entry = self.ram.covering(key, namespace)
+            if entry is None or entry in held:
+                continue
+            if held_bytes + entry.nbytes > cap:
+                del self._prefix_pins[pkey]
+                self._pin_count.refused += 1
+                continue
+            held.add(entry)
+            held_bytes += entry.nbytes
         return held
 
     def _honour_pin(self, session: str) -> bool:
@@ -758,15 +829,16 @@ class CacheTiers:
         return session in self._pins
 
     def _keep(self) -> Callable[[CacheEntry], bool] | None:
-        held = self.pinned() if self._pins else set()
+        held = self.pinned() if self._pins or self._prefix_pins else set()
         return held.__contains__ if held else None
 
     def _pin_stats(self) -> PinStats:
-        held = self.pinned() if self._pins else set()
+        held = self.pinned() if self._pins or self._prefix_pins else set()
         c = self._pin_count
         return PinStats(
             sessions=len(self._pins), entries=len(held), bytes=sum(e.nbytes for e in held),
             max_bytes=self.pin_cap, pinned=c.pinned, refused=c.refused, expired=c.expired, released=c.released,
+            prefixes=len(self._prefix_pins), restored=c.restored,
         )
 
     def demote_idle(self) -> list[Effect]:

@@ -40,6 +40,7 @@ from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.ops import EngineInfo
+from mlxd.kv import pins as pin_file
 from mlxd.kv.admission import KvAdmission, weights_bytes
 from mlxd.kv.blocks import span_for
 from mlxd.kv.cost_model import DEFAULT
@@ -742,6 +743,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         # --distributed: followers drop their shards of what leaves RAM (kv/shard_mirror.py)
         engine=engine_send.clone() if config.distributed else None,
         kv_events=kv_events, kv_fingerprint=info.store_identity.fingerprint,
+        **await _saved_pins(config, store),
     )
     if cold is not None:
         await actors.start(cold.writer.run)
@@ -772,6 +774,18 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         cache_owner=cache_owner,
         cold=cold,
     )
+
+
+async def _saved_pins(config: RuntimeConfig, store: SsdStore | None) -> dict[str, Any]:
+    """The pins file beside the SSD tier and the live pins it holds (kv/pins.py); none without an SSD
+    tier, or in a directory shared by replicas (each would overwrite the others' pins)."""
+    if store is None or config.ssd_shared:
+        return {}
+    path = pin_file.pins_path(store.directory)
+    saved, expired = await trio.to_thread.run_sync(pin_file.load, path, time.time())
+    if len(saved) or expired:
+        log.info("pins.restored", sessions=len(saved.sessions), prefixes=len(saved.prefixes), expired=expired)
+    return {"pins_file": path, "saved_pins": saved}
 
 
 def _kv_admission(config: RuntimeConfig, info: EngineInfo) -> KvAdmission | None:
