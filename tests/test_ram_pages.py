@@ -215,3 +215,29 @@ def test_spill_and_restore_with_pages_on(tmp_path, tiny_model_dir):
         assert _seen(cold)[1] == pytest.approx(_seen(warm)[1], abs=1e-4)
         assert stats["cache"]["ram"]["pages"] > 0 and stats["cache"]["ram"]["bytes"] == stats["cache"]["ram"][
             "page_bytes"]
+
+
+# --- the simulator --------------------------------------------------------------------
+
+
+def test_simulate_reports_ram_retained_with_pages_and_contiguous():
+    import numpy as np
+
+    from mlxd.kv.cost_model import DEFAULT
+    from mlxd.sim.replay import replay_mlxd
+    from mlxd.sim.trace import TraceRequest
+
+    rng = np.random.default_rng(3)
+    shared = tuple(int(t) for t in rng.integers(0, 30000, 5000))
+    reqs = [TraceRequest(index=i, t=float(i), input_length=5064, output_tokens=16, session=f"s{i}",
+                         tokens=shared + tuple(int(t) for t in rng.integers(0, 30000, 64)),
+                         output_ids=tuple(int(t) for t in rng.integers(0, 30000, 16)))
+            for i in range(64)]
+    runs = {paged: replay_mlxd(reqs, policy="lru", cost=DEFAULT, ram_bytes=None, slots=1, ram_pages=paged,
+                               ram_page_tokens=1024) for paged in (False, True)}
+    dedup = DEFAULT.kv_bytes(5000 + 64 * 80)
+    contiguous, pages = runs[False], runs[True]
+    assert contiguous.ram_hits == pages.ram_hits == 63  # the same hits: pages change bytes, not lookups
+    assert contiguous.ram_bytes_retained == contiguous.ram_checkpoint_bytes == pages.ram_checkpoint_bytes
+    assert contiguous.ram_bytes_retained > 30 * dedup
+    assert pages.ram_pages and pages.ram_bytes_retained <= 1.2 * dedup

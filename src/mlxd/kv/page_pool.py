@@ -4,10 +4,11 @@
 attention-only model (every layer a `KVCache` or `QuantizedKVCache` holding
 exactly the checkpoint's tokens) into a `PagedCaches` payload: its token
 spans (cut as kv/ram_pages.py says) as `Page`s, each page one span of every
-layer in its own buffer. A page some earlier entry already holds is taken as
-it is, so N conversations over one prefix hold its KV once; new pages are
-copies of the checkpoint's rows (one copy, at publication), and the
-checkpoint's contiguous arrays go away with it.
+layer. A page some earlier entry already holds is taken as it is, so N
+conversations over one prefix hold its KV once; a page cut where it stops
+sharing with a longer held page is a view of that page's buffer (no copy);
+other new pages are copies of the checkpoint's rows (one copy, at
+publication), and the checkpoint's contiguous arrays go away with it.
 
 A page lives as long as some payload references it (Python's reference
 counts, i.e. the RAM entries that name it, and a lend in flight): the pool
@@ -36,25 +37,33 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.kv import kinds
-from mlxd.kv.blocks import SharedStarts, choose_spans
-from mlxd.kv.ram_pages import PageRef
+from mlxd.kv.blocks import ROOT, choose_spans
+from mlxd.kv.ram_pages import PageRef, PageStarts
 
 Layer = tuple[str, int, int]  # ("kv", 0, 0) or ("quant", bits, group_size)
 
 
 @attrs.define(eq=False, weakref_slot=True)
 class Page:
-    """One token span [start, end) of every layer: each layer's tensors' rows, in their own buffers."""
+    """One token span [start, end) of every layer: each layer's tensors' rows.
+
+    The rows live in the page's own buffer, or (a cut) in the buffer of the page
+    named `buffer`, of `buffer_nbytes`.
+    """
 
     name: str
     start: int
     end: int
     layers: tuple[tuple[mx.array, ...], ...]
-    nbytes: int
+    nbytes: int  # its rows' KV bytes
+    buffer: str = ""
+    buffer_nbytes: int = 0
 
     @property
     def ref(self) -> PageRef:
-        return PageRef(self.name, self.start, self.end, self.nbytes)
+        if not self.buffer:
+            return PageRef(self.name, self.start, self.end, self.nbytes)
+        return PageRef(self.name, self.start, self.end, self.buffer_nbytes, self.buffer)
 
 
 @attrs.frozen(eq=False)
@@ -132,9 +141,10 @@ class PagePool:
     fingerprint: str
     page_tokens: int
     _live: weakref.WeakValueDictionary[str, Page] = attrs.field(init=False, factory=weakref.WeakValueDictionary)
-    _starts: SharedStarts = attrs.field(init=False, factory=SharedStarts)
+    _starts: PageStarts = attrs.field(init=False, factory=PageStarts)
     _dead: collections.deque[str] = attrs.field(init=False, factory=collections.deque)  # appended by finalizers
     made: int = attrs.field(init=False, default=0)  # pages copied
+    views: int = attrs.field(init=False, default=0)  # pages cut from a held page's buffer
     reused: int = attrs.field(init=False, default=0)  # pages an entry took as they were
 
     def __len__(self) -> int:
@@ -155,24 +165,37 @@ class PagePool:
         )
         pages: list[Page] = []
         fresh: list[mx.array] = []
+        parent = ROOT
         for span in spans:
             page = self._live.get(span.name)
             if page is None or (page.start, page.end) != (span.start, span.end):
-                rows = tuple(tuple(mx.contiguous(t[..., span.start : span.end, :]) for t in _tensors(c))
-                             for c in caches)
-                made = [a for layer in rows for a in layer]
-                fresh += made
-                page = Page(span.name, span.start, span.end, rows, sum(a.nbytes for a in made))
+                page = self._new_page(caches, tokens, span.name, span.start, span.end, parent)
+                fresh += [a for layer in page.layers for a in layer]
                 self._live[span.name] = page
                 weakref.finalize(page, self._dead.append, span.name)
-                self.made += 1
             else:
                 self.reused += 1
             pages.append(page)
+            parent = span.name
         mx.eval(fresh)
         paged = PagedCaches(tuple(pages), tuple(x for x in layers if x is not None), n)
-        self._starts.add(tokens, paged.refs)
+        self._starts.add_pages(tokens, paged.refs)
         return paged
+
+    def _new_page(self, caches: Sequence[Any], tokens: Sequence[int], name: str, start: int, end: int,
+                  parent: str) -> Page:
+        """A view of the held page these tokens begin (it was cut where sharing stops), else a copy of the rows."""
+        cut = self._starts.holder(parent, tokens[start:end])
+        source = self._live.get(cut) if cut is not None else None
+        if source is not None and source.start == start:
+            n = end - start
+            rows = tuple(tuple(a[..., :n, :] for a in layer) for layer in source.layers)
+            self.views += 1
+            return Page(name, start, end, rows, sum(a.nbytes for layer in rows for a in layer),
+                        buffer=source.buffer or source.name, buffer_nbytes=source.buffer_nbytes or source.nbytes)
+        rows = tuple(tuple(mx.contiguous(t[..., start:end, :]) for t in _tensors(c)) for c in caches)
+        self.made += 1
+        return Page(name, start, end, rows, sum(a.nbytes for layer in rows for a in layer))
 
     def _held(self, name: str) -> bool:
         return name in self._live

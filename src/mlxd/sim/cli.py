@@ -58,6 +58,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-admission-gb", type=float, default=None,
                    help="admit a request only when its KV (input + output tokens x the cost model's KV bytes "
                    "per token) fits this many GiB beside the rows running, as --kv-admission does (mlxd model)")
+    p.add_argument("--ram-pages", choices=("on", "off", "both"), default="off",
+                   help="RAM entries as shared KV pages, counted once (mlxd model; both = each run twice, "
+                   "pages and contiguous entries, and a table of the RAM bytes retained)")
+    p.add_argument("--ram-page-tokens", type=int, default=1024, help="tokens per RAM page with --ram-pages")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
                    help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
     p.add_argument("--ssd-block-tokens", type=int, default=None,
@@ -142,10 +146,13 @@ def run_all(args, reqs, cost: CostModel, flushes: tuple[float, ...] = ()) -> lis
             raise SystemExit("the blocks model needs a Mooncake trace (hash_ids)")
         models.remove("blocks")
     ssd_bytes = None if args.ssd_gb is None else round(args.ssd_gb * GIB)
-    runs = [(m, p, b) for m in models for p in policies for b in capacities(args)]
+    pages = {"on": (True,), "off": (False,), "both": (False, True)}[getattr(args, "ram_pages", "off")]
+    runs = [(m, p, b, paged) for m in models for p in policies for b in capacities(args)
+            for paged in (pages if m == "mlxd" else (False,))]
     results = []
-    for i, (model, policy, blocks) in enumerate(runs, 1):
-        results.append(run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes))
+    for i, (model, policy, blocks, paged) in enumerate(runs, 1):
+        results.append(run_one(_copy_args(args, ram_pages="on" if paged else "off"), reqs, cost, model, policy,
+                               blocks, ssd_bytes, flushes))
         _progress(i, len(runs), results[-1])
         if args.format == "json":
             print(report.json_lines(results[-1:]), flush=True)
@@ -194,6 +201,8 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             restore_choice=getattr(args, "restore_choice", "measured"),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
+            ram_pages=getattr(args, "ram_pages", "off") == "on",
+            ram_page_tokens=getattr(args, "ram_page_tokens", 1024),
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -201,7 +210,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
 def _without_sessions(args, reqs, cost, result: RunResult, flushes) -> RunResult:
     """The same mlxd run with the trace's session field ignored (what the index changes)."""
     ssd_bytes = result.ssd_capacity_bytes
-    twin = _copy_args(args, no_sessions=True)
+    twin = _copy_args(args, no_sessions=True, ram_pages="on" if result.ram_pages else "off")
     return run_one(twin, reqs, cost, "mlxd", result.policy, result.capacity_blocks, ssd_bytes, flushes)
 
 
@@ -327,6 +336,8 @@ def run_simulate(args) -> int:
     results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))
+        if args.ram_pages != "off":
+            print(report.ram_pages_table(results))
     sessions = len({r.session for r in reqs if r.session is not None})
     if sessions and not args.no_sessions:
         pairs = [(r, _without_sessions(args, reqs, cost, r, recording.flushes)) for r in results

@@ -35,6 +35,7 @@ from mlxd.kv.blocks import BlockRef, SharedStarts, model_blocks
 from mlxd.kv.cost_model import BLOCK_TOKENS, CostModel
 from mlxd.kv.host_tier import HostTier
 from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.ram_pages import PageRef, model_pages
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.retention import CostPolicy, RetentionPolicy, make_policy
 from mlxd.kv.tiers import (
@@ -131,6 +132,8 @@ class MlxdReplay:
     ssd_layout: str = "whole"  # or "blocks": content-addressed blocks, as `--ssd-layout blocks` serves
     ssd_block_tokens: int = 1024  # real tokens per block
     kv_admission: KvAdmission | None = None  # --kv-admission: the scheduler's rule, on the cost model's KV bytes
+    ram_pages: bool = False  # --ram-pages on: RAM entries as shared pages (kv/ram_pages.py), counted once
+    ram_page_tokens: int = 1024  # real tokens per page
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -278,17 +281,35 @@ class MlxdReplay:
             nbytes = sum(b.nbytes for b in record.blocks if not b.state and b.end <= match.read_tokens)
         self.tally.ssd_bytes_read += nbytes
         self._apply(
-            self.tiers.publish(tokens, namespace, payload=None, nbytes=nbytes, trimmable=record.trimmable, durable=True)
+            self.tiers.publish(tokens, namespace, payload=None, nbytes=nbytes, trimmable=record.trimmable, durable=True,
+                               pages=self._pages(tokens, namespace))
         )
+        self._count_ram()
         return self.cost.restore_seconds(nbytes)
 
     def _publish(self, tokens, namespace: str, num_tokens: int, session: str | None = None) -> None:
         self._apply(
             self.tiers.publish(
                 tokens, namespace, payload=None, nbytes=self.cost.kv_bytes(num_tokens), trimmable=True,
-                session=session,
+                session=session, pages=self._pages(tokens, namespace),
             )
         )
+        self._count_ram()
+
+    def _pages(self, tokens, namespace: str) -> tuple[PageRef, ...]:
+        """--ram-pages on: the pages the engine would cut this checkpoint into, given the pages RAM holds."""
+        if not self.ram_pages:
+            return ()
+        real = 1 if self.synth.granularity == "token" else BLOCK_TOKENS // 2
+        return model_pages(
+            [int(t) for t in tokens], namespace=namespace, fingerprint="sim", page_tokens=max(1, self.ram_page_tokens // real),
+            bytes_per_token=self.cost.kv_bytes(real), held=self.tiers.ram.pages,
+        )
+
+    def _count_ram(self) -> None:
+        """The RAM tier's high-water mark (pages counted once)."""
+        ram = self.tiers.ram
+        self.tally.ram_bytes_peak = max(self.tally.ram_bytes_peak, ram.bytes)
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -363,6 +384,8 @@ class MlxdReplay:
         if stats.sessions is not None:
             self.tally.session_hits = stats.sessions.hits
             self.tally.session_fallbacks = stats.sessions.fallbacks
+        self.tally.ram_bytes_retained = stats.ram.bytes
+        self.tally.ram_checkpoint_bytes = stats.ram.checkpoint_bytes
         return self.tally
 
 
@@ -389,6 +412,8 @@ def replay_mlxd(
     host_bytes: int | None = None,
     kv_admission_bytes: int = 0,
     restore_choice: str = "measured",
+    ram_pages: bool = False,
+    ram_page_tokens: int = 1024,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
@@ -423,6 +448,8 @@ def replay_mlxd(
         ssd_block_tokens=ssd_block_tokens,
         # The budget's room for rows' KV (weights are not modeled): the scheduler's rule per request.
         kv_admission=KvAdmission(kv_admission_bytes, cost.kv_bytes_per_token) if kv_admission_bytes else None,
+        ram_pages=ram_pages,
+        ram_page_tokens=ram_page_tokens,
     )
     cache.clock = replay.now
     if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
@@ -440,4 +467,5 @@ def replay_mlxd(
         ssd_layout=ssd_layout if ssd else "whole",
         host_capacity_bytes=host_bytes or None,
         restore_decisions=tiers.advisor.stats(),
+        ram_pages=ram_pages,
     )

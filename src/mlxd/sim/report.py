@@ -34,6 +34,26 @@ def table(results: Sequence[RunResult]) -> str:
     return "\n".join(rows)
 
 
+def ram_pages_table(results: Sequence[RunResult]) -> str:
+    """The RAM tier's bytes per mlxd run (--ram-pages): held at the end and at the most (pages once), and
+    what the end's entries would hold as contiguous entries."""
+    head = (
+        f"{'policy':6} {'blocks':>7} {'ram':>10} {'tok hit':>7} {'RAM GB':>8} {'peak GB':>8} "
+        f"{'contig GB':>9} {'ratio':>6}"
+    )
+    rows = ["RAM retained: pages vs contiguous entries", head, "-" * len(head)]
+    for r in results:
+        if r.cache_model != "mlxd":
+            continue
+        ratio = r.ram_checkpoint_bytes / r.ram_bytes_retained if r.ram_bytes_retained else 0.0
+        rows.append(
+            f"{r.policy:6} {_cap(r):>7} {'pages' if r.ram_pages else 'contiguous':>10} {r.token_hit_rate:7.3f} "
+            f"{r.ram_bytes_retained / GB:8.3f} {r.ram_bytes_peak / GB:8.3f} {r.ram_checkpoint_bytes / GB:9.3f} "
+            f"{ratio:5.2f}x"
+        )
+    return "\n".join(rows)
+
+
 def session_table(pairs: Sequence[tuple[RunResult, RunResult]], sessions: int) -> str:
     """What the session index changes: each mlxd run with the index against its twin without."""
     head = (

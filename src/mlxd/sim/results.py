@@ -50,6 +50,12 @@ class RunResult:
     kv_refused: int = 0
     kv_peak_reserved_bytes: int = 0
     restore_decisions: dict[str, float] = attrs.Factory(dict)  # the restore advisor's counters (splits too)
+    # The RAM tier (--ram-pages): pages or contiguous entries; bytes held at the end (pages once) and at the
+    # most, and the end's entries' own KV (what contiguous entries of them would hold).
+    ram_pages: bool = False
+    ram_bytes_retained: int = 0
+    ram_bytes_peak: int = 0
+    ram_checkpoint_bytes: int = 0
 
     @property
     def avoided_prefill_tokens(self) -> int:
@@ -95,6 +101,9 @@ class Tally:
     kv_waited: int = 0
     kv_refused: int = 0
     kv_peak_reserved_bytes: int = 0
+    ram_bytes_retained: int = 0
+    ram_bytes_peak: int = 0
+    ram_checkpoint_bytes: int = 0
 
     def add_request(self, input_length: int, hit: int, *, source: str) -> None:
         self.requests += 1
@@ -133,6 +142,9 @@ class Tally:
             kv_waited=self.kv_waited,
             kv_refused=self.kv_refused,
             kv_peak_reserved_bytes=self.kv_peak_reserved_bytes,
+            ram_bytes_retained=self.ram_bytes_retained,
+            ram_bytes_peak=self.ram_bytes_peak,
+            ram_checkpoint_bytes=self.ram_checkpoint_bytes,
             evictions=self.evictions,
             demotions=self.demotions,
             ssd_evictions=self.ssd_evictions,
