@@ -417,6 +417,8 @@ def record_trace(rt, path: Path) -> None:
             cached_tokens=record.cached_tokens,
             cache_tier=record.cache_tier,
             output_ids=record.output_ids,
+            ttft_s=record.ttft_s,
+            queued_s=record.queued_s,
         )
 
     def flushed(report: dict) -> None:

@@ -255,6 +255,8 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
     base = server.get("restore_advisor_base")  # what the server's startup probe measured
     if base and not args.cost_model:
         args.advisor_base = CostModel(**base)
+        # ... is also the best model of this server's timings (TTFT): the served model, this machine
+        cost = attrs.evolve(args.advisor_base, kv_bytes_per_token=cost.kv_bytes_per_token)
     return cost
 
 

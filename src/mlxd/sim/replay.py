@@ -145,6 +145,9 @@ class MlxdReplay:
     _quiet: trio.Event = attrs.field(init=False, factory=trio.Event)
     _starts: SharedStarts = attrs.field(init=False, factory=SharedStarts)  # as the block store's hint
     _kv_room: trio.Event = attrs.field(init=False, factory=trio.Event)
+    # The recorded server's own timings at its last flush (a recording's calibration), or the cost model's.
+    _prefill_scale: float = attrs.field(init=False, default=1.0)
+    _restore_bytes_per_s: float = attrs.field(init=False, default=0.0)
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -202,6 +205,11 @@ class MlxdReplay:
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
+            # The timings too: the server measured its prefill against the same base model (TTFT).
+            if "prefill_scale" in cal and advisor.base == self.cost:
+                self._prefill_scale = float(cal["prefill_scale"])
+            if "restore_bytes_per_s" in cal and advisor.base == self.cost:
+                self._restore_bytes_per_s = float(cal["restore_bytes_per_s"])
 
     async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
         events: list[tuple[float, int, TraceRequest | int]] = sorted(
@@ -245,7 +253,7 @@ class MlxdReplay:
             else:
                 hit, source = 0, "miss"
             await trio.sleep(restore_s)
-            prefill_s = self.cost.prefill_seconds(r.input_length - hit, hit)
+            prefill_s = self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
             await trio.sleep(prefill_s)
             threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
             if r.input_length - hit - 1 >= threshold:
@@ -285,6 +293,8 @@ class MlxdReplay:
                                pages=self._pages(tokens, namespace))
         )
         self._count_ram()
+        if self._restore_bytes_per_s > 0:  # the server's measured restore bandwidth
+            return self.cost.restore_fixed + nbytes / self._restore_bytes_per_s
         return self.cost.restore_seconds(nbytes)
 
     def _publish(self, tokens, namespace: str, num_tokens: int, session: str | None = None) -> None:

@@ -7,7 +7,7 @@ every block before it, so equal leading ids mean a shared prefix.
 mlxd lines (docs/simulate.md) carry explicit tokens or text:
 `{"t": seconds, "namespace": "", "session": null, "tokens": [...] | "text": "...",
 "output_tokens": m, "cached_tokens": k | null, "cache_tier": "ram" | "ssd" | "none",
-"output_ids": [...] (optional)}`.
+"output_ids": [...] (optional), "ttft_s": s, "queued_s": s (measured, when recorded)}`.
 `TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`),
 plus event lines: `{"event": "server", ...}` (the server's cache configuration,
 first) and `{"event": "flush", "t": seconds}` (an `/admin/cache/flush`), so a
@@ -46,6 +46,8 @@ class TraceRequest:
     cached_tokens: int | None = None  # what the live server reported, when recorded
     cache_tier: str | None = None  # where the live server found it ("ram", "ssd", "none")
     pin_s: float = 0.0  # a pin of the request's session (24h retention, cache_control TTL), seconds
+    ttft_s: float | None = None  # the live server's measured time to first token, when recorded
+    queued_s: float | None = None  # ... and time waiting for a batch slot
 
     def block_ids(self) -> tuple[int, ...]:
         """The Mooncake block ids; a ValueError for a request that has none (mlxd format)."""
@@ -88,6 +90,8 @@ def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> Trace
         cached_tokens=obj.get("cached_tokens"),
         cache_tier=obj.get("cache_tier"),
         pin_s=float(obj.get("pin_s") or 0.0),
+        ttft_s=None if obj.get("ttft_s") is None else float(obj["ttft_s"]),
+        queued_s=None if obj.get("queued_s") is None else float(obj["queued_s"]),
     )
 
 
@@ -210,6 +214,8 @@ class TraceRecorder:
         cached_tokens: int | None = None,
         cache_tier: str | None = None,
         output_ids: Sequence[int] | None = None,
+        ttft_s: float | None = None,
+        queued_s: float | None = None,
     ) -> None:
         line: dict[str, object] = {
             "t": t,
@@ -223,6 +229,10 @@ class TraceRecorder:
             line["cache_tier"] = cache_tier
         if output_ids is not None:
             line["output_ids"] = [int(x) for x in output_ids]
+        if ttft_s is not None:
+            line["ttft_s"] = round(ttft_s, 6)
+        if queued_s is not None:
+            line["queued_s"] = round(queued_s, 6)
         self._write(line)
 
     def server(self, **config: object) -> None:

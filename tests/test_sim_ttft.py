@@ -1,0 +1,104 @@
+"""`mlxd simulate` predicts TTFT per tier from a recorded run.
+
+A recording carries each request's measured TTFT (and queue time), the
+server's startup-probe cost model and its online calibration at each flush;
+the replay times prefill and restore with those, so a recording whose
+timings follow its own model is predicted exactly. The live comparison on
+this machine is benchmarks/bench_sim_ttft.py (docs/simulate.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from mlxd import SamplingParams, open_runtime
+from mlxd.cli import record_trace
+from mlxd.kv.cost_model import DEFAULT
+from mlxd.sim.cli import main as sim_main
+from mlxd.sim.trace import TraceRecorder, load_recording
+
+from serving import config_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_sim_ttft  # noqa: E402
+
+PROBE = attrs.evolve(DEFAULT, model="probe:test", prefill_fixed=0.05, prefill_per_token=2e-3, prefill_per_pair=1e-6,
+                     restore_fixed=0.01, restore_bytes_per_s=1e8, kv_bytes_per_token=4096)
+SCALE, RESTORE_BPS = 1.5, 2e8
+
+
+def simulate(path: Path, capsys) -> dict:
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json"]) == 0
+    runs = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    (run,) = [r for r in runs if "cache_model" in r]
+    return run
+
+
+def model_recording(path: Path) -> list[tuple[str, float]]:
+    """Three conversations: a miss, then (flushed) a RAM hit; one more prompt pushes the first out of
+    RAM, and its return is an SSD restore. Measured TTFTs are what the probe model, scaled by the
+    calibration the server reported, says: (tier, ttft) per request."""
+    rec = TraceRecorder(path)
+    rec.server(model="m", kv_bytes_per_token=4096, prompt_cache_bytes=4096 * 700, retention="lru",
+               snapshot_min_tokens=16, max_batch=1, ssd=True, ssd_cache_max_bytes=0, ssd_demote_idle_s=0,
+               ssd_layout="whole", ssd_block_tokens=256, restore_choice="measured",
+               restore_advisor_base=attrs.asdict(PROBE))
+    cal = {"prefill_scale": SCALE, "restore_bytes_per_s": RESTORE_BPS, "always": False, "split": False}
+    rec.flush(t=0.0, restore_advisor=cal)
+    a, b = list(range(1, 601)), list(range(1001, 1601))
+    steps = [(a, 0, "none"), (a + [7] * 40, 600, "ram"), (b, 0, "none"), (a + [7] * 40 + [9] * 40, 640, "ssd")]
+    want, t = [], 1.0
+    for tokens, cached, tier in steps:
+        prefill = SCALE * PROBE.prefill_seconds(len(tokens) - cached, cached)
+        restore = PROBE.restore_fixed + 4096 * 640 / RESTORE_BPS if tier == "ssd" else 0.0
+        ttft = restore + prefill
+        rec.record(t=t, tokens=tokens, output_tokens=0, cached_tokens=cached, cache_tier=tier, ttft_s=ttft,
+                   queued_s=0.0)
+        rec.flush(t=t + 60, restore_advisor=cal)
+        want.append((tier, ttft))
+        t += 120
+    rec.close()
+    return want
+
+
+def test_a_recording_that_follows_its_model_is_predicted_exactly(tmp_path, capsys):
+    path = tmp_path / "rec.jsonl"
+    want = model_recording(path)
+    recording = load_recording(path)
+    assert [(r.cache_tier, r.ttft_s) for r in recording.reqs] == [(t, pytest.approx(s, abs=1e-6)) for t, s in want]
+    sim = simulate(path, capsys)
+    assert (sim["misses"], sim["ram_hits"], sim["ssd_hits"]) == (2, 1, 1)
+    rows = bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim)
+    assert {r["tier"] for r in rows} == {"miss", "ram", "ssd"}
+    for row in rows:
+        assert row["ratio_p50"] == pytest.approx(1.0, abs=0.01), row
+        assert row["ratio_p95"] == pytest.approx(1.0, abs=0.01), row
+    assert "p95" in sim["ttft_by_source_s"]["ram"]
+
+
+async def test_a_live_recording_carries_each_requests_ttft(tiny_model_dir, tmp_path):
+    config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", device_probe="on",
+                        device_probe_budget_s=0.2)
+    path = tmp_path / "live.jsonl"
+    prompt = list(range(5, 105))
+    async with open_runtime(config) as rt:
+        record_trace(rt, path)
+        for extra in ([], [3] * 20):
+            async with rt.submit(rt.request(prompt + extra, sampling=SamplingParams(max_tokens=2))) as stream:
+                await stream.tokens()
+            await rt.flush()
+    recording = load_recording(path)
+    assert [r.cache_tier for r in recording.reqs] == ["none", "ram"]
+    for r in recording.reqs:
+        assert r.ttft_s is not None and r.queued_s is not None and 0 <= r.queued_s <= r.ttft_s
+    # The server line carries the probe's cost model: the replay times with it (and the flushes' calibration).
+    assert recording.server["restore_advisor_base"]["model"].startswith("probe:")
+    assert recording.calibrations[0]["prefill_scale"] > 0
+    await trio.lowlevel.checkpoint()
