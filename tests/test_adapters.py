@@ -191,6 +191,27 @@ def test_no_prefix_is_shared_across_adapters_or_with_the_base(server):
         assert (cached(r.json()) > 0) == bool(want), (model, r.json()["usage"])
 
 
+def test_a_session_and_kv_event_blocks_stay_within_their_adapter(server):
+    """The session index keys on (namespace, session): one prompt_cache_key under two adapters is two
+    sessions; KV-event block hashes are chained over the namespace, so no block is announced as shared."""
+    from mlxd.kv.kv_events import block_hashes
+
+    ids = prompt(40)
+
+    def send(model: str) -> int:
+        r = httpx.post(server.base_url + "/completions", timeout=60, json={
+            "model": model, "prompt": list(ids), "max_tokens": 2, "prompt_cache_key": "agent-7"})
+        assert r.status_code == 200, r.text
+        return cached(r.json())
+
+    assert send("one") == 0
+    assert send("two") == 0, "the same session under another adapter starts from nothing"
+    assert send("one") > 0 and send("two") > 0, "each adapter's session has its own latest checkpoint"
+    namespaces = {a.name: a.namespace for a in server.runtime.info.adapters}
+    blocks = [set(block_hashes(ids, ns, block_size=16)) for ns in ("", namespaces["one"], namespaces["two"])]
+    assert all(blocks) and not (blocks[0] & blocks[1]) and not (blocks[1] & blocks[2]) and not (blocks[0] & blocks[2])
+
+
 def test_models_lists_the_adapters_and_unknown_names_are_404(server):
     listed = httpx.get(server.base_url + "/models", timeout=30).json()["data"]
     assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None), ("one", "tiny"), ("two", "tiny")]

@@ -207,7 +207,8 @@ class RowLoRA(nn.Module):
             return y
         if idx.shape[0] != x.shape[0]:
             raise RuntimeError(f"adapter rows selected for {idx.shape[0]} rows, the forward has {x.shape[0]}")
-        z = (x @ self.lora_a[idx]) @ self.lora_b[idx]
+        # Each row's own A and B, gathered inside the matmul (no (rows, in, rank) copies).
+        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=idx), self.lora_b, rhs_indices=idx)
         scale = self.scales[idx].astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
         return y + (scale * z).astype(x.dtype)
 
