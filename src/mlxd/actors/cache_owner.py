@@ -64,6 +64,7 @@ from mlxd.runtime.kernel.messages import (
     MarkDirty,
     MarkNotStored,
     MemoryMeasured,
+    PinPrefix,
     PinSession,
     PrefetcherMessage,
     PrefetchHint,
@@ -296,6 +297,9 @@ class CacheOwnerActor:
         elif isinstance(msg, PinSession):
             if not tiers.pin_session(msg.session, msg.ttl_s):
                 log.warning("cache.pin_refused", session=msg.session, ttl_s=msg.ttl_s)
+        elif isinstance(msg, PinPrefix):
+            if not tiers.pin_prefix(msg.session, msg.namespace, msg.tokens, msg.ttl_s):
+                log.warning("cache.pin_refused", session=msg.session, tokens=len(msg.tokens), ttl_s=msg.ttl_s)
         elif isinstance(msg, FindSessionCheckpoint):
             msg.reply.send(tiers.session_checkpoint(msg.session, msg.namespace))
         elif isinstance(msg, AdoptCheckpoint):

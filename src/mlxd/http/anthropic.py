@@ -10,8 +10,11 @@ Errors have Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`
 cache anyway, and a request with a breakpoint pins its conversation's latest
 checkpoints (prompt boundary, then the end of the reply) in RAM for the
 longest TTL among its breakpoints (5m by default, or 1h), through the session
-(one is made up when the request names none). The pinned checkpoint covers the
-whole prompt, so it covers the prefix that ends at the last breakpoint.
+(one is made up when the request names none). Each breakpoint also pins its
+own prefix, for its own TTL: the prompt's tokens up to the end of the block
+carrying `cache_control` (found by rendering the conversation up to that block
+and comparing tokens), held by whichever RAM entry covers them, so a later
+request that shares the prefix and diverges after it still finds it in RAM.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class MessagesRequest:
     model: str | None
     breakpoints: int  # cache_control blocks (each pins the conversation for its TTL)
     body: dict[str, Any]
+    # Each breakpoint's prefix as chat messages (the conversation up to its block) and its TTL
+    cuts: tuple[tuple[tuple[dict[str, Any], ...], float], ...] = ()
 
 
 _TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}
@@ -88,6 +93,54 @@ def _pin_seconds(node: Any) -> float:
     ttl = _TTL_S.get(cc.get("ttl"), 0.0) if isinstance(cc, dict) else 0.0
     inner = (_pin_seconds(v) for k, v in node.items() if k not in _NOT_BLOCKS and isinstance(v, list | dict))
     return max([ttl, *inner])
+
+
+def _ttl(node: Any) -> float:
+    """The TTL of a node's own `cache_control` (0 when it has none)."""
+    cc = node.get("cache_control") if isinstance(node, dict) else None
+    return _TTL_S.get(cc.get("ttl"), 0.0) if isinstance(cc, dict) else 0.0
+
+
+def _block_ttl(block: Any) -> float:
+    """A content block's breakpoint TTL: its own, or (a tool result) its content blocks'."""
+    inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+    return max([_ttl(block), *(_ttl(b) for b in inner if isinstance(b, dict))] if isinstance(inner, list)
+               else [_ttl(block)])
+
+
+def _cuts(body: dict[str, Any]) -> list[tuple[list[dict[str, Any]], float]]:
+    """Each breakpoint's prefix (the chat messages up to the end of its block) and TTL, in prompt order.
+
+    Called on a validated body. Tools render into the system turn, so a breakpoint on a tool cuts after
+    the system prompt with the tools; the top-level `cache_control` cuts after the whole conversation.
+    """
+    cuts: list[tuple[list[dict[str, Any]], float]] = []
+    system = body.get("system")
+    done: list[dict[str, Any]] = [] if system is None else [{"role": "system", "content": _text_of(system, "system")[0]}]
+    if isinstance(system, list):
+        for i, block in enumerate(system):
+            if _ttl(block):
+                cuts.append(([{"role": "system", "content": _text_of(system[: i + 1], "system")[0]}], _ttl(block)))
+    tools_ttl = max((_ttl(t) for t in body.get("tools") or []), default=0.0)
+    if tools_ttl:
+        cuts.append((list(done), tools_ttl))
+    turns = body["messages"]
+    for i, turn in enumerate(turns):
+        content, user = turn.get("content"), turn["role"] == "user"
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                ttl = _block_ttl(block)
+                if ttl:
+                    upto = content[: j + 1]
+                    partial = _user_turn(upto, "")[0] if user else [_assistant_turn(upto, "")[0]]
+                    cuts.append((done + partial, ttl))
+        if user:
+            done += _user_turn(content, "")[0]
+        elif i < len(turns) - 1:  # a final assistant turn is a prefill, no message
+            done.append(_assistant_turn(content, "")[0])
+    if _ttl(body):
+        cuts.append((done, _ttl(body)))
+    return cuts
 
 
 def _cache_control(block: dict[str, Any], where: str) -> int:
@@ -315,9 +368,10 @@ def parse_request(body: Any, *, max_tokens_limit: int) -> MessagesRequest:
     choice, parallel = _tool_choice(body)
     options = parse_chat_options({"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
                                   "chat_template_kwargs": _thinking(body)})
+    cuts = tuple((tuple(parse_messages({"messages": m})), ttl) for m, ttl in _cuts(body) if m) if marks else ()
     return MessagesRequest(
         parsed=parsed, messages=parse_messages({"messages": messages}), options=options, prefill=prefill,
-        model=body.get("model"), breakpoints=marks, body=body,
+        model=body.get("model"), breakpoints=marks, body=body, cuts=cuts,
     )
 
 
@@ -464,6 +518,20 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
         ids, media = await kit.chat_prompt(req.parsed, req.messages, req.options, "messages")
         return (ids + rt.encode(req.prefill) if req.prefill else ids), media
 
+    async def pin_breakpoints(req: MessagesRequest, prompt: tuple[int, ...], session: str) -> None:
+        """Pin each breakpoint's prefix: the prompt's tokens that the conversation up to its block renders to."""
+        namespace = {a.name: a.namespace for a in rt.info.adapters}.get(req.model or "", "")
+        for messages, ttl in req.cuts:
+            try:
+                ids = await rt.render_chat(list(messages), namespace=namespace, tools=req.options.tools,
+                                           template_kwargs=req.options.template_kwargs, realign=False)
+            except Exception as exc:  # a template that cannot render the prefix: the session pin still holds
+                log.info("anthropic.breakpoint_unrendered", error=str(exc))
+                continue
+            offset = _common_prefix(prompt, ids)
+            if offset > 0:
+                await rt.pin_prefix(session, namespace, prompt[:offset], ttl)
+
     async def read(with_max_tokens: bool) -> tuple[MessagesRequest, Any]:
         body = await kit.read_json()
         if not with_max_tokens and isinstance(body, dict):
@@ -489,6 +557,8 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
             pin_s = _pin_seconds(body) if req.breakpoints else 0.0
             session = await request_session(rt, request.headers, _session_body(body), pin_s=pin_s)
             prompt, media = await prompt_of(req)
+            if req.cuts and session is not None and not media:
+                await pin_breakpoints(req, prompt, session)
             (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
                                                 media=media)
             reply = _Reply(rt, choice, kit)
@@ -509,6 +579,14 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
             return Response(json.dumps({"input_tokens": len(prompt)}), content_type="application/json")
 
         return await answer(route)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _session_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -679,7 +679,7 @@ class CacheTiers:
         prefixes = [k for k in self._prefix_pins if k[0] == session]
         for k in prefixes:
             del self._prefix_pins[k]
-        self._pin_count.released += pinned + len(prefixes)
+        self._pin_count.released += pinned or bool(prefixes)  # one release per session
         return self.sessions.close(session) or pinned or bool(prefixes)
 
     # --- session files (export / import) ----------------------------------------------

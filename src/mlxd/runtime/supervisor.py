@@ -74,6 +74,7 @@ from mlxd.runtime.kernel.messages import (
     GenerationFailed,
     GenerationFinished,
     GenerationRequest,
+    PinPrefix,
     PinSession,
     PrefetcherMessage,
     PrefetchHint,
@@ -425,6 +426,10 @@ class Runtime:
             identity=self.info.store_identity, vocab=self.info.vocab_size, max_context=self.info.max_context,
             adopt=adopt,
         )
+
+    async def pin_prefix(self, session: str, namespace: str, tokens: Sequence[int], ttl_s: float) -> None:
+        """Keep the RAM entry holding exactly `tokens` for `ttl_s` seconds (a breakpoint); released with `session`."""
+        await self._cache.send(PinPrefix(session, namespace, tuple(int(t) for t in tokens), ttl_s))
 
     async def cache_stats(self) -> dict[str, Any]:
         return (await self._cache_snapshot()).as_dict()

@@ -448,6 +448,17 @@ class AdoptCheckpoint:
     reply: Reply[bool]
 
 
+@attrs.frozen(eq=False)
+class PinPrefix:
+    """Keep the RAM entry covering exactly `tokens` (a `cache_control` breakpoint's prefix) for `ttl_s` seconds;
+    released with `session`."""
+
+    session: str
+    namespace: str
+    tokens: tuple[int, ...]
+    ttl_s: float
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -466,6 +477,7 @@ CacheOwnerMessage = (
     | PinSession
     | FindSessionCheckpoint
     | AdoptCheckpoint
+    | PinPrefix
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
