@@ -84,8 +84,11 @@ def adapter_config(tiny_model_dir: Path, lora_dirs: dict[str, Path], **overrides
 
 def test_a_mixed_batch_matches_mlx_lm_row_for_row(tiny_model_dir, lora_dirs, reference):
     """Base, "one" and "two" rows decode together (one joins mid-decode); each equals mlx-lm alone."""
-    for speculative in ("off", "ngram"):  # the verifying batch selects adapters too
-        core = EngineCore(adapter_config(tiny_model_dir, lora_dirs, prompt_cache_bytes=0, speculative=speculative))
+    for speculative in ("off", "ngram", "draft"):  # the verifying batch selects adapters too
+        # A draft model (here the base model itself) proposes without adapters; the adapted target verifies.
+        draft = {"draft_model": str(tiny_model_dir)} if speculative == "draft" else {}
+        core = EngineCore(adapter_config(tiny_model_dir, lora_dirs, prompt_cache_bytes=0, speculative=speculative,
+                                         **draft))
         info = core.load()
         ns = {a.name: a.namespace for a in info.adapters}
         assert set(ns) == {"one", "two"} and len(set(ns.values())) == 2 and "" not in ns.values()
