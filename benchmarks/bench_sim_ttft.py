@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path) -> dict[s
     config = attrs.evolve(config, prompt_cache_bytes=int(args.ram_conversations * conversation_bytes))
     histories: list[list[int]] = [[] for _ in range(args.conversations)]
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     async with open_runtime(config) as rt:
         record_trace(rt, trace)
         for turn in range(args.turns):
@@ -74,14 +76,17 @@ async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path) -> dict[s
                         n = args.first if turn == 0 and again == 0 else args.new
                         new = rng.integers(10, 1000, n).tolist()
                         histories[c] = await _conversation_turn(rt, histories[c], new, args.max_tokens)
+                        if args.concurrency == 1:
+                            await rt.flush()  # a barrier the replay keeps too: one request at a time
 
                 async with trio.open_nursery() as nursery:
                     for c in group:
                         nursery.start_soon(one, c)
-                await rt.flush()  # a barrier the replay keeps too
+                if args.concurrency > 1:
+                    await rt.flush()  # a barrier the replay keeps too
         stats = (await rt.stats()).as_dict()
-    return {"serve_s": round(time.perf_counter() - t0, 1), "kv_bytes_per_token": per_token,
-            "prompt_cache_bytes": config.prompt_cache_bytes, "probe": stats.get("device_probe"),
+    return {"serve_s": round(time.perf_counter() - t0, 1), "loadavg_before": load_before,
+            "kv_bytes_per_token": per_token, "prompt_cache_bytes": config.prompt_cache_bytes, "probe": stats.get("device_probe"),
             "restore_decisions": (stats.get("ssd_cache") or {}).get("restore_decisions")}
 
 
@@ -177,7 +182,7 @@ def main() -> None:
         out = RESULTS / f"sim_ttft-{time.strftime('%Y%m%d-%H%M%S')}.json"
         out.write_text(json.dumps({
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "live": live, "rows": rows, "worst_abs_ratio_minus_1": worst,
+            "live": live, "rows": rows, "worst_abs_ratio_minus_1": worst, "loadavg_after": os.getloadavg(),
             "sim": {k: sim[k] for k in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")},
             "trace": saved_trace.splitlines(),
         }, indent=1) + "\n")

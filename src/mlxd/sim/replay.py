@@ -148,6 +148,7 @@ class MlxdReplay:
     # The recorded server's own timings at its last flush (a recording's calibration), or the cost model's.
     _prefill_scale: float = attrs.field(init=False, default=1.0)
     _restore_bytes_per_s: float = attrs.field(init=False, default=0.0)
+    _held_until: float = attrs.field(init=False, default=0.0)  # when the last flush barrier let arrivals in
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -166,14 +167,18 @@ class MlxdReplay:
                     if isinstance(r, int):  # flush number r: everything admitted so far finishes
                         await self._barrier()
                         self._calibrate(r)
+                        self._held_until = self.now()
                         continue
+                    # A request held back by a barrier that ran longer than recorded arrives when it ends
+                    # (its client was waiting on the flush): its queue and TTFT count from then.
+                    arrived = max(r.t, self._held_until)
                     await slots.acquire()
                     if self.kv_admission is not None and not await self._admit_kv(r):
                         slots.release()
                         continue
                     self._running += 1
                     self._quiet = trio.Event()
-                    nursery.start_soon(self._serve, r, slots)
+                    nursery.start_soon(self._serve, r, slots, arrived)
             await self._barrier()
             nursery.cancel_scope.cancel()
 
@@ -228,7 +233,8 @@ class MlxdReplay:
             self._idle = trio.Event()
             await self._idle.wait()
 
-    async def _serve(self, r: TraceRequest, slots: trio.Semaphore) -> None:
+    async def _serve(self, r: TraceRequest, slots: trio.Semaphore, arrived: float | None = None) -> None:
+        arrived = r.t if arrived is None else arrived
         try:
             start = self.now()
             prompt = self.synth.prompt(r)
@@ -263,7 +269,7 @@ class MlxdReplay:
                 self.on_request(r, hit, source)
             await trio.sleep(self.cost.decode_seconds(r.output_tokens, r.input_length))
             self.tally.add_timing(
-                queue=start - r.t, ttft=start + restore_s + prefill_s - r.t, end=self.now(), source=source
+                queue=start - arrived, ttft=start + restore_s + prefill_s - arrived, end=self.now(), source=source
             )
             if r.output_ids:
                 full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
