@@ -14,8 +14,9 @@ the short one beside it, shows what the interleaving costs it.
 load: N streaming chat clients for S seconds, one in four sending a document
 of 1,500-3,000 words, the rest short questions. Every request must end with
 [DONE] after a finish_reason or be refused cleanly (503 with an OpenAI-style
-error); a request with no answer after --hang-s counts as hung. p50/p99 TTFT
-of the answered ones.
+error); a request with no byte for --hang-s, or still open --hang-s after the
+load stops, counts as hung. p50/p99 TTFT of the answered ones (short questions
+and documents apart), the 503s by reason, and the load average around each run.
 """
 
 from __future__ import annotations
@@ -31,27 +32,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import Outcome, stream_chat, summarize  # noqa: E402
 from serve_proc import ServeProc  # noqa: E402
 
 NO_EOS = {"0": -100, "2": -100}
 
 
 def serve(args: argparse.Namespace, log: Path, extra: list[str]) -> ServeProc:
-    flags = [
-        "--preset",
-        args.preset,
-        "--model-name",
-        "tiny",
-        "--max-batch",
-        str(args.max_batch),
-        "--max-queue",
-        str(args.max_queue),
-        *extra,
-    ]
+    flags = ["--preset", args.preset, "--model-name", "tiny"]
+    if args.max_batch is not None:
+        flags += ["--max-batch", str(args.max_batch)]
+    if args.max_queue is not None:
+        flags += ["--max-queue", str(args.max_queue)]
+    flags += extra
     return ServeProc(flags, log)
 
 
@@ -159,14 +155,68 @@ def document(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+@attrs.define
+class Request:
+    """One streaming request of the load run, timed from the client's side."""
+
+    client: int
+    document: bool
+    start: float
+    end: float = 0.0
+    kind: str = ""  # ok | refused | broken (read timeout = hung) | open (never ended: hung)
+    status: int = 0
+    headers_s: float | None = None  # the response started (a stream's first chunk comes with it)
+    ttft_s: float | None = None  # the first generated token
+    detail: str = ""
+
+
+def stream_once(http: httpx.Client, r: Request, content: str, max_tokens: int) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "logit_bias": NO_EOS,
+    }
+    finish = None
+    try:
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            r.status, r.headers_s = resp.status_code, time.monotonic() - r.start
+            if resp.status_code != 200:
+                resp.read()
+                error = (
+                    resp.json().get("error", {})
+                    if resp.headers.get("content-type", "").startswith("application/json")
+                    else {}
+                )
+                clean = resp.status_code == 503 and bool(error.get("message"))
+                r.kind, r.detail = (
+                    ("refused" if clean else "broken"),
+                    error.get("message", resp.text[:200]),
+                )
+                return
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    r.kind, r.detail = "broken", chunk["error"]["message"]
+                    return
+                for choice in chunk.get("choices", []):
+                    if choice["delta"].get("content") and r.ttft_s is None:
+                        r.ttft_s = time.monotonic() - r.start
+                    finish = choice.get("finish_reason") or finish
+        r.kind = "ok" if finish is not None else "broken"
+        r.detail = "" if finish is not None else "the stream ended without a finish_reason"
+    except httpx.HTTPError as exc:
+        r.kind, r.detail = "broken", repr(exc)
+    finally:
+        r.end = time.monotonic()
+
+
 def load_client(
-    i: int,
-    url: str,
-    until: float,
-    hang_s: float,
-    max_tokens: int,
-    outcomes: list[Outcome],
-    lock: threading.Lock,
+    i: int, url: str, until: float, hang_s: float, max_tokens: int, requests: list[Request]
 ) -> None:
     rng = random.Random(i)
     long_client = i % 4 == 0
@@ -176,13 +226,93 @@ def load_client(
                 content = f"Summarize this document ({rng.random():.6f}):\n{document(rng)}"
             else:
                 content = f"Question {rng.randint(0, 10**6)} from client {i}: what comes next?"
-            outcome, _ = stream_chat(http, [{"role": "user", "content": content}], max_tokens)
-            with lock:
-                outcomes.append(outcome)
-            if outcome.kind == "refused":
+            r = Request(i, long_client, time.monotonic())
+            requests.append(r)  # list.append is atomic: the main thread sees it while it runs
+            stream_once(http, r, content, max_tokens)
+            if r.kind == "refused":
                 time.sleep(rng.uniform(0.5, 1.5))  # Retry-After: 1
-            elif outcome.kind != "ok":
+            elif r.kind != "ok":
                 time.sleep(0.5)
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(p / 100 * len(values) + 0.5) - 1))]
+
+
+def _reason(detail: str) -> str:
+    keys = (
+        "prompts ahead",
+        "prompt tokens are ahead",
+        "--ttft-timeout",
+        "--queue-timeout",
+        "queue is full",
+    )
+    for key in keys:
+        if key in detail:
+            return {"prompts ahead": "backlog", "prompt tokens are ahead": "backlog (cold)"}.get(
+                key, key
+            )
+    return detail[:60]
+
+
+def summarize_run(n: int, requests: list[Request], until: float, hang_s: float) -> dict[str, Any]:
+    """Counts, TTFT percentiles (all answered, short, documents) and when the last request ended."""
+    for r in requests:
+        if not r.kind:
+            r.kind = "open"
+    hung = [
+        r for r in requests if r.kind == "open" or (r.kind == "broken" and "Timeout" in r.detail)
+    ]
+    ok = [r for r in requests if r.kind == "ok"]
+
+    def ttfts(rs: list[Request]) -> dict[str, Any]:
+        t = [r.ttft_s for r in rs if r.ttft_s is not None]
+        return {
+            "n": len(t),
+            "p50_s": _round(_pct(t, 50)),
+            "p99_s": _round(_pct(t, 99)),
+            "max_s": _round(max(t, default=None)),
+        }
+
+    refusals: dict[str, int] = {}
+    for r in requests:
+        if r.kind == "refused":
+            refusals[_reason(r.detail)] = refusals.get(_reason(r.detail), 0) + 1
+    ended = [r.end for r in requests if r.end]
+    return {
+        "clients": n,
+        "requests": len(requests),
+        "ok": len(ok),
+        "ok_documents": sum(r.document for r in ok),
+        "refused": sum(r.kind == "refused" for r in requests),
+        "refusals": refusals,
+        "broken": sum(r.kind == "broken" for r in requests) - sum(r.kind == "broken" for r in hung),
+        "hung": len(hung),
+        "ttft": ttfts(ok),
+        "ttft_short": ttfts([r for r in ok if not r.document]),
+        "ttft_documents": ttfts([r for r in ok if r.document]),
+        "longest_request_s": _round(
+            max((r.end - r.start for r in requests if r.end), default=None)
+        ),
+        "last_end_after_load_s": _round(max(ended, default=until) - until),
+        "broken_details": [r.detail for r in requests if r.kind == "broken"][:5],
+        "refused_statuses": sorted({r.status for r in requests if r.kind == "refused"}),
+        "hang_bound_s": hang_s,
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
 
 
 def load(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -197,41 +327,46 @@ def load(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
     with (
         tempfile.TemporaryDirectory() as tmp,
-        serve(args, Path(tmp) / "serve.log", args.flags) as proc,
+        serve(args, args.log or Path(tmp) / "serve.log", args.flags) as proc,
     ):
         ttft(proc.url, [20, 21, 22, 23], 2)  # warm-up
         for n in args.clients:
-            outcomes: list[Outcome] = []
-            lock = threading.Lock()
+            requests: list[Request] = []
+            load_before = _loadavg()
             until = time.monotonic() + args.seconds
             threads = [
                 threading.Thread(
                     target=load_client,
                     daemon=True,
-                    args=(i, proc.url, until, args.hang_s, args.max_tokens, outcomes, lock),
+                    args=(i, proc.url, until, args.hang_s, args.max_tokens, requests),
                 )
                 for i in range(n)
             ]
-            t0 = time.monotonic()
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join(timeout=max(1.0, until + args.hang_s + 30 - time.monotonic()))
-            hung_threads = sum(t.is_alive() for t in threads)
-            elapsed = time.monotonic() - t0
-            summary = summarize(outcomes, elapsed, 0, [])
-            timeouts = sum(o.kind == "broken" and "Timeout" in o.detail for o in outcomes)
+            for t in threads:  # a request still open hang_s after the load stopped is hung
+                t.join(timeout=max(0.0, until + args.hang_s - time.monotonic()))
             run = {
-                "clients": n,
-                **{k: v for k, v in summary.items() if not k.startswith("rss")},
-                "hung": hung_threads + timeouts,
+                **summarize_run(n, list(requests), until, args.hang_s),
+                "loadavg_before": load_before,
+                "loadavg_after": _loadavg(),
             }
+            stats = httpx.get(proc.url + "/stats", timeout=60).json()
+            run["server_scheduler"] = stats.get("scheduler")
             report["runs"].append(run)
+            t, ts, td = run["ttft"], run["ttft_short"], run["ttft_documents"]
             print(
-                f"{n} clients, {args.seconds:.0f} s: {run['requests']} requests, ok {run['ok']}, "
-                f"503 {run['refused']}, broken {run['broken']}, hung {run['hung']}; "
-                f"TTFT p50 {run['ttft_p50_ms']} ms, p99 {run['ttft_p99_ms']} ms"
+                f"{n} clients, {args.seconds:.0f} s: {run['requests']} requests, ok {run['ok']} "
+                f"({run['ok_documents']} documents), 503 {run['refused']} {run['refusals']}, "
+                f"broken {run['broken']}, hung {run['hung']}; TTFT p50/p99/max {t['p50_s']}/{t['p99_s']}/"
+                f"{t['max_s']} s (short {ts['p50_s']}/{ts['p99_s']}, documents {td['p50_s']}/{td['p99_s']}); "
+                f"last request ended {run['last_end_after_load_s']} s after the load; "
+                f"load average {load_before} -> {run['loadavg_after']}",
+                flush=True,
             )
+            if any(t.is_alive() for t in threads):  # wait them out: the next run must start clean
+                for t in threads:
+                    t.join()
             time.sleep(2)
     return report
 
@@ -240,13 +375,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=("interleave", "load"))
     p.add_argument("--preset", default="default")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-queue", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=None, help="default: the server's")
+    p.add_argument("--max-queue", type=int, default=None, help="default: the server's")
     p.add_argument(
         "--flags", nargs=argparse.REMAINDER, default=[], help="more `mlxd serve` flags (last)"
     )
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", type=Path, default=None, help="keep the server's log here")
     # interleave
     p.add_argument("--long", type=int, default=6000, help="tokens of the long prompt")
     p.add_argument("--short", type=int, default=32, help="tokens of the short prompt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -190,36 +191,94 @@ def small_server(tiny_model_dir):
         yield server
 
 
-def test_32_mixed_streaming_clients_all_answered(small_server):
-    """Short and long prompts together: every request ends with [DONE] or a clean 503, none hangs."""
+@pytest.fixture(scope="module")
+def default_server(tiny_model_dir):
+    """Every serving flag at its default (max_batch 8, max_queue 32, --queue-timeout 60, no TTFT limit)."""
+    with ServerThread(config_for(tiny_model_dir)) as server:
+        yield server
+
+
+def _mixed_clients(server: ServerThread, clients: int) -> list:
+    """`clients` streaming clients at once, one in four with a long prompt; each one's outcomes."""
     outcomes: list = []
     lock = threading.Lock()
 
     def client(i: int) -> None:
         long_prompt = i % 4 == 0
         words = " ".join(f"word{j % 97}" for j in range(300 if long_prompt else 8))
-        with httpx.Client(
-            base_url=small_server.base_url.removesuffix("/v1"), timeout=BOUND_S
-        ) as http:
+        with httpx.Client(base_url=_root(server), timeout=BOUND_S) as http:
             for turn in range(TURNS):
                 messages = [{"role": "user", "content": f"client {i} turn {turn}: {words}"}]
                 outcome, _ = stream_chat(http, messages, 4)
                 with lock:
                     outcomes.append(outcome)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=2 * BOUND_S)
     assert not any(t.is_alive() for t in threads), "a client hung"
-    assert len(outcomes) == 32 * TURNS
+    assert len(outcomes) == clients * TURNS
     kinds = {o.kind for o in outcomes}
+    # A read that waits BOUND_S for a byte is "broken" (httpx.ReadTimeout): a hang fails here too.
     assert kinds <= {"ok", "refused"}, [
         (o.kind, o.status, o.detail) for o in outcomes if o.kind not in ("ok", "refused")
     ]
     assert {o.status for o in outcomes if o.kind == "refused"} <= {503}
+    return outcomes
+
+
+def test_32_mixed_streaming_clients_all_answered(small_server):
+    """Short and long prompts together: every request ends with [DONE] or a clean 503, none hangs."""
+    outcomes = _mixed_clients(small_server, 32)
+    # 4 slots and 4 places in the queue: at least the first 8 are served (none waits 60 s here).
     assert sum(o.kind == "ok" for o in outcomes) >= 8
+
+
+def test_32_mixed_streaming_clients_with_default_flags_all_answered(default_server):
+    """The same with every flag at its default: answered ([DONE] or a clean 503), none hangs."""
+    outcomes = _mixed_clients(default_server, 32)
+    assert sum(o.kind == "ok" for o in outcomes) >= 1  # the first one finds nothing ahead of it
+
+
+# --- admission by the prompt work ahead ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backlog_server(tiny_model_dir):
+    with ServerThread(config_for(tiny_model_dir, queue_timeout_s=5.0)) as server:
+        yield server
+
+
+def test_a_long_prompt_behind_too_much_prompt_work_is_refused_at_once(backlog_server):
+    """Past --queue-timeout of prompt work ahead (at the measured rate), a long prompt gets a 503
+    before it queues; a short one, which waits only for its own length of each, is served."""
+    server, url = backlog_server, _root(backlog_server)
+
+    async def seed() -> None:  # 100 prompt tokens/s measured, then 100,000 tokens ahead
+        backlog, now = server.runtime.scheduler.backlog, time.monotonic()
+        backlog.add("measured", 1000, now - 10.0)
+        backlog.done("measured", now)
+        backlog.add("ahead", 100_000, now)
+
+    async def clear() -> None:
+        server.runtime.scheduler.backlog.drop("ahead", time.monotonic())
+
+    server.call(seed)
+    try:
+        long_body = {"prompt": [20 + i % 900 for i in range(2000)], "max_tokens": 2}  # 20 s ahead
+        r = httpx.post(url + "/v1/completions", json=long_body, timeout=BOUND_S)
+        assert r.status_code == 503, r.text[:300]
+        error = r.json()["error"]
+        assert error["type"] == "server_overloaded" and r.headers["retry-after"] == "1"
+        assert "prompts ahead" in error["message"] and "--queue-timeout" in error["message"]
+        short = {"prompt": [30] * 20, "max_tokens": 2}  # 0.2 s of each prompt ahead
+        assert httpx.post(url + "/v1/completions", json=short, timeout=BOUND_S).status_code == 200
+    finally:
+        server.call(clear)
+    r = httpx.post(url + "/v1/completions", json=long_body, timeout=BOUND_S)
+    assert r.status_code == 200, r.text[:300]  # nothing ahead: served
 
 
 # --- long prefills in slices ------------------------------------------------------------------

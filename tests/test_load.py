@@ -14,6 +14,7 @@ from load_test import SLACK_BYTES, flushed_durable, new_clients, next_turns, run
 from serve_proc import ServeProc  # noqa: E402
 
 CACHE_GB = 0.02  # small enough that the RAM tier evicts (to SSD) during the run
+ROUNDS = 30  # at most: only bounds a failure
 
 
 def test_32_streaming_clients_then_sigterm_under_load(tmp_path, tiny_model_dir):
@@ -23,11 +24,17 @@ def test_32_streaming_clients_then_sigterm_under_load(tmp_path, tiny_model_dir):
     args += ["--device-probe", "off"]
     clients = new_clients(32)
     with ServeProc(args, tmp_path / "serve.log") as proc:
-        load = run_load(proc, clients, 4.0, max_tokens=6)
-        # Every request completed or was refused cleanly (503 + OpenAI error).
-        assert load["broken"] == 0 and load["clean_error"] == 0, load
-        assert load["ok"] >= 32 and load["refused_statuses"] in ([], [503]), load
-        assert load["rss_peak_mb"] <= load["rss_baseline_mb"] + (CACHE_GB * 1024) + SLACK_BYTES / 2**20, load
+        # Rounds of 4 s until every client has a completed turn: how many a round serves is the
+        # machine's speed (a loaded 2-core VM served 9-16 in one), which this test does not judge.
+        rounds = [run_load(proc, clients, 4.0, max_tokens=6)]
+        while any(c.last_ok is None for c in clients) and len(rounds) < ROUNDS:
+            rounds.append(run_load(proc, clients, 4.0, max_tokens=6))
+        baseline = rounds[0]["rss_baseline_mb"]
+        for load in rounds:  # every request completed or was refused cleanly (503 + OpenAI error)
+            assert load["broken"] == 0 and load["clean_error"] == 0, load
+            assert load["refused_statuses"] in ([], [503]), load
+            assert load["rss_peak_mb"] <= baseline + (CACHE_GB * 1024) + SLACK_BYTES / 2**20, load
+        assert all(c.last_ok is not None for c in clients), rounds
         # SIGTERM while the clients are still sending.
         term = run_load(proc, clients, 3.0, max_tokens=6, sigterm_after=1.0)
         assert term["broken"] == 0, term
@@ -36,9 +43,6 @@ def test_32_streaming_clients_then_sigterm_under_load(tmp_path, tiny_model_dir):
         assert flushed_durable(proc.log()), proc.log()[-2000:]
     with ServeProc(args, tmp_path / "serve.log") as proc:
         turns = next_turns(proc.url, clients, 4)
-    # Under contention a client may have been refused every time (a clean 503): it has no turn.
-    served = [c for c in clients if c.last_ok is not None]
-    assert len(served) >= 24
-    assert len(turns) == len(served)
+    assert len(turns) == len(clients)  # every client completed a turn above
     # Each conversation's next turn after the restart reuses its durable checkpoint.
     assert all(t["kind"] == "ok" and t["cached"] > 100 for t in turns), turns

@@ -45,6 +45,7 @@ from mlxd.runtime.kernel.messages import (
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
+from mlxd.runtime.prefill_backlog import PrefillBacklog
 
 if TYPE_CHECKING:
     from mlxd.kv.file_format import LoadedSnapshot
@@ -91,6 +92,9 @@ class SchedulerActor:
         self._engine = engine
         self._cache = cache
         self._slots = trio.Semaphore(config.max_batch)
+        # Prompt work admitted and not yet at its first token: a request that would wait past
+        # --queue-timeout for it is refused at once (`Runtime.submit`, runtime/prefill_backlog.py).
+        self.backlog = PrefillBacklog(config.queue_timeout_s)
         self.stats = SchedulerStats()
         # Called with each finished RequestRecord (metrics, trace recording); must not block.
         self.observers: list[Callable[[RequestRecord], None]] = []
@@ -169,6 +173,7 @@ class SchedulerActor:
                     await self._engine.send(CancelGeneration(request.request_id))
             finally:
                 submit.events.close()
+                self.backlog.drop(request.request_id, time.monotonic())
                 if self.kv_admission is not None:
                     self.kv_admission.release(request.request_id)
                     room, self._kv_room = self._kv_room, trio.Event()
@@ -227,6 +232,9 @@ class SchedulerActor:
                 if isinstance(event, TokenGenerated) and first_token_at is None:
                     first_token_at = record.first_token_at = time.monotonic()
                     self.stats.last_ttft_s = first_token_at - submit.submitted_at
+                    self.backlog.done(request.request_id, first_token_at)
+                elif isinstance(event, PromptAccepted):
+                    self.backlog.accepted(request.request_id, event.cached_tokens)
                 self._count(event)
                 _note(record, event)
                 if client_gone:

@@ -510,7 +510,7 @@ def create_app(
                            f"({parsed.sampling.max_tokens}) exceeds the model's context length of {limit} tokens",
                            param=param, code="context_length_exceeded")
         try:
-            rt.check_admission()
+            rt.check_admission(fewest)
         except QueueFull as exc:
             raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:

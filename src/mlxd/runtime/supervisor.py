@@ -338,19 +338,31 @@ class Runtime:
 
     # --- submitting --------------------------------------------------------------
 
-    def check_admission(self) -> None:
-        """Raise now what `submit` would (ShuttingDown, QueueFull): before a prompt is tokenized for nothing."""
+    def check_admission(self, tokens: int = 0) -> None:
+        """Raise now what `submit` would (ShuttingDown, QueueFull): before a prompt is tokenized for nothing.
+
+        `tokens`: the fewest tokens the prompt can have (from its characters), for the prefill backlog.
+        """
         if not self.admitting:
             raise ShuttingDown("the server is shutting down")
         queue = self._submit.statistics()
         if queue.current_buffer_used >= queue.max_buffer_size and queue.tasks_waiting_receive == 0:
             self._rejected += 1
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)")
+        self._check_backlog(tokens)
+
+    def _check_backlog(self, tokens: int) -> None:
+        """QueueFull when the prompts ahead would hold this one past --queue-timeout (runtime/prefill_backlog.py)."""
+        why = self.scheduler.backlog.refusal(tokens, time.monotonic())
+        if why is not None:
+            self._rejected += 1
+            raise QueueFull(why)
 
     def submit(self, request: GenerationRequest) -> GenerationStream:
         """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting."""
         if not self.admitting:
             raise ShuttingDown("the server is shutting down")
+        self._check_backlog(len(request.prompt))
         send, receive = trio.open_memory_channel[GenerationEvent](request.sampling.max_tokens + 8)
         try:
             self._submit.send_nowait(SubmitGeneration(request, send, time.monotonic()))
@@ -360,6 +372,8 @@ class Runtime:
             receive.close()
             raise QueueFull(f"the admission queue is full ({self.config.max_queue} waiting)") from None
         self._submitted += 1
+        self.scheduler.backlog.add(request.request_id, len(request.prompt), time.monotonic(),
+                                   alive=lambda: send.statistics().open_receive_channels > 0)
         if self.cold is not None:
             try:  # a hint: the cache owner tells the prefetcher what to read; dropped when busy
                 self._cache.send_nowait(PrefetchHint(request.prompt, request.namespace))
