@@ -149,11 +149,14 @@ def test_draft_checkpoints_follow_the_target_and_a_ram_hit_reuses_them(cores):
     assert dhit.entry.tokens == final, "lending left the cached entry as it was"
 
 
-async def test_a_ram_hit_and_a_restart_bring_the_draft_prefix(tiny_model_dir, draft_dir, tmp_path):
+@pytest.mark.parametrize("ram_pages", ["off", "on"])
+async def test_a_ram_hit_and_a_restart_bring_the_draft_prefix(tiny_model_dir, draft_dir, tmp_path, ram_pages):
+    """Contiguous RAM entries and paged ones (--ram-pages on: the draft's pages are its namespace's own)."""
     sampling = SamplingParams(max_tokens=32, temperature=1.1, seed=5, logit_bias=NO_EOS)
     text = "The draft follows the cache: " + "a prefix worth keeping, " * 6
     plain = config_for(tiny_model_dir)
-    spec = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", speculative="draft", draft_model=str(draft_dir))
+    spec = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", speculative="draft", draft_model=str(draft_dir),
+                      ram_pages=ram_pages)
     reference: list[list[int]] = []
     async with open_runtime(plain) as rt:
         first = rt.encode(text)
