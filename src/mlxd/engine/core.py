@@ -534,11 +534,13 @@ class EngineCore:
             restore = found.restore
             t0 = time.perf_counter()
             caches = kinds.adopt(restore.loaded, landed=device_memory.to_device)
-            tokens = tuple(restore.record.tokens)
+            tokens = tuple(restore.loaded.header.tokens)  # the record's, or its leading blocks' (a split)
             out.notes.append(RestoreMeasured(restore.loaded.nbytes, restore.loaded.seconds + time.perf_counter() - t0))
+            payload, pages = self._paged(caches, tokens, found.namespace)
             out.notes.append(PublishPrefix(
-                tokens=tokens, namespace=found.namespace, payload=caches, nbytes=kinds.nbytes(caches),
+                tokens=tokens, namespace=found.namespace, payload=payload, nbytes=kinds.nbytes(caches),
                 trimmable=kinds.is_trimmable(caches), reason="restore", durable=True, session=start.request.session,
+                pages=pages,
             ))
             usable, lent = restore.usable, kinds.lend(caches, restore.usable, total=len(tokens))
         elif found.hit is not None and found.hit.usable > 0:
