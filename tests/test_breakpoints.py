@@ -86,3 +86,27 @@ def test_a_breakpoint_keeps_its_prefix_for_a_request_that_diverges_after_it(serv
     # Deleting the session releases its breakpoint pins too.
     assert httpx.delete(f"{server.base_url}/sessions/a", timeout=30).status_code == 200
     assert pins(server)["prefixes"] == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory):
+    """A hybrid recurrent model: its caches cannot be cut back, so only an exact checkpoint serves a prefix."""
+    from mlxd.model import build_model
+
+    model = build_model(tmp_path_factory.mktemp("models") / "qwen3next", "test-qwen3next", seed=0)
+    with ServerThread(config_for(model)) as s:
+        yield s
+
+
+def test_an_untrimmable_model_checkpoints_where_the_breakpoint_ends(hybrid_server):
+    server = hybrid_server
+    marked, unmarked = "Marked. " + SYSTEM, "Unmarked. " + SYSTEM
+    prefix = len(server.runtime.encode(marked))
+    ask(server, marked, "Which colour is the sky?", breakpoint=True, session="h")
+    ask(server, unmarked, "Which colour is the sky?", session="u")
+    # The engine kept a checkpoint where the marked system prompt ends: another question reuses it.
+    hit = ask(server, marked, "What colour is grass?")
+    assert hit.cache_read_input_tokens >= prefix
+    # Without the breakpoint, the prompt's checkpoints end past the divergence: nothing to reuse.
+    miss = ask(server, unmarked, "What colour is grass?")
+    assert miss.cache_read_input_tokens < prefix // 2

@@ -249,6 +249,9 @@ class CacheOwnerActor:
         tiers = self.tiers
         if isinstance(msg, LookupPrefix):
             lookup = tiers.lookup(msg.tokens, msg.namespace, session=msg.session)
+            cuts = tiers.pinned_cuts(msg.tokens, msg.namespace, lookup)
+            if cuts:
+                lookup = attrs.evolve(lookup, checkpoint_at=cuts)
             # A promotion's pages start back to the device before the reply lets the engine read them;
             # then the budget: after the lookup, its hit is the most recently used.
             self._apply(tiers.take_effects())

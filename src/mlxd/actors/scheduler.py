@@ -212,18 +212,19 @@ class SchedulerActor:
         key = self._checkpoint_key(request)
         resume = await self._find_checkpoint(request, key) if key is not None else None
         hit = restore = draft = None
+        cuts: tuple[int, ...] = ()
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
-            hit = lookup.hit
+            hit, cuts = lookup.hit, lookup.checkpoint_at
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
             draft = await self._draft_prefix(request) if self._draft_tag is not None else None
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         await self._engine.send(
             StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
-                            draft=draft)
+                            draft=draft, checkpoint_at=cuts)
         )
         client_gone = False
         first_token_at: float | None = None

@@ -486,7 +486,7 @@ class EngineCore:
             if start.checkpoint_key is not None:  # resumable by a retry
                 out.notes.append(GenerationAbandoned(start.checkpoint_key, start.request.request_id))
 
-    def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int) -> Row:
+    def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int, *, cuts: int = 0) -> Row:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
@@ -499,7 +499,7 @@ class EngineCore:
             # model whose caches cannot be cut back: its end-of-turn checkpoint cannot serve the same
             # prompt again (a regenerated turn), only the prompt-boundary one can.
             threshold = 1 if req.session is not None or not self._trims else max(1, config.snapshot_min_tokens)
-            features.append(PromptCheckpoints(at_boundary=prompt_new_tokens >= threshold))
+            features.append(PromptCheckpoints(at_boundary=prompt_new_tokens >= threshold, cuts=cuts))
         if start.checkpoint_key is not None:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
         return Row(start=start, sampling=sampling, features=tuple(features),
@@ -554,15 +554,25 @@ class EngineCore:
         """The tokens that end a row as "stop": the model's end tokens and the request's stop ids."""
         return self._eos | frozenset(sampling.stop_token_ids)
 
-    def _admit(self, row: Row, prompt: list[int], max_tokens: int, caches: list[Any] | None, history: list[int]) -> None:
+    def _admit(
+        self, row: Row, prompt: list[int], max_tokens: int, caches: list[Any] | None, history: list[int],
+        cuts: tuple[int, ...] = (),
+    ) -> None:
+        """Insert the row; `cuts` (positions in `prompt`) end prefill segments, each checkpointed."""
         from mlx_lm.generate import StopSequences
 
         joining = Joining()
         for part in row.parts():
             part.join(row, joining)
         row_caches = self._batchable(caches)
-        (uid,) = self.generator.insert(
-            [prompt],
+        ends = [0, *cuts, len(prompt)]
+        insert = getattr(self.generator, "insert_segments", None) if cuts else None
+        if insert is not None:
+            seqs: list[Any] = [[prompt[a:b] for a, b in zip(ends, ends[1:], strict=False)]]
+        else:
+            insert, seqs, ends = self.generator.insert, [prompt], [0, len(prompt)]
+        (uid,) = insert(
+            seqs,
             max_tokens=[max_tokens],
             caches=[row_caches] if row_caches is not None else None,
             all_tokens=[history],
@@ -571,7 +581,7 @@ class EngineCore:
             stop_sequences=[StopSequences([[t] for t in sorted(joining.stop_tokens)])],
         )
         row.uid = uid
-        row.prompt_new = len(prompt) - 1
+        row.prompt_new = ends[-1] - 1
         self._rows[uid] = row
         self._uids[row.request_id] = uid
 
@@ -591,14 +601,16 @@ class EngineCore:
             lent, usable, tier = None, 0, "none"
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
+        cuts = tuple(c for c in start.checkpoint_at if usable < c < len(req.prompt) - 1) if not req.media else ()
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
+            elif not cuts and self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
-        row = self._parts(start, sampling, len(req.prompt) - usable - 1)
+        row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
         self._draft_prefix(row, start, out)
-        self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]))
+        self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]),
+                    cuts=tuple(c - joins_at for c in cuts))
         if apart:  # its prompt ends now: the parts see the boundary a batch prefill would have shown them
             for part in row.parts():
                 part.segment(row, self, out)

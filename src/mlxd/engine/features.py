@@ -233,9 +233,14 @@ class PromptCheckpoints(Feature):
     """With the prompt cache: a checkpoint where the prompt ends and one where the row ends."""
 
     at_boundary: bool  # a prompt-boundary checkpoint is worth taking (enough new prompt tokens)
+    cuts: int = 0  # prefill segments before the boundary's that end at a pinned breakpoint prefix
 
     def segment(self, row: Row, core: EngineCore, out: StepOut) -> None:
-        if self.at_boundary:
+        if self.cuts > 0:  # a pinned breakpoint's prefix: keep a checkpoint that ends exactly there
+            self.cuts -= 1
+            req = row.start.request
+            core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session)
+        elif self.at_boundary:
             self.at_boundary = False
             req = row.start.request
             core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session)

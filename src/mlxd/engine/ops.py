@@ -67,6 +67,7 @@ class RowStart:
     draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix (its RAM hit or cold file)
     checkpoint_key: str | None = None  # its generation-checkpoint key (--generation-checkpoint)
     queued_s: float = 0.0  # from submission to this step
+    checkpoint_at: tuple[int, ...] = ()  # prompt lengths to checkpoint at (pinned breakpoint prefixes)
 
 
 def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:

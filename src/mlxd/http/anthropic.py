@@ -15,6 +15,8 @@ own prefix, for its own TTL: the prompt's tokens up to the end of the block
 carrying `cache_control` (found by rendering the conversation up to that block
 and comparing tokens), held by whichever RAM entry covers them, so a later
 request that shares the prefix and diverges after it still finds it in RAM.
+Where no entry covers it yet (or the model's caches cannot be cut back), the
+request's prefill keeps a checkpoint that ends exactly there.
 """
 
 from __future__ import annotations

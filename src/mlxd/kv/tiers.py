@@ -121,6 +121,8 @@ class PrefixLookup:
     restore: SsdMatch | None = None  # strictly longer than the RAM hit, and worth it
     promoted: bool = False  # `hit` came back from the host tier (and is in RAM again)
     plan: RestorePlan | None = None  # the restore advisor's choice, when an SSD record was weighed
+    # Pinned breakpoint prefixes of the prompt that no RAM entry holds: the engine checkpoints there
+    checkpoint_at: tuple[int, ...] = ()
 
 
 # --- effects: what the caller must do after a call ---------------------------------
@@ -740,6 +742,21 @@ class CacheTiers:
         self._pin_count.pinned += 1
         self.pinned()
         return key in self._prefix_pins
+
+    def pinned_cuts(self, tokens: Tokens, namespace: str, lookup: PrefixLookup) -> tuple[int, ...]:
+        """Where the prompt's pinned prefixes end, past the prefix it starts from, when no RAM entry holds
+        them (a model whose caches cannot be cut back keeps only exact checkpoints): checkpoint there."""
+        if not self._prefix_pins:
+            return ()
+        key, now = token_key(tokens), self.now
+        starts = [m.usable for m in (lookup.hit, lookup.restore) if m is not None]
+        start = max(starts, default=0)
+        cuts = {
+            k.num_tokens for (_, (ns, k)), d in self._prefix_pins.items()
+            if ns == namespace and d > now and start < k.num_tokens < len(tokens) - 1 and key.startswith(k)
+            and self.ram.covering(k, ns) is None
+        }
+        return tuple(sorted(cuts))
 
     def pin_state(self) -> tuple[object, ...]:
         """A cheap value that changes when the persisted pins would (`pin_set`): compare, then save."""

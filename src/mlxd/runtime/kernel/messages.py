@@ -200,6 +200,7 @@ class StartGeneration:
     checkpoint_key: str | None = None
     resume: ResumeGeneration | None = None  # wins over `hit` and `restore`
     draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix
+    checkpoint_at: tuple[int, ...] = ()  # prompt lengths to checkpoint at (pinned breakpoint prefixes)
 
 
 @attrs.frozen
