@@ -1,6 +1,6 @@
 """What serving LoRA adapters per row costs (`--adapter NAME=DIR`, engine/adapters.py).
 
-    python benchmarks/bench_adapters.py [--preset default] [--rows 8] [--prompt 128] [--tokens 64] [--rank 16]
+    python benchmarks/bench_adapters.py [--preset default] [--rows 8] [--prompt 128] [--tokens 64] [--rank 16] [--model DIR]
 
 One engine core (the same one `mlxd serve` drives), prompt cache off. A batch of
 `--rows` greedy rows (prompts of `--prompt` random tokens, `--tokens` generated
@@ -8,7 +8,8 @@ each) runs in four setups: no adapters loaded; two random adapters (every
 linear of every layer, rank `--rank`, written by mlxd.model.lora) loaded but
 every row on the base model; rows spread over base and both adapters in one
 batch; every row on one adapter. Prints prefill and decode time and decode
-tokens/s side by side, each as a ratio to the first setup.
+tokens/s side by side, each as a ratio to the first setup. Results go to
+benchmarks/results/adapters-*.json.
 
 A second table times the model's decode forwards alone (same batch, no engine)
 against mlx-lm's own LoRA layers (`mlx_lm.load(model, adapter_path=...)`, one
@@ -19,6 +20,8 @@ costs anyway.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import tempfile
 import time
@@ -93,7 +96,8 @@ def _forward_table(model_dir: Path, pairs: tuple[tuple[str, str], ...], prompts:
 
     def loaded(adapter: str | None = None) -> Any:
         model, _ = load(str(model_dir), adapter_path=adapter)
-        cast_float_weights(model, mx.float32)
+        if mx.default_device() == mx.cpu:
+            cast_float_weights(model, mx.float32)  # as the engine does on CPU
         return model
 
     rows = len(prompts)
@@ -117,6 +121,7 @@ def _forward_table(model_dir: Path, pairs: tuple[tuple[str, str], ...], prompts:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="default")
+    parser.add_argument("--model", help="a local model directory instead of the preset (e.g. a GPU-sized one)")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
@@ -129,9 +134,10 @@ def main() -> None:
     from mlxd.model.tiny import ensure_model
     from mlxd.runtime.config import RuntimeConfig
 
-    model_dir = Path(ensure_model(args.preset))
+    model_dir = Path(args.model) if args.model else Path(ensure_model(args.preset))
     rnd = random.Random(7)
-    prompts = [tuple(rnd.randrange(10, 8000) for _ in range(args.prompt)) for _ in range(args.rows)]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [tuple(rnd.randrange(10, vocab - 10) for _ in range(args.prompt)) for _ in range(args.rows)]
     base = RuntimeConfig(model=str(model_dir), model_name="bench", prompt_cache_bytes=0, device_probe="off",
                          max_batch=args.rows, prefill_batch=args.rows, max_context=args.prompt + args.tokens + 8,
                          prefill_slice_s=0.0)
@@ -159,16 +165,23 @@ def main() -> None:
         results = [(label, b) for (label, _, _), b in zip(setups, best, strict=True)]
         forwards = _forward_table(model_dir, pairs, prompts, args.tokens, args.repeat)
     first = results[0][1]
-    print(f"preset {args.preset}, {args.rows} rows x {args.prompt} prompt tokens, {args.tokens} generated, "
+    print(f"{args.model or 'preset ' + args.preset}, {args.rows} rows x {args.prompt} prompt tokens, {args.tokens} generated, "
           f"LoRA rank {args.rank} on every linear layer")
     print(f"{'setup':36} {'prefill s':>10} {'decode s':>9} {'decode tok/s':>13} {'decode vs none':>15}")
     for label, r in results:
         print(f"{label:36} {r['prefill_s']:10.2f} {r['decode_s']:9.2f} {r['decode_tok_s']:13.1f} "
               f"{first['decode_tok_s'] / r['decode_tok_s']:14.2f}x")
+    results_dir = Path(__file__).resolve().parent / "results"
+    results_dir.mkdir(exist_ok=True)
+    path = results_dir / f"adapters-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({
+        "args": vars(args), "load_average": os.getloadavg(), "engine": dict(results),
+        "forwards_tok_s": dict(forwards)}, indent=2))
     print()
     print(f"{'model decode forwards alone':36} {'tok/s':>10} {'time vs plain':>14} {'vs mlx-lm LoRA':>15}")
     for label, rate in forwards:
         print(f"{label:36} {rate:10.1f} {forwards[0][1] / rate:13.2f}x {forwards[1][1] / rate:14.2f}x")
+    print(f"(wrote {path.name})")
 
 
 if __name__ == "__main__":
