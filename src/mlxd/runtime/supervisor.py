@@ -377,6 +377,12 @@ class Runtime:
         if self.cold is not None:
             try:  # a hint: the cache owner tells the prefetcher what to read; dropped when busy
                 self._cache.send_nowait(PrefetchHint(request.prompt, request.namespace))
+                if self.info.draft_tag is not None:  # --draft-model: its own checkpoints too
+                    from mlxd.engine.speculative import draft_namespace
+
+                    self._cache.send_nowait(
+                        PrefetchHint(request.prompt, draft_namespace(request.namespace, self.info.draft_tag))
+                    )
             except trio.WouldBlock:
                 pass
         return GenerationStream(receive, request)
