@@ -180,9 +180,12 @@ async def test_a_ram_hit_and_a_restart_bring_the_draft_prefix(tiny_model_dir, dr
         async with rt.submit(rt.request(second, sampling=sampling)) as stream:
             assert await stream.tokens() == reference[1]
             assert stream.accepted.cache_tier == "ssd"
-        stats = (await rt.stats()).engine.speculation
+        everything = await rt.stats()
+        stats = everything.engine.speculation
         assert stats is not None and stats.draft_prefix_reused >= len(second) - 8, stats
         assert stats.draft_prefix_recomputed <= 8, stats
+        prefetch = everything.as_dict()["ssd_cache"]["prefetch"]
+        assert prefetch["prefetches"] == 2, "the request named both files to read ahead: the target's and the draft's"
 
 
 def test_stats_and_metrics_count_the_draft_prefix(tiny_model_dir, draft_dir):
