@@ -3,6 +3,7 @@ blocks the event loop, and many mixed streaming clients all get an answer (2xx o
 
 from __future__ import annotations
 
+import http.client
 import sys
 import threading
 import time
@@ -240,6 +241,24 @@ def test_32_mixed_streaming_clients_with_default_flags_all_answered(default_serv
     """The same with every flag at its default: answered ([DONE] or a clean 503), none hangs."""
     outcomes = _mixed_clients(default_server, 32)
     assert sum(o.kind == "ok" for o in outcomes) >= 1  # the first one finds nothing ahead of it
+
+
+def test_an_idle_connection_outlives_a_pooled_clients_own_expiry(default_server):
+    """httpx drops a pooled connection idle for 5 s; the server must not close it first (at the same
+    5 s, a request sent as the server closed came back "Server disconnected" under load)."""
+    idle = httpx.Limits().keepalive_expiry
+    assert idle is not None and default_server.config.keep_alive_timeout_s >= 2 * idle
+    conn = http.client.HTTPConnection(
+        *_root(default_server).removeprefix("http://").split(":"), timeout=BOUND_S
+    )
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None  # kept alive
+        time.sleep(idle + 1)  # past the client's own expiry: it would have closed by now
+        conn.request("GET", "/health")  # the same socket, still open at the server
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
 
 
 # --- admission by the prompt work ahead ----------------------------------------------------------

@@ -184,8 +184,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections", type=_non_negative_int, default=0, metavar="N",
                    help="open HTTP connections; past it a new connection gets a 503 and is closed (0 = half the "
                    "process's file-handle limit, at most 4096)")
-    p.add_argument("--keep-alive-timeout", type=_positive_float, default=5.0, metavar="SEC",
-                   help="seconds an idle keep-alive connection, or one that sends nothing, stays open (default 5)")
+    p.add_argument("--keep-alive-timeout", type=_positive_float, default=20.0, metavar="SEC",
+                   help="seconds an idle keep-alive connection, or one that sends nothing, stays open (default 20: "
+                        "longer than clients keep idle connections, so they close first)")
     p.add_argument("--allow-media-dir", type=Path, metavar="DIR",
                    help="vision models: accept file:// image URLs under DIR (off: data: URLs only; http(s) never)")
     p.add_argument("--max-images", type=int, default=16, metavar="N", help="vision models: images per request")

@@ -223,8 +223,10 @@ class RuntimeConfig:
     # Open HTTP connections; past it a new connection gets a 503 and is closed
     # (0 = half the process's file-handle limit, at most 4096: http/connections.py).
     max_connections: int = attrs.field(default=0, validator=_non_negative)
-    # Seconds an idle keep-alive connection (or one that never sends a request) stays open.
-    keep_alive_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    # Seconds an idle keep-alive connection (or one that never sends a request) stays open: longer
+    # than clients keep an idle pooled connection (httpx 5 s, aiohttp 15 s), so the client drops it
+    # first; at the same 5 s a request sent as the server closed came back "disconnected".
+    keep_alive_timeout_s: float = attrs.field(default=20.0, validator=_positive)
     # Vision models (docs/vision.md): file:// image URLs only under this directory (None = off),
     # images per request, encoded bytes of one image.
     allow_media_dir: Path | None = None
