@@ -8,10 +8,14 @@ while `--record-trace`'s recorder writes the trace: first turns miss, a
 returning conversation still in RAM hits RAM, one pushed out by the others
 is restored from SSD (or recomputed, as the restore advisor decides).
 `--concurrency` > 1 sends that many conversations' turns at once (queueing).
-Then `mlxd simulate TRACE` replays the recording with no other flags, and
-the script prints the recorded and the predicted TTFT p50/p95 per tier side
-by side, with the ratio predicted / recorded (goal: within 0.9-1.1), and
-writes them to benchmarks/results/sim_ttft-<time>.json.
+Two runs are recorded (seeds `--seed` and `--seed + 1`): the first is the
+calibration run, the second is predicted. `mlxd simulate` replays the second
+twice: with no other flags (the recording's own startup-probe model, scaled
+by the online calibration at each flush), and with `--cost-model` fitted to
+the first run's measured TTFTs (`mlxd simulate --fit-ttft-out`). The script
+prints the recorded and the predicted TTFT p50/p95 per tier side by side, with
+the ratio predicted / recorded (goal: within 0.9-1.1), and writes them to
+benchmarks/results/sim_ttft-<time>.json.
 """
 
 from __future__ import annotations
@@ -105,12 +109,12 @@ def _pcts(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95))}
 
 
-def simulate(trace: Path) -> dict[str, Any]:
+def simulate(trace: Path, *extra: str) -> dict[str, Any]:
     from mlxd.sim.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main([str(trace), "--format", "json"]) == 0
+        assert main([str(trace), "--format", "json", *extra]) == 0
     (run,) = [d for d in (json.loads(x) for x in out.getvalue().splitlines() if x.startswith("{")) if "cache_model" in d]
     return run
 
@@ -161,30 +165,50 @@ def main() -> None:
     p.add_argument("--probe-s", type=float, default=4.0, help="startup probe budget (seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", type=Path, help="replay this recording instead of recording one")
+    p.add_argument("--calibration-trace", type=Path,
+                   help="with --trace: the earlier recording to fit the cost model to (else one is recorded)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-sim-ttft-") as tmp:
         live: dict[str, Any] = {}
-        trace = args.trace
-        if trace is None:
-            trace = Path(tmp) / "recorded.jsonl"
-            live = trio.run(record, args, trace, Path(tmp) / "ssd")
-        recorded = recorded_percentiles(trace)
-        sim = simulate(trace)
-        rows = compare(recorded, sim)
-        saved_trace = trace.read_text()
-    print(table(rows))
-    worst = max((abs(r[f"ratio_{p}"] - 1) for r in rows for p in ("p50", "p95") if r[f"ratio_{p}"]), default=None)
-    print(f"worst |ratio - 1|: {worst:.3f}" if worst is not None else "no comparable tier")
+        traces = {"calibration": args.calibration_trace, "predicted": args.trace}
+        for i, name in enumerate(traces):
+            if traces[name] is None:  # record it: the calibration run, then the predicted run (another seed)
+                traces[name] = Path(tmp) / f"{name}.jsonl"
+                run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+                live[name] = trio.run(record, run_args, traces[name], Path(tmp) / f"ssd-{name}")
+        fitted = Path(tmp) / "fitted.json"
+        with contextlib.redirect_stdout(io.StringIO()):  # prints the model it writes
+            from mlxd.sim.cli import main as sim_main
+
+            assert sim_main([str(traces["calibration"]), "--fit-ttft-out", str(fitted)]) == 0
+        recorded = recorded_percentiles(traces["predicted"])
+        sims = {
+            "probe": simulate(traces["predicted"]),  # the recording's own probe model, calibrated per flush
+            "fit": simulate(traces["predicted"], "--cost-model", str(fitted)),  # fitted to the other run
+        }
+        rows = {k: compare(recorded, v) for k, v in sims.items()}
+        saved = {k: Path(v).read_text().splitlines() for k, v in traces.items()}
+        model = json.loads(fitted.read_text())
+    worst: dict[str, float | None] = {}
+    for name, title in (("probe", "startup probe + online calibration (the recording's own)"),
+                        ("fit", "cost model fitted to the calibration run's TTFTs")):
+        print(f"predicted with the {title}:")
+        print(table(rows[name]))
+        ratios = [abs(r[f"ratio_{p}"] - 1) for r in rows[name] for p in ("p50", "p95") if r[f"ratio_{p}"]]
+        worst[name] = max(ratios) if ratios else None
+        print(f"worst |ratio - 1|: {worst[name]:.3f}\n" if worst[name] is not None else "no comparable tier\n")
     if not args.no_save:
         RESULTS.mkdir(exist_ok=True)
         out = RESULTS / f"sim_ttft-{time.strftime('%Y%m%d-%H%M%S')}.json"
         out.write_text(json.dumps({
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "live": live, "rows": rows, "worst_abs_ratio_minus_1": worst, "loadavg_after": os.getloadavg(),
-            "sim": {k: sim[k] for k in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")},
-            "trace": saved_trace.splitlines(),
+            "fitted_cost_model": model,
+            "sim": {k: {f: v[f] for f in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")}
+                    for k, v in sims.items()},
+            "traces": saved,
         }, indent=1) + "\n")
         print(f"wrote {out}")
 

@@ -21,7 +21,7 @@ from mlxd import SamplingParams, open_runtime
 from mlxd.cli import record_trace
 from mlxd.kv.cost_model import DEFAULT
 from mlxd.sim.cli import main as sim_main
-from mlxd.sim.trace import TraceRecorder, load_recording
+from mlxd.sim.trace import TraceRecorder, TraceRequest, load_recording
 
 from serving import config_for
 
@@ -102,3 +102,39 @@ async def test_a_live_recording_carries_each_requests_ttft(tiny_model_dir, tmp_p
     assert recording.server["restore_advisor_base"]["model"].startswith("probe:")
     assert recording.calibrations[0]["prefill_scale"] > 0
     await trio.lowlevel.checkpoint()
+
+
+def test_a_fit_to_a_recording_recovers_its_model_and_keeps_its_spread(tmp_path, capsys):
+    from mlxd.kv.cost_model import CostModel
+    from mlxd.sim.ttft_fit import fit_recording
+
+    true = attrs.evolve(PROBE, prefill_fixed=0.08, prefill_per_token=3e-3, prefill_per_pair=2e-6,
+                        restore_fixed=0.02, restore_bytes_per_s=5e8)
+    shapes = [(n, 0, "none") for n in (200, 400, 800)] + [(60, c, "ram") for c in (300, 900)]
+    shapes += [(60, c, "ssd") for c in (500, 1500)]
+    reqs = []
+    for i, (n, ctx, tier) in enumerate(shapes):
+        ttft = true.prefill_seconds(n, ctx) + (true.restore_seconds(true.kv_bytes(ctx)) if tier == "ssd" else 0.0)
+        reqs.append(TraceRequest(index=i, t=float(i), input_length=n + ctx, output_tokens=0, cached_tokens=ctx,
+                                 cache_tier=tier, ttft_s=ttft + 0.5, queued_s=0.5))  # the queue is not service
+    fitted = fit_recording(reqs, PROBE)
+    for n, ctx in ((100, 0), (800, 0), (60, 900), (200, 2000)):
+        assert fitted.prefill_seconds(n, ctx) == pytest.approx(true.prefill_seconds(n, ctx), rel=0.01)
+    assert fitted.restore_seconds(true.kv_bytes(1000)) == pytest.approx(true.restore_seconds(true.kv_bytes(1000)),
+                                                                         rel=0.01)
+    assert len(fitted.service_ratios) == len(reqs) and all(r == pytest.approx(1.0, abs=0.01)
+                                                           for r in fitted.service_ratios)
+
+    # Through the CLI: fitted to a recording, written, and replayed with (spread included).
+    path = tmp_path / "rec.jsonl"
+    model_recording(path)
+    out = tmp_path / "fit.json"
+    assert sim_main([str(path), "--fit-ttft-out", str(out)]) == 0
+    assert CostModel.load(out) == fit_recording(load_recording(path).reqs, PROBE)
+    # Replayed with the fitted model (and its spread), the recording is predicted per tier.
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--cost-model", str(out)]) == 0
+    (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+              if "cache_model" in r]
+    for row in bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim):
+        assert row["ratio_p50"] == pytest.approx(1.0, abs=0.05), row

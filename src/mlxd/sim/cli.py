@@ -77,7 +77,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--out", type=Path, help="write results JSON and PNG plots here")
     p.add_argument("--name", default=None, help="file stem under --out (default: trace name)")
-    p.add_argument("--cost-model", type=Path, help="cost model JSON (default: built-in)")
+    p.add_argument("--cost-model", type=Path,
+                   help="cost model JSON (default: a recording's startup-probe model, else built-in)")
+    p.add_argument("--fit-ttft-out", type=Path, default=None,
+                   help="fit a cost model to the recording's measured TTFTs (prefill from misses and RAM hits, "
+                   "restore from SSD hits), write it here and exit; simulate another trace with --cost-model")
     p.add_argument(
         "--slots", type=int, default=None, help="simulated engine slots (default: the recorded max_batch, else 4)"
     )
@@ -199,6 +203,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
             restore_choice=getattr(args, "restore_choice", "measured"),
+            calibrate_timing=getattr(args, "timing_from_recording", False),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
             ram_pages=getattr(args, "ram_pages", "off") == "on",
@@ -257,6 +262,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.advisor_base = CostModel(**base)
         # ... is also the best model of this server's timings (TTFT): the served model, this machine
         cost = attrs.evolve(args.advisor_base, kv_bytes_per_token=cost.kv_bytes_per_token)
+        args.timing_from_recording = True  # the flushes' calibration scales it (sim/replay.py)
     return cost
 
 
@@ -328,6 +334,13 @@ def run_simulate(args) -> int:
     recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
+    if args.fit_ttft_out is not None:
+        from mlxd.sim.ttft_fit import fit_recording
+
+        fitted = fit_recording(reqs, cost)
+        fitted.save(args.fit_ttft_out)
+        print(json.dumps(fitted.to_json(), indent=2))
+        return 0
     if args.host_gbps is not None:
         cost = attrs.evolve(cost, host_bytes_per_s=args.host_gbps * 1e9)
     if is_mooncake(reqs) and args.granularity != "token":

@@ -21,6 +21,7 @@ requests that arrived before it finish, then every pending write commits.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -134,6 +135,7 @@ class MlxdReplay:
     kv_admission: KvAdmission | None = None  # --kv-admission: the scheduler's rule, on the cost model's KV bytes
     ram_pages: bool = False  # --ram-pages on: RAM entries as shared pages (kv/ram_pages.py), counted once
     ram_page_tokens: int = 1024  # real tokens per page
+    calibrate_timing: bool = False  # scale prefill/restore timings by the recorded calibration (a recording's model)
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -211,9 +213,9 @@ class MlxdReplay:
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
             # The timings too: the server measured its prefill against the same base model (TTFT).
-            if "prefill_scale" in cal and advisor.base == self.cost:
+            if self.calibrate_timing and "prefill_scale" in cal:
                 self._prefill_scale = float(cal["prefill_scale"])
-            if "restore_bytes_per_s" in cal and advisor.base == self.cost:
+            if self.calibrate_timing and "restore_bytes_per_s" in cal:
                 self._restore_bytes_per_s = float(cal["restore_bytes_per_s"])
 
     async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
@@ -258,8 +260,10 @@ class MlxdReplay:
                 hit, source = real(lookup.hit.usable), "ram"
             else:
                 hit, source = 0, "miss"
+            spread = self._spread(r)
+            restore_s *= spread
             await trio.sleep(restore_s)
-            prefill_s = self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
+            prefill_s = spread * self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
             await trio.sleep(prefill_s)
             threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
             if r.input_length - hit - 1 >= threshold:
@@ -285,6 +289,11 @@ class MlxdReplay:
             self._running -= 1
             if self._running == 0:
                 self._quiet.set()
+
+    def _spread(self, r: TraceRequest) -> float:
+        """This request's draw from the cost model's recorded spread (1 without one); seeded by its index."""
+        ratios = self.cost.service_ratios
+        return ratios[random.Random(r.index * 7919 + 17).randrange(len(ratios))] if ratios else 1.0
 
     def _restore(self, match: SsdMatch, namespace: str) -> float:
         """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable)."""
@@ -430,11 +439,13 @@ def replay_mlxd(
     restore_choice: str = "measured",
     ram_pages: bool = False,
     ram_page_tokens: int = 1024,
+    calibrate_timing: bool = False,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
     restore advisor started from (its startup probe), when it was not `cost`; `restore_choice`
-    its --restore-choice (measured, always, split)."""
+    its --restore-choice (measured, always, split). `calibrate_timing`: `cost` is the recorded server's
+    probe model, so the calibration recorded at each flush scales its prefill and restore timings too."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
@@ -466,6 +477,7 @@ def replay_mlxd(
         kv_admission=KvAdmission(kv_admission_bytes, cost.kv_bytes_per_token) if kv_admission_bytes else None,
         ram_pages=ram_pages,
         ram_page_tokens=ram_page_tokens,
+        calibrate_timing=calibrate_timing,
     )
     cache.clock = replay.now
     if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)

@@ -1,0 +1,100 @@
+"""A cost model fitted to a recording's measured TTFTs (`mlxd simulate --fit-ttft-out`).
+
+A recording (`mlxd serve --record-trace`) carries each request's measured
+time to first token, its queue time, the tier that served it and how many
+tokens that tier held. Misses and RAM hits are prefill: TTFT - queue =
+prefill(new, cached), fitted as `fixed + a*n + b*(n*ctx + n*n/2)`; SSD hits
+add a restore of the cached tokens' KV bytes, fitted as `fixed + bytes /
+bandwidth` on what the prefill model leaves. Each fit minimises relative
+error and is then scaled so its median ratio (measured / predicted) is 1:
+on a shared machine a few requests wait far longer than the rest, and the
+median, not the mean, is what a p50 prediction needs. The spread itself is
+kept: `service_ratios` (each request's measured / fitted time), from which a
+replay draws one per request, so its p95 carries the recorded machine's tail.
+
+The model describes the recorded server and machine under the recorded load;
+`mlxd simulate OTHER --cost-model FILE` then predicts another trace (or other
+tier sizes) with it. Pure: no MLX, no trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from mlxd.kv.cost_model import CostModel
+from mlxd.kv.device_costs import fit_linear
+from mlxd.sim.trace import TraceRequest
+
+_PREFILL_TIERS = ("none", "ram")
+
+
+def fit_recording(reqs: Sequence[TraceRequest], base: CostModel) -> CostModel:
+    """`base` with its prefill and restore terms fitted to the requests' measured TTFTs.
+
+    Decode, KV bytes per token and the host tier are kept from `base`. Raises
+    ValueError when the recording has no measured prefill to fit.
+    """
+    rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, _service(r))
+            for r in reqs if r.ttft_s is not None and (r.cache_tier or "none") in _PREFILL_TIERS]
+    rows = [(n, ctx, t) for n, ctx, t in rows if n > 0 and t > 0]
+    if not rows:
+        raise ValueError("no measured TTFT of a miss or a RAM hit to fit prefill to")
+    fixed, a, b = _fit_prefill(rows)
+    model = attrs.evolve(base, model=f"fit:{base.model}", prefill_fixed=fixed, prefill_per_token=a,
+                         prefill_per_pair=b)
+    scale = _median_ratio([(t, model.prefill_seconds(n, ctx)) for n, ctx, t in rows])
+    model = attrs.evolve(model, prefill_fixed=fixed * scale, prefill_per_token=a * scale, prefill_per_pair=b * scale)
+    restores = []
+    for r in reqs:
+        if r.ttft_s is None or r.cache_tier != "ssd" or not r.cached_tokens:
+            continue
+        left = _service(r) - model.prefill_seconds(r.input_length - r.cached_tokens, r.cached_tokens)
+        restores.append((model.kv_bytes(r.cached_tokens), max(left, 1e-6)))
+    if restores:
+        r_fixed, per_byte = fit_linear(restores)
+        bw = 1.0 / per_byte if per_byte > 0 else base.restore_bytes_per_s
+        model = attrs.evolve(model, restore_fixed=r_fixed, restore_bytes_per_s=bw)
+        scale = _median_ratio([(t, model.restore_seconds(nb)) for nb, t in restores])
+        model = attrs.evolve(model, restore_fixed=r_fixed * scale, restore_bytes_per_s=bw / scale)
+    ratios = [t / model.prefill_seconds(n, ctx) for n, ctx, t in rows]
+    ratios += [t / model.restore_seconds(nb) for nb, t in restores]
+    return attrs.evolve(model, service_ratios=tuple(round(x, 4) for x in sorted(ratios)))
+
+
+def _service(r: TraceRequest) -> float:
+    assert r.ttft_s is not None
+    return max(r.ttft_s - (r.queued_s or 0.0), 1e-6)
+
+
+def _fit_prefill(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(fixed, a, b) >= 0, least relative error (the non-negative subset fits of `device_costs`)."""
+    import itertools
+
+    x = np.array([(1.0, n, n * ctx + n * n / 2.0) for n, ctx, _ in rows], dtype=np.float64)
+    t = np.array([s for _, _, s in rows], dtype=np.float64)
+    w = 1.0 / t
+    best: tuple[float, list[float]] | None = None
+    for size in range(3, 0, -1):
+        for cols in itertools.combinations(range(3), size):
+            if len(rows) < size:
+                continue
+            coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], t * w, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, coef, strict=True):
+                full[c] = float(v)
+            err = float(np.sum(((x @ np.array(full)) - t) ** 2 * w**2))
+            if best is None or err < best[0] - 1e-12:
+                best = (err, full)
+    if best is None:
+        raise ValueError("no non-negative prefill fit")
+    return best[1][0], best[1][1], best[1][2]
+
+
+def _median_ratio(pairs: Sequence[tuple[float, float]]) -> float:
+    ratios = [m / p for m, p in pairs if p > 0]
+    return float(np.median(ratios)) if ratios else 1.0
