@@ -130,3 +130,31 @@ def test_an_oversized_upload_is_refused(servers):
     r = httpx.post(f"{admin(b)}/big/import", content=chunks(), timeout=120)
     assert r.status_code == 413, r.text
     assert cache_state(b) == before
+
+
+def test_a_session_on_ssd_only_is_exported_after_a_restart_and_imported_into_a_ram_only_server(
+    tiny_model_dir, tmp_path, exported
+):
+    _, on_a = exported
+    ssd = tmp_path / "ssd"
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=ssd)) as first:
+        chat_body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+                     "prompt_cache_retention": "24h"}  # a pinned session: it is known again after the restart
+        r = httpx.post(first.base_url + "/chat/completions", json=chat_body, headers={"X-Session-Id": "p"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=ssd)) as second:
+        stats = httpx.get(second.base_url.removesuffix("/v1") + "/stats", timeout=30).json()["cache"]
+        assert stats["ram"]["entries"] == 0 and stats["pins"]["restored"] == 1
+        r = httpx.get(f"{admin(second)}/p/export", timeout=120)  # read from its SSD file
+        assert r.status_code == 200, r.text
+        data = r.content
+    with ServerThread(config_for(tiny_model_dir)) as ram_only:
+        r = httpx.post(f"{admin(ram_only)}/p/import", content=data, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["ram"] and not r.json()["ssd"]
+        reply = chat(ram_only, "p")
+        usage = reply["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+        assert [t for t, _ in logprobs(reply)] == [t for t, _ in logprobs(on_a)]
+        assert [lp for _, lp in logprobs(reply)] == pytest.approx([lp for _, lp in logprobs(on_a)], abs=1e-4)

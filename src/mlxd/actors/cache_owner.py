@@ -418,16 +418,26 @@ class CacheOwnerActor:
             self._pins_changed.set()
 
     async def _save_pins_forever(self) -> None:
-        """Write the live pins whenever they change (a worker thread; one write at a time, the latest set)."""
-        assert self._pins_file is not None and self._pins_changed is not None
-        while True:
-            await self._pins_changed.wait()
-            self._pins_changed = trio.Event()
-            pins = self.tiers.pin_set(time.time())
-            try:
-                await trio.to_thread.run_sync(pin_file.save, self._pins_file, pins)
-            except OSError as exc:  # the pins stay in RAM: a full disk costs them the restart only
-                log.warning("cache.pins_not_saved", path=str(self._pins_file), error=str(exc))
+        """Write the live pins whenever they change (a worker thread; one write at a time, the latest set);
+        a change not yet written when the actor stops is written then (shielded, time-boxed)."""
+        assert self._pins_changed is not None
+        try:
+            while True:
+                await self._pins_changed.wait()
+                self._pins_changed = trio.Event()
+                await self._save_pins()
+        finally:
+            if self._pins_changed.is_set():
+                with trio.move_on_after(5.0, shield=True):
+                    await self._save_pins()
+
+    async def _save_pins(self) -> None:
+        assert self._pins_file is not None
+        pins = self.tiers.pin_set(time.time())
+        try:
+            await trio.to_thread.run_sync(pin_file.save, self._pins_file, pins)
+        except OSError as exc:  # the pins stay in RAM: a full disk costs them the restart only
+            log.warning("cache.pins_not_saved", path=str(self._pins_file), error=str(exc))
 
     async def _demote_idle_forever(self) -> None:
         idle = self._config.ssd_demote_idle_s
