@@ -1,0 +1,93 @@
+"""What does a follow-up turn's request cost before the engine when it re-sends N images?
+
+In-process, on the request path a chat follow-up takes before it reaches the
+engine (the engine's part is bench_vision.py's): parse the JSON body (with
+the lone-surrogate check), prepare the images (each one known from earlier
+turns), widen the rendered ids into the media key, and check the spans. The
+same follow-up with every image replaced by text of its span's length is
+parsed alone. Thread CPU time, median of the repeats, so a loaded machine
+changes it little; the client's JSON encoding of the body is shown beside.
+
+    python benchmarks/bench_vision_request.py [--images 10] [--side 224] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vision import image_turn, png  # noqa: E402
+
+from mlxd.http.app import _parse_json  # noqa: E402
+from mlxd.kv.media import check_spans  # noqa: E402
+from mlxd.model import build_model  # noqa: E402
+from mlxd.vision.images import ImageLimits  # noqa: E402
+from mlxd.vision.prepare import MediaPreparer, image_refs  # noqa: E402
+
+
+def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median thread CPU time of `fn`, in ms."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        out.append((time.thread_time() - t0) * 1000)
+    return statistics.median(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="bench-vlm")
+    p.add_argument("--images", type=int, default=10)
+    p.add_argument("--side", type=int, default=224)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    model = build_model(Path(tempfile.mkdtemp()) / "vlm", args.preset, seed=0)
+    prep = MediaPreparer.for_model(model, limits=ImageLimits(max_images=args.images), ssd_dir=None)
+    assert prep is not None
+    turns: list[dict[str, Any]] = [{"role": "system", "content": "You look at pictures."}]
+    for i in range(args.images):
+        turns += [image_turn(png(10 + i, args.side), f"Picture {i}?"), {"role": "assistant", "content": "A picture."}]
+    turns.append({"role": "user", "content": "Which of these pictures was the brightest, and why?"})
+    body = json.dumps({"messages": turns, "max_tokens": 1, "temperature": 0}).encode()
+    refs = image_refs(turns)
+    first = prep.prepare(refs)  # the earlier turns: every image processed once
+    span = first[0][0].tokens
+    text_turns = [{"role": m["role"], "content": " a" * span + " " + m["content"][-1]["text"]}
+                  if isinstance(m["content"], list) else m for m in turns]
+    text_body = json.dumps({"messages": text_turns, "max_tokens": 1, "temperature": 0}).encode()
+    ids = [7] * 40 + sum(([9] + [7] * 12 for _ in range(args.images)), []) + [7] * 20  # 9: one placeholder each
+
+    def image_path() -> None:
+        _parse_json(body)
+        images = prep.prepare(image_refs(turns))
+        key, media = prep.widen([prep.placeholder if t == 9 else t for t in ids], images)
+        assert check_spans(key, [m.span for m in media], 1 << 20) is None
+
+    r = args.repeats
+    rows = {
+        "encode body (client)": (cpu_ms(lambda: json.dumps({"messages": turns}).encode(), r),
+                                 cpu_ms(lambda: json.dumps({"messages": text_turns}).encode(), r)),
+        "parse body": (cpu_ms(lambda: _parse_json(body), r), cpu_ms(lambda: _parse_json(text_body), r)),
+        "prepare known images": (cpu_ms(lambda: prep.prepare(image_refs(turns)), r), 0.0),
+        "server path (parse + prepare + widen + check)": (cpu_ms(image_path, r),
+                                                          cpu_ms(lambda: _parse_json(text_body), r)),
+    }
+    print(f"{args.images} images of {args.side}x{args.side} px ({span} tokens each); body {len(body):,} bytes "
+          f"vs {len(text_body):,} text-only; thread CPU ms, median of {r}:")
+    print(f"  {'':48s} {'images':>8s} {'text':>8s}")
+    for name, (a, b) in rows.items():
+        print(f"  {name:48s} {a:8.2f} {b:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
