@@ -141,7 +141,7 @@ class ModelDrafts:
         from mlxd.kv import kinds
 
         n = self.accepted if tokens is None else min(_shared(self.held, tokens), len(self.held))
-        if self.caches is None or n <= 0:
+        if self.caches is None or n <= 0 or self.first_step:  # never ran: it holds only what the cache lent it
             return [], []
         return kinds.lend(self.caches, n), self.held[:n]
 
