@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from mlxd.cli import build_parser
+from mlxd.cli import build_parser, main
 from mlxd.engine import adapters as adapters_mod
 from mlxd.engine.core import EngineCore
 from mlxd.engine.loading import cast_float_weights
@@ -331,3 +331,13 @@ def test_flags():
             parser.parse_args(["serve", "--adapter", bad])
     with pytest.raises(ValueError, match="--adapter is not supported with --distributed"):
         RuntimeConfig(distributed=True, adapters=(("a", "/x"),))
+
+
+def test_build_adapter_writes_one_mlxd_serves(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["build-adapter", "--model", str(tiny_model_dir), "--out", str(out), "--rank", "2",
+                 "--keys", "mlp.down_proj"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    model, _ = load(str(tiny_model_dir))
+    (info,) = adapters_mod.install(model, [("cli", str(out))], reserved=("tiny",)).infos
+    assert (info.rank, info.modules) == (2, 2), "mlp.down_proj of both blocks"

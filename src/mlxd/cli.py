@@ -1,4 +1,4 @@
-"""The `mlxd` command: serve, simulate, build-model."""
+"""The `mlxd` command: serve, simulate, build-model, build-adapter."""
 
 from __future__ import annotations
 
@@ -535,11 +535,33 @@ def run_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_build_adapter_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build-adapter", help="write a random LoRA adapter for a model, as mlx_lm.lora writes one "
+                       "(to try --adapter offline)")
+    p.add_argument("--model", required=True, help="the local model directory the adapter is for")
+    p.add_argument("--out", type=Path, required=True, help="directory to write (adapter_config.json, adapters.safetensors)")
+    p.add_argument("--rank", type=int, default=8, help="the rank of each layer's A and B")
+    p.add_argument("--scale", type=float, default=4.0, help="lora_parameters.scale")
+    p.add_argument("--num-layers", type=int, default=-1, help="the last N blocks (-1: all, as mlx-lm)")
+    p.add_argument("--keys", nargs="+", metavar="KEY", help="module names within a block, e.g. self_attn.q_proj "
+                   "(default: every linear layer)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of A and B")
+
+
+def run_build_adapter(args: argparse.Namespace) -> int:
+    from mlxd.model.lora import build_adapter
+
+    print(build_adapter(args.model, args.out, seed=args.seed, rank=args.rank, scale=args.scale,
+                        num_layers=args.num_layers, keys=args.keys))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_build_model_parser(sub)
+    add_build_adapter_parser(sub)
     from mlxd.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
@@ -552,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     if args.command == "build-model":
         return run_build_model(args)
+    if args.command == "build-adapter":
+        return run_build_adapter(args)
     if args.command == "simulate":
         from mlxd.sim.cli import run_simulate
 
