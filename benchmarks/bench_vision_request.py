@@ -8,7 +8,11 @@ same follow-up with every image replaced by text of its span's length is
 parsed alone. Thread CPU time, median of the repeats, so a loaded machine
 changes it little; the client's JSON encoding of the body is shown beside.
 
-    python benchmarks/bench_vision_request.py [--images 10] [--side 224] [--repeats 20]
+With `--ssd`, each image's encoder output is on an SSD tier too (as a vision
+server with `--ssd-cache` has it): the preparer reads and checks it once and
+keeps it, against reading it for every request.
+
+    python benchmarks/bench_vision_request.py [--images 10] [--side 224] [--repeats 20] [--ssd]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main() -> int:
     p.add_argument("--images", type=int, default=10)
     p.add_argument("--side", type=int, default=224)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--ssd", action="store_true", help="encoder outputs on an SSD tier too")
     args = p.parse_args()
     model = build_model(Path(tempfile.mkdtemp()) / "vlm", args.preset, seed=0)
     prep = MediaPreparer.for_model(model, limits=ImageLimits(max_images=args.images), ssd_dir=None)
@@ -73,6 +78,27 @@ def main() -> int:
         assert check_spans(key, [m.span for m in media], 1 << 20) is None
 
     r = args.repeats
+    if args.ssd:
+        import numpy as np
+
+        from mlxd.vision.tensor_store import TensorPlan, write_plan
+
+        ssd = Path(tempfile.mkdtemp())
+        tensors = ssd / "tensors"
+        for prepared, _ in first:
+            hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+            write_plan(tensors, TensorPlan(prepared.digest, prep.identity,
+                                           np.zeros((prepared.tokens, hidden), np.float32)))
+        kept = MediaPreparer.for_model(model, limits=ImageLimits(max_images=args.images), ssd_dir=ssd)
+        every = MediaPreparer.for_model(model, limits=ImageLimits(max_images=args.images), ssd_dir=ssd)
+        assert kept is not None and every is not None
+        every.max_features_bytes = 0  # nothing kept: every request reads and checks the files
+        for one in (kept, every):
+            one.prepare(refs)
+        ssd_rows = {
+            "prepare known images, SSD copies read each time": (cpu_ms(lambda: every.prepare(refs), r), 0.0),
+            "prepare known images, SSD copies kept": (cpu_ms(lambda: kept.prepare(refs), r), 0.0),
+        }
     rows = {
         "encode body (client)": (cpu_ms(lambda: json.dumps({"messages": turns}).encode(), r),
                                  cpu_ms(lambda: json.dumps({"messages": text_turns}).encode(), r)),
@@ -84,6 +110,8 @@ def main() -> int:
     print(f"{args.images} images of {args.side}x{args.side} px ({span} tokens each); body {len(body):,} bytes "
           f"vs {len(text_body):,} text-only; thread CPU ms, median of {r}:")
     print(f"  {'':48s} {'images':>8s} {'text':>8s}")
+    if args.ssd:
+        rows.update(ssd_rows)
     for name, (a, b) in rows.items():
         print(f"  {name:48s} {a:8.2f} {b:8.2f}")
     return 0

@@ -63,6 +63,10 @@ class MediaPreparer:
     prepared_hits: int = 0
     _prepared: OrderedDict[tuple[str, str], PreparedImage] = attrs.Factory(OrderedDict)
     _prepared_bytes: int = 0
+    # Encoder outputs read from SSD (verified; an output depends only on its digest and identity).
+    max_features_bytes: int = 64 << 20
+    _features: OrderedDict[str, Any] = attrs.Factory(OrderedDict)
+    _features_bytes: int = 0
     _lock: threading.Lock = attrs.Factory(threading.Lock)
 
     @classmethod
@@ -87,12 +91,31 @@ class MediaPreparer:
                 prepared = self._prepare(url, detail)
             except ImageRejected as exc:
                 raise ImageRejected(f"{where}: {exc}") from None
-            features = None
-            if self.tensors_root is not None:
-                features = find_tensor(self.tensors_root, self.identity, prepared.digest)
-                self.ssd_reads += features is not None
+            features = None if self.tensors_root is None else self._ssd_features(prepared.digest)
             out.append((prepared, features))
         return out
+
+    def _ssd_features(self, digest: str) -> Any:
+        """An image's encoder output from the SSD tier, verified; read once, then kept (a follow-up
+        re-sends every image, and most of them need no tower: its KV prefix covers them)."""
+        with self._lock:
+            known = self._features.get(digest)
+            if known is not None:
+                self._features.move_to_end(digest)
+                return known
+        assert self.tensors_root is not None
+        features = find_tensor(self.tensors_root, self.identity, digest)
+        if features is None:
+            return None  # not written yet, evicted or damaged: the engine encodes it
+        with self._lock:
+            self.ssd_reads += 1
+            if digest not in self._features:
+                self._features[digest] = features
+                self._features_bytes += features.nbytes
+            while self._features_bytes > self.max_features_bytes and self._features:
+                _, old = self._features.popitem(last=False)
+                self._features_bytes -= old.nbytes
+        return features
 
     def _prepare(self, url: Any, detail: str) -> PreparedImage:
         # A data: URL is its image: known by its very text (a dict lookup compares it whole, no
