@@ -158,3 +158,35 @@ def test_a_session_on_ssd_only_is_exported_after_a_restart_and_imported_into_a_r
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
         assert [t for t, _ in logprobs(reply)] == [t for t, _ in logprobs(on_a)]
         assert [lp for _, lp in logprobs(reply)] == pytest.approx([lp for _, lp in logprobs(on_a)], abs=1e-4)
+
+
+def test_an_adapters_session_moves_only_to_a_server_with_that_adapter(tiny_model_dir, tmp_path, servers):
+    from mlxd.model.lora import build_adapter
+
+    config = config_for(tiny_model_dir, adapters=(("one", str(build_adapter(tiny_model_dir, tmp_path / "one",
+                                                                            seed=1, rank=4))),))
+    body = {"model": "one", "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "logprobs": True}
+
+    def adapted(server) -> dict:
+        r = httpx.post(server.base_url + "/chat/completions", json=body, headers={"X-Session-Id": "ad"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ServerThread(config) as source:
+        adapted(source)
+        on_source = adapted(source)
+        assert httpx.get(f"{admin(source)}/ad/export", timeout=60).status_code == 404  # not in the base namespace
+        assert httpx.get(f"{admin(source)}/ad/export?model=nope", timeout=60).status_code == 404
+        r = httpx.get(f"{admin(source)}/ad/export?model=one", timeout=120)
+        assert r.status_code == 200, r.text
+        data = r.content
+    _, without_adapter = servers
+    r = httpx.post(f"{admin(without_adapter)}/ad/import", content=data, timeout=60)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "kv_identity_mismatch", r.text
+    with ServerThread(config) as target:
+        assert httpx.post(f"{admin(target)}/ad/import", content=data, timeout=120).status_code == 200
+        reply = adapted(target)
+        usage = reply["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+        assert logprobs(reply) == logprobs(on_source)

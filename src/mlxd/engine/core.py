@@ -415,7 +415,8 @@ class EngineCore:
             kinds.num_tokens(caches, total=n)  # ValueError when a layer holds another count
             try:
                 probe = kinds.lend(caches, n, total=n)
-                mx.eval(self.model(mx.array([[0]]), cache=probe))
+                with self.adapters.rows([self.adapters.index_of(loaded.header.namespace)]):
+                    mx.eval(self.model(mx.array([[0]]), cache=probe))
             except Exception as exc:
                 raise ValueError(f"its tensors do not fit this model ({type(exc).__name__}: {exc})") from exc
             return caches, kinds.nbytes(caches), kinds.is_trimmable(caches)

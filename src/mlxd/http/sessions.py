@@ -153,6 +153,16 @@ def install_sessions(app: Any, rt: Any, json_response: Any) -> None:
             super().__init__(method, scheme, path, *args, **kwargs)
 
     app.request_class = SessionUploadRequest
+    adapters = {a.name: a.namespace for a in rt.info.adapters}
+
+    def _namespace(model: str | None) -> str:
+        """`?model=`: the base model (the default) or an `--adapter`, whose cache namespace is its own."""
+        if model is None or model == rt.info.model_name:
+            return ""
+        if model not in adapters:
+            raise ApiError(404, f"the model '{model}' does not exist on this server", param="model",
+                           code="model_not_found")
+        return adapters[model]
 
     @app.delete("/v1/sessions/<path:sid>")
     async def delete_session(sid: str) -> Response:
@@ -164,7 +174,7 @@ def install_sessions(app: Any, rt: Any, json_response: Any) -> None:
     @app.get("/admin/sessions/<path:sid>/export")
     async def export_session(sid: str) -> Response:
         _check_id(sid)
-        path = await rt.export_session(sid)
+        path = await rt.export_session(sid, _namespace(request.args.get("model")))
         if path is None:
             raise ApiError(404, f"no checkpoint of session '{sid}' is cached on this server", type="not_found_error",
                            param="session_id", code="session_not_found")

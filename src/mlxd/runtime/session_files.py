@@ -108,7 +108,9 @@ async def export_checkpoint(
     return path
 
 
-def _read_checked(path: Path, identity: StoreIdentity, *, vocab: int, max_context: int) -> ff.LoadedSnapshot:
+def _read_checked(
+    path: Path, identity: StoreIdentity, *, vocab: int, max_context: int, namespaces: frozenset[str]
+) -> ff.LoadedSnapshot:
     """(worker thread) Read the upload with every check on; ImportRefused says what is wrong."""
     try:
         loaded = ff.read_snapshot(path, verify=True)
@@ -122,8 +124,8 @@ def _read_checked(path: Path, identity: StoreIdentity, *, vocab: int, max_contex
         raise ImportRefused(409, f"the file's KV was computed by another model, tokenizer or KV scheme ({problem}); "
                             "it can only be imported into a server of the same model and settings",
                             code="kv_identity_mismatch")
-    if meta.namespace != "":
-        raise ImportRefused(409, f"the file's namespace {meta.namespace!r} is not served here",
+    if meta.namespace not in namespaces:  # the base model's, or an adapter's this server loaded
+        raise ImportRefused(409, f"the file's namespace {meta.namespace!r} (an adapter) is not served here",
                             code="kv_identity_mismatch")
     tokens = loaded.header.tokens
     if not 1 <= len(tokens) <= max_context:
@@ -155,10 +157,11 @@ async def import_file(
     vocab: int,
     max_context: int,
     adopt: Callable[[ff.FileHeader, list[object], int, bool, SsdRecord | None], Awaitable[bool]],
+    namespaces: frozenset[str] = frozenset({""}),
 ) -> Imported:
     """Verify an uploaded file and adopt it into the tiers; ImportRefused leaves the cache unchanged."""
     loaded = await trio.to_thread.run_sync(
-        lambda: _read_checked(path, identity, vocab=vocab, max_context=max_context)
+        lambda: _read_checked(path, identity, vocab=vocab, max_context=max_context, namespaces=namespaces)
     )
     header = loaded.header
     try:

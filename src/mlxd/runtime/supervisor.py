@@ -444,7 +444,7 @@ class Runtime:
         return await session_files.import_file(
             path, session, engine=self.engine, store=self.cold.store if self.cold is not None else None,
             identity=self.info.store_identity, vocab=self.info.vocab_size, max_context=self.info.max_context,
-            adopt=adopt,
+            adopt=adopt, namespaces=frozenset({"", *(a.namespace for a in self.info.adapters)}),
         )
 
     async def pin_prefix(self, session: str, namespace: str, tokens: Sequence[int], ttl_s: float) -> None:
