@@ -190,3 +190,20 @@ def test_an_adapters_session_moves_only_to_a_server_with_that_adapter(tiny_model
         usage = reply["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
         assert logprobs(reply) == logprobs(on_source)
+
+
+def test_a_crashed_transfers_leftovers_are_removed_at_first_use(tmp_path):
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from mlxd.runtime import session_files
+
+    transfers = tmp_path / "transfers"
+    transfers.mkdir()
+    old, recent = transfers / "a.upload", transfers / "b.upload"
+    old.write_bytes(b"x")
+    recent.write_bytes(b"y")  # maybe another replica's transfer in flight: kept
+    os.utime(old, (time.time() - 2 * session_files.STALE_TRANSFER_S,) * 2)
+    assert session_files.transfer_dir(SimpleNamespace(root=tmp_path)) == transfers
+    assert not old.exists() and recent.exists()

@@ -36,6 +36,8 @@ from mlxd.runtime.logging import get_logger
 log = get_logger("mlxd.sessions")
 
 UPLOAD_SUFFIX = ".upload"
+STALE_TRANSFER_S = 3600.0  # a transfer file this old belongs to no live transfer (another replica's included)
+_swept: set[Path] = set()
 
 
 class ImportRefused(Exception):
@@ -71,6 +73,15 @@ def transfer_dir(store: SsdStore | None) -> Path:
 
     base = store.root / "transfers" if store is not None else Path(tempfile.gettempdir()) / "mlxd-transfers"
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if base not in _swept:  # a crash mid-transfer leaves its file: the first use in a process removes old ones
+        _swept.add(base)
+        cutoff = time.time() - STALE_TRANSFER_S
+        for leftover in base.iterdir():
+            try:
+                if leftover.is_file() and not leftover.is_symlink() and leftover.stat().st_mtime < cutoff:
+                    leftover.unlink()
+            except OSError:
+                pass
     return base
 
 
