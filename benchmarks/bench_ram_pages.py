@@ -146,11 +146,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--speed-sessions", type=int, default=32, help="sessions of round 2 (timings only)")
     p.add_argument("--page-tokens", type=int, default=0, help="RAM page size (0: the server's default)")
+    p.add_argument("--device", choices=("default", "cpu"), default="default", help="cpu: MLX's CPU even with a GPU")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
+    if args.device == "cpu":
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)
     t0 = time.perf_counter()
     result = trio.run(_bench, args)
-    print(f"preset {args.preset}: {args.sessions} sessions over one {args.shared}-token prompt (+{args.suffix} "
+    import mlx.core as mx
+
+    print(f"{mx.default_device()}, preset {args.preset}: {args.sessions} sessions over one {args.shared}-token prompt (+{args.suffix} "
           f"own tokens, {args.max_tokens} generated each); {time.perf_counter() - t0:.0f} s")
     print("arm          RAM MiB  held MiB  dedup MiB  retained/dedup  held/dedup  pages  hits  TTFT ms  decode tok/s")
     for arm in ARMS:
@@ -164,7 +171,7 @@ def main() -> None:
     print(f"pages / contiguous: TTFT {ratios['ttft_pages_over_contiguous']:.3f}x, decode tok/s "
           f"{ratios['decode_pages_over_contiguous']:.3f}x (per round, TTFT and decode: {per_round})")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ram_pages-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = args.out / f"ram_pages-{args.preset}-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=1))
     print(f"wrote {path}")
 
