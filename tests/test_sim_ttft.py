@@ -109,7 +109,7 @@ def test_a_fit_to_a_recording_recovers_its_model_and_keeps_its_spread(tmp_path, 
     from mlxd.sim.ttft_fit import fit_recording
 
     true = attrs.evolve(PROBE, prefill_fixed=0.08, prefill_per_token=3e-3, prefill_per_pair=2e-6,
-                        restore_fixed=0.02, restore_bytes_per_s=5e8)
+                        restore_fixed=0.02)  # restore bandwidth: the base model's, as the fit keeps it
     shapes = [(n, 0, "none") for n in (200, 400, 800)] + [(60, c, "ram") for c in (300, 900)]
     shapes += [(60, c, "ssd") for c in (500, 1500)]
     reqs = []
@@ -138,3 +138,21 @@ def test_a_fit_to_a_recording_recovers_its_model_and_keeps_its_spread(tmp_path, 
               if "cache_model" in r]
     for row in bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim):
         assert row["ratio_p50"] == pytest.approx(1.0, abs=0.05), row
+
+
+def test_rows_prefilling_at_once_share_the_one_engine(tmp_path, capsys):
+    path = tmp_path / "rec.jsonl"
+    rec = TraceRecorder(path)
+    rec.server(model="m", kv_bytes_per_token=4096, prompt_cache_bytes=1 << 30, retention="lru",
+               snapshot_min_tokens=16, max_batch=4, ssd=False, restore_advisor_base=attrs.asdict(PROBE))
+    for i in range(2):  # two 500-token misses that arrive together
+        rec.record(t=0.0, tokens=list(range(1 + 1000 * i, 501 + 1000 * i)), output_tokens=0, cache_tier="none")
+    rec.close()
+    alone = PROBE.prefill_seconds(500, 0)
+    shared = simulate(path, capsys)["ttft_by_source_s"]["miss"]
+    assert shared["p50"] == pytest.approx(2 * alone) and shared["p95"] == pytest.approx(2 * alone)
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--prefill-sharing", "off"]) == 0
+    (slots,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+                if "cache_model" in r]
+    assert slots["ttft_by_source_s"]["miss"]["p50"] == pytest.approx(alone)

@@ -41,8 +41,8 @@ class CostModel:
     kv_bytes_per_token: int  # KV bytes one token of context occupies
     # Host tier (--host-cache-gb) back to the device; 0 = free (unified memory: nothing moves).
     host_bytes_per_s: float = 0.0
-    # Measured / modelled time of a recording's requests (`mlxd.sim.ttft_fit`): a replay draws one per
-    # request and scales its restore and prefill by it (the recorded machine's spread); () = none.
+    # Measured / modelled time of a recording's requests (`mlxd.sim.ttft_fit`): a replay scales each
+    # request's restore and prefill by one of their quantiles (the recorded machine's spread); () = none.
     service_ratios: tuple[float, ...] = attrs.field(default=(), converter=lambda xs: tuple(float(x) for x in xs))
 
     def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:

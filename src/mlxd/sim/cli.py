@@ -79,6 +79,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="file stem under --out (default: trace name)")
     p.add_argument("--cost-model", type=Path,
                    help="cost model JSON (default: a recording's startup-probe model, else built-in)")
+    p.add_argument("--prefill-sharing", choices=("auto", "on", "off"), default="auto",
+                   help="rows prefilling at once share one engine's time (on) or each slot prefills at full "
+                   "speed (off); auto = on when replaying a recorded server, else off")
     p.add_argument("--fit-ttft-out", type=Path, default=None,
                    help="fit a cost model to the recording's measured TTFTs (prefill from misses and RAM hits, "
                    "restore from SSD hits), write it here and exit; simulate another trace with --cost-model")
@@ -204,12 +207,19 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             advisor_base=getattr(args, "advisor_base", None),
             restore_choice=getattr(args, "restore_choice", "measured"),
             calibrate_timing=getattr(args, "timing_from_recording", False),
+            shared_prefill=_shared_prefill(args),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
             ram_pages=getattr(args, "ram_pages", "off") == "on",
             ram_page_tokens=getattr(args, "ram_page_tokens", 1024),
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
+
+
+def _shared_prefill(args) -> bool:
+    """--prefill-sharing: on, off, or auto (on when replaying a recorded server: its one engine)."""
+    choice = getattr(args, "prefill_sharing", "auto")
+    return choice == "on" or (choice == "auto" and getattr(args, "recorded_server", False))
 
 
 def _without_sessions(args, reqs, cost, result: RunResult, flushes) -> RunResult:
@@ -237,6 +247,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.slots = args.slots or 4
         args.snapshot_min_tokens = 256 if args.snapshot_min_tokens is None else args.snapshot_min_tokens
         return cost
+    args.recorded_server = True
     args.policy = args.policy or server.get("retention", "lru")
     args.cache_model = args.cache_model or "mlxd"
     args.slots = args.slots or int(server.get("max_batch", 4))

@@ -21,7 +21,6 @@ requests that arrived before it finish, then every pending write commits.
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -116,6 +115,8 @@ def seed_trio_scheduler(seed: int) -> None:
         rng.seed(seed)
 
 
+_GOLDEN = 0.6180339887498949  # spreads successive quantiles evenly (a low-discrepancy sequence)
+
 @attrs.define
 class MlxdReplay:
     """One replay run of the serving cache core against a trace."""
@@ -136,6 +137,9 @@ class MlxdReplay:
     ram_pages: bool = False  # --ram-pages on: RAM entries as shared pages (kv/ram_pages.py), counted once
     ram_page_tokens: int = 1024  # real tokens per page
     calibrate_timing: bool = False  # scale prefill/restore timings by the recorded calibration (a recording's model)
+    # One engine: rows prefilling at once share its time (processor sharing), as one MLX thread runs
+    # every row's chunks in turn; False = each slot prefills at full speed (independent slots).
+    shared_prefill: bool = False
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -151,6 +155,9 @@ class MlxdReplay:
     _prefill_scale: float = attrs.field(init=False, default=1.0)
     _restore_bytes_per_s: float = attrs.field(init=False, default=0.0)
     _held_until: float = attrs.field(init=False, default=0.0)  # when the last flush barrier let arrivals in
+    _engine_rows: int = attrs.field(init=False, default=0)  # rows prefilling now (shared_prefill)
+    _engine_changed: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _spread_drawn: dict[str, int] = attrs.field(init=False, factory=dict)  # requests per tier that took a spread
 
     def now(self) -> float:
         return self._clock.current_time()
@@ -260,11 +267,16 @@ class MlxdReplay:
                 hit, source = real(lookup.hit.usable), "ram"
             else:
                 hit, source = 0, "miss"
-            spread = self._spread(r)
+            spread = self._spread(source)
             restore_s *= spread
             await trio.sleep(restore_s)
             prefill_s = spread * self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
-            await trio.sleep(prefill_s)
+            if self.shared_prefill:
+                began = self.now()
+                await self._engine_work(prefill_s)
+                prefill_s = self.now() - began  # what the request waited for its prefill
+            else:
+                await trio.sleep(prefill_s)
             threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
             if r.input_length - hit - 1 >= threshold:
                 self._publish(prompt[:-1], r.namespace, r.input_length - 1, session)
@@ -290,10 +302,38 @@ class MlxdReplay:
             if self._running == 0:
                 self._quiet.set()
 
-    def _spread(self, r: TraceRequest) -> float:
-        """This request's draw from the cost model's recorded spread (1 without one); seeded by its index."""
+    async def _engine_work(self, seconds: float) -> None:
+        """Take `seconds` of engine time, shared equally with the rows prefilling meanwhile."""
+        if seconds <= 0:
+            return
+        left = seconds
+        self._engine_rows += 1
+        self._engine_changed.set()  # the others now progress more slowly
+        self._engine_changed = trio.Event()
+        try:
+            while left > 1e-9 * seconds:
+                rows, changed, began = self._engine_rows, self._engine_changed, self.now()
+                with trio.move_on_after(left * rows):
+                    await changed.wait()
+                left -= (self.now() - began) / rows
+        finally:
+            self._engine_rows -= 1
+            self._engine_changed.set()
+            self._engine_changed = trio.Event()
+
+    def _spread(self, source: str) -> float:
+        """The next request of this tier's factor from the cost model's recorded spread (1 without one).
+
+        The k-th request of a tier takes the spread's quantile at (0.5 + k * golden ratio) mod 1: the
+        first the median, then quantiles as evenly spread as a few requests allow (no random draw,
+        whose luck would move a small tier's percentiles).
+        """
         ratios = self.cost.service_ratios
-        return ratios[random.Random(r.index * 7919 + 17).randrange(len(ratios))] if ratios else 1.0
+        if not ratios:
+            return 1.0
+        k = self._spread_drawn.get(source, 0)
+        self._spread_drawn[source] = k + 1
+        return float(np.quantile(ratios, (0.5 + k * _GOLDEN) % 1.0))
 
     def _restore(self, match: SsdMatch, namespace: str) -> float:
         """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable)."""
@@ -440,6 +480,7 @@ def replay_mlxd(
     ram_pages: bool = False,
     ram_page_tokens: int = 1024,
     calibrate_timing: bool = False,
+    shared_prefill: bool = False,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
@@ -478,6 +519,7 @@ def replay_mlxd(
         ram_pages=ram_pages,
         ram_page_tokens=ram_page_tokens,
         calibrate_timing=calibrate_timing,
+        shared_prefill=shared_prefill,
     )
     cache.clock = replay.now
     if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)

@@ -3,14 +3,16 @@
 A recording (`mlxd serve --record-trace`) carries each request's measured
 time to first token, its queue time, the tier that served it and how many
 tokens that tier held. Misses and RAM hits are prefill: TTFT - queue =
-prefill(new, cached), fitted as `fixed + a*n + b*(n*ctx + n*n/2)`; SSD hits
-add a restore of the cached tokens' KV bytes, fitted as `fixed + bytes /
-bandwidth` on what the prefill model leaves. Each fit minimises relative
-error and is then scaled so its median ratio (measured / predicted) is 1:
+prefill(new, cached), fitted as `fixed + a*n + b*(n*ctx + n*n/2)` (about
+least absolute relative error: reweighted least squares); SSD hits add a
+restore of the cached tokens' KV bytes at `base`'s bandwidth plus a fixed
+part, the median of what the SSD hits take beyond that and their prefill.
+The prefill fit is then scaled so its median ratio (measured / predicted) is 1:
 on a shared machine a few requests wait far longer than the rest, and the
 median, not the mean, is what a p50 prediction needs. The spread itself is
-kept: `service_ratios` (each request's measured / fitted time), from which a
-replay draws one per request, so its p95 carries the recorded machine's tail.
+kept: `service_ratios` (each request's measured / fitted time), and a replay
+scales each request by one of its quantiles (sim/replay.py `_spread`), so its
+p95 carries the recorded machine's tail.
 
 The model describes the recorded server and machine under the recorded load;
 `mlxd simulate OTHER --cost-model FILE` then predicts another trace (or other
@@ -25,10 +27,10 @@ import attrs
 import numpy as np
 
 from mlxd.kv.cost_model import CostModel
-from mlxd.kv.device_costs import fit_linear
 from mlxd.sim.trace import TraceRequest
 
 _PREFILL_TIERS = ("none", "ram")
+_IRLS_ROUNDS = 8
 
 
 def fit_recording(reqs: Sequence[TraceRequest], base: CostModel) -> CostModel:
@@ -47,20 +49,14 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel) -> CostModel:
                          prefill_per_pair=b)
     scale = _median_ratio([(t, model.prefill_seconds(n, ctx)) for n, ctx, t in rows])
     model = attrs.evolve(model, prefill_fixed=fixed * scale, prefill_per_token=a * scale, prefill_per_pair=b * scale)
-    restores = []
-    for r in reqs:
-        if r.ttft_s is None or r.cache_tier != "ssd" or not r.cached_tokens:
-            continue
-        left = _service(r) - model.prefill_seconds(r.input_length - r.cached_tokens, r.cached_tokens)
-        restores.append((model.kv_bytes(r.cached_tokens), max(left, 1e-6)))
-    if restores:
-        r_fixed, per_byte = fit_linear(restores)
-        bw = 1.0 / per_byte if per_byte > 0 else base.restore_bytes_per_s
-        model = attrs.evolve(model, restore_fixed=r_fixed, restore_bytes_per_s=bw)
-        scale = _median_ratio([(t, model.restore_seconds(nb)) for nb, t in restores])
-        model = attrs.evolve(model, restore_fixed=r_fixed * scale, restore_bytes_per_s=bw / scale)
+    ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, _service(r)) for r in reqs
+           if r.ttft_s is not None and r.cache_tier == "ssd" and r.cached_tokens]
+    if ssd:  # what the SSD hits take beyond their prefill: a fixed part (the median) plus base's bandwidth
+        extra = [t - model.prefill_seconds(n, ctx) - model.kv_bytes(ctx) / base.restore_bytes_per_s
+                 for n, ctx, t in ssd]
+        model = attrs.evolve(model, restore_fixed=max(0.0, float(np.median(extra))))
     ratios = [t / model.prefill_seconds(n, ctx) for n, ctx, t in rows]
-    ratios += [t / model.restore_seconds(nb) for nb, t in restores]
+    ratios += [t / (model.prefill_seconds(n, ctx) + model.restore_seconds(model.kv_bytes(ctx))) for n, ctx, t in ssd]
     return attrs.evolve(model, service_ratios=tuple(round(x, 4) for x in sorted(ratios)))
 
 
@@ -70,16 +66,24 @@ def _service(r: TraceRequest) -> float:
 
 
 def _fit_prefill(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """(fixed, a, b) >= 0, least relative error (the non-negative subset fits of `device_costs`)."""
-    import itertools
-
+    """(fixed, a, b) >= 0, least absolute relative error (approximately; non-negative subset fits)."""
     x = np.array([(1.0, n, n * ctx + n * n / 2.0) for n, ctx, _ in rows], dtype=np.float64)
     t = np.array([s for _, _, s in rows], dtype=np.float64)
     w = 1.0 / t
+    for _ in range(_IRLS_ROUNDS):  # toward least absolute relative error: a slow outlier weighs little
+        coef = _nonnegative_fit(x, t, w)
+        w = 1.0 / (t * np.maximum(np.abs(x @ np.array(coef) - t) / t, 0.02))
+    return _nonnegative_fit(x, t, w)
+
+
+def _nonnegative_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float, float]:
+    import itertools
+
+    rows = t.size
     best: tuple[float, list[float]] | None = None
     for size in range(3, 0, -1):
         for cols in itertools.combinations(range(3), size):
-            if len(rows) < size:
+            if rows < size:
                 continue
             coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], t * w, rcond=None)
             if (coef < 0).any():
