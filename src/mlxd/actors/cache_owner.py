@@ -231,7 +231,7 @@ class CacheOwnerActor:
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
-                    self._note_pins()
+                    self._note_pins(msg)
                     self._announce_residency()
                     self._report_shards()
             nursery.cancel_scope.cancel()
@@ -408,9 +408,13 @@ class CacheOwnerActor:
                     await trio.to_thread.run_sync(self._store.blocks.collect)
             self._announce_residency()
 
-    def _note_pins(self) -> None:
-        """Wake the pin saver when the pins to persist changed (a cheap comparison)."""
-        if self._pins_changed is None:
+    def _note_pins(self, msg: CacheOwnerMessage) -> None:
+        """Wake the pin saver when the pins to persist changed (only messages that can change them are
+        compared; an expiry needs no write: expired pins are dropped at load)."""
+        if self._pins_changed is None or not isinstance(msg, PinSession | PinPrefix | CloseSession
+                                                            | PublishPrefix | AdoptCheckpoint):
+            return
+        if isinstance(msg, PublishPrefix | AdoptCheckpoint) and not self.tiers.holds_pin(msg.session):
             return
         state = self.tiers.pin_state()
         if state != self._pins_state:

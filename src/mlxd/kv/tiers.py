@@ -758,6 +758,10 @@ class CacheTiers:
         }
         return tuple(sorted(cuts))
 
+    def holds_pin(self, session: str | None) -> bool:
+        """Is `session` pinned now (its publications move what the pin holds)?"""
+        return session is not None and session in self._pins
+
     def pin_state(self) -> tuple[object, ...]:
         """A cheap value that changes when the persisted pins would (`pin_set`): compare, then save."""
         sessions = tuple(sorted((s, d, tuple(sorted(self.sessions.references(s)))) for s, d in self._pins.items()))
