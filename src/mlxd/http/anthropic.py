@@ -524,9 +524,9 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
         """Pin each breakpoint's prefix: the prompt's tokens that the conversation up to its block renders to."""
         namespace = {a.name: a.namespace for a in rt.info.adapters}.get(req.model or "", "")
         for messages, ttl in req.cuts:
-            try:
+            try:  # realigned as the prompt was (replies keep their cached ids), so the two agree up to the cut
                 ids = await rt.render_chat(list(messages), namespace=namespace, tools=req.options.tools,
-                                           template_kwargs=req.options.template_kwargs, realign=False)
+                                           template_kwargs=req.options.template_kwargs)
             except Exception as exc:  # a template that cannot render the prefix: the session pin still holds
                 log.info("anthropic.breakpoint_unrendered", error=str(exc))
                 continue
