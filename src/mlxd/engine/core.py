@@ -187,9 +187,10 @@ class EngineCore:
         """Load the model, measure its KV cost and the device, and start a generator."""
         import mlx.core as mx
 
-        from mlxd.model import fast_mask
+        from mlxd.model import fast_mask, window_mask
 
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
+        window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
         with mx.stream(self._stream):
             loaded = loading.load(self._config, self._stream)
@@ -203,11 +204,6 @@ class EngineCore:
             device_memory.managed()  # on CUDA: find the runtime for the managed-memory hints, and say so
             kv_bytes_per_token = loading.check_caches(self.model, self._config, loaded.path)
             self._trims = loading.trimmable(self.model, self._config)
-            if self._slicer.slice_s > 0 and loading.has_windows(self.model, self._config):
-                # Batched rotating caches fed uneven chunks (a one-token step beside a newcomer's
-                # prompt) gave other logprobs than one row alone (tests/test_prefill_slices_windows.py).
-                self._slicer = PrefillSlicer(0.0)
-                log.warning("engine.prefill_slices_off", reason="sliding-window caches prefill in whole steps")
             self._speculation_check()
             if self._speculate and self._config.draft_model is not None:
                 from mlxd.engine.draft import load_draft
