@@ -110,3 +110,14 @@ def test_an_untrimmable_model_checkpoints_where_the_breakpoint_ends(hybrid_serve
     # Without the breakpoint, the prompt's checkpoints end past the divergence: nothing to reuse.
     miss = ask(server, unmarked, "What colour is grass?")
     assert miss.cache_read_input_tokens < prefix // 2
+
+
+def test_every_rank_cuts_its_prefill_alike():
+    """--distributed: the followers get the cuts with the start, or their prefill would take other steps."""
+    from mlxd.engine.ops import RowStart, StepOps
+    from mlxd.runtime.distributed import decode_ops, encode_ops
+    from mlxd.runtime.kernel.messages import GenerationRequest
+
+    start = RowStart(request=GenerationRequest(request_id="a", prompt=tuple(range(3, 40))), checkpoint_at=(9, 21))
+    ops = StepOps(starts=(start, RowStart(request=GenerationRequest(request_id="b", prompt=(5, 6)))))
+    assert decode_ops(encode_ops(ops)) == ops

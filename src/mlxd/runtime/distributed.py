@@ -68,6 +68,7 @@ def encode_ops(ops: StepOps) -> bytes:
     """What the followers need of a step: rank 0's own prefixes, restores and resumes stay behind."""
     doc = {
         "starts": [attrs.asdict(s.request) for s in ops.starts],
+        "cuts": [list(s.checkpoint_at) for s in ops.starts],  # every rank cuts its prefill alike
         "prefixes": [None if p is None else attrs.asdict(p) for p in ops.prefixes],
         "cancels": list(ops.cancels),
         "stops": list(ops.stops),
@@ -82,7 +83,8 @@ def encode_ops(ops: StepOps) -> bytes:
 def decode_ops(data: bytes) -> StepOps:
     doc = json.loads(data)
     return StepOps(
-        starts=tuple(RowStart(request=_request(r)) for r in doc["starts"]),
+        starts=tuple(RowStart(request=_request(r), checkpoint_at=tuple(int(c) for c in cuts))
+                     for r, cuts in zip(doc["starts"], doc.get("cuts") or [[] for _ in doc["starts"]], strict=True)),
         prefixes=tuple(None if p is None else PrefixRef(str(p["key"]), int(p["usable"]), int(p["total"]))
                        for p in doc["prefixes"]),
         cancels=tuple(str(u) for u in doc["cancels"]),
