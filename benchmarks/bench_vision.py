@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_proc import ServeProc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SETTLE_S = 0.5  # idle time before each measured follow-up
 
 
 def png(seed: int, side: int) -> str:
@@ -105,10 +106,19 @@ def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> d
     text_only = conversation(client, [{"role": "user", "content": f"{filler} Picture {i}?"} for i in range(images)],
                              system + " ")
     last = {"role": "user", "content": "Which of these pictures was the brightest, and why do you think so?"}
-    ti, bi = client.ask([*with_images, last])
-    si = client.engine_ttft()
-    tt, bt = client.ask([*text_only, last])
-    st = client.engine_ttft()
+
+    def measured(messages: list[dict[str, Any]]) -> tuple[float, dict[str, Any], float]:
+        # The previous reply's trailing work (its checkpoint) must not land on this one's TTFT.
+        time.sleep(SETTLE_S)
+        seconds, body = client.ask(messages)
+        return seconds, body, client.engine_ttft()
+
+    if r % 2 == 0:  # which goes first alternates by round
+        ti, bi, si = measured([*with_images, last])
+        tt, bt, st = measured([*text_only, last])
+    else:
+        tt, bt, st = measured([*text_only, last])
+        ti, bi, si = measured([*with_images, last])
     out.update(images_followup_s=ti, text_followup_s=tt, images_followup_server_s=si, text_followup_server_s=st, images_prompt=bi["usage"]["prompt_tokens"],
                text_prompt=bt["usage"]["prompt_tokens"],
                images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
