@@ -79,6 +79,48 @@ async def _arm(config: Any, prompts: list[list[int]], max_tokens: int) -> tuple[
         }
 
 
+def _lend_cost(preset: str, tokens: int, page_tokens: int, rounds: int) -> dict[str, Any]:
+    """A RAM hit's lend + join, alone, timed back to back (ms): a contiguous entry's slices vs pages concatenated,
+    each then merged into a batch cache as the generator does. The merge of a slice shares its buffer (the copy
+    comes at the row's first forward step, in both arms), so the difference is what pages add to a RAM hit."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from mlxd.kv import kinds
+    from mlxd.kv.blocks import span_for
+    from mlxd.kv.page_pool import PagePool
+    from mlxd.model.presets import get_preset
+
+    shape = get_preset(preset)  # fp32 KV of its layers, as the CPU serves it
+    heads, dim = shape.num_key_value_heads, shape.head_dim
+    page_tokens = page_tokens or span_for(shape.num_hidden_layers * 2 * heads * dim * 4)
+    caches = []
+    for _ in range(shape.num_hidden_layers):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, heads, tokens, dim)), mx.random.normal((1, heads, tokens, dim)))
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    paged = PagePool(fingerprint="bench", page_tokens=page_tokens).page(caches, list(range(tokens)), "")
+    assert paged is not None
+    usable = tokens - 64
+    times: dict[str, list[float]] = {"contiguous": [], "pages": []}
+
+    def join(lent: list[Any]) -> None:
+        mx.eval([BatchKVCache.merge([x]).keys for x in lent])
+
+    for i in range(rounds):
+        for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
+            t0 = time.perf_counter()
+            join(kinds.lend(caches, usable, total=tokens) if arm == "contiguous" else paged.lend(usable))
+            times[arm].append(1000 * (time.perf_counter() - t0))
+    out: dict[str, Any] = {arm: statistics.median(v) for arm, v in times.items()}
+    out["pages_minus_contiguous_ms"] = statistics.median(p - c for p, c in zip(times["pages"], times["contiguous"],
+                                                                              strict=True))
+    out["page_count"] = len(paged.pages)
+    out["page_tokens"] = page_tokens
+    return out
+
+
 def _speed(rows: list[dict[str, Any]]) -> dict[str, Any]:
     hits = [r for r in rows if r["cached"] > 0]
     return {
@@ -131,6 +173,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                    for r in rounds],
     }
     out["rounds"] = rounds
+    out["lend_ms"] = _lend_cost(args.preset, args.shared + args.suffix, args.page_tokens, args.lend_rounds)
     out["rows"] = rows
     return out
 
@@ -146,6 +189,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--speed-sessions", type=int, default=32, help="sessions of round 2 (timings only)")
     p.add_argument("--page-tokens", type=int, default=0, help="RAM page size (0: the server's default)")
+    p.add_argument("--lend-rounds", type=int, default=40, help="lend + join timings per arm")
+    p.add_argument("--lend-only", action="store_true", help="only time a RAM hit's lend + join, both arms")
     p.add_argument("--device", choices=("default", "cpu"), default="default", help="cpu: MLX's CPU even with a GPU")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
@@ -153,6 +198,16 @@ def main() -> None:
         import mlx.core as mx
 
         mx.set_default_device(mx.cpu)
+    if args.lend_only:
+        lend = _lend_cost(args.preset, args.shared + args.suffix, args.page_tokens, args.lend_rounds)
+        print(f"preset {args.preset}, {args.shared + args.suffix} tokens, {args.shared} lent: RAM hit's lend + join "
+              f"alone ({lend['page_count']} pages of {lend['page_tokens']}): contiguous {lend['contiguous']:.1f} ms, "
+              f"pages {lend['pages']:.1f} ms, paired difference {lend['pages_minus_contiguous_ms']:+.1f} ms")
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"ram_pages-lend-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "lend_ms": lend}, indent=1))
+        print(f"wrote {path}")
+        return
     t0 = time.perf_counter()
     result = trio.run(_bench, args)
     import mlx.core as mx
@@ -165,6 +220,9 @@ def main() -> None:
         print(f"{arm:<11} {r['ram_bytes'] / 2**20:8.1f} {r['held_bytes'] / 2**20:9.1f} {r['dedup_kv_bytes'] / 2**20:10.1f} "
               f"{r['retained_over_dedup']:14.2f}x {r['held_over_dedup']:10.2f}x {r['pages']:6d} {r['ram_hits']:5d} "
               f"{r['ttft_ms_median']:8.1f} {r['decode_tok_s_median']:13.1f}")
+    lend = result["lend_ms"]
+    print(f"RAM hit's lend + join alone ({lend['page_count']} pages): contiguous {lend['contiguous']:.1f} ms, pages "
+          f"{lend['pages']:.1f} ms, paired difference {lend['pages_minus_contiguous_ms']:+.1f} ms")
     ratios = result["ratios"]
     per_round = ", ".join(f"{'/'.join(r['order'])}: {r['ttft_pages_over_contiguous']:.3f}x, "
                           f"{r['decode_pages_over_contiguous']:.3f}x" for r in ratios["rounds"])
