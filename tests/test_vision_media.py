@@ -56,6 +56,10 @@ def test_a_repeated_data_url_is_not_decoded_again(vlm_model_dir) -> None:
     assert other is not first and other.digest == first.digest and prep.prepared_hits == 1
     [(low, _)] = prep.prepare([(url, "low", "here")])  # the detail is part of the key
     assert low is not first
+    # All known: the event loop takes them without a thread hop; anything new goes to `prepare`.
+    known = prep.known([(url, "auto", "a"), (url, "low", "b")])
+    assert known is not None and [p for p, _ in known] == [first, low]
+    assert prep.known([(url, "auto", "a"), (url.replace("image/png", "image/gif", 1), "auto", "b")]) is None
 
 
 def test_only_a_body_that_may_hold_a_lone_surrogate_is_re_checked() -> None:

@@ -95,6 +95,30 @@ class MediaPreparer:
             out.append((prepared, features))
         return out
 
+    def known(self, refs: Sequence[tuple[Any, str, str]]) -> list[tuple[PreparedImage, Any]] | None:
+        """`prepare(refs)` when every image is known already (no I/O, no decoding: fine on the event
+        loop, a follow-up's usual case); None when any needs work (`prepare` on a worker thread)."""
+        if len(refs) > self.limits.max_images:
+            return None
+        out = []
+        with self._lock:
+            for url, detail, _ in refs:
+                if not (isinstance(url, str) and url[:5].lower() == "data:"):
+                    return None
+                prepared = self._prepared.get((url, detail))
+                if prepared is None:
+                    return None
+                features = None
+                if self.tensors_root is not None:
+                    features = self._features.get(prepared.digest)
+                    if features is None:
+                        return None  # maybe on SSD: read it on the worker thread
+                out.append((prepared, features))
+            for url, detail, _ in refs:
+                self._prepared.move_to_end((url, detail))
+            self.prepared_hits += len(out)
+        return out
+
     def _ssd_features(self, digest: str) -> Any:
         """An image's encoder output from the SSD tier, verified; read once, then kept (a follow-up
         re-sends every image, and most of them need no tower: its KV prefix covers them)."""
