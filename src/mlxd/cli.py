@@ -111,7 +111,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompts prefilled together (capped at --max-batch)")
     p.add_argument("--max-queue", type=_non_negative_int, default=32, help="requests waiting for a slot before 503")
     p.add_argument("--queue-timeout", type=_non_negative_float, default=60.0, metavar="SEC",
-                   help="seconds an HTTP request may wait in the queue for a batch slot before it gets a 503 "
+                   help="seconds an HTTP request may wait in the queue for a batch slot before it gets a 503; one "
+                   "the prompts already admitted would hold longer (at the measured rate) gets it at once "
                    "(0 = no limit)")
     p.add_argument("--ttft-timeout", type=_non_negative_float, default=0.0, metavar="SEC",
                    help="seconds from arrival to a request's first token; past it the request is cancelled and "
