@@ -27,7 +27,7 @@ from collections.abc import Callable
 import attrs
 
 WINDOW_S = 120.0  # seconds of busy time the rate is measured over
-MIN_SPAN_S = 5.0  # busy seconds measured before the rate is trusted
+MIN_SPAN_S = 1.0  # busy seconds measured before the rate is trusted (a GPU: a burst or two)
 COLD_TOKENS = 2048  # until then: the most prompt tokens of the others a new prompt may wait for
 
 
