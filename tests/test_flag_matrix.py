@@ -4,7 +4,7 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb); each
+--speculative, --kv-admission, --host-cache-gb, --ram-pages); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -46,6 +46,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "speculative": ("off", "ngram"),
     "kv_admission": (False, True),
     "host_cache": (None, "1"),  # GB; a reported no-op on this CPU (unified memory)
+    "ram_pages": ("off", "on"),  # --ram-pages on: RAM entries as shared KV pages
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -62,6 +63,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # nothing is restored without the SSD tier
     if combo.get("kv_token_ids") and combo.get("kv_events") is False:
         return False  # ignored (with a warning) without --kv-events-endpoint
+    if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
+        return False  # refused: "--ram-pages on and --host-cache-gb do not combine yet"
     return True
 
 
@@ -109,6 +112,7 @@ class Combo:
     speculative: str
     kv_admission: bool
     host_cache: str | None
+    ram_pages: str = "off"
 
     @property
     def id(self) -> str:
@@ -128,6 +132,7 @@ class Combo:
             "ngram": self.speculative == "ngram",
             "admission": self.kv_admission,
             f"host{self.host_cache}": self.host_cache is not None,
+            "pages": self.ram_pages == "on",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -161,6 +166,8 @@ class Combo:
             args.append("--kv-admission")
         if self.host_cache is not None:
             args += ["--host-cache-gb", self.host_cache]
+        if self.ram_pages == "on":
+            args += ["--ram-pages", "on"]
         return args
 
 
@@ -266,6 +273,8 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
             if combo.host_cache is not None:  # unified memory: the flag is a reported no-op
                 host = stats["cache"]["host"]
                 assert host["enabled"] is False and host["requested_bytes"] == 2**30 and host["reason"], host
+            ram = stats["cache"]["ram"]
+            assert (ram["pages"] > 0) == (combo.ram_pages == "on") and ram["bytes"] <= ram["checkpoint_bytes"], ram
             assert ("ssd_cache" in stats) == (combo.ssd != "off")
             if combo.ssd != "off":
                 assert stats["ssd_cache"]["layout"] == combo.ssd
