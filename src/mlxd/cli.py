@@ -446,6 +446,8 @@ def server_record(rt) -> dict:
     """What a replay needs to know about this server's cache (the trace's first line)."""
     import attrs
 
+    from mlxd.kv.blocks import span_for
+
     c = rt.config
     return {
         "model": rt.info.model_name,
@@ -464,6 +466,8 @@ def server_record(rt) -> dict:
         "ssd_write_rate_bytes": c.ssd_write_rate_bytes,
         "ssd_layout": c.ssd_layout,
         "ssd_block_tokens": rt.ssd_block_tokens,
+        "ram_pages": c.ram_pages,  # a model with other caches than attention KV kept contiguous entries
+        "ram_page_tokens": c.ram_page_tokens or c.ssd_block_tokens or span_for(rt.info.kv_bytes_per_token),
         "restore_choice": c.restore_choice,  # measured, always or split: a replay decides the same way
         # The cost model the restore advisor starts from: the startup probe's, when it ran
         # (without one the advisor starts from the default model, as a replay does).

@@ -58,10 +58,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-admission-gb", type=float, default=None,
                    help="admit a request only when its KV (input + output tokens x the cost model's KV bytes "
                    "per token) fits this many GiB beside the rows running, as --kv-admission does (mlxd model)")
-    p.add_argument("--ram-pages", choices=("on", "off", "both"), default="off",
+    p.add_argument("--ram-pages", choices=("on", "off", "both"), default=None,
                    help="RAM entries as shared KV pages, counted once (mlxd model; both = each run twice, "
-                   "pages and contiguous entries, and a table of the RAM bytes retained)")
-    p.add_argument("--ram-page-tokens", type=int, default=1024, help="tokens per RAM page with --ram-pages")
+                   "pages and contiguous entries, and a table of the RAM bytes retained; default: recorded, "
+                   "else off)")
+    p.add_argument("--ram-page-tokens", type=int, default=None,
+                   help="tokens per RAM page with --ram-pages (default: recorded, else 1024)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
                    help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
     p.add_argument("--ssd-block-tokens", type=int, default=None,
@@ -153,7 +155,7 @@ def run_all(args, reqs, cost: CostModel, flushes: tuple[float, ...] = ()) -> lis
             raise SystemExit("the blocks model needs a Mooncake trace (hash_ids)")
         models.remove("blocks")
     ssd_bytes = None if args.ssd_gb is None else round(args.ssd_gb * GIB)
-    pages = {"on": (True,), "off": (False,), "both": (False, True)}[getattr(args, "ram_pages", "off")]
+    pages = {"on": (True,), "off": (False,), "both": (False, True)}[getattr(args, "ram_pages", None) or "off"]
     runs = [(m, p, b, paged) for m in models for p in policies for b in capacities(args)
             for paged in (pages if m == "mlxd" else (False,))]
     results = []
@@ -210,8 +212,8 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             shared_prefill=_shared_prefill(args),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
-            ram_pages=getattr(args, "ram_pages", "off") == "on",
-            ram_page_tokens=getattr(args, "ram_page_tokens", 1024),
+            ram_pages=getattr(args, "ram_pages", None) == "on",
+            ram_page_tokens=getattr(args, "ram_page_tokens", None) or 1024,
         )
     return attrs.evolve(result, wall_s=time.perf_counter() - started)
 
@@ -246,6 +248,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.cache_model = args.cache_model or "both"
         args.slots = args.slots or 4
         args.snapshot_min_tokens = 256 if args.snapshot_min_tokens is None else args.snapshot_min_tokens
+        args.ram_pages = args.ram_pages or "off"
         return cost
     args.recorded_server = True
     args.policy = args.policy or server.get("retention", "lru")
@@ -264,6 +267,8 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.host_gb = int(server["host_cache_bytes"]) / GIB
     args.ssd_layout = args.ssd_layout or server.get("ssd_layout")
     args.ssd_block_tokens = args.ssd_block_tokens or server.get("ssd_block_tokens")
+    args.ram_pages = args.ram_pages or server.get("ram_pages") or "off"
+    args.ram_page_tokens = args.ram_page_tokens or server.get("ram_page_tokens")
     if args.granularity == "auto":
         args.granularity = "token"
     if server.get("kv_bytes_per_token") and not args.cost_model:
@@ -362,7 +367,7 @@ def run_simulate(args) -> int:
     results = run_all(args, reqs, cost, recording.flushes)
     if args.format == "table":
         print(report.table(results))
-        if args.ram_pages != "off":
+        if args.ram_pages in ("on", "both"):
             print(report.ram_pages_table(results))
     sessions = len({r.session for r in reqs if r.session is not None})
     if sessions and not args.no_sessions:
