@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each setup, interleaved; the best is shown")
+    parser.add_argument("--forwards-only", action="store_true", help="only the second table (model forwards)")
     args = parser.parse_args()
 
     import mlxd  # noqa: F401  (preloads OpenBLAS before MLX)
@@ -157,14 +158,14 @@ def main() -> None:
             ("2 loaded, all rows 'one'", adapted, ["one"] * args.rows),
         ]
         best: list[dict[str, float]] = [{} for _ in setups]
-        for _ in range(args.repeat):  # interleaved, best of each: this machine is shared
+        for _ in range(0 if args.forwards_only else args.repeat):  # interleaved, best of each: a shared machine
             for i, (_, config, rows) in enumerate(setups):
                 r = _run(config, prompts, rows, args.tokens)
                 best[i] = {k: min(v, best[i].get(k, v)) if k != "decode_tok_s" else max(v, best[i].get(k, v))
                            for k, v in r.items()}
-        results = [(label, b) for (label, _, _), b in zip(setups, best, strict=True)]
+        results = [(label, b) for (label, _, _), b in zip(setups, best, strict=True) if b]
         forwards = _forward_table(model_dir, pairs, prompts, args.tokens, args.repeat)
-    first = results[0][1]
+    first = results[0][1] if results else {}
     print(f"{args.model or 'preset ' + args.preset}, {args.rows} rows x {args.prompt} prompt tokens, {args.tokens} generated, "
           f"LoRA rank {args.rank} on every linear layer")
     print(f"{'setup':36} {'prefill s':>10} {'decode s':>9} {'decode tok/s':>13} {'decode vs none':>15}")
