@@ -241,3 +241,28 @@ def test_simulate_reports_ram_retained_with_pages_and_contiguous():
     assert contiguous.ram_bytes_retained == contiguous.ram_checkpoint_bytes == pages.ram_checkpoint_bytes
     assert contiguous.ram_bytes_retained > 30 * dedup
     assert pages.ram_pages and pages.ram_bytes_retained <= 1.2 * dedup
+
+
+def test_a_recorded_trace_replays_to_the_live_page_bytes(tiny_model_dir, tmp_path):
+    import attrs
+
+    from mlxd.cli import record_trace
+    from mlxd.kv.cost_model import DEFAULT
+    from mlxd.sim.replay import replay_mlxd
+    from mlxd.sim.trace import load_recording
+
+    trace = tmp_path / "live.jsonl"
+    with ServerThread(config_for(tiny_model_dir, ram_pages="on", ram_page_tokens=32)) as server:
+        record_trace(server.runtime, trace)
+        _agents(server)
+        live = server.call(server.runtime.stats).cache.tiers.ram
+        kv_per_token = server.runtime.info.kv_bytes_per_token
+    recording = load_recording(trace)
+    assert recording.server is not None and recording.server["ram_pages"] == "on"
+    assert recording.server["ram_page_tokens"] == 32
+    cost = attrs.evolve(DEFAULT, kv_bytes_per_token=kv_per_token)
+    result = replay_mlxd(recording.reqs, policy="lru", cost=cost, ram_bytes=None, slots=1, granularity="token",
+                         ram_pages=True, ram_page_tokens=32)
+    assert result.ram_hits == live.hits and result.ram_hit_tokens == live.hit_tokens
+    assert result.ram_checkpoint_bytes == live.checkpoint_bytes
+    assert result.ram_bytes_retained == live.bytes < live.checkpoint_bytes
