@@ -33,6 +33,7 @@ import trio
 import trio.lowlevel
 
 from mlxd.actors.cache_owner import CacheOwnerActor
+from mlxd.actors.device_probe import lands_in_mlx
 from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.engine import EngineActor
 from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
@@ -50,7 +51,7 @@ from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.restore_decision import RestoreAdvisor
 from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.kv.tiers import SessionCheckpoint, SsdRecord
-from mlxd.runtime import device_memory, session_files
+from mlxd.runtime import session_files
 from mlxd.runtime.chat.prompt_tokens import PieceEncoder
 from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
 from mlxd.runtime.config import RuntimeConfig
@@ -740,9 +741,8 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
     store, scan = await _open_store(config, info) if config.ssd_cache_dir else (None, None)
     # Restored bytes land straight in MLX memory: no copy on the engine thread, and on CUDA
     # no page-by-page migration (docs/benchmarks.md; Metal keeps the host path, unmeasured there).
-    direct = config.restore_landing == "mlx" or (
-        config.restore_landing == "auto" and not device_memory.is_metal()
-    )
+    # The startup probe timed restores by the same rule (actors/device_probe.py).
+    direct = lands_in_mlx(config)
     cold = (
         _cold_tier(config, store, cache_send, governor, gen_receive, gen_send.clone() if gen_send else None,
                    land=engine.landing if direct else None)
