@@ -126,6 +126,42 @@ def test_a_mixed_batch_matches_mlx_lm_row_for_row(tiny_model_dir, lora_dirs, ref
     assert base_logprobs != pytest.approx(one_logprobs, abs=1e-2)
 
 
+def test_quantized_kv_rows_in_a_mixed_batch_match_each_row_alone(tmp_path_factory):
+    """--kv-bits 8 (test-wide: head_dim 64): a base row and an adapter row batched give what each gives alone."""
+    from mlxd.model import build_model
+
+    root = tmp_path_factory.mktemp("wide")
+    model_dir = build_model(root / "model", "test-wide", seed=0)
+    pairs = (("one", str(build_adapter(model_dir, root / "one", seed=1))),)
+    ids = {"base": prompt(), "one": prompt()}
+
+    def run(rows: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+        core = EngineCore(config_for(model_dir, adapters=pairs, prompt_cache_bytes=0, kv_bits=8))
+        ns = {a.name: a.namespace for a in core.load().adapters}
+        starts = tuple(RowStart(request=GenerationRequest(
+            request_id=r, prompt=ids[r], namespace=ns.get(r, ""),
+            sampling=SamplingParams(max_tokens=10, logprobs=True))) for r in rows)
+        out: dict[str, list[tuple[int, float]]] = {r: [] for r in rows}
+        done: set[str] = set()
+        ops = StepOps(starts=starts)
+        while len(done) < len(rows):
+            result, ops = core.step(ops), StepOps()
+            for emit in result.emits:
+                if isinstance(emit.event, TokenGenerated):
+                    out[emit.request_id].append((emit.event.token, emit.event.logprob))
+                elif isinstance(emit.event, GenerationFinished):
+                    done.add(emit.request_id)
+        core.close()
+        return out
+
+    both = run(("base", "one"))
+    for rid in ("base", "one"):
+        alone = run((rid,))[rid]
+        assert [t for t, _ in both[rid]] == [t for t, _ in alone], rid
+        assert [lp for _, lp in both[rid]] == pytest.approx([lp for _, lp in alone], abs=1e-4), rid
+    assert both["one"] != both["base"]
+
+
 # --- over HTTP ---------------------------------------------------------------------------------
 
 
