@@ -119,7 +119,7 @@ def _sampling(max_tokens_limit: int) -> dict[str, Any]:
     """The fields shared by chat and text completions."""
     number = {"type": "number"}
     return {
-        "model": {"type": "string", "description": "the served model name, or 'default' / 'default_model'"},
+        "model": {"type": "string", "description": "the served model name, 'default' / 'default_model', or an --adapter NAME (that LoRA adapter)"},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True},
         "temperature": {**number, "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {**number, "minimum": 0, "maximum": 1, "nullable": True},
