@@ -299,6 +299,49 @@ def test_the_ssd_tier_keeps_namespaces_apart_across_a_restart(tiny_model_dir, lo
         assert cached(complete(second, "tiny", ids)) > 0, "the base restores its own"
 
 
+def test_image_requests_under_an_adapter(vlm_model_dir, tmp_path_factory):
+    """A vision model's adapter: the image prefix is prefilled with the adapter (its own namespace, no hit
+    across), the encoder's output is shared (the tower is not adapted), and a batch equals each row alone."""
+    import base64
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from PIL import Image
+
+    def user(text: str, seed: int) -> dict:
+        pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": text}]}
+
+    lora = build_adapter(vlm_model_dir, tmp_path_factory.mktemp("vlm-lora") / "v", seed=3)
+    with ServerThread(config_for(vlm_model_dir, adapters=(("v", str(lora)),))) as s:
+        def ask(model: str, seed: int, n: int = 6) -> dict:
+            r = httpx.post(s.base_url + "/chat/completions", timeout=120, json={
+                "model": model, "messages": [user("What is in the picture?", seed)], "max_tokens": n,
+                "temperature": 0, "logprobs": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def logprobs(body: dict) -> list[float]:
+            return [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+
+        first = ask("v", 1)
+        assert cached(first) == 0 and cached(ask("v", 1)) > 0, "the adapter reuses its own image prefix"
+        base = ask("tiny", 1)
+        assert cached(base) == 0, "the base never reads the adapter's"
+        assert logprobs(base) != pytest.approx(logprobs(first), abs=1e-3), "the adapter changes the output"
+        with ThreadPoolExecutor(2) as pool:  # cold, at once: both images prefilled, one decoding batch
+            together = list(pool.map(lambda m: ask(m, 2), ("v", "tiny")))
+        alone = [ask(m, 2) for m in ("v", "tiny")]  # now RAM hits of what the batch published
+        for a, b in zip(together, alone, strict=True):
+            assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+            assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
