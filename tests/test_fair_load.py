@@ -23,6 +23,7 @@ from mlxd.runtime.kernel.messages import (
     SamplingParams,
     TokenGenerated,
 )
+from mlxd.runtime.supervisor import QueueFull
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -294,6 +295,18 @@ def test_a_long_prompt_behind_too_much_prompt_work_is_refused_at_once(backlog_se
         assert "prompts ahead" in error["message"] and "--queue-timeout" in error["message"]
         short = {"prompt": [30] * 20, "max_tokens": 2}  # 0.2 s of each prompt ahead
         assert httpx.post(url + "/v1/completions", json=short, timeout=BOUND_S).status_code == 200
+
+        async def further_choice() -> list[int]:  # n > 1: its prompt is cached by the first choice
+            rt, sampling = (
+                server.runtime,
+                SamplingParams(max_tokens=2, logit_bias=((0, -100.0), (2, -100.0))),
+            )
+            with pytest.raises(QueueFull):  # as a request of its own, refused
+                rt.submit(rt.request(long_body["prompt"], sampling=sampling))
+            request = rt.request(long_body["prompt"], sampling=sampling)
+            return await rt.submit(request, follows=True).tokens()  # not refused for the work ahead
+
+        assert len(server.call(further_choice)) == 2
     finally:
         server.call(clear)
     r = httpx.post(url + "/v1/completions", json=long_body, timeout=BOUND_S)

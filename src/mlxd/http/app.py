@@ -544,10 +544,11 @@ def create_app(
 
     def submit(
         prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = (),
-        namespace: str = "",
+        namespace: str = "", *, follows: bool = False,
     ) -> GenerationStream:
         try:
-            return rt.submit(rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace))
+            request = rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace)
+            return rt.submit(request, follows=follows)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:
@@ -577,7 +578,8 @@ def create_app(
         try:
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
-                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model))
+                stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model),
+                                follows=i > 0)  # the first choice has its first token: its prompt is cached
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and queue_timeout_s > 0 and not await choices[0].reached(PromptAccepted, arrived + queue_timeout_s):
                     raise ApiError(503, f"no batch slot came free within {queue_timeout_s:g} s (--queue-timeout); "

@@ -359,11 +359,16 @@ class Runtime:
             self._rejected += 1
             raise QueueFull(why)
 
-    def submit(self, request: GenerationRequest) -> GenerationStream:
-        """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting."""
+    def submit(self, request: GenerationRequest, *, follows: bool = False) -> GenerationStream:
+        """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting.
+
+        `follows`: a further choice (n > 1) of a request whose first choice has its first token, so its
+        prompt is cached: it adds no prompt work, and the prompt work ahead never refuses it.
+        """
         if not self.admitting:
             raise ShuttingDown("the server is shutting down")
-        self._check_backlog(len(request.prompt))
+        if not follows:
+            self._check_backlog(len(request.prompt))
         send, receive = trio.open_memory_channel[GenerationEvent](request.sampling.max_tokens + 8)
         try:
             self._submit.send_nowait(SubmitGeneration(request, send, time.monotonic()))
