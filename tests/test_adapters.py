@@ -277,6 +277,7 @@ def test_the_other_routes_select_the_adapter_too(server):
         for model in ("two", "two", "one"):
             r = httpx.post(server.base_url + route, json={"model": model, **body}, timeout=60)
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == model, "the reply names the adapter, as the chat route's does"
             reads.append(usage(r.json()["usage"]))
         # (the template's first few tokens may hit: earlier requests of the same adapter opened that way)
         assert reads[1] > 40 and reads[0] < 10 and reads[2] < 10, (route, reads)

@@ -473,11 +473,12 @@ class _Reply:
     rt: Any
     choice: Any
     kit: RouteKit
+    model: str  # the name the reply gives (an --adapter's, or the served model's)
     id: str = attrs.Factory(lambda: "msg_" + uuid.uuid4().hex[:24])
 
     def message(self, blocks: list[dict[str, Any]], *, final: bool) -> dict[str, Any]:
         reason, sequence = stop_reason(self.choice) if final else (None, None)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.rt.info.model_name,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": blocks, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(self.choice)}
 
     async def body(self) -> dict[str, Any]:
@@ -563,7 +564,7 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
                 await pin_breakpoints(req, prompt, session)
             (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
                                                 media=media)
-            reply = _Reply(rt, choice, kit)
+            reply = _Reply(rt, choice, kit, kit.reply_model(req.parsed.model))
             if req.parsed.stream:
                 return event_stream(reply.sse())
             try:

@@ -239,6 +239,11 @@ def _chat_delta(delta: ReplyDelta) -> dict[str, Any]:
     return out
 
 
+def reply_model(rt: Runtime, requested: str | None) -> str:
+    """The model a reply names: the adapter the request chose (--adapter), else the served model."""
+    return requested if requested in {a.name for a in rt.info.adapters} else rt.info.model_name
+
+
 class _Completion:
     """Runs a request's generations (its choices) and shapes them into OpenAI chunks or a body."""
 
@@ -249,9 +254,7 @@ class _Completion:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        # The model the reply names: the adapter the request chose (--adapter), else the served model.
-        adapters = {a.name for a in rt.info.adapters}
-        self.model = parsed.model if parsed.model in adapters else rt.info.model_name
+        self.model = reply_model(rt, parsed.model)
 
     def usage(self) -> dict[str, Any]:
         first = self.choices[0]
@@ -721,7 +724,7 @@ def create_app(
             raise
 
     kit = RouteKit(read_json=read_json, check_model=check_model, chat_prompt=kit_prompt,
-                   start_choices=start_choices, close=_close)
+                   start_choices=start_choices, close=_close, reply_model=lambda name: reply_model(rt, name))
     install_anthropic(app, rt, kit)  # POST /v1/messages, /v1/messages/count_tokens
     install_responses(app, rt, kit)  # POST /v1/responses, GET/DELETE /v1/responses/{id}
     install_sessions(app, rt, _json)  # DELETE /v1/sessions/{id}

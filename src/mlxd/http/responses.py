@@ -391,7 +391,7 @@ class _Reply:
             incomplete = {"reason": "max_output_tokens"}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "error": None, "incomplete_details": incomplete, "model": self.rt.info.model_name,
+            "error": None, "incomplete_details": incomplete, "model": self.kit.reply_model(self.req.parsed.model),
             "output": output, "usage": self.usage() if status != "in_progress" else None,
             **self.req.echo,
         }

@@ -34,3 +34,5 @@ class RouteKit:
     # (parsed, prompt, options, *, chat, session, media) -> the request's generations (`_Choice`s)
     start_choices: Callable[..., Awaitable[list[Any]]]
     close: Callable[[list[Any]], Awaitable[None]]  # close the generations' streams (shielded)
+    # The model a reply names for a request's `model`: the --adapter it chose, else the served model.
+    reply_model: Callable[[str | None], str]
