@@ -209,7 +209,8 @@ class EngineCore:
                 from mlxd.engine.draft import load_draft
 
                 self._draft = load_draft(self._config.draft_model, self.tokenizer,
-                                         prefill_step=self._prefill_step_size)
+                                         prefill_step=self._prefill_step_size,
+                                         placeholder=self.vision.placeholder if self.vision is not None else None)
             self.generator = self._new_generator()
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))

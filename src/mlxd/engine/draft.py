@@ -37,10 +37,25 @@ class DraftModel:
     model: Any
     prefill_step: int = 512
     tag: str = ""  # the draft's content identity (short): its cache entries' namespace suffix
+    # A vision target's image placeholder id: the draft (no vision tower) reads an image's span as
+    # that placeholder, repeated (kv/media.py's `model_tokens`); None for a text-only target.
+    placeholder: int | None = None
+
+    def ids(self, tokens: Sequence[int]) -> list[int]:
+        """The ids the draft reads for `tokens` (key tokens: an image's media ids become the placeholder)."""
+        from mlxd.kv.media import MEDIA_BASE, model_tokens
+
+        if self.placeholder is None:
+            if any(t >= MEDIA_BASE for t in tokens):
+                raise ValueError("an image span reached a draft model with no placeholder id")
+            return list(tokens)
+        return model_tokens(tokens, self.placeholder)
 
 
-def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftModel:
-    """Load `--draft-model`, refusing one whose tokenizer or caches cannot serve as a draft."""
+def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int, placeholder: int | None = None) -> DraftModel:
+    """Load `--draft-model`, refusing one whose tokenizer or caches cannot serve as a draft.
+
+    `placeholder`: a vision target's image placeholder id (what the draft reads in an image's span)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -61,7 +76,7 @@ def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int) -> DraftM
         raise ModelRefused(f"--draft-model {path}: its caches ({', '.join(kinds)}) cannot drop rejected drafts")
     if mx.default_device() == mx.cpu:
         cast_float_weights(model, mx.float32)
-    return DraftModel(where, model, prefill_step, tag=model_identity(where)[:16])
+    return DraftModel(where, model, prefill_step, tag=model_identity(where)[:16], placeholder=placeholder)
 
 
 def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
@@ -119,12 +134,9 @@ class ModelDrafts:
         if keep < len(self.held):
             for c in self.caches:
                 c.trim(len(self.held) - keep)
-        feed = seq[keep:]
-        model, step = self.draft.model, self.draft.prefill_step
-        while len(feed) > step:  # a long prefix (a row's first step) in chunks
-            model(mx.array([feed[:step]]), cache=self.caches)
-            mx.eval([c.state for c in self.caches])
-            feed = feed[step:]
+        feed = self.draft.ids(seq[keep:])
+        model = self.draft.model
+        feed = self._feed(feed, whole=False)  # a long prefix (a row's first step) in chunks
         y = mx.argmax(model(mx.array([feed]), cache=self.caches)[:, -1, :], axis=-1)
         drafts = [y]
         for _ in range(k - 1):
@@ -135,14 +147,37 @@ class ModelDrafts:
         self.accepted = len(seq)  # the pending token is always emitted; the drafts are not verified yet
         return out
 
-    def checkpoint(self, tokens: Sequence[int] | None = None) -> tuple[list[Any], list[int]]:
+    def _feed(self, ids: list[int], *, whole: bool) -> list[int]:
+        """Feed `ids` into the caches in prefill-step chunks: all of them (`whole`), or all but the
+        last chunk of at most one step, which is returned (its logits are the caller's)."""
+        import mlx.core as mx
+
+        assert self.caches is not None
+        step = self.draft.prefill_step
+        while len(ids) > step or (whole and ids):
+            chunk, ids = ids[:step], ids[step:]
+            self.draft.model(mx.array([chunk]), cache=self.caches)
+            mx.eval([c.state for c in self.caches])
+        return ids
+
+    def checkpoint(self, tokens: Sequence[int] | None = None, *, complete: bool = False) -> tuple[list[Any], list[int]]:
         """The draft's KV (new array objects) over accepted tokens: those it shares with `tokens`
-        (the row's), or without them the ones known accepted at the last step. Empty: nothing held."""
+        (the row's), or without them the ones known accepted at the last step. Empty: nothing held.
+
+        `complete` (the row's end: its caches are not needed after): the row's tokens the draft
+        has not read yet (those emitted after its last proposal, and steps it sat out) are run
+        through it first, so the checkpoint holds every one of `tokens`."""
         from mlxd.kv import kinds
 
         n = self.accepted if tokens is None else min(_shared(self.held, tokens), len(self.held))
         if self.caches is None or n <= 0 or self.first_step:  # never ran: it holds only what the cache lent it
             return [], []
+        if complete and tokens is not None and len(tokens) > n:
+            for c in self.caches:  # unverified drafts go, then the missing accepted tokens are read
+                c.trim(len(self.held) - n)
+            self._feed(self.draft.ids(tokens[n:]), whole=True)
+            self.held, self.accepted = list(tokens), len(tokens)
+            n = len(tokens)
         return kinds.lend(self.caches, n), self.held[:n]
 
 

@@ -41,7 +41,7 @@ class CheckpointedSource(DraftSource, Protocol):
 
     computed: int  # prefix tokens its first step computed itself (0: all came from the cache, or not run yet)
 
-    def checkpoint(self, tokens: Sequence[int] | None = None) -> tuple[list[Any], list[int]]: ...
+    def checkpoint(self, tokens: Sequence[int] | None = None, *, complete: bool = False) -> tuple[list[Any], list[int]]: ...
 
 
 @attrs.define
@@ -77,12 +77,27 @@ class DraftCheckpoints:
                             row.start.request.session)
 
     def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        """The row's end: the draft's KV over every token the target's final checkpoint holds (the
+        draft first reads those it has not: emitted after its last proposal, or while it sat out)."""
         session = row.start.request.session
         if not ending.requested:
             if ending.caches is not None:
-                core.checkpoint(out, "final", lambda: self.source.checkpoint(ending.tokens), self.namespace, session)
+                tokens: Sequence[int] | None = ending.tokens
+                core.checkpoint(out, "final", lambda: self.source.checkpoint(tokens, complete=True), self.namespace,
+                                session)
         elif row.generated > 0:
-            core.checkpoint(out, "final", lambda: self.source.checkpoint(None), self.namespace, session)
+            held = _row_tokens(core, row.uid)  # still in the generator (ended by ops: removed after)
+            core.checkpoint(out, "final", lambda: self.source.checkpoint(held, complete=held is not None),
+                            self.namespace, session)
+
+
+def _row_tokens(core: EngineCore, uid: int) -> list[int] | None:
+    """The tokens a decoding row's target KV holds (mlx-lm's generation batch), None if it is not decoding."""
+    batch = getattr(core.generator, "_generation_batch", None)
+    uids = getattr(batch, "uids", None)
+    if batch is None or uids is None or uid not in uids:
+        return None
+    return list(batch.tokens[uids.index(uid)])
 
 
 @attrs.define

@@ -47,9 +47,6 @@ async def chat_prompt(
     if rt.config.distributed:
         raise ApiError(400, "images are not served with --distributed yet", param="messages",
                        code="unsupported_content")
-    if rt.config.speculative != "off":
-        raise ApiError(400, "images are not served with --speculative yet", param="messages",
-                       code="unsupported_content")
     if sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty not in (None, 1.0):
         raise ApiError(400, "penalties (presence, frequency, repetition) are not supported with images yet",
                        param="messages", code="unsupported_parameter")
