@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
+import trio
 
 from mlxd import SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
@@ -98,7 +99,7 @@ def test_draft_checkpoints_follow_the_target_and_a_ram_hit_reuses_them(cores):
     assert set(drafts) == set(targets) == {"boundary", "final"}, "the draft publishes when the target does"
     assert drafts["boundary"].tokens == PREFIX, "the draft's prompt boundary: the whole prompt"
     final = drafts["final"].tokens
-    assert len(final) > len(PREFIX) and targets["final"].tokens[: len(final)] == final, "accepted tokens only"
+    assert final == targets["final"].tokens, "every accepted token (the draft reads those after its last proposal)"
     assert final == PREFIX + tuple(tokens1["t1"])[: len(final) - len(PREFIX)]
 
     ram = PromptCache(max_bytes=1 << 30)
@@ -190,6 +191,44 @@ async def test_a_ram_hit_and_a_restart_bring_the_draft_prefix(tiny_model_dir, dr
         assert stats.draft_prefix_recomputed <= 8, stats
         prefetch = everything.as_dict()["ssd_cache"]["prefetch"]
         assert prefetch["prefetches"] == 2, "the request named both files to read ahead: the target's and the draft's"
+
+
+async def test_a_resumed_generation_s_draft_looks_up_its_prefix(tiny_model_dir, draft_dir, tmp_path):
+    """A dropped generation resumed from its checkpoint: the draft's lookup is made with the checkpoint's
+    tokens (prompt + emitted), so it starts from the draft's entry the dropped row left (its final
+    checkpoint, every accepted token) instead of recomputing; the tokens are the uninterrupted ones."""
+    sampling = SamplingParams(max_tokens=60, temperature=1.1, seed=3, logit_bias=NO_EOS)
+    text = "A resumed draft looks its prefix up: " + "the checkpoint's tokens, " * 5
+    async with open_runtime(config_for(tiny_model_dir)) as rt:
+        prompt = rt.encode(text)
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            reference = await stream.tokens()
+    config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=8,
+                        speculative="draft", draft_model=str(draft_dir))
+    async with open_runtime(config) as rt:
+        seen: list[int] = []
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated):
+                    seen.append(event.token)
+                    if len(seen) == 30:
+                        break  # the client goes away: its generation checkpoint stays
+        assert seen == reference[:30]
+        ckpt = rt.cold.checkpointer
+        with trio.fail_after(30):
+            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            await trio.sleep(0.05)
+        before = (await rt.stats()).engine.speculation
+        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
+            again = await stream.tokens()
+            assert stream.accepted.cache_tier == "checkpoint"
+        assert again == reference
+        after = (await rt.stats()).engine.speculation
+        assert before is not None and after is not None
+        reused, recomputed = (after.draft_prefix_reused - before.draft_prefix_reused,
+                              after.draft_prefix_recomputed - before.draft_prefix_recomputed)
+        assert reused > len(prompt) and recomputed <= 2, (reused, recomputed)
 
 
 def test_stats_and_metrics_count_the_draft_prefix(tiny_model_dir, draft_dir):

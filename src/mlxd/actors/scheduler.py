@@ -219,7 +219,10 @@ class SchedulerActor:
             lookup = await reply.wait()
             hit, cuts = lookup.hit, lookup.checkpoint_at
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
-            draft = await self._draft_prefix(request) if self._draft_tag is not None else None
+        if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens
+            draft = await self._draft_prefix(
+                request, request.prompt + tuple(resume.record.emitted) if resume is not None else request.prompt
+            )
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         await self._engine.send(
@@ -266,14 +269,15 @@ class SchedulerActor:
         )
         return await reply.wait()
 
-    async def _draft_prefix(self, request: GenerationRequest) -> DraftPrefix:
-        """--draft-model: the draft's own checkpoints, looked up with the same tokens in its namespace."""
+    async def _draft_prefix(self, request: GenerationRequest, tokens: tuple[int, ...]) -> DraftPrefix:
+        """--draft-model: the draft's own checkpoints, looked up with the row's tokens (its prompt, or a
+        resumed generation's prompt and emitted tokens) in its namespace."""
         from mlxd.engine.speculative import draft_namespace
 
         assert self._draft_tag is not None
         namespace = draft_namespace(request.namespace, self._draft_tag)
         reply: Reply[PrefixLookup] = Reply()
-        await self._cache.send(LookupPrefix(request.prompt, namespace, reply, session=request.session))
+        await self._cache.send(LookupPrefix(tokens, namespace, reply, session=request.session))
         lookup = await reply.wait()
         restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         return DraftPrefix(namespace, lookup.hit, restore)

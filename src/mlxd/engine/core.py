@@ -16,7 +16,7 @@ What a row does beyond decoding lives in the parts it carries
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -519,9 +519,10 @@ class EngineCore:
                                            boundary=prompt_new_tokens >= threshold)
         return Speculation(config.num_draft_tokens, source, checkpoints=checkpoints)
 
-    def _draft_prefix(self, row: Row, start: RowStart, out: StepOut) -> None:
+    def _draft_prefix(self, row: Row, start: RowStart, out: StepOut, tokens: Sequence[int] | None = None) -> None:
         """--draft-model: the row's draft starts from its own cached prefix (RAM, or a cold file adopted
-        and published to RAM); without one it computes the prefix at its first step."""
+        and published to RAM); without one it computes the prefix at its first step. `tokens`: what
+        the draft's lookup was made with (a resumed generation's prompt and emitted tokens)."""
         from mlxd.engine.draft import ModelDrafts
         from mlxd.kv import kinds, page_pool
 
@@ -546,7 +547,7 @@ class EngineCore:
             lent = page_pool.lend(found.hit.entry.payload, usable, total=len(found.hit.entry.tokens))
         else:
             return
-        source.start(lent, start.request.prompt[:usable])
+        source.start(lent, (start.request.prompt if tokens is None else tokens)[:usable])
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         """The tokens that end a row as "stop": the model's end tokens and the request's stop ids."""
@@ -692,6 +693,7 @@ class EngineCore:
         row.generated, row.cached_tokens = len(replay), len(req.prompt)
         finish = "stop" if record.pending in self._stop_ids(s) else "length" if row.generated >= s.max_tokens else None
         if finish is None:
+            self._draft_prefix(row, start, out, tokens=list(req.prompt) + list(record.emitted))
             self._admit(row, [record.pending], s.max_tokens - row.generated, caches,
                         list(req.prompt) + list(record.emitted))
         out.emit(row, PromptAccepted(len(req.prompt), len(req.prompt), "checkpoint", start.queued_s))
