@@ -1,0 +1,197 @@
+"""A 20-step tool loop with reasoning on real chat templates x every cache kind: served ÷ ideal, TTFT ÷ new alone.
+
+    python benchmarks/bench_agent_templates.py [--steps 20] [--templates qwen3,deepseek-r1,glm-4.5]
+        [--kinds kv,rotating,hybrid,recurrent,cachelist]
+
+Each (template, cache kind) pair gets a fresh in-process server of a random-weight model of that
+kind (`--chat-template` one of the public templates vendored in benchmarks/templates/). The client
+replays one recorded agent session over /v1/chat/completions: a system prompt, a user question,
+then per step an assistant turn with reasoning (`reasoning_content`) and one tool call, and its
+tool result. Each step is sent once with one output token, timed.
+
+Ideal reusable prefix at step k: the longest common prefix of step k's prompt with step k-1's
+(both rendered by the server's own template; capped below step k's prompt): what any cache could
+serve, since a recorded reply is not generated. "Kept" is that prefix ÷ step k-1's prompt: where
+a template re-renders history (drops reasoning, closes a generation prompt differently), it is
+below 1 and no cache can serve the rest. TTFT is compared with a 1-token text completion of as
+many fresh random token ids as the step prefilled (median of 3): its new tokens alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from serving import ServerThread, config_for  # noqa: E402
+
+TEMPLATES = REPO / "benchmarks" / "templates"
+TEMPLATE_FILES = {
+    "qwen3": TEMPLATES / "Qwen-Qwen3-0.6B.jinja",
+    "deepseek-r1": TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+    "glm-4.5": TEMPLATES / "glm_4_5.jinja",
+}
+# Cache kind -> the preset whose make_cache() builds it (falcon-h1 is tests/models.py's CacheList model).
+KINDS = {
+    "kv": "test",  # KVCache on every layer
+    "rotating": "test-gemma3",  # RotatingKVCache (32-token window) + KVCache
+    "hybrid": "test-qwen3next",  # ArraysCache (gated delta-net) + KVCache
+    "recurrent": "test-mamba2",  # ArraysCache on every layer
+    "cachelist": "falcon-h1",  # CacheList(ArraysCache, KVCache) per layer
+}
+SYSTEM = "You are a careful coding agent. Think step by step, then call a tool or answer. " * 8
+TOOL = {"name": "get_weather", "description": "The current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOLS = [{"type": "function", "function": TOOL}]
+CITIES = ["Oslo", "Rome", "Lima", "Pune", "Kyiv", "Doha", "Baku", "Riga", "Oulu", "Cork", "Bern", "Kobe",
+          "Nice", "Graz", "Turku", "Split", "Porto", "Minsk", "Quito", "Accra"]
+
+
+def build_kind(kind: str, root: Path) -> Path:
+    """The model directory of a cache kind (built offline, random weights)."""
+    from mlxd.model import build_model
+
+    preset = KINDS[kind]
+    if preset == "falcon-h1":
+        from models import falcon_h1_dir
+
+        return falcon_h1_dir(build_model(root / "tok", "test", seed=0), root / "falcon-h1")
+    return build_model(root / preset, preset, seed=0)
+
+
+def session(steps: int, result_words: int) -> list[list[dict[str, Any]]]:
+    """The message list of each step: system + question, then (reasoning + call, result) per earlier step."""
+    rng = random.Random(7)
+    words = "wind rain cloud sun humidity pressure gust front cold warm dry fog".split()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                      {"role": "user", "content": "Plan a trip: check the weather city by city."}]
+    out = []
+    for k in range(steps):
+        out.append(list(messages))
+        city = CITIES[k % len(CITIES)]
+        messages.append({"role": "assistant", "content": "",
+                         "reasoning_content": f"Step {k}: the plan needs {city} next, so I call the tool for it.",
+                         "tool_calls": [{"id": f"call_{k}", "type": "function", "function": {
+                             "name": TOOL["name"], "arguments": json.dumps({"city": city})}}]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}",
+                         "content": f"{city}: " + " ".join(rng.choice(words) for _ in range(result_words))})
+    return out
+
+
+def common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def alone(http: httpx.Client, rng: random.Random, vocab: int, n: int, rounds: int = 3) -> float:
+    """Median time of a 1-token completion over `n` fresh random ids (nothing of them cached)."""
+    times = []
+    for _ in range(rounds):
+        ids = [rng.randrange(300, vocab) for _ in range(max(1, n))]
+        t0 = time.perf_counter()
+        http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1}).raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_loop(server: ServerThread, http: httpx.Client, steps: list[list[dict[str, Any]]], *,
+             timed: bool = True) -> list[dict[str, Any]]:
+    """One probe per step: prompt, cached, ideal (common prefix with the previous prompt), kept, TTFT."""
+    assert server.runtime is not None
+    vocab = server.runtime.info.vocab_size
+    rng = random.Random(len(steps))
+    out: list[dict[str, Any]] = []
+    prev: tuple[int, ...] = ()
+    for messages in steps:
+        ids = server.call(partial(server.runtime.render_chat, messages, tools=TOOLS, realign=False))
+        body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 1, "temperature": 0}
+        t0 = time.perf_counter()
+        r = http.post("/v1/chat/completions", json=body)
+        ttft = time.perf_counter() - t0
+        r.raise_for_status()
+        u = r.json()["usage"]
+        prompt, cached = u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+        shared = common(prev, ids)
+        row = {"prompt": prompt, "rendered": len(ids), "cached": cached, "ideal": min(shared, len(ids) - 1),
+               "kept": shared / len(prev) if prev else None, "ttft": ttft}
+        if timed:
+            row["alone"] = alone(http, rng, vocab, prompt - cached)
+        out.append(row)
+        prev = ids
+    return out
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    later = rows[1:]
+    served = [r["cached"] / r["ideal"] for r in later if r["ideal"] > 0]
+    ttft = [r["ttft"] / r["alone"] for r in later if r.get("alone")]
+    return {
+        "served_over_ideal_sum": sum(r["cached"] for r in later) / max(1, sum(r["ideal"] for r in later)),
+        "served_over_ideal_min": min(served) if served else None,
+        "kept_min": min(r["kept"] for r in later) if later else None,
+        "prompt_last": rows[-1]["prompt"],
+        "ttft_over_alone_median": statistics.median(ttft) if ttft else None,
+        "ttft_over_alone_max": max(ttft) if ttft else None,
+        "prompt_equals_render": all(r["prompt"] == r["rendered"] for r in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--templates", default=",".join(TEMPLATE_FILES))
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--result-words", type=int, default=40, help="words of each tool result")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    steps = session(args.steps, args.result_words)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.kinds.split(","):
+            model = build_kind(kind, Path(tmp) / "models")
+            for name in args.templates.split(","):
+                config = config_for(model, model_name="tiny", chat_template=str(TEMPLATE_FILES[name]))
+                with ServerThread(config) as server, \
+                        httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=600) as http:
+                    rows = run_loop(server, http, steps)
+                runs.setdefault(name, {})[kind] = rows
+                s = summarize(rows)
+                print(f"{name:>12} {kind:>10}: served/ideal {s['served_over_ideal_sum']:.3f} (min step "
+                      f"{s['served_over_ideal_min']:.3f}), kept min {s['kept_min']:.3f}, TTFT/alone median "
+                      f"{s['ttft_over_alone_median']:.2f}x, last prompt {s['prompt_last']}", flush=True)
+    kinds = args.kinds.split(",")
+    summary = {t: {k: summarize(rows) for k, rows in by_kind.items()} for t, by_kind in runs.items()}
+    print("\nserved from cache ÷ ideal reusable prefix (sum over steps 1..; min single step)")
+    print(f"{'template':>12} " + " ".join(f"{k:>16}" for k in kinds) + f" {'kept (template)':>16}")
+    for t, by_kind in summary.items():
+        cells = [f"{by_kind[k]['served_over_ideal_sum']:.3f} ({by_kind[k]['served_over_ideal_min']:.3f})"
+                 for k in kinds]
+        kept = min(by_kind[k]["kept_min"] for k in kinds)
+        print(f"{t:>12} " + " ".join(f"{c:>16}" for c in cells) + f" {kept:>16.3f}")
+    print("\nstep TTFT ÷ the prefill of its new tokens alone (median over steps 1..; max)")
+    for t, by_kind in summary.items():
+        cells = [f"{by_kind[k]['ttft_over_alone_median']:.2f}x ({by_kind[k]['ttft_over_alone_max']:.2f})"
+                 for k in kinds]
+        print(f"{t:>12} " + " ".join(f"{c:>16}" for c in cells))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"agent_templates-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"steps": args.steps, "result_words": args.result_words, "summary": summary,
+                                "runs": runs}, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
