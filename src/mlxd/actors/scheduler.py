@@ -79,13 +79,15 @@ class SchedulerActor:
         checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
         kv_admission: KvAdmission | None = None,
         draft_tag: str | None = None,
+        ram_held: Callable[[], int] | None = None,
     ) -> None:
         """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget.
         `draft_tag` (--draft-model): the draft's cache entries are looked up too, in their own namespace."""
         self._draft_tag = draft_tag
         self._config = config
         self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
-        self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves
+        self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves or ends its prefill
+        self._ram_held = ram_held  # RAM tier bytes the budget cannot free now (CacheTiers.unfreeable_bytes)
         self._prefetcher = prefetcher
         self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
         self._inbox = inbox
@@ -124,9 +126,11 @@ class SchedulerActor:
         request, waited = submit.request, False
         while True:
             room = self._kv_room
-            decision = self.kv_admission.decide(len(request.prompt), request.sampling.max_tokens)
+            held = self._ram_held() if self._ram_held is not None else 0
+            decision = self.kv_admission.decide(len(request.prompt), request.sampling.max_tokens, pinned_bytes=held)
             if isinstance(decision, Admit):
-                self.kv_admission.admit(request.request_id, decision.nbytes, waited=waited)
+                self.kv_admission.admit(request.request_id, decision.nbytes, waited=waited,
+                                        prefill_bytes=self.kv_admission.prefill_bytes(len(request.prompt)))
                 return True
             if isinstance(decision, Refuse):
                 self.kv_admission.refused += 1
@@ -141,6 +145,10 @@ class SchedulerActor:
                          free_bytes=decision.free_bytes)
             waited = True
             await room.wait()
+
+    def _kv_room_freed(self) -> None:
+        room, self._kv_room = self._kv_room, trio.Event()
+        room.set()
 
     def _start(self, nursery: trio.Nursery, submit: SchedulerInbox) -> None:
         self.stats.running += 1
@@ -176,8 +184,7 @@ class SchedulerActor:
                 self.backlog.drop(request.request_id, time.monotonic())
                 if self.kv_admission is not None:
                     self.kv_admission.release(request.request_id)
-                    room, self._kv_room = self._kv_room, trio.Event()
-                    room.set()
+                    self._kv_room_freed()
                 self._slots.release()
                 self.stats.running -= 1
                 if self.stats.running == 0:
@@ -237,6 +244,8 @@ class SchedulerActor:
                     first_token_at = record.first_token_at = time.monotonic()
                     self.stats.last_ttft_s = first_token_at - submit.submitted_at
                     self.backlog.done(request.request_id, first_token_at)
+                    if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):
+                        self._kv_room_freed()  # its prefill's working memory is free again
                 elif isinstance(event, PromptAccepted):
                     self.backlog.accepted(request.request_id, event.cached_tokens)
                 self._count(event)

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from mlxd.engine import loading
+from mlxd.engine import loading, memory_costs
 from mlxd.engine.adapters import RowAdapters
 from mlxd.engine.features import (
     Constrained,
@@ -192,6 +192,7 @@ class EngineCore:
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
+        before = memory_costs.active_bytes() if self._config.kv_admission else 0  # this runtime's own memory
         with mx.stream(self._stream):
             loaded = loading.load(self._config, self._stream)
             self.model, self.tokenizer, self.channel = loaded.model, loaded.tokenizer, loaded.channel
@@ -221,6 +222,10 @@ class EngineCore:
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
+            own = None
+            if self._config.kv_admission:  # what admission counts beside rows' KV (engine/memory_costs.py)
+                own = memory_costs.measure_own(before, self.model, lambda: loading.fresh_caches(self.model, self._config),
+                                               self._draft.model if self._draft is not None else None)
         return EngineInfo(
             model_name=loading.served_name(self._config),
             model_path=str(loaded.path),
@@ -235,6 +240,7 @@ class EngineCore:
             memory_budget_bytes=self._memory_budget,
             adapters=self.adapters.infos,
             draft_tag=self._draft.tag if self._draft is not None else None,
+            own_memory=own,
         )
 
     def _page_pool(self, kv_bytes_per_token: int) -> Any:

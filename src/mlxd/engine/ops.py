@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     from mlxd.engine.adapters import AdapterInfo
+    from mlxd.engine.memory_costs import OwnMemory
     from mlxd.kv.device_costs import DeviceProbe
     from mlxd.kv.prompt_cache import CacheHit
     from mlxd.kv.ssd_store import StoreIdentity
@@ -54,6 +55,7 @@ class EngineInfo:
     memory_budget_bytes: int = 0  # resolved --memory-budget (0 = none)
     adapters: tuple[AdapterInfo, ...] = ()  # --adapter: the LoRA adapters requests may name
     draft_tag: str | None = None  # --draft-model: its identity, the suffix of its cache entries' namespace
+    own_memory: OwnMemory | None = None  # --kv-admission: this runtime's measured memory (engine/memory_costs.py)
 
 
 @attrs.frozen(kw_only=True)

@@ -1,25 +1,36 @@
-"""Admission by KV bytes: a request starts only when the KV it can grow to fits the memory budget.
+"""Admission by KV bytes: a request starts only when the memory it can grow to fits the memory budget.
 
 A request can grow to `prompt + max_tokens` tokens of KV, `kv_bytes_per_token`
-each under the KV scheme (the engine's `EngineInfo.kv_bytes_per_token`). The
-memory budget (`--memory-budget`) holds the fixed memory (weights, buffers:
-`fixed_bytes`: serving counts the weights' files; working buffers, e.g. a
-long prefill's activations, are not counted, see docs/benchmarks.md), the rows being generated, and the RAM tier. The RAM tier is
-what the tiers can free: under a budget they demote or evict its entries as
-rows need the room (`CacheTiers.check_budget`), except entries still waiting
-for their SSD write (`pinned_bytes`), which leave once written.
+each under the KV scheme (the engine's `EngineInfo.kv_bytes_per_token`, plus
+the draft model's own KV with `--draft-model`), allocated in steps of
+`kv_step` tokens (mlx-lm's caches grow by 256). While it prefills it also
+holds the chunk's working memory (activations, attention scores): modeled as
+`prefill_per_token * S + prefill_per_token_context * S * L` for its largest
+chunk (`S = min(prompt, prefill_step)` new tokens attending to `L = prompt`),
+from two prefills measured at load (engine/memory_costs.py); that part is
+released at its first token (`prefilled`).
+
+The memory budget (`--memory-budget`) holds the fixed memory (`fixed_bytes`:
+serving counts this runtime's own memory measured at load on the engine
+thread, as a delta of MLX's active memory, so another runtime in the process
+is not counted; never less than the weights' files), the rows being
+generated, and the RAM tier. The RAM tier is what the tiers can free: under a
+budget they demote or evict its entries as rows need the room
+(`CacheTiers.check_budget`), except entries still waiting for their SSD write
+and pinned ones (`held_bytes`: `CacheTiers.unfreeable_bytes`).
 
 So a request is
 
-- admitted when `fixed + reserved rows + pinned + its KV <= budget`, or when no
-  other row is running (it fits alone: `fixed + its KV <= budget`);
+- admitted when `fixed + reserved rows + held + its need <= budget`, or when
+  no other row is running (it fits alone: `fixed + its need <= budget`);
 - left waiting at the head of the queue otherwise, until rows finish;
-- refused at once when it can never fit: `fixed + its KV > budget` (HTTP 400,
-  with the numbers).
+- refused at once when it can never fit: `fixed + its need > budget` (HTTP
+  400, with the numbers).
 
 Pure and synchronous (no trio): the scheduler drives it, and `mlxd simulate
 --kv-admission-gb` applies it to a replay (`sim/replay.py`; the budget there
-is the room for rows' KV, no weights modeled).
+is the room for rows' KV, no weights modeled; a recording of a server that
+ran `--kv-admission` replays with that room).
 """
 
 from __future__ import annotations
@@ -61,12 +72,18 @@ class KvAdmission:
 
     budget_bytes: int
     kv_bytes_per_token: int
-    fixed_bytes: int = 0  # memory no request frees (serving: the weights' files; buffers are not counted)
-    _reserved: dict[str, int] = attrs.field(factory=dict)
+    fixed_bytes: int = 0  # memory no request frees (serving: this runtime's own, measured at load)
+    kv_step: int = 1  # KV is allocated in steps of this many tokens (mlx-lm: 256)
+    prefill_step: int = 0  # tokens per prefill chunk (0: a whole prompt at once)
+    prefill_per_token: float = 0.0  # a prefill chunk's working memory, bytes per new token ...
+    prefill_per_token_context: float = 0.0  # ... and per new token per token attended to
+    _reserved: dict[str, int] = attrs.field(factory=dict)  # request -> its KV
+    _prefilling: dict[str, int] = attrs.field(factory=dict)  # request -> its prefill working memory
     admitted: int = 0
     waited: int = 0  # admissions that had to wait for room
     refused: int = 0
     peak_reserved_bytes: int = 0
+    peak_running: int = 0  # the most requests holding reservations at once
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +91,7 @@ class KvAdmission:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(self._reserved.values())
+        return sum(self._reserved.values()) + sum(self._prefilling.values())
 
     @property
     def running(self) -> int:
@@ -82,28 +99,39 @@ class KvAdmission:
 
     def kv_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The KV a request can grow to: every prompt token and every token it may generate."""
-        return (prompt_tokens + max_tokens) * self.kv_bytes_per_token
+        step = max(1, self.kv_step)
+        return -(-(prompt_tokens + max_tokens) // step) * step * self.kv_bytes_per_token
+
+    def prefill_bytes(self, prompt_tokens: int) -> int:
+        """The working memory of the request's largest prefill chunk (its last: the most context)."""
+        chunk = min(prompt_tokens, self.prefill_step) if self.prefill_step > 0 else prompt_tokens
+        return int(self.prefill_per_token * chunk + self.prefill_per_token_context * chunk * prompt_tokens)
+
+    def need_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        return self.kv_bytes(prompt_tokens, max_tokens) + self.prefill_bytes(prompt_tokens)
 
     def never_fits(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never be admitted (None: it can), naming the numbers."""
         if not self.enabled:
             return None
-        need = self.kv_bytes(prompt_tokens, max_tokens)
+        kv, work = self.kv_bytes(prompt_tokens, max_tokens), self.prefill_bytes(prompt_tokens)
         room = self.budget_bytes - self.fixed_bytes
-        if need <= room:
+        if kv + work <= room:
             return None
+        working = f" and {work / MB:.1f} MiB of prefill working memory" if work else ""
         return (
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) need {need / MB:.1f} MiB of KV "
-            f"({self.kv_bytes_per_token} bytes per token), more than the {max(0, room) / MB:.1f} MiB the memory "
-            f"budget ({self.budget_bytes / MB:.1f} MiB) leaves beside the model ({self.fixed_bytes / MB:.1f} MiB): "
-            f"lower max_tokens or shorten the prompt"
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) need {kv / MB:.1f} MiB of KV "
+            f"({self.kv_bytes_per_token} bytes per token){working}, more than the {max(0, room) / MB:.1f} MiB the "
+            f"memory budget ({self.budget_bytes / MB:.1f} MiB) leaves beside the model ({self.fixed_bytes / MB:.1f} "
+            f"MiB): lower max_tokens or shorten the prompt"
         )
 
     def decide(self, prompt_tokens: int, max_tokens: int, *, pinned_bytes: int = 0) -> Decision:
-        """Admit, wait or refuse a request now (nothing is reserved: see `admit`)."""
-        need = self.kv_bytes(prompt_tokens, max_tokens) if self.enabled else 0
+        """Admit, wait or refuse a request now (nothing is reserved: see `admit`). `pinned_bytes`: RAM
+        tier bytes the tiers cannot free now (entries waiting for their SSD write, pinned ones)."""
         if not self.enabled:
             return Admit(0)
+        need = self.need_bytes(prompt_tokens, max_tokens)
         why = self.never_fits(prompt_tokens, max_tokens)
         if why is not None:
             return Refuse(need, why)
@@ -112,14 +140,24 @@ class KvAdmission:
             return Admit(need)
         return Wait(need, free)
 
-    def admit(self, request_id: str, nbytes: int, *, waited: bool = False) -> None:
-        self._reserved[request_id] = nbytes
+    def admit(self, request_id: str, nbytes: int, *, waited: bool = False, prefill_bytes: int = 0) -> None:
+        """Reserve `nbytes` for the request, `prefill_bytes` of them until its first token (`prefilled`)."""
+        work = min(max(0, prefill_bytes), nbytes)
+        self._reserved[request_id] = nbytes - work
+        if work:
+            self._prefilling[request_id] = work
         self.admitted += 1
         self.waited += int(waited)
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self.peak_running = max(self.peak_running, self.running)
+
+    def prefilled(self, request_id: str) -> bool:
+        """The request has its first token: its prefill working memory is free again (True: some was)."""
+        return self._prefilling.pop(request_id, None) is not None
 
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
 
 
 def weights_bytes(model_path: str | Path) -> int:

@@ -890,6 +890,13 @@ class CacheTiers:
         """Over the budget, and what could go waits for SSD writes (make them urgent)."""
         return self._memory.waiting > 0
 
+    def unfreeable_bytes(self) -> int:
+        """RAM bytes the budget cannot free now (admission by KV bytes, kv/admission.py): pinned entries,
+        and with an SSD tier entries still waiting for their write."""
+        keep = self._keep() or (lambda e: False)
+        may = self._may_evict if self.ssd else _always
+        return sum(e.nbytes for e in self.ram.entries() if keep(e) or not may(e))
+
     def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
 

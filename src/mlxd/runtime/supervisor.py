@@ -791,6 +791,8 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         kv_admission=_kv_admission(config, info),
         draft_tag=info.draft_tag,
+        # --kv-admission: RAM tier bytes the budget cannot free now (read on this trio thread)
+        ram_held=cache_owner.tiers.unfreeable_bytes,
     )
     await actors.start(scheduler.run)
     return Runtime(
@@ -819,11 +821,24 @@ async def _saved_pins(config: RuntimeConfig, store: SsdStore | None) -> dict[str
 
 
 def _kv_admission(config: RuntimeConfig, info: EngineInfo) -> KvAdmission | None:
-    """--kv-admission: reservations against the memory budget, beside the model's weights (the size of
-    its safetensors files: deterministic, where MLX's active memory is the process's, other runtimes' too)."""
+    """--kv-admission: reservations against the memory budget, beside this runtime's own memory as the
+    engine measured it at load (a delta on its thread, never less than the weights' files), counting a
+    request's KV (the draft model's too) and its prefill's working memory (kv/admission.py)."""
     if not config.kv_admission or info.memory_budget_bytes <= 0:
         return None
-    return KvAdmission(info.memory_budget_bytes, info.kv_bytes_per_token, fixed_bytes=weights_bytes(info.model_path))
+    own = info.own_memory
+    fixed = weights_bytes(info.model_path)
+    if own is None:
+        return KvAdmission(info.memory_budget_bytes, info.kv_bytes_per_token, fixed_bytes=fixed)
+    step = info.probe.prefill_step_size if info.probe is not None else config.prefill_step_size
+    return KvAdmission(
+        info.memory_budget_bytes, info.kv_bytes_per_token + own.draft_kv_bytes_per_token,
+        fixed_bytes=max(fixed, own.resident_bytes), kv_step=KV_STEP, prefill_step=int(step),
+        prefill_per_token=own.prefill.per_token, prefill_per_token_context=own.prefill.per_token_context,
+    )
+
+
+KV_STEP = 256  # mlx-lm's KVCache grows by this many tokens
 
 
 @asynccontextmanager
