@@ -23,7 +23,6 @@ from typing import Any
 import attrs
 
 from mlxd.engine import loading, memory_costs
-from mlxd.engine.adapters import RowAdapters
 from mlxd.engine.features import (
     Constrained,
     Ending,
@@ -163,6 +162,8 @@ class EngineCore:
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).
         self._trims = True
         # --adapter: LoRA adapters each row may select (engine/adapters.py; set by load()).
+        from mlxd.engine.adapters import RowAdapters  # imports MLX: not at module import
+
         self.adapters = RowAdapters()
 
     # --- lifecycle -------------------------------------------------------------------
