@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import attrs
+import trio
 
+from mlxd.kv.admission import KvAdmission
 from mlxd.kv.cost_model import DEFAULT
 from mlxd.sim.replay import replay_mlxd
 from mlxd.sim.trace import TraceRequest
@@ -31,3 +33,54 @@ def test_a_burst_waits_for_room_in_the_simulation():
     assert admitted.requests == 8 and admitted.kv_refused == 1 and admitted.kv_waited == 3
     assert admitted.kv_peak_reserved_bytes == 2 * 1010
     assert admitted.queue_delay_s["p90"] > free.queue_delay_s["p90"]
+
+
+def test_a_recorded_kv_admission_run_replays_its_waits(tiny_model_dir, tmp_path, capsys):
+    """A live burst under --kv-admission, recorded (`--record-trace`): `mlxd simulate FILE` applies the
+    recorded rule and room, and its requests wait as the live ones did."""
+    from mlxd import RuntimeConfig, SamplingParams, open_runtime
+    from mlxd.cli import record_trace
+    from mlxd.sim.cli import main as sim_main
+    from mlxd.sim.trace import load_recording
+
+    trace = tmp_path / "burst.jsonl"
+
+    async def burst() -> KvAdmission:
+        sampling = SamplingParams(max_tokens=8)
+        probe = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True)
+        async with open_runtime(probe) as rt:
+            kv = rt.scheduler.kv_admission
+            assert kv is not None
+            fixed = kv.fixed_bytes
+            prompts = [await rt.render_chat([{"role": "user", "content": f"Tell me about river {i}. " * 6}])
+                       for i in range(4)]
+            need = max(kv.need_bytes(len(p), sampling.max_tokens) for p in prompts)
+        config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True,
+                               memory_budget_bytes=fixed + fixed // 10 + need * 3 // 2)
+        async with open_runtime(config) as rt:
+            record_trace(rt, trace)
+
+            async def one(i: int) -> None:
+                async with rt.submit(rt.request(prompts[i], sampling=sampling, request_id=f"r{i}")) as stream:
+                    async for _ in stream:
+                        pass
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+            live = rt.scheduler.kv_admission
+            assert live is not None and live.waited >= 1
+            return live
+
+    live = trio.run(burst)
+    rule = live.rule()
+    recording = load_recording(trace)
+    assert recording.server is not None and recording.server["kv_admission"] == rule
+    assert sum(r.kv_waited for r in recording.reqs) == live.waited
+    capsys.readouterr()
+    assert sim_main([str(trace), "--cache-model", "mlxd", "--format", "table"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("admission by KV bytes"):].splitlines()
+    assert table[1].split() == ["policy", "blocks", "waited", "recorded", "refused", "peak", "MiB"]
+    _policy, _blocks, waited, recorded, refused, _peak = table[3].split()
+    assert int(recorded) == live.waited and int(waited) == live.waited and int(refused) == 0

@@ -421,6 +421,7 @@ def record_trace(rt, path: Path) -> None:
             output_ids=record.output_ids,
             ttft_s=record.ttft_s,
             queued_s=record.queued_s,
+            kv_waited=record.kv_waited,
         )
 
     def flushed(report: dict) -> None:
@@ -469,6 +470,8 @@ def server_record(rt) -> dict:
         "ram_pages": c.ram_pages,  # a model with other caches than attention KV kept contiguous entries
         "ram_page_tokens": c.ram_page_tokens or c.ssd_block_tokens or span_for(rt.info.kv_bytes_per_token),
         "restore_choice": c.restore_choice,  # measured, always or split: a replay decides the same way
+        # --kv-admission: the rule and the room it had beside this runtime's own memory (a replay admits alike)
+        "kv_admission": rt.scheduler.kv_admission.rule() if rt.scheduler.kv_admission is not None else None,
         # The cost model the restore advisor starts from: the startup probe's, when it ran
         # (without one the advisor starts from the default model, as a replay does).
         "restore_advisor_base": attrs.asdict(rt.info.probe.cost_model()) if rt.info.probe is not None else None,

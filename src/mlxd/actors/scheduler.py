@@ -88,6 +88,7 @@ class SchedulerActor:
         self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
         self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves or ends its prefill
         self._ram_held = ram_held  # RAM tier bytes the budget cannot free now (CacheTiers.unfreeable_bytes)
+        self._kv_waited: set[str] = set()  # admitted after waiting for memory (RequestRecord.kv_waited)
         self._prefetcher = prefetcher
         self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
         self._inbox = inbox
@@ -131,6 +132,8 @@ class SchedulerActor:
             if isinstance(decision, Admit):
                 self.kv_admission.admit(request.request_id, decision.nbytes, waited=waited,
                                         prefill_bytes=self.kv_admission.prefill_bytes(len(request.prompt)))
+                if waited:
+                    self._kv_waited.add(request.request_id)
                 return True
             if isinstance(decision, Refuse):
                 self.kv_admission.refused += 1
@@ -165,6 +168,9 @@ class SchedulerActor:
         request = submit.request
         record = RequestRecord(request.request_id, request.namespace, request.prompt, submit.submitted_at)
         record.session = request.session
+        if request.request_id in self._kv_waited:
+            self._kv_waited.discard(request.request_id)
+            record.kv_waited = True
         record.started_at = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             try:

@@ -159,6 +159,24 @@ class KvAdmission:
         self._reserved.pop(request_id, None)
         self._prefilling.pop(request_id, None)
 
+    def rule(self) -> dict[str, float]:
+        """The rule's parameters, the room beside the fixed memory included (a trace recording's server line:
+        `mlxd simulate` replays the same admissions, `from_rule`)."""
+        return {
+            "room_bytes": self.budget_bytes - self.fixed_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_step": self.kv_step, "prefill_step": self.prefill_step, "prefill_per_token": self.prefill_per_token,
+            "prefill_per_token_context": self.prefill_per_token_context,
+        }
+
+    @classmethod
+    def from_rule(cls, rule: dict[str, float]) -> KvAdmission:
+        """The rule `rule()` describes, its room as the whole budget (no fixed memory modeled)."""
+        return cls(
+            int(rule["room_bytes"]), int(rule["kv_bytes_per_token"]), kv_step=int(rule.get("kv_step", 1)),
+            prefill_step=int(rule.get("prefill_step", 0)), prefill_per_token=float(rule.get("prefill_per_token", 0)),
+            prefill_per_token_context=float(rule.get("prefill_per_token_context", 0)),
+        )
+
 
 def weights_bytes(model_path: str | Path) -> int:
     """(I/O) The bytes of a model directory's safetensors files: the weights' share of the budget."""

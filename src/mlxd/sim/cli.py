@@ -212,6 +212,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             shared_prefill=_shared_prefill(args),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
+            kv_admission_rule=getattr(args, "kv_admission_rule", None),
             ram_pages=getattr(args, "ram_pages", None) == "on",
             ram_page_tokens=getattr(args, "ram_page_tokens", None) or 1024,
         )
@@ -243,6 +244,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
     args.recorded_ram_bytes = None
     args.recorded_ssd = False
     args.demote_idle_s = 0.0
+    args.kv_admission_rule = None
     if server is None:
         args.policy = args.policy or ",".join(POLICIES)
         args.cache_model = args.cache_model or "both"
@@ -263,6 +265,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
     args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
     args.restore_choice = server.get("restore_choice", "measured")
+    args.kv_admission_rule = server.get("kv_admission")  # --kv-admission: its rule and room (kv/admission.py)
     if getattr(args, "host_gb", None) is None and server.get("host_cache_bytes"):
         args.host_gb = int(server["host_cache_bytes"]) / GIB
     args.ssd_layout = args.ssd_layout or server.get("ssd_layout")
@@ -369,6 +372,8 @@ def run_simulate(args) -> int:
         print(report.table(results))
         if args.ram_pages in ("on", "both"):
             print(report.ram_pages_table(results))
+        if any(r.kv_admission for r in results):
+            print(report.admission_table(results))
     sessions = len({r.session for r in reqs if r.session is not None})
     if sessions and not args.no_sessions:
         pairs = [(r, _without_sessions(args, reqs, cost, r, recording.flushes)) for r in results

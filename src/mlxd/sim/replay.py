@@ -200,7 +200,7 @@ class MlxdReplay:
             room = self._kv_room
             decision = kv.decide(r.input_length, r.output_tokens)
             if isinstance(decision, Admit):
-                kv.admit(str(r.index), decision.nbytes, waited=waited)
+                kv.admit(str(r.index), decision.nbytes, waited=waited, prefill_bytes=kv.prefill_bytes(r.input_length))
                 self.tally.kv_waited += int(waited)
                 self.tally.kv_peak_reserved_bytes = kv.peak_reserved_bytes
                 return True
@@ -277,6 +277,9 @@ class MlxdReplay:
                 prefill_s = self.now() - began  # what the request waited for its prefill
             else:
                 await trio.sleep(prefill_s)
+            if self.kv_admission is not None and self.kv_admission.prefilled(str(r.index)):
+                room, self._kv_room = self._kv_room, trio.Event()  # its prefill's working memory is free again
+                room.set()
             threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
             if r.input_length - hit - 1 >= threshold:
                 self._publish(prompt[:-1], r.namespace, r.input_length - 1, session)
@@ -476,6 +479,7 @@ def replay_mlxd(
     advisor_base: CostModel | None = None,
     host_bytes: int | None = None,
     kv_admission_bytes: int = 0,
+    kv_admission_rule: dict | None = None,
     restore_choice: str = "measured",
     ram_pages: bool = False,
     ram_page_tokens: int = 1024,
@@ -514,14 +518,18 @@ def replay_mlxd(
         sessions=sessions,
         ssd_layout=ssd_layout,
         ssd_block_tokens=ssd_block_tokens,
-        # The budget's room for rows' KV (weights are not modeled): the scheduler's rule per request.
-        kv_admission=KvAdmission(kv_admission_bytes, cost.kv_bytes_per_token) if kv_admission_bytes else None,
+        # The budget's room for rows' KV (weights are not modeled): the scheduler's rule per request;
+        # a recorded server's own rule (`kv_admission_rule`, KvAdmission.rule) with its room unless overridden.
+        kv_admission=_kv_admission(kv_admission_bytes, kv_admission_rule, cost),
         ram_pages=ram_pages,
         ram_page_tokens=ram_page_tokens,
         calibrate_timing=calibrate_timing,
         shared_prefill=shared_prefill,
     )
     cache.clock = replay.now
+    if replay.kv_admission is not None:
+        replay.tally.kv_admission = True
+        replay.tally.kv_waited_recorded = sum(r.kv_waited for r in reqs)
     if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
         tiers.host = HostTier(max_bytes=host_bytes, clock=replay.now)
     started = time.perf_counter()
@@ -539,3 +547,10 @@ def replay_mlxd(
         restore_decisions=tiers.advisor.stats(),
         ram_pages=ram_pages,
     )
+
+
+def _kv_admission(room_bytes: int, rule: dict | None, cost: CostModel) -> KvAdmission | None:
+    """--kv-admission-gb (`room_bytes`) or a recorded server's rule; None: no admission by KV bytes."""
+    if rule is not None:
+        return KvAdmission.from_rule({**rule, "room_bytes": room_bytes} if room_bytes else rule)
+    return KvAdmission(room_bytes, cost.kv_bytes_per_token) if room_bytes else None

@@ -54,6 +54,20 @@ def ram_pages_table(results: Sequence[RunResult]) -> str:
     return "\n".join(rows)
 
 
+def admission_table(results: Sequence[RunResult]) -> str:
+    """Admission by KV bytes per run that applied it: admissions that waited for memory (and, replaying a
+    recording, how many the recorded server held back), refusals, the most bytes reserved at once."""
+    head = f"{'policy':6} {'blocks':>7} {'waited':>7} {'recorded':>8} {'refused':>7} {'peak MiB':>9}"
+    rows = ["admission by KV bytes", head, "-" * len(head)]
+    for r in results:
+        if r.kv_admission:
+            rows.append(
+                f"{r.policy:6} {_cap(r):>7} {r.kv_waited:7d} {r.kv_waited_recorded:8d} {r.kv_refused:7d} "
+                f"{r.kv_peak_reserved_bytes / 2**20:9.1f}"
+            )
+    return "\n".join(rows)
+
+
 def session_table(pairs: Sequence[tuple[RunResult, RunResult]], sessions: int) -> str:
     """What the session index changes: each mlxd run with the index against its twin without."""
     head = (

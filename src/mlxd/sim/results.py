@@ -49,6 +49,8 @@ class RunResult:
     kv_waited: int = 0
     kv_refused: int = 0
     kv_peak_reserved_bytes: int = 0
+    kv_admission: bool = False  # the run applied admission by KV bytes
+    kv_waited_recorded: int = 0  # requests the recorded server's --kv-admission held back (a recording)
     restore_decisions: dict[str, float] = attrs.Factory(dict)  # the restore advisor's counters (splits too)
     # The RAM tier (--ram-pages): pages or contiguous entries; bytes held at the end (pages once) and at the
     # most, and the end's entries' own KV (what contiguous entries of them would hold).
@@ -101,6 +103,8 @@ class Tally:
     kv_waited: int = 0
     kv_refused: int = 0
     kv_peak_reserved_bytes: int = 0
+    kv_admission: bool = False
+    kv_waited_recorded: int = 0
     ram_bytes_retained: int = 0
     ram_bytes_peak: int = 0
     ram_checkpoint_bytes: int = 0
@@ -142,6 +146,8 @@ class Tally:
             kv_waited=self.kv_waited,
             kv_refused=self.kv_refused,
             kv_peak_reserved_bytes=self.kv_peak_reserved_bytes,
+            kv_admission=self.kv_admission,
+            kv_waited_recorded=self.kv_waited_recorded,
             ram_bytes_retained=self.ram_bytes_retained,
             ram_bytes_peak=self.ram_bytes_peak,
             ram_checkpoint_bytes=self.ram_checkpoint_bytes,

@@ -48,6 +48,7 @@ class TraceRequest:
     pin_s: float = 0.0  # a pin of the request's session (24h retention, cache_control TTL), seconds
     ttft_s: float | None = None  # the live server's measured time to first token, when recorded
     queued_s: float | None = None  # ... and time waiting for a batch slot
+    kv_waited: bool = False  # the live server's --kv-admission held it back for memory, when recorded
 
     def block_ids(self) -> tuple[int, ...]:
         """The Mooncake block ids; a ValueError for a request that has none (mlxd format)."""
@@ -92,6 +93,7 @@ def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> Trace
         pin_s=float(obj.get("pin_s") or 0.0),
         ttft_s=None if obj.get("ttft_s") is None else float(obj["ttft_s"]),
         queued_s=None if obj.get("queued_s") is None else float(obj["queued_s"]),
+        kv_waited=bool(obj.get("kv_waited", False)),
     )
 
 
@@ -216,6 +218,7 @@ class TraceRecorder:
         output_ids: Sequence[int] | None = None,
         ttft_s: float | None = None,
         queued_s: float | None = None,
+        kv_waited: bool = False,
     ) -> None:
         line: dict[str, object] = {
             "t": t,
@@ -233,6 +236,8 @@ class TraceRecorder:
             line["ttft_s"] = round(ttft_s, 6)
         if queued_s is not None:
             line["queued_s"] = round(queued_s, 6)
+        if kv_waited:
+            line["kv_waited"] = True
         self._write(line)
 
     def server(self, **config: object) -> None:

@@ -139,6 +139,7 @@ class RequestRecord:
     reason: str = "unknown"  # stop | length | cancelled | failed | client_gone
     output_ids: list[int] = attrs.Factory(list)
     session: str | None = None
+    kv_waited: bool = False  # --kv-admission: it waited at the head of the queue for memory
 
     @property
     def queued_s(self) -> float | None:
