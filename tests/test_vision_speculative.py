@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import trio
 from PIL import Image
 
-from mlxd import SamplingParams
+from mlxd import SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
 from mlxd.engine.speculative import draft_namespace
@@ -34,7 +35,7 @@ from mlxd.runtime.kernel.messages import (
     TokenGenerated,
 )
 from mlxd.vision.images import ImageLimits
-from mlxd.vision.prepare import MediaPreparer
+from mlxd.vision.prepare import MediaPreparer, image_refs
 
 from serving import ServerThread, config_for
 
@@ -179,3 +180,47 @@ def test_images_over_http_with_speculation_equal_speculation_off(vlm_model_dir: 
         off, on = replies["off", temperature], replies["on", temperature]
         assert on[:2] == off[:2]
         assert on[2] == pytest.approx(off[2], abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+async def test_a_dropped_image_generation_resumes_identically_under_speculation(
+    tmp_path: Path, vlm_model_dir: Path, preparer: MediaPreparer, mode: str
+) -> None:
+    """Images + speculation + generation checkpoints: a dropped seeded image row resumes from its
+    checkpoint with the uninterrupted tokens; with a draft model its draft takes its prefix (the
+    image span's media ids are its key too) from the cache instead of recomputing it."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(4)}},
+                                             {"type": "text", "text": "Describe it at length, twice."}]}]
+    sampling = SamplingParams(max_tokens=60, temperature=0.9, seed=8, logit_bias=NO_EOS)
+    async with open_runtime(config_for(vlm_model_dir)) as rt:
+        images = await trio.to_thread.run_sync(preparer.prepare, image_refs(messages))
+        prompt, media = preparer.widen(await rt.render_chat(messages, realign=False), images)
+        async with rt.submit(rt.request(prompt, sampling=sampling, media=media)) as stream:
+            reference = await stream.tokens()
+    extra = {"speculative": "draft", "draft_model": str(vlm_model_dir)} if mode == "draft" else {"speculative": mode}
+    config = config_for(vlm_model_dir, ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16, **extra)
+    async with open_runtime(config) as rt:
+        seen: list[int] = []
+        async with rt.submit(rt.request(prompt, sampling=sampling, media=media)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenGenerated):
+                    seen.append(event.token)
+                    if len(seen) == 40:
+                        break  # the client goes away: its last checkpoint stays
+        assert seen == reference[:40]
+        ckpt = rt.cold.checkpointer
+        with trio.fail_after(30):
+            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            await trio.sleep(0.05)
+        before = (await rt.stats()).engine.speculation
+        async with rt.submit(rt.request(prompt, sampling=sampling, media=media)) as stream:
+            again = await stream.tokens()
+            assert stream.accepted.cache_tier == "checkpoint"
+        assert again == reference and ckpt.stats["resumed"] == 1
+        after = (await rt.stats()).engine.speculation
+        assert before is not None and after is not None and after.proposed > 0
+        if mode == "draft":
+            reused = after.draft_prefix_reused - before.draft_prefix_reused
+            recomputed = after.draft_prefix_recomputed - before.draft_prefix_recomputed
+            assert reused > len(prompt) and recomputed <= 2, (reused, recomputed)
