@@ -91,3 +91,32 @@ def test_http_answers_400_for_a_request_that_never_fits(tiny_model_dir):
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "max_tokens"
         assert "MiB of KV" in error["message"] and "memory budget" in error["message"]
+
+
+async def test_own_memory_is_this_runtime_s_and_counts_the_draft(tiny_model_dir):
+    """The fixed memory is measured per runtime (a delta on its engine thread): a second runtime in the
+    process does not count the first one's; a --draft-model's KV per token joins the target's."""
+    import attrs
+    import mlx.core as mx
+
+    config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True,
+                           memory_budget_bytes=1 << 30)
+    async with open_runtime(config) as first:
+        one = first.scheduler.kv_admission
+        own = first.info.own_memory
+        assert one is not None and own is not None
+        assert one.fixed_bytes >= weights_bytes(tiny_model_dir) and own.resident_bytes > 0
+        assert own.prefill.per_token > 0 and one.prefill_bytes(100) > 0 and own.draft_kv_bytes_per_token == 0
+        async with open_runtime(config) as second:
+            two = second.scheduler.kv_admission
+            assert two is not None and second.info.own_memory is not None
+            # both are held ...
+            assert mx.get_active_memory() >= own.resident_bytes + second.info.own_memory.resident_bytes
+            assert two.fixed_bytes < 1.5 * one.fixed_bytes  # ... and each counts its own
+        drafted = attrs.evolve(config, speculative="draft", draft_model=str(tiny_model_dir))
+        async with open_runtime(drafted) as third:
+            three = third.scheduler.kv_admission
+            assert three is not None and third.info.own_memory is not None
+            assert third.info.own_memory.draft_kv_bytes_per_token == third.info.kv_bytes_per_token
+            assert three.kv_bytes_per_token == 2 * third.info.kv_bytes_per_token
+            assert three.fixed_bytes > one.fixed_bytes  # the draft model's weights
