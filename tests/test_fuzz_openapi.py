@@ -33,11 +33,15 @@ schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.N
 
 @schemathesis.check
 def openai_style_errors(ctx, response, case) -> None:
-    """A 4xx/5xx body is JSON {"error": {"message", "type", "param", "code"}}."""
+    """A 4xx/5xx body is JSON {"error": {"message", "type", "param", "code"}} (Anthropic's shape on /v1/messages)."""
     if response.status_code < 400:
         return
     body = json.loads(response.content)
     error = body["error"]
+    if case.path.startswith("/v1/messages") and response.status_code != 401:
+        assert body["type"] == "error" and isinstance(error["type"], str)
+        assert isinstance(error["message"], str) and error["message"]
+        return
     assert isinstance(error["message"], str) and error["message"]
     assert {"message", "type", "param", "code"} <= error.keys()
 

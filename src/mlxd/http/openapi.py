@@ -303,6 +303,280 @@ def _paths(max_tokens_limit: int) -> dict[str, Any]:
                 **_errors(400, 401, 403),
             },
         }},
+        "/v1/loads": {"get": {"summary": "Load and cache counters for a router (vLLM's /v1/loads shape)",
+                              "responses": {"200": _json_ok("the load report"), **_errors(401)}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "the exposition text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors(401)}}},
+        "/": {"get": {"summary": "The status page (polls /stats)", "responses": {
+            "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+            **_errors(401)}}},
+        **_agent_paths(),
+    }
+
+
+# --- the agent protocols (Anthropic Messages, OpenAI Responses) and session transfer -----------
+
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+    "description": "Anthropic's error shape (every error of /v1/messages except 401 from the API key check)",
+}
+
+_CACHE_CONTROL = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string", "enum": ["ephemeral"]},
+                   "ttl": {"type": "string", "enum": ["5m", "1h"]}},
+    "description": "a breakpoint: the prefix up to this block is pinned for the TTL (docs/agent-protocols.md)",
+}
+
+_ANTHROPIC_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"type": "string", "enum": ["text", "image", "tool_use", "tool_result", "thinking"]},
+        "text": {"type": "string"},
+        "thinking": {"type": "string"},
+        "id": {"type": "string", "description": "tool_use: the call's id"},
+        "name": {"type": "string", "description": "tool_use: the tool"},
+        "input": {"type": "object", "description": "tool_use: the call's arguments"},
+        "tool_use_id": {"type": "string", "description": "tool_result: the call it answers"},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
+                    "description": "tool_result: text or text blocks"},
+        "is_error": {"type": "boolean"},
+        "source": {"type": "object", "description": "image: {type: base64, media_type, data} or {type: url, url}"},
+        "cache_control": {"$ref": "#/components/schemas/CacheControl"},
+    },
+}
+
+_CACHE_KNOBS = {
+    "prompt_cache_key": {"type": "string", "nullable": True,
+                         "description": "a session key: the conversation's checkpoints are kept under it"},
+    "prompt_cache_retention": {"type": "string", "nullable": True, "enum": ["in_memory", "24h"],
+                               "description": "retention class of the session's checkpoints"},
+}
+
+
+def _messages_request(max_tokens_limit: int) -> dict[str, Any]:
+    text_or_blocks = {"oneOf": [{"type": "string"},
+                                {"type": "array", "items": {"$ref": "#/components/schemas/AnthropicBlock"}}]}
+    return {
+        "type": "object",
+        "required": ["messages", "max_tokens"],
+        "properties": {
+            "model": {"type": "string", "description": "the served model name or an --adapter NAME"},
+            "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
+            "system": text_or_blocks,
+            "messages": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["role", "content"],
+                "properties": {"role": {"type": "string", "enum": ["user", "assistant"]},
+                               "content": text_or_blocks},
+                "description": "a final assistant turn of text is a prefill: the reply continues it"}},
+            "tools": {"type": "array", "items": {
+                "type": "object", "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                               "input_schema": {"type": "object"}, "type": {"type": "string", "enum": ["custom"]},
+                               "cache_control": {"$ref": "#/components/schemas/CacheControl"}}}},
+            "tool_choice": {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+                "disable_parallel_tool_use": {"type": "boolean"}}},
+            "thinking": {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]},
+                "budget_tokens": {"type": "integer"}},
+                "description": "passed to the chat template as enable_thinking"},
+            "stop_sequences": {"type": "array", "items": {"type": "string"}},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": 0},
+            "stream": {"type": "boolean", "description": "Anthropic's server-sent events"},
+            "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}},
+                         "description": "user_id names the cache session when prompt_cache_key is absent"},
+            "cache_control": {"$ref": "#/components/schemas/CacheControl"},
+            **_CACHE_KNOBS,
+        },
+        "description": "Anthropic Messages; fields not listed here are ignored",
+    }
+
+
+_MESSAGE_REPLY = {
+    "type": "object",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"type": "string", "enum": ["message"]},
+        "role": {"type": "string", "enum": ["assistant"]},
+        "model": {"type": "string"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "thinking", "tool_use"]}}}},
+        "stop_reason": {"type": "string", "nullable": True,
+                        "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+        "stop_sequence": {"type": "string", "nullable": True},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
+            "input_tokens": {"type": "integer", "description": "prompt tokens not read from the cache"},
+            "cache_read_input_tokens": {"type": "integer", "description": "prompt tokens read from the cache"},
+            "cache_creation_input_tokens": {"type": "integer"},
+            "output_tokens": {"type": "integer"}}},
+    },
+}
+
+
+def _responses_request(max_tokens_limit: int) -> dict[str, Any]:
+    item = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "string", "enum": ["message", "function_call", "function_call_output", "reasoning"]},
+            "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+            "call_id": {"type": "string"},
+            "name": {"type": "string"},
+            "arguments": {"type": "string"},
+            "output": {"type": "string"},
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["input"],
+        "properties": {
+            "model": {"type": "string", "description": "the served model name or an --adapter NAME"},
+            "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": item}]},
+            "instructions": {"type": "string", "nullable": True},
+            "previous_response_id": {"type": "string", "nullable": True,
+                                     "description": "continue a stored response (kept on the SSD tier)"},
+            "store": {"type": "boolean", "description": "keep the response for previous_response_id (default true)"},
+            "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+            "top_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+            "stream": {"type": "boolean"},
+            "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+                "type": {"type": "string", "enum": ["function"]}, "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"}, "parameters": {"type": "object"},
+                "strict": {"type": "boolean"}}}},
+            "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]},
+                                      {"type": "object", "required": ["type", "name"], "properties": {
+                                          "type": {"type": "string", "enum": ["function"]},
+                                          "name": {"type": "string"}}}]},
+            "parallel_tool_calls": {"type": "boolean"},
+            "reasoning": {"type": "object", "nullable": True, "properties": {"effort": {"type": "string"}},
+                          "description": "effort is passed to the chat template as reasoning_effort"},
+            "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"],
+                     "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]}}}}},
+            "metadata": {"type": "object", "nullable": True},
+            "user": {"type": "string", "nullable": True},
+            **_CACHE_KNOBS,
+        },
+        "description": "OpenAI Responses; fields not listed here are ignored ('background' and 'conversation' "
+        "are refused)",
+    }
+
+
+_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string", "enum": ["response"]},
+        "created_at": {"type": "integer"},
+        "status": {"type": "string", "enum": ["completed", "incomplete", "in_progress"]},
+        "model": {"type": "string"},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["message", "function_call", "reasoning"]}}}},
+        "previous_response_id": {"type": "string", "nullable": True},
+        "usage": {"type": "object", "nullable": True, "properties": {
+            "input_tokens": {"type": "integer"},
+            "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+            "output_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"}}},
+    },
+}
+
+
+def _agent_paths() -> dict[str, Any]:
+    body = lambda ref: {"required": True, "content": {"application/json": {  # noqa: E731
+        "schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+    anthropic_error = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}
+    anthropic_errors = {str(c): {"description": why, "content": anthropic_error} for c, why in (
+        (400, "invalid request"), (404, "unknown model"), (413, "request body too large"),
+        (503, "overloaded or shutting down"))}
+    event = {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}
+    rid = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    sid = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    model = {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+             "description": "the base model (default) or an --adapter NAME: the cache namespace"}
+    admin = [{"adminKey": []}, {}]
+    return {
+        "/v1/messages": {"post": {
+            "summary": "Anthropic Messages (cache_control breakpoints pin prefixes)",
+            "security": [{"apiKey": []}, {}], "requestBody": body("MessagesRequest"),
+            "responses": {"200": {"description": "the message (JSON), or Anthropic's events when 'stream' is true",
+                                  "content": {"application/json": {
+                                      "schema": {"$ref": "#/components/schemas/MessageReply"}},
+                                      "text/event-stream": event}},
+                          **anthropic_errors, **_errors(401)}}},
+        "/v1/messages/count_tokens": {"post": {
+            "summary": "The prompt tokens a Messages request renders to (max_tokens not needed)",
+            "security": [{"apiKey": []}, {}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["messages"], "properties": {
+                    "model": {"type": "string"}, "system": {}, "messages": {"type": "array", "minItems": 1},
+                    "tools": {"type": "array"}}}}}},
+            "responses": {"200": _json_ok("the count", {"type": "object", "required": ["input_tokens"],
+                                                        "properties": {"input_tokens": {"type": "integer"}}}),
+                          **{c: r for c, r in anthropic_errors.items() if c != "503"}, **_errors(401)}}},
+        "/v1/responses": {"post": {
+            "summary": "OpenAI Responses (previous_response_id continues a stored response)",
+            "security": [{"apiKey": []}, {}], "requestBody": body("ResponsesRequest"),
+            "responses": {"200": {"description": "the response (JSON), or Responses events when 'stream' is true",
+                                  "content": {"application/json": {
+                                      "schema": {"$ref": "#/components/schemas/Response"}},
+                                      "text/event-stream": event}},
+                          **_errors(400, 401, 404, 413, 503)}}},
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "A stored response", "parameters": [rid], "responses": {
+                "200": _json_ok("the response", {"$ref": "#/components/schemas/Response"}), **_errors(401, 404)}},
+            "delete": {"summary": "Delete a stored response", "parameters": [rid], "responses": {
+                "200": _json_ok("deleted", {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+                    "id": {"type": "string"}, "object": {"type": "string", "enum": ["response.deleted"]},
+                    "deleted": {"type": "boolean"}}}), **_errors(401, 404)}},
+        },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "summary": "The input items of a stored response, paged",
+            "parameters": [rid,
+                           {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                           {"name": "after", "in": "query", "schema": {"type": "string"}},
+                           {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 100}}],
+            "responses": {"200": _json_ok("a page of items", {"type": "object", "required": ["object", "data"],
+                                                              "properties": {"object": {"type": "string"},
+                                                                             "data": {"type": "array"},
+                                                                             "has_more": {"type": "boolean"}}}),
+                          **_errors(400, 401, 404)}}},
+        "/admin/sessions/{session_id}/export": {"get": {
+            "summary": "A session's KV checkpoint as a verified .mlxkv file (needs the admin key when one is set)",
+            "security": admin, "parameters": [sid, model],
+            "responses": {"200": {"description": "the file", "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}}, **_errors(400, 401, 403, 404)}}},
+        "/admin/sessions/{session_id}/import": {"post": {
+            "summary": "Adopt an exported .mlxkv file as the session's checkpoint (every CRC checked)",
+            "security": admin, "parameters": [sid],
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": _json_ok("adopted", {"type": "object", "required": ["id", "object", "tokens"],
+                                                      "properties": {"id": {"type": "string"},
+                                                                     "object": {"type": "string"},
+                                                                     "tokens": {"type": "integer"},
+                                                                     "nbytes": {"type": "integer"},
+                                                                     "ram": {"type": "boolean"},
+                                                                     "ssd": {"type": "boolean"}}}),
+                          **_errors(400, 401, 403, 404, 413)}}},
     }
 
 
@@ -327,6 +601,13 @@ def openapi_document(*, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT) -> dic
                 "ToolCall": _TOOL_CALL,
                 "ChatRequest": _chat_request(max_tokens_limit),
                 "CompletionRequest": _completion_request(max_tokens_limit),
+                "AnthropicError": _ANTHROPIC_ERROR,
+                "CacheControl": _CACHE_CONTROL,
+                "AnthropicBlock": _ANTHROPIC_BLOCK,
+                "MessagesRequest": _messages_request(max_tokens_limit),
+                "MessageReply": _MESSAGE_REPLY,
+                "ResponsesRequest": _responses_request(max_tokens_limit),
+                "Response": _RESPONSE,
             },
             "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key / MLXD_API_KEY"},
