@@ -120,3 +120,46 @@ async def test_own_memory_is_this_runtime_s_and_counts_the_draft(tiny_model_dir)
             assert third.info.own_memory.draft_kv_bytes_per_token == third.info.kv_bytes_per_token
             assert three.kv_bytes_per_token == 2 * third.info.kv_bytes_per_token
             assert three.fixed_bytes > one.fixed_bytes  # the draft model's weights
+
+
+def test_the_ram_bytes_the_tiers_cannot_free_are_held_against_the_room():
+    """RAM entries count against admission only where the budget cannot free them now: pinned ones, and with
+    an SSD tier those still waiting for their write (CacheTiers.unfreeable_bytes)."""
+    from mlxd.kv.prompt_cache import PromptCache
+    from mlxd.kv.tiers import CacheTiers
+
+    def publish(tiers: CacheTiers, start: int, nbytes: int, session: str | None = None) -> None:
+        tiers.publish(tuple(range(start, start + 10)), "", payload=None, nbytes=nbytes, trimmable=True,
+                      session=session)
+
+    ram_only = CacheTiers(PromptCache(max_bytes=10 * MIB, clock=lambda: 0.0))
+    publish(ram_only, 0, MIB)
+    assert ram_only.unfreeable_bytes() == 0  # evicted as rows need the room
+    assert ram_only.pin_session("s", 60)
+    publish(ram_only, 100, 2 * MIB, session="s")
+    assert ram_only.unfreeable_bytes() == 2 * MIB  # pinned
+    with_ssd = CacheTiers(PromptCache(max_bytes=10 * MIB, clock=lambda: 0.0), ssd=True)
+    publish(with_ssd, 0, 3 * MIB)
+    assert with_ssd.unfreeable_bytes() == 3 * MIB  # not written yet: it may not be demoted
+    kv = KvAdmission(budget_bytes=10 * MIB, kv_bytes_per_token=MIB // 16, fixed_bytes=2 * MIB)
+    kv.admit("a", 4 * MIB)
+    assert kv.decide(48, 16, pinned_bytes=0) == Admit(4 * MIB)
+    assert kv.decide(48, 16, pinned_bytes=with_ssd.unfreeable_bytes()) == Wait(4 * MIB, MIB)
+
+
+def test_prefill_working_memory_is_reserved_until_the_first_token():
+    kv = KvAdmission(budget_bytes=100 * MIB, kv_bytes_per_token=1024, kv_step=256, prefill_step=512,
+                     prefill_per_token=1024, prefill_per_token_context=16)
+    assert kv.kv_bytes(300, 10) == 512 * 1024  # two 256-token steps
+    # The largest chunk: 512 new tokens attending to all 1,000.
+    assert kv.prefill_bytes(1000) == 512 * 1024 + 16 * 512 * 1000
+    need = kv.need_bytes(1000, 24)
+    kv.admit("a", need, prefill_bytes=kv.prefill_bytes(1000))
+    assert kv.reserved_bytes == need and kv.prefilled("a") and not kv.prefilled("a")
+    assert kv.reserved_bytes == kv.kv_bytes(1000, 24)
+    kv.release("a")
+    assert kv.reserved_bytes == 0 and kv.peak_reserved_bytes == need and kv.peak_running == 1
+    # Never fits: the message names the prefill's share too.
+    why = KvAdmission(budget_bytes=20 * MIB, kv_bytes_per_token=1024, prefill_per_token_context=32).never_fits(
+        1000, 24)
+    assert why is not None and "MiB of prefill working memory" in why
