@@ -48,7 +48,7 @@ def active_bytes() -> int:
     return int(mx.get_active_memory())
 
 
-def prefill_cost(model: Any, make_caches: Callable[[], list[Any]], *, sizes: tuple[int, int] = (64, 128)) -> PrefillCost:
+def prefill_cost(model: Any, make_caches: Callable[[], list[Any]], *, sizes: tuple[int, int] = (128, 512)) -> PrefillCost:
     """Fit `PrefillCost` from two single-row prefills from an empty cache (only the caches are evaluated,
     as a prefill chunk does; logits are not)."""
     import mlx.core as mx
