@@ -70,6 +70,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
             model=str(model), prompt_cache_bytes=0, memory_budget_bytes=budget, kv_admission=args.arm == "admission",
             max_queue=args.requests, device_probe="off", max_batch=args.max_batch, prefill_batch=args.max_batch,
             queue_timeout_s=0,  # the burst queues whole: this compares memory, not refusals for time
+            prefill_slice_s=args.prefill_slice_s,
         )
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         failed: list[str] = []
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--room", type=int, default=3, help="requests' KV the budget holds beside the weights")
+    p.add_argument("--prefill-slice-s", type=float, default=0.05,
+                   help="--prefill-slice-s of both arms (0: whole prefill chunks, as a fast device takes them)")
     p.add_argument("--arm", choices=("admission", "none", "probe"), default=None, help="(internal) run one arm")
     p.add_argument("--sizes", default="{}", help="(internal) the probe's sizes, JSON")
     p.add_argument("--out", type=Path, default=HERE / "results")
