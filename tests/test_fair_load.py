@@ -302,9 +302,11 @@ def test_a_long_prompt_behind_too_much_prompt_work_is_refused_at_once(backlog_se
                 SamplingParams(max_tokens=2, logit_bias=((0, -100.0), (2, -100.0))),
             )
             with pytest.raises(QueueFull):  # as a request of its own, refused
-                rt.submit(rt.request(long_body["prompt"], sampling=sampling))
+                rt.submit(rt.request(long_body["prompt"], sampling=sampling), within_queue_timeout=True)
+            embedded = rt.request(long_body["prompt"], sampling=sampling)
+            assert len(await rt.submit(embedded).tokens()) == 2, "an embedder's request waits its turn"
             request = rt.request(long_body["prompt"], sampling=sampling)
-            return await rt.submit(request, follows=True).tokens()  # not refused for the work ahead
+            return await rt.submit(request, follows=True, within_queue_timeout=True).tokens()  # not refused
 
         assert len(server.call(further_choice)) == 2
     finally:

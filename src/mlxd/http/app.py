@@ -551,7 +551,7 @@ def create_app(
     ) -> GenerationStream:
         try:
             request = rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace)
-            return rt.submit(request, follows=follows)
+            return rt.submit(request, follows=follows, within_queue_timeout=True)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except QueueFull as exc:

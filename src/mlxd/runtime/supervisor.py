@@ -340,7 +340,8 @@ class Runtime:
     # --- submitting --------------------------------------------------------------
 
     def check_admission(self, tokens: int = 0) -> None:
-        """Raise now what `submit` would (ShuttingDown, QueueFull): before a prompt is tokenized for nothing.
+        """Raise now what `submit(within_queue_timeout=True)` would (ShuttingDown, QueueFull): before a
+        prompt is tokenized for nothing.
 
         `tokens`: the fewest tokens the prompt can have (from its characters), for the prefill backlog.
         """
@@ -359,15 +360,20 @@ class Runtime:
             self._rejected += 1
             raise QueueFull(why)
 
-    def submit(self, request: GenerationRequest, *, follows: bool = False) -> GenerationStream:
+    def submit(
+        self, request: GenerationRequest, *, follows: bool = False, within_queue_timeout: bool = False
+    ) -> GenerationStream:
         """Queue a generation; raises QueueFull/ShuttingDown at once instead of waiting.
 
+        `within_queue_timeout`: also QueueFull when the prompt work ahead would hold this request past
+        --queue-timeout at the measured prefill rate (runtime/prefill_backlog.py; the HTTP routes ask
+        for it). Off by default: an embedder's request waits its turn, whatever this machine's speed.
         `follows`: a further choice (n > 1) of a request whose first choice has its first token, so its
         prompt is cached: it adds no prompt work, and the prompt work ahead never refuses it.
         """
         if not self.admitting:
             raise ShuttingDown("the server is shutting down")
-        if not follows:
+        if within_queue_timeout and not follows:
             self._check_backlog(len(request.prompt))
         send, receive = trio.open_memory_channel[GenerationEvent](request.sampling.max_tokens + 8)
         try:
