@@ -57,7 +57,7 @@ def server(tiny_model_dir):
 
 
 @schema.parametrize()
-@settings(max_examples=20, deadline=None, derandomize=True,
+@settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_openapi_document(case, server):
     base = server.base_url.removesuffix("/v1")

@@ -511,7 +511,7 @@ def _agent_paths() -> dict[str, Any]:
     sid = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
     model = {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
              "description": "the base model (default) or an --adapter NAME: the cache namespace"}
-    admin = [{"adminKey": []}, {}]
+    admin: list[dict[str, list[str]]] = [{"adminKey": []}, {}]
     return {
         "/v1/messages": {"post": {
             "summary": "Anthropic Messages (cache_control breakpoints pin prefixes)",
