@@ -31,13 +31,8 @@ from typing import Any
 
 def _run(config: Any, prompts: list[tuple[int, ...]], rows_ns: list[str] | None, tokens: int) -> dict[str, float]:
     from mlxd.engine.core import EngineCore
-    from mlxd.engine.ops import RowStart, StepOps
-    from mlxd.runtime.kernel.messages import (
-        GenerationFinished,
-        GenerationRequest,
-        SamplingParams,
-        TokenGenerated,
-    )
+    from mlxd.engine.drive import run_rows
+    from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams
 
     core = EngineCore(config)
     info = core.load()
@@ -48,24 +43,10 @@ def _run(config: Any, prompts: list[tuple[int, ...]], rows_ns: list[str] | None,
                           sampling=SamplingParams(max_tokens=tokens, logit_bias=((0, -100.0),)))
         for i, p in enumerate(prompts)
     ]
-    ops = StepOps(starts=tuple(RowStart(request=r) for r in requests))
-    started, generated, done = time.perf_counter(), {r.request_id: 0 for r in requests}, 0
-    decode_from = decoded_before = None
-    while done < len(requests):
-        result = core.step(ops)
-        ops = StepOps()
-        for emit in result.emits:
-            if isinstance(emit.event, TokenGenerated):
-                generated[emit.request_id] += 1
-            elif isinstance(emit.event, GenerationFinished):
-                done += 1
-        if decode_from is None and all(n > 0 for n in generated.values()):
-            decode_from, decoded_before = time.perf_counter(), sum(generated.values())
-    end = time.perf_counter()
+    run = run_rows(core, requests)
     core.close()
-    assert decode_from is not None and decoded_before is not None
-    decoded = sum(generated.values()) - decoded_before
-    return {"prefill_s": decode_from - started, "decode_s": end - decode_from, "decode_tok_s": decoded / (end - decode_from)}
+    return {"prefill_s": run.all_started_s, "decode_s": run.seconds - run.all_started_s,
+            "decode_tok_s": run.decode_tok_s()}
 
 
 def _decode_forwards(model: Any, prompts: list[tuple[int, ...]], tokens: int, select: Any = None) -> float:

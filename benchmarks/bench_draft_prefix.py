@@ -41,16 +41,15 @@ import attrs
 
 from mlxd import RuntimeConfig, SamplingParams
 from mlxd.engine.core import EngineCore
-from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.drive import run_rows
+from mlxd.engine.ops import RowStart
 from mlxd.engine.speculative import draft_namespace
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.model import ensure_model
 from mlxd.runtime.kernel.messages import (
     DraftPrefix,
-    GenerationFinished,
     GenerationRequest,
     PublishPrefix,
-    TokenGenerated,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,24 +57,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def run(core: EngineCore, start: RowStart) -> tuple[float, list[int], list[PublishPrefix]]:
     """One row to its end: seconds to its first token, its tokens, the checkpoints it published."""
-    tokens: list[int] = []
-    notes: list[PublishPrefix] = []
-    ops, ttft, done = StepOps(starts=(start,)), None, False
-    t0 = time.perf_counter()
-    while not done:
-        result = core.step(ops)
-        ops = StepOps()
-        assert not result.rejected, result.rejected
-        notes += [n for n in result.notes if isinstance(n, PublishPrefix)]
-        for emit in result.emits:
-            if isinstance(emit.event, TokenGenerated):
-                tokens.append(emit.event.token)
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-            elif isinstance(emit.event, GenerationFinished):
-                done = True
-    assert ttft is not None
-    return ttft, tokens, notes
+    run = run_rows(core, [start])
+    rid = start.request.request_id
+    return run.first_token_s[rid], run.tokens[rid], run.notes
 
 
 def draft_prefill(draft: Any, prompt: tuple[int, ...], cached: Any, k: int) -> float:

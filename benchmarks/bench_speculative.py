@@ -42,9 +42,9 @@ from typing import Any
 
 from mlxd import RuntimeConfig, SamplingParams
 from mlxd.engine.core import EngineCore
-from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.drive import run_rows
 from mlxd.model import ensure_model
-from mlxd.runtime.kernel.messages import GenerationFinished, GenerationRequest, TokenGenerated
+from mlxd.runtime.kernel.messages import GenerationRequest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,23 +68,8 @@ def workload(
 
 def decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, dict[str, list[int]]]:
     """Decode tok/s of the rows together, from the step where each has a token to the last step."""
-    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    done: set[str] = set()
-    ops = StepOps(starts=tuple(RowStart(request=r) for r in requests))
-    t0, counted = None, 0
-    while len(done) < len(requests):
-        result = core.step(ops)
-        ops = StepOps()
-        for emit in result.emits:
-            if isinstance(emit.event, TokenGenerated):
-                out[emit.request_id].append(emit.event.token)
-                counted += t0 is not None
-            elif isinstance(emit.event, GenerationFinished):
-                done.add(emit.request_id)
-        if t0 is None and all(out.values()):
-            t0 = time.perf_counter()
-    assert t0 is not None
-    return counted / (time.perf_counter() - t0), out
+    run = run_rows(core, requests)
+    return run.decode_tok_s(), run.tokens
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,10 +19,10 @@ import trio
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
-from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.drive import run_rows
 from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.model import build_model
-from mlxd.runtime.kernel.messages import GenerationFinished, GenerationRequest, TokenGenerated
+from mlxd.runtime.kernel.messages import GenerationRequest, TokenGenerated
 from mlxd.structured.spec import constraint_from_request
 
 from serving import ServerThread, config_for
@@ -115,23 +115,10 @@ JSON_LETTERS = {"response_format": {"type": "json_schema", "json_schema": {
 def _run(model_dir: Path, speculative: str, requests: list[GenerationRequest], **config: object):
     core = EngineCore(config_for(model_dir, speculative=speculative, prompt_cache_bytes=0, **config))
     core.load()
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    logprobs: dict[str, list[tuple]] = {r.request_id: [] for r in requests}
-    reasons: dict[str, str] = {}
-    ops = StepOps(starts=tuple(RowStart(request=r) for r in requests))
-    while len(reasons) < len(requests):
-        result = core.step(ops)
-        ops = StepOps()
-        assert not result.rejected, result.rejected
-        for emit in result.emits:
-            event = emit.event
-            if isinstance(event, TokenGenerated):
-                tokens[emit.request_id].append(event.token)
-                logprobs[emit.request_id].append((event.logprob, event.top_logprobs))
-            elif isinstance(event, GenerationFinished):
-                reasons[emit.request_id] = event.reason
+    run = run_rows(core, requests)
     core.close()
-    return tokens, logprobs, reasons, core.stats()
+    logprobs = {i: list(zip(run.logprobs[i], run.top_logprobs[i], strict=True)) for i in run.tokens}
+    return run.tokens, logprobs, run.reasons, core.stats()
 
 
 def _same_logprobs(a: list[tuple], b: list[tuple]) -> None:

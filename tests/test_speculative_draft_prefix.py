@@ -21,15 +21,14 @@ import trio
 
 from mlxd import SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
-from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.drive import run_rows
+from mlxd.engine.ops import RowStart
 from mlxd.engine.speculative import draft_namespace
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.model import build_model
 from mlxd.runtime.kernel.messages import (
     DraftPrefix,
-    GenerationFinished,
     GenerationRequest,
-    PublishPrefix,
     TokenGenerated,
 )
 
@@ -63,23 +62,8 @@ def _request(rid: str, prompt: tuple[int, ...], **sampling: object) -> Generatio
 
 def _drive(core: EngineCore, starts: list[RowStart]):
     """Run rows to their end: tokens and logprobs per request, and every checkpoint published."""
-    tokens: dict[str, list[int]] = {s.request.request_id: [] for s in starts}
-    logprobs: dict[str, list[float | None]] = {s.request.request_id: [] for s in starts}
-    notes: list[PublishPrefix] = []
-    done: set[str] = set()
-    ops = StepOps(starts=tuple(starts))
-    while len(done) < len(starts):
-        result = core.step(ops)
-        ops = StepOps()
-        assert not result.rejected, result.rejected
-        notes += [n for n in result.notes if isinstance(n, PublishPrefix)]
-        for emit in result.emits:
-            if isinstance(emit.event, TokenGenerated):
-                tokens[emit.request_id].append(emit.event.token)
-                logprobs[emit.request_id].append(emit.event.logprob)
-            elif isinstance(emit.event, GenerationFinished):
-                done.add(emit.request_id)
-    return tokens, logprobs, notes
+    run = run_rows(core, starts)
+    return run.tokens, run.logprobs, run.notes
 
 
 def _prefix_counts(core: EngineCore) -> tuple[int, int]:

@@ -26,12 +26,10 @@ from PIL import Image
 
 from mlxd import SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
-from mlxd.engine.ops import RowStart, StepOps
+from mlxd.engine.drive import run_rows
 from mlxd.engine.speculative import draft_namespace
 from mlxd.runtime.kernel.messages import (
-    GenerationFinished,
     GenerationRequest,
-    PublishPrefix,
     TokenGenerated,
 )
 from mlxd.vision.images import ImageLimits
@@ -87,23 +85,8 @@ def _text_request(rid: str, **sampling: object) -> GenerationRequest:
 
 def _drive(core: EngineCore, reqs: list[GenerationRequest]):
     """Run rows to their end: tokens and logprobs per request, and every checkpoint published."""
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    logprobs: dict[str, list[float | None]] = {r.request_id: [] for r in reqs}
-    notes: list[PublishPrefix] = []
-    done: set[str] = set()
-    ops = StepOps(starts=tuple(RowStart(request=r) for r in reqs))
-    while len(done) < len(reqs):
-        result = core.step(ops)
-        ops = StepOps()
-        assert not result.rejected, result.rejected
-        notes += [n for n in result.notes if isinstance(n, PublishPrefix)]
-        for emit in result.emits:
-            if isinstance(emit.event, TokenGenerated):
-                tokens[emit.request_id].append(emit.event.token)
-                logprobs[emit.request_id].append(emit.event.logprob)
-            elif isinstance(emit.event, GenerationFinished):
-                done.add(emit.request_id)
-    return tokens, logprobs, notes
+    run = run_rows(core, reqs)
+    return run.tokens, run.logprobs, run.notes
 
 
 def test_image_rows_speculate_in_a_mixed_batch_with_output_identical_to_off(cores, preparer) -> None:
