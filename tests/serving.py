@@ -13,6 +13,7 @@ import trio
 
 from mlxd.http.app import serve_http
 from mlxd.runtime.config import RuntimeConfig
+from mlxd.runtime.kernel.messages import GenerationRequest, TokenGenerated
 from mlxd.runtime.supervisor import Runtime, open_runtime
 
 
@@ -89,3 +90,24 @@ def mount_tmpfs(where: Path, options: str) -> None:
                        check=True, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
+
+
+async def drop_after(rt: Runtime, request: GenerationRequest, n: int) -> list[int]:
+    """The first `n` tokens of `request`; then the client goes away (its generation checkpoint stays)."""
+    seen: list[int] = []
+    async with rt.submit(request) as stream:
+        async for event in stream:
+            if isinstance(event, TokenGenerated):
+                seen.append(event.token)
+                if len(seen) == n:
+                    break
+    return seen
+
+
+async def checkpoints_settled(rt: Runtime, timeout_s: float = 30.0) -> None:
+    """Until the generation checkpointer has written and released every checkpoint (resumable then)."""
+    assert rt.cold is not None and rt.cold.checkpointer is not None
+    ckpt = rt.cold.checkpointer
+    with trio.fail_after(timeout_s):
+        while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+            await trio.sleep(0.02)

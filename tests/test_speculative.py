@@ -15,17 +15,16 @@ from pathlib import Path
 import attrs
 import httpx
 import pytest
-import trio
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.engine.core import EngineCore
 from mlxd.engine.drive import run_rows
 from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
 from mlxd.model import build_model
-from mlxd.runtime.kernel.messages import GenerationRequest, TokenGenerated
+from mlxd.runtime.kernel.messages import GenerationRequest
 from mlxd.structured.spec import constraint_from_request
 
-from serving import ServerThread, config_for
+from serving import ServerThread, checkpoints_settled, config_for, drop_after
 
 NO_EOS = ((0, -100.0), (2, -100.0))  # the tiny model's end tokens never win: rows run to max_tokens
 
@@ -269,18 +268,9 @@ async def test_ram_hit_resumed_checkpoint_and_restart_stay_identical(tiny_model_
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             assert await stream.tokens() == reference
             assert stream.accepted.cache_tier == "ram" and stream.accepted.cached_tokens > 0
-        seen: list[int] = []
-        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
-            async for event in stream:
-                if isinstance(event, TokenGenerated):
-                    seen.append(event.token)
-                    if len(seen) == 30:
-                        break
+        seen = await drop_after(rt, rt.request(prompt, sampling=sampling), 30)  # the client goes away
         assert seen == reference[:30]
-        ckpt = rt.cold.checkpointer
-        with trio.fail_after(30):
-            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
-                await trio.sleep(0.02)
+        await checkpoints_settled(rt)
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             again = await stream.tokens()
             assert stream.accepted.cache_tier == "checkpoint"

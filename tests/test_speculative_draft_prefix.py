@@ -29,10 +29,9 @@ from mlxd.model import build_model
 from mlxd.runtime.kernel.messages import (
     DraftPrefix,
     GenerationRequest,
-    TokenGenerated,
 )
 
-from serving import ServerThread, config_for
+from serving import ServerThread, checkpoints_settled, config_for, drop_after
 
 NO_EOS = ((0, -100.0), (2, -100.0))  # the tiny model's end tokens never win: rows run to max_tokens
 rnd = random.Random(23)
@@ -190,19 +189,10 @@ async def test_a_resumed_generation_s_draft_looks_up_its_prefix(tiny_model_dir, 
     config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=8,
                         speculative="draft", draft_model=str(draft_dir))
     async with open_runtime(config) as rt:
-        seen: list[int] = []
-        async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
-            async for event in stream:
-                if isinstance(event, TokenGenerated):
-                    seen.append(event.token)
-                    if len(seen) == 30:
-                        break  # the client goes away: its generation checkpoint stays
+        seen = await drop_after(rt, rt.request(prompt, sampling=sampling), 30)  # the client goes away
         assert seen == reference[:30]
-        ckpt = rt.cold.checkpointer
-        with trio.fail_after(30):
-            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
-                await trio.sleep(0.02)
-            await trio.sleep(0.05)
+        await checkpoints_settled(rt)
+        await trio.sleep(0.05)
         before = (await rt.stats()).engine.speculation
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             again = await stream.tokens()

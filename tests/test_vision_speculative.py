@@ -30,12 +30,11 @@ from mlxd.engine.drive import run_rows
 from mlxd.engine.speculative import draft_namespace
 from mlxd.runtime.kernel.messages import (
     GenerationRequest,
-    TokenGenerated,
 )
 from mlxd.vision.images import ImageLimits
 from mlxd.vision.prepare import MediaPreparer, image_refs
 
-from serving import ServerThread, config_for
+from serving import ServerThread, checkpoints_settled, config_for, drop_after
 
 NO_EOS = ((0, -100.0), (2, -100.0))  # the test tokenizer's end tokens never win: rows run to max_tokens
 rnd = random.Random(2323)
@@ -183,19 +182,11 @@ async def test_a_dropped_image_generation_resumes_identically_under_speculation(
     extra = {"speculative": "draft", "draft_model": str(vlm_model_dir)} if mode == "draft" else {"speculative": mode}
     config = config_for(vlm_model_dir, ssd_cache_dir=tmp_path / "ssd", generation_checkpoint=16, **extra)
     async with open_runtime(config) as rt:
-        seen: list[int] = []
-        async with rt.submit(rt.request(prompt, sampling=sampling, media=media)) as stream:
-            async for event in stream:
-                if isinstance(event, TokenGenerated):
-                    seen.append(event.token)
-                    if len(seen) == 40:
-                        break  # the client goes away: its last checkpoint stays
+        seen = await drop_after(rt, rt.request(prompt, sampling=sampling, media=media), 40)  # the client goes away
         assert seen == reference[:40]
         ckpt = rt.cold.checkpointer
-        with trio.fail_after(30):
-            while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
-                await trio.sleep(0.02)
-            await trio.sleep(0.05)
+        await checkpoints_settled(rt)
+        await trio.sleep(0.05)
         before = (await rt.stats()).engine.speculation
         async with rt.submit(rt.request(prompt, sampling=sampling, media=media)) as stream:
             again = await stream.tokens()
