@@ -63,6 +63,13 @@ def test_a_flipped_payload_byte_is_a_miss_under_default_flags(tmp_path, tiny_mod
     assert victims and holders
     for path in victims:
         _flip_tensor_bytes(path)
+    damaged = {p: p.read_bytes() for p in (*victims, *holders)}
+
+    def still_there(path: Path) -> bool:
+        """The damaged file is still on disk (a healthy rewrite under the same name is not it:
+        block and checkpoint names come from their contents and tokens, so the second server's
+        own checkpoint of the same conversation can reuse them)."""
+        return path.exists() and path.read_bytes() == damaged[path]
 
     # No verify flag: the default checks every tensor's CRC-32.
     with _serve(tmp_path, tiny_model_dir, cache, "second", *layout) as second, second.client() as http:
@@ -72,8 +79,8 @@ def test_a_flipped_payload_byte_is_a_miss_under_default_flags(tmp_path, tiny_mod
         assert http.get("/stats").json()["ssd_cache"]["corrupt_removed"] >= 1
     # The damaged checkpoint is removed (blocks: its manifest and the first damaged block read;
     # the other blocks it named go with the next collection).
-    assert not any(p.exists() for p in holders), "the damaged checkpoint is removed"
-    assert not all(p.exists() for p in victims)
+    assert not any(still_there(p) for p in holders), "the damaged checkpoint is removed"
+    assert not all(still_there(p) for p in victims)
     assert "ssd_corrupt" in second.log()
 
 
