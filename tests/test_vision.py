@@ -175,3 +175,10 @@ def test_a_session_with_images_takes_its_checkpoint(server: ServerThread) -> Non
               {"role": "user", "content": "More?"}]
     r2 = client.chat.completions.create(model="tiny", messages=follow, max_tokens=4, temperature=0)
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1
+
+
+def test_a_fresh_vision_server_reports_its_media_counters_at_zero(vlm_model_dir) -> None:
+    """Before any request, /stats already has the vision counters (0), as after a step."""
+    with ServerThread(config_for(vlm_model_dir)) as fresh:
+        engine = engine_stats(fresh)
+        assert engine["media_encoded"] == 0 and engine["media_encoder_ram_hits"] == 0

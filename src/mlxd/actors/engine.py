@@ -85,6 +85,7 @@ class EngineActor:
             leader: Leader | None = None
             try:
                 info = await thread.run(self.core.load)
+                self._stats = await thread.run(self.core.stats)  # every counter the model has, at zero
                 channel = self.core.channel
                 if channel is not None and channel.size > 1:
                     leader = Leader(self.core, channel, mirrored=self._config.prompt_cache_bytes > 0)
