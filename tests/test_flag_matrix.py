@@ -4,7 +4,7 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb, --ram-pages); each
+--speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -47,6 +47,8 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "kv_admission": (False, True),
     "host_cache": (None, "1"),  # GB; a reported no-op on this CPU (unified memory)
     "ram_pages": ("off", "on"),  # --ram-pages on: RAM entries as shared KV pages
+    # --restore-choice, always given (tests/conftest.py sets MLXD_RESTORE_CHOICE=always for the rest)
+    "restore_choice": ("measured", "always"),
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -113,6 +115,7 @@ class Combo:
     kv_admission: bool
     host_cache: str | None
     ram_pages: str = "off"
+    restore_choice: str = "measured"
 
     @property
     def id(self) -> str:
@@ -133,13 +136,14 @@ class Combo:
             "admission": self.kv_admission,
             f"host{self.host_cache}": self.host_cache is not None,
             "pages": self.ram_pages == "on",
+            "always": self.restore_choice == "always",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
 
     def serve_args(self, *, model_dir: Path, workdir: Path, events_endpoint: str | None) -> list[str]:
         args = ["--model", str(model_dir), "--model-name", "tiny", "--retention", self.retention,
-                "--device-probe", self.device_probe]
+                "--device-probe", self.device_probe, "--restore-choice", self.restore_choice]
         if self.ssd != "off":
             args += ["--ssd-cache", str(workdir / "ssd"), "--ssd-layout", self.ssd]
         if self.ssd_shared:
