@@ -103,9 +103,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "entries demote to SSD, or are evicted without --ssd-cache (default: 0.9 x the GPU's "
                    "recommended working set, else 0.75 x the GPU's memory or RAM; 0 = no budget)")
     p.add_argument("--kv-admission", action="store_true",
-                   help="start a request only when its KV (prompt + max_tokens) fits the memory budget beside "
-                   "the model and the running rows; else it waits in the queue, and one that never fits gets "
-                   "a 400 at once")
+                   help="start a request only when its KV (prompt + max_tokens, and the draft model's) and its "
+                   "prefill working memory fit the memory budget beside this runtime's measured memory, the "
+                   "running rows and the RAM the tiers cannot free; else it waits in the queue, and one that "
+                   "never fits gets a 400 at once")
     p.add_argument("--max-batch", type=_positive_int, default=8, help="rows decoding together")
     p.add_argument("--prefill-batch", type=_positive_int, default=8,
                    help="prompts prefilled together (capped at --max-batch)")
