@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Third-wave H200 measurements, one phase after another, each under its own time limit, every log
+# and result JSON copied to $OUT as soon as the phase ends (so a cut-short run still reports).
+#   on the CUDA host, after part A is in /tmp/mlxpay (../shared/GPU.md):
+#   bash benchmarks/gpu/wave3.sh blocks speculative structured     # one device call
+#   bash benchmarks/gpu/wave3.sh host                              # the next, while the machine is warm
+set -u
+OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
+source .gpu/b/install.sh || exit 9
+touch /tmp/wave3.start
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+phase() {  # NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name start $(date +%T) limit ${limit}s"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? end $(date +%T)"; tail -n 25 "$OUT/$name.log"
+  find benchmarks/results -newer /tmp/wave3.start -name '*.json' -exec cp {} "$OUT/" \; 2>/dev/null
+}
+for p in "$@"; do case $p in
+  blocks) phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
+            --block-tokens 1024 256 --readers 8 --rounds 6 --dir /tmp/blocks --out "$OUT" ;;
+  speculative) phase speculative 200 python3 benchmarks/gpu/bench_speculative_gpu.py \
+            --rounds 3 --tokens 192 --temperature 2 4 ${SPEC_ARGS:-} ;;
+  structured) phase structured 130 python3 benchmarks/gpu/bench_structured_gpu.py --rounds 6 --tokens 192 ;;
+  vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
+  host) phase host 540 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \
+            --rounds ${HOST_ROUNDS:-1} ;;
+  probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ;;
+  *) echo "unknown phase $p" ;;
+esac; done
+echo "=== all done $(date +%T)"
