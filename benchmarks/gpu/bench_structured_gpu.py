@@ -24,12 +24,17 @@ def main() -> int:
     if not (model / "config.json").exists():
         build(QWEN3_1_7B, model)
     args = [sys.executable, str(HERE.parent / "bench_structured.py"), "--model", str(model), *sys.argv[1:]]
-    out = subprocess.run(args, capture_output=True, text=True)
-    print(out.stdout[-6000:], out.stderr[-3000:], sep="\n")
-    result = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    # Streamed, so a run cut short by the device's time limit still shows how far it got.
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout or ():
+        print(line, end="", flush=True)
+        lines.append(line.strip())
+    proc.wait()
+    result = next((line for line in reversed(lines) if line), "")
     if os.environ.get("OUT") and result.endswith(".json") and Path(result).exists():
         shutil.copy(result, os.environ["OUT"])
-    return out.returncode
+    return proc.returncode
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ phase() {  # NAME SECONDS CMD...
   find benchmarks/results -newer /tmp/wave3.start -name '*.json' -exec cp {} "$OUT/" \; 2>/dev/null
 }
 for p in "$@"; do case $p in
-  blocks) phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
+  blocks) mkdir -p /tmp/blocks; phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
             --block-tokens 1024 256 --readers 8 --rounds 6 --dir /tmp/blocks --out "$OUT" ;;
   speculative) phase speculative 200 python3 benchmarks/gpu/bench_speculative_gpu.py \
             --rounds 3 --tokens 192 --temperature 2 4 ${SPEC_ARGS:-} ;;
