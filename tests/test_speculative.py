@@ -75,31 +75,83 @@ def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_on
     gate = SpeculationGate()
     now = 0.0
 
-    def step(verifying: bool, tokens: int, seconds: float) -> None:
+    def step(verifying: bool, tokens: int, seconds: float, rows: int = 8) -> None:
         nonlocal now
         gate.started(now)
-        gate.ran(verifying=verifying, tokens=tokens, start=now)
+        gate.ran(rows=rows, verifying=verifying, tokens=tokens, start=now)
         now += seconds
 
-    step(False, 8, 0.010)  # plain: 800 tokens/s
-    for _ in range(4):
-        step(True, 20, 0.020)  # verifying: 1000 tokens/s: keep going
+    for _ in range(5):  # nothing to beat yet: verifying steps are not judged
+        gate.started(now)
+        assert gate.allow(8)
+        step(True, 20, 0.020)
     gate.started(now)
-    assert gate.allow() and gate.pauses == 0
+    assert not gate.allow(8), "plain steps until one is measured"
+    step(False, 8, 0.010)  # a kind's first step is not measured (the forward before it may land in it)
+    gate.started(now)
+    assert not gate.allow(8)
+    step(False, 8, 0.010)  # plain: 800 tokens/s, measured
+    gate.started(now)
+    assert gate.allow(8) and gate.rates(8) == pytest.approx((800.0, 1000.0))
+    for _ in range(5):  # the first is not measured: 4 measured at 1000 tokens/s, keep going
+        step(True, 20, 0.020)
+    gate.started(now)
+    assert gate.allow(8) and gate.pauses == 0 and gate.rates(8)[1] == pytest.approx(1000.0)
     for slow, pause in ((1, 8), (4, 16), (4, 32)):
         # The average of 4 fast steps turns on one slow one; after a pause, 4 new steps are judged.
-        for n in range(slow):
+        for n in range(slow + (pause > 8)):  # after a pause the first verifying step is not measured
             step(True, 2, 0.100)  # 20 tokens/s: slower than plain
             gate.started(now)
-            assert gate.allow() == (n < slow - 1)
+            assert gate.allow(8) == (n < slow - (pause == 8)), (slow, n)
         waited = 1
-        while not gate.allow():
+        while not gate.allow(8):
             waited += 1
+            step(False, 8, 0.010)
+            gate.started(now)
         assert waited == pause
+    step(True, 30, 0.020)  # not measured: it follows plain steps
     for _ in range(4):
         step(True, 30, 0.020)  # faster again: the pauses start over
     gate.started(now)
-    assert gate.pauses == 0 and gate.allow()
+    assert gate.pauses == 0 and gate.allow(8)
+
+
+def test_the_gate_judges_each_batch_size_by_its_own_plain_rate_and_keeps_it_current():
+    gate = SpeculationGate(probe_every=8)
+    now = 0.0
+
+    def step(rows: int, verifying: bool, tokens: int, seconds: float) -> None:
+        nonlocal now
+        gate.started(now)
+        gate.ran(rows=rows, verifying=verifying, tokens=tokens, start=now)
+        now += seconds
+
+    # Batch 1: a plain step 10 ms (100 tokens/s), verifying 12 ms for 2.5 tokens: it pays.
+    # Batch 8: a plain step 12 ms (667 tokens/s), verifying 40 ms for 20 tokens (500/s): it does not.
+    for rows, plain_s, verify_s, verify_tokens in ((1, 0.010, 0.012, 2.5), (8, 0.012, 0.040, 20)):
+        for _ in range(2):
+            step(rows, False, rows, plain_s)
+        for _ in range(6):
+            gate.started(now)
+            assert gate.allow(rows) or rows == 8
+            step(rows, True, verify_tokens, verify_s)  # type: ignore[arg-type]
+        gate.started(now)
+    assert not gate.allow(8), "batch 8 pauses: verifying is slower there"
+    assert gate.allow(1), "batch 1 keeps verifying: measured against its own plain steps"
+    # A plain step right after a verifying one returns before its forward is done: not measured.
+    step(1, True, 2.5, 0.012)
+    step(1, False, 1, 0.0001)
+    gate.started(now)
+    assert gate.rates(1)[0] == pytest.approx(100.0)
+    # Every `probe_every` verifying steps, plain steps run until one is measured.
+    for _ in range(2):
+        step(1, False, 1, 0.010)
+    allowed = []
+    for _ in range(12):
+        gate.started(now)
+        allowed.append(gate.allow(1))
+        step(1, allowed[-1], 2.5 if allowed[-1] else 1, 0.012 if allowed[-1] else 0.010)  # type: ignore[arg-type]
+    assert allowed == [True] * 8 + [False, False, True, True], allowed
 
 
 # --- one EngineCore: speculation off and on give the same tokens and logprobs ----------------

@@ -518,7 +518,7 @@ class EngineCore:
             return Speculation(config.num_draft_tokens, NgramDrafts())
         from mlxd.engine.draft import ModelDrafts
 
-        source = ModelDrafts(self._draft, self._drafts.prefix)
+        source = ModelDrafts(self._draft, self._drafts.prefix, prefix_tokens=len(req.prompt))
         checkpoints = None
         if config.prompt_cache_bytes > 0:  # the same boundary rule as the target's PromptCheckpoints
             threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)
@@ -534,7 +534,11 @@ class EngineCore:
         from mlxd.kv import kinds, page_pool
 
         found, source = start.draft, next((p.source for p in row.features if isinstance(p, Speculation)), None)
-        if found is None or not isinstance(source, ModelDrafts):
+        if not isinstance(source, ModelDrafts):
+            return
+        if tokens is not None:
+            source.prefix_tokens = len(tokens)
+        if found is None:
             return
         if found.restore is not None and found.restore.loaded is not None:
             restore = found.restore

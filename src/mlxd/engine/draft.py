@@ -108,6 +108,9 @@ class ModelDrafts:
     accepted: int = 0  # leading tokens of `held` that the row is known to hold (the rest are unverified drafts)
     first_step: bool = True
     computed: int = 0  # prefix tokens the first step computed (not from the cache)
+    # The row's prefix: the tokens its draft's cache lookup was made with (the prompt, or a resumed
+    # generation's prompt and emitted tokens); 0: all the row holds at its first step.
+    prefix_tokens: int = 0
 
     def start(self, caches: list[Any] | None, tokens: Sequence[int]) -> None:
         """Begin from a cached prefix of the draft's KV (lent caches holding exactly `tokens`)."""
@@ -117,26 +120,12 @@ class ModelDrafts:
 
     def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]:
         import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
 
         if k <= 0:
             return []
-        if self.caches is None:
-            self.caches = make_prompt_cache(self.draft.model)
         seq = [*tokens, pending]
-        keep = _shared(self.held, seq)
-        keep = min(keep, len(seq) - 1)  # at least the pending token is fed: its logits give the first draft
-        if self.first_step:  # the row's prefix: how much came from the cache, how much the draft computes
-            self.first_step = False
-            self.computed = len(tokens) - keep
-            self.prefix.reused += keep
-            self.prefix.recomputed += self.computed
-        if keep < len(self.held):
-            for c in self.caches:
-                c.trim(len(self.held) - keep)
-        feed = self.draft.ids(seq[keep:])
+        feed = self._catch_up(seq, self.draft.prefill_step)  # a long prefix (a row's first step) in chunks
         model = self.draft.model
-        feed = self._feed(feed, whole=False)  # a long prefix (a row's first step) in chunks
         y = mx.argmax(model(mx.array([feed]), cache=self.caches)[:, -1, :], axis=-1)
         drafts = [y]
         for _ in range(k - 1):
@@ -146,6 +135,31 @@ class ModelDrafts:
         self.held = seq + out[:-1]  # the last draft is not fed yet
         self.accepted = len(seq)  # the pending token is always emitted; the drafts are not verified yet
         return out
+
+    def _catch_up(self, seq: list[int], most: int) -> list[int]:
+        """Cut the caches back to what they share with `seq` (rejected drafts go) and feed the missing
+        ids but the last `most` or fewer (at least the pending token's), which are returned."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.draft.model)
+        keep = _shared(self.held, seq)
+        keep = min(keep, len(seq) - 1)  # at least the pending token is fed: its logits give the first draft
+        if self.first_step:  # the row's prefix: how much came from the cache, how much the draft computes
+            self.first_step = False  # (a first step the gate or back-off delayed reads later tokens too: not counted)
+            prefix = min(self.prefix_tokens or len(seq) - 1, len(seq) - 1)
+            self.computed = max(0, prefix - keep)
+            self.prefix.reused += min(keep, prefix)
+            self.prefix.recomputed += self.computed
+        if keep < len(self.held):
+            for c in self.caches:
+                c.trim(len(self.held) - keep)
+        ids = self.draft.ids(seq[keep:])
+        if len(ids) > most:
+            self._feed(ids[:-most], whole=True)
+            keep, ids = keep + len(ids) - most, ids[-most:]
+        self.held = seq[:keep]
+        return ids
 
     def _feed(self, ids: list[int], *, whole: bool) -> list[int]:
         """Feed `ids` into the caches in prefill-step chunks: all of them (`whole`), or all but the
@@ -179,6 +193,99 @@ class ModelDrafts:
             self.held, self.accepted = list(tokens), len(tokens)
             n = len(tokens)
         return kinds.lend(self.caches, n), self.held[:n]
+
+
+def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) -> list[list[int]]:
+    """Drafts for several rows of one draft model, `(row, tokens, pending, k)` each: one draft
+    forward per draft position for all of them, over a batch cache built from the rows' own KV.
+
+    Each row first catches up alone on what it misses beyond `1 + k` tokens (a row's first step,
+    or one that sat out); then every row feeds the same number of ids, ending with its pending
+    token: a row with fewer new ids feeds again the ids just before them (its caches cut back by
+    as many), so the rows' positions line up with no gap (the batch cache's left padding covers
+    only a row too short to have them). The rows' caches after the step are views of the batch's.
+    """
+    import mlx.core as mx
+
+    if not asks:
+        return []
+    if len(asks) == 1:
+        row, tokens, pending, k = asks[0]
+        return [row.propose(tokens, pending, k)]
+    draft = asks[0][0].draft
+    if any(a[0].draft is not draft for a in asks):
+        raise ValueError("rows of different draft models cannot propose together")
+    k = max(a[3] for a in asks)
+    seqs = [[*tokens, pending] for _, tokens, pending, _ in asks]
+    feeds = [row._catch_up(seq, 1 + k) for (row, *_), seq in zip(asks, seqs, strict=True)]
+    width = max(len(f) for f in feeds)
+    pads: list[int] = []
+    for (row, *_), f in zip(asks, feeds, strict=True):
+        back = min(width - len(f), len(row.held))  # ids fed again so that every row feeds `width`
+        if back:
+            assert row.caches is not None
+            for c in row.caches:
+                c.trim(back)
+            f[:0] = draft.ids(row.held[-back:])
+            del row.held[-back:]
+        pads.append(width - len(f))
+    caches, starts = _batch_caches([row.caches for row, *_ in asks], pads, room=width + k)  # type: ignore[misc]
+    inputs = mx.array([[0] * p + f for p, f in zip(pads, feeds, strict=True)])
+    model = draft.model
+    y = mx.argmax(model(inputs, cache=caches)[:, -1, :], axis=-1)
+    drafts = [y]
+    for _ in range(k - 1):
+        y = mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
+        drafts.append(y)
+    out: list[list[int]] = mx.stack(drafts, axis=1).tolist()  # type: ignore[assignment]
+    proposals = []
+    for i, ((row, _, _, row_k), seq) in enumerate(zip(asks, seqs, strict=True)):
+        row.caches = [_row_view(c, i, starts[i]) for c in caches]
+        row.held = seq + out[i][:-1]  # the last draft is not fed
+        row.accepted = len(seq)
+        proposals.append(out[i][:row_k])
+    return proposals
+
+
+def _batch_caches(rows: list[list[Any]], pads: list[int], *, room: int) -> tuple[list[Any], list[int]]:
+    """One `BatchKVCache` per layer holding every row's KV, right-aligned (a row's `pads` more
+    positions are padding past its start), with room for `room` more positions; and where each
+    row starts (its left padding)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    lengths = [r[0].offset for r in rows]
+    end = max(lengths)
+    left = [end - n + p for n, p in zip(lengths, pads, strict=True)]
+    size = -(-(end + room) // BatchKVCache.step) * BatchKVCache.step
+    out = []
+    for layer in range(len(rows[0])):
+        cache = BatchKVCache(left)
+        cache.offset = mx.array([n - p for n, p in zip(lengths, pads, strict=True)])
+        held = [r[layer] for r in rows if r[layer].offset > 0]
+        if held:
+            _, heads, _, dk = held[0].keys.shape
+            dv, dtype = held[0].values.shape[3], held[0].keys.dtype
+            keys = mx.zeros((len(rows), heads, size, dk), dtype)
+            values = mx.zeros((len(rows), heads, size, dv), dtype)
+            for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+                if n:
+                    keys[i : i + 1, :, end - n : end] = r[layer].keys[..., :n, :]
+                    values[i : i + 1, :, end - n : end] = r[layer].values[..., :n, :]
+            cache.keys, cache.values, cache._idx = keys, values, end
+        out.append(cache)
+    return out, left
+
+
+def _row_view(cache: Any, i: int, start: int) -> Any:
+    """Row `i` of a batch cache (its KV from `start`) as a `KVCache` over a view of its arrays."""
+    from mlx_lm.models.cache import KVCache
+
+    row = KVCache()
+    row.keys = cache.keys[i : i + 1, :, start : cache._idx]
+    row.values = cache.values[i : i + 1, :, start : cache._idx]
+    row.offset = cache._idx - start
+    return row
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

@@ -144,6 +144,8 @@ class SpeculationStats:
     gate_pauses: int = 0  # drafting is paused: verifying steps were slower than plain ones (pauses in a row)
     draft_prefix_reused: int = 0  # --draft-model: prefix tokens a row's draft KV took from the prompt cache
     draft_prefix_recomputed: int = 0  # --draft-model: prefix tokens the draft computed at a row's first step
+    draft_steps: int = 0  # --draft-model: steps where the draft proposed (its forwards batched across rows)
+    draft_rows: int = 0  # --draft-model: rows' proposals made in those steps (÷ draft_steps: rows per forward)
 
 
 @attrs.frozen(kw_only=True)

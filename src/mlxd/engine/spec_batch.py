@@ -12,7 +12,7 @@ is dropped per row: a common trim, then each row with more to drop is shifted
 right by the rest and its left padding grows by as much (the batch cache's
 own way to hold rows of different lengths). A step verifies only while the
 engine's `SpeculationGate` finds verifying steps faster than plain ones on this
-device (kv/ngram.py). Tokens, logprobs and finishes come
+device at this batch size (kv/ngram.py). Tokens, logprobs and finishes come
 out as one response per emitted token, in order, so stop tokens, logprobs and
 checkpoints see every accepted token.
 """
@@ -51,12 +51,13 @@ class SpeculativeBatch(GenerationBatch):
         gate.started(start)
         if not self.uids:
             return []
-        proposals = self._proposals() if gate.allow() else {}
+        rows = len(self.uids)
+        proposals = self._proposals() if gate.allow(rows) else {}
         if proposals:
             responses = self._verify(proposals)
         else:
             responses = super().next()
-        gate.ran(verifying=bool(proposals), tokens=len(responses), start=start)
+        gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start)
         return responses
 
     def _proposals(self) -> dict[int, list[int]]:
@@ -65,13 +66,10 @@ class SpeculativeBatch(GenerationBatch):
         if not wanting:
             return {}
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
-        proposals: dict[int, list[int]] = {}
-        for i in wanting:
-            limit = min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1)
-            drafts = self.drafts.propose(self.uids[i], self.tokens[i], pending[i], limit)
-            if drafts:
-                proposals[i] = [pending[i], *drafts]
-        return proposals
+        asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
+                for i in wanting]
+        drafted = self.drafts.propose(asks)
+        return {i: [pending[i], *drafts] for i, drafts in zip(wanting, drafted, strict=True) if drafts}
 
     def _verify(self, proposals: dict[int, list[int]]) -> list[Any]:
         n_rows = len(self.uids)

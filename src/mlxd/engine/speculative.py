@@ -124,7 +124,10 @@ class Speculation(Feature):
     checkpoints: DraftCheckpoints | None = None  # a draft model's KV in the prompt cache (with the target's)
 
     def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
-        drafts = self.source.propose(tokens, pending, min(self.k, limit))
+        return self.drafted(self.source.propose(tokens, pending, min(self.k, limit)))
+
+    def drafted(self, drafts: list[int]) -> list[int]:
+        """What the source proposed, cut before an image span key; nothing found backs off."""
         for i, t in enumerate(drafts):  # an image's span keys (kv/media.py) are no vocabulary tokens
             if is_media_id(t):
                 drafts = drafts[:i]
@@ -165,6 +168,7 @@ class Drafts:
             grammar_refused=c.grammar_refused,
             gate_pauses=self.gate.pauses,
             draft_prefix_reused=self.prefix.reused, draft_prefix_recomputed=self.prefix.recomputed,
+            draft_steps=c.draft_steps, draft_rows=c.draft_rows,
         )
 
     def _part(self, uid: int) -> Speculation | None:
@@ -181,17 +185,34 @@ class Drafts:
         part = self._part(uid)
         return part is not None and part.backoff.ready()
 
-    def propose(self, uid: int, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
-        part = self._part(uid)
-        if part is None or limit <= 0:
-            return []
-        drafts = part.propose(tokens, pending, limit)
-        grammar = self._grammar(uid)
-        if grammar is not None and drafts:  # a constrained row verifies only what its grammar allows
-            admitted = grammar.admit(tokens, pending, drafts)
-            self.counters.grammar_refused += len(drafts) - len(admitted)
-            drafts = admitted
-        return drafts
+    def propose(self, asks: Sequence[tuple[int, Sequence[int], int, int]]) -> list[list[int]]:
+        """Each row's drafts, for `(uid, tokens, pending, limit)` each. Rows drafting from the draft
+        model propose together (one draft forward per draft position for all of them)."""
+        from mlxd.engine.draft import ModelDrafts, propose_rows
+
+        out: list[list[int]] = [[] for _ in asks]
+        together: list[tuple[int, Speculation]] = []
+        for n, (uid, tokens, pending, limit) in enumerate(asks):
+            part = self._part(uid)
+            if part is None or limit <= 0:
+                continue
+            if isinstance(part.source, ModelDrafts):
+                together.append((n, part))
+            else:
+                out[n] = part.propose(tokens, pending, limit)
+        if together:
+            self.counters.draft_steps += 1
+            self.counters.draft_rows += len(together)
+            rows = [(p.source, asks[n][1], asks[n][2], min(p.k, asks[n][3])) for n, p in together]
+            for (n, part), drafts in zip(together, propose_rows(rows), strict=True):  # type: ignore[arg-type]
+                out[n] = part.drafted(drafts)
+        for n, (uid, tokens, pending, _) in enumerate(asks):
+            grammar = self._grammar(uid)
+            if grammar is not None and out[n]:  # a constrained row verifies only what its grammar allows
+                admitted = grammar.admit(tokens, pending, out[n])
+                self.counters.grammar_refused += len(out[n]) - len(admitted)
+                out[n] = admitted
+        return out
 
     def verified(self, uid: int, proposed: int, accepted: int) -> None:
         self.counters.add(proposed, accepted)

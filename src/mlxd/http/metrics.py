@@ -173,6 +173,11 @@ def _runtime_families(s: RuntimeStats) -> Iterator[Metric]:
         yield _counter("mlxd_speculation_draft_prefix_recomputed_tokens",
                        "Prompt tokens a draft model computed itself at a row's first step.",
                        spec.draft_prefix_recomputed)
+        yield _counter("mlxd_speculation_draft_steps",
+                       "Steps where a draft model proposed (one draft forward per draft position, all rows).",
+                       spec.draft_steps)
+        yield _counter("mlxd_speculation_draft_rows", "Rows' proposals a draft model made in those steps.",
+                       spec.draft_rows)
 
 
 def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:

@@ -101,6 +101,8 @@ class DraftCounters:
     verify_steps: int = 0  # target forwards that verified drafts (any number of rows)
     constrained_rows: int = 0  # speculating rows whose drafts their grammar checks
     grammar_refused: int = 0  # draft tokens cut before verification: the row's grammar refused them
+    draft_steps: int = 0  # steps where a draft model proposed (one forward per draft position for all its rows)
+    draft_rows: int = 0  # rows' proposals the draft model made in those steps
 
     def add(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -118,57 +120,91 @@ class DraftCounters:
 
 
 @attrs.define
-class SpeculationGate:
-    """Verify drafts only while verifying steps emit tokens faster than plain ones, as measured here.
+class _Rates:
+    """The gate's measurements at one batch size (rows in the step)."""
 
-    Each step's time runs from its start to the next step's start (so the engine's own work
-    on its results counts), and its tokens are what it emitted. The rates of plain and of
-    verifying steps are moving averages; once `min_samples` verifying steps are in and
-    verifying is the slower, drafting pauses for 8, 16, 32 ... steps (at most `max_pause`),
-    and verifying that keeps up resets that.
-    The device decides: a wider forward costs almost nothing on a GPU at batch 1 and a
-    lot on a CPU at batch 8.
+    plain: float = 0.0  # tokens/s of plain steps (0: not measured yet)
+    verify: float = 0.0  # tokens/s of verifying steps
+    samples: int = 0  # verifying steps measured since the last pause
+    since_plain: int = 0  # verifying steps since a plain step was last measured
+    pause: int = 0  # steps left in the current pause
+    pauses: int = 0  # pauses in a row (the next one is twice as long)
+
+
+@attrs.define
+class SpeculationGate:
+    """Verify drafts only while verifying steps emit tokens faster than plain ones, as measured here,
+    at this batch size.
+
+    A step's time runs from its start to the next step's start (so the engine's own work on its
+    results, and the draft model's forwards, count), and its tokens are what it emitted. Each
+    batch size (rows in the step) keeps its own moving averages of plain and of verifying steps:
+    a wider forward costs almost nothing on a GPU at batch 1 and nearly its width on a CPU at
+    batch 8. Only a step that follows a step of the same kind and batch size is measured: a plain
+    step after a verifying one returns before its forward ends (mlx-lm pipelines it), and that
+    forward's time lands in the step after it.
+
+    Where no plain step is measured yet at a batch size, after `min_samples` + 1 verifying steps,
+    and after every `probe_every` verifying steps, plain steps run until one is measured (the
+    rate verifying must beat, kept current). Once `min_samples` verifying steps are in and
+    verifying is the slower, drafting pauses for 8, 16, 32 ... steps (at most `max_pause`);
+    verifying that keeps up resets that.
     """
 
     alpha: float = 0.25
     max_pause: int = 256
     min_samples: int = 4  # verifying steps measured before they are judged (one step is noisy)
-    plain_rate: float = 0.0  # tokens/s of plain steps (0: not measured yet)
-    verify_rate: float = 0.0  # tokens/s of verifying steps
-    pauses: int = 0  # pauses in a row (the next one is twice as long)
-    _samples: int = 0  # verifying steps measured since the last pause
-    _pause: int = 0
-    _open: tuple[bool, int, float] | None = None  # the step in progress: (verifying, tokens, start)
+    probe_every: int = 64  # verifying steps between measured plain steps
+    _by_rows: dict[int, _Rates] = attrs.Factory(dict)
+    _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
+    _last: tuple[int, bool] | None = None  # the step before it: (rows, verifying)
 
-    def allow(self) -> bool:
-        """Whether this step may verify drafts (counts a paused step when not)."""
-        if self._pause > 0:
-            self._pause -= 1
+    @property
+    def pauses(self) -> int:
+        """Pauses in a row, at the batch size where drafting is paused longest (0: it pays everywhere)."""
+        return max((r.pauses for r in self._by_rows.values()), default=0)
+
+    def rates(self, rows: int) -> tuple[float, float]:
+        """(plain, verifying) tokens/s measured at this batch size (0: not yet)."""
+        r = self._by_rows.get(rows, _Rates())
+        return r.plain, r.verify
+
+    def allow(self, rows: int) -> bool:
+        """Whether a step of `rows` rows may verify drafts (counts a paused step when not)."""
+        r = self._by_rows.setdefault(rows, _Rates())
+        if r.pause > 0:
+            r.pause -= 1
             return False
-        return True
+        return r.since_plain < (self.probe_every if r.plain > 0 else self.min_samples + 1)
 
     def started(self, now: float) -> None:
         """A step starts: the previous one ends here."""
         if self._open is None:
             return
-        verifying, tokens, start = self._open
+        rows, verifying, tokens, start = self._open
         self._open = None
-        if now <= start or tokens <= 0:
+        follows = self._last == (rows, verifying)
+        self._last = (rows, verifying)
+        r = self._by_rows.setdefault(rows, _Rates())
+        if verifying:
+            r.since_plain += 1
+        if not follows or now <= start or tokens <= 0:
             return
         rate = tokens / (now - start)
         if not verifying:
-            self.plain_rate = rate if self.plain_rate == 0 else self.plain_rate + self.alpha * (rate - self.plain_rate)
+            r.plain = rate if r.plain == 0 else r.plain + self.alpha * (rate - r.plain)
+            r.since_plain = 0
             return
-        self.verify_rate = rate if self.verify_rate == 0 else self.verify_rate + self.alpha * (rate - self.verify_rate)
-        self._samples += 1
-        if self.plain_rate <= 0 or self._samples < self.min_samples:
+        r.verify = rate if r.verify == 0 else r.verify + self.alpha * (rate - r.verify)
+        r.samples += 1
+        if r.plain <= 0 or r.samples < self.min_samples:
             return
-        if self.verify_rate < self.plain_rate:
-            self._pause = min(self.max_pause, 8 << self.pauses)
-            self.pauses += 1
-            self.verify_rate, self._samples = 0.0, 0  # measured afresh after the pause
+        if r.verify < r.plain:
+            r.pause = min(self.max_pause, 8 << r.pauses)
+            r.pauses += 1
+            r.verify, r.samples = 0.0, 0  # measured afresh after the pause
         else:
-            self.pauses = 0
+            r.pauses = 0
 
-    def ran(self, *, verifying: bool, tokens: int, start: float) -> None:
-        self._open = (verifying, tokens, start)
+    def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
+        self._open = (rows, verifying, tokens, start)
