@@ -22,7 +22,7 @@ acceptance rate and tokens per target forward, and whether each arm's tokens
 equalled off's (and off's its own, run twice).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
-        [--temperature 2 4] [--draft DIR ...] [--draft-preset test ...]
+        [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...]
 
 Results go to benchmarks/results/speculative-*.json.
 """
@@ -126,13 +126,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     "acceptance": accepted / proposed if proposed else 0.0,
                     "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
                     "proposed": proposed, "accepted": accepted, "identical": same[arm],
+                    "verify_steps": a.verify_steps - b.verify_steps, "gate_pauses": a.gate_pauses,
+                    "draft_rows_per_step": ((a.draft_rows - b.draft_rows) / (a.draft_steps - b.draft_steps)
+                                            if a.draft_steps > b.draft_steps else 0.0),
                 }
                 c = case["arms"][arm]
                 print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
                       f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
-                      f"{c['tokens_per_forward']:.2f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
+                      f"{c['tokens_per_forward']:.2f}, verify steps {c['verify_steps']}, draft rows/step "
+                      f"{c['draft_rows_per_step']:.1f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
             out["cases"][f"{label}/batch{batch}"] = case
-    for draft in args.draft:
+    for draft in args.draft if args.prefix_lengths else []:
         out.setdefault("draft_prefix", {})[draft] = draft_prefix(draft, cores["off"], args.prefix_lengths, args.k)
     return out
 
@@ -191,8 +195,10 @@ if __name__ == "__main__":
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
                    help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
                         "the upper bound)")
-    p.add_argument("--prefix-lengths", type=int, nargs="+", default=[256, 1024, 4096],
-                   help="with --draft: prompt lengths whose draft-prefix recompute is timed")
+    p.add_argument("--draft-self", action="store_true",
+                   help="also an arm with the model itself as its draft (acceptance 1.0: the upper bound)")
+    p.add_argument("--prefix-lengths", type=int, nargs="*", default=[],
+                   help="with --draft: prompt lengths whose draft-prefix recompute is timed (e.g. 256 1024)")
     p.add_argument("--cases", choices=("all", "none"), default="all",
                    help="none: only the draft-prefix timing (with --draft)")
     p.add_argument("--draft-preset", action="append", default=[], metavar="PRESET",
@@ -201,6 +207,8 @@ if __name__ == "__main__":
                    help="of the non-repetitive workload (one case per value)")
     parsed = p.parse_args()
     parsed.draft += [str(ensure_model(name)) for name in parsed.draft_preset]
+    if parsed.draft_self:
+        parsed.draft.insert(0, parsed.model or str(ensure_model(parsed.preset)))
     result = main(parsed)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"speculative-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -97,12 +97,12 @@ def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_on
         step(True, 20, 0.020)
     gate.started(now)
     assert gate.allow(8) and gate.pauses == 0 and gate.rates(8)[1] == pytest.approx(1000.0)
-    for slow, pause in ((1, 8), (4, 16), (4, 32)):
+    for slow, pause in ((1, 16), (4, 64), (4, 256)):
         # The average of 4 fast steps turns on one slow one; after a pause, 4 new steps are judged.
-        for n in range(slow + (pause > 8)):  # after a pause the first verifying step is not measured
-            step(True, 2, 0.100)  # 20 tokens/s: slower than plain
+        for n in range(slow + (pause > 16)):  # after a pause the first verifying step is not measured
+            step(True, 10, 0.100)  # 100 tokens/s: slower than plain (though drafts were accepted)
             gate.started(now)
-            assert gate.allow(8) == (n < slow - (pause == 8)), (slow, n)
+            assert gate.allow(8) == (n < slow - (pause == 16)), (slow, n)
         waited = 1
         while not gate.allow(8):
             waited += 1
@@ -114,6 +114,23 @@ def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_on
         step(True, 30, 0.020)  # faster again: the pauses start over
     gate.started(now)
     assert gate.pauses == 0 and gate.allow(8)
+
+
+def test_rejected_drafts_pause_the_gate_without_waiting_for_timings():
+    gate = SpeculationGate()
+    now = 0.0
+    for tokens in (8, 9):  # batch 8: 1.06 tokens per row on average (one draft accepted in two steps)
+        gate.started(now)
+        assert gate.allow(8)
+        gate.ran(rows=8, verifying=True, tokens=tokens, start=now)
+        now += 0.010
+    gate.started(now)
+    assert gate.allow(8), "1.06 tokens per row: not judged by tokens"
+    gate.ran(rows=8, verifying=True, tokens=8, start=now)  # nothing accepted
+    gate.started(now + 0.01)
+    assert not gate.allow(8) and gate.pauses == 1, "under 1.05 tokens per row: a pause, no plain rate needed"
+    assert gate.rates(8) == (0.0, 0.0)
+    assert gate.allow(1), "another batch size is judged on its own"
 
 
 def test_the_gate_judges_each_batch_size_by_its_own_plain_rate_and_keeps_it_current():

@@ -126,6 +126,8 @@ class _Rates:
     plain: float = 0.0  # tokens/s of plain steps (0: not measured yet)
     verify: float = 0.0  # tokens/s of verifying steps
     samples: int = 0  # verifying steps measured since the last pause
+    tried: int = 0  # verifying steps since the last pause (measured or not)
+    gain: float = 0.0  # tokens per row of those steps, a moving average (1.0: drafts bought nothing)
     since_plain: int = 0  # verifying steps since a plain step was last measured
     pause: int = 0  # steps left in the current pause
     pauses: int = 0  # pauses in a row (the next one is twice as long)
@@ -147,13 +149,20 @@ class SpeculationGate:
     Where no plain step is measured yet at a batch size, after `min_samples` + 1 verifying steps,
     and after every `probe_every` verifying steps, plain steps run until one is measured (the
     rate verifying must beat, kept current). Once `min_samples` verifying steps are in and
-    verifying is the slower, drafting pauses for 8, 16, 32 ... steps (at most `max_pause`);
+    verifying is the slower, drafting pauses for 16, 64, 256 steps (at most `max_pause`);
     verifying that keeps up resets that.
+
+    Acceptance needs no clock: a verifying step costs at least a plain one, so while its tokens
+    per row stay under `min_gain` (drafts are rejected: an unrelated draft model, text that does
+    not repeat) it cannot pay, and drafting pauses after `min_tries` such steps, timed or not.
     """
 
     alpha: float = 0.25
     max_pause: int = 256
+    first_pause: int = 16  # each pause in a row is 4 times longer, up to max_pause
     min_samples: int = 4  # verifying steps measured before they are judged (one step is noisy)
+    min_tries: int = 2  # verifying steps before their tokens per row are judged
+    min_gain: float = 1.05  # tokens per row a verifying step must average
     probe_every: int = 64  # verifying steps between measured plain steps
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
     _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
@@ -188,6 +197,11 @@ class SpeculationGate:
         r = self._by_rows.setdefault(rows, _Rates())
         if verifying:
             r.since_plain += 1
+            r.tried += 1
+            r.gain = tokens / rows if r.tried == 1 else r.gain + 0.5 * (tokens / rows - r.gain)
+            if r.tried >= self.min_tries and r.gain < self.min_gain:
+                self._pause(r)
+                return
         if not follows or now <= start or tokens <= 0:
             return
         rate = tokens / (now - start)
@@ -200,11 +214,14 @@ class SpeculationGate:
         if r.plain <= 0 or r.samples < self.min_samples:
             return
         if r.verify < r.plain:
-            r.pause = min(self.max_pause, 8 << r.pauses)
-            r.pauses += 1
-            r.verify, r.samples = 0.0, 0  # measured afresh after the pause
+            self._pause(r)
         else:
             r.pauses = 0
+
+    def _pause(self, r: _Rates) -> None:
+        r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
+        r.pauses += 1
+        r.verify, r.samples, r.tried, r.gain = 0.0, 0, 0, 0.0  # measured afresh after the pause
 
     def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
         self._open = (rows, verifying, tokens, start)
