@@ -15,6 +15,7 @@ the server's template.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from mlxd.model import build_model
 from serving import ServerThread, config_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_agent_templates import TEMPLATE_FILES, run_loop, session  # noqa: E402
+from bench_agent_templates import TEMPLATE_FILES, TOOLS, run_loop, session  # noqa: E402
 
 STEPS = session(4, result_words=12)
 
@@ -67,3 +68,33 @@ def test_an_untrimmable_hybrid_cache_serves_all_but_the_last_token_of_each_step(
         assert row["kept"] == 1.0
         assert row["cached"] == row["ideal"] - 1
         assert row["cached"] / row["ideal"] >= 0.99
+
+
+def greedy(server: ServerThread, http: httpx.Client, messages: list[dict]) -> tuple[str, int]:
+    body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 6, "temperature": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    r.raise_for_status()
+    doc = r.json()
+    return json.dumps(doc["choices"][0]["message"], sort_keys=True), doc["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
+
+
+def test_an_untrimmable_hybrid_cache_reuses_deepseek_r1s_prompt_up_to_its_rewritten_tail(hybrid_dir):
+    # DeepSeek-R1's template rewrites the last 2-20 tokens of each step's prompt in the next one;
+    # the route finds that stable prefix and the engine checkpoints there (runtime/chat/stable_prefix.py).
+    config = config_for(hybrid_dir, chat_template=str(TEMPLATE_FILES["deepseek-r1"]))
+    with ServerThread(config) as server, \
+            httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=120) as http:
+        assert server.runtime is not None and not server.runtime.info.trimmable
+        rows = run_loop(server, http, STEPS, timed=False)
+        last = [*STEPS[-1], {"role": "user", "content": "Summarize."}]
+        warm, warm_cached = greedy(server, http, last)
+    for row in rows[1:]:
+        assert row["ideal"] < row["rendered"]  # the template re-rendered the previous prompt's tail
+        assert row["cached"] == row["ideal"]  # served up to the divergence
+    assert warm_cached > 0
+    with ServerThread(config) as cold_server, \
+            httpx.Client(base_url=cold_server.base_url.removesuffix("/v1"), timeout=120) as http:
+        cold, cold_cached = greedy(cold_server, http, last)
+    assert cold_cached == 0
+    assert warm == cold  # the cut changes where a checkpoint is published, never the output

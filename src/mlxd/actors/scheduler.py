@@ -230,7 +230,7 @@ class SchedulerActor:
             reply: Reply[PrefixLookup] = Reply()
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
-            hit, cuts = lookup.hit, lookup.checkpoint_at
+            hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens
             draft = await self._draft_prefix(

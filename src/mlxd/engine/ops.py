@@ -56,6 +56,7 @@ class EngineInfo:
     adapters: tuple[AdapterInfo, ...] = ()  # --adapter: the LoRA adapters requests may name
     draft_tag: str | None = None  # --draft-model: its identity, the suffix of its cache entries' namespace
     own_memory: OwnMemory | None = None  # --kv-admission: this runtime's measured memory (engine/memory_costs.py)
+    trimmable: bool = True  # its caches can be cut back to a shorter prefix (plain attention; not windows, state)
 
 
 @attrs.frozen(kw_only=True)
@@ -69,7 +70,8 @@ class RowStart:
     draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix (its RAM hit or cold file)
     checkpoint_key: str | None = None  # its generation-checkpoint key (--generation-checkpoint)
     queued_s: float = 0.0  # from submission to this step
-    checkpoint_at: tuple[int, ...] = ()  # prompt lengths to checkpoint at (pinned breakpoint prefixes)
+    # prompt lengths to checkpoint at (pinned breakpoint prefixes, the chat template's stable prefix)
+    checkpoint_at: tuple[int, ...] = ()
 
 
 def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:

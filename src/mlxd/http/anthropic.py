@@ -516,10 +516,10 @@ class _Reply:
 def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
     """POST /v1/messages and /v1/messages/count_tokens, answering errors in Anthropic's shape."""
 
-    async def prompt_of(req: MessagesRequest) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    async def prompt_of(req: MessagesRequest) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
         kit.check_model(req.model)
-        ids, media = await kit.chat_prompt(req.parsed, req.messages, req.options, "messages")
-        return (ids + rt.encode(req.prefill) if req.prefill else ids), media
+        ids, media, cuts = await kit.chat_prompt(req.parsed, req.messages, req.options, "messages")
+        return (ids + rt.encode(req.prefill) if req.prefill else ids), media, cuts
 
     async def pin_breakpoints(req: MessagesRequest, prompt: tuple[int, ...], session: str) -> None:
         """Pin each breakpoint's prefix: the prompt's tokens that the conversation up to its block renders to."""
@@ -559,11 +559,11 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
             req, body = await read(True)
             pin_s = _pin_seconds(body) if req.breakpoints else 0.0
             session = await request_session(rt, request.headers, _session_body(body), pin_s=pin_s)
-            prompt, media = await prompt_of(req)
+            prompt, media, cuts = await prompt_of(req)
             if req.cuts and session is not None and not media:
                 await pin_breakpoints(req, prompt, session)
             (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
-                                                media=media)
+                                                media=media, checkpoint_at=cuts)
             reply = _Reply(rt, choice, kit, kit.reply_model(req.parsed.model))
             if req.parsed.stream:
                 return event_stream(reply.sse())
@@ -578,7 +578,7 @@ def install_anthropic(app: Any, rt: Any, kit: RouteKit) -> None:
     async def count_tokens() -> Response:
         async def route() -> Response:
             req, _ = await read(False)
-            prompt, _ = await prompt_of(req)
+            prompt, _, _ = await prompt_of(req)
             return Response(json.dumps({"input_tokens": len(prompt)}), content_type="application/json")
 
         return await answer(route)

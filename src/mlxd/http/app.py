@@ -547,10 +547,11 @@ def create_app(
 
     def submit(
         prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = (),
-        namespace: str = "", *, follows: bool = False,
+        namespace: str = "", *, follows: bool = False, checkpoint_at: tuple[int, ...] = (),
     ) -> GenerationStream:
         try:
-            request = rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace)
+            request = rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace,
+                                 checkpoint_at=checkpoint_at)
             return rt.submit(request, follows=follows, within_queue_timeout=True)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
@@ -561,13 +562,14 @@ def create_app(
 
     async def start_choices(
         parsed: ParsedRequest, prompt: tuple[int, ...], options: ChatOptions, *, chat: bool, session: str | None,
-        media: tuple[Any, ...] = (),
+        media: tuple[Any, ...] = (), checkpoint_at: tuple[int, ...] = (),
     ) -> list[_Choice]:
         """Submit the request's generations: the first alone, then (n > 1) the rest.
 
         The rest start once the first has a token, when its prompt's checkpoint is
         in the cache: they share that prefill (the cache lends it to each row).
-        Each samples with its own seed (seed, seed + 1, ... when one is given).
+        Each samples with its own seed (seed, seed + 1, ... when one is given). `checkpoint_at`: where
+        the chat template's rendering stops being stable (`Runtime.render_chat_cut`).
         """
         sampling = parsed.sampling
         if options.forced is not None:
@@ -582,7 +584,7 @@ def create_app(
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
                 stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model),
-                                follows=i > 0)  # the first choice has its first token: its prompt is cached
+                                follows=i > 0, checkpoint_at=checkpoint_at)  # the first choice has its first token: its prompt is cached
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and queue_timeout_s > 0 and not await choices[0].reached(PromptAccepted, arrived + queue_timeout_s):
                     raise ApiError(503, f"no batch slot came free within {queue_timeout_s:g} s (--queue-timeout); "
@@ -608,10 +610,11 @@ def create_app(
         options: ChatOptions | None = None,
         session: str | None = None,
         media: tuple[Any, ...] = (),
+        checkpoint_at: tuple[int, ...] = (),
     ) -> Response:
         check_model(parsed.model)
         choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat, session=session,
-                                      media=media)
+                                      media=media, checkpoint_at=checkpoint_at)
         completion = _Completion(rt, choices, parsed, chat=chat)
         if parsed.stream:
             return event_stream(completion.sse(app.nursery.start_soon))
@@ -633,16 +636,17 @@ def create_app(
         options = parse_chat_options(body)
         refuse_early(parsed, chat_chars(messages), "messages")
 
-        async def render(realign: bool) -> tuple[int, ...]:
+        async def render(realign: bool) -> tuple[tuple[int, ...], int | None]:
             try:
-                return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
-                                            realign=realign, namespace=namespace_of(parsed.model))
+                return await rt.render_chat_cut(messages, tools=options.tools,
+                                                template_kwargs=options.template_kwargs, realign=realign,
+                                                namespace=namespace_of(parsed.model))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), param="messages") from None
 
-        prompt, media = await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)  # images: vision/
+        prompt, media, cuts = await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)  # vision/
         return await run(parsed, prompt, chat=True, options=options,
-                         session=await request_session(rt, request.headers, body), media=media)
+                         session=await request_session(rt, request.headers, body), media=media, checkpoint_at=cuts)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -706,14 +710,15 @@ def create_app(
 
     async def kit_prompt(
         parsed: ParsedRequest, messages: list[dict[str, Any]], options: ChatOptions, param: str
-    ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-        """The chat route's prompt steps for another protocol's messages: (prompt, media)."""
+    ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
+        """The chat route's prompt steps for another protocol's messages: (prompt, media, checkpoint cuts)."""
         refuse_early(parsed, chat_chars(messages), param)
 
-        async def render(realign: bool) -> tuple[int, ...]:
+        async def render(realign: bool) -> tuple[tuple[int, ...], int | None]:
             try:
-                return await rt.render_chat(messages, tools=options.tools, template_kwargs=options.template_kwargs,
-                                            realign=realign, namespace=namespace_of(parsed.model))
+                return await rt.render_chat_cut(messages, tools=options.tools,
+                                                template_kwargs=options.template_kwargs, realign=realign,
+                                                namespace=namespace_of(parsed.model))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), param=param) from None
 

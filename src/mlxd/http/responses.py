@@ -474,12 +474,12 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
         if not messages:
             raise _bad("'input' is empty and there is no previous response to continue", "input")
-        prompt, media = await kit.chat_prompt(req.parsed, messages, req.options, "input")
+        prompt, media, cuts = await kit.chat_prompt(req.parsed, messages, req.options, "input")
         rid = _new_id("resp")
         if session is None and req.store:  # a stored conversation's first response names its cache session
             session = rid
         (choice,) = await kit.start_choices(req.parsed, prompt, req.options, chat=True, session=session,
-                                            media=media)
+                                            media=media, checkpoint_at=cuts)
         reply = _Reply(rt, kit, store, req, choice, conversation, session or "", id=rid)
         if req.parsed.stream:
             return event_stream(reply.sse())

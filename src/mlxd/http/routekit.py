@@ -28,10 +28,11 @@ class RouteKit:
 
     read_json: Callable[[], Awaitable[Any]]  # the body, or an ApiError (400) for bad JSON
     check_model: Callable[[str | None], None]  # ApiError (404) for a model this server does not serve
-    # (parsed, chat messages, options, param) -> (prompt, media): refused early if it cannot fit,
-    # rendered by the chat template, images prepared (a 400 names `param`)
-    chat_prompt: Callable[..., Awaitable[tuple[tuple[int, ...], tuple[Any, ...]]]]
-    # (parsed, prompt, options, *, chat, session, media) -> the request's generations (`_Choice`s)
+    # (parsed, chat messages, options, param) -> (prompt, media, checkpoint cuts): refused early if it
+    # cannot fit, rendered by the chat template, images prepared (a 400 names `param`); the cuts: where
+    # the template's rendering stops being stable, on caches that cannot be cut back (else ())
+    chat_prompt: Callable[..., Awaitable[tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]]]
+    # (parsed, prompt, options, *, chat, session, media, checkpoint_at) -> the request's generations (`_Choice`s)
     start_choices: Callable[..., Awaitable[list[Any]]]
     close: Callable[[list[Any]], Awaitable[None]]  # close the generations' streams (shielded)
     # The model a reply names for a request's `model`: the --adapter it chose, else the served model.

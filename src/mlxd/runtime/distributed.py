@@ -108,6 +108,7 @@ def _request(doc: dict[str, Any]) -> GenerationRequest:
         sampling=SamplingParams(**s),
         namespace=doc["namespace"],
         session=doc["session"],
+        checkpoint_at=tuple(int(c) for c in doc.get("checkpoint_at") or ()),
     )
 
 

@@ -53,6 +53,7 @@ from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.kv.tiers import SessionCheckpoint, SsdRecord
 from mlxd.runtime import session_files
 from mlxd.runtime.chat.prompt_tokens import PieceEncoder
+from mlxd.runtime.chat.stable_prefix import cut_for, stable_prefix
 from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import ChannelStats, Reply
@@ -228,7 +229,29 @@ class Runtime:
         template_kwargs: dict[str, Any] | None = None,
         realign: bool = True,
     ) -> tuple[int, ...]:
-        """Apply the model's chat template (with the generation prompt) and tokenize.
+        """Apply the model's chat template (with the generation prompt) and tokenize (`render_chat_cut`)."""
+        ids, _ = await self.render_chat_cut(messages, namespace=namespace, tools=tools,
+                                            template_kwargs=template_kwargs, realign=realign, probe=False)
+        return ids
+
+    def needs_template_cuts(self) -> bool:
+        """Whether chat prompts get a checkpoint at their template's stable prefix: only where the
+        cache cannot be cut back to a common prefix (runtime/chat/stable_prefix.py)."""
+        return not self.info.trimmable and self.config.prompt_cache_bytes > 0
+
+    async def render_chat_cut(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        namespace: str = "",
+        tools: Sequence[dict[str, Any]] = (),
+        template_kwargs: dict[str, Any] | None = None,
+        realign: bool = True,
+        probe: bool = True,
+    ) -> tuple[tuple[int, ...], int | None]:
+        """Apply the model's chat template (with the generation prompt) and tokenize; with `probe` on an
+        untrimmable cache, also the position to checkpoint at where the template's rendering stops
+        being stable under continuation (runtime/chat/stable_prefix.py), or None.
 
         `tools` (OpenAI function specs) and `template_kwargs` (e.g. `enable_thinking`)
         are passed to the template.
@@ -244,8 +267,9 @@ class Runtime:
             kwargs = dict(template_kwargs or {})
             if tools:
                 kwargs["tools"] = list(tools)
-            text, plain = await trio.to_thread.run_sync(
-                partial(render, self.tokenizer, messages, encode=self.prompt_tokens.encode, **kwargs)
+            probing = probe and self.needs_template_cuts()
+            text, plain, stable = await trio.to_thread.run_sync(
+                partial(_render_probed, self.tokenizer, messages, self.prompt_tokens.encode, kwargs, probing)
             )
             replies = {m["content"]: self.history.get(m["content"]) for m in messages
                        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
@@ -268,7 +292,8 @@ class Runtime:
                 if better == ids:
                     break
                 ids = better
-        return tuple(int(t) for t in ids)
+        ids = tuple(int(t) for t in ids)
+        return ids, (cut_for(stable, plain, ids) if stable is not None else None)
 
     def remember_reply(self, text: str, ids: Sequence[int]) -> None:
         """Record a generated reply's exact ids (if they decode to exactly `text`)."""
@@ -288,10 +313,12 @@ class Runtime:
         request_id: str | None = None,
         session: str | None = None,
         media: Sequence[Any] = (),
+        checkpoint_at: Sequence[int] = (),
     ) -> GenerationRequest:
         """Validate and build a request for exact prompt token ids (`session`: seed §5.12).
 
         `media`: the prompt's images (vision/encoder.ImageInput); their spans hold media key ids (kv/media.py).
+        `checkpoint_at`: prompt lengths to checkpoint at (the chat template's stable prefix, `render_chat_cut`).
         """
         prompt = tuple(int(t) for t in prompt)
         if sampling is None:
@@ -335,6 +362,7 @@ class Runtime:
         return GenerationRequest(
             request_id=request_id or self.new_request_id(), prompt=prompt, sampling=sampling, namespace=namespace,
             session=session, media=tuple(media),
+            checkpoint_at=tuple(sorted({int(c) for c in checkpoint_at if 0 < int(c) < len(prompt)})),
         )
 
     # --- submitting --------------------------------------------------------------
@@ -560,6 +588,23 @@ class Runtime:
         while self.scheduler.stats.running or ChannelStats.of(self._submit).queued:
             await self.scheduler.wait_idle()
             await trio.lowlevel.checkpoint()
+
+
+def _render_probed(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], encode: Callable[[str], tuple[int, ...]],
+    kwargs: dict[str, Any], probing: bool,
+) -> tuple[str, tuple[int, ...], int | None]:
+    """(text, canonical ids, stable prefix or None): the chat's rendering and, when `probing`, how much
+    of it the template keeps when the conversation goes on (a worker thread: it renders 1 + 2 times)."""
+    text, plain = render(tokenizer, messages, encode=encode, **kwargs)
+    if not probing:
+        return text, plain, None
+    t0 = time.perf_counter()
+    stable = stable_prefix(lambda m: render(tokenizer, m, encode=encode, **kwargs)[1], messages, plain,
+                           tools=kwargs.get("tools") or ())
+    log.debug("chat.stable_prefix", prompt_tokens=len(plain), stable=stable,
+              probe_ms=round((time.perf_counter() - t0) * 1e3, 2))
+    return text, plain, stable
 
 
 @attrs.frozen

@@ -33,14 +33,16 @@ async def chat_prompt(
     messages: Sequence[dict[str, Any]],
     sampling: SamplingParams,
     render: Any,
-) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """(prompt key, media) of a chat: `render(realign)` renders it; with no image, media is ()."""
+) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
+    """(prompt key, media, checkpoint cuts) of a chat: `render(realign)` renders it, (ids, template cut or
+    None); with no image, media is (); with images, no cut (their rows prefill whole)."""
     try:
         refs = image_refs(messages)
     except ImageRejected as exc:
         raise ApiError(400, str(exc), param="messages") from None
     if not refs:
-        return await render(True), ()
+        ids, cut = await render(True)
+        return ids, (), (() if cut is None else (cut,))
     if preparer is None:
         raise ApiError(400, f"the model '{rt.info.model_name}' does not read images: serve a vision model "
                        "(e.g. --preset test-vlm)", param="messages", code="unsupported_content")
@@ -55,8 +57,8 @@ async def chat_prompt(
         prepared = preparer.known(refs)
         if prepared is None:
             prepared = await trio.to_thread.run_sync(preparer.prepare, refs)
-        ids = await render(False)
-        return preparer.widen(ids, prepared)
+        ids, _ = await render(False)
+        return *preparer.widen(ids, prepared), ()
     except ImageRejected as exc:
         raise ApiError(400, str(exc), param="messages", code="invalid_image") from None
 

@@ -71,6 +71,9 @@ class GenerationRequest:
     session: str | None = None
     # Images in prompt order; their spans' key ids are in `prompt` (kv/media.py).
     media: tuple[ImageInput, ...] = ()
+    # Prompt lengths to checkpoint at besides the cache's own: where the chat template's rendering
+    # stops being stable (runtime/chat/stable_prefix.py), for caches that cannot be cut back.
+    checkpoint_at: tuple[int, ...] = ()
 
 
 # --- events for one request (engine -> scheduler -> client) -------------------
