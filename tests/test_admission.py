@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from mlxd import RuntimeConfig, SamplingParams, open_runtime
-from mlxd.kv.admission import Admit, KvAdmission, Refuse, Wait, weights_bytes
+from mlxd.kv.admission import Admit, KvAdmission, RamRoom, Refuse, Wait, weights_bytes
 from mlxd.runtime.supervisor import InvalidRequest
 
 from serving import ServerThread, config_for
@@ -24,7 +27,7 @@ def test_the_rule_admits_waits_and_refuses_with_the_numbers():
     assert kv.decide(600, 40) == Wait(40 * MIB, 20 * MIB)
     assert kv.decide(300, 20) == Admit(20 * MIB)
     # Bytes the tiers cannot free yet (entries waiting for their SSD write) count too.
-    assert isinstance(kv.decide(300, 20, pinned_bytes=MIB), Wait)
+    assert isinstance(kv.decide(300, 20, ram=RamRoom(unfreeable_bytes=MIB)), Wait)
     kv.release("a")
     assert kv.decide(600, 40) == Admit(40 * MIB) and kv.reserved_bytes == 0
     # More than the budget leaves beside the model: never, whatever runs.
@@ -141,10 +144,114 @@ def test_the_ram_bytes_the_tiers_cannot_free_are_held_against_the_room():
     with_ssd = CacheTiers(PromptCache(max_bytes=10 * MIB, clock=lambda: 0.0), ssd=True)
     publish(with_ssd, 0, 3 * MIB)
     assert with_ssd.unfreeable_bytes() == 3 * MIB  # not written yet: it may not be demoted
+    assert with_ssd.ram_room() == RamRoom(unfreeable_bytes=3 * MIB, freeable_bytes=0)
+    assert ram_only.ram_room() == RamRoom(unfreeable_bytes=2 * MIB, freeable_bytes=MIB)
     kv = KvAdmission(budget_bytes=10 * MIB, kv_bytes_per_token=MIB // 16, fixed_bytes=2 * MIB)
     kv.admit("a", 4 * MIB)
-    assert kv.decide(48, 16, pinned_bytes=0) == Admit(4 * MIB)
-    assert kv.decide(48, 16, pinned_bytes=with_ssd.unfreeable_bytes()) == Wait(4 * MIB, MIB)
+    assert kv.decide(48, 16) == Admit(4 * MIB)
+    assert kv.decide(48, 16, ram=with_ssd.ram_room()) == Wait(4 * MIB, MIB)
+    # Freeable RAM in the way is freed first: what stands in the way, never more than there is.
+    assert kv.decide(48, 16, ram=RamRoom(freeable_bytes=MIB)) == Admit(4 * MIB, free_ram_bytes=MIB)
+    assert kv.decide(48, 16, ram=RamRoom(freeable_bytes=3 * MIB)) == Admit(4 * MIB, free_ram_bytes=3 * MIB)
+    assert kv.decide(32, 16, ram=RamRoom(unfreeable_bytes=MIB, freeable_bytes=MIB)) == Admit(
+        3 * MIB, free_ram_bytes=MIB)
+    assert kv.decide(32, 16, ram=RamRoom(freeable_bytes=MIB)) == Admit(3 * MIB)  # fits beside it
+    # Alone, a request runs whatever the RAM tier holds, once all it can free is freed.
+    kv.release("a")
+    assert kv.decide(48, 16, ram=RamRoom(unfreeable_bytes=7 * MIB, freeable_bytes=MIB)) == Admit(
+        4 * MIB, free_ram_bytes=MIB)
+    # The tiers free what can go, coldest first, never pinned entries.
+    assert ram_only.free_for_rows(MIB) == [] and ram_only.ram_room() == RamRoom(2 * MIB, 0)
+    assert ram_only.free_for_rows(MIB) == [] and ram_only.ram.bytes == 2 * MIB
+
+
+async def test_the_scheduler_asks_the_cache_owner_to_free_ram_before_it_admits():
+    """The scheduler learns what the RAM tier holds by message (`ReleaseRam`), and has the cache owner
+    free the freeable RAM that stands in a request's way before it starts; a request that does not fit
+    beside the running ones and the unfreeable RAM waits, and frees nothing."""
+    from mlxd.actors.cache_owner import CacheOwnerActor
+    from mlxd.actors.scheduler import SchedulerActor
+    from mlxd.runtime.kernel.messages import (
+        GenerationEvent,
+        GenerationFinished,
+        GenerationRequest,
+        PinSession,
+        PromptAccepted,
+        PublishPrefix,
+        StartGeneration,
+        SubmitGeneration,
+        TokenGenerated,
+    )
+
+    config = RuntimeConfig(max_batch=4, prompt_cache_bytes=64 * MIB)
+    cache_send, cache_receive = trio.open_memory_channel(8)
+    owner = CacheOwnerActor(config, inbox=cache_receive, clock=lambda: 0.0, memory_budget=10 * MIB)
+    # 64 KiB of KV per token: a 64-token prompt with 16 to generate needs 5 MiB.
+    kv = KvAdmission(budget_bytes=10 * MIB, kv_bytes_per_token=MIB // 16, fixed_bytes=2 * MIB)
+    submit_send, submit_receive = trio.open_memory_channel[SubmitGeneration](8)
+    engine_send, engine_receive = trio.open_memory_channel(8)
+    scheduler = SchedulerActor(config, inbox=submit_receive, engine=engine_send, cache=cache_send.clone(),
+                               kv_admission=kv)
+    started: list[str] = []
+    rows: dict[str, trio.MemorySendChannel[GenerationEvent]] = {}
+    one_started = trio.Event()
+
+    async def engine() -> None:  # scripted: a row holds its reservation until the test finishes it
+        async for msg in engine_receive:
+            if isinstance(msg, StartGeneration):
+                started.append(msg.request.request_id)
+                n = len(msg.request.prompt)
+                msg.events.send_nowait(PromptAccepted(n, 0, "none", 0.0))
+                msg.events.send_nowait(TokenGenerated(1))
+                rows[msg.request.request_id] = msg.events
+                one_started.set()
+
+    def finish(request_id: str) -> None:
+        events = rows.pop(request_id)
+        events.send_nowait(GenerationFinished("length", 64, 0, 1))
+        events.close()
+
+    async def ask(request_id: str, prompt_start: int) -> None:
+        send, receive = trio.open_memory_channel[GenerationEvent](math.inf)
+        request = GenerationRequest(request_id=request_id, prompt=tuple(range(prompt_start, prompt_start + 64)),
+                                    sampling=SamplingParams(max_tokens=16))
+        await submit_send.send(SubmitGeneration(request, send, 0.0))
+        async with receive:
+            async for _ in receive:
+                pass
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        nursery.start_soon(engine)
+        await nursery.start(scheduler.run)
+        # The RAM tier: 3 MiB the tiers can free (no SSD tier: evicted), 1 MiB pinned.
+        await cache_send.send(PinSession("s", 600))
+        for start, nbytes, session in ((1000, 3 * MIB, None), (2000, MIB, "s")):
+            await cache_send.send(PublishPrefix(tuple(range(start, start + 10)), "", [], nbytes, True, "final",
+                                                session=session))
+        # 10 - 2 fixed - 1 pinned leaves 7 MiB, 4 beside the freeable 3: the first request needs 5.
+        nursery.start_soon(ask, "a", 0)
+        await one_started.wait()
+        assert started == ["a"] and kv.reserved_bytes == 5 * MIB
+        assert owner.cache.bytes == MIB  # the 3 MiB entry left before "a" started; the pinned one stays
+        memory = owner.stats().tiers.memory
+        assert memory is not None and memory.admission_freed_bytes == 3 * MIB and memory.admission_frees == 1
+        # A free entry again, and a second request: 10 - 2 - 5 - 1 leaves 2 MiB, it needs 5: it waits,
+        # and nothing is freed for it yet.
+        await cache_send.send(PublishPrefix(tuple(range(3000, 3010)), "", [], 3 * MIB, True, "final"))
+        one_started = trio.Event()
+        nursery.start_soon(ask, "b", 100)
+        await trio.testing.wait_all_tasks_blocked()
+        assert started == ["a"] and owner.cache.bytes == 4 * MIB
+        # "a" ends: "b" fits once the free entry goes (7 MiB beside the pinned one, 4 beside both).
+        finish("a")
+        await one_started.wait()
+        assert started == ["a", "b"] and owner.cache.bytes == MIB
+        assert owner.stats().tiers.memory.admission_freed_bytes == 6 * MIB  # type: ignore[union-attr]
+        finish("b")
+        await trio.testing.wait_all_tasks_blocked()
+        assert kv.admitted == 2 and kv.waited == 1 and kv.reserved_bytes == 0
+        nursery.cancel_scope.cancel()
 
 
 def test_prefill_working_memory_is_reserved_until_the_first_token():

@@ -74,6 +74,7 @@ from mlxd.runtime.kernel.messages import (
     PublishPrefix,
     QueryCacheStats,
     RecordLost,
+    ReleaseRam,
     RestoreMeasured,
     ShardsDropped,
 )
@@ -311,6 +312,9 @@ class CacheOwnerActor:
             msg.reply.send(tiers.ram.find_exact(msg.tokens, msg.namespace) is not None)
         elif isinstance(msg, QueryCacheStats):
             msg.reply.send(self.stats())
+        elif isinstance(msg, ReleaseRam):
+            self._apply(tiers.free_for_rows(msg.nbytes))
+            msg.reply.send(tiers.ram_room())
         elif isinstance(msg, FlushThrough):
             if self._durability is None:
                 raise RuntimeError("no SSD tier to flush to")

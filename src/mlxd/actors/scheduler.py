@@ -18,7 +18,7 @@ import attrs
 import structlog
 import trio
 
-from mlxd.kv.admission import Admit, KvAdmission, Refuse
+from mlxd.kv.admission import Admit, KvAdmission, RamRoom, Refuse
 from mlxd.kv.tiers import PrefixLookup, SsdMatch
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import Reply
@@ -37,6 +37,7 @@ from mlxd.runtime.kernel.messages import (
     LookupPrefix,
     PrefetcherMessage,
     PromptAccepted,
+    ReleaseRam,
     RequestRecord,
     RestoreSnapshot,
     ResumeGeneration,
@@ -79,7 +80,6 @@ class SchedulerActor:
         checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
         kv_admission: KvAdmission | None = None,
         draft_tag: str | None = None,
-        ram_held: Callable[[], int] | None = None,
     ) -> None:
         """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget.
         `draft_tag` (--draft-model): the draft's cache entries are looked up too, in their own namespace."""
@@ -87,7 +87,6 @@ class SchedulerActor:
         self._config = config
         self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
         self._kv_room = trio.Event()  # set (and replaced) whenever an admitted row leaves or ends its prefill
-        self._ram_held = ram_held  # RAM tier bytes the budget cannot free now (CacheTiers.unfreeable_bytes)
         self._kv_waited: set[str] = set()  # admitted after waiting for memory (RequestRecord.kv_waited)
         self._prefetcher = prefetcher
         self._checkpoints = checkpoints  # the generation checkpointer (--generation-checkpoint)
@@ -122,13 +121,19 @@ class SchedulerActor:
 
     async def _admit_kv(self, submit: SchedulerInbox) -> bool:
         """Wait (first in the queue: later requests wait behind it) until the request's KV fits the
-        memory budget; False when it never can (it fails at once; `Runtime.request` refuses most)."""
+        memory budget beside what the RAM tier cannot free, asking the cache owner first to free the RAM
+        it can that stands in the way; False when it never can (it fails at once; `Runtime.request`
+        refuses most)."""
         assert self.kv_admission is not None
         request, waited = submit.request, False
         while True:
             room = self._kv_room
-            held = self._ram_held() if self._ram_held is not None else 0
-            decision = self.kv_admission.decide(len(request.prompt), request.sampling.max_tokens, pinned_bytes=held)
+            ram = await self._release_ram(0)
+            decision = self.kv_admission.decide(len(request.prompt), request.sampling.max_tokens, ram=ram)
+            if isinstance(decision, Admit) and decision.free_ram_bytes > 0:
+                after = await self._release_ram(decision.free_ram_bytes)
+                log.info("request.kv_free_ram", request_id=request.request_id, asked_bytes=decision.free_ram_bytes,
+                         freed_bytes=ram.freeable_bytes - after.freeable_bytes)
             if isinstance(decision, Admit):
                 self.kv_admission.admit(request.request_id, decision.nbytes, waited=waited,
                                         prefill_bytes=self.kv_admission.prefill_bytes(len(request.prompt)))
@@ -163,6 +168,12 @@ class SchedulerActor:
         if self.stats.running == 0:
             return
         await self._idle.wait()
+
+    async def _release_ram(self, nbytes: int) -> RamRoom:
+        """What the RAM tier holds once the cache owner freed `nbytes` of what it can (0: nothing)."""
+        reply: Reply[RamRoom] = Reply()
+        await self._cache.send(ReleaseRam(nbytes, reply))
+        return await reply.wait()
 
     async def _lifecycle(self, submit: SchedulerInbox) -> None:
         request = submit.request

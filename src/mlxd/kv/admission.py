@@ -14,15 +14,18 @@ The memory budget (`--memory-budget`) holds the fixed memory (`fixed_bytes`:
 serving counts this runtime's own memory measured at load on the engine
 thread, as a delta of MLX's active memory, so another runtime in the process
 is not counted; never less than the weights' files), the rows being
-generated, and the RAM tier. The RAM tier is what the tiers can free: under a
-budget they demote or evict its entries as rows need the room
-(`CacheTiers.check_budget`), except entries still waiting for their SSD write
-and pinned ones (`held_bytes`: `CacheTiers.unfreeable_bytes`).
+generated, and the RAM tier (`RamRoom`, which the cache owner reports by
+message): the bytes the tiers cannot free now (entries still waiting for their
+SSD write, pinned ones: `unfreeable`) and the bytes they can (durable entries
+demoted, droppable ones evicted: `freeable`).
 
 So a request is
 
-- admitted when `fixed + reserved rows + held + its need <= budget`, or when
-  no other row is running (it fits alone: `fixed + its need <= budget`);
+- admitted when `fixed + reserved rows + RAM tier + its need <= budget`;
+- admitted once the tiers free `free_ram_bytes` (`Admit.free_ram_bytes`, the
+  scheduler asks the cache owner first) when it fits only beside the
+  unfreeable part, `fixed + reserved rows + unfreeable + its need <= budget`,
+  or when no other row is running (it fits alone: `fixed + its need <= budget`);
 - left waiting at the head of the queue otherwise, until rows finish;
 - refused at once when it can never fit: `fixed + its need > budget` (HTTP
   400, with the numbers).
@@ -43,8 +46,19 @@ MB = 1024 * 1024
 
 
 @attrs.frozen
+class RamRoom:
+    """What the RAM tier holds against the memory budget (the cache owner's reply to `ReleaseRam`)."""
+
+    unfreeable_bytes: int = 0  # pinned, or waiting for its SSD write: stays whatever rows need
+    freeable_bytes: int = 0  # durable (demoted) or droppable (evicted) entries: freed when rows need the room
+
+
+@attrs.frozen
 class Admit:
+    """Start now, once the tiers freed `free_ram_bytes` of the RAM tier (0: it fits as it is)."""
+
     nbytes: int
+    free_ram_bytes: int = 0
 
 
 @attrs.frozen
@@ -126,18 +140,21 @@ class KvAdmission:
             f"MiB): lower max_tokens or shorten the prompt"
         )
 
-    def decide(self, prompt_tokens: int, max_tokens: int, *, pinned_bytes: int = 0) -> Decision:
-        """Admit, wait or refuse a request now (nothing is reserved: see `admit`). `pinned_bytes`: RAM
-        tier bytes the tiers cannot free now (entries waiting for their SSD write, pinned ones)."""
+    def decide(self, prompt_tokens: int, max_tokens: int, *, ram: RamRoom | None = None) -> Decision:
+        """Admit, wait or refuse a request now (nothing is reserved: see `admit`). `ram`: what the RAM
+        tier holds now; a request that fits only once its freeable part goes is admitted with
+        `free_ram_bytes` to free first (the freeable bytes in the way, never more)."""
         if not self.enabled:
             return Admit(0)
         need = self.need_bytes(prompt_tokens, max_tokens)
         why = self.never_fits(prompt_tokens, max_tokens)
         if why is not None:
             return Refuse(need, why)
-        free = self.budget_bytes - self.fixed_bytes - self.reserved_bytes - max(0, pinned_bytes)
+        ram = ram or RamRoom()
+        freeable = max(0, ram.freeable_bytes)
+        free = self.budget_bytes - self.fixed_bytes - self.reserved_bytes - max(0, ram.unfreeable_bytes)
         if need <= free or not self._reserved:
-            return Admit(need)
+            return Admit(need, free_ram_bytes=min(freeable, max(0, need - (free - freeable))))
         return Wait(need, free)
 
     def admit(self, request_id: str, nbytes: int, *, waited: bool = False, prefill_bytes: int = 0) -> None:

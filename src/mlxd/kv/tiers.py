@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from mlxd.kv.admission import RamRoom
 from mlxd.kv.blocks import BlockLedger, BlockRef
 from mlxd.kv.host_tier import HostTier, HostTierStats
 from mlxd.kv.pins import PinSet, PrefixPin, SessionPin
@@ -203,6 +204,8 @@ class MemoryStats:
     demotions: int  # durable entries that left RAM for the budget (their copy stays on SSD)
     evictions: int  # entries dropped for the budget without an SSD tier
     freed_bytes: int
+    admission_freed_bytes: int = 0  # freed before a row the scheduler admitted (--kv-admission)
+    admission_frees: int = 0  # entries that left RAM for those rows
 
 
 @attrs.frozen
@@ -404,6 +407,8 @@ class _MemoryCounters:
     demotions: int = 0
     evictions: int = 0
     freed: int = 0
+    admission_freed: int = 0
+    admission_frees: int = 0
 
 
 @attrs.define
@@ -897,6 +902,26 @@ class CacheTiers:
         may = self._may_evict if self.ssd else _always
         return sum(e.nbytes for e in self.ram.entries() if keep(e) or not may(e))
 
+    def ram_room(self) -> RamRoom:
+        """What the RAM tier holds against the memory budget: the part it cannot free now and the rest
+        (pages shared by several entries are counted once, in the rest)."""
+        held = min(self.unfreeable_bytes(), self.ram.bytes)
+        return RamRoom(unfreeable_bytes=held, freeable_bytes=max(0, self.ram.bytes - held))
+
+    def free_for_rows(self, nbytes: int) -> list[Effect]:
+        """Admission: free at least `nbytes` of RAM before a row that needs them starts, coldest first,
+        what can go (durable entries demoted, droppable ones evicted; never pinned ones)."""
+        if nbytes <= 0:
+            return []
+        prefer = self._unreferenced if len(self.sessions) else None
+        may = self._may_evict if self.ssd else _always
+        released = self.ram.release(nbytes, may_evict=may, prefer=prefer, keep=self._keep())
+        self._memory.admission_freed += released.freed_bytes
+        self._memory.admission_frees += len(released.evicted)
+        if self.ssd:
+            self._demotions += len(released.evicted)
+        return self._to_host(released.evicted)
+
     def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
 
@@ -963,6 +988,8 @@ class CacheTiers:
             demotions=m.demotions,
             evictions=m.evictions,
             freed_bytes=m.freed,
+            admission_freed_bytes=m.admission_freed,
+            admission_frees=m.admission_frees,
         )
 
     # --- internals ------------------------------------------------------------------

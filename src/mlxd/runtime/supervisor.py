@@ -842,8 +842,6 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         kv_admission=_kv_admission(config, info),
         draft_tag=info.draft_tag,
-        # --kv-admission: RAM tier bytes the budget cannot free now (read on this trio thread)
-        ram_held=cache_owner.tiers.unfreeable_bytes,
     )
     await actors.start(scheduler.run)
     return Runtime(

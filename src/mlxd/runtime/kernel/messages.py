@@ -2,6 +2,7 @@
 
 Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
       scheduler --LookupPrefix--> cache owner (reply: PrefixLookup)
+      scheduler --ReleaseRam--> cache owner (reply: RamRoom; --kv-admission)
       runtime --PrefetchHint--> cache owner --PrefetchRecord--> prefetcher
       scheduler --FetchSnapshot--> prefetcher (reply: LoadedSnapshot | None)
       cache owner --MarkDirty / ForgetDirty / MarkNotStored--> durability coordinator
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from mlxd.kv.admission import RamRoom
 from mlxd.kv.gen_checkpoint import GenerationRecord
 from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
@@ -464,6 +466,15 @@ class PinPrefix:
     ttl_s: float
 
 
+@attrs.frozen(eq=False)
+class ReleaseRam:
+    """Admission by KV bytes (kv/admission.py): free `nbytes` of RAM the tiers can free (durable entries
+    demoted, droppable ones evicted, coldest first; 0: free nothing). Reply: what the RAM tier holds then."""
+
+    nbytes: int
+    reply: Reply[RamRoom]
+
+
 CacheOwnerMessage = (
     FlushThrough
     | LookupPrefix
@@ -483,6 +494,7 @@ CacheOwnerMessage = (
     | FindSessionCheckpoint
     | AdoptCheckpoint
     | PinPrefix
+    | ReleaseRam
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
