@@ -25,15 +25,15 @@ import io
 import json
 import platform
 import statistics
+import struct
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_proc import ServeProc  # noqa: E402
@@ -44,9 +44,26 @@ SETTLE_S = 0.5  # idle time before each measured follow-up
 
 def png(seed: int, side: int) -> str:
     rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+    try:
+        from PIL import Image
+    except ImportError:  # a host without Pillow (the client only): the same pixels, written by hand
+        return "data:image/png;base64," + base64.b64encode(_png_bytes(pixels)).decode()
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, format="PNG")
+    Image.fromarray(pixels).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _png_bytes(pixels: np.ndarray) -> bytes:
+    """An 8-bit RGB PNG of `pixels` (h, w, 3), no filter."""
+    h, w, _ = pixels.shape
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + pixels[y].tobytes() for y in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows, 6)) + chunk(b"IEND", b""))
 
 
 def image_turn(url: str, text: str) -> dict[str, Any]:
@@ -54,17 +71,32 @@ def image_turn(url: str, text: str) -> dict[str, Any]:
 
 
 class Client:
+    """httpx as an OpenAI client sends (the body JSON-encoded per request, inside the timing);
+    without httpx (the GPU host), http.client on one kept-alive connection, encoding the same way."""
+
     def __init__(self, proc: ServeProc) -> None:
         self.proc = proc
-        self.http = httpx.Client(base_url=proc.url, timeout=600)
+        try:
+            import httpx
+        except ImportError:
+            self.http: Any = None
+            self.conn = _StdlibHttp(proc.url)
+        else:
+            self.http = httpx.Client(base_url=proc.url, timeout=600)
 
     def ask(self, messages: list[dict[str, Any]], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
         t0 = time.perf_counter()
-        r = self.http.post("/v1/chat/completions",
-                           json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        if self.http is None:
+            reply = self.conn.post_json("/v1/chat/completions", body)
+            return time.perf_counter() - t0, reply
+        r = self.http.post("/v1/chat/completions", json=body)
         seconds = time.perf_counter() - t0
         r.raise_for_status()
         return seconds, r.json()
+
+    def get(self, path: str) -> dict[str, Any]:
+        return self.conn.get_json(path) if self.http is None else self.http.get(path).json()
 
     def engine_ttft(self) -> float:
         """The server's own TTFT of the last request (its request.done log line), in seconds."""
@@ -72,7 +104,32 @@ class Client:
         return json.loads(done[-1])["ttft_ms"] / 1000
 
     def engine(self) -> dict[str, Any]:
-        return self.http.get("/stats").json()["engine"]
+        return self.get("/stats")["engine"]
+
+
+class _StdlibHttp:
+    def __init__(self, url: str) -> None:
+        import http.client
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(url)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+
+    def _json(self, method: str, path: str, body: bytes | None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        self.conn.request(method, path, body=body, headers=headers)
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status >= 400:
+            raise RuntimeError(f"{method} {path}: HTTP {r.status}: {data[:500]!r}")
+        return json.loads(data)
+
+    def post_json(self, path: str, body: Any) -> dict[str, Any]:
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()  # as httpx
+        return self._json("POST", path, raw)
+
+    def get_json(self, path: str) -> dict[str, Any]:
+        return self._json("GET", path, None)
 
 
 def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
