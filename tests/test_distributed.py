@@ -163,6 +163,10 @@ def test_step_ops_round_trip_and_seeds_are_pinned():
     assert decode_ops(encode_ops(cached)) == cached and cached.lends
     reset = StepOps(reset=True, drops=(ShardRef("k", 1),), discard=True)
     assert decode_ops(encode_ops(reset)) == reset
+    # A chat template's stable prefix travels with its request and its start's cuts: every rank cuts alike.
+    cut = GenerationRequest(request_id="c", prompt=tuple(range(40)), checkpoint_at=(20,))
+    with_cuts = StepOps(starts=(RowStart(request=cut, checkpoint_at=(20, 30)),))
+    assert decode_ops(encode_ops(with_cuts)) == with_cuts
     # What only rank 0 holds (its RAM prefix, a restore, a queue time) never goes on the wire.
     entry = CacheEntry("", (1, 2), None, 0, True, 0.0, 0.0)
     local = StepOps(starts=(RowStart(request=greedy, hit=CacheHit(entry, 1), queued_s=0.5),))

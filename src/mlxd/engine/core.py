@@ -242,7 +242,7 @@ class EngineCore:
             adapters=self.adapters.infos,
             draft_tag=self._draft.tag if self._draft is not None else None,
             own_memory=own,
-            trimmable=self._trims,
+            trimmable=self._trims and not loading.has_windows(self.model, self._config),
         )
 
     def _page_pool(self, kv_bytes_per_token: int) -> Any:

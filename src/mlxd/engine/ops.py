@@ -56,7 +56,9 @@ class EngineInfo:
     adapters: tuple[AdapterInfo, ...] = ()  # --adapter: the LoRA adapters requests may name
     draft_tag: str | None = None  # --draft-model: its identity, the suffix of its cache entries' namespace
     own_memory: OwnMemory | None = None  # --kv-admission: this runtime's measured memory (engine/memory_costs.py)
-    trimmable: bool = True  # its caches can be cut back to a shorter prefix (plain attention; not windows, state)
+    # Its caches can be cut back to any shorter prefix: plain attention; not recurrent state, nor a
+    # sliding window (trimmable only until it wraps, which long prompts do)
+    trimmable: bool = True
 
 
 @attrs.frozen(kw_only=True)
