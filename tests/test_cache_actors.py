@@ -265,3 +265,80 @@ def test_messages_are_typed_without_any():
     tree = ast.parse(Path(messages.__file__).read_text())
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert "Any" not in names  # every message field says what it carries
+
+
+def test_the_write_queue_runs_several_writes_but_never_two_of_one_key():
+    queue = WriteQueue()
+    keys = [tuple(range(i, i + 4)) for i in (0, 10, 20)]
+    for tokens in keys:
+        queue.mark("", tokens, plan=None, trimmable=False, nbytes=10)
+    first = queue.next_job(limit=2)
+    second = queue.next_job(limit=2)
+    assert first is not None and second is not None
+    assert queue.next_job(limit=2) is None and queue.writing == 2  # the limit holds
+    assert queue.next_job() is None  # the default is one write at a time
+    queue.mark("", keys[0], plan=None, trimmable=False, nbytes=10)  # a newer version of a key in flight
+    queue.written(second.key, second.version, stored=True)
+    third = queue.next_job(limit=2)
+    assert third is not None and third.record.tokens == keys[2]  # not keys[0] again while it is written
+    queue.written(first.key, first.version, stored=False, error="EIO")
+    again = queue.next_job(limit=2)
+    assert again is not None and again.record.tokens == keys[0] and again.version > first.version
+
+
+async def test_a_flush_sends_several_writes_while_paced_write_behind_sends_one(autojump_clock):
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)
+    governor.set_busy(True)
+    inbox, writer_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer_send, writer = trio.open_memory_channel[WriteSnapshot](1)
+    cache_send, _cache = trio.open_memory_channel[CacheOwnerMessage](64)
+    coordinator = DurabilityCoordinator(inbox=writer_receive, writer=writer_send, cache=cache_send,
+                                        governor=governor, writers=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(coordinator.run)
+        tokens = [tuple(range(i, i + 10)) for i in (0, 100, 200, 300)]
+        for t in tokens:
+            await inbox.send(MarkDirty("", t, plan_for(t), False, 320))
+        first = await writer.receive()
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.WouldBlock):  # paced write-behind: one at a time
+            writer.receive_nowait()
+        await inbox.send(FlushRequest(Reply()))
+        more = [await writer.receive(), await writer.receive()]  # the flush: up to 3 in flight
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.WouldBlock):
+            writer.receive_nowait()
+        assert [j.job.record.tokens for j in (first, *more)] == tokens[:3]
+        record = SsdRecord("", tokens[0], 320, 0.0)
+        await inbox.send(SnapshotWritten(first.job, Stored(record, 0.0), 0.0, WriterStats(writes=1)))
+        assert (await writer.receive()).job.record.tokens == tokens[3]  # one finished, the next starts
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_writer_writes_several_files_at_once_on_its_workers(tmp_path):
+    """Three paced writes on three workers: each one's first slice is out before any finishes."""
+    store = SsdStore(tmp_path, IDENTITY)
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)  # each write then waits minutes after its slice
+    governor.set_busy(True)
+    inbox_send, inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=inbox, outbox=out_send, governor=governor, workers=3)
+    queue = WriteQueue()
+    for i in range(3):
+        tokens = tuple(range(i * 1000, i * 1000 + 256))
+        queue.mark("", tokens, plan=plan_for(tokens, n_heads=8), trimmable=True, nbytes=0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            for _ in range(3):
+                await inbox_send.send(WriteSnapshot(queue.next_job(limit=3)))
+            for _ in range(600):  # one worker would hold the second job back
+                if len(list(tmp_path.rglob("*.tmp"))) == 3:
+                    break
+                await trio.sleep(0.05)
+            assert len(list(tmp_path.rglob("*.tmp"))) == 3  # three writes in flight at once
+            governor.set_busy(False)  # full speed: all three finish
+            written = [await out.receive() for _ in range(3)]
+            nursery.cancel_scope.cancel()
+    assert all(isinstance(w.outcome, Stored) for w in written)
+    assert len(list(tmp_path.rglob("*.mlxkv"))) == 3 and not list(tmp_path.rglob("*.tmp"))

@@ -2,7 +2,9 @@
 
 The dirty-record state machine is `mlxd.kv.write_queue.WriteQueue` (shared
 with the simulator): records are written one at a time through the SSD
-writer, so decode never waits, and a failed write leaves its record failed
+writer, so decode never waits, and up to `writers` at once while a flush waits
+or the backlog is urgent (nothing paces them then: a SIGTERM flush runs at the
+disk's bandwidth, not one file's write-then-fsync at a time), and a failed write leaves its record failed
 and retryable. This actor feeds the writer, reports each outcome to the cache
 owner as a message (`EntryDurable`, `EntryNotPersisted`) and answers flushes:
 a flush retries failures once, waits for everything that was dirty when it
@@ -64,12 +66,14 @@ class DurabilityCoordinator:
         cache: trio.MemorySendChannel[CacheOwnerMessage],
         governor: WriteGovernor | None = None,
         backlog_bytes: int = 0,
+        writers: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # Writing is urgent (full speed, even during decode) while a flush waits
         # or the backlog exceeds backlog_bytes (0 = never by size).
         self._governor = governor
         self._backlog_bytes = backlog_bytes
+        self._writers = max(1, writers)  # writes at once while urgent (the writer's worker threads)
         self._inbox = inbox
         self._writer = writer
         self._cache = cache
@@ -126,10 +130,15 @@ class DurabilityCoordinator:
             await self._cache.send(EntryNotPersisted(record.namespace, tuple(record.tokens), outcome.error))
 
     async def _pump(self) -> None:
-        """Start the next queued write when the writer is idle."""
-        job = self._queue.next_job()
-        if job is not None:
+        """Start queued writes while fewer than the allowed number are in flight."""
+        while (job := self._queue.next_job(limit=self._parallel_writes())) is not None:
             await self._writer.send(WriteSnapshot(job))
+
+    def _parallel_writes(self) -> int:
+        """Several writers only while durability is urgent (a flush waits, the backlog or RAM is over its
+        bound): then nothing paces them; otherwise one paced write at a time, beside decode."""
+        urgent = bool(self._waiters) or (self._governor is not None and bool(self._governor.urgent))
+        return self._writers if urgent else 1
 
     async def _answer_flushes(self) -> None:
         done = [w for w in self._waiters if not self._queue.busy(w.targets)]

@@ -1,7 +1,8 @@
 """The SSD-writer actor: packs, hashes, writes, fsyncs and renames on a worker thread.
 
 It decides nothing about what to keep: it writes what the durability
-coordinator sends, one file at a time, and reports each outcome back as a
+coordinator sends, on `workers` threads (the coordinator sends one job at a
+time while write-behind may be paced, several during a flush), and reports each outcome back as a
 message (`Stored(record)` or `Failed(error)`, with the OS's errno text) along
 with a frozen snapshot of its counters. The thread never calls MLX; it reads
 evaluated host buffers (memoryviews). A paced write stops between two slices
@@ -56,42 +57,50 @@ class SsdWriterActor:
         inbox: trio.MemoryReceiveChannel[WriteSnapshot],
         outbox: trio.MemorySendChannel[DurabilityMessage],
         governor: WriteGovernor | None = None,
+        workers: int = 1,
     ) -> None:
         self._store = store
+        self._workers = max(1, workers)
         self._governor = governor
         self._inbox = inbox
         self._outbox = outbox
-        self._thread: MlxThread | None = None
         # Set when the runtime shuts down: a paced write in flight stops at its next slice.
         self.stopping = threading.Event()
         self._stats = WriterStats()
-        self._staging: host_memory.Staging | None = None  # set on the thread once it runs (CUDA only)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        # A dedicated thread (no MLX calls on it, despite the helper's name).
-        self._thread = MlxThread("mlxd-ssd-writer")
         try:
-            await self._thread.run(lower_priority)
-            if await self._thread.run(host_memory.separate_host_memory):
-                self._staging = host_memory.Staging()
-            task_status.started()
-            async with self._inbox, self._outbox:
-                async for job in self._inbox:
-                    await self._outbox.send(await self._write(job))
+            async with self._inbox, self._outbox, trio.open_nursery() as nursery:
+                for i in range(self._workers):
+                    await nursery.start(self._worker, i)
+                task_status.started()
         finally:
             self.stopping.set()
-            await self._thread.aclose()
 
-    async def _write(self, job: WriteSnapshot) -> SnapshotWritten:
+    async def _worker(self, i: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """One writing thread (no MLX calls on it, despite the helper's name), taking jobs from the shared inbox."""
+        thread = MlxThread(f"mlxd-ssd-writer-{i}")
+        try:
+            await thread.run(lower_priority)
+            # On CUDA, a host buffer of its own; it is allocated at its first write.
+            staging = host_memory.Staging() if await thread.run(host_memory.separate_host_memory) else None
+            task_status.started()
+            async for job in self._inbox:
+                await self._outbox.send(await self._write(job, thread, staging))
+        finally:
+            self.stopping.set()
+            await thread.aclose()
+
+    async def _write(self, job: WriteSnapshot, thread: MlxThread, staging: host_memory.Staging | None) -> SnapshotWritten:
         t0 = time.perf_counter()
         plan = job.job.record.plan
         pacer = None
         try:
-            assert self._thread is not None and plan is not None
+            assert plan is not None
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set)
             # Shutdown cancels us: the paced write stops at its next slice.
-            outcome: WriteOutcome = await self._thread.run(
-                _write, self._store, plan, pacer, self._staging, on_cancel=self.stopping.set
+            outcome: WriteOutcome = await thread.run(
+                _write, self._store, plan, pacer, staging, on_cancel=self.stopping.set
             )
         except WriteInterrupted as exc:
             outcome = Failed(f"write interrupted: {exc}")

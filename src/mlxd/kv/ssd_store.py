@@ -45,7 +45,7 @@ from pathlib import Path
 import attrs
 
 from mlxd.kv import file_format as ff
-from mlxd.kv.block_store import MANIFEST_EXT, BlockStore
+from mlxd.kv.block_store import MANIFEST_EXT, WRITERS, BlockStore
 from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
@@ -350,6 +350,12 @@ class SsdStore:
         return asked
 
     # ------------------------------------------------------------- writes
+
+    @property
+    def concurrent_writes(self) -> int:
+        """Snapshot writes an unpaced flush may run at once: whole files are independent (fresh
+        names), while a blocks-layout write already commits its blocks `WRITERS` at a time."""
+        return WRITERS if self.layout == "whole" else 1
 
     def reserve_path(self, namespace: str = "") -> Path:
         """A fresh file path in the namespace dir (created 0700). Raises StorageError."""

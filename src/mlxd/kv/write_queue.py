@@ -2,7 +2,9 @@
 
 Every RAM checkpoint that is not on SSD is a dirty record keyed by its
 namespace and *exact* tokens (two same-length conversations never cancel each
-other). Records are written one at a time, oldest first; a trimmable record
+other). Records are written oldest first, one at a time unless the caller
+allows more (an unpaced flush); two versions of one key are never written at
+once. A trimmable record
 supersedes its queued strict ancestors (it serves them by trimming). A failed
 write leaves its record failed until a flush retries it once. A flush waits
 for the records dirty when it was called (`open_flush`) and, when one of them
@@ -60,7 +62,7 @@ class WriteCounters:
 @attrs.define
 class WriteQueue:
     _records: OrderedDict[Key, DirtyRecord] = attrs.field(init=False, factory=OrderedDict)
-    _writing: Key | None = attrs.field(init=False, default=None)
+    _writing: set[Key] = attrs.field(init=False, factory=set)  # keys with a write in flight
     _versions: int = attrs.field(init=False, default=0)
     _flushes: list[set[Key]] = attrs.field(init=False, factory=list)  # open flushes' targets
     spills: int = attrs.field(init=False, default=0)
@@ -73,8 +75,9 @@ class WriteQueue:
         return len(self._records)
 
     @property
-    def writing(self) -> bool:
-        return self._writing is not None
+    def writing(self) -> int:
+        """Writes in flight."""
+        return len(self._writing)
 
     def mark(
         self, namespace: str, tokens: Tokens, *, plan: SnapshotPlan | TensorPlan | None, trimmable: bool, nbytes: int,
@@ -108,20 +111,20 @@ class WriteQueue:
             self.dropped_spills += 1
             self.dropped_since_flush += 1
 
-    def next_job(self) -> WriteJob | None:
-        """The next write, when none is in flight."""
-        if self._writing is not None:
+    def next_job(self, *, limit: int = 1) -> WriteJob | None:
+        """The next write, while fewer than `limit` are in flight (never a second one of a key)."""
+        if len(self._writing) >= limit:
             return None
         for key, record in self._records.items():
-            if record.state == "queued":
+            if record.state == "queued" and key not in self._writing:
                 record.state = "writing"
-                self._writing = key
+                self._writing.add(key)
                 return WriteJob(key, record.version, record)
         return None
 
     def written(self, key: Key, version: int, *, stored: bool, error: str | None = None) -> bool:
         """The writer's outcome; True when the failure is the record's current version."""
-        self._writing = None
+        self._writing.discard(key)
         record = self._records.get(key)
         if stored:
             self.spills += 1

@@ -664,10 +664,12 @@ def _cold_tier(
     durability_send, durability_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
     write_send, write_receive = trio.open_memory_channel[WriteSnapshot](1)
     prefetch_send, prefetch_receive = trio.open_memory_channel[PrefetcherMessage](64)
-    writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone(), governor=governor)
+    writers = store.concurrent_writes  # a flush writes this many files at once
+    writer = SsdWriterActor(store, inbox=write_receive, outbox=durability_send.clone(), governor=governor,
+                            workers=writers)
     durability = DurabilityCoordinator(
         inbox=durability_receive, writer=write_send, cache=cache_send.clone(), governor=governor,
-        backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2,
+        backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2, writers=writers,
     )
     prefetcher = PrefetcherActor(
         store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify, land=land
