@@ -1,16 +1,24 @@
-"""Returning conversations with the host tier: mlxd (host tier / RAM only / host + SSD) vs mlx_lm.server.
+"""Issue 28's server goals in one bounded run: mlxd (host tier / RAM only / host + SSD) vs mlx_lm.server.
 
     # on the CUDA host (../shared/GPU.md), or here on the CPU with --small:
-    python3 benchmarks/gpu/bench_host_tier_servers.py --out $OUT [--small]
+    python3 benchmarks/gpu/bench_host_tier_servers.py --out $OUT [--small] [--servers mlx_lm,mlxd_host_ssd]
 
-Each server gets the same conversations (16k-token first prompts on the
-1.7B shape): A cold, A again (RAM hit), A's next turn (prefix hit + ~30 new
-tokens), then B and C cold, which push A out of a RAM tier sized for about
-one conversation (`--prompt-cache-gb 3`), then A's third turn (the returning
-conversation: a host-tier promotion, a recompute without one). mlx_lm.server
-keeps every prompt in device memory. The host + SSD server is then
-restarted on its SSD tier and A's third turn sent again (restore or
-recompute, as its advisor chooses). Client TTFT, streamed, in the same run.
+Each server gets the same conversations (`--prompt-tokens` first prompts, 16k by
+default, on the 1.7B shape): A cold, A again (RAM hit), A's next turn (prefix hit
++ ~30 new tokens), then B and C cold, which push A out of a RAM tier sized for
+about one conversation (`--prompt-cache-gb 3`), then A's third turn (the returning
+conversation: a host-tier promotion, a recompute without one). Then decode: a fresh
+long prompt (its checkpoint is what write-behind writes next), at once 1 stream and
+then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
+tokens' arrival times. mlx_lm.server keeps every prompt in device memory. The host +
+SSD server is then restarted on its SSD tier and A's third turn sent again (restore
+or recompute, as its advisor chooses), then restarted once more with
+`--restore-choice always` (the restore arm) for the ratio to min(restore, recompute).
+
+To fit one device call: the model is built once under `--work` and reused, every
+server starts at once (measured one at a time, each stopped after its turn), and the
+JSON is saved after every measurement (and on SIGTERM, with the servers' log tails).
+The printed summary holds the issue's ratios.
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,67 +45,120 @@ from bench_gpu import QWEN3_1_7B, Proc, build, done_lines, log, text_of, ttft  #
 import mlxd  # noqa: E402, F401
 from mlxd.model import presets  # noqa: E402
 
+EOS_BAN = {"0": -100, "2": -100}  # <|endoftext|>, <|im_end|> of the built-in tokenizer
+TEXTS = {"q2": "Say more about the last part, briefly.", "q3": "And how does that compare with the start?"}
+
 
 def median(xs: list[float]) -> float:
-    s = sorted(xs)
+    s = sorted(x for x in xs if x == x)
     return s[len(s) // 2] if s else float("nan")
 
 
-def conversation(base: str, model: str, first: str, texts: dict[str, str]) -> dict[str, Any]:
-    """Turns of one conversation; returns the history so far and each turn's TTFT."""
-    hist = [{"role": "user", "content": first}]
-    cold = asyncio.run(ttft(base, model, hist))
-    hit = asyncio.run(ttft(base, model, hist))
-    hist += [{"role": "assistant", "content": hit["text"]}, {"role": "user", "content": texts["q2"]}]
-    nxt = asyncio.run(ttft(base, model, hist))
-    hist += [{"role": "assistant", "content": nxt["text"]}, {"role": "user", "content": texts["q3"]}]
-    return {"history": hist, "cold": cold, "hit": hit, "next": nxt}
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b and a == a and b == b else None
 
 
-def run_server(s: Proc, model: str, prompts: list[list[str]], texts: dict[str, str], out: dict[str, Any],
-               save_progress: Any) -> dict[str, Any]:
+async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """Streams at once; tok/s per stream after its first token, and all together over the shared span."""
     import httpx
 
-    rows: list[dict[str, Any]] = []
-    out["start_s"] = s.start()
-    save_progress()
+    async def one(client: httpx.AsyncClient, prompt: str) -> list[float]:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "logit_bias": EOS_BAN}
+        times: list[float] = []
+        async with client.stream("POST", base + "/v1/chat/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:]).get("choices") or []:
+                        if (ch.get("delta") or {}).get("content"):
+                            times.append(time.perf_counter())
+        return times
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        streams = await asyncio.gather(*(one(client, p) for p in prompts))
+    per = [(len(t) - 1) / (t[-1] - t[0]) for t in streams if len(t) > 1 and t[-1] > t[0]]
+    # All rows decoding: from the last stream's first token to the first stream's last one.
+    start, end = max(t[0] for t in streams if t), min(t[-1] for t in streams if t)
+    inside = sum(sum(start <= x <= end for x in t) for t in streams)
+    return {"streams": len(prompts), "tokens": [len(t) for t in streams], "per_stream_tok_s": per,
+            "tok_s": (inside - len(streams)) / (end - start) if end > start else None}
+
+
+def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Namespace, fresh: list[str],
+               out: dict[str, Any], save: Any) -> None:
+    rows: list[dict[str, Any]] = out.setdefault("rows", [])
     asyncio.run(ttft(s.base, model, "warm up " * 20))
     for a, b, c in prompts:
-        conv = conversation(s.base, model, a, texts)
-        others = [asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
-        back = asyncio.run(ttft(s.base, model, conv["history"]))  # A returns after B and C
-        row = {k: conv[k] for k in ("cold", "hit", "next")} | {"others": others, "returning": back,
-                                                                 "history": conv["history"]}
+        row: dict[str, Any] = {}
         rows.append(row)
-        out["rows"] = rows
-        save_progress()
+        hist = [{"role": "user", "content": a}]
+        row["cold"] = asyncio.run(ttft(s.base, model, hist))
+        row["hit"] = asyncio.run(ttft(s.base, model, hist))
+        hist += [{"role": "assistant", "content": row["hit"]["text"]}, {"role": "user", "content": TEXTS["q2"]}]
+        row["next"] = asyncio.run(ttft(s.base, model, hist))
+        hist += [{"role": "assistant", "content": row["next"]["text"]}, {"role": "user", "content": TEXTS["q3"]}]
+        save()
+        row["others"] = [asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
+        row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
+        row["history"] = hist
+        save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
                              ("cold", "hit", "next", "returning")))
-    out["rows"] = rows
+    for i, n in enumerate(args.streams):
+        # A fresh long prompt first: on the SSD server, its checkpoint is being written while these decode.
+        asyncio.run(ttft(s.base, model, fresh[i]))
+        d = asyncio.run(decode(s.base, model, [f"Story {j}: " + TEXTS["q2"] for j in range(n)], args.decode_tokens))
+        out.setdefault("decode", {})[str(n)] = d
+        save()
+        log(s.name, f"decode {n} streams: {d['tok_s']}")
     if s.name.startswith("mlxd"):
-        out["stats"] = httpx.get(s.base + "/stats", timeout=30).json().get("cache")
-    return out
+        import httpx
+
+        stats = httpx.get(s.base + "/stats", timeout=30).json()
+        out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache") if k in stats}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-servers")))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--servers", default="mlxd_host,mlxd_ram,mlxd_host_ssd,mlx_lm")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
+                    help="scratch dir; a model built there is reused (default /tmp/host-servers-work)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
+    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
+                    help="decode concurrency levels (default 1,8)")
+    ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
+                    help="which to run (mlx_lm, mlxd_host, mlxd_ram, mlxd_host_ssd); the restarts follow mlxd_host_ssd")
+    ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
+    ap.add_argument("--start-timeout", type=float, default=180)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="host-servers-"))
+    t_begin = time.perf_counter()
     preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
-    model_dir = build(preset, work / "model")
-    n = 512 if args.small else 16384
-    ram_gb = "0.05" if args.small else "3"
+    args.work.mkdir(parents=True, exist_ok=True)
+    model_dir = args.work / f"model-{preset.name}"
+    if not (model_dir / "config.json").exists():
+        tmp = args.work / f"model-{preset.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(preset, tmp)
+        tmp.rename(model_dir)
+    n = args.prompt_tokens or (512 if args.small else 16384)
+    args.decode_tokens = args.decode_tokens or (24 if args.small else 128)
+    # RAM sized for about 1.5 first prompts, so B and C push A out (KV bytes per token: fp32 on the CPU).
+    kv_per_token = preset.num_hidden_layers * preset.num_key_value_heads * preset.head_dim * 2 * (
+        4 if mx.default_device() == mx.cpu else 2)
+    ram_gb = f"{1.5 * n * kv_per_token / 1e9:.4f}" if args.small else "3"
     host_gb = "1" if args.small else "24"
-    texts = {"q2": "Say more about the last part, briefly.", "q3": "And how does that compare with the start?"}
     prompts = [[text_of(model_dir, n, 700 + 3 * r + i) for i in range(3)] for r in range(args.rounds)]
+    fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))]
+    ssd_dir = args.work / "ssd"
+    shutil.rmtree(ssd_dir, ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
-            "--prompt-cache-gb", ram_gb]
-    ssd = ["--ssd-cache", str(work / "ssd")]
+            "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
+    ssd = ["--ssd-cache", str(ssd_dir)]
     cmds = {
         "mlxd_host": (base + ["--port", "18190", "--host-cache-gb", host_gb, "--device-probe", "off"], 18190),
         "mlxd_ram": (base + ["--port", "18191", "--device-probe", "off"], 18191),
@@ -104,77 +166,161 @@ def main() -> int:
         "mlx_lm": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18193",
                     "--log-level", "WARNING"], 18193),
     }
-    wanted = args.servers.split(",")
+    wanted = [w for w in args.servers.split(",") if w]
+    unknown = [w for w in wanted if w not in cmds]
+    if unknown:
+        ap.error(f"unknown servers {unknown}; choose from {sorted(cmds)}")
+    wanted.sort(key=lambda w: w == "mlxd_host_ssd")  # last: its stop flushes, and the restarts follow it
     out: dict[str, Any] = {"device": str(mx.default_device()), "tokens": n, "rounds": args.rounds,
+                           "decode_tokens": args.decode_tokens, "argv": sys.argv,
                            "commands": {k: " ".join(v[0]) for k, v in cmds.items() if k in wanted}}
     res = args.out / f"host_servers-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    logs = {name: args.work / f"{name}.log" for name in [*wanted, "restart", "restart_always"]}
+    for p in logs.values():
+        p.unlink(missing_ok=True)
+    lock = threading.Lock()
 
     def save() -> None:
-        res.write_text(json.dumps(out, indent=1, default=str))
+        out["elapsed_s"] = round(time.perf_counter() - t_begin, 1)
+        with lock:
+            tmp = res.with_suffix(".tmp")
+            tmp.write_text(json.dumps(out, indent=1, default=str))
+            tmp.replace(res)
 
     def stop(*_: Any) -> None:  # `timeout` sends SIGTERM: keep what was measured, with the server logs' tails
-        for name in wanted:
-            path = work / f"{name}.log"
+        for name, path in logs.items():
             if path.exists():
                 out.setdefault("log_tails", {})[name] = path.read_text(errors="replace")[-4000:]
         save()
         raise SystemExit(124)
 
-    import signal
-
     signal.signal(signal.SIGTERM, stop)
+    out["build_s"] = round(time.perf_counter() - t_begin, 1)
 
-    for name in wanted:
-        cmd, port = cmds[name]
-        s = Proc(name, cmd, port, "/v1/models" if name == "mlx_lm" else "/health", work / f"{name}.log")
-        model = "default_model" if name == "mlx_lm" else model_dir.name
+    # Every server starts at once; each is measured alone, then stopped.
+    procs = {name: Proc(name, cmds[name][0], cmds[name][1], "/v1/models" if name == "mlx_lm" else "/health",
+                        logs[name]) for name in wanted}
+    started: dict[str, Any] = {}
+
+    def start(name: str) -> None:
         try:
-            run_server(s, model, prompts, texts, out.setdefault(name, {}), save)
+            started[name] = procs[name].start(timeout=args.start_timeout)
+        except Exception as exc:
+            started[name] = exc
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in wanted]
+    for t in threads:
+        t.start()
+    stoppers: list[threading.Thread] = []
+    for name, t in zip(wanted, threads, strict=True):
+        t.join()
+        s, entry = procs[name], out.setdefault(name, {})
+        entry["start_s"] = started[name] if not isinstance(started[name], Exception) else None
+        try:
+            if isinstance(started[name], Exception):
+                raise started[name]
+            model = "default_model" if name == "mlx_lm" else model_dir.name
+            run_server(s, model, prompts, args, fresh, entry, save)
         except Exception as exc:  # keep what was measured
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             log(name, "failed", exc)
         finally:
-            out.setdefault(name, {})["exit_code"] = s.stop()
-            if name.startswith("mlxd"):
-                out[name]["log"] = done_lines(work / f"{name}.log")
-            save()
-    if "mlxd_host_ssd" in wanted and out.get("mlxd_host_ssd", {}).get("rows"):
-        cmd, port = cmds["mlxd_host_ssd"]
-        again = Proc("restart", cmd, port, "/health", work / "restart.log")
-        try:
-            out["restart"] = {"start_s": again.start()}
-            rows = [asyncio.run(ttft(again.base, model_dir.name, r["history"])) for r in out["mlxd_host_ssd"]["rows"]]
-            out["restart"]["returning"] = rows
-            import httpx
+            def finish(name: str = name, s: Proc = s, entry: dict[str, Any] = entry) -> None:
+                t0 = time.perf_counter()
+                entry["exit_code"] = s.stop()
+                entry["stop_s"] = round(time.perf_counter() - t0, 2)
+                if name.startswith("mlxd"):
+                    entry["log"] = done_lines(logs[name])
+                    entry["flushed"] = [x for x in _json_lines(logs[name]) if x.get("event") == "serve.flushed"]
+                save()
 
-            out["restart"]["stats"] = httpx.get(again.base + "/stats", timeout=30).json().get("cache")
-            log("restart", [round(r["ttft_s"], 3) for r in rows])
-        except Exception as exc:
-            out["restart_error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            out.setdefault("restart", {})["exit_code"] = again.stop()
-            out["restart"]["log"] = done_lines(work / "restart.log")
-    summary: dict[str, Any] = {}
+            if name == "mlxd_host_ssd":
+                finish()  # the restarts need its directory, flushed
+            else:
+                stoppers.append(threading.Thread(target=finish))
+                stoppers[-1].start()
+            save()
+    for t in stoppers:
+        t.join()
+
+    rows_ssd = out.get("mlxd_host_ssd", {}).get("rows") or []
+    if rows_ssd and not args.no_restart:
+        cmd = cmds["mlxd_host_ssd"][0]
+        for label, extra in (("restart", []), ("restart_always", ["--restore-choice", "always", "--device-probe", "off"])):
+            again = Proc(label, cmd + extra, cmds["mlxd_host_ssd"][1], "/health", logs[label])
+            entry = out.setdefault(label, {})
+            try:
+                entry["start_s"] = again.start(timeout=args.start_timeout)
+                entry["returning"] = []
+                for r in rows_ssd:
+                    entry["returning"].append(asyncio.run(ttft(again.base, model_dir.name, r["history"])))
+                    save()
+                import httpx
+
+                entry["stats"] = httpx.get(again.base + "/stats", timeout=30).json().get("ssd_cache")
+                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]])
+            except Exception as exc:
+                out[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                entry["exit_code"] = again.stop()
+                entry["log"] = done_lines(logs[label])
+                save()
+
+    out["summary"] = summarize(out, wanted)
     for name in wanted:
-        rows = out.get(name, {}).get("rows") or []
-        summary[name] = {k: median([r[k]["ttft_s"] for r in rows]) for k in ("cold", "hit", "next", "returning")}
-    if out.get("restart", {}).get("returning"):
-        summary["restart_returning"] = median([r["ttft_s"] for r in out["restart"]["returning"]])
-    lm = summary.get("mlx_lm", {})
-    for name in wanted:
-        if name != "mlx_lm" and lm:
-            summary[name]["vs_mlx_lm"] = {k: summary[name][k] / lm[k] for k in lm if lm[k] == lm[k] and lm[k] > 0}
-        if name.startswith("mlxd") and summary[name].get("hit"):
-            summary[name]["returning_vs_own_hit"] = summary[name]["returning"] / summary[name]["hit"]
-    out["summary"] = summary
-    for r in (out.get(k, {}) for k in wanted):
-        for row in r.get("rows", []):
+        for row in out.get(name, {}).get("rows", []):
             row.pop("history", None)
     save()
-    log("summary", json.dumps(summary))
-    shutil.rmtree(work, ignore_errors=True)
-    log("->", res)
+    log("summary", json.dumps(out["summary"], indent=1))
+    log("->", res, f"({out['elapsed_s']} s)")
     return 0
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+    """Medians per server, then the issue's goals as ratios (None where an arm did not run)."""
+    med: dict[str, dict[str, Any]] = {}
+    for name in wanted:
+        rows = out.get(name, {}).get("rows") or []
+        m = {k: median([r[k]["ttft_s"] for r in rows if k in r]) for k in ("cold", "hit", "next", "returning")}
+        for n, d in (out.get(name, {}).get("decode") or {}).items():
+            m[f"decode_{n}_tok_s"] = d.get("tok_s")
+        med[name] = m
+    for label in ("restart", "restart_always"):
+        rs = out.get(label, {}).get("returning") or []
+        if rs:
+            med[label] = {"returning": median([r["ttft_s"] for r in rs])}
+    lm, ssd, host, ram = (med.get(k, {}) for k in ("mlx_lm", "mlxd_host_ssd", "mlxd_host", "mlxd_ram"))
+    no_ssd = host or ram
+    goals: dict[str, Any] = {
+        "next_turn_ssd_vs_mlx_lm (goal <= 1.0)": ratio(ssd.get("next"), lm.get("next")),
+        "next_turn_no_ssd_vs_mlx_lm (goal <= 1.0)": ratio(no_ssd.get("next"), lm.get("next")),
+    }
+    for n in ("1", "8"):
+        key = f"decode_{n}_tok_s"
+        goals[f"decode_{n}_streams_ssd_vs_mlx_lm (goal >= 1.0)"] = ratio(ssd.get(key), lm.get(key))
+        goals[f"decode_{n}_streams_ssd_vs_mlxd_no_ssd"] = ratio(ssd.get(key), no_ssd.get(key))
+    for name, m in (("mlxd_host", host), ("mlxd_host_ssd", ssd), ("mlxd_ram", ram)):
+        if m:  # returning after B and C pushed A out of HBM, against a RAM hit of the same shape (the next turn)
+            goals[f"returning_vs_ram_hit_{name}" + (" (goal <= 1.2)" if name == "mlxd_host" else "")] = ratio(
+                m.get("returning"), m.get("next"))
+    restart = med.get("restart", {}).get("returning")
+    restore = med.get("restart_always", {}).get("returning")
+    recompute = ssd.get("cold")  # a cold prompt of (about) the same length on the same server
+    best = min(x for x in (restore, recompute) if x is not None) if (restore or recompute) else None
+    goals["restart_vs_min_restore_recompute (goal <= 1.05)"] = ratio(restart, best)
+    goals["restart_arms_s"] = {"chosen": restart, "restore": restore, "recompute": recompute}
+    return {"medians_s": med, "goals": goals}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 #   on the CUDA host, after part A is in /tmp/mlxpay (../shared/GPU.md):
 #   bash benchmarks/gpu/wave3.sh blocks speculative structured     # one device call
 #   bash benchmarks/gpu/wave3.sh host                              # the next, while the machine is warm
+#   bash benchmarks/gpu/wave3.sh host_ssd flush                    # issue 28's goals with the SSD tier, flush speed
+#   bash benchmarks/gpu/wave3.sh host_ram                          # the same without SSD (host tier, RAM only)
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -25,6 +27,12 @@ for p in "$@"; do case $p in
   vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
   host) phase host 540 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \
             --rounds ${HOST_ROUNDS:-1} ;;
+  host_ssd) phase host_ssd 480 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \
+            --servers mlx_lm,mlxd_host_ssd --rounds ${HOST_ROUNDS:-2} ${HOST_ARGS:-} ;;
+  host_ram) phase host_ram 360 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \
+            --servers mlx_lm,mlxd_host,mlxd_ram --rounds ${HOST_ROUNDS:-2} ${HOST_ARGS:-} ;;
+  flush) phase flush 150 python3 benchmarks/bench_flush.py --preset qwen3-1.7b --conversations 6 \
+            --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ;;
   *) echo "unknown phase $p" ;;
 esac; done
