@@ -90,3 +90,35 @@ def test_shared_prefix_is_stored_once_and_survives_restarts(tmp_path, tiny_model
         assert logprobs(again) == pytest.approx(logprobs(before), abs=1e-4)
         stats = http.get("/stats").json()["ssd_cache"]
         assert stats["layout"] == "whole" and stats["restores"] == 1 and stats["prefetch"]["reads_into_mlx"] == 0
+
+
+def test_a_whole_file_directory_restores_under_the_block_layout(tmp_path, tiny_model_dir):
+    """A directory of whole files (the layout before blocks) keeps serving after a restart with blocks: its
+    checkpoints are read and new ones are written as blocks (no migration: a whole file goes only when a
+    longer checkpoint of its conversation supersedes it, as in either layout)."""
+    cache = tmp_path / "ssd"
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about caches."}]
+    with serve(tmp_path, tiny_model_dir, cache, "whole", "--ssd-layout", "whole") as p, p.client() as http:
+        before = chat(http, conv)
+        flush(http)
+        assert http.get("/stats").json()["ssd_cache"]["layout"] == "whole"
+    old = sorted(cache.rglob("*.mlxkv"))
+    assert old and not list(cache.rglob("*" + MANIFEST_EXT))
+
+    with serve(tmp_path, tiny_model_dir, cache, "blocks", "--ssd-layout", "blocks", "--ssd-block-tokens", "32") as p:
+        with p.client() as http:
+            again = chat(http, conv)
+            usage = again["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+            assert again["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+            assert logprobs(again) == pytest.approx(logprobs(before), abs=1e-4)
+            stats = http.get("/stats").json()["ssd_cache"]
+            assert stats["layout"] == "blocks" and stats["restores"] == 1
+            conv += [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And then?"}]
+            chat(http, conv)
+            flush(http)
+        p.signal(signal.SIGTERM)
+        assert p.wait() == 0
+    assert "ssd_whole_files_kept" in p.log()
+    assert list(cache.rglob("*" + MANIFEST_EXT)) and list(cache.rglob("*" + BLOCK_EXT))
