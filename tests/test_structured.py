@@ -340,3 +340,26 @@ def test_a_literal_spelling_an_added_token_walks(cache, vocab):
     assert m.consume(vocab.tokenizer.tokenize_str("a")[0])
     offered = np.flatnonzero(m.allowed_mask())
     assert m.consume(int(offered[0]))
+
+
+def test_one_batched_fill_gives_each_row_its_own_mask(cache, vocab):
+    rng = random.Random(5)
+    rows = [cache.matcher(constraint_from_request(body)) for body in
+            ({"guided_json": SCHEMA}, {"regex": "[a-z ]{0,40}"}, {"response_format": {"type": "json_object"}})]
+    for steps, m in zip((9, 4, 0), rows, strict=True):
+        for _ in range(steps):
+            assert m.consume(int(rng.choice(np.flatnonzero(m.allowed_mask()))))
+    words = structured.bitmask_words(vocab.size)
+    out = np.zeros((5, words), dtype=np.int32)  # more rows than filled: the rest is left alone
+    out[3:] = 7
+    filler = structured.BatchMasks()
+    filler.fill(rows, out)
+    for i, m in enumerate(rows):
+        assert np.array_equal(out[i], m.allowed_bitmask()[:words])
+    assert (out[3:] == 7).all()
+    filler.fill(rows[1:2], out)  # one row: filled in place
+    assert np.array_equal(out[0], rows[1].allowed_bitmask()[:words])
+    with pytest.raises(ValueError, match="at least 3 rows"):
+        filler.fill(rows, np.zeros((2, words), dtype=np.int32))
+    with pytest.raises(ValueError, match="words"):
+        filler.fill(rows, np.zeros((3, words + 1), dtype=np.int32))

@@ -31,7 +31,7 @@ from mlxd.engine.features import (
     Joining,
     PromptCheckpoints,
     Sampling,
-    StepInputs,
+    StepMasks,
     StopTokens,
 )
 from mlxd.engine.ops import (
@@ -152,7 +152,7 @@ class EngineCore:
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
         self._model_path: Path | None = None
-        self._inputs = StepInputs(self._step_inputs)  # read by constrained rows
+        self._masks = StepMasks(self._step_inputs, self._constrained_rows)  # constrained rows' masks, together
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         self._pages: Any = None  # --ram-pages on: kv/page_pool.PagePool, RAM entries' shared pages (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
@@ -343,6 +343,7 @@ class EngineCore:
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
+        self._masks.close()
         if self.generator is not None:
             self.generator.close()
             self.generator = None
@@ -496,7 +497,7 @@ class EngineCore:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
-            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._inputs))
+            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._masks))
             self._drafts.counters.constrained_rows += self._speculate  # its grammar checks its drafts
         if self._speculate:
             features.append(self._speculation(start, prompt_new_tokens))
@@ -741,7 +742,7 @@ class EngineCore:
         if hasattr(self.generator, "prefill_step_size"):
             self.generator.prefill_step_size = self._prefill_chunk()
         t0 = time.perf_counter()
-        self._inputs.clear()
+        self._masks.clear()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
@@ -799,6 +800,9 @@ class EngineCore:
         from mlxd.engine.gen_hook import step_inputs
 
         return step_inputs(self.generator)
+
+    def _constrained_rows(self) -> list[tuple[int, Constrained]]:
+        return [(uid, part) for uid, row in self._rows.items() for part in row.features if isinstance(part, Constrained)]
 
     def extract(self, uid: int) -> tuple[list[Any], list[int]]:
         """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""

@@ -21,9 +21,12 @@ prompt-boundary and final checkpoints) and `GenerationCheckpoints`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+import numpy as np
 
 from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
@@ -151,37 +154,108 @@ class StopTokens(Feature):
 
 
 @attrs.define
-class StepInputs:
-    """The tokens the decoding rows feed the step in progress, read once per step for all of them."""
+class StepMasks:
+    """The token masks of the step in progress for every constrained row that walks, made together.
 
-    read: Any  # () -> {uid: token} (gen_hook.step_inputs over the core's generator)
-    _tokens: dict[int, int] | None = None
+    The first walking row's logits processor does it for all of them: it reads the tokens
+    the rows feed this step (one read for the batch), feeds each matcher its token, fills
+    one packed bitmask for the rows (one llguidance call, on its threads), copies that to
+    the device once and unpacks it there; each row's processor then applies its own row.
+    On the CPU `mx.async_eval` runs most of the forward pass before it returns (MLX caps
+    the tasks in flight), so the matchers' work runs on a worker thread meanwhile; on a GPU
+    the forward pass is started first and the work follows on this thread while it runs.
+    """
+
+    read: Callable[[], dict[int, int]]  # the step's input token of every decoding row, by uid
+    rows: Callable[[], list[tuple[int, Constrained]]]  # the batch's constrained rows, by uid
+    _filler: Any = None  # structured.BatchMasks, built by the first step that needs it
+    _worker: ThreadPoolExecutor | None = None
+    _bits: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 0), dtype=np.int32))  # reused step to step
+    _shifts: Any = None  # mx.arange(32): a word's bits
+    _step: dict[int, Any] | None = None  # this step's masks: uid -> (1, vocab) bool
 
     def clear(self) -> None:
-        """A new generator step starts: its inputs are not read yet."""
-        self._tokens = None
+        """A new generator step starts: nothing is computed for it yet."""
+        self._step = None
 
-    def token(self, uid: int) -> int:
-        if self._tokens is None:
-            self._tokens = self.read()
-        return self._tokens[uid]
+    def mask(self, uid: int, logits: Any) -> Any:
+        """Row `uid`'s mask for this step, after its matcher took the token it feeds (None: not batched)."""
+        if self._step is None:
+            self._step = self._compute(logits)
+        return self._step.get(uid)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _compute(self, logits: Any) -> dict[int, Any]:
+        import mlx.core as mx
+
+        on_cpu = mx.default_device() == mx.cpu
+        if not on_cpu:
+            mx.async_eval(logits)  # the forward pass runs on the device while the matchers work
+        tokens = self.read()
+        walking = [(uid, part, tokens[uid]) for uid, part in self.rows() if part.walks and not part.drafted
+                   and uid in tokens]
+        if not walking:
+            return {}
+        bits = self._buffer(len(walking), walking[0][1].matcher.vocab_size)
+        if on_cpu:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-masks")
+            job = self._worker.submit(self._walk, walking, bits)
+            mx.async_eval(logits)  # releases the GIL while it runs the forward pass
+            job.result()
+        else:
+            self._walk(walking, bits)
+        return self._unpacked(walking, bits, walking[0][1].matcher.vocab_size)
+
+    def _walk(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray) -> None:
+        from mlxd.structured.matcher import BatchMasks
+
+        for _, part, token in walking:
+            part.take(token)
+        if self._filler is None:
+            self._filler = BatchMasks()
+        self._filler.fill([part.matcher for _, part, _ in walking], bits)
+
+    def _buffer(self, rows: int, vocab_size: int) -> np.ndarray:
+        from mlxd.structured.matcher import bitmask_words
+
+        words = bitmask_words(vocab_size)
+        if self._bits.shape[0] < rows or self._bits.shape[1] != words:
+            self._bits = np.zeros((max(rows, self._bits.shape[0]), words), dtype=np.int32)
+        return self._bits
+
+    def _unpacked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> dict[int, Any]:
+        import mlx.core as mx
+
+        if self._shifts is None:
+            self._shifts = mx.arange(32, dtype=mx.int32)
+        n = len(walking)
+        packed = mx.array(bits[:n])  # one copy of every row's packed mask (the buffer is reused next step)
+        allowed = ((packed[:, :, None] >> self._shifts) & 1).reshape(n, -1)[:, :vocab_size].astype(mx.bool_)
+        return {uid: allowed[i : i + 1] for i, (uid, _, _) in enumerate(walking)}
 
 
 @attrs.define
 class Constrained(Feature):
     """Structured output: before each sampled token, every token the grammar refuses is masked out.
 
-    The matcher follows the row's own tokens: at each step it consumes the token the
-    row feeds that step (read once for the whole batch: `StepInputs`), or, at a resumed
-    row's first step, every token the checkpoint holds, so a resume needs no saved
-    state. End tokens are allowed only where the grammar is complete.
+    The matcher follows the row's own tokens: at each step it takes the token the row
+    feeds that step, with every other walking row's (`StepMasks`), or, at a row's first
+    step, a resumed row's included, every token the checkpoint holds (so a resume needs
+    no saved state), as it does for drafts being verified, position by position. End
+    tokens are allowed only where the grammar is complete.
     """
 
     matcher: Matcher
     prompt_tokens: int  # the row's prompt: what the processor's context holds before generation
-    inputs: StepInputs
+    masks: StepMasks
     consumed: int = 0
     drafted: int = 0  # --speculative: drafts being verified this step (masked position by position)
+    walks: bool = False  # caught up with its row after its last step: the next one's mask is made in the batch
 
     def join(self, row: Row, joining: Joining) -> None:
         joining.processors.append(lambda tokens, logits: self.mask(row, tokens, logits))
@@ -207,17 +281,27 @@ class Constrained(Feature):
             self.matcher.rollback(rejected)
             self.consumed -= rejected
 
+    def take(self, token: int) -> None:
+        """The token the row feeds this step (`StepMasks`, for every walking row at once)."""
+        self._consume([token])
+
     def mask(self, row: Row, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
 
+        generated = int(tokens.shape[0]) - self.prompt_tokens
+        if self.walks and not self.drafted:
+            allowed = self.masks.mask(row.uid, logits)
+            if allowed is not None:
+                if generated == self.consumed:
+                    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+                self.matcher.rollback(1)  # not the step the batch took it for: the row's own way below
+                self.consumed -= 1
         # Start this step's forward pass before waiting for the last token: the matcher's
         # CPU work below then overlaps with it.
         mx.async_eval(logits)
-        generated = int(tokens.shape[0]) - self.prompt_tokens
-        if generated == self.consumed + 1 and not self.drafted:
-            self._consume([self.inputs.token(row.uid)])
-        elif generated > self.consumed:  # a resumed row's first step: replay what it holds
+        if generated > self.consumed:  # a first step, a resumed row's, a draft: what the row holds
             self._consume(tokens[self.prompt_tokens + self.consumed:].tolist())
+        self.walks = True
         allowed = mx.array(self.matcher.allowed_mask())
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 

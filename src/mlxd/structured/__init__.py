@@ -6,12 +6,14 @@ walks one row through it, token by token.
 """
 
 from mlxd.structured.matcher import (
+    BatchMasks,
     CacheStats,
     CompiledGrammar,
     GrammarCache,
     Matcher,
     MatcherState,
     Vocabulary,
+    bitmask_words,
     compile_grammar,
     load_vocabulary,
     vocabulary_from_json,
@@ -27,6 +29,7 @@ from mlxd.structured.spec import (
 
 __all__ = [
     "JSON_OBJECT",
+    "BatchMasks",
     "CacheStats",
     "CompiledGrammar",
     "Constraint",
@@ -35,6 +38,7 @@ __all__ = [
     "Matcher",
     "MatcherState",
     "Vocabulary",
+    "bitmask_words",
     "compile_grammar",
     "constraint_from_request",
     "load_vocabulary",

@@ -176,6 +176,10 @@ class Matcher:
     def tokens(self) -> tuple[int, ...]:
         return tuple(self._tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        return self._grammar.vocab.size
+
     def allowed_bitmask(self) -> np.ndarray:
         """int32 words, (vocab.size + 31) // 32 of them: bit j of word i allows token 32 * i + j."""
         return np.frombuffer(self._ll.compute_bitmask(), dtype=np.int32)
@@ -184,8 +188,9 @@ class Matcher:
         """Write `allowed_bitmask()` into `out` (a C-contiguous int32 row, e.g. of a batch array)."""
         if out.dtype != np.int32 or out.ndim != 1 or not out.flags["C_CONTIGUOUS"]:
             raise ValueError("out must be a C-contiguous 1-D int32 array")
-        if out.size != (self._grammar.vocab.size + 31) // 32:
-            raise ValueError(f"out has {out.size} words, the vocab needs {(self._grammar.vocab.size + 31) // 32}")
+        words = bitmask_words(self._grammar.vocab.size)
+        if out.size != words:
+            raise ValueError(f"out has {out.size} words, the vocab needs {words}")
         self._ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
     def allowed_mask(self) -> np.ndarray:
@@ -239,3 +244,32 @@ class Matcher:
     def fork(self) -> Matcher:
         """An independent copy at the same position (a few µs)."""
         return Matcher(self._grammar, self._ll.deep_copy(), list(self._tokens))
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's packed mask: bit j of word i allows token 32 * i + j."""
+    return (vocab_size + 31) // 32
+
+
+@attrs.define
+class BatchMasks:
+    """Many rows' packed masks filled in one call, on llguidance's own threads (the GIL released).
+
+    Each row of `out` is one matcher's `allowed_bitmask()`; a single row is filled
+    in place without the thread pool's hand-off.
+    """
+
+    _executor: llg.LLExecutor = attrs.field(factory=llg.LLExecutor)
+
+    def fill(self, rows: Sequence[Matcher], out: np.ndarray) -> None:
+        """Write row i's mask into `out[i]` (a C-contiguous int32 array of at least len(rows) rows)."""
+        if out.dtype != np.int32 or out.ndim != 2 or not out.flags["C_CONTIGUOUS"] or out.shape[0] < len(rows):
+            raise ValueError(f"out must be a C-contiguous int32 array of at least {len(rows)} rows")
+        if len(rows) == 1:
+            rows[0].fill_bitmask(out[0])
+            return
+        for row in rows:
+            if bitmask_words(row._grammar.vocab.size) != out.shape[1]:
+                raise ValueError(f"out rows have {out.shape[1]} words, a row's vocab needs another count")
+        pairs = [(row._ll, i) for i, row in enumerate(rows)]
+        self._executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, out.shape[1] * 4, out.shape[0])
