@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from mlxd import RuntimeConfig, SamplingParams
 from mlxd.engine.core import EngineCore
 from mlxd.engine.drive import run_rows
@@ -95,10 +97,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for name, temperature in workloads if args.cases == "all" else []:
         for batch in args.batch:
             requests = workload(name, batch, args.tokens, vocab, args.span, temperature)
+            warm = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, max_tokens=min(args.tokens, 24))) for r in requests]
             for core in cores.values():
-                decode(core, requests[:1])  # warm every arm's kernels for this shape
+                decode(core, warm)  # warm every arm's kernels for this batch's shapes
             # The same arm twice: is the platform itself deterministic for this workload?
-            repeatable = decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
+            repeatable = (decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
+                          if args.repeat_check else None)
             arms = list(cores)
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
@@ -178,8 +182,6 @@ def _prefill_seconds(core: EngineCore, tokens: list[int]) -> float:
 
 
 def _fields(config: RuntimeConfig) -> dict[str, Any]:
-    import attrs
-
     return {f.name: getattr(config, f.name) for f in attrs.fields(RuntimeConfig)}
 
 
@@ -195,6 +197,8 @@ if __name__ == "__main__":
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
                    help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
                         "the upper bound)")
+    p.add_argument("--no-repeat-check", dest="repeat_check", action="store_false",
+                   help="skip running speculation off twice per case (is the platform deterministic?)")
     p.add_argument("--draft-self", action="store_true",
                    help="also an arm with the model itself as its draft (acceptance 1.0: the upper bound)")
     p.add_argument("--prefix-lengths", type=int, nargs="*", default=[],

@@ -24,6 +24,7 @@ from mlxd.engine.core import EngineCore
 from mlxd.engine.drive import run_rows
 from mlxd.engine.ops import RowStart
 from mlxd.engine.speculative import draft_namespace
+from mlxd.kv.ngram import SpeculationGate
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.model import build_model
 from mlxd.runtime.kernel.messages import (
@@ -60,7 +61,11 @@ def _request(rid: str, prompt: tuple[int, ...], **sampling: object) -> Generatio
 
 
 def _drive(core: EngineCore, starts: list[RowStart]):
-    """Run rows to their end: tokens and logprobs per request, and every checkpoint published."""
+    """Run rows to their end: tokens and logprobs per request, and every checkpoint published.
+
+    The engine gate starts afresh: this file checks what the draft's first step reads, and the
+    unrelated draft's rejected drafts would otherwise pause drafting across runs (kv/ngram.py)."""
+    core._drafts.gate = SpeculationGate()
     run = run_rows(core, starts)
     return run.tokens, run.logprobs, run.notes
 

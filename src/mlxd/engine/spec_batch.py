@@ -58,6 +58,8 @@ class SpeculativeBatch(GenerationBatch):
         else:
             responses = super().next()
         gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start)
+        if not self.uids:  # every row ended: the time until rows come again is no step's
+            gate.idle(time.perf_counter())
         return responses
 
     def _proposals(self) -> dict[int, list[int]]:

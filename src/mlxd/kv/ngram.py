@@ -12,6 +12,7 @@ not repeat costs (almost) nothing.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 import attrs
@@ -123,14 +124,21 @@ class DraftCounters:
 class _Rates:
     """The gate's measurements at one batch size (rows in the step)."""
 
-    plain: float = 0.0  # tokens/s of plain steps (0: not measured yet)
-    verify: float = 0.0  # tokens/s of verifying steps
-    samples: int = 0  # verifying steps measured since the last pause
+    plains: list[float] = attrs.Factory(list)  # tokens/s of the last plain steps measured
+    verifies: list[float] = attrs.Factory(list)  # tokens/s of the last verifying steps measured since a pause
     tried: int = 0  # verifying steps since the last pause (measured or not)
     gain: float = 0.0  # tokens per row of those steps, a moving average (1.0: drafts bought nothing)
     since_plain: int = 0  # verifying steps since a plain step was last measured
     pause: int = 0  # steps left in the current pause
-    pauses: int = 0  # pauses in a row (the next one is twice as long)
+    pauses: int = 0  # pauses in a row (the next one is 4 times longer)
+
+    @property
+    def plain(self) -> float:
+        return statistics.median(self.plains) if self.plains else 0.0
+
+    @property
+    def verify(self) -> float:
+        return statistics.median(self.verifies) if self.verifies else 0.0
 
 
 @attrs.define
@@ -139,8 +147,10 @@ class SpeculationGate:
     at this batch size.
 
     A step's time runs from its start to the next step's start (so the engine's own work on its
-    results, and the draft model's forwards, count), and its tokens are what it emitted. Each
-    batch size (rows in the step) keeps its own moving averages of plain and of verifying steps:
+    results, and the draft model's forwards, count), or to `idle` when the batch ran empty, and
+    its tokens are what it emitted. Each batch size (rows in the step) keeps the rates of its last
+    `window` plain and verifying steps and compares their medians (a step that also waited for a
+    prefill, or compiled a new shape, is one outlier, not a verdict):
     a wider forward costs almost nothing on a GPU at batch 1 and nearly its width on a CPU at
     batch 8. Only a step that follows a step of the same kind and batch size is measured: a plain
     step after a verifying one returns before its forward ends (mlx-lm pipelines it), and that
@@ -149,7 +159,7 @@ class SpeculationGate:
     Where no plain step is measured yet at a batch size, after `min_samples` + 1 verifying steps,
     and after every `probe_every` verifying steps, plain steps run until one is measured (the
     rate verifying must beat, kept current). Once `min_samples` verifying steps are in and
-    verifying is the slower, drafting pauses for 16, 64, 256 steps (at most `max_pause`);
+    verifying is the slower (medians), drafting pauses for 16, 64, 256 steps (at most `max_pause`);
     verifying that keeps up resets that.
 
     Acceptance needs no clock: a verifying step costs at least a plain one, so while its tokens
@@ -157,10 +167,10 @@ class SpeculationGate:
     not repeat) it cannot pay, and drafting pauses after `min_tries` such steps, timed or not.
     """
 
-    alpha: float = 0.25
+    window: int = 5  # steps of each kind whose median rate is compared
     max_pause: int = 256
     first_pause: int = 16  # each pause in a row is 4 times longer, up to max_pause
-    min_samples: int = 4  # verifying steps measured before they are judged (one step is noisy)
+    min_samples: int = 3  # verifying steps measured before they are judged (one step is noisy)
     min_tries: int = 2  # verifying steps before their tokens per row are judged
     min_gain: float = 1.05  # tokens per row a verifying step must average
     probe_every: int = 64  # verifying steps between measured plain steps
@@ -206,12 +216,11 @@ class SpeculationGate:
             return
         rate = tokens / (now - start)
         if not verifying:
-            r.plain = rate if r.plain == 0 else r.plain + self.alpha * (rate - r.plain)
+            r.plains = [*r.plains[1 - self.window:], rate]
             r.since_plain = 0
             return
-        r.verify = rate if r.verify == 0 else r.verify + self.alpha * (rate - r.verify)
-        r.samples += 1
-        if r.plain <= 0 or r.samples < self.min_samples:
+        r.verifies = [*r.verifies[1 - self.window:], rate]
+        if not r.plains or len(r.verifies) < self.min_samples:
             return
         if r.verify < r.plain:
             self._pause(r)
@@ -221,7 +230,13 @@ class SpeculationGate:
     def _pause(self, r: _Rates) -> None:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
-        r.verify, r.samples, r.tried, r.gain = 0.0, 0, 0, 0.0  # measured afresh after the pause
+        r.verifies, r.tried, r.gain = [], 0, 0.0  # measured afresh after the pause
 
     def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
         self._open = (rows, verifying, tokens, start)
+
+    def idle(self, now: float) -> None:
+        """The batch ran empty: the last step ends here (not when rows arrive again), and the next
+        step follows nothing."""
+        self.started(now)
+        self._last = None
