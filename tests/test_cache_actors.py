@@ -342,3 +342,33 @@ async def test_the_writer_writes_several_files_at_once_on_its_workers(tmp_path):
             nursery.cancel_scope.cancel()
     assert all(isinstance(w.outcome, Stored) for w in written)
     assert len(list(tmp_path.rglob("*.mlxkv"))) == 3 and not list(tmp_path.rglob("*.tmp"))
+
+
+async def test_writes_finishing_out_of_order_reach_the_cache_owner_in_start_order(autojump_clock):
+    """The tier core indexes each file as the most recently used and enforces the SSD cap as it goes,
+    so the writers' finishing order must not decide what it keeps (the simulator has one writer)."""
+    inbox, writer_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer_send, writer = trio.open_memory_channel[WriteSnapshot](1)
+    cache_send, cache = trio.open_memory_channel[CacheOwnerMessage](64)
+    coordinator = DurabilityCoordinator(inbox=writer_receive, writer=writer_send, cache=cache_send, writers=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(coordinator.run)
+        tokens = [tuple(range(i, i + 10)) for i in (0, 100, 200)]
+        for t in tokens:
+            await inbox.send(MarkDirty("", t, plan_for(t), False, 320))
+        reply: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(reply))
+        jobs = [await writer.receive() for _ in tokens]
+        assert [j.job.record.tokens for j in jobs] == tokens
+        for job in reversed(jobs):  # the last started finishes first
+            record = SsdRecord("", job.job.record.tokens, 320, 0.0)
+            await inbox.send(SnapshotWritten(job.job, Stored(record, 0.0), 0.0, WriterStats(writes=1)))
+            await trio.testing.wait_all_tasks_blocked()
+            if job is not jobs[0]:
+                with pytest.raises(trio.WouldBlock):  # held back behind the first write
+                    cache.receive_nowait()
+        sent = [cache.receive_nowait() for _ in tokens]
+        assert [m.record.tokens for m in sent] == tokens
+        query = await cache.receive()  # the flush asks the cache owner what it holds only now
+        assert isinstance(query, QueryCacheStats)
+        nursery.cancel_scope.cancel()

@@ -10,11 +10,16 @@ owner as a message (`EntryDurable`, `EntryNotPersisted`) and answers flushes:
 a flush retries failures once, waits for everything that was dirty when it
 was called, and reports durable only when nothing is pending, failed, dropped
 or unstorable. A failed write's report carries its cause (errno text).
+Outcomes reach the cache owner in the order the writes were started, however
+the writers finish: the tier core indexes each file as the most recently used
+and enforces the SSD cap as it goes, so the order is what it keeps, and the
+simulator (one writer) replays the same sequence.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -23,7 +28,7 @@ import trio
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.ssd_store import Stored
 from mlxd.kv.tiers import Key
-from mlxd.kv.write_queue import WriteQueue
+from mlxd.kv.write_queue import WriteJob, WriteQueue
 from mlxd.runtime.kernel.channels import Reply
 from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
@@ -84,6 +89,8 @@ class DurabilityCoordinator:
         self._not_stored_total = 0
         self._flushes = 0
         self._writer_stats = WriterStats()
+        # Writes in the order they were started, each with its report to the cache owner once it is known.
+        self._started: deque[tuple[WriteJob, list[CacheOwnerMessage | None]]] = deque()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -121,17 +128,25 @@ class DurabilityCoordinator:
     async def _written(self, msg: SnapshotWritten) -> None:
         self._writer_stats = msg.stats
         job, outcome = msg.job, msg.outcome
+        report: CacheOwnerMessage | None = None
         if isinstance(outcome, Stored):
             self._queue.written(job.key, job.version, stored=True)
-            await self._cache.send(EntryDurable(outcome.record))
-            return
-        if self._queue.written(job.key, job.version, stored=False, error=outcome.error):
+            report = EntryDurable(outcome.record)
+        elif self._queue.written(job.key, job.version, stored=False, error=outcome.error):
             record = job.record
-            await self._cache.send(EntryNotPersisted(record.namespace, tuple(record.tokens), outcome.error))
+            report = EntryNotPersisted(record.namespace, tuple(record.tokens), outcome.error)
+        slot = next(s for j, s in self._started if j is job)
+        slot.append(report)
+        # Report in start order: an earlier write still in flight holds the later ones back.
+        while self._started and self._started[0][1]:
+            _, (ready,) = self._started.popleft()
+            if ready is not None:
+                await self._cache.send(ready)
 
     async def _pump(self) -> None:
         """Start queued writes while fewer than the allowed number are in flight."""
         while (job := self._queue.next_job(limit=self._parallel_writes())) is not None:
+            self._started.append((job, []))
             await self._writer.send(WriteSnapshot(job))
 
     def _parallel_writes(self) -> int:
@@ -141,6 +156,8 @@ class DurabilityCoordinator:
         return self._writers if urgent else 1
 
     async def _answer_flushes(self) -> None:
+        if any(slot for _, slot in self._started):
+            return  # a finished write's report waits for an earlier one: the cache owner has not indexed it
         done = [w for w in self._waiters if not self._queue.busy(w.targets)]
         if not done:
             return
