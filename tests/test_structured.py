@@ -164,6 +164,14 @@ def test_invalid_fields_name_the_field_and_the_problem(body, param, words):
         assert word in err.value.message
 
 
+def test_a_grammar_past_llguidances_size_limit_is_refused_with_the_reason():
+    """A 100,000-value enum is too big for llguidance's lexer: the request fails at once, saying so."""
+    enum = {"enum": [f"value-{i:06d}" for i in range(100_000)]}
+    with pytest.raises(ConstraintError) as err:
+        constraint_from_request({"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": enum}}})
+    assert err.value.param == "response_format" and "too big" in err.value.message
+
+
 @pytest.mark.parametrize(("tools", "choice", "param", "words"), [
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice", ["'nope'"]),
     ([], "required", "tool_choice", ["at least one tool"]),
