@@ -4,6 +4,7 @@ and llguidance matchers over the tiny model's tokenizer."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,11 +28,11 @@ def cache(tiny_model_dir: Path) -> GrammarCache:
 class Batch:
     """Three constrained rows decoding together, their processors called the way mlx-lm calls them."""
 
-    def __init__(self, cache: GrammarCache) -> None:
+    def __init__(self, cache: GrammarCache, part: type[Constrained] = Constrained) -> None:
         self.fed: dict[int, int] = {}
         self.reads = 0
         self.masks = StepMasks(self._read, lambda: [(row.uid, part) for row, part in self.rows])
-        self.rows = [(SimpleNamespace(uid=uid), Constrained(cache.matcher(constraint_from_request(body)), PROMPT,
+        self.rows = [(SimpleNamespace(uid=uid), part(cache.matcher(constraint_from_request(body)), PROMPT,
                                                            self.masks)) for uid, body in enumerate(BODIES)]
         self.context: list[list[int]] = [[1] * PROMPT for _ in self.rows]
         self.size = cache.vocab.size
@@ -95,3 +96,27 @@ def test_a_row_whose_step_is_not_the_batchs_catches_up_on_its_own(cache):
     batch.feed([b, cache.vocab.tokenizer.tokenize_str('"')[0], two])
     batch.step(logits)
     assert row0.matcher.tokens == (b, a, b) and batch.rows[2][1].matcher.tokens == (one, two)
+
+
+class ThreadNoted(Constrained):
+    """Notes the thread each matcher takes its step's token on."""
+
+    threads: list[str] = []
+
+    def take(self, token: int) -> None:
+        ThreadNoted.threads.append(threading.current_thread().name)
+        super().take(token)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the worker thread is the CPU path")
+def test_on_the_cpu_the_rows_matchers_walk_on_a_worker_thread_during_the_forward_pass(cache):
+    batch = Batch(cache, ThreadNoted)
+    logits = mx.zeros((len(BODIES), batch.size))
+    batch.step(logits)  # first steps: each row alone, on the caller's thread
+    ThreadNoted.threads.clear()
+    batch.feed([cache.vocab.tokenizer.tokenize_str(s)[0] for s in ("a", "[", "1")])
+    batch.step(logits)
+    assert len(ThreadNoted.threads) == len(BODIES), "every walking row took its token in the batched step"
+    assert all(name.startswith("mlxd-masks") for name in ThreadNoted.threads), ThreadNoted.threads
+    assert threading.current_thread().name not in ThreadNoted.threads
+    batch.masks.close()
