@@ -128,8 +128,89 @@ class _StdlibHttp:
         raw = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()  # as httpx
         return self._json("POST", path, raw)
 
+    def post_staged(self, path: str, body: Any) -> dict[str, float]:
+        """POST `body` as httpx would, with a perf_counter stamp after each client step."""
+        at = {"client_start": time.perf_counter()}
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        at["client_encoded"] = time.perf_counter()
+        self.conn.request("POST", path, body=raw, headers={"Content-Type": "application/json"})
+        at["client_sent"] = time.perf_counter()
+        r = self.conn.getresponse()
+        at["client_headers"] = time.perf_counter()
+        data = r.read()
+        at["client_read"] = time.perf_counter()
+        if r.status >= 400:
+            raise RuntimeError(f"POST {path}: HTTP {r.status}: {data[:500]!r}")
+        json.loads(data)
+        at["client_decoded"] = time.perf_counter()
+        return at
+
     def get_json(self, path: str) -> dict[str, Any]:
         return self._json("GET", path, None)
+
+
+# One follow-up's timeline, client and server (http/stages.py) on the host's one monotonic clock:
+# (stage, the stamp it ends at), each from the stamp before it.
+STAGES = (
+    ("client: JSON-encode the body", "client_encoded"),
+    ("to the server's handler (headers)", "arrived"),
+    ("server: receive the body", "body_complete"),
+    ("server: wake with the body", "body"),
+    ("server: JSON parse", "parsed"),
+    ("server: check messages", "checked"),
+    ("server: images (known()/prepare)", "images"),
+    ("server: render + tokenize", "rendered"),
+    ("server: media key (widen)", "keyed"),
+    ("server: submit", "submitted"),
+    ("engine: prefill to first token", "first_token"),
+    ("server: finish the reply", "replied"),
+    ("server: encode the response", "response"),
+    ("to the client (response headers)", "client_headers"),
+    ("client: read the response", "client_read"),
+    ("client: JSON-decode it", "client_decoded"),
+)
+
+
+def staged(proc: ServeProc, messages: list[dict[str, Any]]) -> dict[str, float]:
+    """One max_tokens=1 request on a fresh stdlib connection: each stage's ms (STAGES), and its wall."""
+    conn = _StdlibHttp(proc.url)
+    conn.get_json("/health")  # connected before the clock starts
+    at = conn.post_staged("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
+    conn.conn.close()
+    lines = [line for line in proc.log().splitlines() if '"request.stages"' in line]
+    server = json.loads(lines[-1])["stamps"]
+    at.update(server)
+    out, prev = {}, at["client_start"]
+    for name, stamp in STAGES:
+        if stamp in at:
+            out[name] = (at[stamp] - prev) * 1000
+            prev = at[stamp]
+    out["client: send (conn.request, beside the above)"] = (at["client_sent"] - at["client_encoded"]) * 1000
+    out["wall"] = (at["client_decoded"] - at["client_start"]) * 1000
+    return out
+
+
+def stage_breakdown(proc: ServeProc, client: Client, *, images: int, side: int, span: int, pairs: int) -> dict[str, Any]:
+    """Where an N-image follow-up's wall time goes against a text follow-up's: medians over `pairs`."""
+    system = "Stages: you are a careful assistant who looks at pictures."
+    with_images = conversation(
+        client, [image_turn(png(777_000 + i, side), f"Picture {i}?") for i in range(images)], system)
+    text_only = conversation(client, [{"role": "user", "content": f"{' a' * span} Picture {i}?"} for i in range(images)],
+                             system + " ")
+    runs: dict[str, list[dict[str, float]]] = {"images": [], "text": []}
+    for k in range(pairs):
+        last = {"role": "user", "content": f"Which of these pictures was the brightest ({k})?"}
+        order = ("images", "text") if k % 2 == 0 else ("text", "images")
+        for kind in order:
+            time.sleep(SETTLE_S)
+            runs[kind].append(staged(proc, [*(with_images if kind == "images" else text_only), last]))
+    med = {kind: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for kind, rs in runs.items()}
+    print(f"stage breakdown, {images}-image vs text follow-up (stdlib client, fresh connection; ms, median of {pairs}):")
+    print(f"  {'':52s} {'images':>9s} {'text':>9s} {'extra':>9s}")
+    for name in med["images"]:
+        a, b = med["images"][name], med["text"][name]
+        print(f"  {name:52s} {a:9.2f} {b:9.2f} {a - b:+9.2f}")
+    return {"pairs": pairs, "medians": med, "runs": runs}
 
 
 def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
@@ -200,13 +281,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--side", type=int, default=448, help="image side in pixels (448: 256 tokens on bench-vlm)")
     p.add_argument("--label", default=platform.node())
+    p.add_argument("--stage-pairs", type=int, default=8, help="image/text follow-up pairs timed stage by stage (0: none)")
     args = p.parse_args()
     model = ["--model", args.model] if args.model else ["--preset", args.preset]
-    with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off"], Path(tmp) / "serve.log") as proc:
+    with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off", "--log-level", "debug"],
+                                                                       Path(tmp) / "serve.log") as proc:
         client = Client(proc)
         _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
         span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
         rounds = [one_round(client, r, images=args.images, side=args.side, span=span) for r in range(args.rounds)]
+        stages = (stage_breakdown(proc, client, images=args.images, side=args.side, span=span, pairs=args.stage_pairs)
+                  if args.stage_pairs > 0 else None)
     med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
     ratios = {
         "turn2 / turn1": statistics.median(x["turn2_s"] / x["turn1_s"] for x in rounds),
@@ -231,7 +316,7 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"vision-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"label": args.label, "args": vars(args), "span": span, "rounds": rounds,
-                               "medians": med, "ratios": ratios}, indent=2) + "\n")
+                               "medians": med, "ratios": ratios, "stages": stages}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -31,6 +31,7 @@ from mlxd.http.schemas import (
 )
 from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.http.sessions import install_sessions, request_session
+from mlxd.http.stages import Stages
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars, encode_off_loop
 from mlxd.runtime.chat.text import TextAssembler
 from mlxd.runtime.kernel.messages import (
@@ -110,6 +111,7 @@ class _Choice:
         self._text_end = 0
         self._events: AsyncIterator[Any] | None = None
         self._primed: list[Any] = []
+        self.first_token_at: float | None = None  # perf_counter, as this handler read it (http/stages.py)
 
     async def reached(self, kind: type | tuple[type, ...], deadline: float) -> bool:
         """Read events until one of `kind` (or the end); False if `deadline` (trio clock) came first."""
@@ -145,6 +147,8 @@ class _Choice:
                 if isinstance(event, PromptAccepted):
                     self.accepted = event
                 elif isinstance(event, TokenGenerated):
+                    if self.first_token_at is None:
+                        self.first_token_at = time.perf_counter()
                     if self.text.done:
                         continue  # decoded past a stop string before the engine ended the row
                     self.completion_tokens += 1
@@ -477,11 +481,20 @@ def create_app(
     @app.before_request
     async def _check_access() -> None:
         g.arrived = trio.current_time()
+        g.stages = Stages()
         g.deadline = g.arrived + timeout_s if timeout_s > 0 else math.inf
         authorization = request.headers.get("Authorization")
         if authorization is None and request.headers.get("x-api-key"):  # Anthropic clients' header
             authorization = "Bearer " + request.headers["x-api-key"]
         access.check(request.path, authorization)
+
+    @app.after_request
+    async def _log_stages(response: Response) -> Response:
+        stages = g.get("stages")
+        if stages is not None:
+            stages.mark("response")
+            stages.log(path=request.path, status=response.status_code)
+        return response
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
@@ -506,9 +519,18 @@ def create_app(
 
     async def read_json() -> Any:
         raw = await request.get_data(cache=False)
+        stages = g.stages
+        body = request.body
+        if getattr(body, "first_chunk_at", None) is not None:
+            stages.mark("body_first_chunk", body.first_chunk_at)
+            stages.mark("body_complete", body.complete_at)
+        stages.mark("body")
         if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes of JSON take a while: off the event loop
-            return await trio.to_thread.run_sync(_parse_json, raw)
-        return _parse_json(raw)
+            parsed = await trio.to_thread.run_sync(_parse_json, raw)
+        else:
+            parsed = _parse_json(raw)
+        stages.mark("parsed")
+        return parsed
 
     def refuse_early(parsed: ParsedRequest, chars: int, param: str) -> None:
         """Refuse before tokenizing: a prompt whose characters alone cannot fit, or a full queue."""
@@ -590,6 +612,8 @@ def create_app(
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
                 stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model),
                                 follows=i > 0, checkpoint_at=checkpoint_at)  # the first choice has its first token: its prompt is cached
+                if i == 0:
+                    g.stages.mark("submitted")
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))
                 if i == 0 and queue_timeout_s > 0 and not await choices[0].reached(PromptAccepted, arrived + queue_timeout_s):
                     raise ApiError(503, f"no batch slot came free within {queue_timeout_s:g} s (--queue-timeout); "
@@ -624,7 +648,11 @@ def create_app(
         if parsed.stream:
             return event_stream(completion.sse(app.nursery.start_soon))
         try:
-            return _json(await completion.body())
+            reply = await completion.body()
+            if choices[0].first_token_at is not None:
+                g.stages.mark("first_token", choices[0].first_token_at)
+            g.stages.mark("replied")
+            return _json(reply)
         except GenerationError as exc:
             raise ApiError(500, str(exc), type="server_error") from None
         finally:
@@ -642,14 +670,19 @@ def create_app(
         refuse_early(parsed, chat_chars(messages), "messages")
 
         async def render(realign: bool) -> tuple[tuple[int, ...], int | None]:
+            g.stages.mark("images")  # the images are prepared (or there are none): rendering starts
             try:
                 return await rt.render_chat_cut(messages, tools=options.tools,
                                                 template_kwargs=options.template_kwargs, realign=realign,
                                                 namespace=namespace_of(parsed.model))
             except InvalidRequest as exc:
                 raise ApiError(400, str(exc), param="messages") from None
+            finally:
+                g.stages.mark("rendered")
 
+        g.stages.mark("checked")
         prompt, media, cuts = await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)  # vision/
+        g.stages.mark("keyed")
         return await run(parsed, prompt, chat=True, options=options,
                          session=await request_session(rt, request.headers, body), media=media, checkpoint_at=cuts)
 

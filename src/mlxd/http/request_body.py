@@ -7,6 +7,7 @@ that re-sends its inline images) grows, the bytearray is moved again and again
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -21,16 +22,24 @@ class ChunkedBody(TrioBody):
         super().__init__(expected_content_length, max_content_length)
         self._chunks: list[bytes] = []
         self._size = 0
+        self.first_chunk_at: float | None = None  # perf_counter stamps (http/stages.py)
+        self.complete_at: float | None = None
 
     def append(self, data: bytes) -> None:
         if not data or self._must_raise is not None:
             return
+        if self.first_chunk_at is None:
+            self.first_chunk_at = time.perf_counter()
         self._chunks.append(data if type(data) is bytes else bytes(data))  # hypercorn's are bytes of their own
         self._size += len(data)
         self._has_data.set()
         if self._max_content_length is not None and self._size > self._max_content_length:
             self._must_raise = RequestEntityTooLarge()
             self.set_complete()
+
+    def set_complete(self) -> None:
+        self.complete_at = time.perf_counter()
+        super().set_complete()
 
     def _joined(self) -> bytes:
         """Every chunk as one bytes, kept as the only chunk (awaiting again costs nothing)."""
