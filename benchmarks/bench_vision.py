@@ -156,6 +156,7 @@ STAGES = (
     ("to the server's handler (headers)", "arrived"),
     ("server: receive the body", "body_complete"),
     ("server: wake with the body", "body"),
+    ("server: lift known data: URLs", "lifted"),
     ("server: JSON parse", "parsed"),
     ("server: check messages", "checked"),
     ("server: images (known()/prepare)", "images"),

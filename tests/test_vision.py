@@ -182,3 +182,32 @@ def test_a_fresh_vision_server_reports_its_media_counters_at_zero(vlm_model_dir)
     with ServerThread(config_for(vlm_model_dir)) as fresh:
         engine = engine_stats(fresh)
         assert engine["media_encoded"] == 0 and engine["media_encoder_ram_hits"] == 0
+
+
+def media_stats(server: ServerThread) -> dict:
+    return httpx.get(server.base_url.removesuffix("/v1") + "/stats", timeout=30).json()["media"]
+
+
+def test_a_follow_up_does_not_decode_its_images_again_and_a_changed_one_invalidates_from_it(
+    server: ServerThread,
+) -> None:
+    big = [png(40, (224, 224)), png(41, (224, 224))]  # a body over the lift threshold (64 KiB)
+    span = chat(server, [user("x", big[0])]).usage.prompt_tokens - chat(server, [user("x")]).usage.prompt_tokens
+    first = [user("Compare these.", *big)]
+    r1 = chat(server, first)
+    before = media_stats(server)
+    follow = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              {"role": "user", "content": "And?"}]
+    r2 = chat(server, follow)
+    after = media_stats(server)
+    assert after["images_decoded"] == before["images_decoded"]  # both known: not decoded again
+    assert after["urls_lifted"] == before["urls_lifted"] + 2  # nor parsed again (found in the raw body)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1
+    # The second image changed (same size): it alone is decoded, and the cache is reused up to it only.
+    changed = [user("Compare these.", big[0], png(42, (224, 224))), *follow[1:]]
+    r3 = chat(server, changed)
+    assert media_stats(server)["images_decoded"] == after["images_decoded"] + 1
+    assert r3.usage.prompt_tokens == r2.usage.prompt_tokens
+    cached = r3.usage.prompt_tokens_details.cached_tokens
+    assert span <= cached <= r1.usage.prompt_tokens - span, (span, cached, r1.usage.prompt_tokens)
+    assert r3.choices[0].message.content is not None

@@ -79,3 +79,57 @@ def test_only_a_body_that_may_hold_a_lone_surrogate_is_re_checked() -> None:
         assert _may_hold_surrogates(raw)
         with pytest.raises(ApiError, match="surrogate"):
             _parse_json(raw)
+
+
+def _noise_url(seed: int, size: tuple[int, int] = (84, 56)) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_known_data_urls_are_lifted_out_of_a_raw_body_and_put_back_exactly(vlm_model_dir) -> None:
+    import json
+
+    from mlxd.vision.images import ImageLimits
+    from mlxd.vision.prepare import LIFT_MIN_BYTES, MediaPreparer, image_refs, restore_lifted
+
+    prep = MediaPreparer.for_model(vlm_model_dir, limits=ImageLimits(), ssd_dir=None)
+    assert prep is not None
+    url = _noise_url(11, (300, 300))
+    assert len(url) > LIFT_MIN_BYTES
+    [(first, _)] = prep.prepare([(url, "auto", "here")])
+    assert prep.decoded == 1
+    other = _noise_url(12, (300, 300))  # not known: parsed as usual
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": 'a "data:" quote \\ and ' + url[:40]}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": other, "detail": "low"}}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    raw = json.dumps({"messages": messages, url: "a key is left alone"}).encode()
+    lifted, tokens = prep.lift(raw)
+    assert len(tokens) == 2 and len(lifted) < len(raw) - 2 * len(url) + 200
+    body = restore_lifted(json.loads(lifted), tokens)
+    assert body == json.loads(raw)
+    refs = image_refs(body["messages"])
+    assert refs[0][0] is refs[2][0] is next(iter(tokens.values()))  # the preparer's own key object
+    known = prep.known([refs[0], refs[2]])
+    assert known is not None and [p for p, _ in known] == [first, first] and prep.decoded == 1
+    assert prep.stats()["urls_lifted"] == 2
+    # Never a false hit: the same length and middle with one character changed, or the URL spelled
+    # with a JSON escape, is parsed as usual (and a changed image is decoded).
+    near = url[:-8] + ("A" if url[-8] != "A" else "B") + url[-7:]
+    for text in (json.dumps({"u": near}), json.dumps({"u": url}).replace("data:", "data\\u003a", 1),
+                 json.dumps({"u": url}).replace("/", "\\/")):
+        again, none = prep.lift(text.encode() + b" " * LIFT_MIN_BYTES)
+        assert none == {} and json.loads(again) == json.loads(text)
+    # A small body is not scanned; an evicted URL is no longer lifted.
+    assert prep.lift(json.dumps({"u": url}).encode()[: LIFT_MIN_BYTES - 1]) == (
+        json.dumps({"u": url}).encode()[: LIFT_MIN_BYTES - 1], {})
+    prep.max_prepared_bytes = 0
+    prep.prepare([(other, "auto", "x")])  # evicts everything (the cap is 0)
+    assert prep.lift(raw) == (raw, {})

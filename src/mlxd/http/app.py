@@ -51,6 +51,7 @@ from mlxd.runtime.supervisor import (
 )
 from mlxd.structured.spec import TOOL_CALL_END, TOOL_CALL_START, Constraint
 from mlxd.vision.chat import chat_prompt, preparer_for
+from mlxd.vision.prepare import restore_lifted
 
 log = get_logger("mlxd.http")
 
@@ -525,10 +526,16 @@ def create_app(
             stages.mark("body_first_chunk", body.first_chunk_at)
             stages.mark("body_complete", body.complete_at)
         stages.mark("body")
+        tokens: dict[str, str] = {}
+        if media_preparer is not None:  # a chat re-sends its images: known ones skip the parse (vision/prepare.py)
+            raw, tokens = media_preparer.lift(raw)
+            stages.mark("lifted")
         if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes of JSON take a while: off the event loop
             parsed = await trio.to_thread.run_sync(_parse_json, raw)
         else:
             parsed = _parse_json(raw)
+        if tokens:
+            parsed = restore_lifted(parsed, tokens)
         stages.mark("parsed")
         return parsed
 
@@ -735,6 +742,8 @@ def create_app(
     @app.get("/stats")
     async def stats() -> Response:
         data = (await rt.stats()).as_dict()
+        if media_preparer is not None:
+            data["media"] = media_preparer.stats()  # images decoded, known, lifted (docs/vision.md)
         if extra_stats is not None:
             data.update(extra_stats())
         return _json(data)

@@ -11,6 +11,8 @@ ids into the request's key (kv/media.py).
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -61,8 +63,13 @@ class MediaPreparer:
     # file's by the hash of its bytes) and detail, so a known image is not decoded and processed again.
     max_prepared_bytes: int = 256 << 20
     prepared_hits: int = 0
+    decoded: int = 0  # images read, decoded and processed (not known before)
+    lifted: int = 0  # known data: URLs taken out of a raw body before its JSON parse (`lift`)
     _prepared: OrderedDict[tuple[str, str], PreparedImage] = attrs.Factory(OrderedDict)
     _prepared_bytes: int = 0
+    # The known data: URLs by a cheap fingerprint of their text (`lift`), and how many keys hold each.
+    _by_print: dict[tuple[int, str], list[str]] = attrs.Factory(dict)
+    _url_keys: dict[str, int] = attrs.Factory(dict)
     # Encoder outputs read from SSD (verified; an output depends only on its digest and identity).
     max_features_bytes: int = 64 << 20
     _features: OrderedDict[str, Any] = attrs.Factory(OrderedDict)
@@ -160,13 +167,88 @@ class MediaPreparer:
             data = read_url(url, self.limits)
         prepared = self.processor.prepare(decode(data, self.limits), detail)
         with self._lock:
+            self.decoded += 1
             if key not in self._prepared:
                 self._prepared[key] = prepared
                 self._prepared_bytes += _cost(key, prepared)
+                self._index(key[0], +1)
             while self._prepared_bytes > self.max_prepared_bytes and self._prepared:
                 old_key, old = self._prepared.popitem(last=False)
                 self._prepared_bytes -= _cost(old_key, old)
+                self._index(old_key[0], -1)
         return prepared
+
+    def _index(self, url: str, step: int) -> None:
+        """Count a key for `url`; a data: URL that `lift` may substitute is indexed while any key holds it."""
+        if not _LIFTABLE.match(url):
+            return  # a file's key, or a URL whose JSON literal may need escapes: never lifted
+        n = self._url_keys.get(url, 0) + step
+        fp = _print(url)
+        if n > 0:
+            self._url_keys[url] = n
+            if n == 1:
+                self._by_print.setdefault(fp, []).append(url)
+            return
+        self._url_keys.pop(url, None)
+        same = [u for u in self._by_print.get(fp, ()) if u is not url and u != url]
+        if same:
+            self._by_print[fp] = same
+        else:
+            self._by_print.pop(fp, None)
+
+    def lift(self, raw: bytes) -> tuple[bytes, dict[str, str]]:
+        """`raw` (a JSON body) with each known data: URL's string literal replaced by a short token,
+        and {token: the known URL}: the body parses without scanning those megabytes again, and
+        `restore_lifted` puts the URLs back (equal strings, the very objects the preparer's keys hold, so
+        `known` finds them without hashing their text). A literal is replaced only when its bytes
+        equal a known URL's (compared whole: never a false hit); anything else is left to the parse."""
+        if not self._by_print or len(raw) < LIFT_MIN_BYTES or not raw.startswith((b"{", b"[")):
+            return raw, {}  # (a UTF-16/32 or BOM-led body is left alone too: it does not start so)
+        nonce = secrets.token_hex(8)  # chosen after the body arrived: no literal in it can spell a token
+        out: list[bytes] = []
+        tokens: dict[str, str] = {}
+        done = 0
+        at = raw.find(b'"')
+        while at != -1:
+            if raw.startswith(b"data:", at + 1) and raw[at - 1 : at] != b"\\":  # (an escaped quote is text)
+                end = raw.find(b'"', at + 1)
+                if end == -1:
+                    break
+                url = None if _KEY_AFTER.match(raw, end + 1) else self._known_literal(raw, at + 1, end)
+                if url is not None:  # (an object key is left alone: `restore_lifted` puts back values only)
+                    token = f"mlxd-lifted-{nonce}-{len(tokens)}"
+                    tokens[token] = url
+                    out += (raw[done : at + 1], token.encode())
+                    done = end
+                at = end  # the closing quote: the search goes on after it
+            at = raw.find(b'"', at + 1)
+        if not tokens:
+            return raw, {}
+        out.append(raw[done:])
+        with self._lock:
+            self.lifted += len(tokens)
+        return b"".join(out), tokens
+
+    def _known_literal(self, raw: bytes, start: int, end: int) -> str | None:
+        """The known URL whose text is exactly raw[start:end], or None."""
+        n = end - start
+        mid = start + n // 2
+        fp = (n, raw[mid : mid + _PRINT].decode("latin-1"))
+        with self._lock:
+            candidates = list(self._by_print.get(fp, ()))
+        if not candidates:
+            return None
+        try:
+            text = raw[start:end].decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        return next((u for u in candidates if u == text), None)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"images_decoded": self.decoded, "images_known": self.prepared_hits,
+                    "urls_lifted": self.lifted, "prepared": len(self._prepared),
+                    "encoder_ssd_reads": self.ssd_reads}
 
     def widen(self, ids: Sequence[int], images: Sequence[tuple[PreparedImage, Any]]) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """The request's key tokens and its ImageInputs from the rendered ids (one placeholder per image)."""
@@ -176,6 +258,38 @@ class MediaPreparer:
             raise ImageRejected(f"{exc} (an image placeholder written as text?)") from None
         media = tuple(ImageInput(span, p.patches, p.grid, f) for span, (p, f) in zip(spans, images, strict=True))
         return key, media
+
+
+def restore_lifted(body: Any, tokens: dict[str, str]) -> Any:
+    """`body` parsed from a lifted raw body, with each token string replaced by its URL (in place)."""
+    if not tokens:
+        return body
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            if isinstance(v, str):
+                if v in tokens:
+                    node[k] = tokens[v]
+            elif isinstance(v, dict | list):
+                stack.append(v)
+    if isinstance(body, str) and body in tokens:
+        return tokens[body]
+    return body
+
+
+LIFT_MIN_BYTES = 64 << 10  # smaller bodies parse in well under a millisecond: not worth a scan
+_PRINT = 32  # characters from a URL's middle in its fingerprint (a PNG's base64 ends alike in every image)
+# A data: URL whose JSON literal is its own text (printable ASCII, no quote or backslash to escape).
+_LIFTABLE = re.compile(r'data:[ !#-\[\]-~]*\Z')
+_KEY_AFTER = re.compile(rb"[ \t\r\n]*:")  # a literal followed by a colon is an object key
+
+
+def _print(url: str) -> tuple[int, str]:
+    """A known URL's fingerprint: its length and 32 characters from its middle."""
+    mid = len(url) // 2
+    return len(url), url[mid : mid + _PRINT]
 
 
 def _cost(key: tuple[str, str], prepared: PreparedImage) -> int:
