@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 from mlxd.http.connections import ShieldedSendConnection
 from mlxd.http.openapi import openapi_document
 from mlxd.http.replies import ReplyDelta, ReplyReader, initial_state
-from mlxd.http.request_body import ChunkedBodyRequest
+from mlxd.http.request_body import ChunkedBody, ChunkedBodyRequest
 from mlxd.http.routekit import event_stream
 from mlxd.http.schemas import (
     ApiError,
@@ -522,12 +522,12 @@ def create_app(
         raw = await request.get_data(cache=False)
         stages = g.stages
         body = request.body
-        if getattr(body, "first_chunk_at", None) is not None:
+        if isinstance(body, ChunkedBody) and body.first_chunk_at is not None and body.complete_at is not None:
             stages.mark("body_first_chunk", body.first_chunk_at)
             stages.mark("body_complete", body.complete_at)
         stages.mark("body")
         tokens: dict[str, str] = {}
-        if media_preparer is not None:  # a chat re-sends its images: known ones skip the parse (vision/prepare.py)
+        if media_preparer is not None and isinstance(raw, bytes):  # known images skip the parse (vision/prepare.py)
             raw, tokens = media_preparer.lift(raw)
             stages.mark("lifted")
         if len(raw) > PARSE_OFF_LOOP_BYTES:  # megabytes of JSON take a while: off the event loop
