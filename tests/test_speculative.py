@@ -271,15 +271,71 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_model_dir):
     assert on[0]["r"][-1] == stop and len(on[0]["r"]) == plain.index(stop) + 1
 
 
-def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(tmp_path):
-    model_dir = build_model(tmp_path / "gemma3", "test-gemma3", seed=0)
-    requests = [_request("r", BASE, max_tokens=12)]
+def test_checkpoints_hold_the_accepted_tokens_only(tiny_model_dir):
+    """The prompt cache's checkpoints under n-grams, in a batch where drafts are accepted and rejected
+    (rows rolled back by different amounts): the same checkpoints as speculation off, each one's KV
+    holding exactly its tokens, equal to off's."""
+    import mlx.core as mx
+
+    requests = [
+        _request("greedy", BASE + BASE[:20], max_tokens=40, logit_bias=NO_EOS),
+        _request("hot", BASE[7:] + BASE, max_tokens=60, temperature=3.0, seed=11, logit_bias=NO_EOS),
+    ]
+    notes = {}
+    for mode in ("off", "ngram"):
+        core = EngineCore(config_for(tiny_model_dir, speculative=mode))
+        core.load()
+        core._drafts.gate = SpeculationGate(min_samples=1 << 30)  # no pause by timing: drafts whatever the load
+        notes[mode] = {(n.namespace, n.reason, n.tokens): n for n in run_rows(core, requests).notes}
+        spec = core.stats().speculation
+        core.close()
+    assert spec is not None and 0 < spec.accepted < spec.proposed, "drafts were accepted and rejected"
+    assert notes["ngram"].keys() == notes["off"].keys() and {k[1] for k in notes["off"]} >= {"boundary", "final"}
+    for key, on in notes["ngram"].items():
+        plain = notes["off"][key]
+        for c_on, c_off in zip(on.payload, plain.payload, strict=True):
+            assert c_on.offset == c_off.offset == len(key[2]), key[1]
+            n = c_on.offset
+            for x, y in ((c_on.keys, c_off.keys), (c_on.values, c_off.values)):
+                assert mx.allclose(x[..., :n, :], y[..., :n, :], atol=1e-4).item(), key[1]
+
+
+@pytest.mark.parametrize(("preset", "kinds"), [
+    ("test-gemma3", "RotatingKVCache"),  # a sliding window
+    ("test-qwen3next", "ArraysCache"),  # hybrid: gated delta-net (recurrent state) + full attention
+    ("test-mamba2", "ArraysCache"),  # pure recurrent: no layer counts tokens
+])
+def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(tmp_path, tiny_model_dir, caplog, preset, kinds):
+    """Recurrent state (and a window) cannot drop rejected drafts per row: speculation is off for that
+    model, with the reason logged and in the stats, under n-grams and a draft model alike; the output
+    is plain decoding's."""
+    model_dir = build_model(tmp_path / preset, preset, seed=0)
+    requests = [_request("r", BASE, max_tokens=12), _request("s", BASE[3:], max_tokens=12, temperature=1.2, seed=4)]
     off = _run(model_dir, "off", requests)
-    on = _run(model_dir, "ngram", requests)
-    assert on[0] == off[0]
-    spec = on[3].speculation
-    assert spec is not None and not spec.active and "RotatingKVCache" in (spec.off_reason or "")
-    assert spec.proposed == 0
+    for mode, extra in (("ngram", {}), ("draft", {"draft_model": str(tiny_model_dir)})):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mlxd"):
+            on = _run(model_dir, mode, requests, **extra)
+        assert on[0] == off[0] and on[2] == off[2], mode
+        spec = on[3].speculation
+        assert spec is not None and not spec.active and kinds in (spec.off_reason or ""), (mode, spec)
+        assert spec.proposed == 0 and spec.verify_steps == 0
+        logged = [r.getMessage() for r in caplog.records if "engine.speculation_off" in r.getMessage()]
+        assert len(logged) == 1 and kinds in logged[0], (mode, logged)
+
+
+def test_a_draft_model_with_recurrent_caches_is_refused_and_distributed_is_off(tiny_model_dir, tmp_path):
+    from mlxd.engine.ops import ModelRefused
+    from mlxd.engine.speculative import speculation_off_reason
+
+    recurrent = build_model(tmp_path / "mamba2", "test-mamba2", seed=0)
+    core = EngineCore(config_for(tiny_model_dir, speculative="draft", draft_model=str(recurrent)))
+    with pytest.raises(ModelRefused, match=r"its caches \(ArraysCache\) cannot drop rejected drafts"):
+        core.load()
+    reason = speculation_off_reason(None, RuntimeConfig(speculative="ngram", distributed=True))
+    assert reason is not None and reason.startswith("--distributed")
+    reason = speculation_off_reason(None, RuntimeConfig(speculative="ngram", kv_bits=8))
+    assert reason is not None and reason.startswith("--kv-bits 8")
 
 
 # --- --draft-model: a draft equal to the target, an unrelated one, a foreign tokenizer ---------
@@ -401,9 +457,14 @@ def test_http_replies_are_identical_with_speculation(servers):
     assert spec["active"] and spec["proposed"] >= spec["accepted"] > 0
     assert 0 < spec["acceptance_rate"] <= 1 and spec["tokens_per_forward"] > 1
     metrics = httpx.get(f"{root}/metrics", timeout=30).text
-    for name in ("mlxd_speculation_proposed_tokens_total", "mlxd_speculation_accepted_tokens_total",
-                 "mlxd_speculation_acceptance_rate", "mlxd_speculation_tokens_per_forward"):
-        assert name in metrics, name
+    lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("mlxd_speculation_"))
+    for name, field in (("mlxd_speculation_proposed_tokens_total", "proposed"),
+                        ("mlxd_speculation_accepted_tokens_total", "accepted"),
+                        ("mlxd_speculation_acceptance_rate", "acceptance_rate"),
+                        ("mlxd_speculation_tokens_per_forward", "tokens_per_forward"),
+                        ("mlxd_speculation_verify_steps_total", "verify_steps")):
+        assert float(lines[name]) == pytest.approx(spec[field]), name
+    assert float(lines["mlxd_speculation_active"]) == 1.0
     assert "speculation" not in httpx.get(f"{off.base_url.removesuffix('/v1')}/stats", timeout=30).json()["engine"]
 
 
@@ -413,6 +474,22 @@ def test_bad_speculation_settings_are_refused():
     with pytest.raises(ValueError):
         RuntimeConfig(speculative="ngram", num_draft_tokens=0)
     assert attrs.evolve(RuntimeConfig(), speculative="ngram").num_draft_tokens == 4
+
+
+def test_serve_flags_make_the_speculation_config():
+    from mlxd.cli import build_parser, serve_config
+
+    parser = build_parser()
+    ngram = serve_config(parser.parse_args(["serve", "--speculative", "ngram", "--num-draft-tokens", "6"]))
+    assert (ngram.speculative, ngram.num_draft_tokens, ngram.draft_model) == ("ngram", 6, None)
+    draft = serve_config(parser.parse_args(["serve", "--speculative", "draft", "--draft-model", "/d"]))
+    assert (draft.speculative, draft.num_draft_tokens, draft.draft_model) == ("draft", 4, "/d")
+    assert serve_config(parser.parse_args(["serve"])).speculative == "off"
+    for bad in (["--speculative", "eagle"], ["--num-draft-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+    with pytest.raises(ValueError, match="go together"):
+        serve_config(parser.parse_args(["serve", "--speculative", "draft"]))
 
 
 def test_drafts_stop_before_an_image_span_key() -> None:

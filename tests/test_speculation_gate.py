@@ -1,0 +1,135 @@
+"""The engine's speculation gate (kv/ngram.py) driven through whole benchmark-like runs on a fake clock.
+
+Each run decodes a few rows to their end the way `SpeculativeBatch.next` drives the gate: `started`
+at a step's start, `allow`, `ran`, and `idle` when the batch runs empty; then the batch waits (other
+arms of a benchmark decode, no request comes) before the next run. Step costs model the two
+devices the issue measures: on a GPU a forward of 1 + K positions costs about what a forward of 1
+costs, and a plain step is pipelined (a plain step right after a verifying one returns at once, its
+forward lands in the next step); on a CPU at batch 8 the wider forward costs nearly its width.
+The gate's decisions are what is checked: where every draft is accepted and verifying is faster it
+keeps drafting (the first gate version paused there on the H200: the wait between runs was counted
+as a step), where no draft is accepted it backs off at once and stays off nearly every step.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from mlxd.kv.ngram import SpeculationGate
+
+
+@attrs.define
+class Device:
+    """Seconds of one step: a plain forward, a verifying forward of 1 + k positions, and the host's
+    own work per step (sampling, the engine's bookkeeping)."""
+
+    plain_s: float
+    verify_s: float
+    host_s: float = 0.0005
+
+
+@attrs.define
+class Tally:
+    steps: int = 0
+    verifying: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def drive(
+    gate: SpeculationGate,
+    device: Device,
+    *,
+    runs: int,
+    tokens: int,
+    rows: int,
+    accepted: int,
+    k: int = 4,
+    gap_s: float = 4.0,
+    first_step_s: float = 0.3,
+) -> Tally:
+    """`runs` runs of `rows` rows decoding `tokens` each; a verifying step keeps `accepted` of k
+    drafts per row. The first step of each run also waits `first_step_s` (a prefill, a shape compiled)."""
+    now, tally = 0.0, Tally()
+    for _ in range(runs):
+        left, carry = tokens, first_step_s
+        while left > 0:
+            gate.started(now)
+            start = now
+            verifying = gate.allow(rows)
+            if verifying:
+                emitted = min(left, 1 + accepted)
+                cost = carry + device.verify_s + device.host_s  # synchronous: waits for its own forward
+                carry = 0.0
+            else:
+                # Pipelined: it launches its forward and waits for the one before it (none after a
+                # verifying step, so it returns at once); the next step waits for this one's.
+                emitted = 1
+                cost, carry = carry + device.host_s, device.plain_s
+            gate.ran(rows=rows, verifying=verifying, tokens=emitted * rows, start=start)
+            now += cost
+            left -= emitted
+            tally.steps += 1
+            tally.verifying += verifying
+            tally.tokens += emitted * rows
+            tally.seconds += cost
+        now += carry  # the last forward
+        tally.seconds += carry
+        gate.idle(now)
+        now += gap_s  # the next run comes after a wait no step caused
+    return tally
+
+
+def plain_seconds(device: Device, *, runs: int, tokens: int, first_step_s: float = 0.3) -> float:
+    return runs * (first_step_s + tokens * (device.plain_s + device.host_s))
+
+
+H200_BATCH1 = Device(plain_s=0.0075, verify_s=0.0085)  # Qwen3-1.7B bf16: 5 positions cost ~1 forward
+H200_BATCH8 = Device(plain_s=0.0080, verify_s=0.0110)
+CPU_BATCH8 = Device(plain_s=0.030, verify_s=0.160)  # a CPU: the wider forward costs about its width
+
+
+def test_every_draft_accepted_on_a_gpu_keeps_drafting_across_runs():
+    """3 runs of 192 tokens (the H200 benchmark's n-gram repetitive arm): drafting is never paused
+    by the gate; only its plain probes (a few steps per run) run without drafts."""
+    for device, rows in ((H200_BATCH1, 1), (H200_BATCH8, 8)):
+        gate = SpeculationGate()
+        tally = drive(gate, device, runs=3, tokens=192, rows=rows, accepted=4)
+        assert gate.pauses == 0, (rows, gate.rates(rows))
+        plain, verify = gate.rates(rows)
+        assert verify > 3 * plain, (rows, plain, verify)
+        assert tally.verifying >= 0.85 * tally.steps, (rows, tally)
+        speedup = plain_seconds(device, runs=3, tokens=192) / tally.seconds
+        assert speedup > 2.5, (rows, speedup)
+
+
+def test_no_draft_accepted_backs_off_at_once_and_costs_almost_nothing():
+    """Every draft rejected (an unrelated draft model, text that does not repeat): the gate pauses
+    after its first two verifying steps, then for 16, 64, 256 steps; over 3 runs of 192 tokens the
+    verifying steps are a few percent of all, and the time within 3% of plain decoding's on a GPU
+    (6% on a CPU at batch 8, where each of those few verifying steps costs 5 plain ones)."""
+    for device, rows, bound in ((H200_BATCH1, 1, 1.03), (H200_BATCH8, 8, 1.03), (CPU_BATCH8, 8, 1.06)):
+        gate = SpeculationGate()
+        tally = drive(gate, device, runs=3, tokens=192, rows=rows, accepted=0)
+        assert gate.pauses >= 3, rows
+        assert tally.verifying <= 0.03 * tally.steps, (rows, tally)
+        assert tally.seconds <= bound * plain_seconds(device, runs=3, tokens=192), rows
+
+
+def test_drafts_accepted_but_verifying_slower_pauses_and_stays_near_plain_speed():
+    """A CPU at batch 8: 5 tokens a row per verifying step, but the wide forward costs 5.3 plain
+    ones; the gate finds verifying slower than its measured plain rate and pauses, longer each time."""
+    gate = SpeculationGate()
+    tally = drive(gate, CPU_BATCH8, runs=3, tokens=192, rows=8, accepted=4)
+    plain, verify = gate.rates(8)
+    assert gate.pauses >= 2 and 0 < plain, (plain, verify)
+    assert tally.verifying <= 0.10 * tally.steps, tally
+    # What it cost against never drafting: the steps before each verdict (and the plain probes).
+    assert tally.seconds <= 1.10 * plain_seconds(CPU_BATCH8, runs=3, tokens=192), tally
+
+
+def test_half_the_drafts_accepted_on_a_gpu_at_batch_1_keeps_drafting():
+    """2 of 4 drafts accepted: 3 tokens per verifying step at about one forward's cost still pays."""
+    gate = SpeculationGate()
+    tally = drive(gate, H200_BATCH1, runs=3, tokens=192, rows=1, accepted=2)
+    assert gate.pauses == 0 and tally.verifying >= 0.8 * tally.steps, tally
