@@ -19,10 +19,12 @@ time from that step to the last (prefill excluded). Two workloads:
 Outputs are checked token for token between the arms. Reported per workload
 and batch size: median tok/s per arm, the median per-round ratio arm ÷ off,
 acceptance rate and tokens per target forward, and whether each arm's tokens
-equalled off's (and off's its own, run twice).
+equalled off's (and off's its own, run twice), and how many of an arm's engine
+steps verified drafts (the gate's decisions). Cases run batch by batch (batch 1
+first), and the results file is written after each case (to $OUT too when set).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
-        [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...]
+        [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...] [--stop-after S]
 
 Results go to benchmarks/results/speculative-*.json.
 """
@@ -33,6 +35,7 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -86,7 +89,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         name = "draft=self" if Path(draft).resolve() == model.resolve() else f"draft={Path(draft).name}"
         cores[name] = EngineCore(RuntimeConfig(**{**_fields(base), "speculative": "draft", "draft_model": draft,
                                                   "num_draft_tokens": args.k}))
+    began = time.perf_counter()
     infos = {arm: core.load() for arm, core in cores.items()}
+    print(f"[{time.perf_counter() - began:.0f} s] loaded {', '.join(cores)}", flush=True)
     vocab = infos["off"].vocab_size
     out: dict[str, Any] = {
         "model": args.model or args.preset, "device": str(mx.default_device()), "tokens": args.tokens,
@@ -94,55 +99,75 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "cases": {},
     }
     workloads = [("repetitive", 0.0)] + [("non-repetitive", t) for t in args.temperature]
-    for name, temperature in workloads if args.cases == "all" else []:
-        for batch in args.batch:
-            requests = workload(name, batch, args.tokens, vocab, args.span, temperature)
-            warm = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, max_tokens=min(args.tokens, 24))) for r in requests]
-            for core in cores.values():
-                decode(core, warm)  # warm every arm's kernels for this batch's shapes
-            # The same arm twice: is the platform itself deterministic for this workload?
-            repeatable = (decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
-                          if args.repeat_check else None)
-            arms = list(cores)
-            rates: dict[str, list[float]] = {arm: [] for arm in arms}
-            ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
-            same = dict.fromkeys(arms[1:], True)
-            before = {arm: cores[arm].stats().speculation for arm in arms[1:]}
-            for r in range(args.rounds):
-                order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate who goes first
-                got = {arm: decode(cores[arm], requests) for arm in order}
-                for arm in arms:
-                    rates[arm].append(got[arm][0])
-                for arm in arms[1:]:
-                    same[arm] = same[arm] and got[arm][1] == got["off"][1]
-                    ratios[arm].append(got[arm][0] / got["off"][0])
-            label = name if name == "repetitive" else f"{name} t={temperature:g}"
-            case: dict[str, Any] = {"batch": batch, "off_tok_s": statistics.median(rates["off"]),
-                                    "off_repeatable": repeatable, "arms": {}}
+    cases = [(name, temperature, batch) for batch in args.batch for name, temperature in workloads]
+    for name, temperature, batch in cases if args.cases == "all" else []:  # batch 1 first: a run cut short keeps it
+        if args.stop_after and time.perf_counter() - began > args.stop_after:
+            print(f"[{time.perf_counter() - began:.0f} s] --stop-after {args.stop_after:g}: {name} batch {batch} "
+                  "and what follows not run", flush=True)
+            out["skipped"] = [*out.get("skipped", []), f"{name} t={temperature:g}/batch{batch}"]
+            continue
+        requests = workload(name, batch, args.tokens, vocab, args.span, temperature)
+        warm = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, max_tokens=min(args.tokens, 24))) for r in requests]
+        for core in cores.values():
+            decode(core, warm)  # warm every arm's kernels for this batch's shapes
+        # The same arm twice: is the platform itself deterministic for this workload?
+        repeatable = (decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
+                      if args.repeat_check else None)
+        arms = list(cores)
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
+        ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
+        same = dict.fromkeys(arms[1:], True)
+        before = {arm: cores[arm].stats().speculation for arm in arms[1:]}
+        for r in range(args.rounds):
+            order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate who goes first
+            got = {arm: decode(cores[arm], requests) for arm in order}
+            for arm in arms:
+                rates[arm].append(got[arm][0])
             for arm in arms[1:]:
-                b, a = before[arm], cores[arm].stats().speculation
-                assert b is not None and a is not None
-                proposed, accepted = a.proposed - b.proposed, a.accepted - b.accepted
-                rows = a.verified_rows - b.verified_rows
-                case["arms"][arm] = {
-                    "tok_s": statistics.median(rates[arm]), "ratio_median": statistics.median(ratios[arm]),
-                    "ratios": [round(x, 3) for x in ratios[arm]],
-                    "acceptance": accepted / proposed if proposed else 0.0,
-                    "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
-                    "proposed": proposed, "accepted": accepted, "identical": same[arm],
-                    "verify_steps": a.verify_steps - b.verify_steps, "gate_pauses": a.gate_pauses,
-                    "draft_rows_per_step": ((a.draft_rows - b.draft_rows) / (a.draft_steps - b.draft_steps)
-                                            if a.draft_steps > b.draft_steps else 0.0),
-                }
-                c = case["arms"][arm]
-                print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
-                      f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
-                      f"{c['tokens_per_forward']:.2f}, verify steps {c['verify_steps']}, draft rows/step "
-                      f"{c['draft_rows_per_step']:.1f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
-            out["cases"][f"{label}/batch{batch}"] = case
+                same[arm] = same[arm] and got[arm][1] == got["off"][1]
+                ratios[arm].append(got[arm][0] / got["off"][0])
+        label = name if name == "repetitive" else f"{name} t={temperature:g}"
+        case: dict[str, Any] = {"batch": batch, "off_tok_s": statistics.median(rates["off"]),
+                                "off_repeatable": repeatable, "arms": {}}
+        for arm in arms[1:]:
+            b, a = before[arm], cores[arm].stats().speculation
+            assert b is not None and a is not None
+            proposed, accepted = a.proposed - b.proposed, a.accepted - b.accepted
+            rows = a.verified_rows - b.verified_rows
+            case["arms"][arm] = {
+                "tok_s": statistics.median(rates[arm]), "ratio_median": statistics.median(ratios[arm]),
+                "ratios": [round(x, 3) for x in ratios[arm]],
+                "acceptance": accepted / proposed if proposed else 0.0,
+                "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
+                "proposed": proposed, "accepted": accepted, "identical": same[arm],
+                "verify_steps": a.verify_steps - b.verify_steps, "gate_pauses": a.gate_pauses,
+                # The gate's decisions in the timed rounds: decode steps, those it kept from verifying
+                # (paused, or measuring the plain rate); the rest verified drafts or had none to verify.
+                "steps": a.decode_steps - b.decode_steps, "withheld": a.gate_withheld_steps - b.gate_withheld_steps,
+                "draft_rows_per_step": ((a.draft_rows - b.draft_rows) / (a.draft_steps - b.draft_steps)
+                                        if a.draft_steps > b.draft_steps else 0.0),
+            }
+            c = case["arms"][arm]
+            print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
+                  f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
+                  f"{c['tokens_per_forward']:.2f}, verify steps {c['verify_steps']} of {c['steps']} (gate withheld "
+                  f"{c['withheld']}, pauses {c['gate_pauses']}), draft rows/step "
+                  f"{c['draft_rows_per_step']:.1f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
+        out["cases"][f"{label}/batch{batch}"] = case
+        save(out, args.result)  # after every case: a run cut short keeps what it measured
+        print(f"[{time.perf_counter() - began:.0f} s] {label} batch {batch} done", flush=True)
     for draft in args.draft if args.prefix_lengths else []:
         out.setdefault("draft_prefix", {})[draft] = draft_prefix(draft, cores["off"], args.prefix_lengths, args.k)
     return out
+
+
+def save(out: dict[str, Any], path: Path) -> None:
+    """The results so far, to `path` (and to $OUT when set: a device run's files come back from there)."""
+    path.parent.mkdir(exist_ok=True)
+    text = json.dumps(out, indent=2)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / path.name).write_text(text)
 
 
 def draft_prefix(draft_dir: str, target: EngineCore, lengths: list[int], k: int) -> dict[str, Any]:
@@ -209,12 +234,12 @@ if __name__ == "__main__":
                    help="a built-in preset as a draft arm (same tokenizer as the other presets but `test`)")
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0, 4.0],
                    help="of the non-repetitive workload (one case per value)")
+    p.add_argument("--stop-after", type=float, default=0.0, metavar="S",
+                   help="start no case after S seconds from the loads' start (0: run every case)")
     parsed = p.parse_args()
     parsed.draft += [str(ensure_model(name)) for name in parsed.draft_preset]
     if parsed.draft_self:
         parsed.draft.insert(0, parsed.model or str(ensure_model(parsed.preset)))
-    result = main(parsed)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"speculative-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(path)
+    parsed.result = RESULTS / f"speculative-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    save(main(parsed), parsed.result)
+    print(parsed.result)

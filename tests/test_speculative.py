@@ -107,6 +107,18 @@ def test_the_gate_pauses_drafting_while_verifying_steps_are_slower_than_plain_on
             step(True, 10, 0.100)  # 100 tokens/s: slower than plain (though drafts were accepted)
             gate.started(now)
             assert gate.allow(8) == (n < slow - 1), (slow, n)
+        # Not a verdict yet: plain is measured afresh (the first plain step after verifying is not
+        # measured), then 3 verifying steps after the first are judged against it.
+        probe = 1
+        while not gate.allow(8):
+            probe += 1
+            step(False, 8, 0.010)
+            gate.started(now)
+        assert probe == 3 and gate.pauses == {16: 0, 64: 1, 256: 2}[pause]
+        for n in range(4):
+            step(True, 10, 0.100)
+            gate.started(now)
+            assert gate.allow(8) == (n < 3), (slow, n)
         waited = 1
         while not gate.allow(8):
             waited += 1

@@ -1,8 +1,9 @@
 """Speculative decoding on a GPU: bench_speculative.py on a Qwen3-1.7B-shaped bf16 random model.
 
-On the CUDA host (docs/benchmarks.md, GPU): `source .gpu/b/install.sh && python3 benchmarks/gpu/bench_speculative_gpu.py`.
-Builds the model under /tmp (never transferred), then runs both arms side by side in one process; the
-result JSON lands in benchmarks/results/ (and $OUT when set).
+On the CUDA host (docs/benchmarks.md, GPU): `source .gpu/b/install.sh && python3 benchmarks/gpu/bench_speculative_gpu.py
+[bench_speculative.py's flags]`; here on the CPU, `--small` builds the `default` preset's shape in bf16 instead
+(to check the run end to end). Builds the model under /tmp (never transferred), then runs the arms side by side
+in one process; the result JSON lands in benchmarks/results/ and, after every case, in $OUT when set.
 """
 
 from __future__ import annotations
@@ -11,19 +12,30 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import attrs
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_gpu import QWEN3_1_7B, build  # noqa: E402
 
+from mlxd.model import presets  # noqa: E402
+
 
 def main() -> int:
-    model = Path("/tmp/models/qwen3-1.7b-shape")
+    began = time.perf_counter()
+    argv = sys.argv[1:]
+    small = "--small" in argv
+    argv = [a for a in argv if a != "--small"]
+    shape = attrs.evolve(presets.PRESETS["default"], name="default-bf16-shape") if small else QWEN3_1_7B
+    model = Path(f"/tmp/models/{shape.name}")
     if not (model / "config.json").exists():
-        build(QWEN3_1_7B, model)
-    args = [sys.executable, str(HERE.parent / "bench_speculative.py"), "--model", str(model), *sys.argv[1:]]
+        build(shape, model)
+    print(f"[{time.perf_counter() - began:.0f} s] model {model}", flush=True)
+    args = [sys.executable, str(HERE.parent / "bench_speculative.py"), "--model", str(model), *argv]
     # Streamed, so a run cut short by the device's time limit still shows how far it got.
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     lines = []
@@ -32,8 +44,10 @@ def main() -> int:
         lines.append(line.strip())
     proc.wait()
     result = next((line for line in reversed(lines) if line), "")
-    if os.environ.get("OUT") and result.endswith(".json") and Path(result).exists():
-        shutil.copy(result, os.environ["OUT"])
+    out = os.environ.get("OUT")
+    if out and result.endswith(".json") and Path(result).exists():
+        shutil.copy(result, out)
+    print(f"[{time.perf_counter() - began:.0f} s] done, rc {proc.returncode}", flush=True)
     return proc.returncode
 
 

@@ -146,6 +146,8 @@ class SpeculationStats:
     constrained_rows: int = 0  # speculating rows whose drafts their grammar checks before verification
     grammar_refused: int = 0  # draft tokens cut before verification because the grammar refused them
     gate_pauses: int = 0  # drafting is paused: verifying steps were slower than plain ones (pauses in a row)
+    decode_steps: int = 0  # decode steps of the speculating batch (verifying or not)
+    gate_withheld_steps: int = 0  # of those, steps the engine gate kept from verifying (paused, or measuring plain)
     draft_prefix_reused: int = 0  # --draft-model: prefix tokens a row's draft KV took from the prompt cache
     draft_prefix_recomputed: int = 0  # --draft-model: prefix tokens the draft computed at a row's first step
     draft_steps: int = 0  # --draft-model: steps where the draft proposed (its forwards batched across rows)

@@ -166,7 +166,7 @@ class Drafts:
             acceptance_rate=round(c.acceptance_rate, 4), tokens_per_forward=round(c.tokens_per_forward, 4),
             verify_steps=c.verify_steps, verified_rows=c.verified_rows, constrained_rows=c.constrained_rows,
             grammar_refused=c.grammar_refused,
-            gate_pauses=self.gate.pauses,
+            gate_pauses=self.gate.pauses, decode_steps=self.gate.steps, gate_withheld_steps=self.gate.withheld,
             draft_prefix_reused=self.prefix.reused, draft_prefix_recomputed=self.prefix.recomputed,
             draft_steps=c.draft_steps, draft_rows=c.draft_rows,
         )

@@ -131,6 +131,7 @@ class _Rates:
     since_plain: int = 0  # verifying steps since a plain step was last measured
     pause: int = 0  # steps left in the current pause
     pauses: int = 0  # pauses in a row (the next one is 4 times longer)
+    suspect: bool = False  # verifying measured slower once: plain is measured afresh before a pause
 
     @property
     def plain(self) -> float:
@@ -159,7 +160,9 @@ class SpeculationGate:
     Where no plain step is measured yet at a batch size, after `min_samples` + 1 verifying steps,
     and after every `probe_every` verifying steps, plain steps run until one is measured (the
     rate verifying must beat, kept current). Once `min_samples` verifying steps are in and
-    verifying is the slower (medians), drafting pauses for 16, 64, 256 steps (at most `max_pause`);
+    verifying is the slower (medians), plain steps are measured afresh (the earlier ones may come
+    from a moment when the host was less loaded) and then `min_samples` verifying steps again; if
+    verifying is still the slower, drafting pauses for 16, 64, 256 steps (at most `max_pause`);
     verifying that keeps up resets that.
 
     Acceptance needs no clock: a verifying step costs at least a plain one, so while its tokens
@@ -177,6 +180,8 @@ class SpeculationGate:
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
     _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
     _last: tuple[int, bool] | None = None  # the step before it: (rows, verifying)
+    steps: int = 0  # decode steps seen (any batch size, verifying or not)
+    withheld: int = 0  # of those, steps the gate kept from verifying (paused, or a plain rate to measure)
 
     @property
     def pauses(self) -> int:
@@ -191,10 +196,14 @@ class SpeculationGate:
     def allow(self, rows: int) -> bool:
         """Whether a step of `rows` rows may verify drafts (counts a paused step when not)."""
         r = self._by_rows.setdefault(rows, _Rates())
+        self.steps += 1
         if r.pause > 0:
             r.pause -= 1
+            self.withheld += 1
             return False
-        return r.since_plain < (self.probe_every if r.plain > 0 else self.min_samples + 1)
+        allowed = r.since_plain < (self.probe_every if r.plain > 0 else self.min_samples + 1)
+        self.withheld += not allowed
+        return allowed
 
     def started(self, now: float) -> None:
         """A step starts: the previous one ends here."""
@@ -222,15 +231,20 @@ class SpeculationGate:
         r.verifies = [*r.verifies[1 - self.window:], rate]
         if not r.plains or len(r.verifies) < self.min_samples:
             return
-        if r.verify < r.plain:
+        if r.verify >= r.plain:
+            r.pauses, r.suspect = 0, False
+        elif r.suspect:  # slower again, against a plain rate measured just before: a verdict
             self._pause(r)
         else:
-            r.pauses = 0
+            # A loaded host slows every step for a while: the plain rate, measured earlier, may
+            # come from a quieter moment. Measure plain again now, and verifying after it.
+            r.suspect = True
+            r.plains, r.verifies, r.since_plain = [], [], self.probe_every
 
     def _pause(self, r: _Rates) -> None:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
-        r.verifies, r.tried, r.gain = [], 0, 0.0  # measured afresh after the pause
+        r.verifies, r.tried, r.gain, r.suspect = [], 0, 0.0, False  # measured afresh after the pause
 
     def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
         self._open = (rows, verifying, tokens, start)
