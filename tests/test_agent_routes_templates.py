@@ -209,3 +209,32 @@ def test_responses_tool_loop_through_previous_response_id_reads_up_to_the_rewrit
         conversation += output_messages(doc["output"])
         prev, prev_cut, previous_id = ids, cut, doc["id"]
     assert rewritten >= 1
+
+
+def test_a_conversation_sent_again_reuses_its_probed_cut(deepseek_hybrid):
+    # Anthropic clients count tokens, then send the same conversation: the second request takes the
+    # cut from the first one's probes (no re-render) and is served up to it like any other step.
+    server, http = deepseek_hybrid
+    tools = [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
+
+    def probes() -> dict[str, int]:
+        return http.get("/stats").json()["template_probes"]
+
+    def body(k: int) -> dict[str, Any]:
+        system, turns = to_anthropic(STEPS[k])
+        return {"model": "tiny", "system": system, "messages": turns, "tools": tools, "max_tokens": 1,
+                "temperature": 0}
+
+    r = http.post("/v1/messages", json=body(0))
+    assert r.status_code == 200, r.text
+    assert probes() == {"hits": 0, "misses": 1, "entries": 1}
+    counted = http.post("/v1/messages/count_tokens", json=body(1))
+    assert counted.status_code == 200, counted.text
+    assert probes() == {"hits": 0, "misses": 2, "entries": 2}
+    r = http.post("/v1/messages", json=body(1))
+    assert r.status_code == 200, r.text
+    assert probes() == {"hits": 1, "misses": 2, "entries": 2}
+    usage = r.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == counted.json()["input_tokens"]
+    _, cut = rendered_and_cut(server, STEPS[0])
+    assert usage["cache_read_input_tokens"] == cut  # the first request's cut, as before

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from mlxd.model.detok import load_model
-from mlxd.runtime.chat.stable_prefix import MIN_CUT_TOKENS, common_prefix, cut_for, stable_prefix
+from mlxd.runtime.chat.stable_prefix import (
+    MIN_CUT_TOKENS,
+    ProbedPrefixes,
+    common_prefix,
+    cut_for,
+    stable_prefix,
+    template_identity,
+)
 from mlxd.runtime.chat.token_history import render
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -85,3 +92,52 @@ def test_the_cut_keeps_its_distance_from_the_end_in_realigned_ids():
     assert cut_for(90, plain, (*plain[:-1], 999)) is None  # a different tail: no cut
     assert cut_for(99, plain, plain) is None  # the boundary checkpoint covers it
     assert cut_for(MIN_CUT_TOKENS - 1, plain, plain) is None  # too short to pay for a copy
+
+
+def test_a_conversation_probed_before_is_not_rendered_again(deepseek, tiny_model_dir):
+    renders: list[int] = []
+
+    def counted(m):
+        renders.append(len(m))
+        return ids_of(deepseek, m)
+
+    probed = ProbedPrefixes(template_identity(deepseek))
+    variables = {"tools": TOOLS}
+    messages = STEPS[2]
+    prompt = ids_of(deepseek, messages)
+    first = probed.stable(counted, messages, prompt, variables=variables)
+    assert first == stable_prefix(lambda m: ids_of(deepseek, m), messages, prompt, tools=TOOLS)
+    assert len(renders) == 2  # one per probe continuation
+    again = probed.stable(counted, [dict(m) for m in messages], prompt, variables={"tools": list(TOOLS)})
+    assert again == first and len(renders) == 2  # an equal conversation (fresh objects): no render
+    assert probed.stats().as_dict() == {"hits": 1, "misses": 1, "entries": 1}
+    # Anything the template sees is in the key: another message list, other variables, another template.
+    probed.stable(counted, STEPS[3], ids_of(deepseek, STEPS[3]), variables=variables)
+    probed.stable(counted, messages, prompt, variables={"tools": TOOLS, "enable_thinking": False})
+    ProbedPrefixes(template_identity(tokenizer_with(tiny_model_dir, "qwen3"))).stable(
+        counted, messages, prompt, variables=variables)
+    assert len(renders) == 2 + 3 * 2
+    assert template_identity(deepseek) != template_identity(tokenizer_with(tiny_model_dir, "qwen3"))
+
+
+def test_probed_prefixes_are_a_bounded_lru(deepseek):
+    probed = ProbedPrefixes(template_identity(deepseek), max_entries=2)
+    renders: list[int] = []
+
+    def counted(m):
+        renders.append(len(m))
+        return ids_of(deepseek, m)
+
+    def probe(step: int) -> None:
+        probed.stable(counted, STEPS[step], ids_of(deepseek, STEPS[step]), variables={"tools": TOOLS})
+
+    for step in (0, 1, 0, 2):  # 2 is new: the least recently used (1) goes
+        probe(step)
+    assert probed.stats().entries == 2 and len(renders) == 3 * 2
+    probe(0)
+    assert len(renders) == 3 * 2  # kept: used after 1
+    probe(1)
+    assert len(renders) == 4 * 2  # evicted: probed again
+    # Not plain JSON: no key, so never remembered (probed each time).
+    odd = [*STEPS[0][:-1], {"role": "user", "content": "x", "extra": {1, 2}}]
+    assert probed.key(odd, {}) is None

@@ -16,6 +16,7 @@ import attrs
 from mlxd.actors.scheduler import SchedulerStats
 from mlxd.engine.ops import EngineStats
 from mlxd.kv.device_costs import DeviceProbe
+from mlxd.runtime.chat.stable_prefix import ProbeStats
 from mlxd.runtime.kernel.channels import ChannelStats
 from mlxd.runtime.kernel.messages import (
     CacheStatsSnapshot,
@@ -183,6 +184,7 @@ class RuntimeStats:
     channels: Mapping[str, ChannelStats]  # the actors' inboxes by name
     blas: Mapping[str, str | None]  # mlxd._blas.status
     prompt_tokens: Mapping[str, int | bool]  # PieceEncoder.stats()
+    template_probes: ProbeStats | None = None  # ProbedPrefixes.stats(): chat template cuts remembered
     device_probe: DeviceProbe | None = None  # the startup probe, when it ran
     ssd: SsdTierStats | None = None  # without --ssd-cache: None
     generation_checkpoints: Mapping[str, Any] | None = None  # --generation-checkpoint N
@@ -199,6 +201,8 @@ class RuntimeStats:
             "blas": dict(self.blas),
             "prompt_tokens": dict(self.prompt_tokens),
         }
+        if self.template_probes is not None:
+            out["template_probes"] = self.template_probes.as_dict()
         if self.device_probe is not None:
             out["device_probe"] = self.device_probe.as_dict()
         if self.ssd is not None:

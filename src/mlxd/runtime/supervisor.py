@@ -53,7 +53,7 @@ from mlxd.kv.ssd_store import Scan, SsdStore
 from mlxd.kv.tiers import SessionCheckpoint, SsdRecord
 from mlxd.runtime import session_files
 from mlxd.runtime.chat.prompt_tokens import PieceEncoder
-from mlxd.runtime.chat.stable_prefix import cut_for, stable_prefix
+from mlxd.runtime.chat.stable_prefix import ProbedPrefixes, cut_for, template_identity
 from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import ChannelStats, Reply
@@ -188,6 +188,8 @@ class Runtime:
         self.cold = cold
         self.history = GeneratedHistory()
         self.prompt_tokens = PieceEncoder(info.tokenizer)  # chat prompts: reuse the ids of pieces seen before
+        # Stable prefixes of conversations already probed: one sent again skips its probe renders.
+        self.probed = ProbedPrefixes(template_identity(info.tokenizer))
         self.admitting = True
         self.started_at = time.time()
         # Admission is the Runtime's: it counts what it admitted and what a full queue refused.
@@ -269,7 +271,8 @@ class Runtime:
                 kwargs["tools"] = list(tools)
             probing = probe and self.needs_template_cuts()
             text, plain, stable = await trio.to_thread.run_sync(
-                partial(_render_probed, self.tokenizer, messages, self.prompt_tokens.encode, kwargs, probing)
+                partial(_render_probed, self.tokenizer, messages, self.prompt_tokens.encode, kwargs,
+                        self.probed if probing else None)
             )
             replies = {m["content"]: self.history.get(m["content"]) for m in messages
                        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
@@ -520,6 +523,7 @@ class Runtime:
             channels={name: ChannelStats.of(ch) for name, ch in self.channels.items()},
             blas=dict(_blas.status),
             prompt_tokens=self.prompt_tokens.stats(),
+            template_probes=self.probed.stats(),
             device_probe=self.info.probe,
             ssd=await self._ssd_stats(cache) if self.cold is not None else None,
             generation_checkpoints=checkpointer.snapshot_stats() if checkpointer is not None else None,
@@ -592,16 +596,17 @@ class Runtime:
 
 def _render_probed(
     tokenizer: Any, messages: Sequence[dict[str, Any]], encode: Callable[[str], tuple[int, ...]],
-    kwargs: dict[str, Any], probing: bool,
+    kwargs: dict[str, Any], probed: ProbedPrefixes | None,
 ) -> tuple[str, tuple[int, ...], int | None]:
-    """(text, canonical ids, stable prefix or None): the chat's rendering and, when `probing`, how much
-    of it the template keeps when the conversation goes on (a worker thread: it renders 1 + 2 times)."""
+    """(text, canonical ids, stable prefix or None): the chat's rendering and, with `probed`, how much
+    of it the template keeps when the conversation goes on (a worker thread: it renders 1 + 2 times,
+    or once for a conversation already probed)."""
     text, plain = render(tokenizer, messages, encode=encode, **kwargs)
-    if not probing:
+    if probed is None:
         return text, plain, None
     t0 = time.perf_counter()
-    stable = stable_prefix(lambda m: render(tokenizer, m, encode=encode, **kwargs)[1], messages, plain,
-                           tools=kwargs.get("tools") or ())
+    stable = probed.stable(lambda m: render(tokenizer, m, encode=encode, **kwargs)[1], messages, plain,
+                           variables=kwargs)
     log.debug("chat.stable_prefix", prompt_tokens=len(plain), stable=stable,
               probe_ms=round((time.perf_counter() - t0) * 1e3, 2))
     return text, plain, stable

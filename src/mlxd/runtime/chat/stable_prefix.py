@@ -11,12 +11,22 @@ So the prompt is rendered again followed by probe continuations (a reply then a
 user turn; a tool call then its result) and the stable prefix is the shortest
 common token prefix between the prompt and those renderings. The engine then
 cuts its prefill there and publishes a checkpoint (`checkpoint_at`).
+
+`ProbedPrefixes` remembers the stable prefix of conversations already probed, so
+a conversation sent again (a retry, Anthropic's count_tokens then the request,
+a client's parallel samples) skips the probe renders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import attrs
 
 # Below this many tokens a checkpoint saves too little to pay for its copy.
 MIN_CUT_TOKENS = 16
@@ -84,3 +94,83 @@ def cut_for(stable: int, plain: Sequence[int], ids: Sequence[int]) -> int | None
     if cut < MIN_CUT_TOKENS or tuple(ids[cut:]) != tuple(plain[stable:]):
         return None
     return cut
+
+
+@attrs.frozen
+class ProbeStats:
+    """`ProbedPrefixes` counters: conversations whose stable prefix was remembered, or probed."""
+
+    hits: int
+    misses: int
+    entries: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "entries": self.entries}
+
+
+def template_identity(tokenizer: Any) -> str:
+    """A digest of the tokenizer's chat template (a string, or named templates), as `ProbedPrefixes` keys it."""
+    template = getattr(tokenizer, "chat_template", None)
+    doc = json.dumps(template, sort_keys=True, default=str)
+    return hashlib.blake2b(doc.encode(), digest_size=16).hexdigest()
+
+
+class ProbedPrefixes:
+    """The stable prefixes of conversations already probed: a bounded LRU, thread-safe.
+
+    Keyed by the template's identity and the canonical JSON of the messages and the template's
+    variables (tools, template kwargs). Safe if ever stale: a remembered prefix only places a
+    checkpoint (`cut_for` still checks the tail against the fresh rendering), never a prompt token.
+    """
+
+    def __init__(self, template: str, *, max_entries: int = 4096) -> None:
+        self._template = template
+        self._max_entries = max_entries
+        self._stable: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    def key(self, messages: Sequence[dict[str, Any]], variables: Mapping[str, Any]) -> bytes | None:
+        """The digest of a conversation as the template sees it; None where it is not plain JSON."""
+        try:
+            doc = json.dumps([self._template, list(messages), dict(variables)], sort_keys=True,
+                             ensure_ascii=False, separators=(",", ":"))
+        except (TypeError, ValueError):  # not plain JSON: no key that surely tells two apart
+            return None
+        return hashlib.blake2b(doc.encode(), digest_size=20).digest()
+
+    def stable(
+        self,
+        render: Callable[[list[dict[str, Any]]], Sequence[int]],
+        messages: Sequence[dict[str, Any]],
+        prompt: Sequence[int],
+        *,
+        variables: Mapping[str, Any],
+    ) -> int:
+        """`stable_prefix(render, messages, prompt, tools=variables['tools'])`, remembered by conversation."""
+        key = self.key(messages, variables)
+        with self._lock:
+            known = self._stable.get(key) if key is not None else None
+            if known is not None and known <= len(prompt):
+                self._stable.move_to_end(key)  # type: ignore[arg-type]
+                self._hits += 1
+                return known
+            self._misses += 1
+        stable = stable_prefix(render, messages, prompt, tools=variables.get("tools") or ())
+        if key is not None:
+            with self._lock:
+                self._stable[key] = stable
+                self._stable.move_to_end(key)
+                while len(self._stable) > self._max_entries:
+                    self._stable.popitem(last=False)
+        return stable
+
+    def clear(self) -> None:
+        """Forget every conversation (benchmarks time the probes with it)."""
+        with self._lock:
+            self._stable.clear()
+
+    def stats(self) -> ProbeStats:
+        with self._lock:
+            return ProbeStats(hits=self._hits, misses=self._misses, entries=len(self._stable))
