@@ -244,15 +244,71 @@ def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
         arm["flush_s_over_whole"] = arm["flush_s"] / summary["whole"]["flush_s"]
         arm["goal_retained_met"] = arm["retained_over_dedup"] <= 1.3
-        arm["goal_followup_met"] = arm["followup_written_over_new_kv"]["max"] <= 1.5
+        follow_ratio = arm["followup_written_over_new_kv"]
+        arm["goal_followup_met"] = follow_ratio["max"] <= 1.5 if follow_ratio else None  # no follow-ups: None
         summary[f"blocks_{bt}"] = arm
     print(json.dumps(summary, indent=1), flush=True)
+    if args.ram:
+        summary["ram"] = run_ram(args, checkpoints, per_token)
+        print(json.dumps({"ram": summary["ram"]}, indent=1), flush=True)
     longest = max(live_tokens, key=len)
     conv_restores = {
         "whole": whole_live.live[longest],
         **{bt: (store, live.live[longest]) for bt, (store, live, _) in arms.items()},
     }
     return {"rows": rows, "summary": summary, "longest": conv_restores}
+
+
+def run_ram(args: argparse.Namespace, checkpoints: list[tuple[str, int, Conversation]],
+             per_token: int) -> dict[str, Any]:
+    """The RAM tier's side of the same checkpoints: the engine's page pool (`--ram-pages on`,
+    kv/page_pool.py) on real MLX arrays, with the tiers' supersession (an entry superseded by a
+    trimmable descendant is dropped, so are its pages no other entry names). Retained: the pages'
+    unique buffers as the cache owner counts them (`PageLedger`) and MLX active memory grown over the
+    run (a measurement beside the accounting); contiguous entries hold each entry's KV whole (the
+    live runtime's /stats bytes matched that sum exactly in bench_ram_pages.py)."""
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxd.kv.page_pool import PagePool
+    from mlxd.kv.ram_pages import PageLedger
+
+    page_tokens = args.ram_page_tokens or bk.span_for(per_token)
+    pool = PagePool(fingerprint=IDENTITY.fingerprint, page_tokens=page_tokens)
+    ledger = PageLedger()
+    live = Supersession()
+    gc.collect()
+    before = mx.get_active_memory()
+    t0 = time.perf_counter()
+    for _, _, conv in checkpoints:
+        n = len(conv.tokens)
+        caches = []
+        for i in range(0, len(conv.kv), 2):
+            c = KVCache()
+            c.keys, c.values, c.offset = mx.array(conv.kv[i]), mx.array(conv.kv[i + 1]), n
+            caches.append(c)
+        paged = pool.page(caches, conv.tokens, "")
+        assert paged is not None
+        ledger.add(conv.tokens, paged.refs)
+        for old in live.commit(tuple(conv.tokens), paged):
+            ledger.remove(old.refs)
+        del caches, paged
+    gc.collect()
+    held = int(mx.get_active_memory() - before)
+    entries = list(live.live)
+    dedup = dedup_tokens(entries) * per_token
+    contiguous = sum(len(t) for t in entries) * per_token
+    return {
+        "page_tokens": page_tokens, "entries": len(entries), "pages": len(pool), "dedup_kv_bytes": dedup,
+        "pages_retained_bytes": ledger.bytes, "pages_retained_over_dedup": ledger.bytes / dedup,
+        "pages_mlx_active_grown_bytes": held, "pages_mlx_active_over_dedup": held / dedup,
+        "contiguous_retained_bytes": contiguous, "contiguous_retained_over_dedup": contiguous / dedup,
+        "goal_retained_max": 1.2, "goal_retained_met": ledger.bytes / dedup <= 1.2 and held / dedup <= 1.2,
+        "page_copies": pool.made, "page_views": pool.views, "pages_reused": pool.reused,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def run_bandwidth(args: argparse.Namespace, work: Path, longest: dict[Any, Any]) -> dict[str, Any]:
@@ -472,6 +528,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
                    help="restore with per-tensor CRC-32 checks (the tier's default is off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ram", action=argparse.BooleanOptionalAction, default=True,
+                   help="storage: also page the same checkpoints in RAM (--ram-pages on's page pool, MLX arrays)")
+    p.add_argument("--ram-page-tokens", type=int, default=0, help="RAM page span (0: the SSD default span)")
     p.add_argument("--parts", nargs="+", choices=("storage", "bandwidth", "probe"),
                    default=["storage", "bandwidth", "probe"], help="what to run (storage always runs)")
     p.add_argument("--dir", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
