@@ -1,12 +1,13 @@
 """Crash consistency: SIGKILL a real `mlxd serve --ssd-cache` at random moments, restart, check.
 
-    python benchmarks/crash_loop.py --kills 200
+    python benchmarks/crash_loop.py --kills 200 [--ssd-layout blocks --ssd-block-tokens 32]
 
 The tally goes to benchmarks/results/crash_loop-<timestamp>.json (--out DIR).
 
 Each round starts the server on the same cache directory, checks what the
 startup scan left (no *.tmp survives, every file is a complete valid snapshot
-with 0600/0700 permissions, the index holds every file), replays requests
+with 0600/0700 permissions, the index holds every file; with blocks, every
+manifest names only blocks on disk and loads verified), replays requests
 whose RAM-tier answers were recorded before earlier kills, then drives
 conversations and kills the process with SIGKILL: right after a reply (the
 write-behind is in flight), in the middle of a flush, or at a random moment.
@@ -49,7 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_proc import ServeProc  # noqa: E402
 
 import mlxd  # noqa: E402, F401  (preloads OpenBLAS before mlx)
+from mlxd.kv import block_store as bs  # noqa: E402
 from mlxd.kv import file_format as ff  # noqa: E402
+from mlxd.kv.ssd_store import StoreIdentity  # noqa: E402
 
 TOPICS = ["caches", "rivers", "compilers", "gardens", "trains", "violins", "glaciers", "bees"]
 QUESTIONS = ["Why?", "Tell me more.", "Give an example.", "And then?", "Is that all?", "Summarize."]
@@ -93,6 +96,8 @@ class Tally:
     not_promised_after_crash: int = 0  # records whose process was killed before a durable flush
     lost_unpromised: int = 0
     files_checked: int = 0
+    manifests_checked: int = 0  # the blocks layout's checkpoints
+    blocks_checked: int = 0
     orphans_reaped: int = 0
     corrupt_removed: int = 0
     max_files: int = 0
@@ -106,7 +111,7 @@ class Killed(Exception):
 
 class CrashLoop:
     def __init__(self, model_dir: Path, workdir: Path, *, seed: int = 0, max_tokens: int = 8,
-                 checks_per_round: int = 3) -> None:
+                 checks_per_round: int = 3, serve_args: tuple[str, ...] = ()) -> None:
         self.model_dir = Path(model_dir)
         self.cache = Path(workdir) / "ssd"
         self.log_path = Path(workdir) / "serve.log"
@@ -118,7 +123,7 @@ class CrashLoop:
         self.conversations: list[Conversation] = []
         self.tally = Tally()
         self.proc = ServeProc(["--model", str(self.model_dir), "--model-name", "tiny",
-                               "--ssd-cache", str(self.cache)], self.log_path)
+                               "--ssd-cache", str(self.cache), *serve_args], self.log_path)
 
     # --- the loop ------------------------------------------------------------------
 
@@ -159,12 +164,18 @@ class CrashLoop:
         files = sorted(self.cache.rglob("*" + ff.EXTENSION))
         for path in files:
             self.check_file(path)
+        manifests = sorted(self.cache.rglob("*" + bs.MANIFEST_EXT))
+        covered = [ff.read_header(p).tokens for p in files]
+        for path in manifests:
+            covered += self.check_manifest(path)
         self.tally.files_checked += len(files)
-        self.tally.max_files = max(self.tally.max_files, len(files))
+        self.tally.manifests_checked += len(manifests)
+        self.tally.max_files = max(self.tally.max_files, len(files) + len(manifests))
         indexed = http.get("/stats").json()["ssd_cache"]["entries"]
-        if indexed != len(files):
-            self.fail(f"the index holds {indexed} entries but {len(files)} files are on disk")
-        return [ff.read_header(p).tokens for p in files]
+        if indexed != len(files) + len(manifests):
+            self.fail(f"the index holds {indexed} entries but {len(files)} files and {len(manifests)} "
+                      "manifests are on disk")
+        return covered
 
     def check_file(self, path: Path) -> None:
         try:
@@ -176,6 +187,29 @@ class CrashLoop:
         for d in (path.parent, path.parent.parent):
             if stat.S_IMODE(d.stat().st_mode) != 0o700:
                 self.fail(f"{d} has mode {oct(d.stat().st_mode)}")
+
+    def check_manifest(self, path: Path) -> list[tuple[int, ...]]:
+        """A committed manifest names only whole blocks on disk and loads verified (exact CRC-32s)."""
+        try:
+            m = bs.read_manifest(path)
+        except ff.StorageError as exc:
+            self.fail(f"{path.name} is not a valid manifest after the scan: {exc}")
+            return []
+        store = bs.BlockStore(self.cache, StoreIdentity(m.meta.model_id, m.meta.config_fingerprint,
+                                                         m.meta.tokenizer_hash), block_tokens=m.block_tokens)
+        for b in m.blocks:
+            block = store.block_path(b.name)
+            if not block.exists():
+                self.fail(f"{path.name} names a missing block {b.name}")
+                return []
+            if stat.S_IMODE(block.stat().st_mode) != 0o600:
+                self.fail(f"{block} has mode {oct(block.stat().st_mode)}")
+        record = store.read_record(path)
+        if record is None or store.load(record, verify=True) is None:
+            self.fail(f"{path.name} does not load verified after the scan")
+            return []
+        self.tally.blocks_checked += len(m.blocks)
+        return [m.tokens]
 
     def check_durable(self, files: list[tuple[int, ...]]) -> None:
         """Every prefix a flush reported durable is covered by a file (all KV here is trimmable)."""
@@ -347,6 +381,8 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=3600.0, help="stop after this many seconds")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                    help="directory for the result JSON")
+    p.add_argument("--ssd-layout", choices=("whole", "blocks"), help="the server's --ssd-layout (default: its own)")
+    p.add_argument("--ssd-block-tokens", type=int, help="the server's --ssd-block-tokens (blocks)")
     args = p.parse_args()
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mlxd-crash-"))
@@ -356,7 +392,10 @@ def main() -> int:
         from mlxd.model.tiny import build_model
 
         model = build_model(workdir / "model", "test", seed=0)
-    tally = CrashLoop(model, workdir, seed=args.seed).run(args.kills, time_limit=args.time_limit, progress=True)
+    serve_args = (*(("--ssd-layout", args.ssd_layout) if args.ssd_layout else ()),
+                  *(("--ssd-block-tokens", str(args.ssd_block_tokens)) if args.ssd_block_tokens else ()))
+    tally = CrashLoop(model, workdir, seed=args.seed, serve_args=serve_args).run(
+        args.kills, time_limit=args.time_limit, progress=True)
     out = {"command": " ".join(["python", "benchmarks/crash_loop.py", *sys.argv[1:]]), "started": started,
            "kills_asked": args.kills, "seed": args.seed, "tally": attrs.asdict(tally)}
     print(json.dumps(out, indent=2))

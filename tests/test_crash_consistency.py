@@ -43,3 +43,15 @@ def test_a_flush_promises_only_what_its_own_process_served(tmp_path, tiny_model_
     assert loop.tally.failures == [] and loop.tally.promised_checked == 1
     loop.check_durable([(1, 2, 3)])
     assert loop.tally.failures == ["round 2: a durable prefix was lost: files cover 0 of 2 tokens"]
+
+
+def test_sigkill_loop_with_the_blocks_layout(tmp_path, tiny_model_dir):
+    """The same loop on content-addressed blocks (small spans: several blocks a checkpoint): after every
+    SIGKILL each manifest names only blocks on disk and loads verified, and durable prefixes survive."""
+    loop = CrashLoop(tiny_model_dir, tmp_path, seed=11, serve_args=("--ssd-layout", "blocks", "--ssd-block-tokens", "16"))
+    tally = loop.run(5, time_limit=120)
+    assert tally.failures == []
+    assert tally.kills == 5
+    assert tally.flushes_durable >= 1 and tally.promised_checked >= 1 and tally.restores_equal >= 1
+    assert tally.manifests_checked >= 1 and tally.blocks_checked > tally.manifests_checked
+    assert list((tmp_path / "ssd").rglob("*.mlxblk"))
