@@ -9,8 +9,8 @@ prompt (a miss), every later one is a RAM hit on it. One runtime at a time:
 round 1 runs every session on each arm and reports RAM retained (the tier's
 bytes, as /stats counts them, and MLX active memory grown over the sessions)
 over the deduplicated KV (the union of the entries' tokens x KV bytes per
-token); round 2 runs the first `--speed-sessions` again in the other arm
-order. TTFT and decode tok/s: the RAM hits' medians over both rounds,
+token); rounds 2.. (`--rounds`, default 2) run the first `--speed-sessions` again,
+the arm order alternating. TTFT and decode tok/s: the RAM hits' medians over both rounds,
 pages / contiguous (and per round).
 Writes benchmarks/results/ram_pages-<time>.json.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -145,11 +146,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         for arm in ARMS
     }
     # One runtime at a time (two in one process ran at different speeds). Round 1: every session on each
-    # arm (retention, timings); round 2, in the other order: the first --speed-sessions again (timings).
+    # arm (retention, timings); rounds 2.., the order alternating: the first --speed-sessions again (timings).
     out: dict[str, Any] = {}
     rows: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     rounds: list[dict[str, Any]] = []
-    for n, order in enumerate((ARMS, ARMS[::-1])):
+    for n in range(args.rounds):
+        order = ARMS if n % 2 == 0 else ARMS[::-1]
         count = len(prompts) if n == 0 else args.speed_sessions
         speeds = {}
         for arm in order:
@@ -159,7 +161,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             if n == 0:
                 out[arm] = held
             print(f"  round {n + 1}: {arm} done", flush=True)
-        rounds.append({"order": list(order), "sessions": count, **speeds,
+        rounds.append({"order": list(order), "sessions": count, **speeds, "loadavg": os.getloadavg(),
                        "ttft_pages_over_contiguous": speeds["pages"]["ttft_ms_median"]
                        / speeds["contiguous"]["ttft_ms_median"],
                        "decode_pages_over_contiguous": speeds["pages"]["decode_tok_s_median"]
@@ -169,6 +171,10 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = {
         "ttft_pages_over_contiguous": out["pages"]["ttft_ms_median"] / out["contiguous"]["ttft_ms_median"],
         "decode_pages_over_contiguous": out["pages"]["decode_tok_s_median"] / out["contiguous"]["decode_tok_s_median"],
+        # each round's ratio pairs the arms run back to back: their median is robust to load drifting between rounds
+        "median_round_ttft_pages_over_contiguous": statistics.median(r["ttft_pages_over_contiguous"] for r in rounds),
+        "median_round_decode_pages_over_contiguous": statistics.median(r["decode_pages_over_contiguous"]
+                                                                       for r in rounds),
         "rounds": [{k: r[k] for k in ("order", "ttft_pages_over_contiguous", "decode_pages_over_contiguous")}
                    for r in rounds],
     }
@@ -187,7 +193,8 @@ def main() -> None:
     p.add_argument("--shared", type=int, default=5000, help="tokens of the shared prompt")
     p.add_argument("--suffix", type=int, default=64, help="each session's own prompt tokens")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--speed-sessions", type=int, default=32, help="sessions of round 2 (timings only)")
+    p.add_argument("--speed-sessions", type=int, default=32, help="sessions of rounds 2.. (timings only)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, arm order alternating (round 1: every session)")
     p.add_argument("--page-tokens", type=int, default=0, help="RAM page size (0: the server's default)")
     p.add_argument("--lend-rounds", type=int, default=40, help="lend + join timings per arm")
     p.add_argument("--lend-only", action="store_true", help="only time a RAM hit's lend + join, both arms")
@@ -227,7 +234,9 @@ def main() -> None:
     per_round = ", ".join(f"{'/'.join(r['order'])}: {r['ttft_pages_over_contiguous']:.3f}x, "
                           f"{r['decode_pages_over_contiguous']:.3f}x" for r in ratios["rounds"])
     print(f"pages / contiguous: TTFT {ratios['ttft_pages_over_contiguous']:.3f}x, decode tok/s "
-          f"{ratios['decode_pages_over_contiguous']:.3f}x (per round, TTFT and decode: {per_round})")
+          f"{ratios['decode_pages_over_contiguous']:.3f}x (per round, TTFT and decode: {per_round}; median of the "
+          f"rounds' ratios {ratios['median_round_ttft_pages_over_contiguous']:.3f}x, "
+          f"{ratios['median_round_decode_pages_over_contiguous']:.3f}x)")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ram_pages-{args.preset}-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=1))

@@ -162,8 +162,18 @@ def du(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def write_trace(path: Path, checkpoints: list[tuple[str, int, Conversation]]) -> None:
+    """The workload as an mlxd trace (`mlxd simulate`): one request per checkpoint, 100 s apart (each
+    write and flush done before the next), one generated token, the prompt as the checkpoint."""
+    with open(path, "w") as f:
+        for i, (_, _, conv) in enumerate(checkpoints):
+            f.write(json.dumps({"t": 100.0 * i, "namespace": "", "tokens": conv.tokens, "output_tokens": 1}) + "\n")
+
+
 def run_storage(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     checkpoints = workload(args)
+    if args.trace_out is not None:
+        write_trace(args.trace_out, checkpoints)
     per_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
     whole_dir = work / "whole"
     whole_dir.mkdir()
@@ -531,6 +541,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ram", action=argparse.BooleanOptionalAction, default=True,
                    help="storage: also page the same checkpoints in RAM (--ram-pages on's page pool, MLX arrays)")
     p.add_argument("--ram-page-tokens", type=int, default=0, help="RAM page span (0: the SSD default span)")
+    p.add_argument("--trace-out", type=Path, default=None,
+                   help="also write the workload as an mlxd trace for `mlxd simulate` (one request a checkpoint)")
     p.add_argument("--parts", nargs="+", choices=("storage", "bandwidth", "probe"),
                    default=["storage", "bandwidth", "probe"], help="what to run (storage always runs)")
     p.add_argument("--dir", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
