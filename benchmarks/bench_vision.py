@@ -188,6 +188,9 @@ def staged(proc: ServeProc, messages: list[dict[str, Any]]) -> dict[str, float]:
             prev = at[stamp]
     out["client: send (conn.request, beside the above)"] = (at["client_sent"] - at["client_encoded"]) * 1000
     out["wall"] = (at["client_decoded"] - at["client_start"]) * 1000
+    # The sums that answer "where does the extra go", per request (then the median):
+    out["= client start to submit"] = (at["submitted"] - at["client_start"]) * 1000
+    out["= outside the engine (wall - prefill to first token)"] = out["wall"] - out["engine: prefill to first token"]
     return out
 
 

@@ -6,7 +6,9 @@ On the CUDA host (docs/benchmarks.md, GPU; the host is offline):
     source .gpu/b/install.sh && python3 benchmarks/gpu/bench_vision_gpu.py
 
 Extra arguments go to bench_vision.py (default here: --rounds 5 --images 10 --side 224, the
-`bench-vlm` preset, a few minutes at most). The server needs Pillow and transformers' Qwen2-VL
+`bench-vlm` preset, a few minutes at most). It also prints where the 10-image follow-up's wall
+time goes against the text one's, stage by stage on both sides (client encode, body receive,
+parse, images, render, submit, prefill, reply; `--stage-pairs`, default 8; http/stages.py). The server needs Pillow and transformers' Qwen2-VL
 image processor (vision/images.py); without them this says so and stops. The client needs
 neither httpx nor Pillow (bench_vision.py falls back to http.client and a hand-written PNG).
 The result JSON lands in benchmarks/results/ (and $OUT when set).
