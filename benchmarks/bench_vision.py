@@ -172,12 +172,16 @@ STAGES = (
 )
 
 
-def staged(proc: ServeProc, messages: list[dict[str, Any]]) -> dict[str, float]:
-    """One max_tokens=1 request on a fresh stdlib connection: each stage's ms (STAGES), and its wall."""
-    conn = _StdlibHttp(proc.url)
-    conn.get_json("/health")  # connected before the clock starts
+def staged(proc: ServeProc, messages: list[dict[str, Any]], conn: _StdlibHttp | None = None) -> dict[str, float]:
+    """One max_tokens=1 request on `conn` (kept alive), else a fresh stdlib connection: each stage's ms
+    (STAGES), and its wall."""
+    fresh = conn is None
+    if conn is None:
+        conn = _StdlibHttp(proc.url)
+        conn.get_json("/health")  # connected before the clock starts
     at = conn.post_staged("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
-    conn.conn.close()
+    if fresh:
+        conn.conn.close()
     lines = [line for line in proc.log().splitlines() if '"request.stages"' in line]
     server = json.loads(lines[-1])["stamps"]
     at.update(server)
@@ -194,7 +198,8 @@ def staged(proc: ServeProc, messages: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def stage_breakdown(proc: ServeProc, client: Client, *, images: int, side: int, span: int, pairs: int) -> dict[str, Any]:
+def stage_breakdown(proc: ServeProc, client: Client, *, images: int, side: int, span: int, pairs: int,
+                    keep_alive: bool) -> dict[str, Any]:
     """Where an N-image follow-up's wall time goes against a text follow-up's: medians over `pairs`."""
     system = "Stages: you are a careful assistant who looks at pictures."
     with_images = conversation(
@@ -202,19 +207,23 @@ def stage_breakdown(proc: ServeProc, client: Client, *, images: int, side: int, 
     text_only = conversation(client, [{"role": "user", "content": f"{' a' * span} Picture {i}?"} for i in range(images)],
                              system + " ")
     runs: dict[str, list[dict[str, float]]] = {"images": [], "text": []}
+    conn = _StdlibHttp(proc.url) if keep_alive else None  # one connection for all, as bench clients keep
+    if conn is not None:
+        conn.get_json("/health")
     for k in range(pairs):
         last = {"role": "user", "content": f"Which of these pictures was the brightest ({k})?"}
         order = ("images", "text") if k % 2 == 0 else ("text", "images")
         for kind in order:
             time.sleep(SETTLE_S)
-            runs[kind].append(staged(proc, [*(with_images if kind == "images" else text_only), last]))
+            runs[kind].append(staged(proc, [*(with_images if kind == "images" else text_only), last], conn))
     med = {kind: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for kind, rs in runs.items()}
-    print(f"stage breakdown, {images}-image vs text follow-up (stdlib client, fresh connection; ms, median of {pairs}):")
+    how = "one kept-alive connection" if keep_alive else "a fresh connection each"
+    print(f"stage breakdown, {images}-image vs text follow-up (stdlib client, {how}; ms, median of {pairs}):")
     print(f"  {'':52s} {'images':>9s} {'text':>9s} {'extra':>9s}")
     for name in med["images"]:
         a, b = med["images"][name], med["text"][name]
         print(f"  {name:52s} {a:9.2f} {b:9.2f} {a - b:+9.2f}")
-    return {"pairs": pairs, "medians": med, "runs": runs}
+    return {"pairs": pairs, "keep_alive": keep_alive, "medians": med, "runs": runs}
 
 
 def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
@@ -286,6 +295,8 @@ def main() -> int:
     p.add_argument("--side", type=int, default=448, help="image side in pixels (448: 256 tokens on bench-vlm)")
     p.add_argument("--label", default=platform.node())
     p.add_argument("--stage-pairs", type=int, default=8, help="image/text follow-up pairs timed stage by stage (0: none)")
+    p.add_argument("--stage-connection", choices=("keep", "fresh"), default="keep",
+                   help="the stage pairs on one kept-alive connection (as the rounds' client), or a fresh one each")
     args = p.parse_args()
     model = ["--model", args.model] if args.model else ["--preset", args.preset]
     with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off", "--log-level", "debug"],
@@ -294,7 +305,8 @@ def main() -> int:
         _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
         span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
         rounds = [one_round(client, r, images=args.images, side=args.side, span=span) for r in range(args.rounds)]
-        stages = (stage_breakdown(proc, client, images=args.images, side=args.side, span=span, pairs=args.stage_pairs)
+        stages = (stage_breakdown(proc, client, images=args.images, side=args.side, span=span, pairs=args.stage_pairs,
+                                  keep_alive=args.stage_connection == "keep")
                   if args.stage_pairs > 0 else None)
     med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
     ratios = {
