@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from mlxd.http.responses import input_messages, output_messages
 from scripted_model import ANSWER, REASONING, build_scripted_model
 
 from procs import ServeProcess
@@ -128,6 +129,65 @@ def test_input_items_of_a_stored_response(server):
     assert [i.content[0].text for i in listed.data] == ["And Rome?", "And Lima?"]
     page = c.responses.input_items.list(second.id, limit=1)
     assert [i.content[0].text for i in page.data] == ["And Lima?"] and page.has_more
+
+
+def test_a_reasoning_only_response_is_continued_with_its_reasoning(model):
+    """A reply cut off inside its reasoning (max_output_tokens) is one reasoning item and no message.
+    Its continuation renders that reasoning as the assistant turn the model generated, the same
+    prompt a chat client sends back, and reads the same cached tokens as the chat route does."""
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    question, more = "Think about Oslo.", "Go on."
+    with ServerThread(config_for(model, model_name="tiny")) as s:
+        first = respond(s.base_url, input=question, tools=TOOLS, tool_choice="none", max_output_tokens=3)
+        assert first.status == "incomplete" and [i.type for i in first.output] == ["reasoning"]
+        reasoning = first.output[0].content[0].text
+        assert reasoning and REASONING.startswith(reasoning)
+        second = respond(s.base_url, previous_response_id=first.id, input=more, tools=TOOLS, tool_choice="none",
+                         max_output_tokens=1)
+        # A stateless client sends the reasoning item back in its input: the same prompt.
+        whole = respond(s.base_url, tools=TOOLS, tool_choice="none", max_output_tokens=1, input=[
+            {"role": "user", "content": question}, first.output[0].model_dump(exclude_none=True),
+            {"role": "user", "content": more}])
+    with ServerThread(config_for(model, model_name="tiny")) as s:
+        chat = client(s.base_url).chat.completions
+        kw = {"model": "tiny", "tools": chat_tools, "tool_choice": "none", "temperature": 0}
+        messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}]
+        reply = chat.create(messages=messages, max_tokens=3, **kw).choices[0].message
+        assert reply.content == "" and reply.model_extra["reasoning_content"] == reasoning
+        messages += [{"role": "assistant", "content": "", "reasoning_content": reasoning},
+                     {"role": "user", "content": more}]
+        after = chat.create(messages=messages, max_tokens=1, **kw).usage
+    assert second.usage.input_tokens == whole.usage.input_tokens == after.prompt_tokens
+    # The first reply's prompt and its generated '<think>' + reasoning come from the cache, on both routes.
+    assert second.usage.input_tokens_details.cached_tokens == after.prompt_tokens_details.cached_tokens
+    assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens
+
+
+@pytest.mark.parametrize(("output", "messages"), [
+    ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}],
+     [{"role": "assistant", "content": "", "reasoning_content": "hm"}]),
+    ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+      {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"}],
+     [{"role": "assistant", "content": "", "reasoning_content": "hm",
+       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+    ([{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+     [{"role": "assistant", "content": "ok", "reasoning_content": "hm"}]),
+])
+def test_output_items_keep_their_reasoning(output, messages):
+    assert output_messages(output) == messages
+
+
+def test_reasoning_stays_in_its_own_turn():
+    # A reasoning item followed by a user message is that turn's reasoning, not the next assistant's.
+    thought = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}
+    assert input_messages([{"role": "user", "content": "a"}, thought, {"role": "user", "content": "b"},
+                           {"role": "assistant", "content": "c"}]) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "", "reasoning_content": "hm"},
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    # Reasoning before an assistant's second message is that message's.
+    assert input_messages([{"role": "assistant", "content": "a"}, thought, {"role": "assistant", "content": "b"}]) == [
+        {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "hm"}]
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -121,7 +121,12 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
-    """Responses input items as chat messages (consecutive assistant items merge into one turn)."""
+    """Responses input items as chat messages (consecutive assistant items merge into one turn).
+
+    A reasoning item belongs to the assistant turn it is in: the one its message or function call
+    opens, or the one it ends; with neither (a reply cut off inside its thinking), it is a turn of
+    its own with empty content, as the chat route replies and a chat client sends it back.
+    """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
@@ -129,14 +134,21 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     reasoning = ""
 
-    def assistant() -> dict[str, Any]:
+    def assistant(*, message: bool = False) -> dict[str, Any]:
+        """The open assistant turn (a new one after another role, or for a message after text or calls)."""
         nonlocal reasoning
-        if not out or out[-1]["role"] != "assistant" or out[-1].get("_closed"):
+        last = out[-1] if out else None
+        if last is None or last["role"] != "assistant" or message and (last["content"] or last.get("tool_calls")):
             out.append({"role": "assistant", "content": ""})
         if reasoning:
             out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + reasoning
             reasoning = ""
         return out[-1]
+
+    def other(message: dict[str, Any]) -> None:
+        if reasoning:  # the reasoning ends the turn before this message
+            assistant()
+        out.append(message)
 
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -148,14 +160,10 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
             if role == "assistant":
-                turn = assistant()
-                if turn["content"] or turn.get("tool_calls"):  # a second message: its own turn
-                    turn["_closed"] = True
-                    turn = assistant()
-                turn["content"] = _part_text(item.get("content", ""), f"{where}.content")
+                assistant(message=True)["content"] = _part_text(item.get("content", ""), f"{where}.content")
             else:
-                out.append({"role": "system" if role == "developer" else role,
-                            "content": _user_content(item.get("content", ""), f"{where}.content")})
+                other({"role": "system" if role == "developer" else role,
+                       "content": _user_content(item.get("content", ""), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", "{}"), str):
                 raise _bad(f"{where}: a function_call needs 'name' and 'arguments' (a JSON string)", "input")
@@ -166,16 +174,16 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{where}: a function_call_output needs a 'call_id'", "input")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _part_text(item.get("output", ""), f"{where}.output")})
+            other({"role": "tool", "tool_call_id": item["call_id"],
+                   "content": _part_text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
             parts = [p for key in ("content", "summary") if isinstance(item.get(key), list) for p in item[key]]
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict)
                                  and isinstance(p.get("text"), str))
         else:
             raise _bad(f"{where}: input items of type {kind!r} are not supported", "input")
-    for m in out:
-        m.pop("_closed", None)
+    if reasoning:  # the last turn's, or a reply that is reasoning only
+        assistant()
     return out
 
 
