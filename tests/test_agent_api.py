@@ -319,6 +319,12 @@ def test_malformed_call_text_falls_back_to_content(tiny_model):
     assert content == "<tool_call>{not json</tool_call> ok"
 
 
+def test_a_cut_unparseable_call_is_content_as_written_with_no_end_marker_added(tiny_model):
+    _, tok = tiny_model
+    content, _, calls = read_all(tok, ['<tool_call>\n{"name": "get_t'])
+    assert calls == [] and content == '<tool_call>\n{"name": "get_t'
+
+
 def test_unterminated_call_is_parsed_at_the_end(tiny_model):
     _, tok = tiny_model
     _, _, calls = read_all(tok, ['<tool_call>{"name": "get_weather", "arguments": {}}'])

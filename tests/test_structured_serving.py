@@ -283,6 +283,21 @@ def test_parallel_tool_calls_give_several_valid_calls_and_false_gives_one(server
     assert all(counts[False, s] == 1 for s in range(3)), counts
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_cut_by_max_tokens_ends_at_length_with_what_was_written(server, stream):
+    """No call parses from a cut call: the reply is the text written so far, no end marker added."""
+    kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required",
+              max_tokens=6)
+    if stream:
+        text, reason = streamed_text(server, **kw)
+    else:
+        choice = chat(server, **kw).choices[0]
+        text, reason = choice.message.content, choice.finish_reason
+        assert not choice.message.tool_calls
+    assert reason == "length" and text.startswith("<tool_call>") and "</tool_call>" not in text, text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'.startswith(text), text  # the forced start
+
+
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_an_unsupported_schema_keyword_is_a_400_naming_it_through_the_client(server, route):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {

@@ -71,7 +71,7 @@ class ReplyReader:
         self._state, rest, state = TextStateMachine.flush(self._state)
         delta = self._collect([(state, rest)])
         if self._prev == "tool" and self._tool_text:
-            more = self._end_call()
+            more = self._end_call(closed=False)  # cut (e.g. by max_tokens) before its end marker
             delta = ReplyDelta(delta.content + more.content, delta.reasoning, delta.tool_calls + more.tool_calls)
         return delta
 
@@ -94,11 +94,11 @@ class ReplyReader:
             self._prev = state or self._prev
         return ReplyDelta("".join(content), "".join(reasoning), tuple(calls))
 
-    def _end_call(self) -> ReplyDelta:
+    def _end_call(self, *, closed: bool = True) -> ReplyDelta:
         text, self._tool_text = self._tool_text, ""
         calls = self._parse(text)
-        if calls is None:  # shown as the model wrote it
-            end = self._tokenizer.tool_call_end or ""
+        if calls is None:  # shown as the model wrote it (an unclosed call without an end marker)
+            end = (self._tokenizer.tool_call_end or "") if closed else ""
             return ReplyDelta(content=f"{self._tokenizer.tool_call_start}{text}{end}")
         for call in calls:
             call["index"] = len(self.calls)
