@@ -21,8 +21,9 @@ phase() {  # NAME SECONDS CMD...
 for p in "$@"; do case $p in
   blocks) mkdir -p /tmp/blocks; phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
             --block-tokens 1024 256 --readers 8 --rounds 6 --dir /tmp/blocks --out "$OUT" ;;
-  speculative) phase speculative 200 python3 benchmarks/gpu/bench_speculative_gpu.py \
-            --rounds 3 --tokens 192 --temperature 2 4 ${SPEC_ARGS:-} ;;
+  speculative) phase speculative 170 python3 benchmarks/gpu/bench_speculative_gpu.py --rounds 3 --tokens 96 \
+            --batch 1 8 --temperature 4 --draft-self --draft-preset default --no-repeat-check --stop-after 90 \
+            ${SPEC_ARGS:-} ;;
   structured) phase structured 130 python3 benchmarks/gpu/bench_structured_gpu.py --rounds 6 --tokens 192 ;;
   vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
   host) phase host 540 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \

@@ -160,10 +160,10 @@ class SpeculationGate:
     Where no plain step is measured yet at a batch size, after `min_samples` + 1 verifying steps,
     and after every `probe_every` verifying steps, plain steps run until one is measured (the
     rate verifying must beat, kept current). Once `min_samples` verifying steps are in and
-    verifying is the slower (medians), plain steps are measured afresh (the earlier ones may come
-    from a moment when the host was less loaded) and then `min_samples` verifying steps again; if
-    verifying is still the slower, drafting pauses for 16, 64, 256 steps (at most `max_pause`);
-    verifying that keeps up resets that.
+    verifying is not `min_speedup` times faster (medians), plain steps are measured afresh (the
+    earlier ones may come from a moment when the host was less loaded) and then `min_samples`
+    verifying steps again; if verifying still does not pay, drafting pauses for 16, 64, 256 steps
+    (at most `max_pause`); verifying that keeps up resets that.
 
     Acceptance needs no clock: a verifying step costs at least a plain one, so while its tokens
     per row stay under `min_gain` (drafts are rejected: an unrelated draft model, text that does
@@ -177,6 +177,9 @@ class SpeculationGate:
     min_tries: int = 2  # verifying steps before their tokens per row are judged
     min_gain: float = 1.05  # tokens per row a verifying step must average
     probe_every: int = 64  # verifying steps between measured plain steps
+    # How much faster than plain a verifying step must measure: what the timed steps leave out (a
+    # draft model's catch-up after plain steps, its prefill at a row's first draft) is paid too.
+    min_speedup: float = 1.1
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
     _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
     _last: tuple[int, bool] | None = None  # the step before it: (rows, verifying)
@@ -231,7 +234,7 @@ class SpeculationGate:
         r.verifies = [*r.verifies[1 - self.window:], rate]
         if not r.plains or len(r.verifies) < self.min_samples:
             return
-        if r.verify >= r.plain:
+        if r.verify >= self.min_speedup * r.plain:
             r.pauses, r.suspect = 0, False
         elif r.suspect:  # slower again, against a plain rate measured just before: a verdict
             self._pause(r)
