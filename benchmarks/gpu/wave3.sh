@@ -11,8 +11,9 @@ OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
 touch /tmp/wave3.start
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-phase() {  # NAME SECONDS CMD...
+phase() {  # NAME SECONDS CMD...   (LIMIT_NAME=seconds in the environment overrides a phase's limit)
   local name=$1 limit=$2; shift 2
+  local override="LIMIT_$name"; limit=${!override:-$limit}
   echo "=== $name start $(date +%T) limit ${limit}s"
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name rc=$? end $(date +%T)"; tail -n 25 "$OUT/$name.log"
@@ -20,7 +21,7 @@ phase() {  # NAME SECONDS CMD...
 }
 for p in "$@"; do case $p in
   blocks) mkdir -p /tmp/blocks; phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
-            --block-tokens 1024 256 --readers 8 --rounds 6 --dir /tmp/blocks --out "$OUT" ;;
+            --readers 8 --dir /tmp/blocks --out "$OUT" ${BLOCKS_ARGS:---block-tokens 1024 256 --rounds 6} ;;
   speculative) phase speculative 170 python3 benchmarks/gpu/bench_speculative_gpu.py --rounds 3 --tokens 96 \
             --batch 1 8 --temperature 4 --draft-self --draft-preset default --no-repeat-check --stop-after 90 \
             ${SPEC_ARGS:-} ;;
