@@ -515,3 +515,39 @@ def test_drafts_stop_before_an_image_span_key() -> None:
     assert part.propose(tokens[:-1], tokens[-1], 4) == [8]  # cut where the image's span starts
     plain = Speculation(k=4)
     assert plain.propose([5, 6, 7, 8, 1, 2, 9, 5, 6], 7, 4) == [8, 1, 2, 9]
+
+
+def test_verifying_over_the_whole_kv_buffer_is_identical_and_keeps_key_shapes(tiny_model_dir, monkeypatch):
+    """CUDA's verifying forward (spec_batch.WHOLE_BUFFER) forced on here: the same tokens and logprobs as
+    plain decoding, across a buffer growth (past 256 positions), in a padded mixed batch; attention sees
+    keys of the buffer's size (it grows 256 positions at a time): one shape per size, not one per step.
+    A draft model's forwards of several positions (one row alone, rows together) see theirs whole too."""
+    from mlxd.engine import spec_batch
+
+    monkeypatch.setattr(spec_batch, "WHOLE_BUFFER", True)
+    key_lengths: list[int] = []
+    fetch = spec_batch.WholeBuffer.update_and_fetch
+
+    def recorded(self, keys, values):
+        k, v = fetch(self, keys, values)
+        key_lengths.append(k.shape[2])
+        return k, v
+
+    monkeypatch.setattr(spec_batch.WholeBuffer, "update_and_fetch", recorded)
+    requests = [
+        _request("long", BASE * 5, max_tokens=120, logit_bias=NO_EOS),  # 200 + 120 positions: the buffer grows
+        _request("seeded", BASE[5:], max_tokens=60, temperature=1.5, seed=3, top_logprobs=2, logit_bias=NO_EOS),
+        _request("penalty", BASE[3:30], max_tokens=45, repetition_penalty=1.3),
+    ]
+    arms = [("ngram", {}), ("draft", {"draft_model": str(tiny_model_dir)})]  # the draft's feed forwards too
+    for batch, (speculative, config) in [(b, a) for b in (requests[:1], requests) for a in arms]:
+        off = _run(tiny_model_dir, "off", batch)
+        on = _run(tiny_model_dir, speculative, batch, **config)
+        for r in batch:
+            assert on[0][r.request_id] == off[0][r.request_id], r.request_id
+            assert on[2][r.request_id] == off[2][r.request_id], r.request_id
+            _same_logprobs(off[1][r.request_id], on[1][r.request_id])
+        spec = on[3].speculation
+        assert spec is not None and spec.verify_steps > 5 and spec.accepted > 0, spec
+    assert key_lengths and min(key_lengths) >= 256, sorted(set(key_lengths))
+    assert len(set(key_lengths)) <= 8, f"one key length per buffer size, not one per step: {sorted(set(key_lengths))}"

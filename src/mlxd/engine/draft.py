@@ -121,12 +121,16 @@ class ModelDrafts:
     def propose(self, tokens: Sequence[int], pending: int, k: int) -> list[int]:
         import mlx.core as mx
 
+        from mlxd.engine.spec_batch import whole_buffers
+
         if k <= 0:
             return []
         seq = [*tokens, pending]
         feed = self._catch_up(seq, self.draft.prefill_step)  # a long prefix (a row's first step) in chunks
         model = self.draft.model
-        y = mx.argmax(model(mx.array([feed]), cache=self.caches)[:, -1, :], axis=-1)
+        assert self.caches is not None
+        caches = whole_buffers(self.caches) if len(feed) > 1 else self.caches  # CUDA: a plan per buffer size
+        y = mx.argmax(model(mx.array([feed]), cache=caches)[:, -1, :], axis=-1)
         drafts = [y]
         for _ in range(k - 1):
             y = mx.argmax(model(y[:, None], cache=self.caches)[:, -1, :], axis=-1)
@@ -207,6 +211,8 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
     """
     import mlx.core as mx
 
+    from mlxd.engine.spec_batch import whole_buffers
+
     if not asks:
         return []
     if len(asks) == 1:
@@ -232,7 +238,8 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
     caches, starts = _batch_caches([row.caches for row, *_ in asks], pads, room=width + k)  # type: ignore[misc]
     inputs = mx.array([[0] * p + f for p, f in zip(pads, feeds, strict=True)])
     model = draft.model
-    y = mx.argmax(model(inputs, cache=caches)[:, -1, :], axis=-1)
+    fed = whole_buffers(caches) if inputs.shape[1] > 1 else caches  # CUDA: a plan per buffer size
+    y = mx.argmax(model(inputs, cache=fed)[:, -1, :], axis=-1)
     drafts = [y]
     for _ in range(k - 1):
         y = mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)

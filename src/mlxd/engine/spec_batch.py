@@ -10,7 +10,12 @@ keeps the drafts up to the first one its sample disagrees with; the sample
 there becomes its pending token. The KV of every rejected or padded position
 is dropped per row: a common trim, then each row with more to drop is shifted
 right by the rest and its left padding grows by as much (the batch cache's
-own way to hold rows of different lengths). A step verifies only while the
+own way to hold rows of different lengths). On CUDA the verifying forward's
+attention reads each layer's whole KV buffer (it grows 256 positions at a
+time) under a mask that hides what lies past the row's tokens
+(`WholeBuffer`): a query of several positions goes to cuDNN, whose plan is
+built once per exact key length, so keys cut at the row's length, new at every
+step, built a plan at every verifying step. A step verifies only while the
 engine's `SpeculationGate` finds verifying steps faster than plain ones on this
 device at this batch size (kv/ngram.py). Tokens, logprobs and finishes come
 out as one response per emitted token, in order, so stop tokens, logprobs and
@@ -24,9 +29,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from mlxd.engine.speculative import Drafts
+
+# Verifying forwards attend over the whole KV buffer (see the module docstring): on CUDA only, where
+# the attention's plan is keyed by the key length; elsewhere the exact length costs nothing to change.
+WHOLE_BUFFER = mx.cuda.is_available() if hasattr(mx, "cuda") else False
 
 
 class SpeculativeBatch(GenerationBatch):
@@ -52,9 +61,9 @@ class SpeculativeBatch(GenerationBatch):
         if not self.uids:
             return []
         rows = len(self.uids)
-        proposals = self._proposals() if gate.allow(rows) else {}
+        proposals, pending = self._proposals() if gate.allow(rows) else ({}, [])
         if proposals:
-            responses = self._verify(proposals)
+            responses = self._verify(proposals, pending)
         else:
             responses = super().next()
         gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start)
@@ -62,27 +71,27 @@ class SpeculativeBatch(GenerationBatch):
             gate.idle(time.perf_counter())
         return responses
 
-    def _proposals(self) -> dict[int, list[int]]:
-        """Each drafting row's drafts, by batch index (reads the pending tokens only if a row drafts)."""
+    def _proposals(self) -> tuple[dict[int, list[int]], list[int]]:
+        """Each drafting row's pending token and drafts, by batch index, and every row's pending token
+        (read, one host sync, only if a row drafts)."""
         wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid)]
         if not wanting:
-            return {}
+            return {}, []
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i in wanting]
         drafted = self.drafts.propose(asks)
-        return {i: [pending[i], *drafts] for i, drafts in zip(wanting, drafted, strict=True) if drafts}
+        return {i: [pending[i], *drafts] for i, drafts in zip(wanting, drafted, strict=True) if drafts}, pending
 
-    def _verify(self, proposals: dict[int, list[int]]) -> list[Any]:
+    def _verify(self, proposals: dict[int, list[int]], pending: list[int]) -> list[Any]:
         n_rows = len(self.uids)
-        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         fed = [proposals.get(i) or [pending[i]] for i in range(n_rows)]
         width = max(len(f) for f in fed)
         inputs = mx.array([f + [f[-1]] * (width - len(f)) for f in fed], dtype=self._next_tokens.dtype)
         self._current_tokens = self._next_tokens  # what a constrained row's matcher reads (gen_hook.step_inputs)
         self._current_logprobs = self._next_logprobs
 
-        logits = self.model(inputs, cache=self.prompt_cache)
+        logits = self.model(inputs, cache=whole_buffers(self.prompt_cache))
         logits = self._processed(logits, fed)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -195,6 +204,66 @@ class SpeculativeBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+class WholeBuffer:
+    """A `BatchKVCache` or `KVCache` as one forward of several positions sees it: attention over the
+    whole buffer.
+
+    The keys and values handed to attention are the buffer (it grows by the cache's 256-position
+    step), not the slice up to the tokens held, and the mask hides every position past each new
+    token (and, in a batch cache, before each row's start): the same attention, with key shapes
+    that stay the same for 256 positions. Everything else is the cache's own.
+    """
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.cache.update_and_fetch(keys, values)
+        return self.cache.keys, self.cache.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> mx.array:
+        if window_size is not None:
+            raise ValueError("a whole-buffer view has no sliding window")
+        c = self.cache
+        held = _held(c)
+        _reserve(c, held, N)  # the buffer's size after this forward's update, known now
+        columns = mx.arange(c.keys.shape[2])
+        mask = mx.arange(held, held + N)[:, None] >= columns
+        if isinstance(c, BatchKVCache):
+            mask = mask & (mx.expand_dims(c.left_padding, (1, 2, 3)) <= columns)
+        return mask
+
+
+def whole_buffers(caches: list[Any]) -> list[Any]:
+    """`caches` seen whole (`WholeBuffer`) where that is on and every one can be; else as they are."""
+    if WHOLE_BUFFER and all(type(c) in (BatchKVCache, KVCache) and c.keys is not None for c in caches):
+        return [WholeBuffer(c) for c in caches]
+    return caches
+
+
+def _held(cache: Any) -> int:
+    return cache._idx if isinstance(cache, BatchKVCache) else cache.offset
+
+
+def _reserve(cache: Any, held: int, n: int) -> None:
+    """Grow the buffer as `update_and_fetch` would for `n` new positions (that call then keeps it)."""
+    step = cache.step
+    if held + n <= cache.keys.shape[2]:
+        return
+    b, heads, _, dk = cache.keys.shape
+    dv = cache.values.shape[3]
+    grow = (step + n - 1) // step * step
+    if held % step != 0:
+        cache.keys, cache.values = cache.keys[..., :held, :], cache.values[..., :held, :]
+    cache.keys = mx.concatenate([cache.keys, mx.zeros((b, heads, grow, dk), cache.keys.dtype)], axis=2)
+    cache.values = mx.concatenate([cache.values, mx.zeros((b, heads, grow, dv), cache.values.dtype)], axis=2)
 
 
 def _shift_right(cache: Any, shifts: list[int]) -> None:
