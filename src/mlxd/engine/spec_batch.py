@@ -237,8 +237,8 @@ class WholeBuffer:
         columns = mx.arange(c.keys.shape[2])
         mask = mx.arange(held, held + N)[:, None] >= columns
         if isinstance(c, BatchKVCache):
-            mask = mask & (mx.expand_dims(c.left_padding, (1, 2, 3)) <= columns)
-        return mask
+            return mask & (mx.expand_dims(c.left_padding, (1, 2, 3)) <= columns)
+        return mask[None, None]  # (1, 1, N, buffer): the shape a batch cache's mask has
 
 
 def whole_buffers(caches: list[Any]) -> list[Any]:
