@@ -86,6 +86,7 @@ async def _one(args: argparse.Namespace, scheme: str) -> dict[str, Any]:
     config = RuntimeConfig(
         model_preset=args.preset, kv_bits=SCHEMES[scheme], ssd_cache_dir=ssd, prompt_cache_bytes=16 << 30,
         max_context=args.context + SUFFIX + 8, ssd_demote_idle_s=0, ssd_write_rate_bytes=0,
+        ssd_layout="whole",  # SSD bytes per token: one file per checkpoint, as measured before blocks
     )
     rng = np.random.default_rng(7)
     async with open_runtime(config) as rt:

@@ -156,7 +156,7 @@ def machine_facts() -> dict[str, Any]:
 
 
 def dir_residency(root: Path) -> dict[str, int]:
-    files = [p for p in root.rglob("*.mlxkv") if p.is_file()]
+    files = [p for ext in ("*.mlxkv", "*.mlxblk", "*.mlxmf") for p in root.rglob(ext) if p.is_file()]
     res = [resident_pages(p) for p in files]
     return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
             "resident_pages": sum(r for r, _ in res), "pages": sum(t for _, t in res)}

@@ -34,6 +34,7 @@ from mlxd.runtime.kernel.messages import (
 )
 
 from serving import ServerThread, config_for
+from ssd_files import checkpoint_files
 
 rnd = random.Random(25)
 
@@ -291,7 +292,7 @@ def test_the_ssd_tier_keeps_namespaces_apart_across_a_restart(tiny_model_dir, lo
             assert cached(complete(first, model, ids)) == 0
         r = httpx.post(first.base_url.removesuffix("/v1") + "/admin/cache/flush", timeout=60)
         assert r.status_code == 200 and r.json()["durable"], r.text
-    namespaces = {p.parent.name for p in (tmp_path / "ssd").rglob("*.mlxkv")}
+    namespaces = {p.parent.name for p in checkpoint_files(tmp_path / "ssd")}  # manifests or whole files
     assert len(namespaces) == 2, "one directory per namespace: the base's and one's"
     with ServerThread(config) as second:
         assert cached(complete(second, "two", ids)) == 0, "two never reads one's or the base's files"

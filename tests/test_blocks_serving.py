@@ -83,7 +83,8 @@ def test_shared_prefix_is_stored_once_and_survives_restarts(tmp_path, tiny_model
     assert "ssd_block_scan" in p.log()
 
     # Back to whole files: the blocks written before still serve.
-    with serve(tmp_path, tiny_model_dir, cache, "third", "--restore-landing", "host") as p, p.client() as http:
+    with serve(tmp_path, tiny_model_dir, cache, "third", "--ssd-layout", "whole", "--restore-landing", "host") as p, \
+            p.client() as http:
         messages, before = warm[1]
         again = chat(http, messages)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxd.kv import file_format
 from mlxd.model import build_model
 
 from models import chunked_llama4_dir
 from procs import ServeProcess
 from serving import ServerThread, config_for
+from ssd_files import tensor_headers
 
 SYSTEM = "You answer briefly and keep every cached prefix. " * 8
 NO_EOS = {"0": -100, "1": -100, "2": -100}  # random weights: keep generating to max_tokens
@@ -129,7 +129,7 @@ def test_kv_schemes_have_their_own_ssd_files(model_dirs: dict[str, Path], tmp_pa
     with ServerThread(config_for(wide, ssd_cache_dir=ssd, kv_bits=8)) as server:
         chat(server, turn1)
         flush(server)
-    headers = [file_format.read_header(p) for p in ssd.rglob("*.mlxkv")]
+    headers = tensor_headers(ssd)  # whole files and blocks alike
     assert headers and all(set(h.signature) == {"quant:8:64"} for h in headers)
     with ServerThread(config_for(wide, ssd_cache_dir=ssd, kv_bits=4)) as server:
         assert cached(chat(server, turn2)) == 0  # another scheme's files are foreign

@@ -1,7 +1,8 @@
 """Damaged cache files under a live server: flip, truncate, extend or splice bytes, restart.
 
-A server populates a cache directory once; every example copies it, damages
-one file, starts a server on the copy (with per-tensor verification, so every
+A server populates a cache directory of whole files once (`ssd_layout="whole"`:
+one file per conversation; damaged blocks are tests/test_integrity_default.py's
+and tests/test_block_store.py's); every example copies it, damages one file, starts a server on the copy (with per-tensor verification, so every
 byte of a file is checked) and asks for both conversations again. Whatever the
 damage: no crash, each request succeeds with the tokens it would get without
 the file, the damaged file is unlinked, the intact one still restores.
@@ -57,7 +58,7 @@ def template(tiny_model_dir, tiny_model, tmp_path_factory):
     """A cache dir holding one file per conversation, and the replies to expect."""
     cache = tmp_path_factory.mktemp("template") / "ssd"
     cold, warm = [], []
-    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache)) as server:
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_layout="whole")) as server:
         for messages in CONVERSATIONS:
             cold.append(text(chat(server, messages)))  # a full prefill
             warm.append(text(chat(server, messages)))  # from the RAM tier, as a restore would be
@@ -107,7 +108,7 @@ def test_damaged_files_are_unlinked_and_serving_continues(template, tiny_model_d
         return  # e.g. a splice of identical bytes: nothing was damaged
     target.write_bytes(data)
 
-    config = config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_cache_verify=True)
+    config = config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_cache_verify=True, ssd_layout="whole")
     with ServerThread(config) as server:
         for i, messages in enumerate(CONVERSATIONS):
             reply = chat(server, messages)

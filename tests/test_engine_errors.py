@@ -175,7 +175,7 @@ async def test_a_flush_right_after_a_reply_covers_that_reply(tiny_model_dir, tmp
     """The engine publishes a row's final checkpoint before the client sees it finish,
     and a flush first drains what the cache owner already holds: the flush that follows
     a reply makes that reply's checkpoint durable (the crash loop's promise)."""
-    from mlxd.kv import file_format as ff
+    from ssd_files import checkpoint_tokens
 
     ssd = tmp_path / "ssd"
     async with open_runtime(config(tiny_model_dir, ssd_cache_dir=str(ssd), snapshot_min_tokens=10**6)) as rt:
@@ -185,5 +185,5 @@ async def test_a_flush_right_after_a_reply_covers_that_reply(tiny_model_dir, tmp
                 await stream.tokens()
             report = await rt.flush()
             assert report["durable"] is True
-            covered = [ff.read_header(p).tokens for p in ssd.rglob("*.mlxkv")]
+            covered = checkpoint_tokens(ssd)
             assert any(tuple(t[: len(prompt)]) == tuple(prompt) for t in covered), f"reply {i} is not durable"

@@ -49,8 +49,8 @@ def _chat(http) -> dict:
 
 
 @pytest.mark.parametrize(("layout", "suffix", "holder"),
-                         [((), ff.EXTENSION, ff.EXTENSION), (("--ssd-layout", "blocks"), BLOCK_EXT, MANIFEST_EXT)],
-                         ids=["whole", "blocks"])
+                         [(("--ssd-layout", "whole"), ff.EXTENSION, ff.EXTENSION), ((), BLOCK_EXT, MANIFEST_EXT)],
+                         ids=["whole", "blocks-default"])
 def test_a_flipped_payload_byte_is_a_miss_under_default_flags(tmp_path, tiny_model_dir, layout, suffix, holder):
     cache = tmp_path / "ssd"
     with _serve(tmp_path, tiny_model_dir, cache, "first", *layout) as first, first.client() as http:
@@ -91,6 +91,8 @@ def test_the_cli_verifies_by_default_and_keeps_an_opt_out():
         return serve_config(parser.parse_args(["serve", "--ssd-cache", "/tmp/x", *flags])).ssd_cache_verify
 
     assert RuntimeConfig().ssd_cache_verify is True
+    assert RuntimeConfig().ssd_layout == "blocks"  # the default layout is verified above
+    assert serve_config(parser.parse_args(["serve", "--ssd-cache", "/tmp/x"])).ssd_layout == "blocks"
     assert verify() is True
     assert verify("--ssd-cache-verify") is True  # the old spelling still means on
     assert verify("--ssd-cache-verify", "on") is True

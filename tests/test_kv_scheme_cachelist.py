@@ -13,20 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.kv import file_format
 from test_cache_kinds_serving import cached, chat, conversation, flush, same
 
 from models import falcon_h1_dir
 from serving import ServerThread, config_for
+from ssd_files import stored_bytes, tensor_headers
 
 
 @pytest.fixture(scope="module")
 def falcon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return falcon_h1_dir(tiny_model_dir, tmp_path_factory.mktemp("models") / "falcon_h1")
-
-
-def ssd_bytes(ssd: Path) -> int:
-    return sum(p.stat().st_size for p in ssd.rglob("*.mlxkv"))
 
 
 def test_kv8_quantizes_attention_inside_cache_lists(falcon: Path, tmp_path: Path) -> None:
@@ -37,11 +33,11 @@ def test_kv8_quantizes_attention_inside_cache_lists(falcon: Path, tmp_path: Path
         with ServerThread(config_for(falcon, ssd_cache_dir=ssd, kv_bits=bits)) as server:
             chat(server, turn1)
             flush(server)
-        headers = [file_format.read_header(p) for p in ssd.rglob("*.mlxkv")]
+        headers = tensor_headers(ssd)
         assert headers
         signatures = {s for h in headers for s in h.signature}
         assert any("quant:8" in s for s in signatures) == (bits == 8), signatures
-        sizes[bits] = ssd_bytes(ssd)
+        sizes[bits] = stored_bytes(ssd)
     assert sizes[8] < sizes[None], sizes
 
 

@@ -9,6 +9,7 @@ import signal
 from mlxd.model.identity import HashMemo, model_identity
 
 from procs import ServeProcess
+from ssd_files import checkpoint_files
 
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 10
 
@@ -63,7 +64,7 @@ def test_renaming_the_model_keeps_its_ssd_cache(tmp_path, tiny_model_dir, monkey
         assert http.post("/admin/cache/flush").json()["durable"] is True
         first.signal(signal.SIGTERM)
         assert first.wait() == 0
-    files = sorted(p.name for p in cache.rglob("*.mlxkv"))
+    files = [p.name for p in checkpoint_files(cache)]
     assert files
 
     with serve("another-name", "renamed") as renamed, renamed.client() as http:
@@ -72,7 +73,7 @@ def test_renaming_the_model_keeps_its_ssd_cache(tmp_path, tiny_model_dir, monkey
         assert http.get("/stats").json()["ssd_cache"]["corrupt_removed"] == 0
         renamed.signal(signal.SIGTERM)
         assert renamed.wait() == 0
-    assert set(files) <= {p.name for p in cache.rglob("*.mlxkv")}  # nothing deleted or orphaned
+    assert set(files) <= {p.name for p in checkpoint_files(cache)}  # nothing deleted or orphaned
 
     # Other weights under the same name are another model: its files are not served to them.
     flip_a_weight_byte(model)

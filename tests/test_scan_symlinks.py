@@ -22,6 +22,7 @@ from mlxd.kv.block_store import BLOCK_EXT
 from mlxd.kv.ssd_store import Failed, SsdStore, StoreIdentity, compute_fingerprint, namespace_dir
 
 from procs import ServeProcess
+from ssd_files import checkpoint_files
 
 FP = compute_fingerprint({"config": "symlinks"})
 IDENTITY = StoreIdentity(model_id="tiny", fingerprint=FP, tokenizer_hash="tok")
@@ -123,7 +124,7 @@ def test_serve_startup_follows_no_link(tmp_path, tiny_model_dir):
         assert first.wait() == 0
     (fp_dir,) = [d for d in cache.iterdir() if d.is_dir() and d.name != "generations"]
     (ns_dir,) = [d for d in fp_dir.iterdir() if d.is_dir() and d.name != "blocks"]
-    kept = sorted(ns_dir.glob("*.mlxkv"))
+    kept = checkpoint_files(ns_dir)
     assert kept
     out_ns, out_file, out_gen = outside(tmp_path, "ns"), outside(tmp_path, "file"), outside(tmp_path, "gen")
     (fp_dir / namespace_dir("linked")).symlink_to(out_ns, target_is_directory=True)

@@ -13,6 +13,7 @@ import pytest
 from mlxd.kv.shared_dir import DeletionGuard, DirWatch
 
 from procs import ServeProcess
+from ssd_files import checkpoint_files
 
 HOLD_LOCK = """
 import sys, time
@@ -121,7 +122,7 @@ def test_failover_a_conversation_flushed_by_one_replica_hits_on_another(tmp_path
             assert http.post("/admin/cache/flush").json()["durable"] is True
         a.signal(signal.SIGTERM)
         assert a.wait() == 0
-        written = set(cache.rglob("*.mlxkv"))
+        written = set(checkpoint_files(cache))
         assert written
         with b.client() as http:
             deadline = time.monotonic() + 30
@@ -138,4 +139,4 @@ def test_failover_a_conversation_flushed_by_one_replica_hits_on_another(tmp_path
             stats = http.get("/stats").json()["ssd_cache"]
             assert stats["restores"] == 1 and stats["shared"]["vanished"] == 0
         # B deleted none of A's files (they are too fresh for any collector).
-        assert written <= set(cache.rglob("*.mlxkv"))
+        assert written <= set(checkpoint_files(cache))

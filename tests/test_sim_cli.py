@@ -83,3 +83,18 @@ def test_a_recording_replays_its_server_with_no_other_flags(tmp_path, capsys):
     assert run["capacity_bytes"] == 40 and run["ssd_capacity_bytes"] == 100
     # a's final checkpoint (21 tokens) was demoted to SSD by b and restored for the third request.
     assert (run["ram_hit_tokens"], run["ssd_hit_tokens"]) == (0, 21)
+    assert run["ssd_layout"] == "whole"  # a recording without a layout predates blocks: whole files
+
+
+def test_without_a_recording_the_ssd_layout_is_the_server_default(capsys):
+    from mlxd import RuntimeConfig
+
+    argv = [str(TRACE), "--limit", "100", "--ssd-gb", "20", "--cache-model", "mlxd", "--policy", "lru",
+            "--format", "json"]
+    assert main(argv) == 0
+    (run,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert run["ssd_layout"] == RuntimeConfig().ssd_layout == "blocks"
+    assert main([*argv, "--ssd-layout", "whole"]) == 0
+    (whole,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert whole["ssd_layout"] == "whole"
+    assert run["ssd_bytes_retained"] <= whole["ssd_bytes_retained"]  # shared prefixes stored once

@@ -13,6 +13,7 @@ from mlxd import RuntimeConfig, SamplingParams, open_runtime
 from mlxd.kv import file_format, kinds
 
 from serving import ServerThread, config_for, mount_tmpfs
+from ssd_files import checkpoint_files
 
 SYSTEM = "Answer like a librarian who loves prefix caches. " * 12
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which shelf?"}]
@@ -57,11 +58,11 @@ async def test_restored_tensors_equal_the_ram_entry(tiny_model_dir, tmp_path):
                 assert mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
 
 
-def _populate(model_dir: Path, cache: Path) -> dict:
-    with ServerThread(config_for(model_dir, ssd_cache_dir=cache)) as server:
+def _populate(model_dir: Path, cache: Path, **config) -> dict:
+    with ServerThread(config_for(model_dir, ssd_cache_dir=cache, **config)) as server:
         first = chat(server)
         assert flush(server).status_code == 200
-    assert files(cache)
+    assert checkpoint_files(cache)
     return first
 
 
@@ -100,10 +101,12 @@ def _truncate(cache: Path) -> list[Path]:
     ids=["header-byte", "tensor-byte-verified", "truncated"],
 )
 def test_damaged_files_degrade_to_a_miss(tiny_model_dir, tmp_path, damage, verify):
+    """Whole files (damaged blocks and manifests: tests/test_block_store.py, tests/test_integrity_default.py)."""
     cache = tmp_path / "ssd"
-    first = _populate(tiny_model_dir, cache)
+    first = _populate(tiny_model_dir, cache, ssd_layout="whole")
     victims = damage(cache)
-    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_cache_verify=verify)) as server:
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=cache, ssd_cache_verify=verify,
+                                 ssd_layout="whole")) as server:
         again = chat(server)
         # A damaged file is never served: the request is a full prefill with the
         # same result, the file is gone, and the server keeps serving and persisting.
@@ -119,7 +122,7 @@ def test_damaged_files_degrade_to_a_miss(tiny_model_dir, tmp_path, damage, verif
 def test_tmp_orphans_reaped_and_foreign_dirs_untouched(tiny_model_dir, tmp_path):
     cache = tmp_path / "ssd"
     _populate(tiny_model_dir, cache)
-    good = files(cache)
+    good = checkpoint_files(cache)  # (manifests, in the default layout: the orphan sits beside them)
     orphan = good[0].with_name("deadbeef.mlxkv.tmp")
     orphan.write_bytes(b"half a write")
     foreign = cache / "0123456789abcdef-foreign" / "ns"

@@ -169,10 +169,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-draft-tokens", type=_positive_int, default=4, metavar="K",
                    help="with --speculative: most draft tokens a row proposes per step (default 4)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
-                   help="store new checkpoints as whole files (default) or as shared content-addressed blocks "
-                   "plus a manifest (a shared prefix is stored once); both are always read")
+                   help="store new checkpoints as shared content-addressed blocks plus a manifest (default: a "
+                   "shared prefix is stored once) or as whole files; both are always read")
     p.add_argument("--ssd-block-tokens", type=_positive_int, metavar="N",
-                   help="tokens per block with --ssd-layout blocks (default: sized to ~16 MiB of KV, >= 256)")
+                   help="tokens per block with the blocks layout (default: sized to ~16 MiB of KV, >= 256)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="seconds to drain and flush on SIGTERM (with an SSD tier, the last quarter is kept for the flush)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (env MLXD_API_KEY)")

@@ -171,9 +171,9 @@ class RuntimeConfig:
     # Checkpoint a running generation every N generated tokens so an identical
     # request resumes it after a crash or a client drop (0 = off; needs the SSD tier).
     generation_checkpoint: int = attrs.field(default=0, validator=_non_negative)
-    # How new checkpoints are stored: "whole" files, or shared content-addressed
-    # "blocks" + one manifest each (docs/file-format.md); both are always read.
-    ssd_layout: str = attrs.field(default="whole", validator=attrs.validators.in_(("whole", "blocks")))
+    # How new checkpoints are stored: shared content-addressed "blocks" + one manifest each
+    # (docs/file-format.md; a shared prefix is stored once), or "whole" files; both are always read.
+    ssd_layout: str = attrs.field(default="blocks", validator=attrs.validators.in_(("whole", "blocks")))
     # Tokens per block (0 = sized from the model's KV bytes per token: blocks.span_for).
     ssd_block_tokens: int = attrs.field(default=0, validator=_non_negative)
 

@@ -22,6 +22,10 @@ from mlxd.sim.replay import replay_mlxd
 from mlxd.sim.results import RunResult
 from mlxd.sim.trace import check_block_structure, is_mooncake, load_recording, utf8_tokens
 
+# `mlxd serve`'s SSD layout without --ssd-layout (RuntimeConfig.ssd_layout): a trace without a
+# recorded server is replayed as that server would store it.
+SERVE_SSD_LAYOUT = "blocks"
+
 POLICIES = ("lru", "lfu", "cost")
 DEFAULT_SWEEP = (1000, 2000, 5000, 10000, 20000, 50000)  # blocks
 GIB = 1024**3
@@ -65,7 +69,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-page-tokens", type=int, default=None,
                    help="tokens per RAM page with --ram-pages (default: recorded, else 1024)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
-                   help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else whole)")
+                   help="SSD tier stores whole files or shared content-addressed blocks (default: recorded, else blocks, "
+                   "as mlxd serve)")
     p.add_argument("--ssd-block-tokens", type=int, default=None,
                    help="tokens per block with --ssd-layout blocks (default: recorded, else 1024)")
     p.add_argument(
@@ -204,7 +209,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             flushes=flushes,
             calibrations=getattr(args, "calibrations", ()),
             sessions=not getattr(args, "no_sessions", False),
-            ssd_layout=args.ssd_layout or "whole",
+            ssd_layout=args.ssd_layout or SERVE_SSD_LAYOUT,
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
             restore_choice=getattr(args, "restore_choice", "measured"),
@@ -268,7 +273,8 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
     args.kv_admission_rule = server.get("kv_admission")  # --kv-admission: its rule and room (kv/admission.py)
     if getattr(args, "host_gb", None) is None and server.get("host_cache_bytes"):
         args.host_gb = int(server["host_cache_bytes"]) / GIB
-    args.ssd_layout = args.ssd_layout or server.get("ssd_layout")
+    # A recording from before the layout was recorded served whole files (then the only layout).
+    args.ssd_layout = args.ssd_layout or server.get("ssd_layout", "whole")
     args.ssd_block_tokens = args.ssd_block_tokens or server.get("ssd_block_tokens")
     args.ram_pages = args.ram_pages or server.get("ram_pages") or "off"
     args.ram_page_tokens = args.ram_page_tokens or server.get("ram_page_tokens")
@@ -389,7 +395,7 @@ def run_simulate(args) -> int:
             "cost_model": cost.to_json(),
             "slots": args.slots,
             "ssd_gb": args.ssd_gb,
-            "ssd_layout": args.ssd_layout or "whole",
+            "ssd_layout": args.ssd_layout or SERVE_SSD_LAYOUT,
             "seed": args.seed,
             "command": " ".join(sys.argv),
         }
