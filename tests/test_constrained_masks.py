@@ -28,12 +28,13 @@ def cache(tiny_model_dir: Path) -> GrammarCache:
 class Batch:
     """Three constrained rows decoding together, their processors called the way mlx-lm calls them."""
 
-    def __init__(self, cache: GrammarCache, part: type[Constrained] = Constrained) -> None:
+    def __init__(self, cache: GrammarCache, part: type[Constrained] = Constrained,
+                 bodies: tuple[dict, ...] = BODIES) -> None:
         self.fed: dict[int, int] = {}
         self.reads = 0
         self.masks = StepMasks(self._read, lambda: [(row.uid, part) for row, part in self.rows])
         self.rows = [(SimpleNamespace(uid=uid), part(cache.matcher(constraint_from_request(body)), PROMPT,
-                                                           self.masks)) for uid, body in enumerate(BODIES)]
+                                                           self.masks)) for uid, body in enumerate(bodies)]
         self.context: list[list[int]] = [[1] * PROMPT for _ in self.rows]
         self.size = cache.vocab.size
 
@@ -56,12 +57,13 @@ class Batch:
             self.fed[i] = token
 
 
-def test_walking_rows_are_masked_together_as_each_alone_would_be(cache):
-    batch = Batch(cache)
-    alone = [cache.matcher(constraint_from_request(body)) for body in BODIES]  # each row's reference walk
+@pytest.mark.parametrize("bodies", [BODIES, BODIES[:1], BODIES[1:2]], ids=["three rows", "one regex row", "one json row"])
+def test_walking_rows_are_masked_together_as_each_alone_would_be(cache, bodies):
+    batch = Batch(cache, bodies=bodies)
+    alone = [cache.matcher(constraint_from_request(body)) for body in bodies]  # each row's reference walk
     rng = random.Random(1)
     for step in range(12):
-        logits = mx.random.normal((len(BODIES), batch.size), key=mx.random.key(step))
+        logits = mx.random.normal((len(bodies), batch.size), key=mx.random.key(step))
         reads = batch.reads
         processed = batch.step(logits)
         assert batch.reads == reads + (step > 0), "one read of the step's tokens for every walking row"
@@ -120,3 +122,16 @@ def test_on_the_cpu_the_rows_matchers_walk_on_a_worker_thread_during_the_forward
     assert all(name.startswith("mlxd-masks") for name in ThreadNoted.threads), ThreadNoted.threads
     assert threading.current_thread().name not in ThreadNoted.threads
     batch.masks.close()
+
+
+def test_a_lone_walking_row_takes_its_token_on_the_callers_thread(cache):
+    batch = Batch(cache, ThreadNoted, bodies=BODIES[:1])
+    logits = mx.zeros((1, batch.size))
+    batch.step(logits)  # its first step: alone
+    ThreadNoted.threads.clear()
+    batch.feed([cache.vocab.tokenizer.tokenize_str("a")[0]])
+    reads = batch.reads
+    batch.step(logits)
+    assert batch.reads == reads + 1 and batch.rows[0][1].walks
+    assert ThreadNoted.threads == [threading.current_thread().name]
+    assert batch.masks._worker is None, "no worker thread for one row"

@@ -164,6 +164,9 @@ class StepMasks:
     On the CPU `mx.async_eval` runs most of the forward pass before it returns (MLX caps
     the tasks in flight), so the matchers' work runs on a worker thread meanwhile; on a GPU
     the forward pass is started first and the work follows on this thread while it runs.
+    A single walking row is done as the per-row path did it, on this thread after the
+    forward pass is started, its mask unpacked by numpy and copied as a bool array: a
+    hand-off, the packed copy and the unpack ops cost a one-row step more than they save.
     """
 
     read: Callable[[], dict[int, int]]  # the step's input token of every decoding row, by uid
@@ -201,6 +204,10 @@ class StepMasks:
         if not walking:
             return {}
         bits = self._buffer(len(walking), walking[0][1].matcher.vocab_size)
+        if len(walking) == 1:  # one row: no hand-off, no unpack graph (the per-row path's cost)
+            if on_cpu:
+                mx.async_eval(logits)
+            return self._alone(walking[0], bits)
         if on_cpu:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-masks")
@@ -210,6 +217,16 @@ class StepMasks:
         else:
             self._walk(walking, bits)
         return self._unpacked(walking, bits, walking[0][1].matcher.vocab_size)
+
+    def _alone(self, walking: tuple[int, Constrained, int], bits: np.ndarray) -> dict[int, Any]:
+        """One walking row: its matcher fed and its mask filled on this thread, unpacked by numpy."""
+        import mlx.core as mx
+
+        uid, part, token = walking
+        part.take(token)
+        part.matcher.fill_bitmask(bits[0])
+        allowed: np.ndarray = np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: part.matcher.vocab_size].view(np.bool_)
+        return {uid: mx.array(allowed)}
 
     def _walk(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray) -> None:
         from mlxd.structured.matcher import BatchMasks
