@@ -92,6 +92,7 @@ def instrument() -> None:
     if hasattr(features, "StepMasks"):
         timed(features.StepMasks, "_compute", "StepMasks._compute")
         timed(features.StepMasks, "_walk", "walk (on the worker on CPU)")
+        timed(features.StepMasks, "_alone", "one row: fed, filled, unpacked")
         timed(features.StepMasks, "_unpacked", "device copy + unpack graph")
     step = engine_core.EngineCore.step if hasattr(engine_core.EngineCore, "step") else None
     if step is not None:
