@@ -168,21 +168,7 @@ def test_constrained_and_free_rows_share_a_batch(server):
 def test_a_forced_tool_call_is_always_a_valid_call(server, choice, stream):
     kw = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER, TIME],
               tool_choice=choice, parallel_tool_calls=False)
-    if stream:
-        calls: dict[int, dict] = {}
-        reason = None
-        for chunk in chat(server, stream=True, **kw):
-            for c in chunk.choices:
-                reason = c.finish_reason or reason
-                for tc in c.delta.tool_calls or ():
-                    call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                    call["name"] += tc.function.name or ""
-                    call["arguments"] += tc.function.arguments or ""
-        got = list(calls.values())
-    else:
-        r = chat(server, **kw)
-        reason = r.choices[0].finish_reason
-        got = [{"name": tc.function.name, "arguments": tc.function.arguments} for tc in r.choices[0].message.tool_calls]
+    reason, got = tool_calls_of(server, stream, **kw)
     assert reason == "tool_calls" and len(got) == 1
     name = got[0]["name"]
     assert name == "get_time" if isinstance(choice, dict) else name in ("get_weather", "get_time")
