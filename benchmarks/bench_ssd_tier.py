@@ -3,7 +3,7 @@
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py restart      [--rounds 3] [--system-tokens 5000]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py overcapacity [--conversations 8] [--turns 3]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py bandwidth    [--tokens 8000] [--rounds 7]
-    /tmp/venv/bin/python benchmarks/bench_ssd_tier.py writebehind  [--rounds 10] [--concurrency 6] [--bg-count 16]
+    /tmp/venv/bin/python benchmarks/bench_ssd_tier.py writebehind  [--rounds 10] [--concurrency 6] [--bg-count 16] [--layouts blocks whole]
     /tmp/venv/bin/python benchmarks/bench_ssd_tier.py all
 
 Model: the built-in "bench" preset (42M params, fp32, Qwen3-shaped, 12 layers x 4 KV heads x 64
@@ -731,7 +731,7 @@ async def writebehind_window(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix:
            "window_tokens": tokens, "all_full_length": all(len(t) == args.decode_tokens for t in streams),
            "thread_cpu_s": {k: round(v - cpu0.get(k, 0.0), 3) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) > 0},
            **load.result}
-    if server.name == "mlxd-ssd":
+    if server.name.startswith("mlxd-ssd"):
         row.update(pending_spills_before=before["pending_spills"], pending_spills_after=after["pending_spills"],
                    bytes_written_during=after["bytes_out"] - before["bytes_out"],
                    files_completed_during=after["writes"] - before["writes"],
@@ -749,36 +749,63 @@ async def writebehind_window(server: Mlxd, idle: Mlxd, maker: TextMaker, prefix:
 def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
     maker = TextMaker(model_dir)
     common = ["--max-batch", str(args.concurrency + 2), "--prompt-cache-gb", str(args.cache_gb)]
-    ssd = Mlxd("mlxd-ssd", model_dir, [*common, "--ssd-cache", str(work / "kv-wb"), "--ssd-cache-max",
-                                       str(args.ssd_max_gb), "--ssd-demote-idle", "0",
-                                       *shlex.split(args.ssd_args)], work / "wb-ssd.log")
+    # One SSD server per --layouts entry (or one with serve's default layout), beside one without SSD.
+    layouts: list[str | None] = list(args.layouts) if args.layouts else [None]
+    ssds = [Mlxd("mlxd-ssd" if lay is None else f"mlxd-ssd-{lay}", model_dir,
+                 [*common, "--ssd-cache", str(work / f"kv-wb-{lay or 'default'}"), "--ssd-cache-max",
+                  str(args.ssd_max_gb), "--ssd-demote-idle", "0", *(["--ssd-layout", lay] if lay else []),
+                  *shlex.split(args.ssd_args)], work / f"wb-ssd-{lay or 'default'}.log") for lay in layouts]
     plain = Mlxd("mlxd-noSSD", model_dir, common, work / "wb-plain.log")
-    ssd.start()
-    plain.start()
+    servers = [*ssds, plain]
+    for s in servers:
+        s.start()
     prefix = maker.make(80_000, args.bg_prefix_tokens)
     rows: list[dict[str, Any]] = []
     try:
         async def prime() -> None:
             async with httpx.AsyncClient(timeout=None) as client:
-                for s in (ssd, plain):
+                for s in servers:
                     await chat(client, s, warmup_messages(), 4, "warm-up")
                     await chat(client, s, [{"role": "system", "content": prefix},
                                            {"role": "user", "content": "prime"}], 1, "prime background prefix")
-            print(f"  flush after priming -> {ssd.flush()[0]}", flush=True)
+            for s in ssds:
+                print(f"  flush {s.name} after priming -> {s.flush()[0]}", flush=True)
 
         asyncio.run(prime())
+        n = len(servers)
         for w in range(args.rounds):
-            order = (ssd, plain) if w % 4 in (0, 3) else (plain, ssd)  # ABBA: cancels linear drift
+            # Rotate who goes first and reverse every other window (ABBA for two servers): cancels linear drift.
+            order = servers[w % n:] + servers[: w % n]
+            if w % 2:
+                order.reverse()
             for s in order:
-                rows.append(asyncio.run(writebehind_window(s, plain if s is ssd else ssd, maker, prefix, w, args)))
-        final_stats = ssd.stats().get("ssd_cache")
+                idle = ssds[0] if s is plain else plain
+                rows.append(asyncio.run(writebehind_window(s, idle, maker, prefix, w, args)))
+        final_stats = {s.name: s.stats().get("ssd_cache") for s in ssds}
     finally:
-        ssd.stop()
-        plain.stop()
-        shutil.rmtree(work / "kv-wb", ignore_errors=True)
+        for s in servers:
+            s.stop()
+        for lay in layouts:
+            shutil.rmtree(work / f"kv-wb-{lay or 'default'}", ignore_errors=True)
+    per_server = {s.name: writebehind_summary(rows, s.name, args) for s in ssds}
+    first = per_server[ssds[0].name]
+    summary = {**first["summary"], "servers": {k: v["summary"] for k, v in per_server.items()}}
+    if len(ssds) > 1:
+        # Side by side in this run: each layout's decode ratio over the first's, window by window.
+        base = first["summary"]["ratio_ssd_over_plain_per_window"]
+        summary["ratio_over_first_layout"] = {
+            k: statistics.median(a / b for a, b in zip(v["summary"]["ratio_ssd_over_plain_per_window"], base, strict=True))
+            for k, v in per_server.items()}
+    table = "\n\n".join(f"{k}:\n{v['table']}" for k, v in per_server.items())
+    print("\n" + table + "\n" + json.dumps(summary, indent=1), flush=True)
+    return {"rows": rows, "summary": summary, "table": table, "ssd_stats_end": final_stats}
+
+
+def writebehind_summary(rows: list[dict[str, Any]], name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One SSD server's windows against the server without SSD in the same windows."""
     pairs = []
     for w in range(args.rounds):
-        a = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-ssd")
+        a = next(r for r in rows if r["window"] == w and r["server"] == name)
         b = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-noSSD")
         pairs.append({"window": w, "ratio": a["decode_tok_s"] / b["decode_tok_s"],
                       "covered": a["writes_in_flight_throughout"],
@@ -786,7 +813,7 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
     ratios = [p["ratio"] for p in pairs]
     covered = [p["ratio"] for p in pairs if p["covered"]]
     summary = {
-        "windows": args.rounds, "concurrency": args.concurrency, "decode_tokens": args.decode_tokens,
+        "server": name, "windows": args.rounds, "concurrency": args.concurrency, "decode_tokens": args.decode_tokens,
         "checkpoints_per_window": args.bg_count,
         "ratio_ssd_over_plain_per_window": ratios,
         "median_ratio": statistics.median(ratios),
@@ -794,9 +821,9 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
         "covered_windows": len(covered),
         "bootstrap_95ci_median": bootstrap_ci(ratios),
         "median_decode_tok_s": {n: statistics.median(r["decode_tok_s"] for r in rows if r["server"] == n)
-                                for n in ("mlxd-ssd", "mlxd-noSSD")},
+                                for n in (name, "mlxd-noSSD")},
         "median_MB_written_during_decodes": statistics.median(r["bytes_written_during"] for r in rows
-                                                         if r["server"] == "mlxd-ssd") / 1e6,
+                                                         if r["server"] == name) / 1e6,
         "goal": "within 2% (ratio >= 0.98)",
     }
     summary["overhead_pct"] = (1 - summary["median_ratio"]) * 100
@@ -804,14 +831,12 @@ def run_writebehind(args: argparse.Namespace, model_dir: Path, work: Path) -> di
     lines = ["| window | no SSD tok/s | SSD tok/s | ratio | MB written during the decodes | pending before → after | "
              "ext. load (cores) |", "|---|---|---|---|---|---|---|"]
     for w, p in enumerate(pairs):
-        a = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-ssd")
+        a = next(r for r in rows if r["window"] == w and r["server"] == name)
         b = next(r for r in rows if r["window"] == w and r["server"] == "mlxd-noSSD")
         lines.append(f"| {w} | {b['decode_tok_s']:.1f} | {a['decode_tok_s']:.1f} | {p['ratio']:.3f} | "
                      f"{a['bytes_written_during'] / 1e6:.0f} | {a['pending_spills_before']} → "
                      f"{a['pending_spills_after']} | {max(a['external_cores'], b['external_cores']):.2f} |")
-    table = "\n".join(lines)
-    print("\n" + table + "\n" + json.dumps(summary, indent=1), flush=True)
-    return {"rows": rows, "summary": summary, "table": table, "ssd_stats_end": final_stats}
+    return {"summary": summary, "table": "\n".join(lines)}
 
 
 def bootstrap_ci(xs: list[float], n: int = 2000, seed: int = 0) -> list[float]:
@@ -846,6 +871,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bg-suffix-tokens", type=int, default=16)
     p.add_argument("--bg-count", type=int, default=16, help="writebehind: checkpoints queued before each window")
     p.add_argument("--ssd-max-gb", type=float, default=3.0)
+    p.add_argument("--layouts", nargs="+", choices=("blocks", "whole"), default=None,
+                   help="writebehind: one SSD server per layout, side by side in the same windows")
     p.add_argument("--ssd-args", default="", help="writebehind: extra `mlxd serve` flags for the SSD server")
     p.add_argument("--wait-max", type=float, default=1200, help="max seconds to wait for bench_serving.py")
     p.add_argument("--work", type=Path, default=None, help="work dir on the disk under test (default /tmp/...)")
