@@ -190,7 +190,7 @@ class MediaPreparer:
                 self._by_print.setdefault(fp, []).append(url)
             return
         self._url_keys.pop(url, None)
-        same = [u for u in self._by_print.get(fp, ()) if u is not url and u != url]
+        same = [u for u in self._by_print.get(fp, ()) if u != url]
         if same:
             self._by_print[fp] = same
         else:
