@@ -35,8 +35,10 @@ def test_a_refused_deletion_is_carried_out_after_the_grace(tmp_path: Path) -> No
 def test_the_cap_holds_on_disk_in_a_shared_directory(tiny_model_dir: Path, tmp_path: Path) -> None:
     ssd = tmp_path / "ssd"
     cap = 600_000
+    # Whole files: each checkpoint is one file the collector deletes (blocks are collected by manifest,
+    # and this test's `*.mlxkv` count would see none of them).
     config = config_for(tiny_model_dir, ssd_cache_dir=ssd, ssd_shared=True, ssd_rescan_s=0.2,
-                        ssd_shared_grace_s=1.0, ssd_cache_max_bytes=cap)
+                        ssd_shared_grace_s=1.0, ssd_cache_max_bytes=cap, ssd_layout="whole")
     with ServerThread(config) as server:
         base = server.base_url.removesuffix("/v1")
         for i in range(8):  # eight conversations, each flushed: far over the cap together
