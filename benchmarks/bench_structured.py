@@ -9,9 +9,13 @@
    per-round ratios to "free" (the goal: >= 0.97), per batch size.
 2. Time to first token with a grammar compiled for this request (a schema no
    earlier request used) against one from the grammar cache (the same schema
-   again); the prompt is a RAM hit in both.
+   again), per schema in `TTFT_SCHEMAS` (a one-property object, a 30-property
+   tool's parameters, a nested schema); the prompt is a RAM hit in both. Timed
+   from the request's fields, so the HTTP side's check is in it (`check_ms`).
+   The forced-call check of the 30-property tool (`tool_call_constraint`) is
+   timed alone: the preset's tokenizer may lack `<tool_call>`.
 
-    python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8]
+    python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
 
 Results go to benchmarks/results/structured-*.json.
 """
@@ -24,6 +28,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +37,10 @@ import trio
 
 from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
 from mlxd.model import ensure_model
-from mlxd.structured.spec import constraint_from_request
+from mlxd.structured.spec import constraint_from_request, tool_call_constraint
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
 ARMS: dict[str, dict[str, Any] | None] = {
     "free": None,
     "regex": {"regex": "[a-z ]{0,1000000}"},
@@ -69,6 +75,85 @@ async def ttft(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams) -> fl
     raise RuntimeError("no token")
 
 
+def _nested(tag: str) -> dict[str, Any]:
+    """An order with customers, line items and shipping: objects in arrays in objects, enums, bounds."""
+    item = {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{6}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+        "options": {"type": "array", "maxItems": 4, "items": {"type": "object", "properties": {
+            "name": {"enum": ["size", "colour", "material", tag]}, "value": {"type": "string", "maxLength": 20}},
+            "required": ["name", "value"], "additionalProperties": False}}},
+        "required": ["sku", "qty"], "additionalProperties": False}
+    address = {"type": "object", "properties": {
+        "street": {"type": "string", "maxLength": 60}, "city": {"type": "string", "maxLength": 40},
+        "country": {"enum": ["DE", "FR", "GB", "US", "JP"]}}, "required": ["city", "country"],
+        "additionalProperties": False}
+    return {"type": "object", "properties": {
+        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                                      "email": {"type": "string", "format": "email"},
+                                                      "address": address},
+                     "required": ["name", "address"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "maxItems": 20, "items": item},
+        "shipping": {"anyOf": [{"type": "object", "properties": {"method": {"const": "pickup"}},
+                                "required": ["method"], "additionalProperties": False},
+                               {"type": "object", "properties": {"method": {"enum": ["standard", "express"]},
+                                                                 "to": address},
+                                "required": ["method", "to"], "additionalProperties": False}]}},
+        "required": ["customer", "items", "shipping"], "additionalProperties": False}
+
+
+def _one_property(tag: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"field_{tag}": {"enum": ["x", "y"]}},
+            "required": [f"field_{tag}"], "additionalProperties": False}
+
+
+def _tool_30(tag: str) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from bench_grammar_compile import tool_with_30_properties
+
+    return tool_with_30_properties(tag)
+
+
+# Each schema from a tag that makes every round's schema new (a cold grammar), as response_format.
+TTFT_SCHEMAS: dict[str, Any] = {
+    "one_property": _one_property,
+    "tool_30_props": lambda tag: _tool_30(tag)["function"]["parameters"],
+    "nested": _nested,
+}
+
+
+async def ttft_cases(rt: Any, prompt: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """Per schema: TTFT from the request's fields with a new grammar, then the same again (cached)."""
+    out: dict[str, Any] = {}
+    for name, make in TTFT_SCHEMAS.items():
+        check, cold, cached = [], [], []
+        for r in range(rounds):
+            body = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": f"s{r}", "schema": make(f"{r}x{time.perf_counter_ns() % 10**9}")}}}
+            for times in (cold, cached):
+                t0 = time.perf_counter()
+                s = SamplingParams(max_tokens=1, constraint=constraint_from_request(body))
+                if times is cold:
+                    check.append(time.perf_counter() - t0)
+                await ttft(rt, prompt, s)
+                times.append(time.perf_counter() - t0)
+        out[name] = {"cold_grammar_ms": round(1000 * statistics.median(cold), 2),
+                     "cached_grammar_ms": round(1000 * statistics.median(cached), 2),
+                     "check_ms": round(1000 * statistics.median(check), 2),
+                     "cold": [round(1000 * x, 2) for x in cold], "cached": [round(1000 * x, 2) for x in cached]}
+        print(f"ttft {name}: cold grammar {out[name]['cold_grammar_ms']} ms (check {out[name]['check_ms']} ms), "
+              f"cached {out[name]['cached_grammar_ms']} ms", flush=True)
+    forced = []
+    for r in range(rounds):  # the forced call's check alone (no model needed)
+        tool = _tool_30(f"f{r}x{time.perf_counter_ns() % 10**9}")
+        t0 = time.perf_counter()
+        tool_call_constraint([tool], "required")
+        forced.append(time.perf_counter() - t0)
+    out["tool_30_props_forced_call_check_ms"] = round(1000 * statistics.median(forced), 2)
+    print(f"forced-call check, 30-property tool: {out['tool_30_props_forced_call_check_ms']} ms", flush=True)
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else ensure_model(args.preset)
     config = RuntimeConfig(model=str(model), max_batch=max(args.batch), device_probe="off")
@@ -86,7 +171,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await decode_rate(rt, prompt, base, 1)  # warm: the prompt's checkpoint, MLX kernels, grammars
         for arm in ARMS:
             await decode_rate(rt, prompt, samplings[arm], 1)
-        for batch in args.batch:
+        for batch in [] if args.ttft_only else args.batch:
             rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
             for r in range(args.rounds):
                 order = list(ARMS)[r % len(ARMS):] + list(ARMS)[:r % len(ARMS)]
@@ -101,19 +186,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             }
             print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x)"
                                                  for a, d in out["decode"][str(batch)].items()), flush=True)
-        cold, cached = [], []
-        for r in range(args.rounds):
-            schema = {"type": "object", "properties": {f"field_{r}": {"enum": ["x", "y"]}},
-                      "required": [f"field_{r}"], "additionalProperties": False}
-            c = constraint_from_request({"response_format": {"type": "json_schema",
-                                                             "json_schema": {"name": f"s{r}", "schema": schema}}})
-            s = SamplingParams(max_tokens=1, constraint=c)
-            cold.append(await ttft(rt, prompt, s))
-            cached.append(await ttft(rt, prompt, s))
-        out["ttft"] = {"cold_grammar_ms": round(1000 * statistics.median(cold), 2),
-                       "cached_grammar_ms": round(1000 * statistics.median(cached), 2),
-                       "cold": [round(1000 * x, 2) for x in cold], "cached": [round(1000 * x, 2) for x in cached]}
-        print(f"ttft: cold grammar {out['ttft']['cold_grammar_ms']} ms, cached {out['ttft']['cached_grammar_ms']} ms")
+        out["ttft"] = await ttft_cases(rt, prompt, args.rounds)
     return out
 
 
@@ -124,6 +197,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--ttft-only", action="store_true", help="skip the decode part")
     args = parser.parse_args()
     result = trio.run(main, args)
     RESULTS.mkdir(exist_ok=True)

@@ -18,6 +18,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxd import structured
 from mlxd.http.replies import ReplyReader
+from mlxd.structured import spec
 from mlxd.structured import (
     JSON_OBJECT,
     Constraint,
@@ -186,6 +187,27 @@ def test_invalid_tool_choices_name_the_problem(tools, choice, param, words):
     assert err.value.param == param
     for word in words:
         assert word in err.value.message
+
+
+def test_a_valid_forced_call_is_checked_once_for_all_its_functions():
+    """The call's grammar embeds every function's schema: one llguidance check covers them."""
+    tools = [{"type": "function", "function": {"name": f"f{i}_{random.random():.9f}", "parameters": SCHEMA}}
+             for i in range(3)]
+    before = spec.problem.cache_info()
+    constraint = tool_call_constraint(tools, "required")
+    after = spec.problem.cache_info()
+    assert constraint is not None and constraint.kind == "tool_call"
+    assert after.misses - before.misses == 1
+
+
+def test_the_grammar_text_is_converted_once_for_the_check_and_the_compile(vocab):
+    """The HTTP side's check and the engine's compile share one conversion of a schema."""
+    schema = {**SCHEMA, "title": f"once-{random.random():.9f}"}
+    before = spec.llguidance_grammar.cache_info()
+    constraint = constraint_from_request({"guided_json": schema})
+    structured.compile_grammar(constraint, vocab)
+    after = spec.llguidance_grammar.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
 
 
 def test_auto_and_none_force_no_call():

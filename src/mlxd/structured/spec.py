@@ -77,8 +77,10 @@ def canonical_json(value: Any) -> str:
 JSON_OBJECT = Constraint("json_object", canonical_json({"type": "object"}))
 
 
+@functools.lru_cache(maxsize=256)
 def llguidance_grammar(constraint: Constraint) -> str:
-    """The grammar text llguidance compiles for `constraint`."""
+    """The grammar text llguidance compiles for `constraint`, converted once: the request's
+    check (`problem`) and the engine's compile (`compile_grammar`) share it."""
     if constraint.kind in ("json_object", "json_schema"):
         return llg.LLMatcher.grammar_from_json_schema(constraint.source, defaults=JSON_OPTIONS)
     if constraint.kind == "regex":
@@ -221,11 +223,13 @@ def tool_call_constraint(
                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     if not chosen:
         raise ConstraintError("tool_choice 'required' needs at least one tool in 'tools'", "tool_choice")
-    for name in chosen:
+    grammar = Constraint("tool_call", tool_call_grammar({n: functions[n] for n in chosen}, parallel=parallel_tool_calls))
+    if problem(grammar) is None:  # one check covers every function's schema (the grammar embeds them)
+        return grammar
+    for name in chosen:  # which function's parameters are at fault, and the keyword
         checked(Constraint("json_schema", canonical_json(functions[name])),
                 f"tools[{list(functions).index(name)}].function.parameters", "tools")
-    grammar = tool_call_grammar({n: functions[n] for n in chosen}, parallel=parallel_tool_calls)
-    return checked(Constraint("tool_call", grammar), "tools", "tools")
+    return checked(grammar, "tools", "tools")
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
