@@ -18,7 +18,6 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxd import structured
 from mlxd.http.replies import ReplyReader
-from mlxd.structured import spec
 from mlxd.structured import (
     JSON_OBJECT,
     Constraint,
@@ -29,6 +28,7 @@ from mlxd.structured import (
     Vocabulary,
     constraint_from_request,
     load_vocabulary,
+    spec,
     tool_call_constraint,
     vocabulary_from_json,
 )
