@@ -22,6 +22,7 @@ from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import Reply
 from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
+    EngineBusy,
     LookupPrefix,
     PublishKvEvents,
     PublishPrefix,
@@ -72,11 +73,17 @@ def test_host_tier_keeps_victims_lru_by_bytes_and_refuses_what_never_fits():
     assert host.find(toks(100) + (7,), longer_than=10) is None
     big = ram.put(toks(900), "", payload="big", nbytes=101, trimmable=True).entry
     assert host.admit(big) == (None, [])
-    host.promote(found)
+    # Admitted on the device: nothing moved until asked, then the coldest first.
+    assert [e.payload for e in host.device_entries()] == ["p1", "p2"] and host.device_bytes == 80
+    assert [e.payload for e in host.take_moves(1)] == ["p1"] and host.device_bytes == 40
+    assert host.promote(found) == (found.entry, True)  # moved: its pages come back
+    p2 = host.find(toks(200) + (1,))
+    assert p2 is not None and host.promote(p2) == (p2.entry, False)  # never moved: no copy
     s = host.stats()
     assert (s.entries, s.bytes, s.demotions, s.promotions, s.promoted_tokens, s.evictions, s.too_large) == (
-        1, 40, 3, 1, 10, 1, 1,
+        0, 0, 3, 1, 10, 1, 1,
     )
+    assert (s.moves, s.moved_bytes, s.reclaims, s.device_entries, s.device_bytes) == (1, 40, 1, 0, 0)
 
 
 def test_ram_victims_are_demoted_and_a_longer_host_prefix_is_promoted_back():
@@ -84,21 +91,53 @@ def test_ram_victims_are_demoted_and_a_longer_host_prefix_is_promoted_back():
     effects = []
     for i in range(4):
         effects += tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=60, trimmable=True)
-    # RAM holds one 60-byte entry; the three victims went to the host tier instead of leaving.
+    # RAM holds one 60-byte entry; the three victims went to the host tier instead of leaving,
+    # their pages still on the device: no move is asked for until the shell says no row decodes.
+    assert effects == [] and tiers.ram.bytes == 60 and tiers.host.bytes == 180 and tiers.host.device_bytes == 180
+    effects = tiers.move_to_host()
     assert [type(e) for e in effects] == [Demote, Demote, Demote]
     assert [e.entry.payload for e in effects] == ["p0", "p1", "p2"]
-    assert tiers.ram.bytes == 60 and tiers.host.bytes == 180
+    assert tiers.host.device_bytes == 0 and tiers.move_to_host() == []
     lookup = tiers.lookup(toks(0) + (5,))
     assert lookup.promoted and lookup.hit.usable == 10 and lookup.hit.entry.payload == "p0"
     moved = tiers.take_effects()
-    assert [type(e) for e in moved] == [Promote, Demote]  # p0 back, p3 made room for it
-    assert moved[0].entry is tiers.ram.find_exact(toks(0), "") and moved[1].entry.payload == "p3"
+    assert [type(e) for e in moved] == [Promote]  # p0 back; p3, which made room for it, stays on the device
+    assert moved[0].entry is tiers.ram.find_exact(toks(0), "")
+    assert [e.payload for e in tiers.host.device_entries()] == ["p3"]
     assert tiers.take_effects() == []
     # A RAM hit at least as long wins over the host tier: nothing moves.
     lookup = tiers.lookup(toks(0) + (6,))
     assert not lookup.promoted and lookup.hit.entry.payload == "p0" and tiers.take_effects() == []
     stats = tiers.stats()
     assert stats.host is not None and stats.host.promotions == 1 and stats.host.demotions == 4
+    # p3 was never moved: taking it back is a plain hit, no copy (not a promotion).
+    lookup = tiers.lookup(toks(300) + (1,))
+    assert not lookup.promoted and lookup.hit.entry.payload == "p3"
+    assert [type(e) for e in tiers.take_effects()] == []  # p0 left RAM for it: on the device too
+    host = tiers.stats().host
+    assert (host.promotions, host.reclaims, host.moves, host.device_entries) == (1, 1, 3, 1)
+
+
+def test_the_memory_budget_and_admission_move_host_entries_still_on_the_device_first():
+    clock = Clock()
+    tiers = CacheTiers(PromptCache(max_bytes=200, clock=clock), host=HostTier(max_bytes=1000, clock=clock),
+                       memory_budget=1000)
+    for i in range(4):
+        tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=100, trimmable=True)
+    assert tiers.ram.bytes == 200 and tiers.host.device_bytes == 200  # p0, p1 out of RAM, still on the device
+    assert tiers.observe_memory(600) == []  # 200 RAM + 200 host-tier bytes of it: other 200 (no host bytes)
+    assert tiers.over_budget_bytes == 200 + 200 + 200 - 1000
+    effects = tiers.observe_memory(1150)  # other 750: 150 over, and the device's host-tier bytes count
+    assert [e.entry.payload for e in effects if isinstance(e, Demote)] == ["p0", "p1"]  # moved, RAM kept
+    assert tiers.ram.bytes == 200 and tiers.over_budget_bytes <= 0
+    # Admission: the room it can free includes host-tier bytes on the device, freed first by a move.
+    assert tiers.observe_memory(700) == []  # other 300 now
+    tiers.publish(toks(900), payload="p9", nbytes=100, trimmable=True)  # p2 out of RAM, on the device
+    room = tiers.ram_room()
+    assert room.freeable_bytes == 300 and tiers.host.device_bytes == 100
+    effects = tiers.free_for_rows(150)  # p2's move first, then one RAM entry, moved at once
+    assert [e.entry.payload for e in effects] == ["p2", "p3"] and all(isinstance(e, Demote) for e in effects)
+    assert tiers.ram.bytes == 100 and tiers.host.device_bytes == 0
 
 
 def test_without_an_ssd_tier_the_host_tier_is_where_victims_go_and_the_cap_drops_them():
@@ -117,7 +156,8 @@ def test_with_an_ssd_tier_persist_before_demotion_still_holds_and_durable_entrie
     second = tiers.publish(b, payload="b", nbytes=60, trimmable=True)
     assert [type(e) for e in first + second] == [Persist, Persist]  # a waits for its write in RAM
     assert len(tiers.host) == 0 and tiers.ram.bytes == 120
-    effects = tiers.durable(SsdRecord("", a, 60, 0.0))
+    assert tiers.durable(SsdRecord("", a, 60, 0.0)) == []  # a leaves RAM for the host tier
+    effects = tiers.move_to_host()
     assert [type(e) for e in effects] == [Demote] and effects[0].entry.durable
     assert tiers.prefetch_candidate(a + (1,)) is None  # the host tier serves it: no SSD read ahead
     lookup = tiers.lookup(a + (1,))  # host before SSD: no restore, the promoted entry is still durable
@@ -131,7 +171,7 @@ def test_an_unpersistable_victim_is_forgotten_for_ssd_but_kept_on_the_host():
     tiers.publish(a, payload="a", nbytes=60, trimmable=True)
     tiers.not_persisted("", a)
     effects = tiers.publish(toks(100), payload="b", nbytes=60, trimmable=True)
-    assert {type(e) for e in effects} == {Persist, Demote, Forget}
+    assert {type(e) for e in effects} == {Persist, Forget}
     assert tiers.host.find(a + (1,)) is not None
 
 
@@ -224,6 +264,51 @@ async def test_the_cache_owner_demotes_promotes_reports_and_announces_cpu_blocks
     removed_cpu = [e for e in seen if isinstance(e, BlockRemoved) and e.medium == CPU]
     assert len(stored_cpu) >= 2 and len(removed_cpu) >= 1  # a went down, came back up, b went down
     assert any(isinstance(e, BlockStored) and e.medium == RAM for e in seen)
+
+
+def _drain(events) -> list:
+    seen = []
+    while True:
+        try:
+            seen += events.receive_nowait().events
+        except trio.WouldBlock:
+            return seen
+
+
+async def test_while_rows_decode_victims_keep_their_device_pages_until_the_engine_is_idle():
+    """Demotion under pressure only: a victim's move waits for EngineBusy(False); taking it back
+    before then is a plain hit (no copy); /stats and the KV events say where its bytes are."""
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=10_000, kv_events_block_size=4)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    events_send, events = trio.open_memory_channel[PublishKvEvents](math.inf)
+    owner = CacheOwnerActor(config, inbox=inbox, kv_events=events_send, host_tier=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        await inbox_send.send(EngineBusy(True))
+        a, b, c = toks(0, 8), toks(100, 8), toks(200, 8)
+        for t in (a, b):
+            await inbox_send.send(PublishPrefix(t, "", payload=_kv(8), nbytes=512, trimmable=True, reason="final"))
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["entries"], host["device_entries"], host["device_bytes"], host["moves"]) == (1, 1, 512, 0)
+        seen = _drain(events)
+        assert not any(e.medium == CPU for e in seen if isinstance(e, BlockStored | BlockRemoved))
+        assert not any(isinstance(e, BlockRemoved) for e in seen)  # a is still device memory: still "RAM"
+        lookup = await _ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))
+        assert lookup.hit.usable == 8 and not lookup.promoted  # no copy: its pages never left
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["reclaims"], host["promotions"], host["device_entries"]) == (1, 0, 1)  # b made room for a
+        await inbox_send.send(PublishPrefix(c, "", payload=_kv(8), nbytes=512, trimmable=True, reason="final"))
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["device_entries"], host["moves"]) == (2, 0)
+        await inbox_send.send(EngineBusy(False))  # no row decodes: the moves go now
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["device_entries"], host["moves"], host["moved_bytes"]) == (0, 2, 1024)
+        seen = _drain(events)
+        assert len([e for e in seen if isinstance(e, BlockStored) and e.medium == CPU]) >= 2
+        assert any(isinstance(e, BlockRemoved) and e.medium == RAM for e in seen)
+        lookup = await _ask(inbox_send, lambda r: LookupPrefix(b + (1,), "", r))
+        assert lookup.promoted  # moved: its pages come back
+        nursery.cancel_scope.cancel()
 
 
 async def test_on_unified_memory_the_flag_is_a_reported_no_op(tmp_path: Path):

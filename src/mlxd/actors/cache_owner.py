@@ -53,6 +53,7 @@ from mlxd.runtime.kernel.messages import (
     CloseSession,
     DurabilityMessage,
     EncoderOutputs,
+    EngineBusy,
     EngineInbox,
     EntryDurable,
     EntryNotPersisted,
@@ -165,6 +166,7 @@ class CacheOwnerActor:
         self._engine = engine
         self._mirror = OwnerMirror()
         self._shards_left: list[ShardRef] = []
+        self._engine_busy = False  # rows decoding (EngineBusy): host-tier moves wait until none do
 
     @staticmethod
     def _host_tier(config: RuntimeConfig, wanted: bool | None, clock: Callable[[], float]) -> tuple[HostTier | None, str | None]:
@@ -196,9 +198,11 @@ class CacheOwnerActor:
     def _announce_residency(self) -> None:
         if self._kv_events is None:
             return
-        events = self._ledger.sync(RAM, self.tiers.ram.entries())
-        if self.tiers.host is not None:
-            events += self._ledger.sync(CPU, self.tiers.host.entries())
+        host = self.tiers.host
+        # A host-tier entry whose move is not issued yet is still in device memory: RAM's medium.
+        events = self._ledger.sync(RAM, [*self.tiers.ram.entries(), *(host.device_entries() if host else ())])
+        if host is not None:
+            events += self._ledger.sync(CPU, host.moved_entries())
         if self.tiers.ssd:
             # (vision encoder outputs are no KV blocks)
             events += self._ledger.sync(SSD, [r for r in self.tiers.ssd_records() if r.namespace != ENCODER_NAMESPACE])
@@ -232,6 +236,8 @@ class CacheOwnerActor:
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
+                    if not self._engine_busy:  # no row decodes: host-tier moves go now
+                        self._apply(self.tiers.move_to_host())
                     self._note_pins(msg)
                     self._announce_residency()
                     self._report_shards()
@@ -292,6 +298,8 @@ class CacheOwnerActor:
             self._count.restore_ms_last = round(msg.seconds * 1000, 3)
         elif isinstance(msg, MemoryMeasured):
             self._apply(tiers.observe_memory(msg.active_bytes, peak_bytes=msg.peak_bytes))
+        elif isinstance(msg, EngineBusy):
+            self._engine_busy = msg.busy
         elif isinstance(msg, EncoderOutputs):
             self._encoder_outputs(msg)
         elif isinstance(msg, FindCheckpointTokens):
@@ -377,7 +385,9 @@ class CacheOwnerActor:
         """A host-tier move: on CUDA the entry's pages migrate in bulk (runtime/host_memory.py); elsewhere
         nothing moves. A promotion's migration is started right here, before the lookup's reply lets the
         engine read the prefix (issuing it took ~1.5 ms for 1.9 GB on an H200; a first forward pass that
-        faults the pages back instead took 0.28 s, docs/benchmarks.md); a demotion's on a worker thread."""
+        faults the pages back instead took 0.28 s, docs/benchmarks.md); a demotion's on a worker thread.
+        The core asks for a demotion only under memory pressure or while no row decodes (a migration
+        beside decode cost that row 71-77% of its speed)."""
         if not host_memory.separate_host_memory():
             return
         if isinstance(effect, Promote):

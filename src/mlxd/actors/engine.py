@@ -26,6 +26,7 @@ from mlxd.runtime.distributed import MAX_DROPS_PER_STEP
 from mlxd.runtime.kernel.messages import (
     CancelGeneration,
     CheckpointGeneration,
+    EngineBusy,
     EngineInbox,
     EngineNote,
     GenCheckpointMessage,
@@ -70,6 +71,7 @@ class EngineActor:
         self._drops: list[ShardRef] = []  # mirrored prefixes the cache owner dropped, for the next steps
         self._reset = False  # the last step failed: the next one resets every rank
         self._failed_steps = 0
+        self._busy_noted = False  # what the cache owner was last told (EngineBusy)
         self._stats = EngineStats()
 
     @property
@@ -128,8 +130,10 @@ class EngineActor:
         while True:
             if not (self._rows or self._pending or self._drops or self._reset):
                 self._governor.set_busy(False)
+                await self._note_busy(False)
                 self._accept(await self._inbox.receive())
             self._governor.set_busy(True)
+            await self._note_busy(True)
             while True:
                 try:
                     self._accept(self._inbox.receive_nowait())
@@ -147,6 +151,12 @@ class EngineActor:
                 self._reset = True
                 continue
             await self._deliver(result)
+
+    async def _note_busy(self, busy: bool) -> None:
+        """Tell the cache owner when rows start or stop decoding (it moves host-tier pages only while none do)."""
+        if busy != self._busy_noted:
+            self._busy_noted = busy
+            await self._publish.send(EngineBusy(busy))
 
     def _next_ops(self) -> StepOps:
         if self._reset:

@@ -7,6 +7,13 @@ slower than recompute (docs/benchmarks.md, H200). So `CacheTiers` admits
 every RAM victim here (`--host-cache-gb`), and a lookup whose longest usable
 prefix lives here promotes it back to RAM.
 
+Demotion is lazy: an admitted victim keeps its device pages (it is still a
+RAM-speed hit, and taking it back costs no copy) until device memory is
+needed (the memory budget, admission) or no row is decoding; only then does
+the shell move its pages (`take_moves`). Moving 1.88 GB while another row
+decoded cost that row 71-77% of its speed on an H200 (docs/benchmarks.md), so
+a move that buys nothing is not made while rows decode.
+
 This module is the pure half: a byte-capped LRU of `CacheEntry`s (the RAM
 tier's own `PromptCache`, with its prefix index and namespaces) plus the
 counters. What "host memory" is belongs to the shell (the cache owner moves
@@ -33,9 +40,14 @@ class HostTierStats:
     bytes: int
     max_bytes: int
     demotions: int  # RAM victims admitted
-    promotions: int  # entries brought back to RAM by a lookup
+    promotions: int  # moved entries brought back to RAM by a lookup (their pages copied back)
     promoted_tokens: int  # usable tokens those lookups served
     promoted_bytes: int
+    device_entries: int  # admitted, pages still on the device: their move is not issued yet
+    device_bytes: int
+    moves: int  # entries whose pages were sent to host memory
+    moved_bytes: int
+    reclaims: int  # entries taken back to RAM before their move: a plain hit, no copy
     evictions: int  # entries dropped for the cap (gone from both tiers unless on SSD)
     too_large: int  # victims larger than the whole tier, never admitted
 
@@ -46,6 +58,9 @@ class _Counters:
     promotions: int = 0
     promoted_tokens: int = 0
     promoted_bytes: int = 0
+    moves: int = 0
+    moved_bytes: int = 0
+    reclaims: int = 0
     evictions: int = 0
     too_large: int = 0
 
@@ -58,6 +73,7 @@ class HostTier:
     clock: Callable[[], float] = time.monotonic
     _cache: PromptCache = attrs.field(init=False)
     _count: _Counters = attrs.field(init=False, factory=_Counters)
+    _device: set[CacheEntry] = attrs.field(init=False, factory=set)  # admitted, not moved yet
 
     def __attrs_post_init__(self) -> None:
         self._cache = PromptCache(max_bytes=self.max_bytes, policy=make_policy("lru"), clock=self.clock)
@@ -72,10 +88,44 @@ class HostTier:
     def entries(self) -> Iterator[CacheEntry]:
         return self._cache.entries()
 
+    def on_device(self, entry: CacheEntry) -> bool:
+        """Is this entry's memory still on the device (its move not issued yet)?"""
+        return entry in self._device
+
+    def device_entries(self) -> list[CacheEntry]:
+        """Entries whose move is not issued yet, coldest first."""
+        if not self._device:
+            return []
+        self._device &= set(self._cache.entries())  # superseded or dropped meanwhile
+        return sorted(self._device, key=lambda e: e.last_used)
+
+    def moved_entries(self) -> list[CacheEntry]:
+        """Entries whose pages were sent to host memory."""
+        return [e for e in self._cache.entries() if e not in self._device]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(e.nbytes for e in self.device_entries())
+
+    def take_moves(self, nbytes: int | None = None) -> list[CacheEntry]:
+        """Entries to move to host memory now, coldest first: at least `nbytes` of them (None: all)."""
+        moves: list[CacheEntry] = []
+        freed = 0
+        for entry in self.device_entries():
+            if nbytes is not None and freed >= nbytes:
+                break
+            self._device.discard(entry)
+            moves.append(entry)
+            freed += entry.nbytes
+        self._count.moves += len(moves)
+        self._count.moved_bytes += freed
+        return moves
+
     def admit(self, entry: CacheEntry) -> tuple[CacheEntry | None, list[CacheEntry]]:
         """Keep a RAM victim: (the host entry, or None when it can never fit; entries dropped for room).
 
-        The host entry carries the victim's payload, `durable` flag and hit
+        The entry is admitted on the device (`take_moves` sends it to host
+        memory later). The host entry carries the victim's payload, `durable` flag and hit
         count; exact duplicates and (for a trimmable entry) strict ancestors
         are superseded as in RAM.
         """
@@ -88,9 +138,11 @@ class HostTier:
         if kept is None:
             return None, []
         kept.durable, kept.hits = entry.durable, entry.hits
+        self._device.add(kept)
         self._count.demotions += 1
         eviction = self._cache.evict(may_evict=lambda e: e is not kept)
         self._count.evictions += len(eviction.evicted)
+        self._device.difference_update(eviction.evicted)
         return kept, list(eviction.evicted)
 
     def find(self, tokens: Tokens, namespace: str = "", *, longer_than: int = 0) -> CacheHit | None:
@@ -98,21 +150,28 @@ class HostTier:
         hit = self._cache.peek(tokens, namespace)
         return hit if hit is not None and hit.usable > longer_than else None
 
-    def promote(self, hit: CacheHit) -> CacheEntry:
-        """Take a found entry out of the tier (it goes back to RAM); counts the promotion."""
+    def promote(self, hit: CacheHit) -> tuple[CacheEntry, bool]:
+        """Take a found entry out of the tier (it goes back to RAM): (the entry, whether its pages must
+        come back from host memory). One not moved yet is a reclaim (no copy), otherwise a promotion."""
         self._cache.remove(hit.entry)
+        if hit.entry in self._device:
+            self._device.discard(hit.entry)
+            self._count.reclaims += 1
+            return hit.entry, False
         self._count.promotions += 1
         self._count.promoted_tokens += hit.usable
         self._count.promoted_bytes += hit.entry.nbytes
-        return hit.entry
+        return hit.entry, True
 
     def forget(self, entry: CacheEntry) -> None:
         """Drop an entry (e.g. its namespace or session went away)."""
         if self._cache.find_exact(entry.tokens, entry.namespace) is entry:
             self._cache.remove(entry)
+        self._device.discard(entry)
 
     def stats(self) -> HostTierStats:
         c = self._count
+        device = self.device_entries()
         return HostTierStats(
             entries=len(self._cache),
             bytes=self._cache.bytes,
@@ -121,6 +180,11 @@ class HostTier:
             promotions=c.promotions,
             promoted_tokens=c.promoted_tokens,
             promoted_bytes=c.promoted_bytes,
+            device_entries=len(device),
+            device_bytes=sum(e.nbytes for e in device),
+            moves=c.moves,
+            moved_bytes=c.moved_bytes,
+            reclaims=c.reclaims,
             evictions=c.evictions,
             too_large=c.too_large,
         )

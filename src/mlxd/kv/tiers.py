@@ -19,8 +19,11 @@ holds, and every decision between the two:
 - idle demotion: durable RAM entries unused for a while leave RAM;
 - the host tier (`host`, kv/host_tier.py): with one, every entry that leaves
   RAM (the byte cap, idle demotion, the memory budget) is admitted there
-  (`Demote`) instead of dropped, and a lookup whose longest usable prefix is
-  there promotes it back to RAM (`Promote`) before the SSD is considered;
+  instead of dropped, and a lookup whose longest usable prefix is there takes
+  it back to RAM before the SSD is considered. Its pages move to host memory
+  (`Demote`) only when device memory is needed (the memory budget, admission:
+  at once) or no row decodes (`move_to_host`, the shell's call); a lookup
+  before then is a plain hit, and one after copies them back (`Promote`);
 - the memory budget: when the process's memory (MLX active memory outside
   the cache, as last measured, plus the cache now) passes `memory_budget`,
   durable RAM entries leave RAM coldest first (`relieve`); entries still
@@ -120,7 +123,7 @@ class PrefixLookup:
 
     hit: CacheHit | None
     restore: SsdMatch | None = None  # strictly longer than the RAM hit, and worth it
-    promoted: bool = False  # `hit` came back from the host tier (and is in RAM again)
+    promoted: bool = False  # `hit` came back from host memory (its pages are on their way back)
     plan: RestorePlan | None = None  # the restore advisor's choice, when an SSD record was weighed
     # Pinned breakpoint prefixes of the prompt that no RAM entry holds: the engine checkpoints there
     checkpoint_at: tuple[int, ...] = ()
@@ -172,7 +175,7 @@ class Unlink:
 
 @attrs.frozen(eq=False)
 class Demote:
-    """This RAM entry moved to the host tier: move its memory there (CUDA) or do nothing (unified memory)."""
+    """This host-tier entry's memory goes to host memory now (CUDA), or nothing moves (unified memory)."""
 
     entry: CacheEntry  # the host tier's entry (same payload)
 
@@ -516,9 +519,11 @@ class CacheTiers:
             if direct is not None:
                 return PrefixLookup(direct)
         hit = self.ram.take(tokens, namespace)
-        promoted = self._promote(tokens, namespace, hit)
-        if promoted is not None:
-            hit = promoted
+        back = self._promote(tokens, namespace, hit)
+        promoted = None
+        if back is not None:
+            hit, copied = back
+            promoted = hit if copied else None
         record = self._index.get(ref, namespace) if ref is not None and self.ssd else None
         if ref is not None and record is None:
             self.sessions.fallback()
@@ -549,22 +554,24 @@ class CacheTiers:
         effects, self._pending = self._pending, []
         return effects
 
-    def _promote(self, tokens: Tokens, namespace: str, hit: CacheHit | None) -> CacheHit | None:
-        """A host-tier entry serving a longer prefix than RAM's hit goes back to RAM; its hit, counted."""
+    def _promote(self, tokens: Tokens, namespace: str, hit: CacheHit | None) -> tuple[CacheHit, bool] | None:
+        """A host-tier entry serving a longer prefix than RAM's hit goes back to RAM: its hit, counted, and
+        whether its pages come back from host memory (False: its move was never issued, no copy)."""
         if self.host is None:
             return None
         found = self.host.find(tokens, namespace, longer_than=hit.usable if hit is not None else 0)
         if found is None:
             return None
-        entry = self.host.promote(found)
+        entry, copied = self.host.promote(found)
         outcome = self.ram.put(entry.tokens, namespace, payload=entry.payload, nbytes=entry.nbytes,
                                trimmable=entry.trimmable, pages=entry.pages)
         back = outcome.entry if outcome.entry is not None else entry  # RAM too small: lend it as it is
         back.durable = self.ssd and self._index.covers(back.tokens, namespace)
-        self._pending.append(Promote(back))
+        if copied:
+            self._pending.append(Promote(back))
         if outcome.entry is not None:
             self._pending += self._evict(keep=back)
-        return CacheHit(back, found.usable)
+        return CacheHit(back, found.usable), copied
 
     def prefetch_candidate(self, tokens: Tokens, namespace: str = "") -> SsdRecord | None:
         """The SSD record a newly arrived prompt will likely restore (no accounting)."""
@@ -885,10 +892,21 @@ class CacheTiers:
 
     @property
     def over_budget_bytes(self) -> int:
-        """How far the process is over the budget now (<= 0: within it, or no budget)."""
+        """How far the process is over the budget now (<= 0: within it, or no budget); host-tier entries
+        whose move is not issued yet are still device memory."""
         if self.memory_budget <= 0:
             return 0
-        return self._memory.other + self.ram.bytes - self.memory_budget
+        return self._memory.other + self.ram.bytes + self._host_device_bytes() - self.memory_budget
+
+    def _host_device_bytes(self) -> int:
+        return self.host.device_bytes if self.host is not None else 0
+
+    def move_to_host(self, nbytes: int | None = None) -> list[Effect]:
+        """Issue host-tier moves not issued yet, coldest first: at least `nbytes` (None: all). The shell
+        calls it when no row decodes; the budget and admission call it when device memory is needed."""
+        if self.host is None:
+            return []
+        return [Demote(e) for e in self.host.take_moves(nbytes)]
 
     @property
     def budget_waiting(self) -> bool:
@@ -906,21 +924,27 @@ class CacheTiers:
         """What the RAM tier holds against the memory budget: the part it cannot free now and the rest
         (pages shared by several entries are counted once, in the rest)."""
         held = min(self.unfreeable_bytes(), self.ram.bytes)
-        return RamRoom(unfreeable_bytes=held, freeable_bytes=max(0, self.ram.bytes - held))
+        # Host-tier entries not moved yet hold device memory that a move frees.
+        return RamRoom(unfreeable_bytes=held, freeable_bytes=max(0, self.ram.bytes - held) + self._host_device_bytes())
 
     def free_for_rows(self, nbytes: int) -> list[Effect]:
         """Admission: free at least `nbytes` of RAM before a row that needs them starts, coldest first,
         what can go (durable entries demoted, droppable ones evicted; never pinned ones)."""
         if nbytes <= 0:
             return []
+        moves = self.move_to_host(nbytes)  # host-tier entries still on the device go first
+        moved = sum(e.entry.nbytes for e in moves if isinstance(e, Demote))
+        self._memory.admission_freed += moved
+        if nbytes <= moved:
+            return moves
         prefer = self._unreferenced if len(self.sessions) else None
         may = self._may_evict if self.ssd else _always
-        released = self.ram.release(nbytes, may_evict=may, prefer=prefer, keep=self._keep())
+        released = self.ram.release(nbytes - moved, may_evict=may, prefer=prefer, keep=self._keep())
         self._memory.admission_freed += released.freed_bytes
         self._memory.admission_frees += len(released.evicted)
         if self.ssd:
             self._demotions += len(released.evicted)
-        return self._to_host(released.evicted)
+        return moves + self._to_host(released.evicted, move=True)
 
     def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
@@ -954,12 +978,20 @@ class CacheTiers:
         With an SSD tier only durable entries go (their prefix stays restorable);
         an entry waiting for its write is skipped and goes at a later check, once
         the write commits; one that can never be written stays. Without an SSD
-        tier entries are evicted, like the byte cap does.
+        tier entries are evicted, like the byte cap does. Host-tier entries still
+        on the device move first (they leave no hit behind).
         """
+        moves = self.move_to_host(over_bytes)
+        moved = sum(e.entry.nbytes for e in moves if isinstance(e, Demote))
+        m = self._memory
+        m.freed += moved
+        if over_bytes <= moved:
+            m.waiting = 0
+            return moves
+        over_bytes -= moved
         prefer = self._unreferenced if len(self.sessions) else None
         may = (lambda e: e.durable) if self.ssd else _always
         released = self.ram.release(over_bytes, may_evict=may, prefer=prefer, keep=self._keep())
-        m = self._memory
         m.freed += released.freed_bytes
         if self.ssd:
             m.demotions += len(released.evicted)
@@ -968,7 +1000,7 @@ class CacheTiers:
             m.evictions += len(released.evicted)
         pending = sum(e.nbytes for e in self.ram.entries() if not self._may_evict(e)) if self.ssd else 0
         m.waiting = min(max(0, over_bytes - released.freed_bytes), pending)
-        return self._to_host(released.evicted)
+        return moves + self._to_host(released.evicted, move=True)
 
     def _memory_stats(self) -> MemoryStats | None:
         if self.memory_budget <= 0:
@@ -1065,16 +1097,14 @@ class CacheTiers:
             effects.append(Forget(entry.namespace, entry.tokens))
         return effects
 
-    def _to_host(self, entries: Iterable[CacheEntry]) -> list[Effect]:
-        """RAM victims go to the host tier (when there is one): `Demote` each admitted one."""
+    def _to_host(self, entries: Iterable[CacheEntry], *, move: bool = False) -> list[Effect]:
+        """RAM victims go to the host tier (when there is one), their pages still on the device; `move`
+        (device memory is needed now): `Demote` them at once."""
         if self.host is None:
             return []
-        effects: list[Effect] = []
         for entry in entries:
-            kept, _dropped = self.host.admit(entry)
-            if kept is not None:
-                effects.append(Demote(kept))
-        return effects
+            self.host.admit(entry)
+        return self.move_to_host() if move else []
 
     # --- stats ----------------------------------------------------------------------
 

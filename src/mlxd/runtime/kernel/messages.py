@@ -10,7 +10,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
       coordinator --EntryDurable / EntryNotPersisted--> cache owner; prefetcher --RecordLost--> cache owner
       scheduler --StartGeneration / CancelGeneration--> engine
       engine --GenerationEvent--> the request's own channel (via the scheduler)
-      engine --PublishPrefix / MemoryMeasured--> cache owner
+      engine --PublishPrefix / MemoryMeasured / EngineBusy--> cache owner
 """
 
 from __future__ import annotations
@@ -336,6 +336,14 @@ class MemoryMeasured:
     reason: str  # "prefill" (a prefill boundary) or "decode" (every few hundred steps)
 
 
+@attrs.frozen
+class EngineBusy:
+    """The engine has rows in its batch (True) or none (False), sent when that changes: the cache owner
+    issues host-tier moves only while no row decodes (kv/host_tier.py)."""
+
+    busy: bool
+
+
 @attrs.frozen(eq=False)
 class EncoderOutputs:
     """A step's vision encoder outputs (vision/encoder.py): new ones for the SSD tier, and the images
@@ -487,6 +495,7 @@ CacheOwnerMessage = (
     | PrefillMeasured
     | RestoreMeasured
     | MemoryMeasured
+    | EngineBusy
     | EncoderOutputs
     | QueryCacheStats
     | CloseSession
@@ -498,7 +507,7 @@ CacheOwnerMessage = (
 )
 
 # What the engine sends the cache owner (a part of the cache owner's inbox).
-EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured | MemoryMeasured | EncoderOutputs
+EngineNote = PublishPrefix | PrefillMeasured | RestoreMeasured | MemoryMeasured | EngineBusy | EncoderOutputs
 
 
 # --- durability coordinator and SSD writer ---------------------------------------
