@@ -156,7 +156,10 @@ class EngineActor:
         """Tell the cache owner when rows start or stop decoding (it moves host-tier pages only while none do)."""
         if busy != self._busy_noted:
             self._busy_noted = busy
-            await self._publish.send(EngineBusy(busy))
+            try:
+                await self._publish.send(EngineBusy(busy))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the cache owner stopped (shutdown): nothing left to move
 
     def _next_ops(self) -> StepOps:
         if self._reset:
