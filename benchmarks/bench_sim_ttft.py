@@ -1,6 +1,7 @@
 """`mlxd simulate` against a recorded run: TTFT p50/p95 per tier, measured vs predicted.
 
-    python benchmarks/bench_sim_ttft.py [--preset test|default] [--conversations 6] [--turns 4]
+    python benchmarks/bench_sim_ttft.py [--preset test|default | --model DIR] [--conversations 6] [--turns 4]
+    # on a GPU (builds the Qwen3-1.7B-shaped model if missing): benchmarks/gpu/bench_sim_ttft_gpu.py
 
 A live runtime (`open_runtime`, startup probe on, an SSD tier, a RAM tier of
 about `--ram-conversations` conversations) serves multi-turn conversations
@@ -15,7 +16,13 @@ by the online calibration at each flush), and with `--cost-model` fitted to
 the first run's measured TTFTs (`mlxd simulate --fit-ttft-out`). The script
 prints the recorded and the predicted TTFT p50/p95 per tier side by side, with
 the ratio predicted / recorded (goal: within 0.9-1.1), and writes them to
-benchmarks/results/sim_ttft-<time>.json.
+benchmarks/results/sim_ttft-<time>.json. Before either run, `--warmup`
+conversations are served by a runtime of their own in the same process (not
+recorded), so the calibration run does not pay the process's one-off costs
+(allocator growth, kernel compilation) that the predicted run, second in the
+process, does not. `--stop-after` bounds the whole script: each run stops
+sending new turns at its share of the budget, and the JSON is written even
+when a stage fails.
 """
 
 from __future__ import annotations
@@ -45,41 +52,76 @@ async def _conversation_turn(rt: Any, history: list[int], new: list[int], max_to
     return prompt + reply
 
 
-async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path) -> dict[str, Any]:
-    """Serve the conversations with the recorder on; the runtime's own view of what it did."""
+def runtime_config(args: argparse.Namespace, ssd_dir: Path, **changes: Any) -> Any:
+    from mlxd import RuntimeConfig
+
+    settings: dict[str, Any] = {
+        "model": str(args.model) if args.model else None, "model_preset": args.preset, "ssd_cache_dir": ssd_dir,
+        "device_probe": "on", "device_probe_budget_s": args.probe_s, "restore_choice": args.restore_choice,
+        "snapshot_min_tokens": 64, "ssd_demote_idle_s": 0, "max_context": conversation_tokens(args) + 64,
+        "prompt_cache_bytes": 1 << 40,  # the recorded runs' is set from the KV bytes per token (warm_up)
+    }
+    return RuntimeConfig(**{**settings, **changes})
+
+
+def conversation_tokens(args: argparse.Namespace) -> int:
+    return args.first + args.turns * args.back_to_back * (args.new + args.max_tokens)
+
+
+async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
+    """Serve `--warmup` conversations (first prompt, then the turns in a row) unrecorded; KV bytes per token."""
+    from mlxd import open_runtime
+
+    rng = np.random.default_rng(10_000 + args.seed)
+    t0 = time.perf_counter()
+    ttfts = []
+    async with open_runtime(runtime_config(args, ssd_dir, device_probe="off")) as rt:
+        for _ in range(args.warmup):
+            history: list[int] = []
+            for again in range(args.back_to_back):
+                new = rng.integers(10, 1000, args.first if again == 0 else args.new).tolist()
+                t = time.perf_counter()
+                history = await _conversation_turn(rt, history, new, args.max_tokens)
+                ttfts.append(round(time.perf_counter() - t, 4))
+                await rt.flush()
+        per_token = rt.info.kv_bytes_per_token
+    return {"kv_bytes_per_token": per_token, "seconds": round(time.perf_counter() - t0, 1), "turn_s": ttfts}
+
+
+async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path, per_token: int, deadline: float) -> dict[str, Any]:
+    """Serve the conversations with the recorder on (no new turn past `deadline`); the runtime's own view."""
+    import attrs
     import trio
 
-    from mlxd import RuntimeConfig, open_runtime
+    from mlxd import open_runtime
     from mlxd.cli import record_trace
 
     rng = np.random.default_rng(args.seed)
-    per_token = None
-    config = RuntimeConfig(
-        model_preset=args.preset, ssd_cache_dir=ssd_dir, device_probe="on", device_probe_budget_s=args.probe_s,
-        snapshot_min_tokens=64, ssd_demote_idle_s=0, max_context=args.first + args.turns * args.back_to_back * (args.new + args.max_tokens) + 64,
-        prompt_cache_bytes=1 << 40,  # resized below, once the KV bytes per token are known
-    )
-    async with open_runtime(config) as probe_rt:
-        per_token = probe_rt.info.kv_bytes_per_token
-    conversation_bytes = per_token * (args.first + args.turns * args.back_to_back * (args.new + args.max_tokens))
-    import attrs
-
-    config = attrs.evolve(config, prompt_cache_bytes=int(args.ram_conversations * conversation_bytes))
+    conversation_bytes = per_token * conversation_tokens(args)
+    config = attrs.evolve(runtime_config(args, ssd_dir), prompt_cache_bytes=int(args.ram_conversations * conversation_bytes))
     histories: list[list[int]] = [[] for _ in range(args.conversations)]
     t0 = time.perf_counter()
     load_before = os.getloadavg()
+    requests = 0
+    stopped_early = False
     async with open_runtime(config) as rt:
         record_trace(rt, trace)
+        started = time.perf_counter()
         for turn in range(args.turns):
             order = list(range(args.conversations))
             for start in range(0, len(order), args.concurrency):
+                if time.perf_counter() >= deadline:
+                    stopped_early = True
+                    break
                 group = order[start : start + args.concurrency]
 
                 async def one(c: int, turn: int = turn) -> None:
+                    nonlocal requests
                     for again in range(args.back_to_back):  # the turns after the first hit RAM
                         n = args.first if turn == 0 and again == 0 else args.new
                         new = rng.integers(10, 1000, n).tolist()
                         histories[c] = await _conversation_turn(rt, histories[c], new, args.max_tokens)
+                        requests += 1
                         if args.concurrency == 1:
                             await rt.flush()  # a barrier the replay keeps too: one request at a time
 
@@ -88,8 +130,12 @@ async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path) -> dict[s
                         nursery.start_soon(one, c)
                 if args.concurrency > 1:
                     await rt.flush()  # a barrier the replay keeps too
+            if stopped_early:
+                break
+        served_s = time.perf_counter() - started
         stats = (await rt.stats()).as_dict()
-    return {"serve_s": round(time.perf_counter() - t0, 1), "loadavg_before": load_before,
+    return {"serve_s": round(time.perf_counter() - t0, 1), "requests_s": round(served_s, 1), "requests": requests,
+            "stopped_early": stopped_early, "loadavg_before": load_before,
             "kv_bytes_per_token": per_token, "prompt_cache_bytes": config.prompt_cache_bytes, "probe": stats.get("device_probe"),
             "restore_decisions": (stats.get("ssd_cache") or {}).get("restore_decisions")}
 
@@ -149,11 +195,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    import trio
-
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="default")
+    p.add_argument("--model", type=Path, help="a model directory instead of a preset (e.g. the GPU driver's)")
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first", type=int, default=768, help="tokens of a conversation's first prompt")
@@ -163,35 +208,75 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--back-to-back", type=int, default=2, help="turns a conversation takes in a row")
     p.add_argument("--probe-s", type=float, default=4.0, help="startup probe budget (seconds)")
+    p.add_argument("--restore-choice", choices=("measured", "always"), default="measured",
+                   help="always: every returning conversation is restored from SSD (a GPU recomputes instead)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="conversations served unrecorded in the same process before the recorded runs")
+    p.add_argument("--fit-warmup", type=int, default=None, help="mlxd simulate --fit-warmup (default: its own)")
+    p.add_argument("--stop-after", type=float, default=0.0,
+                   help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="", help="in the result file's name (sim_ttft-LABEL-<time>.json)")
     p.add_argument("--trace", type=Path, help="replay this recording instead of recording one")
     p.add_argument("--calibration-trace", type=Path,
                    help="with --trace: the earlier recording to fit the cost model to (else one is recorded)")
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").exists():
+        p.error(f"--model {args.model}: no config.json there")
+    if min(args.conversations, args.turns, args.first, args.new, args.back_to_back, args.concurrency) < 1:
+        p.error("--conversations, --turns, --first, --new, --back-to-back and --concurrency must be >= 1")
+    if args.stop_after < 0 or args.warmup < 0:
+        p.error("--stop-after and --warmup must be >= 0")
+    return args
 
-    with tempfile.TemporaryDirectory(prefix="bench-sim-ttft-") as tmp:
-        live: dict[str, Any] = {}
-        traces = {"calibration": args.calibration_trace, "predicted": args.trace}
-        for i, name in enumerate(traces):
-            if traces[name] is None:  # record it: the calibration run, then the predicted run (another seed)
-                traces[name] = Path(tmp) / f"{name}.jsonl"
-                run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
-                live[name] = trio.run(record, run_args, traces[name], Path(tmp) / f"ssd-{name}")
-        fitted = Path(tmp) / "fitted.json"
-        with contextlib.redirect_stdout(io.StringIO()):  # prints the model it writes
-            from mlxd.sim.cli import main as sim_main
 
-            assert sim_main([str(traces["calibration"]), "--fit-ttft-out", str(fitted)]) == 0
-        recorded = recorded_percentiles(traces["predicted"])
-        sims = {
-            "probe": simulate(traces["predicted"]),  # the recording's own probe model, calibrated per flush
-            "fit": simulate(traces["predicted"], "--cost-model", str(fitted)),  # fitted to the other run
-        }
-        rows = {k: compare(recorded, v) for k, v in sims.items()}
-        saved = {k: Path(v).read_text().splitlines() for k, v in traces.items()}
-        model = json.loads(fitted.read_text())
-    worst: dict[str, float | None] = {}
+RESERVE_S = 5.0  # of --stop-after, kept for the fit, the two replays and the JSON
+
+
+def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any]) -> None:
+    """Record (unless given), fit, replay; fills `result` stage by stage (written even if a stage fails)."""
+    import trio
+
+    from mlxd.sim.cli import main as sim_main
+
+    end = began + args.stop_after - RESERVE_S if args.stop_after else float("inf")
+    traces = {"calibration": args.calibration_trace, "predicted": args.trace}
+    live: dict[str, Any] = result.setdefault("live", {})
+    if any(v is None for v in traces.values()):
+        live["warmup"] = trio.run(warm_up, args, tmp / "ssd-warmup")
+        print(f"warm-up: {live['warmup']}", flush=True)
+    for i, name in enumerate(traces):
+        if traces[name] is None:  # record it: the calibration run, then the predicted run (another seed)
+            path = tmp / f"{name}.jsonl"
+            run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+            now = time.perf_counter()
+            deadline = now + (end - now) / 2 if name == "calibration" and traces["predicted"] is None else end
+            try:
+                live[name] = trio.run(record, run_args, path, tmp / f"ssd-{name}", live["warmup"]["kv_bytes_per_token"],
+                                      deadline)
+            finally:
+                if path.exists():
+                    result.setdefault("traces", {})[name] = path.read_text().splitlines()
+            traces[name] = path
+            print(f"{name} run: {live[name]}", flush=True)
+    for name, path in traces.items():  # given ones too: the JSON carries both recordings
+        result.setdefault("traces", {}).setdefault(name, Path(path).read_text().splitlines())
+    fitted = tmp / "fitted.json"
+    fit_flags = [] if args.fit_warmup is None else ["--fit-warmup", str(args.fit_warmup)]
+    with contextlib.redirect_stdout(io.StringIO()):  # prints the model it writes
+        assert sim_main([str(traces["calibration"]), "--fit-ttft-out", str(fitted), *fit_flags]) == 0
+    result["fitted_cost_model"] = json.loads(fitted.read_text())
+    recorded = recorded_percentiles(traces["predicted"])
+    result["recorded"] = {"predicted": recorded, "calibration": recorded_percentiles(traces["calibration"])}
+    sims = {
+        "probe": simulate(traces["predicted"]),  # the recording's own probe model, calibrated per flush
+        "fit": simulate(traces["predicted"], "--cost-model", str(fitted)),  # fitted to the other run
+    }
+    result["sim"] = {k: {f: v.get(f) for f in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")}
+                     for k, v in sims.items()}
+    rows = result["rows"] = {k: compare(recorded, v) for k, v in sims.items()}
+    worst: dict[str, float | None] = result.setdefault("worst_abs_ratio_minus_1", {})
     for name, title in (("probe", "startup probe + online calibration (the recording's own)"),
                         ("fit", "cost model fitted to the calibration run's TTFTs")):
         print(f"predicted with the {title}:")
@@ -199,18 +284,32 @@ def main() -> None:
         ratios = [abs(r[f"ratio_{p}"] - 1) for r in rows[name] for p in ("p50", "p95") if r[f"ratio_{p}"]]
         worst[name] = max(ratios) if ratios else None
         print(f"worst |ratio - 1|: {worst[name]:.3f}\n" if worst[name] is not None else "no comparable tier\n")
-    if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        out = RESULTS / f"sim_ttft-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        out.write_text(json.dumps({
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "live": live, "rows": rows, "worst_abs_ratio_minus_1": worst, "loadavg_after": os.getloadavg(),
-            "fitted_cost_model": model,
-            "sim": {k: {f: v[f] for f in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")}
-                    for k, v in sims.items()},
-            "traces": saved,
-        }, indent=1) + "\n")
-        print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    result: dict[str, Any] = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "loadavg_before": os.getloadavg(), "cpus": os.cpu_count(),
+    }
+    out = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-sim-ttft-") as tmp:
+            run(args, Path(tmp), began, result)
+    except BaseException as exc:  # the JSON still says how far it got
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        result["loadavg_after"] = os.getloadavg()
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        if not args.no_save:
+            RESULTS.mkdir(exist_ok=True)
+            label = f"{args.label}-" if args.label else ""
+            out = RESULTS / f"sim_ttft-{label}{time.strftime('%Y%m%d-%H%M%S')}.json"
+            out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+            print(f"wrote {out}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

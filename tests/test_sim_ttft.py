@@ -117,7 +117,7 @@ def test_a_fit_to_a_recording_recovers_its_model_and_keeps_its_spread(tmp_path, 
         ttft = true.prefill_seconds(n, ctx) + (true.restore_seconds(true.kv_bytes(ctx)) if tier == "ssd" else 0.0)
         reqs.append(TraceRequest(index=i, t=float(i), input_length=n + ctx, output_tokens=0, cached_tokens=ctx,
                                  cache_tier=tier, ttft_s=ttft + 0.5, queued_s=0.5))  # the queue is not service
-    fitted = fit_recording(reqs, PROBE)
+    fitted = fit_recording(reqs, PROBE, warmup=0)
     for n, ctx in ((100, 0), (800, 0), (60, 900), (200, 2000)):
         assert fitted.prefill_seconds(n, ctx) == pytest.approx(true.prefill_seconds(n, ctx), rel=0.01)
     assert fitted.restore_seconds(true.kv_bytes(1000)) == pytest.approx(true.restore_seconds(true.kv_bytes(1000)),
@@ -156,3 +156,140 @@ def test_rows_prefilling_at_once_share_the_one_engine(tmp_path, capsys):
     (slots,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
                 if "cache_model" in r]
     assert slots["ttft_by_source_s"]["miss"]["p50"] == pytest.approx(alone)
+
+
+def tiered_recording(path: Path, factors: dict[str, float], rounds: int = 3) -> None:
+    """`rounds` times model_recording's pattern (a miss, a RAM hit, a miss that pushes the first out, its
+    SSD restore) on fresh tokens; each tier's measured TTFT is the probe model's times its factor (a RAM
+    hit's extra fixed costs, a restore faster than the model says)."""
+    rec = TraceRecorder(path)
+    rec.server(model="m", kv_bytes_per_token=4096, prompt_cache_bytes=4096 * 700, retention="lru",
+               snapshot_min_tokens=16, max_batch=1, ssd=True, ssd_cache_max_bytes=0, ssd_demote_idle_s=0,
+               ssd_layout="whole", ssd_block_tokens=256, restore_choice="measured",
+               restore_advisor_base=attrs.asdict(PROBE))
+    cal = {"prefill_scale": 1.0, "restore_bytes_per_s": PROBE.restore_bytes_per_s, "always": False, "split": False}
+    rec.flush(t=0.0, restore_advisor=cal)
+    t = 1.0
+    for k in range(rounds):
+        a, b = list(range(1 + 2000 * k, 601 + 2000 * k)), list(range(1001 + 2000 * k, 1601 + 2000 * k))
+        for tokens, cached, tier in ((a, 0, "none"), (a + [7] * 40, 600, "ram"), (b, 0, "none"),
+                                     (a + [7] * 40 + [9] * 40, 640, "ssd")):
+            model = PROBE.prefill_seconds(len(tokens) - cached, cached)
+            if tier == "ssd":
+                model += PROBE.restore_seconds(4096 * cached)
+            rec.record(t=t, tokens=tokens, output_tokens=0, cached_tokens=cached, cache_tier=tier,
+                       ttft_s=model * factors[tier], queued_s=0.0)
+            rec.flush(t=t + 60, restore_advisor=cal)
+            t += 120
+    rec.close()
+
+
+def test_each_tier_keeps_its_own_spread_so_its_median_is_its_own(tmp_path, capsys):
+    """One formula fitted to misses and RAM hits leaves each tier off by its own factor; the fit keeps each
+    tier's ratios, and a replay with it predicts every tier's p50 and p95 (the pooled spread alone does not)."""
+    from mlxd.kv.cost_model import CostModel
+    from mlxd.sim.ttft_fit import fit_recording
+
+    path = tmp_path / "rec.jsonl"
+    tiered_recording(path, {"none": 1.0, "ram": 1.6, "ssd": 0.7})
+    fitted = fit_recording(load_recording(path).reqs, PROBE, warmup=0)
+    assert set(fitted.tier_ratios) == {"miss", "ram", "ssd"}
+    assert [len(v) for v in fitted.tier_ratios.values()] == [6, 3, 3]  # miss, ram, ssd (sorted)
+    assert len(fitted.service_ratios) == 12
+    # Saved and loaded, the per-tier ratios come back.
+    out = tmp_path / "fit.json"
+    fitted.save(out)
+    assert CostModel.load(out) == fitted
+
+    def replay(model: CostModel) -> list[dict]:
+        model.save(out)
+        capsys.readouterr()
+        assert sim_main([str(path), "--format", "json", "--cost-model", str(out)]) == 0
+        (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+                  if "cache_model" in r]
+        assert (sim["misses"], sim["ram_hits"], sim["ssd_hits"]) == (6, 3, 3)
+        return bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim)
+
+    for row in replay(fitted):
+        assert row["ratio_p50"] == pytest.approx(1.0, abs=0.01), row
+        assert row["ratio_p95"] == pytest.approx(1.0, abs=0.01), row
+    pooled = {r["tier"]: r for r in replay(attrs.evolve(fitted, tier_ratios={}))}
+    assert abs(pooled["ram"]["ratio_p50"] - 1) > 0.1 or abs(pooled["ssd"]["ratio_p50"] - 1) > 0.1
+
+
+def test_a_tier_with_few_requests_takes_the_pooled_spread():
+    from mlxd.sim.ttft_fit import MIN_TIER_REQUESTS, fit_recording
+
+    reqs = [TraceRequest(index=i, t=float(i), input_length=n, output_tokens=0, cached_tokens=0, cache_tier="none",
+                         ttft_s=PROBE.prefill_seconds(n), queued_s=0.0) for i, n in enumerate((200, 400, 800, 300))]
+    reqs.append(TraceRequest(index=4, t=4.0, input_length=660, output_tokens=0, cached_tokens=600, cache_tier="ram",
+                             ttft_s=2 * PROBE.prefill_seconds(60, 600), queued_s=0.0))
+    fitted = fit_recording(reqs, PROBE, warmup=0)
+    assert MIN_TIER_REQUESTS > 1 and set(fitted.tier_ratios) == {"miss"}
+    assert len(fitted.service_ratios) == 5
+
+
+def test_the_first_request_is_left_out_of_the_fit_as_warm_up(tmp_path, capsys):
+    from mlxd.kv.cost_model import CostModel
+    from mlxd.sim.ttft_fit import fit_recording
+
+    path = tmp_path / "rec.jsonl"
+    tiered_recording(path, {"none": 1.0, "ram": 1.0, "ssd": 1.0}, rounds=2)
+    lines = path.read_text().splitlines()
+    first = next(i for i, x in enumerate(lines) if '"ttft_s"' in x)
+    slow = json.loads(lines[first])
+    slow["ttft_s"] *= 20  # the first request after a start: one-off costs
+    lines[first] = json.dumps(slow)
+    path.write_text("\n".join(lines) + "\n")
+    reqs = load_recording(path).reqs
+    assert fit_recording(reqs, PROBE) == fit_recording(reqs[1:], PROBE, warmup=0)
+    assert all(r == pytest.approx(1.0, abs=0.01) for r in fit_recording(reqs, PROBE).service_ratios)
+    assert max(fit_recording(reqs, PROBE, warmup=0).service_ratios) > 5
+    with pytest.raises(ValueError, match="warmup"):
+        fit_recording(reqs, PROBE, warmup=-1)
+    # Through the CLI: --fit-warmup 0 keeps it.
+    for flags, want in (([], fit_recording(reqs, PROBE)), (["--fit-warmup", "0"], fit_recording(reqs, PROBE, warmup=0))):
+        out = tmp_path / "fit.json"
+        assert sim_main([str(path), "--fit-ttft-out", str(out), *flags]) == 0
+        assert CostModel.load(out) == want
+    with pytest.raises(SystemExit):
+        sim_main([str(path), "--fit-ttft-out", str(out), "--fit-warmup", "-1"])
+
+
+def test_with_a_cost_model_the_replay_still_decides_as_the_recorded_server(tmp_path, capsys):
+    """--cost-model times the requests; restore-or-recompute is the recorded server's (its probe model and
+    its calibration at each flush), so a model whose restores look hopeless still replays the SSD hit."""
+    path = tmp_path / "rec.jsonl"
+    model_recording(path)
+    slow = tmp_path / "slow.json"
+    attrs.evolve(PROBE, restore_fixed=1e3, restore_bytes_per_s=1.0).save(slow)
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--cost-model", str(slow)]) == 0
+    (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+              if "cache_model" in r]
+    assert (sim["misses"], sim["ram_hits"], sim["ssd_hits"]) == (2, 1, 1)
+
+
+def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """bench_sim_ttft end to end on the tiny model (--model): warm-up, two recorded runs, the fit and both
+    replays in the JSON; a stage that fails still writes it, with the error."""
+    monkeypatch.setattr(bench_sim_ttft, "RESULTS", tmp_path / "results")
+    small = ["--model", str(tiny_model_dir), "--conversations", "3", "--turns", "2", "--first", "96", "--new", "16",
+             "--max-tokens", "2", "--probe-s", "0.2", "--restore-choice", "always", "--label", "t"]
+    out = bench_sim_ttft.main(small)
+    assert out is not None and out.name.startswith("sim_ttft-t-")
+    result = json.loads(out.read_text())
+    assert result["live"]["warmup"]["kv_bytes_per_token"] > 0
+    assert [result["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
+    assert set(result["traces"]) == {"calibration", "predicted"}
+    assert {r["tier"] for r in result["rows"]["fit"]} >= {"miss", "ram"}
+    assert "tier_ratios" in result["fitted_cost_model"] and "error" not in result
+
+    empty = tmp_path / "empty.jsonl"  # a recording with nothing measured: the fit fails
+    empty.write_text(result["traces"]["predicted"][0] + "\n")
+    with pytest.raises(ValueError, match="no measured TTFT"):
+        bench_sim_ttft.main([*small, "--trace", str(empty), "--calibration-trace", str(empty), "--label", "e"])
+    (failed,) = (tmp_path / "results").glob("sim_ttft-e-*.json")
+    assert "error" in json.loads(failed.read_text())
+    with pytest.raises(SystemExit):
+        bench_sim_ttft.parse_args(["--model", str(tmp_path)])  # no config.json there

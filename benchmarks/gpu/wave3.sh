@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/wave3.sh host                              # the next, while the machine is warm
 #   bash benchmarks/gpu/wave3.sh host_ssd flush                    # issue 28's goals with the SSD tier, flush speed
 #   bash benchmarks/gpu/wave3.sh host_ram                          # the same without SSD (host tier, RAM only)
+#   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -36,6 +37,8 @@ for p in "$@"; do case $p in
             --servers mlx_lm,mlxd_host,mlxd_ram --rounds ${HOST_ROUNDS:-2} ${HOST_ARGS:-} ;;
   flush) phase flush 150 python3 benchmarks/bench_flush.py --preset qwen3-1.7b --conversations 6 \
             --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
+  simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
+            --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ;;
   *) echo "unknown phase $p" ;;
 esac; done

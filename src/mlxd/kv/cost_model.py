@@ -44,6 +44,11 @@ class CostModel:
     # Measured / modelled time of a recording's requests (`mlxd.sim.ttft_fit`): a replay scales each
     # request's restore and prefill by one of their quantiles (the recorded machine's spread); () = none.
     service_ratios: tuple[float, ...] = attrs.field(default=(), converter=lambda xs: tuple(float(x) for x in xs))
+    # The same per tier of the replay ("miss", "ram", "ssd", "host"): a tier with its own spread takes it
+    # instead (its median corrects what the shared fit gets wrong for that tier); others take the pooled one.
+    tier_ratios: dict[str, tuple[float, ...]] = attrs.field(
+        factory=dict, converter=lambda d: {str(k): tuple(float(x) for x in v) for k, v in d.items()}, hash=False
+    )
 
     def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:
         """Prefill `new_tokens` on top of a `context`-token cached prefix."""

@@ -92,6 +92,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit-ttft-out", type=Path, default=None,
                    help="fit a cost model to the recording's measured TTFTs (prefill from misses and RAM hits, "
                    "restore from SSD hits), write it here and exit; simulate another trace with --cost-model")
+    p.add_argument("--fit-warmup", type=int, default=None, metavar="N",
+                   help="with --fit-ttft-out: leave the recording's first N requests out of the fit (default 1: "
+                   "the first request after a start pays one-off costs)")
     p.add_argument(
         "--slots", type=int, default=None, help="simulated engine slots (default: the recorded max_batch, else 4)"
     )
@@ -283,8 +286,9 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
     if server.get("kv_bytes_per_token") and not args.cost_model:
         cost = attrs.evolve(cost, kv_bytes_per_token=int(server["kv_bytes_per_token"]))
     base = server.get("restore_advisor_base")  # what the server's startup probe measured
+    if base:  # the replay decides restore-or-recompute as the server did: its base, its calibration at each flush
+        args.advisor_base = CostModel.from_json(base)
     if base and not args.cost_model:
-        args.advisor_base = CostModel(**base)
         # ... is also the best model of this server's timings (TTFT): the served model, this machine
         cost = attrs.evolve(args.advisor_base, kv_bytes_per_token=cost.kv_bytes_per_token)
         args.timing_from_recording = True  # the flushes' calibration scales it (sim/replay.py)
@@ -360,9 +364,12 @@ def run_simulate(args) -> int:
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
     if args.fit_ttft_out is not None:
-        from mlxd.sim.ttft_fit import fit_recording
+        from mlxd.sim.ttft_fit import DEFAULT_WARMUP, fit_recording
 
-        fitted = fit_recording(reqs, cost)
+        warmup = DEFAULT_WARMUP if args.fit_warmup is None else args.fit_warmup
+        if warmup < 0:
+            raise SystemExit(f"mlxd simulate: --fit-warmup must be >= 0, not {warmup}")
+        fitted = fit_recording(reqs, cost, warmup=warmup)
         fitted.save(args.fit_ttft_out)
         print(json.dumps(fitted.to_json(), indent=2))
         return 0

@@ -330,9 +330,10 @@ class MlxdReplay:
 
         The k-th request of a tier takes the spread's quantile at (0.5 + k * golden ratio) mod 1: the
         first the median, then quantiles as evenly spread as a few requests allow (no random draw,
-        whose luck would move a small tier's percentiles).
+        whose luck would move a small tier's percentiles). A tier with its own spread (`tier_ratios`)
+        takes that one.
         """
-        ratios = self.cost.service_ratios
+        ratios = self.cost.tier_ratios.get(source) or self.cost.service_ratios
         if not ratios:
             return 1.0
         k = self._spread_drawn.get(source, 0)

@@ -12,7 +12,16 @@ on a shared machine a few requests wait far longer than the rest, and the
 median, not the mean, is what a p50 prediction needs. The spread itself is
 kept: `service_ratios` (each request's measured / fitted time), and a replay
 scales each request by one of its quantiles (sim/replay.py `_spread`), so its
-p95 carries the recorded machine's tail.
+p95 carries the recorded machine's tail. The ratios are also kept per tier
+(`tier_ratios`, for a tier with at least `MIN_TIER_REQUESTS`): a RAM hit's
+fixed costs (lend, insert) or a restore's are not a miss's, and one formula
+fitted to all of them leaves each tier off by its own factor; that tier's
+median ratio is the factor, and its spread is its own (a miss's few-percent
+spread is not a RAM hit's).
+
+The first `warmup` requests (default 1) are left out: the first request after
+a start pays one-off costs (kernel compilation, the allocator growing) that
+are not the server's steady state.
 
 The model describes the recorded server and machine under the recorded load;
 `mlxd simulate OTHER --cost-model FILE` then predicts another trace (or other
@@ -31,33 +40,52 @@ from mlxd.sim.trace import TraceRequest
 
 _PREFILL_TIERS = ("none", "ram")
 _IRLS_ROUNDS = 8
+MIN_TIER_REQUESTS = 3  # fewer than this, a tier takes the pooled spread
+DEFAULT_WARMUP = 1
+SOURCE = {"none": "miss", "ram": "ram", "ssd": "ssd", "host": "host"}  # recorded tier -> replay source
 
 
-def fit_recording(reqs: Sequence[TraceRequest], base: CostModel) -> CostModel:
+def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int = DEFAULT_WARMUP) -> CostModel:
     """`base` with its prefill and restore terms fitted to the requests' measured TTFTs.
 
-    Decode, KV bytes per token and the host tier are kept from `base`. Raises
-    ValueError when the recording has no measured prefill to fit.
+    Decode, KV bytes per token and the host tier are kept from `base`. The first `warmup` requests
+    (in recorded order) are left out. Raises ValueError when the recording has no measured prefill
+    to fit.
     """
-    rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, _service(r))
-            for r in reqs if r.ttft_s is not None and (r.cache_tier or "none") in _PREFILL_TIERS]
-    rows = [(n, ctx, t) for n, ctx, t in rows if n > 0 and t > 0]
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, not {warmup}")
+    measured = [r for r in sorted(reqs, key=lambda r: r.index) if r.ttft_s is not None][warmup:]
+    rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, _service(r), SOURCE["none"]
+             if (r.cache_tier or "none") == "none" else SOURCE["ram"])
+            for r in measured if (r.cache_tier or "none") in _PREFILL_TIERS]
+    rows = [(n, ctx, t, src) for n, ctx, t, src in rows if n > 0 and t > 0]
     if not rows:
         raise ValueError("no measured TTFT of a miss or a RAM hit to fit prefill to")
-    fixed, a, b = _fit_prefill(rows)
+    fixed, a, b = _fit_prefill([(n, ctx, t) for n, ctx, t, _ in rows])
     model = attrs.evolve(base, model=f"fit:{base.model}", prefill_fixed=fixed, prefill_per_token=a,
                          prefill_per_pair=b)
-    scale = _median_ratio([(t, model.prefill_seconds(n, ctx)) for n, ctx, t in rows])
+    scale = _median_ratio([(t, model.prefill_seconds(n, ctx)) for n, ctx, t, _ in rows])
     model = attrs.evolve(model, prefill_fixed=fixed * scale, prefill_per_token=a * scale, prefill_per_pair=b * scale)
-    ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, _service(r)) for r in reqs
-           if r.ttft_s is not None and r.cache_tier == "ssd" and r.cached_tokens]
+    ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, _service(r)) for r in measured
+           if r.cache_tier == "ssd" and r.cached_tokens]
     if ssd:  # what the SSD hits take beyond their prefill: a fixed part (the median) plus base's bandwidth
         extra = [t - model.prefill_seconds(n, ctx) - model.kv_bytes(ctx) / base.restore_bytes_per_s
                  for n, ctx, t in ssd]
         model = attrs.evolve(model, restore_fixed=max(0.0, float(np.median(extra))))
-    ratios = [t / model.prefill_seconds(n, ctx) for n, ctx, t in rows]
-    ratios += [t / (model.prefill_seconds(n, ctx) + model.restore_seconds(model.kv_bytes(ctx))) for n, ctx, t in ssd]
-    return attrs.evolve(model, service_ratios=tuple(round(x, 4) for x in sorted(ratios)))
+    by_tier: dict[str, list[float]] = {}
+    for n, ctx, t, src in rows:
+        by_tier.setdefault(src, []).append(t / model.prefill_seconds(n, ctx))
+    for n, ctx, t in ssd:
+        by_tier.setdefault("ssd", []).append(t / (model.prefill_seconds(n, ctx)
+                                                   + model.restore_seconds(model.kv_bytes(ctx))))
+    pooled = sorted(x for ratios in by_tier.values() for x in ratios)
+    return attrs.evolve(model, service_ratios=_rounded(pooled), tier_ratios={
+        src: _rounded(sorted(ratios)) for src, ratios in sorted(by_tier.items()) if len(ratios) >= MIN_TIER_REQUESTS
+    })
+
+
+def _rounded(ratios: Sequence[float]) -> tuple[float, ...]:
+    return tuple(round(x, 4) for x in ratios)
 
 
 def _service(r: TraceRequest) -> float:

@@ -1,0 +1,77 @@
+"""`mlxd simulate` TTFT per tier vs a recorded run on a GPU: bench_sim_ttft.py on a Qwen3-1.7B-shaped bf16 model.
+
+On the CUDA host (docs/benchmarks.md): `source .gpu/b/install.sh && python3 benchmarks/gpu/bench_sim_ttft_gpu.py`
+(or `bash benchmarks/gpu/wave3.sh simttft`). Builds the model under /tmp/models if it is missing (never
+transferred), then records the calibration and the predicted run and compares them in one process, with
+sizes whose tiers are distinct there: 6,144-token first prompts (a miss ~0.1 s), 128-token turns (a RAM
+hit), and every returning conversation restored from SSD (~1 s; `--restore-choice always`, as the GPU
+would otherwise recompute them). `--stop-after S` (default 135) bounds the whole run, the build included;
+the result JSON lands in benchmarks/results/ (and $OUT when set). Other arguments go to bench_sim_ttft.py
+and override these. `--small` drives the `default` preset instead (a check on a CPU host):
+`python benchmarks/gpu/bench_sim_ttft_gpu.py --small --stop-after 60 --first 128 --new 16 --conversations 3 --turns 2`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_gpu import QWEN3_1_7B, build  # noqa: E402
+
+from mlxd.model import presets  # noqa: E402
+
+GPU_ARGS = ["--first", "6144", "--new", "128", "--max-tokens", "8", "--conversations", "6", "--turns", "3",
+            "--back-to-back", "2", "--ram-conversations", "2.5", "--restore-choice", "always", "--probe-s", "4"]
+MARGIN_S = 5.0  # of --stop-after: the bench's own start and exit
+
+
+def split_budget(argv: list[str]) -> tuple[float, list[str]]:
+    """(--stop-after seconds, the other arguments)."""
+    rest, budget, i = [], 135.0, 0
+    while i < len(argv):
+        if argv[i] == "--stop-after" and i + 1 < len(argv):
+            budget, i = float(argv[i + 1]), i + 2
+        elif argv[i].startswith("--stop-after="):
+            budget, i = float(argv[i].split("=", 1)[1]), i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return budget, rest
+
+
+def main() -> int:
+    began = time.perf_counter()
+    budget, rest = split_budget(sys.argv[1:])
+    small = "--small" in rest
+    rest = [a for a in rest if a != "--small"]
+    preset = presets.PRESETS["default"] if small else QWEN3_1_7B
+    model = Path("/tmp/models") / (preset.name if preset is QWEN3_1_7B else f"{preset.name}-bf16")
+    if not (model / "config.json").exists():
+        build(preset, model)
+    left = budget - (time.perf_counter() - began) - MARGIN_S
+    label = [] if "--label" in rest else ["--label", ("cpu-small-" if small else "gpu-") + os.uname().nodename]
+    args = [sys.executable, str(HERE.parent / "bench_sim_ttft.py"), "--model", str(model), *GPU_ARGS, *label,
+            "--stop-after", f"{max(left, 20.0):.0f}", *rest]  # later flags win (argparse)
+    print(" ".join(args), flush=True)
+    # Streamed, so a run cut short by the device's time limit still shows how far it got.
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout or ():
+        print(line, end="", flush=True)
+        lines.append(line.strip())
+    proc.wait()
+    wrote = [line.split(" ", 1)[1] for line in lines if line.startswith("wrote ")]
+    if os.environ.get("OUT") and wrote and Path(wrote[-1]).exists():
+        shutil.copy(wrote[-1], os.environ["OUT"])
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
