@@ -19,6 +19,7 @@ import structlog
 import trio
 
 from mlxd.kv.admission import Admit, KvAdmission, RamRoom, Refuse
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.tiers import PrefixLookup, SsdMatch
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import Reply
@@ -80,9 +81,14 @@ class SchedulerActor:
         checkpoints: trio.MemorySendChannel[GenCheckpointMessage] | None = None,
         kv_admission: KvAdmission | None = None,
         draft_tag: str | None = None,
+        governor: WriteGovernor | None = None,
     ) -> None:
         """`kv_admission` (--kv-admission): the head of the queue waits until its KV fits the budget.
-        `draft_tag` (--draft-model): the draft's cache entries are looked up too, in their own namespace."""
+        `draft_tag` (--draft-model): the draft's cache entries are looked up too, in their own namespace.
+        `governor`: told while admitted requests wait for their first token, so write-behind holds still
+        meanwhile (kv/pacing.py)."""
+        self._governor = governor
+        self._awaiting_first: set[str] = set()  # admitted, no first token yet
         self._draft_tag = draft_tag
         self._config = config
         self.kv_admission = kv_admission if kv_admission is not None and kv_admission.enabled else None
@@ -158,8 +164,19 @@ class SchedulerActor:
         room, self._kv_room = self._kv_room, trio.Event()
         room.set()
 
+    def _prefilling(self, request_id: str, waiting: bool) -> None:
+        """A request starts or stops waiting for its first token: the governor holds write-behind
+        while any does."""
+        if waiting:
+            self._awaiting_first.add(request_id)
+        else:
+            self._awaiting_first.discard(request_id)
+        if self._governor is not None:
+            self._governor.set_prefilling(bool(self._awaiting_first))
+
     def _start(self, nursery: trio.Nursery, submit: SchedulerInbox) -> None:
         self.stats.running += 1
+        self._prefilling(submit.request.request_id, True)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         nursery.start_soon(self._lifecycle, submit)
 
@@ -198,6 +215,7 @@ class SchedulerActor:
                     await self._engine.send(CancelGeneration(request.request_id))
             finally:
                 submit.events.close()
+                self._prefilling(request.request_id, False)
                 self.backlog.drop(request.request_id, time.monotonic())
                 if self.kv_admission is not None:
                     self.kv_admission.release(request.request_id)
@@ -259,6 +277,7 @@ class SchedulerActor:
             async for event in receive:
                 if isinstance(event, TokenGenerated) and first_token_at is None:
                     first_token_at = record.first_token_at = time.monotonic()
+                    self._prefilling(request.request_id, False)  # write-behind may resume
                     self.stats.last_ttft_s = first_token_at - submit.submitted_at
                     self.backlog.done(request.request_id, first_token_at)
                     if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):

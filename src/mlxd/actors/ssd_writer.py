@@ -7,6 +7,8 @@ message (`Stored(record)` or `Failed(error)`, with the OS's errno text) along
 with a frozen snapshot of its counters. The thread never calls MLX; it reads
 evaluated host buffers (memoryviews). A paced write stops between two slices
 when the runtime shuts down (its cancellation sets the pacer's stop flag).
+While a request waits for its first token, a write neither starts staging nor
+writes a slice (the governor's hold, kv/pacing.py) unless durability is urgent.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def _write(
     # copy them to host memory in bulk first, so the write never reads device
     # pages beside decode (runtime/host_memory.py); without a side stream, read
     # them without moving their pages off the device (runtime/device_memory.py).
+    # Neither starts while a request waits for its first token (the pacer's hold).
+    pacer.hold()
     if staging is not None:
-        plan = staging.stage(plan)
+        plan = staging.stage(plan, between=pacer.hold)
     else:
         device_memory.read_mostly(plan.buffers)
     return store.write(plan, pacer)
@@ -58,8 +62,12 @@ class SsdWriterActor:
         outbox: trio.MemorySendChannel[DurabilityMessage],
         governor: WriteGovernor | None = None,
         workers: int = 1,
+        staging: bool | None = None,
     ) -> None:
+        """`staging`: copy each checkpoint to a host buffer before writing it; None decides by the device
+        (only where host memory is not the device's: CUDA), True stages anyway (tests)."""
         self._store = store
+        self._staging = staging
         self._workers = max(1, workers)
         self._governor = governor
         self._inbox = inbox
@@ -67,6 +75,7 @@ class SsdWriterActor:
         # Set when the runtime shuts down: a paced write in flight stops at its next slice.
         self.stopping = threading.Event()
         self._stats = WriterStats()
+        self._staged: dict[int, tuple[int, int]] = {}  # per worker's staging: (checkpoints, bytes)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -83,7 +92,8 @@ class SsdWriterActor:
         try:
             await thread.run(lower_priority)
             # On CUDA, a host buffer of its own; it is allocated at its first write.
-            staging = host_memory.Staging() if await thread.run(host_memory.separate_host_memory) else None
+            stage = self._staging if self._staging is not None else await thread.run(host_memory.separate_host_memory)
+            staging = host_memory.Staging() if stage else None
             task_status.started()
             async for job in self._inbox:
                 await self._outbox.send(await self._write(job, thread, staging))
@@ -109,11 +119,16 @@ class SsdWriterActor:
             outcome = Failed(repr(exc))
         seconds = time.perf_counter() - t0
         self._stats = self._count(outcome, seconds, pacer)
+        if staging is not None:  # the counts of every worker's staging
+            self._staged[id(staging)] = (staging.staged, staging.staged_bytes)
+            self._stats = attrs.evolve(self._stats, staged=sum(n for n, _ in self._staged.values()),
+                                       staged_bytes=sum(b for _, b in self._staged.values()))
         return SnapshotWritten(job.job, outcome, seconds, self._stats)
 
     def _count(self, outcome: WriteOutcome, seconds: float, pacer: Pacer | None) -> WriterStats:
         s = self._stats
         paced = round(s.paced_s + (pacer.paced_s if pacer is not None else 0.0), 3)
+        s = attrs.evolve(s, held_s=round(s.held_s + (pacer.held_s if pacer is not None else 0.0), 3))
         if isinstance(outcome, Stored):
             return attrs.evolve(s, writes=s.writes + 1, bytes_written=s.bytes_written + outcome.written,
                                 write_s_last=round(seconds, 4), paced_s=paced)

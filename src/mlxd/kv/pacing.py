@@ -12,6 +12,14 @@ rate (``busy_rate``); when the engine is idle, or when durability is urgent (a
 flush is waiting, or the dirty backlog has grown past its bound), it writes at
 full speed. The pacer itself knows nothing about engines: it asks a
 `WriteGovernor` before every slice.
+
+While a request waits for its first token (its lookup, restore and prefill:
+`prefilling`, set by the scheduler), write-behind holds still instead: no
+slice is written and no checkpoint is staged to host memory (on CUDA a
+device-to-host copy) until the first token, because the next turn of a
+conversation arrives while the previous turn's checkpoint is still being
+written (docs/benchmarks.md, issue 28). Urgency overrides the hold as it
+overrides the rate: a flush never waits behind a prefill.
 """
 
 from __future__ import annotations
@@ -38,19 +46,28 @@ class WriteGovernor:
     dirty bytes) by the durability coordinator, "ram" (the RAM tier is over its
     cap because its victims await their writes) by the cache owner. Each field
     is replaced whole, so the writer thread reads a consistent value; the event
-    wakes a pacing wait early when anything changes.
+    wakes a pacing wait early when anything changes. `prefilling` (requests
+    waiting for their first token, the scheduler's) holds writers still (`held`).
     """
 
     def __init__(self, *, busy_rate_bytes_per_s: float | None) -> None:
         self.busy_rate = busy_rate_bytes_per_s or None  # None (or 0): never pace
         self._busy = False
+        self._prefilling = False
         self._urgent: frozenset[str] = frozenset()
         self.changed = threading.Event()
         self.bytes_out = 0  # bytes handed to the OS by paced writers, slice by slice (for /stats)
+        self.holds = 0  # times a writer held still for a prefill (writer threads count; for /stats and tests)
+        self.held_s = 0.0
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
             self._busy = busy
+            self.changed.set()
+
+    def set_prefilling(self, prefilling: bool) -> None:
+        if prefilling != self._prefilling:
+            self._prefilling = prefilling
             self.changed.set()
 
     def set_urgent(self, reason: str, on: bool) -> None:
@@ -67,6 +84,15 @@ class WriteGovernor:
     def urgent(self) -> frozenset[str]:
         return self._urgent
 
+    @property
+    def prefilling(self) -> bool:
+        return self._prefilling
+
+    def held(self) -> bool:
+        """Should write-behind hold still now? While a request waits for its first token and nothing is
+        urgent (pacing on: a rate of 0 means never pace, never hold)."""
+        return self.busy_rate is not None and self._prefilling and not self._urgent
+
     def rate(self) -> float | None:
         """Bytes/s to hold now, or None for full speed."""
         if self.busy_rate is None or self._urgent or not self._busy:
@@ -75,7 +101,9 @@ class WriteGovernor:
 
     def as_dict(self) -> dict[str, object]:
         return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
-                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out}
+                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out,
+                "prefilling": self._prefilling, "held_now": self.held(), "holds": self.holds,
+                "held_s": round(self.held_s, 3)}
 
 
 class Pacer:
@@ -104,20 +132,41 @@ class Pacer:
         self._clock = clock
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate
         self.paced_s = 0.0  # total time spent waiting for the rate
+        self.held_s = 0.0  # total time held still for prefills
 
     def pacing(self) -> bool:
-        """Whether the writer is being held to a rate right now."""
-        return self.governor.rate() is not None
+        """Whether the writer is being held to a rate (or held still) right now."""
+        return self.governor.rate() is not None or self.governor.held()
 
     def check(self) -> None:
         """Raise WriteInterrupted if asked to stop."""
         if self._stop():
             raise WriteInterrupted("write interrupted")
 
+    def hold(self) -> None:
+        """Wait while the governor holds write-behind still (a request waits for its first token);
+        raise WriteInterrupted if asked to stop. Called before staging, between staged pieces and slices."""
+        self.check()
+        g = self.governor
+        if not g.held():
+            return
+        g.holds += 1
+        t0 = self._clock()
+        while True:
+            g.changed.clear()
+            if not g.held():  # checked after the clear: a change since cannot be missed
+                break
+            g.changed.wait(0.05)
+            self.check()
+        waited = self._clock() - t0
+        self.held_s += waited
+        g.held_s += waited
+        self._due = self._clock()  # the rate's schedule restarts after the hold (no burst)
+
     def done(self, nbytes: int) -> None:
         """Account for `nbytes` just written; wait until the rate allows more."""
         self.governor.bytes_out += nbytes
-        self.check()
+        self.hold()
         rate = self.governor.rate()
         if rate is None:
             return

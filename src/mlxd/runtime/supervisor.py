@@ -849,6 +849,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         checkpoints=gen_send.clone() if gen_send is not None and cold is not None else None,
         kv_admission=_kv_admission(config, info),
         draft_tag=info.draft_tag,
+        governor=governor,
     )
     await actors.start(scheduler.run)
     return Runtime(
