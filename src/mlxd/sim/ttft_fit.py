@@ -19,6 +19,14 @@ fitted to all of them leaves each tier off by its own factor; that tier's
 median ratio is the factor, and its spread is its own (a miss's few-percent
 spread is not a RAM hit's).
 
+Rows prefilling at once share the one engine (one MLX thread runs every
+row's chunks in turn), so a request's TTFT past its queue time is its own
+work only when it ran alone. Each request's own work is taken as its time
+from admission to first token with every moment divided by the number of
+requests then between admission and first token (processor sharing, what a
+replay of a recorded server models with `--prefill-sharing on`); one
+request at a time, it is TTFT - queue.
+
 The first `warmup` requests (default 1) are left out: the first request after
 a start pays one-off costs (kernel compilation, the allocator growing) that
 are not the server's steady state.
@@ -54,8 +62,10 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int 
     """
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, not {warmup}")
-    measured = [r for r in sorted(reqs, key=lambda r: r.index) if r.ttft_s is not None][warmup:]
-    rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, _service(r), SOURCE["none"]
+    timed = [r for r in sorted(reqs, key=lambda r: r.index) if r.ttft_s is not None]
+    own = own_service(timed)
+    measured = timed[warmup:]
+    rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, own[r.index], SOURCE["none"]
              if (r.cache_tier or "none") == "none" else SOURCE["ram"])
             for r in measured if (r.cache_tier or "none") in _PREFILL_TIERS]
     rows = [(n, ctx, t, src) for n, ctx, t, src in rows if n > 0 and t > 0]
@@ -66,7 +76,7 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int 
                          prefill_per_pair=b)
     scale = _median_ratio([(t, model.prefill_seconds(n, ctx)) for n, ctx, t, _ in rows])
     model = attrs.evolve(model, prefill_fixed=fixed * scale, prefill_per_token=a * scale, prefill_per_pair=b * scale)
-    ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, _service(r)) for r in measured
+    ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, own[r.index]) for r in measured
            if r.cache_tier == "ssd" and r.cached_tokens]
     if ssd:  # what the SSD hits take beyond their prefill: a fixed part (the median) plus base's bandwidth
         extra = [t - model.prefill_seconds(n, ctx) - model.kv_bytes(ctx) / base.restore_bytes_per_s
@@ -88,9 +98,25 @@ def _rounded(ratios: Sequence[float]) -> tuple[float, ...]:
     return tuple(round(x, 4) for x in ratios)
 
 
-def _service(r: TraceRequest) -> float:
-    assert r.ttft_s is not None
-    return max(r.ttft_s - (r.queued_s or 0.0), 1e-6)
+def own_service(reqs: Sequence[TraceRequest]) -> dict[int, float]:
+    """Each measured request's own work from admission to first token (by index), shared time divided out.
+
+    A request is served from `t + queued_s` to `t + ttft_s`; while k requests are in that stretch
+    together, each progresses at 1/k of the engine. Requests without a TTFT are left out.
+    """
+    spans = {r.index: (r.t + (r.queued_s or 0.0), r.t + r.ttft_s) for r in reqs if r.ttft_s is not None}
+    if not spans:
+        return {}
+    edges = np.unique(np.array([x for span in spans.values() for x in span], dtype=np.float64))
+    starts = np.sort([a for a, _ in spans.values()])
+    ends = np.sort([b for _, b in spans.values()])
+    mids = (edges[:-1] + edges[1:]) / 2
+    # requests in service in each stretch between consecutive edges
+    rows = np.searchsorted(starts, mids, side="right") - np.searchsorted(ends, mids, side="right")
+    own_rate = np.where(rows > 0, 1.0 / np.maximum(rows, 1), 0.0)
+    cumulative = np.concatenate([[0.0], np.cumsum(np.diff(edges) * own_rate)])  # own work done by each edge
+    return {i: max(float(np.interp(b, edges, cumulative) - np.interp(a, edges, cumulative)), 1e-6)
+            for i, (a, b) in spans.items()}
 
 
 def _fit_prefill(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
