@@ -211,3 +211,26 @@ def test_a_follow_up_does_not_decode_its_images_again_and_a_changed_one_invalida
     cached = r3.usage.prompt_tokens_details.cached_tokens
     assert span <= cached <= r1.usage.prompt_tokens - span, (span, cached, r1.usage.prompt_tokens)
     assert r3.choices[0].message.content is not None
+
+
+def test_a_responses_follow_up_sends_no_images_and_reuses_their_prefix(server: ServerThread) -> None:
+    """/v1/responses: an image turn (input_image, stored), then a follow-up of new text only through
+    previous_response_id: the server's stored conversation brings the images back, already known
+    (not decoded, not encoded again), and the cache covers the whole first turn, image spans included."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+    images = [png(50, (112, 112)), png(51, (112, 112))]
+    first = client.responses.create(model="tiny", max_output_tokens=4, temperature=0, store=True, input=[
+        {"role": "system", "content": "You look at pictures."},
+        {"role": "user", "content": [*({"type": "input_image", "image_url": data_url(i)} for i in images),
+                                     {"type": "input_text", "text": "Compare these."}]}])
+    assert first.usage.input_tokens > 2 * 12  # both images' spans count as input tokens
+    media, engine = media_stats(server), engine_stats(server)
+    follow = client.responses.create(model="tiny", max_output_tokens=2, temperature=0,
+                                     previous_response_id=first.id, input="And which is brighter?")
+    assert follow.status in ("completed", "incomplete") and follow.previous_response_id == first.id
+    assert follow.usage.input_tokens > first.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+    after = media_stats(server)
+    assert after["images_decoded"] == media["images_decoded"]  # the stored images are known: not decoded
+    assert after["images_known"] == media["images_known"] + 2
+    assert engine_stats(server)["media_encoded"] == engine["media_encoded"]  # nor run through the tower
