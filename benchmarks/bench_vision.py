@@ -10,9 +10,12 @@ Per round, fresh images (so nothing carries over between rounds):
   each, then one more text turn, against the same conversation with each image
   replaced by as many text tokens (goal <= 1.1x: images cost nothing once cached);
 - encoder hit / re-encode: the same image in a new conversation (the KV misses,
-  the encoder output is lent from RAM) against a new image of the same size.
+  the encoder output is lent from RAM) against a new image of the same size;
+- with `--route responses` (or `both`, the default) the N-image ÷ text follow-up again
+  through /v1/responses: turn 1 sends the N images (stored), the follow-up only its new
+  text with `previous_response_id`, so no client re-sends the images.
 
-    python benchmarks/bench_vision.py [--preset bench-vlm] [--images 10] [--rounds 3] [--side 448]
+    python benchmarks/bench_vision.py [--preset bench-vlm] [--images 10] [--rounds 3] [--side 448] [--route both]
 
 Results go to benchmarks/results/vision-*.json.
 """
@@ -85,14 +88,24 @@ class Client:
             self.http = httpx.Client(base_url=proc.url, timeout=600)
 
     def ask(self, messages: list[dict[str, Any]], max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        return self.post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+
+    def respond(self, input: Any, *, previous: str | None = None, max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
+        """POST /v1/responses (stored), continuing `previous` when given."""
+        body: dict[str, Any] = {"input": input, "max_output_tokens": max_tokens, "temperature": 0, "store": True}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        return self.post("/v1/responses", body)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
         if self.http is None:
-            reply = self.conn.post_json("/v1/chat/completions", body)
+            reply = self.conn.post_json(path, body)
             return time.perf_counter() - t0, reply
-        r = self.http.post("/v1/chat/completions", json=body)
+        r = self.http.post(path, json=body)
         seconds = time.perf_counter() - t0
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise RuntimeError(f"POST {path}: HTTP {r.status_code}: {r.text[:500]}")
         return seconds, r.json()
 
     def get(self, path: str) -> dict[str, Any]:
@@ -236,20 +249,9 @@ def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> li
     return messages
 
 
-def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> dict[str, Any]:
-    seed = 1000 * (r + 1)
-    out: dict[str, Any] = {}
-    # Turn 1 (cold: encode + prefill) and its follow-up.
-    first = [{"role": "system", "content": f"Round {r}."}, image_turn(png(seed, side), "What is in this picture?")]
-    t1, b1 = client.ask(first)
-    s1 = client.engine_ttft()
-    follow = [*first, {"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
-              {"role": "user", "content": "And what colour is it mostly?"}]
-    t2, b2 = client.ask(follow)
-    s2 = client.engine_ttft()
-    out.update(turn1_s=t1, turn2_s=t2, turn1_server_s=s1, turn2_server_s=s2, turn1_prompt=b1["usage"]["prompt_tokens"],
-               turn2_cached=b2["usage"]["prompt_tokens_details"]["cached_tokens"])
-    # An N-image conversation's follow-up against a text-only one of the same length.
+def chat_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int) -> dict[str, Any]:
+    """An N-image conversation's follow-up against a text-only one of the same length (chat: every
+    request re-sends the whole conversation, its images included)."""
     filler = " a" * span  # one token per " a" in the test tokenizers; lengths are reported
     system = f"Round {r}: you are a careful assistant who looks at pictures."
     with_images = conversation(
@@ -270,10 +272,59 @@ def one_round(client: Client, r: int, *, images: int, side: int, span: int) -> d
     else:
         tt, bt, st = measured([*text_only, last])
         ti, bi, si = measured([*with_images, last])
-    out.update(images_followup_s=ti, text_followup_s=tt, images_followup_server_s=si, text_followup_server_s=st, images_prompt=bi["usage"]["prompt_tokens"],
-               text_prompt=bt["usage"]["prompt_tokens"],
-               images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
-               text_cached=bt["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return dict(images_followup_s=ti, text_followup_s=tt, images_followup_server_s=si, text_followup_server_s=st,
+                images_prompt=bi["usage"]["prompt_tokens"], text_prompt=bt["usage"]["prompt_tokens"],
+                images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
+                text_cached=bt["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def responses_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int) -> dict[str, Any]:
+    """The N-image ÷ text follow-up through /v1/responses: turn 1 holds the N images (the text twin:
+    as many filler tokens each), the follow-up sends its new text only, with previous_response_id."""
+    system = {"role": "system", "content": f"Round {r}: you are a careful assistant who looks at pictures (responses)."}
+    with_images: list[dict[str, Any]] = []
+    for i in range(images):
+        with_images += [{"type": "input_image", "image_url": png(seed + 500 + i, side)},
+                        {"type": "input_text", "text": f"Picture {i}?"}]
+    text = "".join(f"{' a' * span} Picture {i}?" for i in range(images))
+    firsts = {"images": [system, {"role": "user", "content": with_images}],
+              "text": [{**system, "content": system["content"] + " "}, {"role": "user", "content": text}]}
+    turn1 = {kind: client.respond(first, max_tokens=6)[1] for kind, first in firsts.items()}  # real replies, stored
+    last = "Which of these pictures was the brightest, and why do you think so?"
+    out: dict[str, Any] = {}
+    for kind in (("images", "text") if r % 2 == 0 else ("text", "images")):  # which goes first alternates
+        time.sleep(SETTLE_S)
+        media = client.get("/stats").get("media", {})
+        seconds, body = client.respond(last, previous=turn1[kind]["id"])
+        after = client.get("/stats").get("media", {})
+        out.update({f"responses_{kind}_followup_s": seconds, f"responses_{kind}_followup_server_s": client.engine_ttft(),
+                    f"responses_{kind}_turn1_prompt": turn1[kind]["usage"]["input_tokens"],
+                    f"responses_{kind}_prompt": body["usage"]["input_tokens"],
+                    f"responses_{kind}_cached": body["usage"]["input_tokens_details"]["cached_tokens"],
+                    f"responses_{kind}_followup_decoded": after.get("images_decoded", 0) - media.get("images_decoded", 0),
+                    f"responses_{kind}_turn1_body_bytes": len(json.dumps({"input": firsts[kind]}).encode()),
+                    f"responses_{kind}_followup_body_bytes": len(json.dumps(
+                        {"input": last, "previous_response_id": turn1[kind]["id"]}).encode())})
+    return out
+
+
+def one_round(client: Client, r: int, *, images: int, side: int, span: int, route: str) -> dict[str, Any]:
+    seed = 1000 * (r + 1)
+    out: dict[str, Any] = {}
+    # Turn 1 (cold: encode + prefill) and its follow-up.
+    first = [{"role": "system", "content": f"Round {r}."}, image_turn(png(seed, side), "What is in this picture?")]
+    t1, b1 = client.ask(first)
+    s1 = client.engine_ttft()
+    follow = [*first, {"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "And what colour is it mostly?"}]
+    t2, b2 = client.ask(follow)
+    s2 = client.engine_ttft()
+    out.update(turn1_s=t1, turn2_s=t2, turn1_server_s=s1, turn2_server_s=s2, turn1_prompt=b1["usage"]["prompt_tokens"],
+               turn2_cached=b2["usage"]["prompt_tokens_details"]["cached_tokens"])
+    if route in ("chat", "both"):
+        out.update(chat_arm(client, r, images=images, side=side, span=span, seed=seed))
+    if route in ("responses", "both"):
+        out.update(responses_arm(client, r, images=images, side=side, span=span, seed=seed))
     # The encoder cache: the same image in a new conversation vs a new image (both miss the KV).
     before = client.engine()
     th, _ = client.ask([{"role": "system", "content": f"Elsewhere {r}."}, image_turn(png(seed, side), "Again?")])
@@ -297,6 +348,9 @@ def main() -> int:
     p.add_argument("--stage-pairs", type=int, default=8, help="image/text follow-up pairs timed stage by stage (0: none)")
     p.add_argument("--stage-connection", choices=("keep", "fresh"), default="keep",
                    help="the stage pairs on one kept-alive connection (as the rounds' client), or a fresh one each")
+    p.add_argument("--route", choices=("chat", "responses", "both"), default="both",
+                   help="the N-image / text follow-up on /v1/chat/completions (re-sends the images), on "
+                        "/v1/responses (previous_response_id: new text only), or both side by side")
     args = p.parse_args()
     model = ["--model", args.model] if args.model else ["--preset", args.preset]
     with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off", "--log-level", "debug"],
@@ -304,31 +358,48 @@ def main() -> int:
         client = Client(proc)
         _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
         span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
-        rounds = [one_round(client, r, images=args.images, side=args.side, span=span) for r in range(args.rounds)]
+        rounds = [one_round(client, r, images=args.images, side=args.side, span=span, route=args.route)
+                  for r in range(args.rounds)]
         stages = (stage_breakdown(proc, client, images=args.images, side=args.side, span=span, pairs=args.stage_pairs,
                                   keep_alive=args.stage_connection == "keep")
-                  if args.stage_pairs > 0 else None)
+                  if args.stage_pairs > 0 and args.route != "responses" else None)
     med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
-    ratios = {
-        "turn2 / turn1": statistics.median(x["turn2_s"] / x["turn1_s"] for x in rounds),
-        f"{args.images}-image follow-up / text follow-up": statistics.median(
-            x["images_followup_s"] / x["text_followup_s"] for x in rounds),
-        "encoder hit / re-encode": statistics.median(x["encoder_hit_s"] / x["reencode_s"] for x in rounds),
-        f"{args.images}-image / text follow-up, server TTFT": statistics.median(
-            x["images_followup_server_s"] / x["text_followup_server_s"] for x in rounds),
-    }
+    n = args.images
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x[a] / x[b] for x in rounds)
+
+    ratios = {"turn2 / turn1": ratio("turn2_s", "turn1_s"), "encoder hit / re-encode": ratio("encoder_hit_s", "reencode_s")}
+    if "images_followup_s" in med:
+        ratios[f"{n}-image follow-up / text follow-up"] = ratio("images_followup_s", "text_followup_s")
+        ratios[f"{n}-image / text follow-up, server TTFT"] = ratio("images_followup_server_s", "text_followup_server_s")
+    if "responses_images_followup_s" in med:
+        ratios[f"responses: {n}-image / text follow-up"] = ratio("responses_images_followup_s", "responses_text_followup_s")
+        ratios[f"responses: {n}-image / text follow-up, server TTFT"] = ratio(
+            "responses_images_followup_server_s", "responses_text_followup_server_s")
     print(f"image span {span} tokens ({args.side}x{args.side} px); {args.rounds} rounds; medians:")
     print(f"  turn 1 {med['turn1_s'] * 1000:8.1f} ms   turn 2 {med['turn2_s'] * 1000:8.1f} ms"
           f"   (cached {med['turn2_cached']:.0f} of {med['turn1_prompt']:.0f}+)")
-    print(f"  {args.images}-image follow-up {med['images_followup_s'] * 1000:8.1f} ms ({med['images_prompt']:.0f} tokens, "
-          f"{med['images_cached']:.0f} cached)   text follow-up {med['text_followup_s'] * 1000:8.1f} ms "
-          f"({med['text_prompt']:.0f} tokens, {med['text_cached']:.0f} cached)")
+    if "images_followup_s" in med:
+        print(f"  chat: {n}-image follow-up {med['images_followup_s'] * 1000:8.1f} ms ({med['images_prompt']:.0f} tokens, "
+              f"{med['images_cached']:.0f} cached)   text follow-up {med['text_followup_s'] * 1000:8.1f} ms "
+              f"({med['text_prompt']:.0f} tokens, {med['text_cached']:.0f} cached); server TTFT "
+              f"{med['images_followup_server_s'] * 1000:.1f} / {med['text_followup_server_s'] * 1000:.1f} ms")
+    if "responses_images_followup_s" in med:
+        for kind, name in (("images", f"{n}-image"), ("text", "text")):
+            k = f"responses_{kind}"
+            print(f"  responses: {name} follow-up {med[k + '_followup_s'] * 1000:8.1f} ms, server TTFT "
+                  f"{med[k + '_followup_server_s'] * 1000:.1f} ms ({med[k + '_prompt']:.0f} tokens, "
+                  f"{med[k + '_cached']:.0f} cached; turn 1 {med[k + '_turn1_prompt']:.0f}); body "
+                  f"{med[k + '_followup_body_bytes']:.0f} B (turn 1 {med[k + '_turn1_body_bytes']:.0f} B), "
+                  f"images decoded {med[k + '_followup_decoded']:.0f}")
+        short = [x["responses_images_cached"] - x["responses_images_turn1_prompt"] for x in rounds]
+        print(f"  responses: the follow-up's cached tokens - turn 1's prompt, per round: {short} (>= -1: covered)")
     print(f"  encoder hit {med['encoder_hit_s'] * 1000:8.1f} ms   re-encode {med['reencode_s'] * 1000:8.1f} ms")
     print(f"  server-side TTFT (request.done): turn 1 {med['turn1_server_s'] * 1000:.1f} ms, turn 2 "
-          f"{med['turn2_server_s'] * 1000:.1f} ms, image follow-up {med['images_followup_server_s'] * 1000:.1f} ms, "
-          f"text follow-up {med['text_followup_server_s'] * 1000:.1f} ms")
+          f"{med['turn2_server_s'] * 1000:.1f} ms")
     for name, value in ratios.items():
-        print(f"  {name:45s} {value:6.3f}x")
+        print(f"  {name:52s} {value:6.3f}x")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"vision-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"label": args.label, "args": vars(args), "span": span, "rounds": rounds,

@@ -5,8 +5,10 @@ On the CUDA host (docs/benchmarks.md, GPU; the host is offline):
     mkdir -p /tmp/mlxpay && cp .gpu/a/p.aa /tmp/mlxpay/
     source .gpu/b/install.sh && python3 benchmarks/gpu/bench_vision_gpu.py
 
-Extra arguments go to bench_vision.py (default here: --rounds 5 --images 10 --side 224, the
-`bench-vlm` preset, a few minutes at most). It also prints where the 10-image follow-up's wall
+Extra arguments go to bench_vision.py (default here: --rounds 5 --images 10 --side 224 --route both,
+the `bench-vlm` preset, a few minutes at most). `--route both` times the 10-image ÷ text follow-up
+twice: on the chat route (every follow-up re-sends the 2 MB of images) and on /v1/responses (the
+follow-up sends its new text with previous_response_id; the server holds the images). It also prints where the 10-image follow-up's wall
 time goes against the text one's, stage by stage on both sides (client encode, body receive,
 parse, images, render, submit, prefill, reply; `--stage-pairs`, default 8; http/stages.py). The server needs Pillow and transformers' Qwen2-VL
 image processor (vision/images.py); without them this says so and stops. The client needs
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULTS = ["--rounds", "5", "--images", "10", "--side", "224"]
+DEFAULTS = ["--rounds", "5", "--images", "10", "--side", "224", "--route", "both"]
 
 
 def missing() -> list[str]:
