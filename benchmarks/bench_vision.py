@@ -43,6 +43,7 @@ from serve_proc import ServeProc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTLE_S = 0.5  # idle time before each measured follow-up
+LAST = "Which of these pictures was the brightest, and why do you think so?"  # the measured follow-up's question
 
 
 def png(seed: int, side: int) -> str:
@@ -73,6 +74,18 @@ def image_turn(url: str, text: str) -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
 
 
+def responses_body(input: Any, *, previous: str | None = None, max_tokens: int = 1) -> dict[str, Any]:
+    body: dict[str, Any] = {"input": input, "max_output_tokens": max_tokens, "temperature": 0, "store": True}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    return body
+
+
+def body_bytes(body: Any) -> int:
+    """The request body's size as the clients here send it."""
+    return len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode())
+
+
 class Client:
     """httpx as an OpenAI client sends (the body JSON-encoded per request, inside the timing);
     without httpx (the GPU host), http.client on one kept-alive connection, encoding the same way."""
@@ -92,10 +105,7 @@ class Client:
 
     def respond(self, input: Any, *, previous: str | None = None, max_tokens: int = 1) -> tuple[float, dict[str, Any]]:
         """POST /v1/responses (stored), continuing `previous` when given."""
-        body: dict[str, Any] = {"input": input, "max_output_tokens": max_tokens, "temperature": 0, "store": True}
-        if previous is not None:
-            body["previous_response_id"] = previous
-        return self.post("/v1/responses", body)
+        return self.post("/v1/responses", responses_body(input, previous=previous, max_tokens=max_tokens))
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -249,38 +259,53 @@ def conversation(client: Client, turns: list[dict[str, Any]], system: str) -> li
     return messages
 
 
-def chat_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int) -> dict[str, Any]:
+def followup_pairs(client: Client, r: int, pairs: int, send: Any) -> dict[str, Any]:
+    """`pairs` measured follow-ups of each kind ("images", "text"), alternating which goes first:
+    `send(kind, text)` -> (seconds, body); per kind the runs [wall, server TTFT] and the last body."""
+    out: dict[str, Any] = {"images": {"runs": []}, "text": {"runs": []}}
+    for k in range(pairs):
+        text = (f"({k}) " if k else "") + LAST  # a new question each pair, new from its start (prefilled whole)
+        for kind in (("images", "text") if (r + k) % 2 == 0 else ("text", "images")):
+            # The previous reply's trailing work (its checkpoint) must not land on this one's TTFT.
+            time.sleep(SETTLE_S)
+            seconds, body = send(kind, text)
+            out[kind]["runs"].append([seconds, client.engine_ttft()])
+            out[kind]["body"] = body
+    return out
+
+
+def arm_figures(prefix: str, measured: dict[str, Any], usage: Any) -> dict[str, Any]:
+    """A round's figures of one arm: medians over its pairs, the runs, prompt and cached tokens."""
+    out: dict[str, Any] = {}
+    for kind, m in measured.items():
+        prompt, cached = usage(m["body"])
+        out.update({f"{prefix}{kind}_followup_s": statistics.median(w for w, _ in m["runs"]),
+                    f"{prefix}{kind}_followup_server_s": statistics.median(s for _, s in m["runs"]),
+                    f"{prefix}{kind}_followup_runs": m["runs"], f"{prefix}{kind}_prompt": prompt,
+                    f"{prefix}{kind}_cached": cached})
+    return out
+
+
+def chat_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int, pairs: int) -> dict[str, Any]:
     """An N-image conversation's follow-up against a text-only one of the same length (chat: every
     request re-sends the whole conversation, its images included)."""
     filler = " a" * span  # one token per " a" in the test tokenizers; lengths are reported
     system = f"Round {r}: you are a careful assistant who looks at pictures."
-    with_images = conversation(
-        client, [image_turn(png(seed + 1 + i, side), f"Picture {i}?") for i in range(images)], system)
-    text_only = conversation(client, [{"role": "user", "content": f"{filler} Picture {i}?"} for i in range(images)],
-                             system + " ")
-    last = {"role": "user", "content": "Which of these pictures was the brightest, and why do you think so?"}
-
-    def measured(messages: list[dict[str, Any]]) -> tuple[float, dict[str, Any], float]:
-        # The previous reply's trailing work (its checkpoint) must not land on this one's TTFT.
-        time.sleep(SETTLE_S)
-        seconds, body = client.ask(messages)
-        return seconds, body, client.engine_ttft()
-
-    if r % 2 == 0:  # which goes first alternates by round
-        ti, bi, si = measured([*with_images, last])
-        tt, bt, st = measured([*text_only, last])
-    else:
-        tt, bt, st = measured([*text_only, last])
-        ti, bi, si = measured([*with_images, last])
-    return dict(images_followup_s=ti, text_followup_s=tt, images_followup_server_s=si, text_followup_server_s=st,
-                images_prompt=bi["usage"]["prompt_tokens"], text_prompt=bt["usage"]["prompt_tokens"],
-                images_cached=bi["usage"]["prompt_tokens_details"]["cached_tokens"],
-                text_cached=bt["usage"]["prompt_tokens_details"]["cached_tokens"])
+    history = {
+        "images": conversation(
+            client, [image_turn(png(seed + 1 + i, side), f"Picture {i}?") for i in range(images)], system),
+        "text": conversation(client, [{"role": "user", "content": f"{filler} Picture {i}?"} for i in range(images)],
+                             system + " "),
+    }
+    measured = followup_pairs(client, r, pairs, lambda kind, text: client.ask(
+        [*history[kind], {"role": "user", "content": text}]))
+    return arm_figures("", measured, lambda b: (b["usage"]["prompt_tokens"],
+                                                b["usage"]["prompt_tokens_details"]["cached_tokens"]))
 
 
-def responses_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int) -> dict[str, Any]:
+def responses_arm(client: Client, r: int, *, images: int, side: int, span: int, seed: int, pairs: int) -> dict[str, Any]:
     """The N-image ÷ text follow-up through /v1/responses: turn 1 holds the N images (the text twin:
-    as many filler tokens each), the follow-up sends its new text only, with previous_response_id."""
+    as many filler tokens each), each follow-up sends its new text only, with previous_response_id."""
     system = {"role": "system", "content": f"Round {r}: you are a careful assistant who looks at pictures (responses)."}
     with_images: list[dict[str, Any]] = []
     for i in range(images):
@@ -290,25 +315,21 @@ def responses_arm(client: Client, r: int, *, images: int, side: int, span: int, 
     firsts = {"images": [system, {"role": "user", "content": with_images}],
               "text": [{**system, "content": system["content"] + " "}, {"role": "user", "content": text}]}
     turn1 = {kind: client.respond(first, max_tokens=6)[1] for kind, first in firsts.items()}  # real replies, stored
-    last = "Which of these pictures was the brightest, and why do you think so?"
-    out: dict[str, Any] = {}
-    for kind in (("images", "text") if r % 2 == 0 else ("text", "images")):  # which goes first alternates
-        time.sleep(SETTLE_S)
-        media = client.get("/stats").get("media", {})
-        seconds, body = client.respond(last, previous=turn1[kind]["id"])
-        after = client.get("/stats").get("media", {})
-        out.update({f"responses_{kind}_followup_s": seconds, f"responses_{kind}_followup_server_s": client.engine_ttft(),
-                    f"responses_{kind}_turn1_prompt": turn1[kind]["usage"]["input_tokens"],
-                    f"responses_{kind}_prompt": body["usage"]["input_tokens"],
-                    f"responses_{kind}_cached": body["usage"]["input_tokens_details"]["cached_tokens"],
-                    f"responses_{kind}_followup_decoded": after.get("images_decoded", 0) - media.get("images_decoded", 0),
-                    f"responses_{kind}_turn1_body_bytes": len(json.dumps({"input": firsts[kind]}).encode()),
-                    f"responses_{kind}_followup_body_bytes": len(json.dumps(
-                        {"input": last, "previous_response_id": turn1[kind]["id"]}).encode())})
+    before = client.get("/stats").get("media", {})
+    measured = followup_pairs(client, r, pairs, lambda kind, text: client.respond(text, previous=turn1[kind]["id"]))
+    after = client.get("/stats").get("media", {})
+    out = arm_figures("responses_", measured, lambda b: (b["usage"]["input_tokens"],
+                                                         b["usage"]["input_tokens_details"]["cached_tokens"]))
+    for kind in firsts:
+        out.update({f"responses_{kind}_turn1_prompt": turn1[kind]["usage"]["input_tokens"],
+                    f"responses_{kind}_turn1_body_bytes": body_bytes(responses_body(firsts[kind], max_tokens=6)),
+                    f"responses_{kind}_followup_body_bytes": body_bytes(
+                        responses_body(LAST, previous=turn1[kind]["id"]))})
+    out["responses_followups_decoded"] = after.get("images_decoded", 0) - before.get("images_decoded", 0)
     return out
 
 
-def one_round(client: Client, r: int, *, images: int, side: int, span: int, route: str) -> dict[str, Any]:
+def one_round(client: Client, r: int, *, images: int, side: int, span: int, route: str, pairs: int) -> dict[str, Any]:
     seed = 1000 * (r + 1)
     out: dict[str, Any] = {}
     # Turn 1 (cold: encode + prefill) and its follow-up.
@@ -322,9 +343,9 @@ def one_round(client: Client, r: int, *, images: int, side: int, span: int, rout
     out.update(turn1_s=t1, turn2_s=t2, turn1_server_s=s1, turn2_server_s=s2, turn1_prompt=b1["usage"]["prompt_tokens"],
                turn2_cached=b2["usage"]["prompt_tokens_details"]["cached_tokens"])
     if route in ("chat", "both"):
-        out.update(chat_arm(client, r, images=images, side=side, span=span, seed=seed))
+        out.update(chat_arm(client, r, images=images, side=side, span=span, seed=seed, pairs=pairs))
     if route in ("responses", "both"):
-        out.update(responses_arm(client, r, images=images, side=side, span=span, seed=seed))
+        out.update(responses_arm(client, r, images=images, side=side, span=span, seed=seed, pairs=pairs))
     # The encoder cache: the same image in a new conversation vs a new image (both miss the KV).
     before = client.engine()
     th, _ = client.ask([{"role": "system", "content": f"Elsewhere {r}."}, image_turn(png(seed, side), "Again?")])
@@ -351,6 +372,8 @@ def main() -> int:
     p.add_argument("--route", choices=("chat", "responses", "both"), default="both",
                    help="the N-image / text follow-up on /v1/chat/completions (re-sends the images), on "
                         "/v1/responses (previous_response_id: new text only), or both side by side")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="measured image/text follow-up pairs per round and route (a round's figure: their median)")
     args = p.parse_args()
     model = ["--model", args.model] if args.model else ["--preset", args.preset]
     with tempfile.TemporaryDirectory() as tmp, ServeProc([*model, "--device-probe", "off", "--log-level", "debug"],
@@ -358,12 +381,12 @@ def main() -> int:
         client = Client(proc)
         _, warm = client.ask([image_turn(png(1, args.side), "warm up")])  # imports, first kernels
         span = warm["usage"]["prompt_tokens"] - client.ask([{"role": "user", "content": "warm up"}])[1]["usage"]["prompt_tokens"] - 2
-        rounds = [one_round(client, r, images=args.images, side=args.side, span=span, route=args.route)
-                  for r in range(args.rounds)]
+        rounds = [one_round(client, r, images=args.images, side=args.side, span=span, route=args.route,
+                            pairs=args.pairs) for r in range(args.rounds)]
         stages = (stage_breakdown(proc, client, images=args.images, side=args.side, span=span, pairs=args.stage_pairs,
                                   keep_alive=args.stage_connection == "keep")
                   if args.stage_pairs > 0 and args.route != "responses" else None)
-    med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+    med = {k: statistics.median(x[k] for x in rounds) for k, v in rounds[0].items() if not isinstance(v, list)}
     n = args.images
 
     def ratio(a: str, b: str) -> float:
@@ -391,10 +414,18 @@ def main() -> int:
             print(f"  responses: {name} follow-up {med[k + '_followup_s'] * 1000:8.1f} ms, server TTFT "
                   f"{med[k + '_followup_server_s'] * 1000:.1f} ms ({med[k + '_prompt']:.0f} tokens, "
                   f"{med[k + '_cached']:.0f} cached; turn 1 {med[k + '_turn1_prompt']:.0f}); body "
-                  f"{med[k + '_followup_body_bytes']:.0f} B (turn 1 {med[k + '_turn1_body_bytes']:.0f} B), "
-                  f"images decoded {med[k + '_followup_decoded']:.0f}")
+                  f"{med[k + '_followup_body_bytes']:.0f} B (turn 1 {med[k + '_turn1_body_bytes']:.0f} B)")
         short = [x["responses_images_cached"] - x["responses_images_turn1_prompt"] for x in rounds]
-        print(f"  responses: the follow-up's cached tokens - turn 1's prompt, per round: {short} (>= -1: covered)")
+        print(f"  responses: the follow-up's cached tokens - turn 1's prompt, per round: {short} (>= -1: covered); "
+              f"images decoded during the follow-ups: {sum(x['responses_followups_decoded'] for x in rounds)}")
+    # What the request costs outside the engine (wall - server TTFT, per request, then the median over all
+    # of them): on a device whose follow-up prefill is ~15 ms, this is what decides the wall ratio.
+    outside = {f"{route} {kind}": statistics.median((w - e) * 1000 for x in rounds
+                                                    for w, e in x[f"{pre}{kind}_followup_runs"])
+               for route, pre in (("chat", ""), ("responses", "responses_")) if f"{pre}images_followup_s" in med
+               for kind in ("images", "text")}
+    print("  outside the engine (wall - server TTFT, ms): "
+          + ", ".join(f"{name} follow-up {ms:.1f}" for name, ms in outside.items()))
     print(f"  encoder hit {med['encoder_hit_s'] * 1000:8.1f} ms   re-encode {med['reencode_s'] * 1000:8.1f} ms")
     print(f"  server-side TTFT (request.done): turn 1 {med['turn1_server_s'] * 1000:.1f} ms, turn 2 "
           f"{med['turn2_server_s'] * 1000:.1f} ms")
@@ -403,7 +434,8 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"vision-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"label": args.label, "args": vars(args), "span": span, "rounds": rounds,
-                               "medians": med, "ratios": ratios, "stages": stages}, indent=2) + "\n")
+                               "medians": med, "ratios": ratios, "outside_engine_ms": outside,
+                               "stages": stages}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 
