@@ -392,14 +392,25 @@ def main() -> int:
     def ratio(a: str, b: str) -> float:
         return statistics.median(x[a] / x[b] for x in rounds)
 
+    def paired(pre: str, at: int) -> float:
+        """The median over every pair of its image / text ratio (at 0: wall, 1: server TTFT)."""
+        return statistics.median(i[at] / t[at] for x in rounds
+                                 for i, t in zip(x[f"{pre}images_followup_runs"], x[f"{pre}text_followup_runs"], strict=True))
+
     ratios = {"turn2 / turn1": ratio("turn2_s", "turn1_s"), "encoder hit / re-encode": ratio("encoder_hit_s", "reencode_s")}
     if "images_followup_s" in med:
         ratios[f"{n}-image follow-up / text follow-up"] = ratio("images_followup_s", "text_followup_s")
         ratios[f"{n}-image / text follow-up, server TTFT"] = ratio("images_followup_server_s", "text_followup_server_s")
+        if args.pairs > 1:
+            ratios[f"{n}-image / text follow-up, per pair"] = paired("", 0)
+            ratios[f"{n}-image / text follow-up, server TTFT, per pair"] = paired("", 1)
     if "responses_images_followup_s" in med:
         ratios[f"responses: {n}-image / text follow-up"] = ratio("responses_images_followup_s", "responses_text_followup_s")
         ratios[f"responses: {n}-image / text follow-up, server TTFT"] = ratio(
             "responses_images_followup_server_s", "responses_text_followup_server_s")
+        if args.pairs > 1:
+            ratios[f"responses: {n}-image / text follow-up, per pair"] = paired("responses_", 0)
+            ratios[f"responses: {n}-image / text follow-up, server TTFT, per pair"] = paired("responses_", 1)
     print(f"image span {span} tokens ({args.side}x{args.side} px); {args.rounds} rounds; medians:")
     print(f"  turn 1 {med['turn1_s'] * 1000:8.1f} ms   turn 2 {med['turn2_s'] * 1000:8.1f} ms"
           f"   (cached {med['turn2_cached']:.0f} of {med['turn1_prompt']:.0f}+)")
@@ -430,7 +441,7 @@ def main() -> int:
     print(f"  server-side TTFT (request.done): turn 1 {med['turn1_server_s'] * 1000:.1f} ms, turn 2 "
           f"{med['turn2_server_s'] * 1000:.1f} ms")
     for name, value in ratios.items():
-        print(f"  {name:52s} {value:6.3f}x")
+        print(f"  {name:62s} {value:6.3f}x")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"vision-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"label": args.label, "args": vars(args), "span": span, "rounds": rounds,
