@@ -345,6 +345,25 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
 
 
+def test_a_fixed_step_cost_near_the_slice_does_not_shrink_chunks_to_the_minimum():
+    """Each step costs a fixed 60 ms plus 10 µs a token (an H200 serving a 1.7B model): sized by the
+    whole rate, the chunks fell to MIN_CHUNK and a 16k prompt took ~800 steps; the fitted per-token
+    cost keeps them near the step size."""
+    slicer = PrefillSlicer(0.05)
+    sizes, done = [], 0
+    while done < 16_384:
+        size = slicer.chunk(2048, newcomers=[], shared=True) if done else 2048
+        slicer.measured(size, 0.060 + 1e-5 * size)
+        sizes.append(size)
+        done += size
+    assert min(sizes) >= 1024 and len(sizes) <= 12, sizes
+    # Where the work per token is what costs (a CPU), chunks still come out at about one slice.
+    cpu = PrefillSlicer(0.05)
+    for size in (2048, 64, 64):
+        cpu.measured(size, 0.002 + size / 2048)
+    assert cpu.chunk(2048, newcomers=[], shared=False) == 64
+
+
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
     """Which request got its first token first: the long prompt joins, one step later the short one."""
     order: list[str] = []

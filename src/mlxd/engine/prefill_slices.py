@@ -12,7 +12,18 @@ the chunk in flight; and on a step where newcomers join rows already in the
 batch, the chunk is cut to the newcomers' remaining prompt, so they finish
 their prefill in that step without padding while the long row moves on by
 as much; while a row that has prefilled waits for its first token (the
-next step or two), the others advance by one token a step. A short prompt
+next step or two), the others advance by one token a step.
+
+A slice bounds a chunk's prefill *work*, not its fixed cost: a step also pays
+a per-step overhead (the host's side of the forward pass, syncs) that no
+chunk size removes. Sizing by the whole measured rate (tokens ÷ seconds)
+shrank the chunk whenever that overhead approached the slice, and the next
+measurement, dominated by it, shrank it again: on the H200 a 16k-token
+prompt fell to 16-token chunks and took 58-69 s instead of ~1 s. So the
+slicer fits each step's time as `fixed + per_token × n` over its recent
+chunks of different sizes and sizes the next one as `slice ÷ per_token`
+(before two sizes were measured, by the whole rate, which overestimates the
+per-token cost and so errs small; the fit then grows it). A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. Pure and
@@ -21,6 +32,7 @@ deterministic given its inputs (the engine core calls it).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import attrs
@@ -32,6 +44,8 @@ MIN_CHUNK = 16
 APART_SLICES = 4
 # ... and always when it has at most this many new tokens (a question, a short chat turn).
 APART_MIN = 64
+# Chunks the per-token cost is fitted over (the most recent; the context grows as a prompt is prefilled).
+FIT_SAMPLES = 8
 
 
 @attrs.define
@@ -40,10 +54,28 @@ class PrefillSlicer:
 
     slice_s: float  # 0 = off: every chunk is the whole prefill step size
     rate: float = 0.0  # prompt tokens per second, from chunks that ran alone (0 = not measured yet)
+    _samples: collections.deque[tuple[int, float]] = attrs.field(
+        init=False, factory=lambda: collections.deque(maxlen=FIT_SAMPLES)
+    )
 
     def measured(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.rate = tokens / seconds
+            self._samples.append((tokens, seconds))
+
+    def seconds_per_token(self) -> float:
+        """A chunk's cost per prompt token less the step's fixed cost: the least-squares slope of the
+        recent chunks' times over their sizes; with one size measured (or a slope the noise made
+        non-positive), the whole rate's inverse, which includes the fixed cost (so errs small)."""
+        if len({n for n, _ in self._samples}) >= 2:
+            count = len(self._samples)
+            mean_n = sum(n for n, _ in self._samples) / count
+            mean_t = sum(t for _, t in self._samples) / count
+            spread = sum((n - mean_n) ** 2 for n, _ in self._samples)
+            slope = sum((n - mean_n) * (t - mean_t) for n, t in self._samples) / spread
+            if slope > 0:
+                return slope
+        return 1.0 / self.rate
 
     def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
         """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
@@ -58,7 +90,7 @@ class PrefillSlicer:
             return step_size
         if shared and awaiting and not newcomers:
             return 1  # those steps stay as short as a decode step: the first token is not held up
-        size = step_size if self.rate <= 0 else _power_of_two_below(int(self.rate * self.slice_s))
+        size = step_size if self.rate <= 0 else _power_of_two_below(int(self.slice_s / self.seconds_per_token()))
         if shared and newcomers:
             size = min(
                 size, _power_of_two_above(max(newcomers))
