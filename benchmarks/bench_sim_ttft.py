@@ -18,9 +18,10 @@ prints the recorded and the predicted TTFT p50/p95 per tier side by side, with
 the ratio predicted / recorded (goal: within 0.9-1.1), and writes them to
 benchmarks/results/sim_ttft-<time>.json. Before either run, `--warmup`
 conversations are served by a runtime of their own in the same process (not
-recorded), so the calibration run does not pay the process's one-off costs
-(allocator growth, kernel compilation) that the predicted run, second in the
-process, does not. `--stop-after` bounds the whole script: each run stops
+recorded; then each is restored once in a runtime restarted on its SSD
+files), so the calibration run does not pay the process's one-off costs
+(allocator growth, kernel compilation, the first restore) that the predicted
+run, second in the process, does not. `--stop-after` bounds the whole script: each run stops
 sending new turns at its share of the budget, and the JSON is written even
 when a stage fails.
 """
@@ -69,23 +70,36 @@ def conversation_tokens(args: argparse.Namespace) -> int:
 
 
 async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
-    """Serve `--warmup` conversations (first prompt, then the turns in a row) unrecorded; KV bytes per token."""
+    """Serve `--warmup` conversations (first prompt, then the turns in a row) unrecorded, then, in a
+    runtime restarted on their SSD files, one more turn of each (a restore: the restore path's one-off
+    costs too); the KV bytes per token."""
     from mlxd import open_runtime
 
     rng = np.random.default_rng(10_000 + args.seed)
     t0 = time.perf_counter()
-    ttfts = []
-    async with open_runtime(runtime_config(args, ssd_dir, device_probe="off")) as rt:
-        for _ in range(args.warmup):
-            history: list[int] = []
+    turns: list[dict[str, Any]] = []
+    histories: list[list[int]] = [[] for _ in range(args.warmup)]
+
+    async def turn(rt: Any, c: int, n: int) -> None:
+        t = time.perf_counter()
+        histories[c] = await _conversation_turn(rt, histories[c], rng.integers(10, 1000, n).tolist(), args.max_tokens)
+        turns.append({"tokens": len(histories[c]), "s": round(time.perf_counter() - t, 4)})
+        await rt.flush()
+
+    config = runtime_config(args, ssd_dir, device_probe="off", restore_choice="always")
+    async with open_runtime(config) as rt:
+        for c in range(args.warmup):
             for again in range(args.back_to_back):
-                new = rng.integers(10, 1000, args.first if again == 0 else args.new).tolist()
-                t = time.perf_counter()
-                history = await _conversation_turn(rt, history, new, args.max_tokens)
-                ttfts.append(round(time.perf_counter() - t, 4))
-                await rt.flush()
+                await turn(rt, c, args.first if again == 0 else args.new)
         per_token = rt.info.kv_bytes_per_token
-    return {"kv_bytes_per_token": per_token, "seconds": round(time.perf_counter() - t0, 1), "turn_s": ttfts}
+    restores = None
+    if args.warmup:
+        async with open_runtime(config) as rt:  # RAM is empty: each conversation's next turn is restored
+            for c in range(args.warmup):
+                await turn(rt, c, args.new)
+            restores = ((await rt.stats()).as_dict().get("ssd_cache") or {}).get("restore_decisions")
+    return {"kv_bytes_per_token": per_token, "seconds": round(time.perf_counter() - t0, 1), "turns": turns,
+            "restore_decisions": restores}
 
 
 async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path, per_token: int, deadline: float) -> dict[str, Any]:

@@ -280,7 +280,9 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     out = bench_sim_ttft.main(small)
     assert out is not None and out.name.startswith("sim_ttft-t-")
     result = json.loads(out.read_text())
-    assert result["live"]["warmup"]["kv_bytes_per_token"] > 0
+    warmup = result["live"]["warmup"]
+    assert warmup["kv_bytes_per_token"] > 0 and len(warmup["turns"]) == 3  # first prompt, a turn, a restored turn
+    assert warmup["restore_decisions"]["restores_chosen"] == 1
     assert [result["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
     assert set(result["traces"]) == {"calibration", "predicted"}
     assert {r["tier"] for r in result["rows"]["fit"]} >= {"miss", "ram"}
