@@ -14,6 +14,7 @@ from mlxd.actors.cache_owner import CacheOwnerActor
 from mlxd.kv.cost_model import DEFAULT
 from mlxd.kv.host_tier import HostTier
 from mlxd.kv.kv_events import CPU, RAM, BlockRemoved, BlockStored
+from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.prompt_cache import PromptCache
 from mlxd.kv.retention import make_policy
 from mlxd.kv.tiers import CacheTiers, Demote, Forget, Persist, Promote, SsdRecord
@@ -30,6 +31,8 @@ from mlxd.runtime.kernel.messages import (
 )
 from mlxd.sim.replay import replay_mlxd
 from mlxd.sim.trace import TraceRequest
+
+MB = 1 << 20
 
 
 class Clock:
@@ -276,12 +279,14 @@ def _drain(events) -> list:
 
 
 async def test_while_rows_decode_victims_keep_their_device_pages_until_the_engine_is_idle():
-    """Demotion under pressure only: a victim's move waits for EngineBusy(False); taking it back
-    before then is a plain hit (no copy); /stats and the KV events say where its bytes are."""
+    """Demotion under pressure only: a victim's move waits until no row decodes and no request waits for
+    its first token; taking it back before then is a plain hit (no copy); /stats and the KV events say
+    where its bytes are."""
     config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=10_000, kv_events_block_size=4)
     inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
     events_send, events = trio.open_memory_channel[PublishKvEvents](math.inf)
-    owner = CacheOwnerActor(config, inbox=inbox, kv_events=events_send, host_tier=True)
+    governor = WriteGovernor(busy_rate_bytes_per_s=MB)
+    owner = CacheOwnerActor(config, inbox=inbox, kv_events=events_send, host_tier=True, governor=governor)
     async with trio.open_nursery() as nursery:
         await nursery.start(owner.run)
         await inbox_send.send(EngineBusy(True))
@@ -300,7 +305,12 @@ async def test_while_rows_decode_victims_keep_their_device_pages_until_the_engin
         await inbox_send.send(PublishPrefix(c, "", payload=_kv(8), nbytes=512, trimmable=True, reason="final"))
         host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
         assert (host["device_entries"], host["moves"]) == (2, 0)
-        await inbox_send.send(EngineBusy(False))  # no row decodes: the moves go now
+        governor.set_prefilling(True)  # a request waits for its first token: still no move
+        await inbox_send.send(EngineBusy(False))
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["device_entries"], host["moves"]) == (2, 0)
+        governor.set_prefilling(False)  # no row decodes, none waits: the moves go after the next message
+        await _ask(inbox_send, QueryCacheStats)
         host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
         assert (host["device_entries"], host["moves"], host["moved_bytes"]) == (0, 2, 1024)
         seen = _drain(events)

@@ -236,7 +236,7 @@ class CacheOwnerActor:
             async with self._inbox:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
-                    if not self._engine_busy:  # no row decodes: host-tier moves go now
+                    if self._may_move_pages():
                         self._apply(self.tiers.move_to_host())
                     self._note_pins(msg)
                     self._announce_residency()
@@ -373,6 +373,12 @@ class CacheOwnerActor:
         if self._governor is not None:
             self._governor.set_urgent("ram", self.tiers.ram_over_cap)
             self._governor.set_urgent("budget", self.tiers.budget_waiting)
+
+    def _may_move_pages(self) -> bool:
+        """Host-tier moves not forced by memory pressure go while no row decodes and no request waits for
+        its first token (a migration beside either slows it; the next message after the change re-checks)."""
+        prefilling = self._governor is not None and self._governor.prefilling
+        return not self._engine_busy and not prefilling
 
     def _unlink_shared(self, effect: Unlink) -> None:
         """(I/O) The collector deletes a file or manifest, then the blocks it leaves that no

@@ -9,8 +9,9 @@ prefix lives here promotes it back to RAM.
 
 Demotion is lazy: an admitted victim keeps its device pages (it is still a
 RAM-speed hit, and taking it back costs no copy) until device memory is
-needed (the memory budget, admission) or no row is decoding; only then does
-the shell move its pages (`take_moves`). Moving 1.88 GB while another row
+needed (the memory budget, admission) or no row is decoding (and, serving, no
+request waits for its first token); only then does the shell move its pages
+(`take_moves`). Moving 1.88 GB while another row
 decoded cost that row 71-77% of its speed on an H200 (docs/benchmarks.md), so
 a move that buys nothing is not made while rows decode.
 
