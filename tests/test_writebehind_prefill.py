@@ -62,7 +62,7 @@ def test_the_governor_holds_while_a_request_waits_for_its_first_token_unless_urg
 
 
 def test_a_held_pacer_waits_on_its_thread_until_the_first_token():
-    g = WriteGovernor(busy_rate_bytes_per_s=8 * MB)
+    g = WriteGovernor(busy_rate_bytes_per_s=8 * MB, max_hold_s=600)
     g.set_prefilling(True)
     pacer = Pacer(g, slice_bytes=4096)
     done = threading.Event()
@@ -83,6 +83,14 @@ def test_a_held_pacer_waits_on_its_thread_until_the_first_token():
         g.set_prefilling(False)  # the first token: it resumes
         t.join(timeout=30)
     assert done.is_set() and pacer.held_s > 0 and g.as_dict()["holds"] == 1
+
+
+def test_a_hold_is_bounded_so_a_steady_stream_of_prompts_cannot_starve_write_behind():
+    g = WriteGovernor(busy_rate_bytes_per_s=8 * MB, max_hold_s=0.05)
+    g.set_prefilling(True)  # and it never ends
+    pacer = Pacer(g, slice_bytes=4096)
+    pacer.hold()  # returns: the piece goes anyway
+    assert g.holds == 1 and g.holds_expired == 1 and g.held()
 
 
 def test_a_staged_copy_yields_between_pieces(monkeypatch):
@@ -124,7 +132,7 @@ async def test_a_prefill_holds_the_writers_staging_until_its_first_token_and_a_f
     """Real scheduler and SSD writer (staging forced on this CPU), a scripted engine: the previous turn's
     checkpoint is handed to the writer while the next request waits for its first token."""
     store = SsdStore(tmp_path, IDENTITY)
-    governor = WriteGovernor(busy_rate_bytes_per_s=64 * MB)
+    governor = WriteGovernor(busy_rate_bytes_per_s=64 * MB, max_hold_s=600)  # held until the token
     write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
     out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
     writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=governor, staging=True)

@@ -32,6 +32,10 @@ from collections.abc import Callable
 # stalls decode's BLAS threads; large slices at a low rate cost the least
 # (docs/benchmarks.md, write-behind: pacing).
 PACE_SLICE = 16 << 20
+# The longest a writer holds still in one go for prefills: under a steady stream of arrivals some
+# request is always waiting for its first token, and write-behind must still make progress (one slice,
+# at the paced rate, per hold at least).
+MAX_HOLD_S = 2.0
 
 
 class WriteInterrupted(Exception):
@@ -50,14 +54,16 @@ class WriteGovernor:
     waiting for their first token, the scheduler's) holds writers still (`held`).
     """
 
-    def __init__(self, *, busy_rate_bytes_per_s: float | None) -> None:
+    def __init__(self, *, busy_rate_bytes_per_s: float | None, max_hold_s: float = MAX_HOLD_S) -> None:
         self.busy_rate = busy_rate_bytes_per_s or None  # None (or 0): never pace
+        self.max_hold_s = max_hold_s  # the longest one hold lasts
         self._busy = False
         self._prefilling = False
         self._urgent: frozenset[str] = frozenset()
         self.changed = threading.Event()
         self.bytes_out = 0  # bytes handed to the OS by paced writers, slice by slice (for /stats)
         self.holds = 0  # times a writer held still for a prefill (writer threads count; for /stats and tests)
+        self.holds_expired = 0  # holds that reached max_hold_s (a piece went anyway)
         self.held_s = 0.0
 
     def set_busy(self, busy: bool) -> None:
@@ -103,7 +109,7 @@ class WriteGovernor:
         return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
                 "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out,
                 "prefilling": self._prefilling, "held_now": self.held(), "holds": self.holds,
-                "held_s": round(self.held_s, 3)}
+                "holds_expired": self.holds_expired, "held_s": round(self.held_s, 3)}
 
 
 class Pacer:
@@ -144,20 +150,23 @@ class Pacer:
             raise WriteInterrupted("write interrupted")
 
     def hold(self) -> None:
-        """Wait while the governor holds write-behind still (a request waits for its first token);
-        raise WriteInterrupted if asked to stop. Called before staging, between staged pieces and slices."""
+        """Wait while the governor holds write-behind still (a request waits for its first token), at
+        most the governor's `max_hold_s` at a time; raise WriteInterrupted if asked to stop. Called before staging,
+        between staged pieces and between slices."""
         self.check()
         g = self.governor
         if not g.held():
             return
         g.holds += 1
         t0 = self._clock()
-        while True:
+        while (left := t0 + g.max_hold_s - self._clock()) > 0:
             g.changed.clear()
             if not g.held():  # checked after the clear: a change since cannot be missed
                 break
-            g.changed.wait(0.05)
+            g.changed.wait(min(left, 0.05))
             self.check()
+        else:
+            g.holds_expired += 1  # held too long: this piece goes (the next one may hold again)
         waited = self._clock() - t0
         self.held_s += waited
         g.held_s += waited
