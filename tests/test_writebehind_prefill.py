@@ -109,7 +109,9 @@ def test_a_staged_copy_yields_between_pieces(monkeypatch):
 
 def _plan(tokens: tuple[int, ...]):
     c = mlc.KVCache()
-    k = mx.arange(len(tokens) * 4 * 16, dtype=mx.float32).reshape(1, 4, len(tokens), 16)
+    # Each token's KV depends on its position only, as a shared prefix's does.
+    pos = mx.arange(len(tokens), dtype=mx.float32)[None, None, :, None]
+    k = pos * 1000 + mx.arange(4, dtype=mx.float32)[None, :, None, None] * 16 + mx.arange(16, dtype=mx.float32)
     c.update_and_fetch(k, k + 1)
     return kinds.plan_snapshot([c], meta=IDENTITY.meta(tokens, ""))
 
@@ -201,3 +203,33 @@ async def test_a_prefill_holds_the_writers_staging_until_its_first_token_and_a_f
     assert written.stats.staged == 1 and written.stats.held_s > 0  # staged once, after the hold
     assert isinstance(flushed, SnapshotWritten) and isinstance(flushed.outcome, Stored)
     assert flushed.stats.staged == 2 and governor.holds == 1  # the flush's write was never held
+
+
+async def test_staging_copies_only_the_blocks_the_store_writes(tmp_path: Path):
+    """A conversation's next checkpoint shares all but its last blocks with the one before: the writer
+    stages (device -> host on CUDA; forced here) only the new blocks, each just before its write."""
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, staging=True)
+    first, second = _plan(tuple(range(64))), _plan(tuple(range(70)))
+    written = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            for plan in (first, second):
+                queue = WriteQueue()
+                queue.mark("", tuple(plan.meta.tokens), plan=plan, trimmable=True, nbytes=0)
+                job = queue.next_job()
+                assert job is not None
+                await write_send.send(WriteSnapshot(job))
+                written.append(await out.receive())
+            nursery.cancel_scope.cancel()
+    assert all(isinstance(w.outcome, Stored) for w in written)
+    assert (written[0].stats.staged, written[0].stats.staged_bytes) == (4, first.nbytes)  # 4 new blocks
+    # The second: 4 blocks already on disk, one new block of 6 tokens staged.
+    assert written[1].stats.staged == 5
+    assert written[1].stats.staged_bytes - first.nbytes == second.nbytes * 6 // 70
+    loaded = store.load(written[1].outcome.record)
+    assert loaded is not None and all(
+        bytes(a) == bytes(b) for a, b in zip(loaded.buffers, second.buffers, strict=True))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import attrs
 import trio
@@ -44,13 +45,20 @@ def _write(
     # copy them to host memory in bulk first, so the write never reads device
     # pages beside decode (runtime/host_memory.py); without a side stream, read
     # them without moving their pages off the device (runtime/device_memory.py).
-    # Neither starts while a request waits for its first token (the pacer's hold).
+    # Staging copies only what the store writes (its new blocks, or the whole file),
+    # each piece just before it is written. Neither starts while a request waits for
+    # its first token (the pacer's hold).
     pacer.hold()
-    if staging is not None:
-        plan = staging.stage(plan, between=pacer.hold)
-    else:
+    if staging is None:
         device_memory.read_mostly(plan.buffers)
-    return store.write(plan, pacer)
+        return store.write(plan, pacer)
+    return store.write(plan, pacer, prepare=partial(_stage, staging, pacer))
+
+
+def _stage(staging: host_memory.Staging, pacer: Pacer, piece: SnapshotPlan) -> SnapshotPlan:
+    pacer.hold()
+    staged: SnapshotPlan = staging.stage(piece, between=pacer.hold)
+    return staged
 
 
 class SsdWriterActor:

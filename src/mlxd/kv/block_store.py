@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+# A piece's plan, made ready just before it is written (the SSD writer's staging to host memory).
+Prepare = Callable[[ff.SnapshotPlan], ff.SnapshotPlan]
+
 
 BLOCK_EXT = ".mlxblk"
 MANIFEST_EXT = ".mlxmf"
@@ -294,15 +297,16 @@ class BlockStore:
 
     # ------------------------------------------------------------- writes
 
-    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None) -> BlocksWritten:
+    def write(self, plan: ff.SnapshotPlan, pacer: Pacer | None = None, *, prepare: Prepare | None = None) -> BlocksWritten:
         """Commit the plan's new blocks, then its manifest. Raises StorageError (blocks it
-        committed stay valid until collected) or the pacer's WriteInterrupted."""
+        committed stay valid until collected) or the pacer's WriteInterrupted. `prepare`: applied to
+        each new block's plan just before it is written (on the thread writing it)."""
         t0 = time.perf_counter()
         meta = plan.meta
         ns_dir = self.directory / _namespace_dir(meta.namespace)
         self._make_dirs(ns_dir)
         with self._locked(exclusive=False):
-            refs, written, new = self._write_blocks(plan, pacer)
+            refs, written, new = self._write_blocks(plan, pacer, prepare)
             manifest = bk.Manifest(meta, bk.blank(plan.caches), tuple(refs), self.block_tokens)
             data = encode_manifest(manifest)
             path = ns_dir / (uuid.uuid4().hex + MANIFEST_EXT)
@@ -317,7 +321,9 @@ class BlockStore:
         )
         return BlocksWritten(record, written + len(data), new, len(refs) - new, time.perf_counter() - t0)
 
-    def _write_blocks(self, plan: ff.SnapshotPlan, pacer: Pacer | None) -> tuple[list[bk.BlockRef], int, int]:
+    def _write_blocks(
+        self, plan: ff.SnapshotPlan, pacer: Pacer | None, prepare: Prepare | None = None
+    ) -> tuple[list[bk.BlockRef], int, int]:
         meta = plan.meta
         n = len(meta.tokens)
         sizes: dict[str, int] = {}
@@ -345,7 +351,8 @@ class BlockStore:
                     starts=self._starts,
                 )
             fresh = [s for s in spans if not s.exists]
-            made = self._write_blocks_of([(s.name, views.span_plan(meta, s.start, s.end)) for s in fresh], pacer)
+            made = self._write_blocks_of([(s.name, views.span_plan(meta, s.start, s.end)) for s in fresh], pacer,
+                                         prepare)
             for s in spans:
                 payload = _payload(bk.span_descs(plan.caches, n, s.start, s.end))
                 size = made[s.name] if not s.exists else sizes[s.name]
@@ -357,7 +364,7 @@ class BlockStore:
             if exists(name):
                 refs.append(bk.BlockRef(name, n, n, payload, sizes[name], state=True))
             else:
-                size = self._write_block(name, views.state_plan(meta), pacer)
+                size = self._write_block(name, views.state_plan(meta), pacer, prepare)
                 refs.append(bk.BlockRef(name, n, n, payload, size, state=True))
                 written, new = written + size, new + 1
         try:
@@ -366,12 +373,14 @@ class BlockStore:
             raise ff.storage_error(exc, f"syncing {self.blocks_dir}") from exc
         return refs, written, new
 
-    def _write_blocks_of(self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None) -> dict[str, int]:
+    def _write_blocks_of(
+        self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None = None
+    ) -> dict[str, int]:
         """Commit new blocks (name -> file size): `writers` at a time unless the pacer is pacing."""
         if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.pacing()):
-            return {name: self._write_block(name, plan, pacer) for name, plan in jobs}
+            return {name: self._write_block(name, plan, pacer, prepare) for name, plan in jobs}
         pool = _thread_pool(self.writers, "mlxd-block-write")
-        futures = [pool.submit(self._write_block, name, plan, pacer) for name, plan in jobs]
+        futures = [pool.submit(self._write_block, name, plan, pacer, prepare) for name, plan in jobs]
         try:
             return {name: f.result() for (name, _), f in zip(jobs, futures, strict=True)}
         finally:  # after a failure: blocks not started are not written, and none is still writing
@@ -379,8 +388,10 @@ class BlockStore:
                 f.cancel()
             wait(futures)
 
-    def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None) -> int:
+    def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None, prepare: Prepare | None = None) -> int:
         path = self.block_path(name)
+        if prepare is not None:
+            plan = prepare(plan)
         try:
             return ff.write_snapshot(plan, path, pacer=pacer, sync_dir=False).nbytes  # synced once, below
         except ff.StorageError as exc:

@@ -363,8 +363,18 @@ class SsdStore:
         _make_dirs(self.root, self.directory, ns_dir)
         return ns_dir / (uuid.uuid4().hex + ff.EXTENSION)
 
-    def write(self, plan: ff.SnapshotPlan | TensorPlan, pacer: Pacer | None = None) -> WriteOutcome:
-        """Write one snapshot (tmp + fsync + rename); `Stored` or `Failed` with the cause."""
+    def write(
+        self,
+        plan: ff.SnapshotPlan | TensorPlan,
+        pacer: Pacer | None = None,
+        *,
+        prepare: Callable[[ff.SnapshotPlan], ff.SnapshotPlan] | None = None,
+    ) -> WriteOutcome:
+        """Write one snapshot (tmp + fsync + rename); `Stored` or `Failed` with the cause.
+
+        `prepare`: applied to each piece just before it is written (the blocks the
+        store does not hold yet, or the whole file): the SSD writer's staging to host
+        memory, so only the bytes written are copied."""
         if isinstance(plan, TensorPlan):  # a vision encoder output
             t0 = time.perf_counter()
             try:
@@ -376,12 +386,12 @@ class SsdStore:
         meta = plan.meta
         if self.layout == "blocks":
             try:
-                done = self._blocks.write(plan, pacer)
+                done = self._blocks.write(plan, pacer, prepare=prepare)
             except ff.StorageError as exc:
                 return Failed(str(exc), disk_full=isinstance(exc, ff.DiskFull))
             return Stored(done.record, done.seconds, done.written_bytes, done.reused_blocks)
         try:
-            written = ff.write_snapshot(plan, self.reserve_path(meta.namespace), pacer=pacer)
+            written = ff.write_snapshot(plan if prepare is None else prepare(plan), self.reserve_path(meta.namespace), pacer=pacer)
         except ff.StorageError as exc:
             return Failed(str(exc), disk_full=isinstance(exc, ff.DiskFull))
         record = SsdRecord(

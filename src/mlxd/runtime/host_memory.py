@@ -292,17 +292,21 @@ def wait_moves() -> None:
 
 
 class Staging:
-    """A reusable host buffer the SSD writer copies each checkpoint into before writing it (one thread).
+    """Reusable host buffers the SSD writer copies each piece it writes into first (a new block, or a
+    whole file), one buffer per thread that writes.
 
     On CUDA the writer then reads host memory only: one bulk DMA per
     contiguous block instead of the host faulting the RAM tier's managed
-    pages one by one beside decode. The buffer grows to the largest
-    checkpoint seen, with headroom, and is kept (allocating and freeing
-    page-locked memory synchronizes the device).
+    pages one by one beside decode; and only the bytes it writes are copied
+    (a conversation's next checkpoint shares all but its last blocks with the
+    one before). A buffer grows to the largest piece its thread saw, with
+    headroom, and is kept (allocating and freeing page-locked memory
+    synchronizes the device).
     """
 
     def __init__(self) -> None:
-        self._buffer: HostBuffer | None = None
+        self._local = threading.local()  # .buffer: this thread's HostBuffer
+        self._count_lock = threading.Lock()
         self.allocations = 0
         self.staged = 0
         self.staged_bytes = 0
@@ -313,11 +317,14 @@ class Staging:
         import attrs
 
         need = nbytes_of(plan.buffers)
-        if self._buffer is None or self._buffer.nbytes < need:
-            self._buffer = None  # the old one goes first: never both at once
-            self._buffer = alloc(int(need * STAGE_HEADROOM))
-            self.allocations += 1
-        _, arrays = to_host(plan.buffers, self._buffer, between=between)
-        self.staged += 1
-        self.staged_bytes += need
+        buffer: HostBuffer | None = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.nbytes < need:
+            self._local.buffer = buffer = None  # the old one goes first: never both at once
+            self._local.buffer = buffer = alloc(int(need * STAGE_HEADROOM))
+            with self._count_lock:
+                self.allocations += 1
+        _, arrays = to_host(plan.buffers, buffer, between=between)
+        with self._count_lock:
+            self.staged += 1
+            self.staged_bytes += need
         return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays))  # type: ignore[arg-type]

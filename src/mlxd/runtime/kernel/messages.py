@@ -555,7 +555,7 @@ class WriterStats:
     write_s_last: float = 0.0
     paced_s: float = 0.0
     held_s: float = 0.0  # held still while requests waited for their first token (kv/pacing.py)
-    staged: int = 0  # checkpoints copied to host memory before their write (CUDA; tests force it)
+    staged: int = 0  # pieces (new blocks, whole files) copied to host memory before their write (CUDA)
     staged_bytes: int = 0
     disk_full: bool = False  # a write hit ENOSPC/EDQUOT/EFBIG
 
