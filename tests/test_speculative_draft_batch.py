@@ -151,3 +151,56 @@ def test_a_mixed_batch_drafts_together_and_stays_identical(tiny_model_dir: Path,
     finally:
         off.close()
         on.close()
+
+
+def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_dir: Path) -> None:
+    """Steps of the same rows write their new positions only (no KV copied, the same batch); a row
+    that sat out and caught up alone is copied back into its slot (its tokens only); a new row takes
+    the slot of a row that ended; every row's drafts and KV stay what it gives alone."""
+    import gc
+
+    from mlxd.engine import draft as draft_mod
+
+    model, _ = load_model(tiny_model_dir)
+    model.set_dtype(mx.float32)
+    draft = DraftModel(tiny_model_dir, model, prefill_step=16)
+    prompts = [_tokens(30), _tokens(45), _tokens(60)]
+    together = [ModelDrafts(draft) for _ in prompts]
+    alone = [ModelDrafts(draft) for _ in prompts]
+    tokens = [p[:-1] for p in prompts]
+    pending = [p[-1] for p in prompts]
+
+    def step(rows: list[int]) -> None:
+        got = propose_rows([(together[i], tokens[i], pending[i], 4) for i in rows])
+        assert got == [alone[i].propose(tokens[i], pending[i], 4) for i in rows]
+        for i, drafts in zip(rows, got, strict=True):
+            _same_kv(together[i], alone[i])
+            n = (i + len(tokens[i])) % (len(drafts) + 1)  # rows accept different numbers of drafts
+            tokens[i] = [*tokens[i], pending[i], *drafts[:n]]
+            pending[i] = rnd.randrange(3, 250)
+
+    step([0, 1, 2])
+    batch, c = draft.batch[0], draft_mod.COPIED
+    before = (c.bytes, c.builds, c.adopted)
+    for _ in range(3):
+        step([0, 1, 2])
+    assert draft.batch[0] is batch and (c.bytes, c.builds, c.adopted) == before
+    tokens[1] = [*tokens[1], pending[1], *_tokens(12)]  # row 1 sat out: its catch-up runs alone
+    pending[1] = rnd.randrange(3, 250)
+    step([0, 2])  # row 1 keeps its slot, not advanced
+    step([0, 1, 2])
+    assert draft.batch[0] is batch and c.builds == before[1] and c.adopted == before[2] + 1
+    # Row 2 ends; a new row takes its slot (its own KV copied in), nothing else is copied.
+    del together[2], alone[2], tokens[2], pending[2]
+    gc.collect()
+    newcomer = _tokens(20)
+    together.append(ModelDrafts(draft))
+    alone.append(ModelDrafts(draft))
+    tokens.append(newcomer[:-1])
+    pending.append(newcomer[-1])
+    step([0, 1, 2])
+    assert draft.batch[0] is batch and c.builds == before[1]
+    # A checkpoint of a row in the batch is a copy of its tokens' KV, not a view of the batch.
+    caches, held = together[0].checkpoint()
+    assert held == together[0].held[: together[0].accepted] and caches[0].offset == len(held)
+    assert caches[0].keys.shape[2] == len(held)

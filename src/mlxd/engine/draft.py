@@ -40,6 +40,10 @@ class DraftModel:
     # A vision target's image placeholder id: the draft (no vision tower) reads an image's span as
     # that placeholder, repeated (kv/media.py's `model_tokens`); None for a text-only target.
     placeholder: int | None = None
+    # The rows' batch cache, kept from step to step (`DraftBatch`; at most one), and the draft's KV
+    # shapes per layer: mutable state of the engine's MLX thread.
+    batch: list[Any] = attrs.Factory(list)
+    kv_shapes: list[Any] = attrs.Factory(list)
 
     def ids(self, tokens: Sequence[int]) -> list[int]:
         """The ids the draft reads for `tokens` (key tokens: an image's media ids become the placeholder)."""
@@ -128,11 +132,13 @@ class ModelDrafts:
         seq = [*tokens, pending]
         feed = self._catch_up(seq, self.draft.prefill_step)  # a long prefix (a row's first step) in chunks
         model = self.draft.model
+        self._own()
         assert self.caches is not None
         caches = whole_buffers(self.caches) if len(feed) > 1 else self.caches  # CUDA: a plan per buffer size
         y = mx.argmax(model(mx.array([feed]), cache=caches)[:, -1, :], axis=-1)
         drafts = [y]
         for _ in range(k - 1):
+            mx.eval(y)  # forward by forward: the next one's KV write then goes in place (propose_rows)
             y = mx.argmax(model(y[:, None], cache=self.caches)[:, -1, :], axis=-1)
             drafts.append(y)
         out: list[int] = mx.concatenate(drafts).tolist()  # type: ignore[assignment]
@@ -170,6 +176,7 @@ class ModelDrafts:
         last chunk of at most one step, which is returned (its logits are the caller's)."""
         import mlx.core as mx
 
+        self._own()
         assert self.caches is not None
         step = self.draft.prefill_step
         while len(ids) > step or (whole and ids):
@@ -196,22 +203,44 @@ class ModelDrafts:
             self._feed(self.draft.ids(tokens[n:]), whole=True)
             self.held, self.accepted = list(tokens), len(tokens)
             n = len(tokens)
+        if isinstance(self.caches[0], _Slot):  # the row's KV in the draft batch: its tokens copied out
+            slot = self.caches[0]
+            return slot.batch.copy_out(slot.i, n), self.held[:n]
         return kinds.lend(self.caches, n), self.held[:n]
+
+    def _own(self) -> None:
+        """Before a forward of the row's own: its KV out of the draft batch (its tokens copied)."""
+        if self.caches and isinstance(self.caches[0], _Slot):
+            slot = self.caches[0]
+            self.caches = slot.batch.copy_out(slot.i, slot.offset)
+
+
+@attrs.define
+class CopyCounter:
+    """KV bytes the draft batch copied (rows gathered into a new batch, a row copied into its slot,
+    a row's KV copied out of the batch): what a step costs beyond its forwards, growing with the context."""
+
+    bytes: int = 0
+    builds: int = 0  # batches built (every row gathered)
+    adopted: int = 0  # rows copied into a slot of the batch kept from the step before
+    copied_out: int = 0  # rows whose KV left the batch (a forward of their own, a checkpoint)
+
+
+COPIED = CopyCounter()  # the process's figures (benchmarks/bench_verify_step.py reads them)
 
 
 def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) -> list[list[int]]:
     """Drafts for several rows of one draft model, `(row, tokens, pending, k)` each: one draft
-    forward per draft position for all of them, over a batch cache built from the rows' own KV.
+    forward per draft position for all of them, over the draft model's `DraftBatch`.
 
     Each row first catches up alone on what it misses beyond `1 + k` tokens (a row's first step,
-    or one that sat out); then every row feeds the same number of ids, ending with its pending
-    token: a row with fewer new ids feeds again the ids just before them (its caches cut back by
-    as many), so the rows' positions line up with no gap (the batch cache's left padding covers
-    only a row too short to have them). The rows' caches after the step are views of the batch's.
+    or one that sat out) and cuts its KV back to what it shares with its tokens (rejected drafts
+    go: a row of the batch only lowers its length); then the rows feed their new ids (right-padded
+    to the longest) in one forward, each at its own positions, and K − 1 single-token forwards
+    follow. The batch stays from step to step: a step writes the new positions only, so its cost
+    does not grow with the context. The rows' caches after the step are their slots in the batch.
     """
     import mlx.core as mx
-
-    from mlxd.engine.spec_batch import whole_buffers
 
     if not asks:
         return []
@@ -224,75 +253,261 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
     k = max(a[3] for a in asks)
     seqs = [[*tokens, pending] for _, tokens, pending, _ in asks]
     feeds = [row._catch_up(seq, 1 + k) for (row, *_), seq in zip(asks, seqs, strict=True)]
+    rows = [a[0] for a in asks]
+    batch = DraftBatch.for_rows(draft, rows)
     width = max(len(f) for f in feeds)
-    pads: list[int] = []
-    for (row, *_), f in zip(asks, feeds, strict=True):
-        back = min(width - len(f), len(row.held))  # ids fed again so that every row feeds `width`
-        if back:
-            assert row.caches is not None
-            for c in row.caches:
-                c.trim(back)
-            f[:0] = draft.ids(row.held[-back:])
-            del row.held[-back:]
-        pads.append(width - len(f))
-    caches, starts = _batch_caches([row.caches for row, *_ in asks], pads, room=width + k)  # type: ignore[misc]
-    inputs = mx.array([[0] * p + f for p, f in zip(pads, feeds, strict=True)])
-    model = draft.model
-    fed = whole_buffers(caches) if inputs.shape[1] > 1 else caches  # CUDA: a plan per buffer size
-    y = mx.argmax(model(inputs, cache=fed)[:, -1, :], axis=-1)
+    slots = [batch.slot_of(row) for row in rows]
+    inputs = [[0] * width for _ in range(batch.size)]  # a slot no row asks for feeds padding, kept nowhere
+    fed = [0] * batch.size
+    for slot, f in zip(slots, feeds, strict=True):
+        inputs[slot] = f + [f[-1]] * (width - len(f))
+        fed[slot] = len(f)
+    logits = batch.forward(mx.array(inputs), fed)
+    last = logits[mx.arange(batch.size), mx.array([max(n, 1) - 1 for n in fed])]
+    y = mx.argmax(last, axis=-1)
     drafts = [y]
     for _ in range(k - 1):
-        y = mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
+        # Evaluated forward by forward: a forward's attention still reading the KV buffer when the
+        # next one writes into it would make that write copy the whole buffer (MLX writes in place
+        # only into an array nothing else holds), at every draft position.
+        mx.eval(y)
+        y = mx.argmax(batch.forward(y[:, None], [1 if n else 0 for n in fed])[:, -1, :], axis=-1)
         drafts.append(y)
     out: list[list[int]] = mx.stack(drafts, axis=1).tolist()  # type: ignore[assignment]
     proposals = []
-    for i, ((row, _, _, row_k), seq) in enumerate(zip(asks, seqs, strict=True)):
-        row.caches = [_row_view(c, i, starts[i]) for c in caches]
-        row.held = seq + out[i][:-1]  # the last draft is not fed
+    for (row, _, _, row_k), seq, slot in zip(asks, seqs, slots, strict=True):
+        row.caches = batch.slots(slot)
+        row.held = seq + out[slot][:-1]  # the last draft is not fed
         row.accepted = len(seq)
-        proposals.append(out[i][:row_k])
+        proposals.append(out[slot][:row_k])
     return proposals
 
 
-def _batch_caches(rows: list[list[Any]], pads: list[int], *, room: int) -> tuple[list[Any], list[int]]:
-    """One `BatchKVCache` per layer holding every row's KV, right-aligned (a row's `pads` more
-    positions are padding past its start), with room for `room` more positions; and where each
-    row starts (its left padding)."""
+@attrs.define(eq=False)
+class _Lengths:
+    """Tokens each slot holds, per layer (a row trims every layer's slot)."""
+
+    per_layer: list[list[int]]
+
+
+class DraftBatch:
+    """The draft model's batch cache, kept from step to step: one slot per row, each row's KV
+    left-aligned in its slot (positions 0 .. its length), rows of different lengths side by side.
+
+    A forward writes each row's new ids at its own positions (one scatter per layer) and its
+    attention mask hides each row's positions past its own; a row's rejected drafts go by lowering
+    its length. Nothing is copied from step to step while the same rows draft: a row that does not
+    draft at a step keeps its slot (its positions are not advanced), a row whose KV changed outside
+    the batch (its own catch-up forward, a cache lent at its start) is copied into its slot (its
+    tokens only), and the batch is built afresh (every row copied) only for a row it has no slot
+    for, or when fewer than half its slots draft.
+    """
+
+    step = 256
+
+    def __init__(self, draft: DraftModel, rows: Sequence[ModelDrafts]) -> None:
+        import weakref
+
+        import mlx.core as mx
+
+        self.draft = draft
+        self.refs = [weakref.ref(r) for r in rows]
+        self.size = len(rows)
+        shapes = _kv_shapes(draft)
+        self.lengths = _Lengths([[0] * self.size for _ in shapes])
+        sizes = [r.caches[0].offset if r.caches else 0 for r in rows]
+        room = -(-(max(sizes) + self.step) // self.step) * self.step
+        self.keys = [mx.zeros((self.size, h, room, dk), dtype) for h, dk, _, dtype in shapes]
+        self.values = [mx.zeros((self.size, h, room, dv), dtype) for h, _, dv, dtype in shapes]
+        self._slots: list[list[_Slot]] = [[_Slot(self, layer, i) for layer in range(len(shapes))]
+                                          for i in range(self.size)]
+        COPIED.builds += 1
+        for i, r in enumerate(rows):
+            self._adopt(i, r)
+        self._view: list[Any] = [_LayerView(self, layer) for layer in range(len(shapes))]
+        self._pos: Any = None
+        self._offsets: Any = None
+        self._fed: list[int] = []
+
+    @classmethod
+    def for_rows(cls, draft: DraftModel, rows: Sequence[ModelDrafts]) -> DraftBatch:
+        """The draft's batch kept from the step before when it has a slot for every row (rows whose KV
+        changed since are copied into theirs), else a new one over `rows`."""
+        batch = draft.batch[0] if draft.batch else None
+        if batch is not None:
+            live = {id(r): i for i, ref in enumerate(batch.refs) if (r := ref()) is not None}
+            if all(id(r) in live for r in rows) and 2 * len(rows) >= batch.size:
+                for r in rows:
+                    batch._adopt(live[id(r)], r)
+                return batch
+            free = [i for i, ref in enumerate(batch.refs) if ref() is None]
+            new = [r for r in rows if id(r) not in live]
+            if len(new) <= len(free) and 2 * len(rows) >= batch.size:  # rows that ended leave slots to new rows
+                import weakref
+
+                for i, r in zip(free, new, strict=False):
+                    batch.refs[i] = weakref.ref(r)
+                    batch._adopt(i, r)
+                    live[id(r)] = i
+                for r in rows:
+                    batch._adopt(live[id(r)], r)
+                return batch
+        batch = cls(draft, rows)
+        draft.batch[:] = [batch]
+        return batch
+
+    def slot_of(self, row: ModelDrafts) -> int:
+        return next(i for i, ref in enumerate(self.refs) if ref() is row)
+
+    def slots(self, i: int) -> list[Any]:
+        """Slot `i` as a row's caches (one `_Slot` per layer: the same list object each time)."""
+        return self._slots[i]
+
+    def _adopt(self, i: int, row: ModelDrafts) -> None:
+        """Copy `row`'s KV (its tokens only: its own caches, or its slot in an earlier batch) into
+        slot `i`, and make the slot its caches; nothing to do when they already are."""
+        caches = row.caches
+        if caches is self._slots[i]:
+            return
+        n = caches[0].offset if caches else 0
+        if n and caches:
+            self._reserve(n)
+            for layer, c in enumerate(caches):
+                self.keys[layer][i : i + 1, :, :n] = c.keys[..., :n, :]
+                self.values[layer][i : i + 1, :, :n] = c.values[..., :n, :]
+                COPIED.bytes += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
+            COPIED.adopted += 1
+        for lengths in self.lengths.per_layer:
+            lengths[i] = n
+        row.caches = self._slots[i]
+
+    def _reserve(self, need: int) -> None:
+        import mlx.core as mx
+
+        room = self.keys[0].shape[2]
+        if need <= room:
+            return
+        grow = -(-(need - room) // self.step) * self.step
+        for layer in range(len(self.keys)):
+            k, v = self.keys[layer], self.values[layer]
+            self.keys[layer] = mx.concatenate([k, mx.zeros((*k.shape[:2], grow, k.shape[3]), k.dtype)], axis=2)
+            self.values[layer] = mx.concatenate([v, mx.zeros((*v.shape[:2], grow, v.shape[3]), v.dtype)], axis=2)
+
+    def forward(self, inputs: Any, fed: list[int]) -> Any:
+        """The draft's logits for `inputs` (one row of ids per slot); slot i keeps its first `fed[i]`."""
+        import mlx.core as mx
+
+        lengths = self.lengths.per_layer[0]
+        width = inputs.shape[1]
+        self._reserve(max(lengths) + width)
+        self._pos = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (slots, width): where ids go
+        self._offsets = mx.array(lengths)
+        self._fed = fed
+        logits = self.draft.model(inputs, cache=self._view)
+        for per_layer in self.lengths.per_layer:
+            for i, n in enumerate(fed):
+                per_layer[i] += n
+        return logits
+
+    def copy_out(self, i: int, n: int) -> list[Any]:
+        """Slot `i`'s first `n` tokens as `KVCache`s of their own (evaluated: nothing refers to the batch after)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        out = []
+        for layer in range(len(self.keys)):
+            c = KVCache()
+            c.keys = mx.contiguous(self.keys[layer][i : i + 1, :, :n])
+            c.values = mx.contiguous(self.values[layer][i : i + 1, :, :n])
+            c.offset = n
+            COPIED.bytes += c.keys.nbytes + c.values.nbytes
+            out.append(c)
+        mx.eval([x for c in out for x in (c.keys, c.values)])
+        COPIED.copied_out += 1
+        return out
+
+
+class _LayerView:
+    """One layer of a `DraftBatch` as the model's cache during a forward."""
+
+    __slots__ = ("batch", "layer")
+
+    def __init__(self, batch: DraftBatch, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    @property
+    def offset(self) -> Any:  # each slot's position of its first new id (rope)
+        return self.batch._offsets
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        import mlx.core as mx
+
+        b, layer = self.batch, self.layer
+        pos = b._pos[:, None, :, None]
+        b.keys[layer] = mx.put_along_axis(b.keys[layer], mx.broadcast_to(pos, keys.shape), keys, axis=2)
+        b.values[layer] = mx.put_along_axis(b.values[layer], mx.broadcast_to(pos, values.shape), values, axis=2)
+        end = self._columns(keys.shape[2])
+        return b.keys[layer][..., :end, :], b.values[layer][..., :end, :]
+
+    def _columns(self, width: int) -> int:
+        """Key columns attention reads: to the longest slot's last new id, or (CUDA: one attention plan
+        per buffer size, spec_batch.WHOLE_BUFFER) the whole buffer."""
+        from mlxd.engine import spec_batch
+
+        b = self.batch
+        return b.keys[self.layer].shape[2] if spec_batch.WHOLE_BUFFER else max(b.lengths.per_layer[0]) + width
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any) -> Any:
+        import mlx.core as mx
+
+        if window_size is not None:
+            raise ValueError("the draft batch has no sliding window")
+        columns = mx.arange(self._columns(N))
+        mask = self.batch._pos[:, :, None] >= columns  # (slots, N, columns): each slot's own positions
+        return mask[:, None]
+
+
+class _Slot:
+    """One row's layer in a `DraftBatch`: what the row's caches offer (its length, its KV as views,
+    trimming); a forward of the row's own copies it out of the batch first (`ModelDrafts._own`)."""
+
+    __slots__ = ("batch", "layer", "i")
+
+    def __init__(self, batch: DraftBatch, layer: int, i: int) -> None:
+        self.batch, self.layer, self.i = batch, layer, i
+
+    @property
+    def offset(self) -> int:
+        return self.batch.lengths.per_layer[self.layer][self.i]
+
+    @property
+    def keys(self) -> Any:
+        return self.batch.keys[self.layer][self.i : self.i + 1, :, : self.offset]
+
+    @property
+    def values(self) -> Any:
+        return self.batch.values[self.layer][self.i : self.i + 1, :, : self.offset]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        lengths = self.batch.lengths.per_layer[self.layer]
+        n = min(n, lengths[self.i])
+        lengths[self.i] -= n
+        return n
+
+
+def _kv_shapes(draft: DraftModel) -> list[tuple[int, int, int, Any]]:
+    """Per layer: (kv heads, key dim, value dim, dtype) of the draft's KV, from one token's forward (once)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import make_prompt_cache
 
-    lengths = [r[0].offset for r in rows]
-    end = max(lengths)
-    left = [end - n + p for n, p in zip(lengths, pads, strict=True)]
-    size = -(-(end + room) // BatchKVCache.step) * BatchKVCache.step
-    out = []
-    for layer in range(len(rows[0])):
-        cache = BatchKVCache(left)
-        cache.offset = mx.array([n - p for n, p in zip(lengths, pads, strict=True)])
-        held = [r[layer] for r in rows if r[layer].offset > 0]
-        if held:
-            _, heads, _, dk = held[0].keys.shape
-            dv, dtype = held[0].values.shape[3], held[0].keys.dtype
-            keys = mx.zeros((len(rows), heads, size, dk), dtype)
-            values = mx.zeros((len(rows), heads, size, dv), dtype)
-            for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
-                if n:
-                    keys[i : i + 1, :, end - n : end] = r[layer].keys[..., :n, :]
-                    values[i : i + 1, :, end - n : end] = r[layer].values[..., :n, :]
-            cache.keys, cache.values, cache._idx = keys, values, end
-        out.append(cache)
-    return out, left
-
-
-def _row_view(cache: Any, i: int, start: int) -> Any:
-    """Row `i` of a batch cache (its KV from `start`) as a `KVCache` over a view of its arrays."""
-    from mlx_lm.models.cache import KVCache
-
-    row = KVCache()
-    row.keys = cache.keys[i : i + 1, :, start : cache._idx]
-    row.values = cache.values[i : i + 1, :, start : cache._idx]
-    row.offset = cache._idx - start
-    return row
+    if not draft.kv_shapes:
+        caches = make_prompt_cache(draft.model)
+        draft.model(mx.array([[0]]), cache=caches)
+        draft.kv_shapes[:] = [(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype) for c in caches]
+    return draft.kv_shapes
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
