@@ -5,8 +5,9 @@ Drives the rows' logits processors the way mlx-lm calls them, on already-evaluat
 logits (so `mx.async_eval` returns at once, as on a GPU), with real llguidance
 matchers over a preset's tokenizer, under the bench's regex (`[a-z ]{0,1000000}`:
 every mask new). Reported per step, median over `--steps`: the processors' host
-time (what a GPU host pays before the step's sampling can be queued) and the mask
-ops' evaluation. Works against the tree before cb51efb too (`StepInputs`).
+time (what a GPU host pays before the step's sampling can be queued), the mask
+ops' evaluation, and the CPU time of the whole process over both (every thread:
+the worker's and llguidance's included; what a CPU host without a spare core pays). Works against the tree before cb51efb too (`StepInputs`).
 
     PYTHONPATH=src python benchmarks/micro_constrained_step.py [--preset default] [--batch 1 8] [--steps 300] [--pending 4096]
 
@@ -34,7 +35,7 @@ from mlxd.structured import GrammarCache, constraint_from_request, load_vocabula
 PROMPT = 5
 
 
-def run(cache: GrammarCache, batch: int, steps: int, body: dict[str, Any], pending: int = 0) -> tuple[float, float]:
+def run(cache: GrammarCache, batch: int, steps: int, body: dict[str, Any], pending: int = 0) -> tuple[float, float, float]:
     fed: dict[int, int] = {}
     if hasattr(features, "StepMasks"):
         rows_ref: list[Any] = []
@@ -48,7 +49,7 @@ def run(cache: GrammarCache, batch: int, steps: int, body: dict[str, Any], pendi
     context = [[1] * PROMPT for _ in rows]
     size = cache.vocab.size
     rng = np.random.default_rng(0)
-    host, ev = [], []
+    host, ev, cpu = [], [], []
     for _ in range(steps):
         logits = mx.array(rng.standard_normal((batch, size)).astype(np.float32))
         mx.eval(logits)
@@ -60,20 +61,21 @@ def run(cache: GrammarCache, batch: int, steps: int, body: dict[str, Any], pendi
         ctx = [mx.array(c) for c in context]
         mx.eval(*ctx)
         hub.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = [part.mask(row, ctx[i], logits[i: i + 1]) for i, (row, part) in enumerate(rows)]
         t1 = time.perf_counter()
         mx.eval(*out)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         host.append(t1 - t0)
         ev.append(t2 - t1)
+        cpu.append(c2 - c0)
         for i, o in enumerate(out):
             token = int(mx.argmax(o[0]).item())
             context[i].append(token)
             fed[i] = token
     if hasattr(hub, "close"):
         hub.close()
-    return 1000 * statistics.median(host[10:]), 1000 * statistics.median(ev[10:])
+    return tuple(1000 * statistics.median(x[10:]) for x in (host, ev, cpu))  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -89,8 +91,9 @@ def main() -> None:
     for body in ({"regex": "[a-z ]{0,1000000}"},
                  {"guided_json": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 100000}}):
         for batch in args.batch:
-            host, ev = run(cache, batch, args.steps, body, args.pending)
-            print(f"  {next(iter(body))} batch {batch}: processors' host time {host:.3f} ms/step, mask ops evaluated {ev:.3f} ms/step")
+            host, ev, cpu = run(cache, batch, args.steps, body, args.pending)
+            print(f"  {next(iter(body))} batch {batch}: processors' host time {host:.3f} ms/step, mask ops evaluated "
+                  f"{ev:.3f} ms/step, CPU time of the process (every thread) {cpu:.3f} ms/step")
 
 
 if __name__ == "__main__":

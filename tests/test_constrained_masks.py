@@ -135,3 +135,13 @@ def test_a_lone_walking_row_takes_its_token_on_the_callers_thread(cache):
     assert batch.reads == reads + 1 and batch.rows[0][1].walks
     assert ThreadNoted.threads == [threading.current_thread().name]
     assert batch.masks._worker is None, "no worker thread for one row"
+
+
+@pytest.mark.parametrize("vocab_size", [64, 1000, 8193])
+def test_the_device_unpack_gives_numpys_bits(vocab_size):
+    """A GPU step unpacks the rows' packed masks on the device: bit j of word i is token 32 * i + j, as numpy reads it."""
+    words = (vocab_size + 31) // 32
+    bits = np.random.default_rng(vocab_size).integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    want = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(np.bool_)
+    got = StepMasks(dict, list)._unpacked(bits, vocab_size)
+    assert got.dtype == mx.bool_ and np.array_equal(np.array(got), want)

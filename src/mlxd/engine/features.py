@@ -159,11 +159,13 @@ class StepMasks:
 
     The first walking row's logits processor does it for all of them: it reads the tokens
     the rows feed this step (one read for the batch), feeds each matcher its token, fills
-    one packed bitmask for the rows (one llguidance call, on its threads), copies that to
-    the device once and unpacks it there; each row's processor then applies its own row.
+    one packed bitmask for the rows (one llguidance call, on its threads) and makes one
+    device copy of the rows' masks; each row's processor then applies its own row.
     On the CPU `mx.async_eval` runs most of the forward pass before it returns (MLX caps
-    the tasks in flight), so the matchers' work runs on a worker thread meanwhile; on a GPU
-    the forward pass is started first and the work follows on this thread while it runs.
+    the tasks in flight), so the matchers' work, numpy's unpack of the bits included, runs
+    on a worker thread meanwhile and one bool array is copied; on a GPU the forward pass is
+    started first and the work follows on this thread while it runs, the packed bits copied
+    and unpacked on the device.
     A single walking row is done as the per-row path did it, on this thread after the
     forward pass is started, its mask unpacked by numpy and copied as a bool array: a
     hand-off, the packed copy and the unpack ops cost a one-row step more than they save.
@@ -203,20 +205,22 @@ class StepMasks:
                    and uid in tokens]
         if not walking:
             return {}
-        bits = self._buffer(len(walking), walking[0][1].matcher.vocab_size)
+        vocab_size = walking[0][1].matcher.vocab_size
+        bits = self._buffer(len(walking), vocab_size)
         if len(walking) == 1:  # one row: no hand-off, no unpack graph (the per-row path's cost)
             if on_cpu:
                 mx.async_eval(logits)
             return self._alone(walking[0], bits)
-        if on_cpu:
+        if on_cpu:  # fed, filled and unpacked by numpy on the worker while async_eval runs the forward pass
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-masks")
-            job = self._worker.submit(self._walk, walking, bits)
+            job = self._worker.submit(self._walk_unpacked, walking, bits, vocab_size)
             mx.async_eval(logits)  # releases the GIL while it runs the forward pass
-            job.result()
-        else:
+            allowed = mx.array(job.result())  # one copy of every row's bool mask
+        else:  # the device unpacks: its ops are cheap there, and the copy stays packed
             self._walk(walking, bits)
-        return self._unpacked(walking, bits, walking[0][1].matcher.vocab_size)
+            allowed = self._unpacked(bits[: len(walking)], vocab_size)
+        return {uid: allowed[i : i + 1] for i, (uid, _, _) in enumerate(walking)}
 
     def _alone(self, walking: tuple[int, Constrained, int], bits: np.ndarray) -> dict[int, Any]:
         """One walking row: its matcher fed and its mask filled on this thread, unpacked by numpy."""
@@ -245,15 +249,19 @@ class StepMasks:
             self._bits = np.zeros((max(rows, self._bits.shape[0]), words), dtype=np.int32)
         return self._bits
 
-    def _unpacked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> dict[int, Any]:
+    def _walk_unpacked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> np.ndarray:
+        self._walk(walking, bits)
+        rows = bits[: len(walking)].view(np.uint8)
+        unpacked: np.ndarray = np.unpackbits(rows, axis=1, count=vocab_size, bitorder="little").view(np.bool_)
+        return unpacked
+
+    def _unpacked(self, bits: np.ndarray, vocab_size: int) -> Any:
         import mlx.core as mx
 
         if self._shifts is None:
             self._shifts = mx.arange(32, dtype=mx.int32)
-        n = len(walking)
-        packed = mx.array(bits[:n])  # one copy of every row's packed mask (the buffer is reused next step)
-        allowed = ((packed[:, :, None] >> self._shifts) & 1).reshape(n, -1)[:, :vocab_size].astype(mx.bool_)
-        return {uid: allowed[i : i + 1] for i, (uid, _, _) in enumerate(walking)}
+        packed = mx.array(bits)  # one copy of every row's packed mask (the buffer is reused next step)
+        return ((packed[:, :, None] >> self._shifts) & 1).reshape(len(bits), -1)[:, :vocab_size].astype(mx.bool_)
 
 
 @attrs.define

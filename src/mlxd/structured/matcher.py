@@ -200,18 +200,16 @@ class Matcher:
 
     def consume(self, token: int) -> bool:
         """Advance by `token`; False (and no change) when the grammar does not allow it."""
-        if not self._allows(token):
-            return False
-        if not self._ll.consume_token(token):
-            raise RuntimeError(f"llguidance allowed token {token} but refused it: {self._ll.get_error()[:300]}")
+        if token in self._grammar.vocab.eos_ids:
+            # llguidance's validate/try_consume never take EOS: it is allowed when the output is complete
+            if not (self.accepting and not self._ll.is_error()):
+                return False
+            if not self._ll.consume_token(token):
+                raise RuntimeError(f"llguidance allowed EOS {token} but refused it: {self._ll.get_error()[:300]}")
+        elif not (0 <= token < self._grammar.vocab.size and self._ll.try_consume_tokens([token]) == 1):
+            return False  # one call checks and takes it (a refused token changes nothing)
         self._tokens.append(token)
         return True
-
-    def _allows(self, token: int) -> bool:
-        # llguidance's validate_tokens never counts EOS: it is allowed when the output is complete
-        if token in self._grammar.vocab.eos_ids:
-            return self.accepting and not self._ll.is_error()
-        return 0 <= token < self._grammar.vocab.size and self._ll.validate_tokens([token]) == 1
 
     def consume_all(self, tokens: Iterable[int]) -> int:
         """Consume tokens in order until one is refused; how many were taken."""
