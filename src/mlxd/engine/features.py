@@ -251,7 +251,7 @@ class StepMasks:
 
     def _walk_unpacked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> np.ndarray:
         self._walk(walking, bits)
-        rows = bits[: len(walking)].view(np.uint8)
+        rows: np.ndarray = bits[: len(walking)].view(np.uint8)
         unpacked: np.ndarray = np.unpackbits(rows, axis=1, count=vocab_size, bitorder="little").view(np.bool_)
         return unpacked
 
