@@ -298,6 +298,16 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
         ratios = [abs(r[f"ratio_{p}"] - 1) for r in rows[name] for p in ("p50", "p95") if r[f"ratio_{p}"]]
         worst[name] = max(ratios) if ratios else None
         print(f"worst |ratio - 1|: {worst[name]:.3f}\n" if worst[name] is not None else "no comparable tier\n")
+    # How far the live server moved between the two runs: no model of the first run predicts that part.
+    result["drift"] = drift(result["recorded"]["calibration"], recorded)
+    print("live drift, predicted run / calibration run: "
+          + ", ".join(f"{t} p50 {d['p50']:.2f} p95 {d['p95']:.2f}" for t, d in result["drift"].items()))
+
+
+def drift(calibration: dict[str, dict[str, float]], predicted: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per tier in both runs: the predicted run's recorded p50 and p95 over the calibration run's."""
+    return {t: {p: round(predicted[t][p] / calibration[t][p], 3) for p in ("p50", "p95")}
+            for t in predicted if t in calibration and min(calibration[t]["p50"], calibration[t]["p95"]) > 0}
 
 
 def main(argv: list[str] | None = None) -> Path | None:

@@ -287,6 +287,9 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert set(result["traces"]) == {"calibration", "predicted"}
     assert {r["tier"] for r in result["rows"]["fit"]} >= {"miss", "ram"}
     assert "tier_ratios" in result["fitted_cost_model"] and "error" not in result
+    assert set(result["drift"]) == {r["tier"] for r in result["rows"]["fit"]} & set(result["recorded"]["calibration"])
+    assert bench_sim_ttft.drift({"miss": {"p50": 2.0, "p95": 4.0}}, {"miss": {"p50": 1.0, "p95": 6.0}, "ram": {
+        "p50": 1.0, "p95": 1.0}}) == {"miss": {"p50": 0.5, "p95": 1.5}}
 
     empty = tmp_path / "empty.jsonl"  # a recording with nothing measured: the fit fails
     empty.write_text(result["traces"]["predicted"][0] + "\n")
