@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import pytest
 
 from mlxd.kv.ngram import SpeculationGate
 
@@ -165,3 +166,44 @@ def test_a_draft_model_barely_faster_in_its_timed_steps_pauses():
     gate = SpeculationGate()
     tally = drive(gate, device, runs=3, tokens=192, rows=1, accepted=4)
     assert gate.pauses >= 2 and tally.verifying <= 0.2 * tally.steps, tally
+
+
+def test_a_draft_models_one_off_work_is_charged_to_verifying():
+    """Verifying steps timed at 2x plain's rate, but each run's first verifying step also paid the
+    draft's prefill of every row's prompt (reported as `charged`): spread over the tokens verifying
+    emitted, it makes verifying the slower, so drafting pauses after it, in each run; the same steps
+    without that work never pause. A charged step's own time is measured without it, and a pause
+    clears the charge (what was paid is not held against the steps after it: they resume)."""
+
+    def run(charged_s: float) -> tuple[SpeculationGate, Tally]:
+        gate, tally, now, charged = SpeculationGate(), Tally(), 0.0, 0.0
+        plain_s, verify_s = 0.010, 0.025  # 5 tokens a row for 2.5 plain steps' time: 2x
+        for _ in range(3):
+            left, first = 96, True
+            while left > 0:
+                gate.started(now, charged=charged)
+                charged = 0.0
+                verifying = gate.allow(8)
+                emitted = min(left, 5) if verifying else 1
+                cost = verify_s if verifying else plain_s
+                if verifying and first:  # the draft prefills the rows' prompts inside this step
+                    cost, charged, first = cost + charged_s, charged_s, False
+                gate.ran(rows=8, verifying=verifying, tokens=emitted * 8, start=now)
+                now += cost
+                left -= emitted
+                tally.steps += 1
+                tally.verifying += verifying
+            gate.idle(now, charged=charged)
+            charged = 0.0
+            now += 4.0
+        return gate, tally
+
+    free, free_tally = run(0.0)
+    assert free.pauses == 0 and free_tally.verifying >= 0.8 * free_tally.steps, free_tally
+    plain, verify = free.rates(8)
+    assert verify == pytest.approx(2 * plain, rel=0.01)
+    paid, paid_tally = run(2.0)  # 2 s of prefill against ~0.5 s of decoding per run
+    # One 16-step pause per run, right after its charged stretch; verifying resumes after each.
+    assert paid_tally.steps - paid_tally.verifying >= 3 * 16, paid_tally
+    assert paid_tally.verifying >= 0.3 * paid_tally.steps, paid_tally
+    assert paid.rates(8)[1] == pytest.approx(2 * paid.rates(8)[0], rel=0.01)  # after the pause: uncharged

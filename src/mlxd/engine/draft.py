@@ -19,6 +19,7 @@ than the target's: the draft then prefills only the rest at its first step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,7 @@ class ModelDrafts:
         if k <= 0:
             return []
         seq = [*tokens, pending]
-        feed = self._catch_up(seq, self.draft.prefill_step)  # a long prefix (a row's first step) in chunks
+        feed = self._catch_up(seq, 1 + k)  # a long prefix (a row's first step) fed alone first, timed (the gate)
         model = self.draft.model
         self._own()
         assert self.caches is not None
@@ -176,6 +177,7 @@ class ModelDrafts:
         last chunk of at most one step, which is returned (its logits are the caller's)."""
         import mlx.core as mx
 
+        began = time.perf_counter()
         self._own()
         assert self.caches is not None
         step = self.draft.prefill_step
@@ -183,6 +185,7 @@ class ModelDrafts:
             chunk, ids = ids[:step], ids[step:]
             self.draft.model(mx.array([chunk]), cache=self.caches)
             mx.eval([c.state for c in self.caches])
+        self.prefix.alone_s += time.perf_counter() - began  # the engine's gate is charged with it
         return ids
 
     def checkpoint(self, tokens: Sequence[int] | None = None, *, complete: bool = False) -> tuple[list[Any], list[int]]:

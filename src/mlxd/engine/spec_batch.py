@@ -47,6 +47,8 @@ class SpeculativeBatch(GenerationBatch):
     _next_logprobs: Any
     _current_tokens: Any
     _current_logprobs: Any
+    _host_next: tuple[Any, list[int]] | None = None  # `_next_tokens` and its values, when made on the host
+    _alone_seen: float = 0.0  # the draft's seconds fed alone, as of the gate's last charge
 
     @classmethod
     def build(cls, model: Any, fallback_sampler: Any, *, drafts: Drafts, k: int) -> SpeculativeBatch:
@@ -57,7 +59,7 @@ class SpeculativeBatch(GenerationBatch):
     def next(self) -> list[Any]:
         start = time.perf_counter()
         gate = self.drafts.gate
-        gate.started(start)
+        gate.started(start, charged=self._charged())
         if not self.uids:
             return []
         rows = len(self.uids)
@@ -68,8 +70,15 @@ class SpeculativeBatch(GenerationBatch):
             responses = super().next()
         gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start)
         if not self.uids:  # every row ended: the time until rows come again is no step's
-            gate.idle(time.perf_counter())
+            gate.idle(time.perf_counter(), charged=self._charged())
         return responses
+
+    def _charged(self) -> float:
+        """Seconds the draft model fed rows alone since the last call (the gate is charged with them)."""
+        total = self.drafts.prefix.alone_s
+        charged = total - self._alone_seen
+        self._alone_seen = total
+        return charged
 
     def _proposals(self) -> tuple[dict[int, list[int]], list[int]]:
         """Each drafting row's pending token and drafts, by batch index, and every row's pending token
@@ -77,7 +86,11 @@ class SpeculativeBatch(GenerationBatch):
         wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid)]
         if not wanting:
             return {}, []
-        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
+        known = getattr(self, "_host_next", None)
+        if known is not None and known[0] is self._next_tokens:  # a verifying step's samples: on the host already
+            pending = known[1]
+        else:  # after a plain step: waits for its forward (mlx-lm's pipelined step left it in flight)
+            pending = self._next_tokens.tolist()  # type: ignore[assignment]
         asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i in wanting]
         drafted = self.drafts.propose(asks)
@@ -96,8 +109,11 @@ class SpeculativeBatch(GenerationBatch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
         samples, keys = self._sample(logprobs, fed)
-        mx.eval(samples)
-        sampled: list[list[int]] = [s.tolist() for s in samples]  # type: ignore[misc]
+        flat: list[int] = mx.concatenate(samples).tolist()  # type: ignore[assignment]  # the step's one sync
+        sampled, at = [], 0
+        for f in fed:
+            sampled.append(flat[at : at + len(f)])
+            at += len(f)
 
         kept: list[int] = []  # positions of each row's KV that stay (its pending token + accepted drafts)
         for i in range(n_rows):
@@ -122,7 +138,9 @@ class SpeculativeBatch(GenerationBatch):
             self.tokens[i].extend(emitted[i])
             if self.logits_processors and self.logits_processors[i]:
                 self._token_context[i].update_and_fetch(mx.array(emitted[i], dtype=mx.int32))
-        self._next_tokens = mx.array([sampled[i][kept[i] - 1] for i in range(n_rows)], dtype=self._next_tokens.dtype)
+        following = [sampled[i][kept[i] - 1] for i in range(n_rows)]
+        self._next_tokens = mx.array(following, dtype=self._next_tokens.dtype)
+        self._host_next = (self._next_tokens, following)  # the next step's drafts need no read back
         self._next_logprobs = [logprobs[i, kept[i] - 1] for i in range(n_rows)]
         return self._responses(emitted, emitted_logprobs)
 

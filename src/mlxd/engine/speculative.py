@@ -50,6 +50,9 @@ class DraftPrefixCounts:
 
     reused: int = 0
     recomputed: int = 0
+    # Seconds the draft spent feeding a row alone (its prefix at its first draft, a catch-up on steps
+    # it sat out, the row's end): drafting's one-off work, which the engine's gate is charged with.
+    alone_s: float = 0.0
 
 
 def draft_namespace(namespace: str, tag: str) -> str:

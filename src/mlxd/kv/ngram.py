@@ -132,6 +132,8 @@ class _Rates:
     pause: int = 0  # steps left in the current pause
     pauses: int = 0  # pauses in a row (the next one is 4 times longer)
     suspect: bool = False  # verifying measured slower once: plain is measured afresh before a pause
+    charged_s: float = 0.0  # drafting's one-off seconds since the last pause (a draft model's catch-ups)
+    charged_tokens: int = 0  # tokens the verifying steps emitted since the last pause (timed or not)
 
     @property
     def plain(self) -> float:
@@ -139,7 +141,14 @@ class _Rates:
 
     @property
     def verify(self) -> float:
-        return statistics.median(self.verifies) if self.verifies else 0.0
+        """Verifying's rate: the median of its timed steps, with the one-off seconds (`charge`) spread
+        over the tokens verifying emitted since the last pause."""
+        if not self.verifies:
+            return 0.0
+        rate = statistics.median(self.verifies)
+        if self.charged_s > 0 and self.charged_tokens > 0:
+            rate = 1.0 / (1.0 / rate + self.charged_s / self.charged_tokens)
+        return rate
 
 
 @attrs.define
@@ -168,6 +177,13 @@ class SpeculationGate:
     Acceptance needs no clock: a verifying step costs at least a plain one, so while its tokens
     per row stay under `min_gain` (drafts are rejected: an unrelated draft model, text that does
     not repeat) it cannot pay, and drafting pauses after `min_tries` such steps, timed or not.
+
+    Work drafting pays once rather than per step (a draft model's prefill of a row's prompt at
+    its first draft, its catch-up on the tokens of steps it sat out) is reported with the step it
+    fell in (`started(now, charged=...)`): it is taken out of that step's time, so a timed step
+    measures the steady cost, and spread over the tokens verifying steps emitted since the last
+    pause, which lowers verifying's rate by as much. Such a step after plain ones, never timed,
+    is counted too.
     """
 
     window: int = 5  # steps of each kind whose median rate is compared
@@ -208,8 +224,9 @@ class SpeculationGate:
         self.withheld += not allowed
         return allowed
 
-    def started(self, now: float) -> None:
-        """A step starts: the previous one ends here."""
+    def started(self, now: float, *, charged: float = 0.0) -> None:
+        """A step starts: the previous one ends here. `charged`: seconds of the previous step that
+        drafting paid once (see the class docstring)."""
         if self._open is None:
             return
         rows, verifying, tokens, start = self._open
@@ -217,7 +234,11 @@ class SpeculationGate:
         follows = self._last == (rows, verifying)
         self._last = (rows, verifying)
         r = self._by_rows.setdefault(rows, _Rates())
+        if charged > 0:
+            r.charged_s += charged
+            start = min(now, start + charged)  # the step's own time, without it
         if verifying:
+            r.charged_tokens += tokens
             r.since_plain += 1
             r.tried += 1
             r.gain = tokens / rows if r.tried == 1 else r.gain + 0.5 * (tokens / rows - r.gain)
@@ -248,12 +269,13 @@ class SpeculationGate:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
         r.verifies, r.tried, r.gain, r.suspect = [], 0, 0.0, False  # measured afresh after the pause
+        r.charged_s, r.charged_tokens = 0.0, 0
 
     def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
         self._open = (rows, verifying, tokens, start)
 
-    def idle(self, now: float) -> None:
+    def idle(self, now: float, *, charged: float = 0.0) -> None:
         """The batch ran empty: the last step ends here (not when rows arrive again), and the next
         step follows nothing."""
-        self.started(now)
+        self.started(now, charged=charged)
         self._last = None
