@@ -2,7 +2,7 @@
 """What one verifying step costs next to a plain one: wall ms, host syncs and attention shapes, per step kind.
 
     python benchmarks/bench_verify_step.py [--preset test] [--tokens 128] [--k 4] [--rounds 3]
-        [--batch 8] [--draft-self] [--draft-preset PRESET ...] [--no-whole]
+        [--batch 8] [--draft-self] [--draft-preset PRESET ...] [--no-whole] [--temperature 4]
 
 One row (batch 1), greedy, a repetitive prompt (n-gram drafts at acceptance
 ~1.0), `--speculative ngram` with the gate forced on (every step verifies when
@@ -155,13 +155,18 @@ class Probe:
             print(f"note: mx.array.{name} cannot be wrapped; not counted", file=sys.stderr)
 
 
+TEMPERATURE = 0.0  # --temperature: rows sample (seeded) instead of greedy
+
+
 def request(vocab: int, tokens: int, span: int, lead: int, row: int = 0) -> GenerationRequest:
     """The repetitive prompt after `lead` filler tokens (each round its own lengths, as requests have)."""
     rnd = random.Random(f"repetitive-{1 + row}")
     quoted = [rnd.randrange(3, vocab) for _ in range(span)]
     prompt = [rnd.randrange(3, vocab) for _ in range(lead)] + quoted + [rnd.randrange(3, vocab) for _ in range(8)]
     prompt += quoted + quoted[: span // 8]
-    return GenerationRequest(request_id=f"r{row}", prompt=tuple(prompt), sampling=SamplingParams(max_tokens=tokens))
+    sampling = (SamplingParams(max_tokens=tokens, temperature=TEMPERATURE, seed=100 + row) if TEMPERATURE
+                else SamplingParams(max_tokens=tokens))
+    return GenerationRequest(request_id=f"r{row}", prompt=tuple(prompt), sampling=sampling)
 
 
 def requests(vocab: int, tokens: int, span: int, lead: int, batch: int) -> list[GenerationRequest]:
@@ -219,6 +224,7 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
             continue
         keys = sorted({k for s in mine for k in s} - {"kind", "shapes"})
         out[kind] = {"steps": len(mine), **{k: statistics.median(s.get(k, 0) for s in mine) for k in keys}}
+        out[kind]["means"] = {k: round(statistics.fmean(s.get(k, 0) for s in mine), 3) for k in keys}
         out[kind]["mean_ms"] = statistics.fmean(s["ms"] for s in mine)
         out[kind]["mean_copied_kb"] = statistics.fmean(s.get("copied_kb", 0) for s in mine)
         out[kind]["distinct_attention_shapes"] = len({tuple(x) for s in mine for x in s["shapes"]})
@@ -268,7 +274,12 @@ def main() -> None:
     p.add_argument("--no-whole", dest="whole", action="store_false",
                    help="leave out the n-gram arm over the whole KV buffer")
     p.add_argument("--no-ngram", dest="ngram", action="store_false", help="leave out the n-gram arms")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="rows sample at this temperature (seeded): at 4 nothing repeats, n-gram lookups find "
+                        "nothing (what a lookup costs a step that does not verify)")
     args = p.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     from mlxd.engine import spec_batch
 
     model = bf16_model(args.bf16_shape) if args.bf16_shape else ensure_model(args.preset)
@@ -323,9 +334,10 @@ def main() -> None:
           f"load {load[0]:.1f}; tokens identical to off: {same}")
     for arm in arms:
         for kind, s in summary[arm].items():
-            counts = ", ".join(f"{k} {v:g}" for k, v in s.items() if k not in ("steps", "ms", "mean_ms", "mean_copied_kb"))
+            counts = ", ".join(f"{k} {v:g}" for k, v in s.items() if k not in ("steps", "ms", "mean_ms", "mean_copied_kb", "means"))
             print(f"  {arm:11s} {kind:6s}: {s['steps']:4d} steps, median {s['ms']:.2f} ms/step "
-                  f"(mean {s['mean_ms']:.2f}, copied KV mean {s['mean_copied_kb']:.0f} KiB); per step (median): {counts}")
+                  f"(mean {s['mean_ms']:.2f}, copied KV mean {s['mean_copied_kb']:.0f} KiB); per step (median): {counts}; "
+                  f"means: {', '.join(f'{k} {v:g}' for k, v in s['means'].items() if k in ('eval', 'tolist', 'item', 'wait_ms'))}")
     ratio = None
     if "ngram_whole" in summary and "verify" in summary["ngram_whole"] and "verify" in summary["ngram_exact"]:
         ratio = summary["ngram_whole"]["verify"]["ms"] / summary["ngram_exact"]["verify"]["ms"]

@@ -52,6 +52,27 @@ def test_a_loop_is_read_on_past_the_end():
     assert lookup.propose(5) == [4, 5, 4, 5, 4]
 
 
+def test_a_lookup_knows_without_the_next_token_when_it_cannot_find_anything():
+    """`may_propose_after` is False only where every possible next token's lookup finds nothing (so
+    the engine need not read the pending token from the device to back off)."""
+    rnd = random.Random(5)
+    for _ in range(300):
+        tokens = [rnd.randrange(1, 12) for _ in range(rnd.randrange(1, 30))]
+        lookup = PromptLookup()
+        lookup.observe(tokens)
+        if lookup.may_propose_after():
+            continue
+        for nxt in range(1, 12):
+            probe = PromptLookup()
+            probe.observe([*tokens, nxt])
+            assert probe.propose(4) == [], (tokens, nxt)
+    lookup = PromptLookup()
+    lookup.observe([5, 6, 7])
+    assert not lookup.may_propose_after(), "7 never occurred before with a token after it"
+    lookup.observe([5, 6, 7, 5])
+    assert lookup.may_propose_after(), "5 was followed by 6: (5, 6) may match"
+
+
 def test_backoff_waits_longer_after_each_rejection_and_resets_on_acceptance():
     b = Backoff(max_wait=4)
     assert b.ready()

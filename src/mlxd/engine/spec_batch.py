@@ -83,7 +83,7 @@ class SpeculativeBatch(GenerationBatch):
     def _proposals(self) -> tuple[dict[int, list[int]], list[int]]:
         """Each drafting row's pending token and drafts, by batch index, and every row's pending token
         (read, one host sync, only if a row drafts)."""
-        wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid)]
+        wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid, self.tokens[i])]
         if not wanting:
             return {}, []
         known = getattr(self, "_host_next", None)

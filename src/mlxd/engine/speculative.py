@@ -115,6 +115,13 @@ class NgramDrafts:
             self.lookup.append(pending)
         return self.lookup.propose(k)
 
+    def may_propose(self, tokens: Sequence[int]) -> bool:
+        """Whether a proposal after `tokens` and a pending token not read yet could find anything."""
+        if len(self.lookup) > len(tokens):  # the pending token is indexed already (a step that did read it)
+            return True
+        self.lookup.observe(tokens)
+        return self.lookup.may_propose_after()
+
 
 @attrs.define
 class Speculation(Feature):
@@ -183,10 +190,19 @@ class Drafts:
                 return part
         return None
 
-    def wants(self, uid: int) -> bool:
-        """Whether this row drafts at this step (no sync needed to know)."""
+    def wants(self, uid: int, tokens: Sequence[int] | None = None) -> bool:
+        """Whether this row drafts at this step (no sync needed to know). With the row's `tokens`
+        (on the host: those before the pending one), an n-gram row whose lookup cannot find anything
+        whatever its pending token is backs off here, as its lookup would: the pending token is then
+        not read from the device (after a plain step that read waits for the forward in flight)."""
         part = self._part(uid)
-        return part is not None and part.backoff.ready()
+        if part is None or not part.backoff.ready():
+            return False
+        source = part.source
+        if tokens is not None and isinstance(source, NgramDrafts) and not source.may_propose(tokens):
+            part.backoff.nothing_found()
+            return False
+        return True
 
     def propose(self, asks: Sequence[tuple[int, Sequence[int], int, int]]) -> list[list[int]]:
         """Each row's drafts, for `(uid, tokens, pending, limit)` each. Rows drafting from the draft

@@ -26,6 +26,7 @@ class PromptLookup:
     min_n: int = 2
     _tokens: list[int] = attrs.Factory(list)
     _after: dict[tuple[int, ...], int] = attrs.Factory(dict)
+    _followed: set[int] = attrs.Factory(set)  # tokens that occur with a token after them
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Catch up with the row: `tokens` is its whole sequence so far; only the new tail is read."""
@@ -40,7 +41,20 @@ class PromptLookup:
         for n in range(self.min_n, self.max_n + 1):
             if p - n >= 0:
                 self._after[tuple(toks[p - n:p])] = p
+        if p:
+            self._followed.add(toks[p - 1])
         toks.append(token)
+
+    def may_propose_after(self) -> bool:
+        """Whether a lookup could find anything once one more token is appended, whichever it is.
+
+        The lookup then matches an n-gram (n ≥ `min_n` ≥ 2) ending with that token, so the row's
+        current last token must have occurred earlier with a token after it; when it has not, the
+        lookup would find nothing, and the next token need not be known (read from the device) to
+        say so."""
+        if self.min_n < 2:  # a lookup of the new token alone: anything seen before may match
+            return True
+        return bool(self._tokens) and self._tokens[-1] in self._followed
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix n-gram's latest earlier occurrence ([] if none)."""
