@@ -6,7 +6,9 @@
    that stays open the whole way (a regex, and a JSON schema of a long array),
    so every step computes a mask. Arms alternate for `--rounds` rounds in one
    process; reported: median decode tokens/s per arm and the median of its
-   per-round ratios to "free" (the goal: >= 0.97), per batch size.
+   per-round ratios to "free" (the goal: >= 0.97), per batch size, and the
+   process's CPU time per token (every thread) with its ratio to "free": on a
+   host whose cores are busy, the extra work a constrained step costs.
 2. Time to first token with a grammar compiled for this request (a schema no
    earlier request used) against one from the grammar cache (the same schema
    again), per schema in `TTFT_SCHEMAS` (a one-property object, a 30-property
@@ -49,20 +51,31 @@ ARMS: dict[str, dict[str, Any] | None] = {
 }
 
 
+CPU_MS: list[float] = []  # the last decode_rate's CPU time of this process per token (every thread), in ms
+
+
 async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> float:
-    """Tokens/s of `batch` rows decoding together, from the first token of the batch to the last."""
+    """Tokens/s of `batch` rows decoding together, from the first token of the batch to the last.
+
+    Also notes the process's CPU time per token over the same span in CPU_MS: on a host
+    whose cores are all busy that is what a step's extra work costs, whatever it overlaps.
+    """
     stamps: list[float] = []
+    cpu: list[float] = []
 
     async def row() -> None:
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             async for event in stream:
                 if isinstance(event, TokenGenerated):
                     stamps.append(time.perf_counter())
+                    cpu.append(time.process_time())
 
     async with trio.open_nursery() as nursery:
         for _ in range(batch):
             nursery.start_soon(row)
     stamps.sort()
+    cpu.sort()
+    CPU_MS[:] = [1000 * (cpu[-1] - cpu[batch - 1]) / (len(cpu) - batch)]
     return (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
 
 
@@ -173,18 +186,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await decode_rate(rt, prompt, samplings[arm], 1)
         for batch in [] if args.ttft_only else args.batch:
             rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
             for r in range(args.rounds):
                 order = list(ARMS)[r % len(ARMS):] + list(ARMS)[:r % len(ARMS)]
                 for arm in order:
                     rates[arm].append(await decode_rate(rt, prompt, samplings[arm], batch))
+                    cpu[arm].append(CPU_MS[0])
             # The ratio is the median of per-round ratios: each round's arms ran back to back.
             out["decode"][str(batch)] = {
                 arm: {"tok_s": round(statistics.median(v), 1),
                       "ratio": round(statistics.median(x / f for x, f in zip(v, rates["free"], strict=True)), 3),
-                      "rounds": [round(x, 1) for x in v]}
+                      "rounds": [round(x, 1) for x in v],
+                      "cpu_ms_per_token": round(statistics.median(cpu[arm]), 3),
+                      "cpu_ratio": round(statistics.median(c / f for c, f in zip(cpu[arm], cpu["free"], strict=True)), 3)}
                 for arm, v in rates.items()
             }
-            print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x)"
+            print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x; CPU {d['cpu_ms_per_token']} "
+                                                 f"ms/token, {d['cpu_ratio']}x)"
                                                  for a, d in out["decode"][str(batch)].items()), flush=True)
         out["ttft"] = await ttft_cases(rt, prompt, args.rounds)
     return out
