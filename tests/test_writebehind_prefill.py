@@ -74,7 +74,7 @@ def test_a_held_pacer_waits_on_its_thread_until_the_first_token():
     t = threading.Thread(target=write_a_slice)
     t.start()
     try:
-        for _ in range(2000):  # until the writer is parked in its hold
+        for _ in range(12_000):  # until the writer is parked in its hold (up to a minute on a loaded host)
             if g.holds:
                 break
             threading.Event().wait(0.005)

@@ -72,8 +72,8 @@ class SsdWriterActor:
         workers: int = 1,
         staging: bool | None = None,
     ) -> None:
-        """`staging`: copy each checkpoint to a host buffer before writing it; None decides by the device
-        (only where host memory is not the device's: CUDA), True stages anyway (tests)."""
+        """`staging`: copy each piece written (new blocks, whole files) to a host buffer first; None decides
+        by the device (only where host memory is not the device's: CUDA), True stages anyway (tests)."""
         self._store = store
         self._staging = staging
         self._workers = max(1, workers)
@@ -83,7 +83,8 @@ class SsdWriterActor:
         # Set when the runtime shuts down: a paced write in flight stops at its next slice.
         self.stopping = threading.Event()
         self._stats = WriterStats()
-        self._staged: dict[int, tuple[int, int]] = {}  # per worker's staging: (checkpoints, bytes)
+        # One for every worker: a page-locked buffer per writing thread (workers and block-write threads).
+        self._stager = host_memory.Staging()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -99,9 +100,9 @@ class SsdWriterActor:
         thread = MlxThread(f"mlxd-ssd-writer-{i}")
         try:
             await thread.run(lower_priority)
-            # On CUDA, a host buffer of its own; it is allocated at its first write.
+            # On CUDA, staged through host buffers, allocated at their first use.
             stage = self._staging if self._staging is not None else await thread.run(host_memory.separate_host_memory)
-            staging = host_memory.Staging() if stage else None
+            staging = self._stager if stage else None
             task_status.started()
             async for job in self._inbox:
                 await self._outbox.send(await self._write(job, thread, staging))
@@ -127,10 +128,8 @@ class SsdWriterActor:
             outcome = Failed(repr(exc))
         seconds = time.perf_counter() - t0
         self._stats = self._count(outcome, seconds, pacer)
-        if staging is not None:  # the counts of every worker's staging
-            self._staged[id(staging)] = (staging.staged, staging.staged_bytes)
-            self._stats = attrs.evolve(self._stats, staged=sum(n for n, _ in self._staged.values()),
-                                       staged_bytes=sum(b for _, b in self._staged.values()))
+        if staging is not None:
+            self._stats = attrs.evolve(self._stats, staged=staging.staged, staged_bytes=staging.staged_bytes)
         return SnapshotWritten(job.job, outcome, seconds, self._stats)
 
     def _count(self, outcome: WriteOutcome, seconds: float, pacer: Pacer | None) -> WriterStats:
