@@ -298,14 +298,14 @@ def main() -> None:
         arms["ngram_exact"] = (spec, False)
         if hasattr(spec_batch, "WHOLE_BUFFER") and args.whole:
             arms["ngram_whole"] = (spec, True)
+    default = getattr(spec_batch, "WHOLE_BUFFER", None)
     drafts = ([str(model)] if args.draft_self else []) + [str(ensure_model(d)) for d in args.draft_preset]
     for d in drafts:
         name = "draft=self" if d == str(model) else f"draft={Path(d).name}"
         core = EngineCore(RuntimeConfig(**base, speculative="draft", draft_model=d, num_draft_tokens=args.k))
         core.load()
         force_gate_open(core)
-        arms[name] = (core, False)
-    default = getattr(spec_batch, "WHOLE_BUFFER", None)
+        arms[name] = (core, default)  # the device's own choice (CUDA: the whole buffer)
     warm = requests(info.vocab_size, 24, args.span, 0, args.batch)
     for core, whole in arms.values():  # warm-up: kernels, nothing measured
         if whole is not None and default is not None:
