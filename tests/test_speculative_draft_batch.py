@@ -180,16 +180,16 @@ def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_di
             pending[i] = rnd.randrange(3, 250)
 
     step([0, 1, 2])
-    batch, c = draft.batch[0], draft_mod.COPIED
+    batch, c = draft.batch[0](), draft_mod.COPIED
     before = (c.bytes, c.builds, c.adopted)
     for _ in range(3):
         step([0, 1, 2])
-    assert draft.batch[0] is batch and (c.bytes, c.builds, c.adopted) == before
+    assert draft.batch[0]() is batch and (c.bytes, c.builds, c.adopted) == before
     tokens[1] = [*tokens[1], pending[1], *_tokens(12)]  # row 1 sat out: its catch-up runs alone
     pending[1] = rnd.randrange(3, 250)
     step([0, 2])  # row 1 keeps its slot, not advanced
     step([0, 1, 2])
-    assert draft.batch[0] is batch and c.builds == before[1] and c.adopted == before[2] + 1
+    assert draft.batch[0]() is batch and c.builds == before[1] and c.adopted == before[2] + 1
     # Row 2 ends; a new row takes its slot (its own KV copied in), nothing else is copied.
     del together[2], alone[2], tokens[2], pending[2]
     gc.collect()
@@ -199,8 +199,14 @@ def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_di
     tokens.append(newcomer[:-1])
     pending.append(newcomer[-1])
     step([0, 1, 2])
-    assert draft.batch[0] is batch and c.builds == before[1]
+    assert draft.batch[0]() is batch and c.builds == before[1]
     # A checkpoint of a row in the batch is a copy of its tokens' KV, not a view of the batch.
     caches, held = together[0].checkpoint()
     assert held == together[0].held[: together[0].accepted] and caches[0].offset == len(held)
     assert caches[0].keys.shape[2] == len(held)
+    # The batch lives while rows' caches are its slots: when the rows go, so does the draft KV it held.
+    together.clear()
+    alone.clear()
+    del batch, caches
+    gc.collect()
+    assert draft.batch[0]() is None

@@ -41,8 +41,9 @@ class DraftModel:
     # A vision target's image placeholder id: the draft (no vision tower) reads an image's span as
     # that placeholder, repeated (kv/media.py's `model_tokens`); None for a text-only target.
     placeholder: int | None = None
-    # The rows' batch cache, kept from step to step (`DraftBatch`; at most one), and the draft's KV
-    # shapes per layer: mutable state of the engine's MLX thread.
+    # The rows' batch cache, kept from step to step (a weak reference to a `DraftBatch`: the rows'
+    # slots keep it, so it goes with the last of them), and the draft's KV shapes per layer:
+    # mutable state of the engine's MLX thread.
     batch: list[Any] = attrs.Factory(list)
     kv_shapes: list[Any] = attrs.Factory(list)
 
@@ -322,12 +323,9 @@ class DraftBatch:
         room = -(-(max(sizes) + self.step) // self.step) * self.step
         self.keys = [mx.zeros((self.size, h, room, dk), dtype) for h, dk, _, dtype in shapes]
         self.values = [mx.zeros((self.size, h, room, dv), dtype) for h, _, dv, dtype in shapes]
-        self._slots: list[list[_Slot]] = [[_Slot(self, layer, i) for layer in range(len(shapes))]
-                                          for i in range(self.size)]
         COPIED.builds += 1
         for i, r in enumerate(rows):
             self._adopt(i, r)
-        self._view: list[Any] = [_LayerView(self, layer) for layer in range(len(shapes))]
         self._pos: Any = None
         self._offsets: Any = None
         self._fed: list[int] = []
@@ -336,7 +334,7 @@ class DraftBatch:
     def for_rows(cls, draft: DraftModel, rows: Sequence[ModelDrafts]) -> DraftBatch:
         """The draft's batch kept from the step before when it has a slot for every row (rows whose KV
         changed since are copied into theirs), else a new one over `rows`."""
-        batch = draft.batch[0] if draft.batch else None
+        batch = draft.batch[0]() if draft.batch else None  # a weak reference: the rows' slots keep it
         if batch is not None:
             live = {id(r): i for i, ref in enumerate(batch.refs) if (r := ref()) is not None}
             if all(id(r) in live for r in rows) and 2 * len(rows) >= batch.size:
@@ -356,21 +354,28 @@ class DraftBatch:
                     batch._adopt(live[id(r)], r)
                 return batch
         batch = cls(draft, rows)
-        draft.batch[:] = [batch]
+        import weakref
+
+        draft.batch[:] = [weakref.ref(batch)]
         return batch
 
     def slot_of(self, row: ModelDrafts) -> int:
         return next(i for i, ref in enumerate(self.refs) if ref() is row)
 
     def slots(self, i: int) -> list[Any]:
-        """Slot `i` as a row's caches (one `_Slot` per layer: the same list object each time)."""
-        return self._slots[i]
+        """Slot `i` as a row's caches (one `_Slot` per layer). The batch holds no reference to them
+        (nor to its rows): it lives while a row's caches are its slots."""
+        return [_Slot(self, layer, i) for layer in range(len(self.keys))]
+
+    def _holds(self, caches: list[Any] | None, i: int) -> bool:
+        return caches is not None and len(caches) > 0 and isinstance(caches[0], _Slot) \
+            and caches[0].batch is self and caches[0].i == i
 
     def _adopt(self, i: int, row: ModelDrafts) -> None:
         """Copy `row`'s KV (its tokens only: its own caches, or its slot in an earlier batch) into
         slot `i`, and make the slot its caches; nothing to do when they already are."""
         caches = row.caches
-        if caches is self._slots[i]:
+        if self._holds(caches, i):
             return
         n = caches[0].offset if caches else 0
         if n and caches:
@@ -382,7 +387,7 @@ class DraftBatch:
             COPIED.adopted += 1
         for lengths in self.lengths.per_layer:
             lengths[i] = n
-        row.caches = self._slots[i]
+        row.caches = self.slots(i)
 
     def _reserve(self, need: int) -> None:
         import mlx.core as mx
@@ -406,7 +411,7 @@ class DraftBatch:
         self._pos = mx.array(lengths)[:, None] + mx.arange(width)[None]  # (slots, width): where ids go
         self._offsets = mx.array(lengths)
         self._fed = fed
-        logits = self.draft.model(inputs, cache=self._view)
+        logits = self.draft.model(inputs, cache=[_LayerView(self, layer) for layer in range(len(self.keys))])
         for per_layer in self.lengths.per_layer:
             for i, n in enumerate(fed):
                 per_layer[i] += n
