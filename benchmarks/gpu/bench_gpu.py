@@ -62,6 +62,27 @@ def log(*a: Any) -> None:
     print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
+def run_streamed(args: list[str], *, result: str = "last", merge_stderr: bool = False) -> int:
+    """Run a benchmark script, echoing its output as it comes (a run cut short by the device's time
+    limit still shows how far it got), and copy the JSON it names into $OUT when set. `result`:
+    "last" = its last line is the JSON's path; "wrote" = its last `wrote PATH` line names it."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else None,
+                            text=True)
+    lines = []
+    for line in proc.stdout or ():
+        print(line, end="", flush=True)
+        lines.append(line.strip())
+    proc.wait()
+    if result == "wrote":
+        path = next((line.removeprefix("wrote ") for line in reversed(lines) if line.startswith("wrote ")), "")
+    else:
+        path = next((line for line in reversed(lines) if line), "")
+    out = os.environ.get("OUT")
+    if out and path.endswith(".json") and Path(path).exists():
+        shutil.copy(path, out)
+    return proc.returncode
+
+
 # --- 1. the model ------------------------------------------------------------------------
 
 

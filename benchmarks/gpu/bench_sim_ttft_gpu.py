@@ -14,8 +14,6 @@ and override these. `--small` drives the `default` preset instead (a check on a 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import QWEN3_1_7B, build  # noqa: E402
+from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
@@ -60,17 +58,7 @@ def main() -> int:
     args = [sys.executable, str(HERE.parent / "bench_sim_ttft.py"), "--model", str(model), *GPU_ARGS, *label,
             "--stop-after", f"{max(left, 20.0):.0f}", *rest]  # later flags win (argparse)
     print(" ".join(args), flush=True)
-    # Streamed, so a run cut short by the device's time limit still shows how far it got.
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stdout or ():
-        print(line, end="", flush=True)
-        lines.append(line.strip())
-    proc.wait()
-    wrote = [line.split(" ", 1)[1] for line in lines if line.startswith("wrote ")]
-    if os.environ.get("OUT") and wrote and Path(wrote[-1]).exists():
-        shutil.copy(wrote[-1], os.environ["OUT"])
-    return proc.returncode
+    return run_streamed(args, result="wrote")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,6 @@ in one process; the result JSON lands in benchmarks/results/ and, after every ca
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +17,7 @@ import attrs
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import QWEN3_1_7B, build  # noqa: E402
+from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
@@ -36,19 +33,9 @@ def main() -> int:
         build(shape, model)
     print(f"[{time.perf_counter() - began:.0f} s] model {model}", flush=True)
     args = [sys.executable, str(HERE.parent / "bench_speculative.py"), "--model", str(model), *argv]
-    # Streamed, so a run cut short by the device's time limit still shows how far it got.
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stdout or ():
-        print(line, end="", flush=True)
-        lines.append(line.strip())
-    proc.wait()
-    result = next((line for line in reversed(lines) if line), "")
-    out = os.environ.get("OUT")
-    if out and result.endswith(".json") and Path(result).exists():
-        shutil.copy(result, out)
-    print(f"[{time.perf_counter() - began:.0f} s] done, rc {proc.returncode}", flush=True)
-    return proc.returncode
+    rc = run_streamed(args)
+    print(f"[{time.perf_counter() - began:.0f} s] done, rc {rc}", flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -9,16 +9,13 @@ go to bench_structured.py. `--small` drives the `default` preset instead (a chec
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import QWEN3_1_7B, build  # noqa: E402
+from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
@@ -30,17 +27,7 @@ def main() -> int:
     if not (model / "config.json").exists():
         build(preset, model)
     args = [sys.executable, str(HERE.parent / "bench_structured.py"), "--model", str(model), *rest]
-    # Streamed, so a run cut short by the device's time limit still shows how far it got.
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    lines = []
-    for line in proc.stdout or ():
-        print(line, end="", flush=True)
-        lines.append(line.strip())
-    proc.wait()
-    result = next((line for line in reversed(lines) if line), "")
-    if os.environ.get("OUT") and result.endswith(".json") and Path(result).exists():
-        shutil.copy(result, os.environ["OUT"])
-    return proc.returncode
+    return run_streamed(args)
 
 
 if __name__ == "__main__":
