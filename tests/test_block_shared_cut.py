@@ -105,14 +105,14 @@ print(first.record.path, flush=True)
 real = bs.BlockStore._write_block
 written = []
 
-def write_block(self, name, plan, pacer):
+def write_block(self, name, plan, pacer, prepare=None):
     written.append(len(plan.meta.tokens))
     if len(written) == 2:  # the shared cut block is committed; die inside the next block
         fd = os.open(self.block_path(name).with_name(name + bs.BLOCK_EXT + ".tmp"), os.O_WRONLY | os.O_CREAT, 0o600)
         os.write(fd, b"partial")
         print(written, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, name, plan, pacer)
+    return real(self, name, plan, pacer, prepare)
 
 bs.BlockStore._write_block = write_block
 store.write(bw.plan(bw.SYSTEM + list(range(6000, 6020))))
