@@ -74,7 +74,7 @@ class HostTier:
     clock: Callable[[], float] = time.monotonic
     _cache: PromptCache = attrs.field(init=False)
     _count: _Counters = attrs.field(init=False, factory=_Counters)
-    _device: set[CacheEntry] = attrs.field(init=False, factory=set)  # admitted, not moved yet
+    _device: set[CacheEntry] = attrs.field(init=False, factory=set)  # admitted, not moved yet (all held)
 
     def __attrs_post_init__(self) -> None:
         self._cache = PromptCache(max_bytes=self.max_bytes, policy=make_policy("lru"), clock=self.clock)
@@ -95,9 +95,6 @@ class HostTier:
 
     def device_entries(self) -> list[CacheEntry]:
         """Entries whose move is not issued yet, coldest first."""
-        if not self._device:
-            return []
-        self._device &= set(self._cache.entries())  # superseded or dropped meanwhile
         return sorted(self._device, key=lambda e: e.last_used)
 
     def moved_entries(self) -> list[CacheEntry]:
@@ -106,7 +103,7 @@ class HostTier:
 
     @property
     def device_bytes(self) -> int:
-        return sum(e.nbytes for e in self.device_entries())
+        return sum(e.nbytes for e in self._device)
 
     def take_moves(self, nbytes: int | None = None) -> list[CacheEntry]:
         """Entries to move to host memory now, coldest first: at least `nbytes` of them (None: all)."""
@@ -138,6 +135,7 @@ class HostTier:
         kept = outcome.entry
         if kept is None:
             return None, []
+        self._device.difference_update((outcome.replaced, *outcome.superseded))
         kept.durable, kept.hits = entry.durable, entry.hits
         self._device.add(kept)
         self._count.demotions += 1
@@ -172,7 +170,6 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         c = self._count
-        device = self.device_entries()
         return HostTierStats(
             entries=len(self._cache),
             bytes=self._cache.bytes,
@@ -181,8 +178,8 @@ class HostTier:
             promotions=c.promotions,
             promoted_tokens=c.promoted_tokens,
             promoted_bytes=c.promoted_bytes,
-            device_entries=len(device),
-            device_bytes=sum(e.nbytes for e in device),
+            device_entries=len(self._device),
+            device_bytes=self.device_bytes,
             moves=c.moves,
             moved_bytes=c.moved_bytes,
             reclaims=c.reclaims,
