@@ -20,6 +20,7 @@ than the target's: the draft then prefills only the rest at its first step.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -310,8 +311,6 @@ class DraftBatch:
     step = 256
 
     def __init__(self, draft: DraftModel, rows: Sequence[ModelDrafts]) -> None:
-        import weakref
-
         import mlx.core as mx
 
         self.draft = draft
@@ -332,30 +331,22 @@ class DraftBatch:
 
     @classmethod
     def for_rows(cls, draft: DraftModel, rows: Sequence[ModelDrafts]) -> DraftBatch:
-        """The draft's batch kept from the step before when it has a slot for every row (rows whose KV
-        changed since are copied into theirs), else a new one over `rows`."""
+        """The draft's batch kept from the step before when it has a slot for every row (a new row takes
+        the slot of a row that ended; rows whose KV changed since are copied into theirs) and at least
+        half its slots draft, else a new one over `rows`."""
         batch = draft.batch[0]() if draft.batch else None  # a weak reference: the rows' slots keep it
-        if batch is not None:
+        if batch is not None and 2 * len(rows) >= batch.size:
             live = {id(r): i for i, ref in enumerate(batch.refs) if (r := ref()) is not None}
-            if all(id(r) in live for r in rows) and 2 * len(rows) >= batch.size:
-                for r in rows:
-                    batch._adopt(live[id(r)], r)
-                return batch
             free = [i for i, ref in enumerate(batch.refs) if ref() is None]
             new = [r for r in rows if id(r) not in live]
-            if len(new) <= len(free) and 2 * len(rows) >= batch.size:  # rows that ended leave slots to new rows
-                import weakref
-
+            if len(new) <= len(free):
                 for i, r in zip(free, new, strict=False):
                     batch.refs[i] = weakref.ref(r)
-                    batch._adopt(i, r)
                     live[id(r)] = i
                 for r in rows:
                     batch._adopt(live[id(r)], r)
                 return batch
         batch = cls(draft, rows)
-        import weakref
-
         draft.batch[:] = [weakref.ref(batch)]
         return batch
 
