@@ -86,7 +86,7 @@ class SpeculativeBatch(GenerationBatch):
         wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid, self.tokens[i])]
         if not wanting:
             return {}, []
-        known = getattr(self, "_host_next", None)
+        known = self._host_next
         if known is not None and known[0] is self._next_tokens:  # a verifying step's samples: on the host already
             pending = known[1]
         else:  # after a plain step: waits for its forward (mlx-lm's pipelined step left it in flight)
