@@ -48,3 +48,95 @@ def test_observations_move_the_estimates_smoothly():
     assert 1e9 < advisor.restore_bytes_per_s < 2e9
     advisor.observe_prefill(new_tokens=4, context=0, seconds=10.0)  # too small to count
     assert advisor.prefill_samples == 0
+
+
+def _restart_advisor(bytes_per_s: float) -> RestoreAdvisor:
+    """A restarted server's advisor: prefill known, the restore bandwidth only its probe's guess."""
+    advisor = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=bytes_per_s), explore=True)
+    advisor.observe_prefill(new_tokens=2048, context=0, seconds=DEFAULT.prefill_seconds(2048, 0))
+    return advisor
+
+
+def _arms(advisor: RestoreAdvisor, *, warm: int = 0, cold: int = 16_000, prompt: int = 16_140):
+    recompute = advisor.prefill_seconds(prompt - warm, warm)
+    restore = advisor.restore_seconds(cold * KV_PER_TOKEN) + advisor.prefill_seconds(prompt - cold, cold)
+    return recompute, restore
+
+
+def test_an_unmeasured_restore_within_half_again_of_recompute_is_tried_once_then_costs_decide():
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    # The probe's guess makes the restore 1.3x recompute: worse, but not by enough to never look.
+    guess = 16_000 * KV_PER_TOKEN / (1.3 * recompute)
+    advisor = _restart_advisor(guess)
+    ask = {"restore_bytes": 16_000 * KV_PER_TOKEN, "cold_tokens": 16_000, "warm_tokens": 0, "prompt_tokens": 16_140}
+    predicted_recompute, predicted_restore = _arms(advisor)
+    assert predicted_recompute < predicted_restore < 1.5 * predicted_recompute
+    assert advisor.should_restore(**ask)
+    assert advisor.explorations == 1 and advisor.restores_chosen == 1
+    stats = advisor.stats()
+    assert stats["explorations"] == 1 and stats["last_explored"] == 1
+    assert stats["last_restore_s"] > stats["last_recompute_s"] > 0
+    # Chosen but not yet measured (in flight): no second exploration.
+    assert not advisor.should_restore(**ask)
+    # The served restore was 3x faster than the guess: restores win on their measured cost.
+    advisor.observe_restore(nbytes=16_000 * KV_PER_TOKEN, seconds=16_000 * KV_PER_TOKEN / (3 * guess))
+    assert advisor.should_restore(**ask) and advisor.stats()["last_explored"] == 0
+    assert advisor.explorations == 1 and advisor.restores_chosen == 2
+
+
+def test_a_measured_slow_restore_is_not_tried_again():
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    guess = 16_000 * KV_PER_TOKEN / (1.3 * recompute)
+    advisor = _restart_advisor(guess)
+    advisor.observe_restore(nbytes=10**9, seconds=10**9 / guess)  # the probe was right
+    assert not advisor.should_restore(
+        restore_bytes=16_000 * KV_PER_TOKEN, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140
+    )
+    assert advisor.explorations == 0
+
+
+def test_no_exploration_far_from_recompute_nor_over_a_long_ram_hit():
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    far = _restart_advisor(16_000 * KV_PER_TOKEN / (2.0 * recompute))  # restore predicted ~2x recompute
+    assert not far.should_restore(
+        restore_bytes=16_000 * KV_PER_TOKEN, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140
+    )
+    # A record a little longer than a long RAM hit is never explored, however close the arms.
+    near = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=1e8), explore=True)
+    assert not near.should_restore(
+        restore_bytes=8_000 * KV_PER_TOKEN, cold_tokens=8_010, warm_tokens=8_000, prompt_tokens=8_100
+    )
+    # Nor one that adds less than half the prompt over its RAM hit (restore 1.3x recompute here).
+    rest = DEFAULT.prefill_seconds(4_100, 5_000)
+    half = RestoreAdvisor(base=attrs.evolve(
+        DEFAULT, restore_bytes_per_s=9_000 * KV_PER_TOKEN / (1.3 * rest - DEFAULT.prefill_seconds(100, 9_000))
+    ), explore=True)
+    assert not half.should_restore(
+        restore_bytes=9_000 * KV_PER_TOKEN, cold_tokens=9_000, warm_tokens=5_000, prompt_tokens=9_100
+    )
+    assert 1.2 < half.last.restore_seconds / half.last.recompute_seconds < 1.5
+    assert far.explorations == near.explorations == half.explorations == 0
+
+
+def test_never_recomputes_and_a_look_ahead_explores_without_counting():
+    never = RestoreAdvisor(never=True, explore=True)
+    assert not never.should_restore(restore_bytes=10**6, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140)
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    advisor = _restart_advisor(16_000 * KV_PER_TOKEN / (1.3 * recompute))
+    from mlxd.kv.restore_decision import RestoreCut
+
+    cuts = [RestoreCut(16_000, 16_000 * KV_PER_TOKEN)]
+    ahead = advisor.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_140, count=False)  # the prefetcher's
+    assert ahead.explore and advisor.explorations == 0 and advisor.restores_chosen == 0
+    chosen = advisor.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_140)
+    assert chosen.explore and chosen.cut == ahead.cut and advisor.explorations == 1
+
+
+def test_without_explore_an_unmeasured_restore_is_decided_by_its_predicted_cost():
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    advisor = _restart_advisor(16_000 * KV_PER_TOKEN / (1.3 * recompute))
+    advisor.explore = False
+    assert not advisor.should_restore(
+        restore_bytes=16_000 * KV_PER_TOKEN, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140
+    )
+    assert advisor.explorations == 0

@@ -139,3 +139,25 @@ def test_replay_of_a_recorded_trace_reproduces_reported_hits(tmp_path):
     assert [r.cached_tokens for r in reqs] == [0, 33, 29, 35]
     _, per = run(reqs)
     assert [h for h, _ in per] == [r.cached_tokens for r in reqs]
+
+
+@pytest.mark.parametrize("faster", [10.0, 1.0])
+def test_a_restart_explores_one_unmeasured_restore_then_decides_by_its_measured_cost(faster):
+    # A GPU-like machine: prefill 0.1 ms a token; the restarted server's startup guess puts a
+    # restore at 1.3x recomputing, and the disk really is `faster` times that guess.
+    gpu = attrs.evolve(DEFAULT, prefill_fixed=0.0, prefill_per_token=1e-4, prefill_per_pair=0.0,
+                       restore_fixed=0.0, kv_bytes_per_token=1000)
+    guess = 2000 * 1000 / (1.3 * gpu.prefill_seconds(2100) - gpu.prefill_seconds(100, 2000))
+    firsts = [list(range(10_000 * c, 10_000 * c + 2000)) for c in range(4)]
+    trace = [req(c, firsts[c], t=c) for c in range(4)]  # four conversations, then a restart at t=10
+    trace += [req(4 + c, firsts[c] + list(range(9000, 9100)), t=20 + c) for c in range(4)]
+    result, per = run(trace, cost=attrs.evolve(gpu, restore_bytes_per_s=faster * guess), ssd=True,
+                      advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess), restarts=[10.0])
+    assert result.restarts == 1
+    # The first returning turn is restored to measure the disk; the others follow what it measured.
+    assert [src for _, src in per[4:]] == (["ssd"] * 4 if faster > 1 else ["ssd", "miss", "miss", "miss"])
+    assert result.restore_decisions["explorations"] == 1
+    assert result.restore_decisions["restore_samples"] == (4 if faster > 1 else 1)
+    # Without the restart RAM serves them all (no restore weighed, nothing explored).
+    unbroken, per = run(trace, cost=gpu, ssd=True, advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess))
+    assert [src for _, src in per[4:]] == ["ram"] * 4 and unbroken.restore_decisions["explorations"] == 0

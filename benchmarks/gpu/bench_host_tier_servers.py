@@ -12,8 +12,11 @@ long prompt (its checkpoint is what write-behind writes next), at once 1 stream 
 then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
 tokens' arrival times. mlx_lm.server keeps every prompt in device memory. The host +
 SSD server is then restarted on its SSD tier and A's third turn sent again (restore
-or recompute, as its advisor chooses), then restarted once more with
-`--restore-choice always` (the restore arm) for the ratio to min(restore, recompute).
+or recompute, as its advisor chooses), then restarted twice more with
+`--restore-choice always` and `never` (the two arms) for the ratio to min(restore,
+recompute). Each restart reports its advisor's choice, the arms it predicted, the
+startup probe's restore bandwidth and the served one (`restarts` in the summary).
+`--streams ""` skips decode; `--servers mlxd_host_ssd` alone measures the restarts' goal.
 
 To fit one device call: the model is built once under `--work` and reused, every
 server starts at once (measured one at a time, each stopped after its turn), and the
@@ -128,8 +131,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
-    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8],
-                    help="decode concurrency levels (default 1,8)")
+    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
+                    help="decode concurrency levels (default 1,8; empty: no decode)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_ram, mlxd_host_ssd); the restarts follow mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
@@ -175,7 +178,7 @@ def main() -> int:
                            "decode_tokens": args.decode_tokens, "argv": sys.argv,
                            "commands": {k: " ".join(v[0]) for k, v in cmds.items() if k in wanted}}
     res = args.out / f"host_servers-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
-    logs = {name: args.work / f"{name}.log" for name in [*wanted, "restart", "restart_always"]}
+    logs = {name: args.work / f"{name}.log" for name in [*wanted, *RESTARTS]}
     for p in logs.values():
         p.unlink(missing_ok=True)
     lock = threading.Lock()
@@ -246,7 +249,7 @@ def main() -> int:
     rows_ssd = out.get("mlxd_host_ssd", {}).get("rows") or []
     if rows_ssd and not args.no_restart:
         cmd = cmds["mlxd_host_ssd"][0]
-        for label, extra in (("restart", []), ("restart_always", ["--restore-choice", "always", "--device-probe", "off"])):
+        for label, extra in RESTARTS.items():
             again = Proc(label, cmd + extra, cmds["mlxd_host_ssd"][1], "/health", logs[label])
             entry = out.setdefault(label, {})
             try:
@@ -257,8 +260,11 @@ def main() -> int:
                     save()
                 import httpx
 
-                entry["stats"] = httpx.get(again.base + "/stats", timeout=30).json().get("ssd_cache")
-                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]])
+                stats = httpx.get(again.base + "/stats", timeout=30).json()
+                entry["stats"] = stats.get("ssd_cache")
+                entry["device_probe"] = stats.get("device_probe")
+                entry["advisor"] = advisor_report(stats)
+                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]], json.dumps(entry["advisor"]))
             except Exception as exc:
                 out[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
             finally:
@@ -274,6 +280,34 @@ def main() -> int:
     log("summary", json.dumps(out["summary"], indent=1))
     log("->", res, f"({out['elapsed_s']} s)")
     return 0
+
+
+# The restarts of the host + SSD server on its files: as its advisor decides, then each arm forced.
+RESTARTS = {
+    "restart": [],
+    "restart_always": ["--restore-choice", "always", "--device-probe", "off"],
+    "restart_never": ["--restore-choice", "never", "--device-probe", "off"],
+}
+
+
+def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
+    """A restarted server's restore advisor: its choices, the arms it predicted last (seconds), the
+    startup probe's restore bandwidth and the served one (its first measured restore, then averaged)."""
+    d = (stats.get("ssd_cache") or {}).get("restore_decisions") or {}
+    probe = stats.get("device_probe") or {}
+    chosen = [k for k in ("restores_chosen", "recomputes_chosen", "splits_chosen") if d.get(k)]
+    served = d.get("restore_bytes_per_s") if d.get("restore_samples") else None
+    return {
+        "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations")},
+        "chosen": ",".join(k.removesuffix("s_chosen") for k in chosen) or None,
+        "predicted_s": {"chosen": d.get("last_predicted_s"), "recompute": d.get("last_recompute_s"),
+                        "restore": d.get("last_restore_s"), "explored": d.get("last_explored")},
+        "probe_restore_gb_s": probe["restore_bytes_per_s"] / 1e9 if probe.get("restore_bytes_per_s") else None,
+        "probe_restore_landing": probe.get("restore_landing"), "probe_restore_layout": probe.get("restore_layout"),
+        "served_restore_gb_s": served / 1e9 if served else None,
+        "restore_samples": d.get("restore_samples", 0),
+        "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
+    }
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
@@ -296,7 +330,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         for n, d in (out.get(name, {}).get("decode") or {}).items():
             m[f"decode_{n}_tok_s"] = d.get("tok_s")
         med[name] = m
-    for label in ("restart", "restart_always"):
+    for label in RESTARTS:
         rs = out.get(label, {}).get("returning") or []
         if rs:
             med[label] = {"returning": median([r["ttft_s"] for r in rs])}
@@ -316,11 +350,18 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
                 m.get("returning"), m.get("next"))
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
-    recompute = ssd.get("cold")  # a cold prompt of (about) the same length on the same server
-    best = min(x for x in (restore, recompute) if x is not None) if (restore or recompute) else None
+    # The recompute arm: a restart that never restores; else a cold prompt of about the same length.
+    recompute = med.get("restart_never", {}).get("returning") or ssd.get("cold")
+    arms = [x for x in (restore, recompute) if x is not None and x == x]
+    best = min(arms) if arms else None
     goals["restart_vs_min_restore_recompute (goal <= 1.05)"] = ratio(restart, best)
-    goals["restart_arms_s"] = {"chosen": restart, "restore": restore, "recompute": recompute}
-    return {"medians_s": med, "goals": goals}
+    goals["restart_arms_s"] = {"chosen": restart, "restore": restore, "recompute": recompute,
+                               "recompute_from": "restart_never" if med.get("restart_never") else "cold"}
+    # Per restart: each returning turn's TTFT, and what the advisor chose and predicted.
+    restarts = {label: {"returning_s": [r["ttft_s"] for r in out[label].get("returning") or []],
+                        **(out[label].get("advisor") or {})}
+                for label in RESTARTS if label in out}
+    return {"medians_s": med, "goals": goals, "restarts": restarts}
 
 
 if __name__ == "__main__":

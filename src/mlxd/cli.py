@@ -148,10 +148,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
                         "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
-    p.add_argument("--restore-choice", choices=("measured", "always", "split"), default=None,
+    p.add_argument("--restore-choice", choices=("measured", "always", "never", "split"), default=None,
                    help="restore a cold prefix only when the measured costs say it beats prefilling it again, "
                         "whole or (block layout) its leading blocks (measured, the default), every time it is "
-                        "longer than RAM's prefix (always), or a middle part of it, the rest prefilled (split: tests)")
+                        "longer than RAM's prefix (always), never (never: the recompute arm, to compare), or a middle part of it, the rest prefilled (split: tests)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
@@ -431,7 +431,7 @@ def record_trace(rt, path: Path) -> None:
         # restore-or-recompute with the numbers this server used (read on the trio thread).
         advisor = rt.cache_owner.tiers.advisor
         calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
-                       "always": advisor.always, "split": advisor.split}
+                       "always": advisor.always, "split": advisor.split, "never": advisor.never}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)

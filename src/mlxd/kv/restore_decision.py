@@ -16,6 +16,14 @@ is), so the best cut is an arm; a split wins where the bytes behind a cut are
 cheaper to read than the rest (a record partly in a fast medium: page cache,
 host memory). Only cuts the layout can read alone are offered (a block
 layout's block boundaries; a whole file's only cut is the whole file).
+
+Exploration: until a restore has been measured in this process, the
+bandwidth is the startup probe's guess. A guess that is too low would make
+every restore lose and never be measured, so the first restore predicted
+within `EXPLORE_RATIO` of recomputing is taken once (`explore`; counted in
+`explorations`), only
+where it brings at least half the prompt (little or no RAM hit): its served
+bandwidth then decides the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import attrs
 from mlxd.kv.cost_model import DEFAULT, CostModel
 
 _WEIGHT = 0.3  # weight of a new observation in the moving averages
+EXPLORE_RATIO = 1.5  # an unmeasured restore predicted within this factor of recomputing is tried once
 
 RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
 
@@ -53,6 +62,7 @@ class RestorePlan:
     seconds: float  # predicted: restore (if any) + prefill of the rest
     recompute_seconds: float
     restore_seconds: float  # the whole record restored, then the rest prefilled
+    explore: bool = False  # a restore the costs would not choose, taken to measure its bandwidth
 
 
 @attrs.define
@@ -64,10 +74,14 @@ class RestoreAdvisor:
     restore_samples: int = 0
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
+    never: bool = False  # recompute whatever the costs say (restore_choice "never": the other arm)
+    explore: bool = False  # try an unmeasured restore once (restore_choice "measured": serving and its replay)
     resident_bytes_per_s: float = 0.0  # bytes already in a fast medium (0: as fast as the rest)
     restores_chosen: int = 0
     recomputes_chosen: int = 0
     splits_chosen: int = 0
+    explorations: int = 0  # restores chosen to measure their bandwidth (counted in restores_chosen too)
+    last: RestorePlan | None = None  # the last counted choice (its predicted arms are in the stats)
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
@@ -118,6 +132,8 @@ class RestoreAdvisor:
         """
         plan = self._plan(cuts, warm_tokens, prompt_tokens)
         if count:
+            self.last = plan
+            self.explorations += int(plan.explore)
             if plan.arm == RECOMPUTE:
                 self.recomputes_chosen += 1
             elif plan.arm == RESTORE:
@@ -133,6 +149,8 @@ class RestoreAdvisor:
             return RestorePlan(RECOMPUTE, None, recompute, recompute, float("inf"))
         costs = [self._cut_seconds(c, prompt_tokens) for c in usable]
         whole = usable[-1]
+        if self.never:
+            return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
         if self.split and len(usable) > 1:
             # the cut nearest the middle of what the record adds over the warm prefix
             mid = (warm_tokens + whole.tokens) / 2
@@ -142,9 +160,22 @@ class RestoreAdvisor:
         else:
             i = min(range(len(usable)), key=lambda j: (costs[j], -usable[j].tokens))
             if costs[i] >= recompute:
+                if self._explores(whole, costs[-1], recompute, warm_tokens, prompt_tokens):
+                    return RestorePlan(RESTORE, whole, costs[-1], recompute, costs[-1], explore=True)
                 return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
         arm = RESTORE if i == len(usable) - 1 else SPLIT
         return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
+
+    def _explores(self, whole: RestoreCut, restore: float, recompute: float, warm_tokens: int,
+                  prompt_tokens: int) -> bool:
+        """Restore `whole` once to measure it? Only before any restore was chosen or measured here,
+        when predicted within EXPLORE_RATIO of recomputing, and bringing at least half the prompt
+        (never a few tokens over a long RAM hit)."""
+        if not self.explore:
+            return False
+        unmeasured = self.restore_samples == 0 and self.restores_chosen == 0 and self.splits_chosen == 0
+        brings = 2 * (whole.tokens - warm_tokens) >= prompt_tokens
+        return unmeasured and brings and restore <= EXPLORE_RATIO * recompute
 
     def _cut_seconds(self, cut: RestoreCut, prompt_tokens: int) -> float:
         rest = self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
@@ -159,6 +190,14 @@ class RestoreAdvisor:
             "prefill_samples": self.prefill_samples,
             "restore_bytes_per_s": round(self.restore_bytes_per_s),
             "restore_samples": self.restore_samples,
+            "explorations": self.explorations,
+            # The last choice's predicted seconds: its arm, recomputing, restoring the whole record.
+            **({} if self.last is None else {
+                "last_predicted_s": round(self.last.seconds, 6),
+                "last_recompute_s": round(self.last.recompute_seconds, 6),
+                "last_restore_s": round(self.last.restore_seconds, 6) if self.last.restore_seconds < float("inf") else -1.0,
+                "last_explored": int(self.last.explore),
+            }),
         }
 
 

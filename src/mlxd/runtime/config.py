@@ -142,11 +142,12 @@ class RuntimeConfig:
     # Restore a cold prefix or prefill it again: "measured" = whichever the restore advisor's
     # calibrated costs say is faster (kv/restore_decision.py), "always" = restore every usable
     # SSD prefix longer than RAM's (deterministic tiers, whatever the timings; tests pin it via
-    # MLXD_RESTORE_CHOICE, whose value is the default when it is set), "split" = restore a middle
+    # MLXD_RESTORE_CHOICE, whose value is the default when it is set), "never" = always prefill
+    # (the recompute arm, for a benchmark's comparison), "split" = restore a middle
     # cut of every such prefix and prefill the rest (a test knob for the split's exactness).
     restore_choice: str = attrs.field(
         factory=lambda: os.environ.get("MLXD_RESTORE_CHOICE", "measured"),
-        validator=attrs.validators.in_(("measured", "always", "split")),
+        validator=attrs.validators.in_(("measured", "always", "never", "split")),
     )
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
     # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files

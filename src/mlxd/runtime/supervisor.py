@@ -817,9 +817,10 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         if address is not None else None
     )
     # The restore advisor starts from what the startup probe measured on this device.
-    always, split = config.restore_choice == "always", config.restore_choice == "split"
+    choice = config.restore_choice
     advisor = RestoreAdvisor(
-        base=info.probe.cost_model() if info.probe is not None else DEFAULT, always=always, split=split
+        base=info.probe.cost_model() if info.probe is not None else DEFAULT,
+        always=choice == "always", split=choice == "split", never=choice == "never", explore=choice == "measured",
     )
     cache_owner = CacheOwnerActor(
         config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,

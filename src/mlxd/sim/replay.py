@@ -16,6 +16,12 @@ not record the ids). The simulated writer writes dirty records one at a time
 in the queue's order and reports each commit back to the core, as the serving
 SSD writer does. A recorded flush (`mlxd serve --record-trace`) is a barrier:
 requests that arrived before it finish, then every pending write commits.
+
+A restart (`restarts`) is a flush followed by a new process: RAM and the host
+tier empty, the SSD index read back from its records, and a fresh restore
+advisor (unmeasured, as a restarted server's). Each simulated restore is
+reported to the advisor as the engine reports a served one, so a restart sees
+the same exploratory restore a server does, then decisions by measured cost.
 """
 
 from __future__ import annotations
@@ -129,6 +135,9 @@ class MlxdReplay:
     snapshot_min_tokens: int = 256
     flushes: Sequence[float] = ()
     calibrations: Sequence[dict | None] = ()  # the recorded advisor state at each flush
+    restarts: Sequence[float] = ()  # times the server restarts on its SSD tier (after a flush)
+    # A restarted server's tiers from the SSD records it finds (set by `replay_mlxd`; None: no restarts)
+    fresh_tiers: Callable[[Sequence[SsdRecord]], CacheTiers] | None = None
     on_request: OnRequest | None = None
     sessions: bool = True  # honour the trace's session field (the session index, seed §5.12)
     ssd_layout: str = "whole"  # or "blocks": content-addressed blocks, as `--ssd-layout blocks` serves
@@ -158,12 +167,13 @@ class MlxdReplay:
     _engine_rows: int = attrs.field(init=False, default=0)  # rows prefilling now (shared_prefill)
     _engine_changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _spread_drawn: dict[str, int] = attrs.field(init=False, factory=dict)  # requests per tier that took a spread
+    advisors: list[RestoreAdvisor] = attrs.field(init=False, factory=list)  # one per process, the last live
 
     def now(self) -> float:
         return self._clock.current_time()
 
     async def main(self) -> None:
-        send, recv = trio.open_memory_channel[TraceRequest | int](math.inf)  # the admission queue
+        send, recv = trio.open_memory_channel[TraceRequest | int | _Restart](math.inf)  # the admission queue
         slots = trio.Semaphore(self.slots)
         self._quiet.set()
         async with trio.open_nursery() as nursery:
@@ -173,6 +183,11 @@ class MlxdReplay:
             nursery.start_soon(self._arrivals, send)
             async with recv:
                 async for r in recv:  # first come, first served
+                    if isinstance(r, _Restart):  # everything admitted finishes and is written, then a new process
+                        await self._barrier()
+                        self._restart()
+                        self._held_until = self.now()
+                        continue
                     if isinstance(r, int):  # flush number r: everything admitted so far finishes
                         await self._barrier()
                         self._calibrate(r)
@@ -219,15 +234,27 @@ class MlxdReplay:
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
+            advisor.never = bool(cal.get("never", advisor.never))  # --restore-choice never
             # The timings too: the server measured its prefill against the same base model (TTFT).
             if self.calibrate_timing and "prefill_scale" in cal:
                 self._prefill_scale = float(cal["prefill_scale"])
             if self.calibrate_timing and "restore_bytes_per_s" in cal:
                 self._restore_bytes_per_s = float(cal["restore_bytes_per_s"])
 
-    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int]) -> None:
-        events: list[tuple[float, int, TraceRequest | int]] = sorted(
-            [(r.t, 1, r) for r in self.reqs] + [(t, 0, i) for i, t in enumerate(self.flushes)],
+    def _restart(self) -> None:
+        """The server restarts on its SSD files: RAM, host tier and sessions gone, a fresh advisor."""
+        if self.fresh_tiers is None:
+            raise ValueError("this replay cannot restart (no fresh_tiers)")
+        if not self.advisors:
+            self.advisors.append(self.tiers.advisor)
+        self.tiers = self.fresh_tiers(self.tiers.ssd_records())
+        self.advisors.append(self.tiers.advisor)
+        self.tally.restarts += 1
+
+    async def _arrivals(self, send: trio.MemorySendChannel[TraceRequest | int | _Restart]) -> None:
+        events: list[tuple[float, int, TraceRequest | int | _Restart]] = sorted(
+            [(r.t, 1, r) for r in self.reqs] + [(t, 0, i) for i, t in enumerate(self.flushes)]
+            + [(t, 0, _Restart()) for t in self.restarts],
             key=lambda e: (e[0], e[1]),
         )
         async with send:
@@ -256,10 +283,10 @@ class MlxdReplay:
                 prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
                 session=session,
             )
-            restore_s = 0.0
+            restore_s, restored = 0.0, 0
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
-                restore_s = self._restore(lookup.restore, r.namespace)
+                restore_s, restored = self._restore(lookup.restore, r.namespace)
             elif lookup.hit is not None and lookup.promoted:  # back from the host tier: one bulk copy
                 hit, source = real(lookup.hit.usable), "host"
                 restore_s = self.cost.host_seconds(lookup.hit.entry.nbytes)
@@ -269,6 +296,8 @@ class MlxdReplay:
                 hit, source = 0, "miss"
             spread = self._spread(source)
             restore_s *= spread
+            if restored:  # as the engine's RestoreMeasured: the advisor calibrates on it
+                self.tiers.advisor.observe_restore(nbytes=restored, seconds=restore_s)
             await trio.sleep(restore_s)
             prefill_s = spread * self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
             if self.shared_prefill:
@@ -340,8 +369,9 @@ class MlxdReplay:
         self._spread_drawn[source] = k + 1
         return float(np.quantile(ratios, (0.5 + k * _GOLDEN) % 1.0))
 
-    def _restore(self, match: SsdMatch, namespace: str) -> float:
-        """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable)."""
+    def _restore(self, match: SsdMatch, namespace: str) -> tuple[float, int]:
+        """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable):
+        (seconds, bytes read)."""
         record = match.record
         tokens, nbytes = record.tokens, record.nbytes
         if match.read_tokens:  # as BlockStore.load(upto=...): the checkpoint of the leading blocks
@@ -354,8 +384,8 @@ class MlxdReplay:
         )
         self._count_ram()
         if self._restore_bytes_per_s > 0:  # the server's measured restore bandwidth
-            return self.cost.restore_fixed + nbytes / self._restore_bytes_per_s
-        return self.cost.restore_seconds(nbytes)
+            return self.cost.restore_fixed + nbytes / self._restore_bytes_per_s, nbytes
+        return self.cost.restore_seconds(nbytes), nbytes
 
     def _publish(self, tokens, namespace: str, num_tokens: int, session: str | None = None) -> None:
         self._apply(
@@ -483,6 +513,7 @@ def replay_mlxd(
     kv_admission_bytes: int = 0,
     kv_admission_rule: dict | None = None,
     restore_choice: str = "measured",
+    restarts: Sequence[float] = (),
     ram_pages: bool = False,
     ram_page_tokens: int = 1024,
     calibrate_timing: bool = False,
@@ -491,22 +522,31 @@ def replay_mlxd(
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
     restore advisor started from (its startup probe), when it was not `cost`; `restore_choice`
-    its --restore-choice (measured, always, split). `calibrate_timing`: `cost` is the recorded server's
-    probe model, so the calibration recorded at each flush scales its prefill and restore timings too."""
+    its --restore-choice (measured, always, never, split). `calibrate_timing`: `cost` is the recorded server's
+    probe model, so the calibration recorded at each flush scales its prefill and restore timings too.
+    `restarts`: times the server restarts on its SSD tier (`MlxdReplay.restarts`)."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
         raise ValueError("block granularity needs a Mooncake trace (hash_ids)")
-    cache = PromptCache(
-        max_bytes=UNLIMITED_BYTES if ram_bytes is None else ram_bytes,
-        policy=make_retention(policy, cost),
-    )
-    tiers = CacheTiers(
-        cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(
-            base=advisor_base or cost, always=restore_choice == "always", split=restore_choice == "split"
-        ),
-        demote_idle_s=demote_idle_s,
-    )
+    def fresh(records: Sequence[SsdRecord] = ()) -> CacheTiers:
+        """A server's tiers at start: empty RAM (and host tier), the SSD records it found, a fresh advisor."""
+        cache = PromptCache(max_bytes=UNLIMITED_BYTES if ram_bytes is None else ram_bytes,
+                            policy=make_retention(policy, cost), clock=lambda: replay.now())
+        tiers = CacheTiers(
+            cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(
+                base=advisor_base or cost, always=restore_choice == "always", split=restore_choice == "split",
+                never=restore_choice == "never", explore=restore_choice == "measured",
+            ),
+            demote_idle_s=demote_idle_s,
+        )
+        if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
+            tiers.host = HostTier(max_bytes=host_bytes, clock=lambda: replay.now())
+        if records:
+            replay._apply(tiers.load_records(records))
+        return tiers
+
+    tiers = fresh()
     replay = MlxdReplay(
         reqs,
         cost,
@@ -516,6 +556,8 @@ def replay_mlxd(
         snapshot_min_tokens=snapshot_min_tokens,
         flushes=flushes,
         calibrations=calibrations,
+        restarts=restarts,
+        fresh_tiers=fresh,
         on_request=on_request,
         sessions=sessions,
         ssd_layout=ssd_layout,
@@ -528,12 +570,9 @@ def replay_mlxd(
         calibrate_timing=calibrate_timing,
         shared_prefill=shared_prefill,
     )
-    cache.clock = replay.now
     if replay.kv_admission is not None:
         replay.tally.kv_admission = True
         replay.tally.kv_waited_recorded = sum(r.kv_waited for r in reqs)
-    if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
-        tiers.host = HostTier(max_bytes=host_bytes, clock=replay.now)
     started = time.perf_counter()
     tally = replay.run(seed=seed)
     block_bytes = cost.kv_bytes(BLOCK_TOKENS)
@@ -546,9 +585,22 @@ def replay_mlxd(
         wall_s=time.perf_counter() - started,
         ssd_layout=ssd_layout if ssd else "whole",
         host_capacity_bytes=host_bytes or None,
-        restore_decisions=tiers.advisor.stats(),
+        restore_decisions=_decisions(replay.advisors or [replay.tiers.advisor]),
         ram_pages=ram_pages,
     )
+
+
+@attrs.frozen
+class _Restart:
+    """The server restarts here (an admission-queue event, like a flush's number)."""
+
+
+def _decisions(advisors: Sequence[RestoreAdvisor]) -> dict[str, float]:
+    """The restore advisors' stats over every process of a replay: choices summed, the rest the last one's."""
+    out = dict(advisors[-1].stats())
+    for key in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations"):
+        out[key] = sum(a.stats()[key] for a in advisors)
+    return out
 
 
 def _kv_admission(room_bytes: int, rule: dict | None, cost: CostModel) -> KvAdmission | None:

@@ -52,6 +52,7 @@ class RunResult:
     kv_admission: bool = False  # the run applied admission by KV bytes
     kv_waited_recorded: int = 0  # requests the recorded server's --kv-admission held back (a recording)
     restore_decisions: dict[str, float] = attrs.Factory(dict)  # the restore advisor's counters (splits too)
+    restarts: int = 0  # times the replayed server restarted on its SSD tier
     # The RAM tier (--ram-pages): pages or contiguous entries; bytes held at the end (pages once) and at the
     # most, and the end's entries' own KV (what contiguous entries of them would hold).
     ram_pages: bool = False
@@ -108,6 +109,7 @@ class Tally:
     ram_bytes_retained: int = 0
     ram_bytes_peak: int = 0
     ram_checkpoint_bytes: int = 0
+    restarts: int = 0
 
     def add_request(self, input_length: int, hit: int, *, source: str) -> None:
         self.requests += 1
@@ -148,6 +150,7 @@ class Tally:
             kv_peak_reserved_bytes=self.kv_peak_reserved_bytes,
             kv_admission=self.kv_admission,
             kv_waited_recorded=self.kv_waited_recorded,
+            restarts=self.restarts,
             ram_bytes_retained=self.ram_bytes_retained,
             ram_bytes_peak=self.ram_bytes_peak,
             ram_checkpoint_bytes=self.ram_checkpoint_bytes,
