@@ -190,3 +190,62 @@ async def test_the_probe_restores_by_the_path_serving_uses(tiny_model_dir: Path,
         shown = (await rt.stats()).as_dict()["device_probe"]
         assert (shown["restore_landing"], shown["restore_layout"]) == (want, layout)
         assert list((tmp_path / "ssd").glob(".device-probe-*")) == []  # its own files are gone
+
+
+async def test_the_probe_times_serving_s_own_restore_functions(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
+    # Spies on the functions serving restores with: the store's read (layout, readers, checks) and
+    # the engine's adoption; the probe must go through them, with the engine's own landing.
+    from mlxd.kv import kinds
+    from mlxd.kv.ssd_store import SsdStore
+
+    loads: list[dict] = []
+    adopts: list[object] = []
+    real_load, real_adopt = SsdStore.load, kinds.adopt
+
+    def load(self, record, **kw):
+        loads.append({"verify": kw.get("verify"), "land": kw.get("land"), "blocks": bool(record.blocks),
+                      "readers": self.blocks.readers})
+        return real_load(self, record, **kw)
+
+    def adopt(loaded, **kw):
+        adopts.append(loaded)
+        return real_adopt(loaded, **kw)
+
+    monkeypatch.setattr(SsdStore, "load", load)
+    monkeypatch.setattr(kinds, "adopt", adopt)
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None
+        # a warm-up, two cold restores, and each of them again from the page cache
+        assert len(loads) == len(adopts) == 5
+        landing = rt.engine.core.landing
+        from mlxd.kv.block_store import READERS
+
+        assert all(c["land"] == landing and c["verify"] is True and c["blocks"] and c["readers"] == READERS
+                   for c in loads)
+        assert len(probe.restore) == 2 and len(probe.restore_warm) == 2
+        model = probe.cost_model()
+        assert 0 < model.restore_bytes_per_s < float("inf") and 0 < model.page_cache_bytes_per_s < float("inf")
+        assert rt.cache_owner.tiers.advisor.resident_bytes_per_s == model.page_cache_bytes_per_s
+        shown = (await rt.stats()).as_dict()["device_probe"]
+        assert shown["page_cache_bytes_per_s"] == round(model.page_cache_bytes_per_s)
+
+
+async def test_a_storage_failure_in_the_probe_leaves_the_default_restore_costs(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog
+):
+    from mlxd.kv.cost_model import DEFAULT
+    from mlxd.kv.ssd_store import Failed, SsdStore
+
+    monkeypatch.setattr(SsdStore, "write", lambda self, plan, *a, **kw: Failed("No space left on device"))
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None and probe.restore == () and probe.restore_warm == ()
+        model = probe.cost_model()
+        assert (model.restore_fixed, model.restore_bytes_per_s) == (DEFAULT.restore_fixed, DEFAULT.restore_bytes_per_s)
+        assert model.page_cache_bytes_per_s == 0.0 and len(probe.prefill) >= 3  # the rest was measured
+        assert rt.cache_owner.tiers.advisor.restore_bytes_per_s == DEFAULT.restore_bytes_per_s
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "probe.restore_failed" in logged and "No space left on device" in logged

@@ -257,3 +257,50 @@ def test_forced_split_matches_full_restore_and_cold_prefill(tiny_model_dir, tmp_
     assert split_sim["restore_decisions"]["splits_chosen"] == 1
     assert full_sim["restore_decisions"]["splits_chosen"] == 0 and full_sim["restore_decisions"]["restores_chosen"] >= 1
     assert (split_sim["ssd_hit_tokens"], full_sim["ssd_hit_tokens"]) == (cached["split"], cached["always"])
+
+
+# --- a record partly in the page cache: the split serving prices with mincore -----------------------
+
+
+def test_a_record_half_in_the_page_cache_splits_at_its_resident_blocks(tmp_path):
+    import os
+
+    from mlxd.kv.ssd_store import SsdStore
+
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    tokens = list(range(1, 65))
+    record = store.write(kinds.plan_snapshot(conversation_kv(tokens), meta=IDENTITY.meta(tokens, ""))).record
+    paths = store.blocks.block_paths(record)
+    for path in paths[2:]:  # the last two blocks leave the page cache (written and synced: clean pages)
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    for path in paths[:2]:
+        path.read_bytes()  # the first two are in it
+    resident = store.resident_bytes(record)
+    if resident[2:] != (0, 0):
+        pytest.skip("this filesystem keeps pages after DONTNEED")
+    assert resident[:2] == tuple(b.nbytes for b in record.blocks[:2])
+    # A disk slower than recomputing; the page cache far faster.
+    slow = attrs.evolve(DEFAULT, restore_bytes_per_s=1e3, page_cache_bytes_per_s=1e12)
+    tiers = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=RestoreAdvisor(base=slow),
+                       residency=store.resident_bytes)
+    tiers.load_records([record])
+    prompt = tuple(tokens) + (7, 8, 9, 10, 11, 12)
+    lookup = tiers.lookup(prompt)
+    assert lookup.plan.arm == SPLIT and (lookup.restore.usable, lookup.restore.read_tokens) == (32, 32)
+    assert lookup.plan.cut.resident_nbytes == lookup.plan.cut.nbytes
+    decisions = tiers.stats().restore_decisions  # as /stats shows them
+    assert decisions["splits_chosen"] == 1 and decisions["last_resident_bytes"] == lookup.plan.cut.nbytes
+    # All of it resident: the whole record is restored; none: recomputed (the same advisor, no page-cache price).
+    for path in paths:
+        path.read_bytes()
+    assert tiers.lookup(prompt).plan.arm == RESTORE
+    blind = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=RestoreAdvisor(base=slow))
+    blind.load_records([record])
+    assert blind.lookup(prompt).plan.arm == RECOMPUTE
+    # The served restore of the resident split then calibrates the page cache's bandwidth, not the disk's.
+    advisor = tiers.advisor
+    advisor.observe_restore(nbytes=1 << 20, seconds=1e-3)  # the split's (resident) restore
+    assert advisor.resident_samples == 1 and advisor.restore_samples == 0
+    assert advisor.resident_bytes_per_s == pytest.approx((1 << 20) / 1e-3)

@@ -297,15 +297,22 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
     probe = stats.get("device_probe") or {}
     chosen = [k for k in ("restores_chosen", "recomputes_chosen", "splits_chosen") if d.get(k)]
     served = d.get("restore_bytes_per_s") if d.get("restore_samples") else None
+    served_cached = d.get("page_cache_bytes_per_s") if d.get("page_cache_samples") else None
     return {
         "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations")},
         "chosen": ",".join(k.removesuffix("s_chosen") for k in chosen) or None,
         "predicted_s": {"chosen": d.get("last_predicted_s"), "recompute": d.get("last_recompute_s"),
                         "restore": d.get("last_restore_s"), "explored": d.get("last_explored")},
         "probe_restore_gb_s": probe["restore_bytes_per_s"] / 1e9 if probe.get("restore_bytes_per_s") else None,
+        # the probe's same file again from the page cache (what a restarted server's newest files read at)
+        "probe_page_cache_gb_s": probe["page_cache_bytes_per_s"] / 1e9 if probe.get("page_cache_bytes_per_s") else None,
+        "last_resident_gb": (d.get("last_resident_bytes") or 0) / 1e9,
         "probe_restore_landing": probe.get("restore_landing"), "probe_restore_layout": probe.get("restore_layout"),
         "served_restore_gb_s": served / 1e9 if served else None,
         "restore_samples": d.get("restore_samples", 0),
+        # served restores the page cache held (mincore, at the choice): calibrate the page cache's bandwidth
+        "served_page_cache_gb_s": served_cached / 1e9 if served_cached else None,
+        "page_cache_samples": d.get("page_cache_samples", 0),
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
 

@@ -137,6 +137,9 @@ class CacheOwnerActor:
             demote_idle_s=config.ssd_demote_idle_s,
             memory_budget=memory_budget,  # resolved by the engine (--memory-budget or the device's share)
             host=host,
+            # What of a record the page cache holds (mincore: no read), where the advisor has a page-cache
+            # bandwidth from the startup probe to price it.
+            residency=store.resident_bytes if store is not None else None,
         )
         self._store = store
         # A shared directory (kv/shared_dir.py): other replicas' files come and go.

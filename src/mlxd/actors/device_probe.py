@@ -4,10 +4,13 @@ Runs real prefills through the engine's own `BatchGenerator` (the same
 chunking and caches serving uses) at growing lengths until a time budget is
 spent, a few decode steps, and, with an SSD tier, a cold restore of real
 snapshot files through the path serving restores by (`RestorePath`): the
-store's own layout (whole files or blocks) and CRC checks, read into MLX
-arrays where serving lands them there (`restore_landing`), adopted as the
-engine adopts them; with a host tier on separate host memory, its two bulk
-copies too. `kv.device_costs` fits a cost model to the numbers; the restore
+store's own layout (whole files or blocks), readers and CRC checks
+(`SsdStore.load`), read into MLX arrays where serving lands them there
+(`restore_landing`, the engine's own `landing`), adopted as the engine adopts
+them (`kinds.adopt`); each file is then restored again from the page
+cache, as serving meets a file written or read recently (a restarted server's
+newest files: the advisor prices the bytes `mincore` finds resident at that
+speed); with a host tier on separate host memory, its two bulk copies too. `kv.device_costs` fits a cost model to the numbers; the restore
 advisor starts from it and keeps refining online.
 
 Optionally it also picks the prefill chunk size: the same prefill timed at
@@ -123,6 +126,7 @@ def probe_device(
         fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
         timed = _probe_restore(restore, [caches[0], caches[0], fits[-1]])
         restored, host = [t.restore for t in timed[1:]], [t.host for t in timed[1:] if t.host is not None]
+        warm = [t.warm for t in timed[1:] if t.warm is not None]
         landed = sum(t.into_mlx for t in timed[1:])
     decode.sort()
     probe = DeviceProbe(
@@ -130,6 +134,7 @@ def probe_device(
         prefill=tuple(prefill),
         decode_s_per_token=decode[len(decode) // 2] if decode else 0.0,
         restore=tuple(restored),
+        restore_warm=tuple(warm) if restored else (),
         restore_landing=restore.landing if restore is not None else "",
         restore_layout=restore.layout if restore is not None else "",
         restores_into_mlx=landed,
@@ -200,13 +205,13 @@ class _Timed:
     restore: tuple[int, float]  # (KV bytes, seconds to read cold and adopt)
     into_mlx: bool  # read straight into MLX arrays
     host: tuple[int, float] | None  # (KV bytes, seconds of the host tier's demotion + promotion)
+    warm: tuple[int, float] | None = None  # (KV bytes, seconds to read and adopt it again, page cache warm)
 
 
 def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> list[_Timed]:
     """Write each cache through a real store of serving's layout, drop its files from the page
-    cache, and restore it cold as serving does (read, landing, verify, adopt)."""
-    import mlx.core as mx
-
+    cache, and restore it cold as serving does (read, landing, verify, adopt); each but the first
+    (a warm-up) again from the page cache."""
     from mlxd.kv import file_format, kinds
     from mlxd.kv.ssd_store import Failed, SsdStore, StoreIdentity, compute_fingerprint
 
@@ -216,7 +221,7 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
     store = SsdStore(workdir, identity, layout=path.layout, block_tokens=path.block_tokens)
     out: list[_Timed] = []
     try:
-        for n, cache in caches:
+        for i, (n, cache) in enumerate(caches):
             if not cache:
                 continue
             stored = store.write(kinds.plan_snapshot(cache, meta=identity.meta(range(n), "")))
@@ -226,21 +231,36 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
             assert record.path is not None
             for f in (record.path, *store.blocks.block_paths(record)):
                 _drop_page_cache(f)
-            t0 = time.perf_counter()
-            loaded = store.load(record, verify=path.verify, land=path.land)
-            if loaded is None:
-                raise file_format.StorageError("the probe's own snapshot did not read back")
-            adopted = kinds.adopt(loaded, landed=device_memory.to_device)
-            mx.eval([c.state for c in adopted])
-            seconds = time.perf_counter() - t0
+            loaded, adopted, seconds = _restore_once(store, record, path)
             host = _probe_host_tier(adopted, loaded.nbytes) if path.host_tier else None
-            out.append(_Timed((loaded.nbytes, seconds), loaded.landed is not None, host))
+            del adopted
+            warm = None
+            if i > 0:  # (not the warm-up) its pages are in the page cache now: the same again
+                again, _, warm_s = _restore_once(store, record, path)
+                warm = (again.nbytes, warm_s)
+            out.append(_Timed((loaded.nbytes, seconds), loaded.landed is not None, host, warm))
     except (file_format.SnapshotError, OSError) as exc:
         log.warning("probe.restore_failed", error=str(exc))
     finally:
         store.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return out
+
+
+def _restore_once(store: Any, record: Any, path: RestorePath) -> tuple[Any, list[Any], float]:
+    """One restore as serving runs it: the store's read (its layout, readers, checks, the engine's
+    landing), then the engine's adoption; (loaded, caches, seconds until the caches are on the device)."""
+    import mlx.core as mx
+
+    from mlxd.kv import file_format, kinds
+
+    t0 = time.perf_counter()
+    loaded = store.load(record, verify=path.verify, land=path.land)
+    if loaded is None:
+        raise file_format.StorageError("the probe's own snapshot did not read back")
+    adopted = kinds.adopt(loaded, landed=device_memory.to_device)
+    mx.eval([c.state for c in adopted])
+    return loaded, adopted, time.perf_counter() - t0
 
 
 def _probe_host_tier(caches: list[Any], nbytes: int) -> tuple[int, float]:

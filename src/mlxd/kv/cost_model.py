@@ -41,6 +41,9 @@ class CostModel:
     kv_bytes_per_token: int  # KV bytes one token of context occupies
     # Host tier (--host-cache-gb) back to the device; 0 = free (unified memory: nothing moves).
     host_bytes_per_s: float = 0.0
+    # A restore of bytes already in the page cache (a file written or read recently); 0 = not measured
+    # (they cost as the rest: restore_bytes_per_s).
+    page_cache_bytes_per_s: float = 0.0
     # Measured / modelled time of a recording's requests (`mlxd.sim.ttft_fit`): a replay scales each
     # request's restore and prefill by one of their quantiles (the recorded machine's spread); () = none.
     service_ratios: tuple[float, ...] = attrs.field(default=(), converter=lambda xs: tuple(float(x) for x in xs))

@@ -30,6 +30,9 @@ class DeviceProbe:
     prefill: tuple[tuple[int, float], ...]  # (prompt tokens from empty context, seconds)
     decode_s_per_token: float
     restore: tuple[tuple[int, float], ...] = ()  # (file bytes, seconds to read cold + adopt)
+    # (file bytes, seconds to read + adopt the same file again, from the page cache: as serving meets a
+    # file written or read recently, e.g. a restarted server's newest files)
+    restore_warm: tuple[tuple[int, float], ...] = ()
     restore_landing: str = ""  # where the timed restores were read to: "mlx" or "host" (serving's landing)
     restore_layout: str = ""  # "whole" or "blocks" (serving's layout)
     restores_into_mlx: int = 0  # timed restores that were read straight into MLX arrays
@@ -46,6 +49,10 @@ class DeviceProbe:
             restore_bw = 1.0 / per_byte if per_byte > 0 else DEFAULT.restore_bytes_per_s
         else:
             restore_fixed, restore_bw = DEFAULT.restore_fixed, DEFAULT.restore_bytes_per_s
+        warm_bw = 0.0  # not measured: page-cache bytes cost as the rest
+        if self.restore_warm:  # per byte, as the cold restores (their fixed cost is restore_fixed)
+            _, warm_per_byte = fit_linear(self.restore_warm)
+            warm_bw = 1.0 / warm_per_byte if warm_per_byte > 0 else 0.0
         host_bw = 0.0  # no host tier timed (or unified memory): promotions are free
         if self.host and sum(s for _, s in self.host) > 0:
             host_bw = sum(b for b, _ in self.host) / sum(s for _, s in self.host)
@@ -60,6 +67,7 @@ class DeviceProbe:
             restore_bytes_per_s=restore_bw,
             kv_bytes_per_token=self.kv_bytes_per_token,
             host_bytes_per_s=host_bw,
+            page_cache_bytes_per_s=warm_bw,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,6 +80,8 @@ class DeviceProbe:
             "decode_tokens_per_s": round(1.0 / self.decode_s_per_token, 2) if self.decode_s_per_token > 0 else None,
             "restore": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.restore],
             "restore_bytes_per_s": round(model.restore_bytes_per_s) if self.restore else None,
+            "restore_warm": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.restore_warm],
+            "page_cache_bytes_per_s": round(model.page_cache_bytes_per_s) if self.restore_warm else None,
             "restore_landing": self.restore_landing or None,
             "restore_layout": self.restore_layout or None,
             "restores_into_mlx": self.restores_into_mlx,

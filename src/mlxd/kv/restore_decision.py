@@ -28,6 +28,7 @@ bandwidth then decides the rest.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import attrs
@@ -76,16 +77,23 @@ class RestoreAdvisor:
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
     never: bool = False  # recompute whatever the costs say (restore_choice "never": the other arm)
     explore: bool = False  # try an unmeasured restore once (restore_choice "measured": serving and its replay)
-    resident_bytes_per_s: float = 0.0  # bytes already in a fast medium (0: as fast as the rest)
+    # Bytes already in a fast medium (the page cache); None: the base model's page_cache_bytes_per_s;
+    # 0: as fast as the rest.
+    resident_bytes_per_s: float = attrs.field(default=None)
     restores_chosen: int = 0
     recomputes_chosen: int = 0
     splits_chosen: int = 0
     explorations: int = 0  # restores chosen to measure their bandwidth (counted in restores_chosen too)
     last: RestorePlan | None = None  # the last counted choice (its predicted arms are in the stats)
+    resident_samples: int = 0
+    # The resident share of each restore chosen and not yet measured, oldest first (observe_restore)
+    _chosen_resident: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=16))
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
             self.restore_bytes_per_s = self.base.restore_bytes_per_s
+        if self.resident_bytes_per_s is None:
+            self.resident_bytes_per_s = self.base.page_cache_bytes_per_s
 
     def observe_prefill(self, *, new_tokens: int, context: int, seconds: float) -> None:
         """A prefill chunk of `new_tokens` on a `context`-token prefix took `seconds`."""
@@ -96,11 +104,31 @@ class RestoreAdvisor:
         self.prefill_scale = ratio if self.prefill_samples == 0 else _ewma(self.prefill_scale, ratio)
         self.prefill_samples += 1
 
-    def observe_restore(self, *, nbytes: int, seconds: float) -> None:
-        """Reading and adopting `nbytes` of KV took `seconds` end to end."""
+    def observe_restore(self, *, nbytes: int, seconds: float, resident: float | None = None) -> None:
+        """Reading and adopting `nbytes` of KV took `seconds` end to end.
+
+        `resident`: the share of them that was in the page cache (default: the oldest restore chosen
+        and not yet measured, as its plan saw it). A mostly resident restore measures the page cache's
+        bandwidth (when there is one to calibrate), the others the disk's, net of their resident part.
+        """
+        if resident is None:
+            resident = self._chosen_resident.popleft() if self._chosen_resident else 0.0
         if nbytes < 1 << 16 or seconds <= 0:
             return
-        rate = nbytes / seconds
+        fast = self.resident_bytes_per_s > 0
+        if fast and resident >= 0.5:
+            rate = nbytes / seconds
+            first = self.resident_samples == 0
+            self.resident_bytes_per_s = rate if first else _ewma(self.resident_bytes_per_s, rate)
+            self.resident_samples += 1
+            return
+        cold, took = nbytes, seconds
+        if fast and resident > 0:
+            cold = int(nbytes * (1 - resident))
+            took = seconds - nbytes * resident / self.resident_bytes_per_s
+            if took <= 0:
+                return
+        rate = cold / took
         first = self.restore_samples == 0
         self.restore_bytes_per_s = rate if first else _ewma(self.restore_bytes_per_s, rate)
         self.restore_samples += 1
@@ -134,6 +162,8 @@ class RestoreAdvisor:
         if count:
             self.last = plan
             self.explorations += int(plan.explore)
+            if plan.cut is not None and plan.cut.nbytes > 0:
+                self._chosen_resident.append(min(plan.cut.resident_nbytes, plan.cut.nbytes) / plan.cut.nbytes)
             if plan.arm == RECOMPUTE:
                 self.recomputes_chosen += 1
             elif plan.arm == RESTORE:
@@ -190,6 +220,8 @@ class RestoreAdvisor:
             "prefill_samples": self.prefill_samples,
             "restore_bytes_per_s": round(self.restore_bytes_per_s),
             "restore_samples": self.restore_samples,
+            "page_cache_bytes_per_s": round(self.resident_bytes_per_s),
+            "page_cache_samples": self.resident_samples,
             "explorations": self.explorations,
             # The last choice's predicted seconds: its arm, recomputing, restoring the whole record.
             **({} if self.last is None else {
@@ -197,6 +229,7 @@ class RestoreAdvisor:
                 "last_recompute_s": round(self.last.recompute_seconds, 6),
                 "last_restore_s": round(self.last.restore_seconds, 6) if self.last.restore_seconds < float("inf") else -1.0,
                 "last_explored": int(self.last.explore),
+                "last_resident_bytes": self.last.cut.resident_nbytes if self.last.cut is not None else 0,
             }),
         }
 

@@ -317,6 +317,15 @@ class SsdStore:
         _unlink(path)
         return "corrupt"
 
+    def resident_bytes(self, record: SsdRecord) -> tuple[int, ...]:
+        """The bytes of each of the record's blocks (a whole file: one number) in the page cache now
+        (mincore: no read), for the restore advisor; an unreadable file counts none."""
+        if record.path is None:
+            return ()
+        if record.blocks:
+            return tuple(_resident_share(self._blocks.block_path(b.name), b.nbytes) for b in record.blocks)
+        return (_resident_share(record.path, record.nbytes),)
+
     def warm_page_cache(self, records: Iterable[SsdRecord], budget_bytes: int) -> int:
         """Ask the kernel to read the most recently used files into the page cache.
 
@@ -505,6 +514,15 @@ def _older_than(path: Path, when: float) -> bool:
 def _stat(path: Path) -> tuple[float, int]:
     st = path.stat()
     return st.st_mtime, st.st_size
+
+
+def _resident_share(path: Path, nbytes: int) -> int:
+    """`nbytes` times the share of the file's pages in the page cache."""
+    try:
+        resident, total = resident_pages(path)
+    except OSError:
+        return 0
+    return nbytes * resident // total if total else 0
 
 
 def resident_pages(path: Path) -> tuple[int, int]:

@@ -46,7 +46,7 @@ from the injected clock (wall time when serving, virtual time when simulating).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -365,7 +365,7 @@ def _always(entry: CacheEntry) -> bool:
 
 
 def restore_cuts(
-    cold: SsdMatch, warm: int, real: Callable[[int], int], *, split: bool = False
+    cold: SsdMatch, warm: int, real: Callable[[int], int], *, split: bool = False, resident: Sequence[int] = ()
 ) -> list[tuple[RestoreCut, SsdMatch]]:
     """The prefixes of a cold record that can be restored alone, longer than `warm`, shortest
     first, each with the match that restores it; the last is the whole usable record.
@@ -375,26 +375,32 @@ def restore_cuts(
     whole file is read whole (its tensors' CRC-32 covers every token), so its only cut
     is the whole file; with `split` (a forced split, for tests) a middle cut is offered
     at the whole file's cost: it is read, then trimmed.
+
+    `resident`: the bytes of each of the record's blocks (in `record.blocks` order; a whole
+    file: one number) already in the page cache, which a cut reads at the page cache's speed.
     """
     record, usable = cold.record, cold.usable
     spans = sorted((b for b in record.blocks if not b.state), key=lambda b: b.start)
     if record.blocks and record.trimmable and len(spans) == len(record.blocks):
+        in_cache = dict(zip((b.name for b in record.blocks), resident, strict=False))
         cuts: list[tuple[RestoreCut, SsdMatch]] = []
-        read = 0
+        read = fast = 0
         for b in spans:
             read += b.nbytes
+            fast += min(in_cache.get(b.name, 0), b.nbytes)
             end = min(b.end, usable)
             whole = b.end >= usable
             if end > warm:
                 tokens = 0 if b.end >= len(record.tokens) else b.end
-                cuts.append((RestoreCut(real(end), read), SsdMatch(record, end, tokens)))
+                cuts.append((RestoreCut(real(end), read, fast), SsdMatch(record, end, tokens)))
             if whole:
                 break
         return cuts
-    cuts = [(RestoreCut(real(usable), record.nbytes), cold)]
+    fast = min(sum(resident), record.nbytes)
+    cuts = [(RestoreCut(real(usable), record.nbytes, fast), cold)]
     middle = (warm + usable) // 2
     if split and warm < middle < usable and record.trimmable:
-        cuts.insert(0, (RestoreCut(real(middle), record.nbytes), SsdMatch(record, middle)))
+        cuts.insert(0, (RestoreCut(real(middle), record.nbytes, fast), SsdMatch(record, middle)))
     return cuts
 
 
@@ -431,6 +437,9 @@ class CacheTiers:
     memory_budget: int = 0  # bytes of MLX memory the process may use (0 = no budget)
     host: HostTier | None = None  # the host-memory tier between RAM and SSD (None: victims leave)
     pin_max_bytes: int = -1  # cap on pinned RAM bytes (-1: half the RAM tier; never more than all of it)
+    # The bytes of a record's blocks (a whole file: one number) in the page cache now (the SSD store's
+    # `resident_bytes`); None: unknown (the simulator), every byte costs a disk read.
+    residency: Callable[[SsdRecord], Sequence[int]] | None = None
     _pending: list[Effect] = attrs.field(init=False, factory=list)  # a lookup's effects (take_effects)
     _index: _SsdIndex = attrs.field(init=False, factory=_SsdIndex)
     # Session id + namespace -> latest checkpoint (seed §5.12); process-local.
@@ -537,7 +546,7 @@ class CacheTiers:
         real = model_tokens or (lambda n: n)
         plan = None
         if cold is not None and cold.usable > warm:
-            cuts = restore_cuts(cold, warm, real, split=self.advisor.split)
+            cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=self._resident(cold.record))
             plan = self.advisor.plan(
                 cuts=[c for c, _ in cuts], warm_tokens=real(warm), prompt_tokens=real(len(tokens))
             )
@@ -548,6 +557,12 @@ class CacheTiers:
         self._index.touch(cold.record, self.now)
         chosen = next(m for c, m in cuts if c is plan.cut)
         return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan)
+
+    def _resident(self, record: SsdRecord) -> Sequence[int]:
+        """The record's bytes in the page cache, where the advisor has a page-cache bandwidth to use them."""
+        if self.residency is None or not self.advisor.resident_bytes_per_s:
+            return ()
+        return self.residency(record)
 
     def take_effects(self) -> list[Effect]:
         """The effects of the lookups since the last call (a promotion, the demotions it caused)."""
@@ -592,7 +607,7 @@ class CacheTiers:
         if self.host is not None and self.host.find(tokens, namespace, longer_than=cold.usable - 1) is not None:
             return None  # the host tier will serve it: no SSD read
         usable = warm.usable if warm is not None else 0
-        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split)
+        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split, resident=self._resident(cold.record))
         plan = self.advisor.plan(cuts=[c for c, _ in cuts], warm_tokens=usable, prompt_tokens=len(tokens),
                                  count=False)
         return next((m for c, m in cuts if c is plan.cut), cold)
