@@ -313,6 +313,9 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
         # served restores the page cache held (mincore, at the choice): calibrate the page cache's bandwidth
         "served_page_cache_gb_s": served_cached / 1e9 if served_cached else None,
         "page_cache_samples": d.get("page_cache_samples", 0),
+        # the probe's prefill model scaled by the served chunks' timings (at the end of the restart)
+        "prefill_scale": d.get("prefill_scale"), "prefill_samples": d.get("prefill_samples", 0),
+        "probe_prefill_tokens_per_s": probe.get("prefill_tokens_per_s"), "probe_seconds": probe.get("seconds"),
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
 
