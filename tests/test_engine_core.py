@@ -357,3 +357,18 @@ def test_a_second_start_with_a_request_id_already_generating_is_refused_alone():
     assert [r.request_id for r in again.rejected] == ["a"] and "already generating" in again.rejected[0].message
     assert again.finished == ("a",) and core.stats().batch_rows == 0  # the cancel, once
     assert first
+
+
+def test_a_long_prompt_prefilled_alone_is_timed_whole_to_its_first_token():
+    core, _ = make(prefill_step_size=64)
+    prompt = tuple(range(100, 400))  # 300 tokens: long enough to be timed whole
+    results = run(core, StepOps(starts=(start("a", prompt, max_tokens=2),)), limit=20)
+    whole = [m for m in notes(results, PrefillMeasured) if m.whole]
+    assert [(m.new_tokens, m.context) for m in whole] == [(300, 0)] and whole[0].seconds > 0
+    chunks = [m for m in notes(results, PrefillMeasured) if not m.whole]
+    assert chunks and all(m.new_tokens <= 64 for m in chunks)
+    # Beside another row the wall time is not its own: no whole timing; nor for a short prompt.
+    core, _ = make(prefill_step_size=64)
+    shared = run(core, StepOps(starts=(start("b", prompt, max_tokens=2), start("c", range(500, 800)))), limit=20)
+    short = run(core, StepOps(starts=(start("d", range(900, 1100), max_tokens=2),)), limit=20)
+    assert [m for m in notes(shared + short, PrefillMeasured) if m.whole] == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 
 from mlxd.kv.cost_model import DEFAULT
 from mlxd.kv.restore_decision import RestoreAdvisor
@@ -140,3 +141,16 @@ def test_without_explore_an_unmeasured_restore_is_decided_by_its_predicted_cost(
         restore_bytes=16_000 * KV_PER_TOKEN, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140
     )
     assert advisor.explorations == 0
+
+
+def test_a_whole_prompt_timed_as_served_sets_the_prefill_scale_and_chunks_stop_moving_it():
+    # The H200's restart (10:23): chunks ran at ~1.85x the probe's prefill model, the whole served
+    # prompt at ~7.8x (16454 tokens in 1.87 s against 0.24 s probed); recompute is what a request waits for.
+    advisor = RestoreAdvisor()
+    advisor.observe_prefill(new_tokens=1024, context=4096, seconds=1.85 * DEFAULT.prefill_seconds(1024, 4096))
+    assert advisor.prefill_scale == pytest.approx(1.85)
+    advisor.observe_prefill(new_tokens=16_454, context=0, seconds=7.8 * DEFAULT.prefill_seconds(16_454, 0),
+                            whole=True)
+    assert advisor.prefill_scale == pytest.approx(7.8) and advisor.whole_prefill_samples == 1
+    advisor.observe_prefill(new_tokens=1024, context=0, seconds=DEFAULT.prefill_seconds(1024, 0))
+    assert advisor.prefill_scale == pytest.approx(7.8) and advisor.stats()["whole_prefill_samples"] == 1

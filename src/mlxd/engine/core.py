@@ -81,6 +81,7 @@ log = get_logger("mlxd.engine")
 # With a memory budget, MLX memory is measured for the cache owner at every prefill
 # boundary and at least every this many steps (a cheap counter read, no sync).
 MEASURE_MEMORY_EVERY = 256
+WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
 
 
 @attrs.define
@@ -96,6 +97,8 @@ class Row:
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
     prompt_new: int = 0  # prompt tokens this insert prefills (the last one goes with the first decode)
+    prefill_began: float = 0.0  # perf_counter when its prefill began (after a restore's adoption)
+    prefill_shared: bool = False  # another row was in the batch during its prefill: its wall time is not its own
 
     @property
     def request_id(self) -> str:
@@ -611,6 +614,7 @@ class EngineCore:
             tier = "ram" if usable > 0 else "none"
         else:
             lent, usable, tier = None, 0, "none"
+        began = time.perf_counter()
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
         cuts = tuple(c for c in start.checkpoint_at if usable < c < len(req.prompt) - 1) if not req.media else ()
@@ -627,6 +631,7 @@ class EngineCore:
             for part in row.parts():
                 part.segment(row, self, out)
         row.cached_tokens = usable
+        row.prefill_began, row.prefill_shared = began, bool(req.media) or len(self._rows) > 1
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
 
@@ -746,6 +751,9 @@ class EngineCore:
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
+        if len(self._rows) > 1:
+            for each in self._rows.values():
+                each.prefill_shared = each.prefill_shared or each.generated == 0
         self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
         for r in prompt_responses:
             row = self._rows.get(r.uid)
@@ -758,6 +766,8 @@ class EngineCore:
                 continue
             row.generated += 1
             self.counters.generated_tokens += 1
+            if row.generated == 1:
+                self._prefill_whole(row, out)
             out.emit(row, row.sampling.event(r))
             if r.finish_reason is None:
                 for part in row.parts():
@@ -786,6 +796,14 @@ class EngineCore:
                 out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
                 self._slicer.measured(done - row.prefilled, seconds)
             row.prefilled = done
+
+    def _prefill_whole(self, row: Row, out: StepOut) -> None:
+        """A long prompt prefilled alone, timed to its first token as served (every chunk, the steps'
+        own costs between them): what recomputing a prefix costs here, beside the chunks' timings."""
+        new = row.prompt_new + 1
+        if row.prefill_shared or new < WHOLE_PREFILL_MIN or row.prefill_began <= 0:
+            return
+        out.notes.append(PrefillMeasured(new, row.cached_tokens, time.perf_counter() - row.prefill_began, whole=True))
 
     def _prefill_chunk(self) -> int:
         """This step's prefill chunk: a time slice, cut so rows that just joined finish their prompt."""

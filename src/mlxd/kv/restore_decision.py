@@ -72,6 +72,7 @@ class RestoreAdvisor:
     prefill_scale: float = 1.0
     restore_bytes_per_s: float = attrs.field(default=None)
     prefill_samples: int = 0
+    whole_prefill_samples: int = 0  # of them, whole prompts timed as served (observe_prefill)
     restore_samples: int = 0
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
@@ -95,14 +96,23 @@ class RestoreAdvisor:
         if self.resident_bytes_per_s is None:
             self.resident_bytes_per_s = self.base.page_cache_bytes_per_s
 
-    def observe_prefill(self, *, new_tokens: int, context: int, seconds: float) -> None:
-        """A prefill chunk of `new_tokens` on a `context`-token prefix took `seconds`."""
+    def observe_prefill(self, *, new_tokens: int, context: int, seconds: float, whole: bool = False) -> None:
+        """A prefill chunk of `new_tokens` on a `context`-token prefix took `seconds`.
+
+        `whole`: a whole prompt prefilled alone, to its first token, as served (every chunk and the
+        engine's steps between them). Once one was timed, chunk timings no longer move the scale:
+        they leave out what a served prefill pays beside its chunks' forward passes.
+        """
         predicted = self.base.prefill_seconds(new_tokens, context)
         if new_tokens < 16 or predicted <= 0 or seconds <= 0:
             return  # too small to say anything about throughput
+        if not whole and self.whole_prefill_samples:
+            return
         ratio = seconds / predicted
-        self.prefill_scale = ratio if self.prefill_samples == 0 else _ewma(self.prefill_scale, ratio)
+        first = self.prefill_samples == 0 or (whole and self.whole_prefill_samples == 0)
+        self.prefill_scale = ratio if first else _ewma(self.prefill_scale, ratio)
         self.prefill_samples += 1
+        self.whole_prefill_samples += int(whole)
 
     def observe_restore(self, *, nbytes: int, seconds: float, resident: float | None = None) -> None:
         """Reading and adopting `nbytes` of KV took `seconds` end to end.
@@ -218,6 +228,7 @@ class RestoreAdvisor:
             "splits_chosen": self.splits_chosen,
             "prefill_scale": round(self.prefill_scale, 4),
             "prefill_samples": self.prefill_samples,
+            "whole_prefill_samples": self.whole_prefill_samples,
             "restore_bytes_per_s": round(self.restore_bytes_per_s),
             "restore_samples": self.restore_samples,
             "page_cache_bytes_per_s": round(self.resident_bytes_per_s),

@@ -312,11 +312,13 @@ class RecordLost:
 
 @attrs.frozen
 class PrefillMeasured:
-    """Engine-side timing of one single-row prefill chunk (for restore-or-recompute)."""
+    """Engine-side timing of one single-row prefill chunk (for restore-or-recompute); `whole`: of a
+    whole prompt prefilled alone, to its first token (every chunk and the steps between them)."""
 
     new_tokens: int
     context: int
     seconds: float
+    whole: bool = False
 
 
 @attrs.frozen
