@@ -249,3 +249,19 @@ async def test_a_storage_failure_in_the_probe_leaves_the_default_restore_costs(
         assert rt.cache_owner.tiers.advisor.restore_bytes_per_s == DEFAULT.restore_bytes_per_s
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "probe.restore_failed" in logged and "No space left on device" in logged
+
+
+async def test_a_restarted_server_resumes_its_predecessor_s_restore_measurements(tiny_model_dir: Path, tmp_path: Path):
+    from mlxd.kv import advisor_file
+
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        advisor = rt.cache_owner.tiers.advisor
+        advisor.observe_restore(nbytes=1 << 30, seconds=0.5)  # as a served restore reports it
+        directory = rt.cold.store.directory if rt.cold is not None else None
+    assert directory is not None and advisor_file.advisor_path(directory).exists()
+    async with open_runtime(config) as rt:
+        resumed = rt.cache_owner.tiers.advisor
+        assert resumed.restore_samples == 1 and resumed.restore_bytes_per_s == pytest.approx((1 << 30) / 0.5)
+        assert resumed.base == rt.info.probe.cost_model()  # the new probe's model, the old measurement
+        assert (await rt.stats()).as_dict()["ssd_cache"]["restore_decisions"]["restore_samples"] == 1

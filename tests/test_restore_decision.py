@@ -154,3 +154,26 @@ def test_a_whole_prompt_timed_as_served_sets_the_prefill_scale_and_chunks_stop_m
     assert advisor.prefill_scale == pytest.approx(7.8) and advisor.whole_prefill_samples == 1
     advisor.observe_prefill(new_tokens=1024, context=0, seconds=DEFAULT.prefill_seconds(1024, 0))
     assert advisor.prefill_scale == pytest.approx(7.8) and advisor.stats()["whole_prefill_samples"] == 1
+
+
+def test_a_restarted_advisor_resumes_what_was_measured_and_does_not_explore_it_again(tmp_path):
+    from mlxd.kv import advisor_file
+
+    before = _restart_advisor(16_000 * KV_PER_TOKEN / (1.3 * DEFAULT.prefill_seconds(16_140, 0)))
+    before.observe_prefill(new_tokens=16_000, context=0, seconds=5 * DEFAULT.prefill_seconds(16_000, 0), whole=True)
+    before.observe_restore(nbytes=2 * 10**9, seconds=0.8)
+    path = advisor_file.advisor_path(tmp_path)
+    advisor_file.save(path, before.calibration(), "Device(gpu, 0)")
+    assert advisor_file.load(path, "Device(cpu, 0)") == {}  # another device's measurements are not ours
+    after = RestoreAdvisor(base=before.base, explore=True)
+    after.resume(advisor_file.load(path, "Device(gpu, 0)"))
+    assert after.prefill_scale == pytest.approx(5.0) and after.whole_prefill_samples == 1
+    assert after.restore_bytes_per_s == pytest.approx(2.5e9) and after.restore_samples == 1
+    after.should_restore(restore_bytes=16_000 * KV_PER_TOKEN, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140)
+    assert after.explorations == 0  # measured before the restart: decided by that measurement
+    # Chunk timings and unmeasured guesses are not carried; a damaged file is no calibration.
+    fresh = RestoreAdvisor(explore=True)
+    fresh.resume(RestoreAdvisor(prefill_scale=3.0, prefill_samples=4).calibration())
+    assert fresh.prefill_scale == 1.0 and fresh.restore_samples == 0
+    path.write_text("{not json")
+    assert advisor_file.load(path, "Device(gpu, 0)") == {}

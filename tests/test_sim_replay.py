@@ -161,3 +161,17 @@ def test_a_restart_explores_one_unmeasured_restore_then_decides_by_its_measured_
     # Without the restart RAM serves them all (no restore weighed, nothing explored).
     unbroken, per = run(trace, cost=gpu, ssd=True, advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess))
     assert [src for _, src in per[4:]] == ["ram"] * 4 and unbroken.restore_decisions["explorations"] == 0
+
+
+def test_a_second_restart_resumes_the_measured_restore_and_explores_no_more():
+    gpu = attrs.evolve(DEFAULT, prefill_fixed=0.0, prefill_per_token=1e-4, prefill_per_pair=0.0,
+                       restore_fixed=0.0, kv_bytes_per_token=1000)
+    guess = 2000 * 1000 / (1.3 * gpu.prefill_seconds(2100) - gpu.prefill_seconds(100, 2000))
+    firsts = [list(range(10_000 * c, 10_000 * c + 2000)) for c in range(4)]
+    trace = [req(c, firsts[c], t=c) for c in range(4)]
+    trace += [req(4 + c, firsts[c] + list(range(9000, 9100)), t=20 + c) for c in range(2)]  # restart at 10
+    trace += [req(6 + c, firsts[2 + c] + list(range(9000, 9100)), t=40 + c) for c in range(2)]  # and at 30
+    result, per = run(trace, cost=attrs.evolve(gpu, restore_bytes_per_s=10 * guess), ssd=True,
+                      advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess), restarts=[10.0, 30.0])
+    assert result.restarts == 2 and [src for _, src in per[4:]] == ["ssd"] * 4
+    assert result.restore_decisions["explorations"] == 1  # the second restart resumed the measurement

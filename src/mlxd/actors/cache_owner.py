@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.kv import advisor_file
 from mlxd.kv import pins as pin_file
 from mlxd.kv.host_tier import HostTier
 from mlxd.kv.kv_events import CPU, RAM, SSD, ResidencyLedger
@@ -114,6 +115,8 @@ class CacheOwnerActor:
         host_tier: bool | None = None,
         pins_file: Path | None = None,
         saved_pins: PinSet | None = None,
+        advisor_file: Path | None = None,
+        advisor_device: str = "",
     ) -> None:
         """`durability` and `prefetcher`: the SSD tier's inboxes (with `store`). `engine`: under
         `--distributed`, told which mirrored prefixes left RAM so the followers drop their shards.
@@ -121,6 +124,8 @@ class CacheOwnerActor:
         hashed along the SSD block store's chain of the store identity's `kv_fingerprint`.
         `host_tier`: keep `config.host_cache_bytes` of RAM victims in a host tier; None decides by
         the device (only where host memory is not the device's: CUDA), True keeps it anyway (tests).
+        `advisor_file`: where the restore advisor's calibration is saved when this actor stops, for the
+        next server on `advisor_device` (kv/advisor_file.py).
         """
         self._config = config
         self._governor = governor  # told when RAM is over its cap waiting for writes
@@ -154,6 +159,7 @@ class CacheOwnerActor:
         if saved_pins is not None:
             self.tiers.restore_pins(saved_pins, time.time())
         self._pins_file = pins_file
+        self._advisor_file, self._advisor_device = advisor_file, advisor_device
         self._pins_state = self.tiers.pin_state()
         self._pins_changed: trio.Event | None = None
         # Sends to the coordinator and prefetcher never block (unbounded / dropped
@@ -223,6 +229,21 @@ class CacheOwnerActor:
         return self.tiers.ram
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._serve(task_status)
+        finally:
+            if self._advisor_file is not None:  # what the advisor measured, for the next server here
+                with trio.move_on_after(2.0, shield=True):
+                    await self._save_advisor(self._advisor_file)
+
+    async def _save_advisor(self, path: Path) -> None:
+        calibration = self.tiers.advisor.calibration()
+        try:
+            await trio.to_thread.run_sync(advisor_file.save, path, calibration, self._advisor_device)
+        except OSError as exc:  # the next server starts from its probe alone
+            log.warning("cache.advisor_not_saved", path=str(path), error=str(exc))
+
+    async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._apply(self._startup)

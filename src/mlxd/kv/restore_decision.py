@@ -221,6 +221,30 @@ class RestoreAdvisor:
         rest = self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
         return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + rest
 
+    def calibration(self) -> dict[str, float]:
+        """What this advisor measured on this machine (what a restarted server's advisor `resume`s)."""
+        return {
+            "prefill_scale": self.prefill_scale, "whole_prefill_samples": self.whole_prefill_samples,
+            "restore_bytes_per_s": self.restore_bytes_per_s, "restore_samples": self.restore_samples,
+            "page_cache_bytes_per_s": self.resident_bytes_per_s, "page_cache_samples": self.resident_samples,
+        }
+
+    def resume(self, calibration: dict[str, float]) -> None:
+        """Start from a previous process's measurements on this machine: served whole-prompt prefills and
+        restores (only those: chunk timings and unmeasured guesses are not carried). A carried restore
+        is measured, so it is not explored again."""
+        c = calibration
+        if int(c.get("whole_prefill_samples", 0)) > 0 and float(c.get("prefill_scale", 0)) > 0:
+            self.prefill_scale = float(c["prefill_scale"])
+            self.whole_prefill_samples = int(c["whole_prefill_samples"])
+            self.prefill_samples = max(self.prefill_samples, self.whole_prefill_samples)
+        if int(c.get("restore_samples", 0)) > 0 and float(c.get("restore_bytes_per_s", 0)) > 0:
+            self.restore_bytes_per_s = float(c["restore_bytes_per_s"])
+            self.restore_samples = int(c["restore_samples"])
+        if int(c.get("page_cache_samples", 0)) > 0 and float(c.get("page_cache_bytes_per_s", 0)) > 0:
+            self.resident_bytes_per_s = float(c["page_cache_bytes_per_s"])
+            self.resident_samples = int(c["page_cache_samples"])
+
     def stats(self) -> dict[str, float]:
         return {
             "restores_chosen": self.restores_chosen,

@@ -41,6 +41,7 @@ from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.ops import EngineInfo
+from mlxd.kv import advisor_file
 from mlxd.kv import pins as pin_file
 from mlxd.kv.admission import KvAdmission, weights_bytes
 from mlxd.kv.blocks import span_for
@@ -822,6 +823,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         base=info.probe.cost_model() if info.probe is not None else DEFAULT,
         always=choice == "always", split=choice == "split", never=choice == "never", explore=choice == "measured",
     )
+    advisor_saved = await _saved_calibration(config, store, info, advisor)
     cache_owner = CacheOwnerActor(
         config, inbox=cache_receive, store=store, governor=governor, advisor=advisor,
         records=scan.records if scan is not None else (),
@@ -833,6 +835,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         engine=engine_send.clone() if config.distributed else None,
         kv_events=kv_events, kv_fingerprint=info.store_identity.fingerprint,
         **await _saved_pins(config, store),
+        **advisor_saved,
     )
     if cold is not None:
         await actors.start(cold.writer.run)
@@ -864,6 +867,22 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         cache_owner=cache_owner,
         cold=cold,
     )
+
+
+async def _saved_calibration(
+    config: RuntimeConfig, store: SsdStore | None, info: EngineInfo, advisor: RestoreAdvisor
+) -> dict[str, Any]:
+    """The restore advisor resumes what the last server on this device measured (kv/advisor_file.py), and
+    the cache owner saves it again when it stops; none without an SSD tier, or in a shared directory."""
+    if store is None or config.ssd_shared:
+        return {}
+    path = advisor_file.advisor_path(store.directory)
+    device = info.probe.device if info.probe is not None else ""
+    saved = await trio.to_thread.run_sync(advisor_file.load, path, device)
+    if saved:
+        advisor.resume(saved)
+        log.info("advisor.calibration_resumed", **{k: round(float(v), 4) for k, v in advisor.calibration().items()})
+    return {"advisor_file": path, "advisor_device": device}
 
 
 async def _saved_pins(config: RuntimeConfig, store: SsdStore | None) -> dict[str, Any]:

@@ -19,9 +19,11 @@ requests that arrived before it finish, then every pending write commits.
 
 A restart (`restarts`) is a flush followed by a new process: RAM and the host
 tier empty, the SSD index read back from its records, and a fresh restore
-advisor (unmeasured, as a restarted server's). Each simulated restore is
-reported to the advisor as the engine reports a served one, so a restart sees
-the same exploratory restore a server does, then decisions by measured cost.
+advisor that resumes what the last one measured (served restores; as a server
+resumes its predecessor's calibration file). Each simulated restore is
+reported to the advisor as the engine reports a served one, so a restart
+before any restore sees the same exploratory restore a server does, then
+decisions by measured cost.
 """
 
 from __future__ import annotations
@@ -247,7 +249,9 @@ class MlxdReplay:
             raise ValueError("this replay cannot restart (no fresh_tiers)")
         if not self.advisors:
             self.advisors.append(self.tiers.advisor)
+        measured = self.tiers.advisor.calibration()
         self.tiers = self.fresh_tiers(self.tiers.ssd_records())
+        self.tiers.advisor.resume(measured)  # as a server resumes its predecessor's file (kv/advisor_file.py)
         self.advisors.append(self.tiers.advisor)
         self.tally.restarts += 1
 
