@@ -265,3 +265,12 @@ async def test_a_restarted_server_resumes_its_predecessor_s_restore_measurements
         assert resumed.restore_samples == 1 and resumed.restore_bytes_per_s == pytest.approx((1 << 30) / 0.5)
         assert resumed.base == rt.info.probe.cost_model()  # the new probe's model, the old measurement
         assert (await rt.stats()).as_dict()["ssd_cache"]["restore_decisions"]["restore_samples"] == 1
+
+
+def test_page_cache_points_without_a_slope_fall_back_to_the_largest_point_s_rate():
+    # Noisy small points (the larger read as fast as the smaller): no positive slope to fit.
+    probe = DeviceProbe(device="Device(cpu, 0)", prefill=((64, 0.01), (256, 0.02), (1024, 0.05)),
+                        decode_s_per_token=0.01, restore=((1 << 20, 0.002), (16 << 20, 0.011)),
+                        restore_warm=((1 << 20, 0.004), (16 << 20, 0.004)), kv_bytes_per_token=8192,
+                        prefill_step_size=2048)
+    assert probe.cost_model().page_cache_bytes_per_s == pytest.approx((16 << 20) / 0.004)

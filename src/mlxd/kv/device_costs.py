@@ -52,6 +52,9 @@ class DeviceProbe:
         warm_bw = 0.0  # not measured: page-cache bytes cost as the rest
         if self.restore_warm:  # per byte, as the cold restores (their fixed cost is restore_fixed)
             _, warm_per_byte = fit_linear(self.restore_warm)
+            if warm_per_byte <= 0:  # noise left no slope (small points): the largest point's own rate
+                nbytes, seconds = max(self.restore_warm)
+                warm_per_byte = seconds / nbytes if nbytes > 0 else 0.0
             warm_bw = 1.0 / warm_per_byte if warm_per_byte > 0 else 0.0
         host_bw = 0.0  # no host tier timed (or unified memory): promotions are free
         if self.host and sum(s for _, s in self.host) > 0:
