@@ -382,3 +382,54 @@ def test_the_flag_reaches_a_live_server_whose_stats_report_the_no_op(tiny_model_
         stats = httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()
     host = stats["cache"]["host"]
     assert host["enabled"] is False and host["requested_bytes"] == serve_config(args).host_cache_bytes
+
+
+def test_while_idle_with_a_measured_budget_only_the_headroom_short_of_it_moves():
+    """Idle moves: with device room under the budget a demoted entry stays on the device (taking it back is
+    a reclaim, no copy); as the budget's headroom (the largest entry) runs short, the coldest move first;
+    with no budget, or none measured yet, every entry still on the device moves."""
+    clock = Clock()
+    tiers = CacheTiers(PromptCache(max_bytes=200, clock=clock), host=HostTier(max_bytes=1000, clock=clock),
+                       memory_budget=2000)
+    for i in range(4):
+        tiers.publish(toks(i * 100), payload=f"p{i}", nbytes=100, trimmable=True)
+    assert tiers.host.device_bytes == 200 and tiers.idle_headroom_bytes() == 100
+    assert tiers.observe_memory(1000) == []  # other 600 + 200 RAM + 200 host-tier: 1000 of 2000
+    assert tiers.idle_moves() == []  # room for the headroom: p0, p1 stay on the device
+    lookup = tiers.lookup(toks(0) + (7,))
+    assert lookup.hit is not None and lookup.hit.entry.payload == "p0" and not lookup.promoted
+    assert tiers.stats().host.reclaims == 1
+    tiers.take_effects()
+    assert tiers.observe_memory(1950) == []  # other 1550: 1950 of 2000, 50 short of the headroom
+    moves = tiers.idle_moves()
+    assert [e.entry.payload for e in moves] == ["p1"] and all(isinstance(e, Demote) for e in moves)
+    assert tiers.idle_moves() == []  # the headroom is free again
+    unmeasured = tiers_with_host()
+    for i in range(4):
+        unmeasured.publish(toks(i * 100), payload=f"q{i}", nbytes=50, trimmable=True)
+    assert [e.entry.payload for e in unmeasured.idle_moves()] == ["q0", "q1"]  # no budget: all of them
+
+
+async def test_the_cache_owner_keeps_an_idle_demoted_entry_on_the_device_under_its_budget():
+    """The shell applies the idle rule: once the engine measured memory far under the budget, an entry the
+    RAM cap let go of keeps its pages on the device while idle, and the returning lookup is a reclaim."""
+    from mlxd.runtime.kernel.messages import MemoryMeasured
+
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=10_000)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True, memory_budget=1 << 30)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        await inbox_send.send(MemoryMeasured(64 * MB, 64 * MB, "prefill"))
+        a, b = toks(0, 8), toks(100, 8)
+        for t in (a, b):
+            await inbox_send.send(PublishPrefix(t, "", payload=_kv(8), nbytes=512, trimmable=True, reason="final"))
+        await inbox_send.send(EngineBusy(False))
+        await _ask(inbox_send, QueryCacheStats)
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["device_entries"], host["moves"]) == (1, 0)  # idle, but the device has room
+        lookup = await _ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))
+        assert lookup.hit.usable == 8 and not lookup.promoted
+        host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+        assert (host["reclaims"], host["promotions"]) == (1, 0)
+        nursery.cancel_scope.cancel()

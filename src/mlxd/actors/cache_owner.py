@@ -261,7 +261,7 @@ class CacheOwnerActor:
                 async for msg in self._inbox:
                     self._handle_safely(msg)
                     if self._may_move_pages():
-                        self._apply(self.tiers.move_to_host())
+                        self._apply(self.tiers.idle_moves())
                     self._note_pins(msg)
                     self._announce_residency()
                     self._report_shards()

@@ -10,8 +10,10 @@ prefix lives here promotes it back to RAM.
 Demotion is lazy: an admitted victim keeps its device pages (it is still a
 RAM-speed hit, and taking it back costs no copy) until device memory is
 needed (the memory budget, admission) or no row is decoding (and, serving, no
-request waits for its first token); only then does the shell move its pages
-(`take_moves`). Moving 1.88 GB while another row
+request waits for its first token) and the budget's idle headroom is short
+(`CacheTiers.idle_moves`); only then does the shell move its pages
+(`take_moves`). With room on the device an entry stays there: taking it back
+is then a hit with no copy. Moving 1.88 GB while another row
 decoded cost that row 71-77% of its speed on an H200 (docs/benchmarks.md), so
 a move that buys nothing is not made while rows decode.
 

@@ -22,7 +22,8 @@ holds, and every decision between the two:
   instead of dropped, and a lookup whose longest usable prefix is there takes
   it back to RAM before the SSD is considered. Its pages move to host memory
   (`Demote`) only when device memory is needed (the memory budget, admission:
-  at once) or no row decodes (`move_to_host`, the shell's call); a lookup
+  at once) or no row decodes (`idle_moves`, the shell's call: with a
+  measured budget only what keeps `idle_headroom_bytes` of it free); a lookup
   before then is a plain hit, and one after copies them back (`Promote`);
 - the memory budget: when the process's memory (MLX active memory outside
   the cache, as last measured, plus the cache now) passes `memory_budget`,
@@ -922,6 +923,29 @@ class CacheTiers:
         if self.host is None:
             return []
         return [Demote(e) for e in self.host.take_moves(nbytes)]
+
+    def idle_moves(self) -> list[Effect]:
+        """Host-tier moves worth issuing while no row decodes and none waits: with a measured memory budget,
+        only enough to keep `idle_headroom_bytes` of it free; without one, all of them.
+
+        An entry kept on the device is a plain hit with no copy back (a returning conversation, or a next
+        turn on an entry demoted while idle); moving it while the device had room made that turn wait
+        for a promotion (H200: +109 ms for 1.88 GB). The budget and admission still move the rest, coldest
+        first, when device memory is needed."""
+        if self.host is None:
+            return []
+        if self.memory_budget <= 0 or not self._memory.measurements:
+            return self.move_to_host()
+        need = self.over_budget_bytes + self.idle_headroom_bytes()
+        return self.move_to_host(need) if need > 0 else []
+
+    def idle_headroom_bytes(self) -> int:
+        """Device memory an idle server keeps free of host-tier entries: the largest entry either tier holds
+        (about what the next checkpoint of a conversation adds)."""
+        largest = max((e.nbytes for e in self.ram.entries()), default=0)
+        if self.host is not None:
+            largest = max(largest, max((e.nbytes for e in self.host.entries()), default=0))
+        return largest
 
     @property
     def budget_waiting(self) -> bool:

@@ -337,7 +337,7 @@ class MlxdReplay:
             self._running -= 1
             if self._running == 0:
                 self._quiet.set()
-                self._apply(self.tiers.move_to_host())  # as the cache owner: host-tier moves once no row decodes
+                self._apply(self.tiers.idle_moves())  # as the cache owner: host-tier moves once no row decodes
 
     async def _engine_work(self, seconds: float) -> None:
         """Take `seconds` of engine time, shared equally with the rows prefilling meanwhile."""
