@@ -12,6 +12,10 @@ from mlxd.model import build_model, load_model
 # machine and a test expecting an SSD hit would rest on timing luck. Set in the environment
 # so server subprocesses inherit it; tests of the measured choice set restore_choice.
 os.environ.setdefault("MLXD_RESTORE_CHOICE", "always")
+# The tiny model drafts for itself in the speculation tests: priced at its weights (a draft as
+# costly as the target) the gate would never let a step verify (engine/speculative.py's
+# draft_ceiling). Priced free here; tests of that ceiling set it themselves.
+os.environ.setdefault("MLXD_DRAFT_COST", "0")
 
 
 @pytest.fixture(scope="session")

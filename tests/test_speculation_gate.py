@@ -207,3 +207,16 @@ def test_a_draft_models_one_off_work_is_charged_to_verifying():
     assert paid_tally.steps - paid_tally.verifying >= 3 * 16, paid_tally
     assert paid_tally.verifying >= 0.3 * paid_tally.steps, paid_tally
     assert paid.rates(8)[1] == pytest.approx(2 * paid.rates(8)[0], rel=0.01)  # after the pause: uncharged
+
+
+def test_a_draft_that_cannot_pay_at_any_acceptance_never_verifies():
+    """The ceiling from the draft's cost (engine/speculative.py's draft_ceiling): the target as its
+    own draft at K = 4 gains at most 1.0x, so no step verifies, not even the first probe; a draft a
+    tenth of the target's cost may (3.57x at best) and is probed as before."""
+    from mlxd.engine.speculative import draft_ceiling
+
+    assert draft_ceiling(4, 1.0) == pytest.approx(1.0) and draft_ceiling(4, 0.1) == pytest.approx(5 / 1.4)
+    assert draft_ceiling(4, 0.9) < SpeculationGate().min_speedup < draft_ceiling(4, 0.85)
+    dear, cheap = SpeculationGate(ceiling=draft_ceiling(4, 1.0)), SpeculationGate(ceiling=draft_ceiling(4, 0.1))
+    assert not any(dear.allow(rows) for rows in (1, 8, 1, 8)) and dear.withheld == dear.steps == 4
+    assert cheap.allow(1) and cheap.allow(8) and cheap.withheld == 0

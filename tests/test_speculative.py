@@ -572,3 +572,42 @@ def test_verifying_over_the_whole_kv_buffer_is_identical_and_keeps_key_shapes(ti
         assert spec is not None and spec.verify_steps > 5 and spec.accepted > 0, spec
     assert key_lengths and min(key_lengths) >= 256, sorted(set(key_lengths))
     assert len(set(key_lengths)) <= 8, f"one key length per buffer size, not one per step: {sorted(set(key_lengths))}"
+
+
+def test_a_withheld_step_makes_no_draft_forward_and_reads_nothing_back(tiny_model_dir, monkeypatch):
+    """Steps the gate keeps from verifying cost what plain steps cost: no draft forward (no prefix
+    prefill, no catch-up), no read of the pending tokens. Twice: a draft priced at its weights (the
+    target as its own draft cannot pay at any acceptance, so no step verifies, not even a probe),
+    and a draft that could pay but whose gate is paused at these batch sizes."""
+    from mlxd.kv.ngram import _Rates
+
+    requests = [
+        _request("greedy", BASE, max_tokens=30, logit_bias=NO_EOS),
+        _request("seeded", BASE[5:], max_tokens=24, temperature=1.5, seed=3, logit_bias=NO_EOS),
+    ]
+    off = _run(tiny_model_dir, "off", requests)
+    for priced in (True, False):
+        if priced:
+            monkeypatch.delenv("MLXD_DRAFT_COST")
+        else:
+            monkeypatch.setenv("MLXD_DRAFT_COST", "0")
+        core = EngineCore(config_for(tiny_model_dir, speculative="draft", draft_model=str(tiny_model_dir),
+                                     prompt_cache_bytes=0))
+        core.load()
+        gate = core._drafts.gate
+        if priced:
+            assert gate.ceiling == pytest.approx(1.0), "the target as its own draft: (1 + 4) / (1 + 4 x 1)"
+        else:
+            assert gate.ceiling == pytest.approx(5.0), "a free draft: 1 + 4 tokens at best"
+            for rows in (1, 2):
+                gate._by_rows[rows] = _Rates(pause=1 << 20)
+        batch = [*requests[:1]], [*requests]
+        for rows in batch:
+            run = run_rows(core, rows)
+            assert all(run.tokens[r.request_id] == off[0][r.request_id] for r in rows)
+        spec, counters = core.stats().speculation, core._drafts.counters
+        core.close()
+        assert spec is not None and spec.decode_steps > 0 and spec.gate_withheld_steps == spec.decode_steps, spec
+        assert (spec.verify_steps, spec.draft_steps, spec.draft_prefix_recomputed, spec.draft_prefix_reused) == (0,) * 4
+        assert counters.pending_reads == 0, "no pending token read back for a draft"
+        assert core._drafts.prefix.alone_s == 0.0, "no draft prefill nor catch-up"

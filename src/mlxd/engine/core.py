@@ -15,6 +15,7 @@ What a row does beyond decoding lives in the parts it carries
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,6 +217,7 @@ class EngineCore:
                 self._draft = load_draft(self._config.draft_model, self.tokenizer,
                                          prefill_step=self._prefill_step_size,
                                          placeholder=self.vision.placeholder if self.vision is not None else None)
+                self._draft_gate_ceiling()
             self.generator = self._new_generator()
             cfg = loaded.config
             max_context = self._config.max_context or int(cfg.get("max_position_embeddings", 32768))
@@ -514,6 +516,19 @@ class EngineCore:
             features.append(GenerationCheckpoints(start.checkpoint_key, config.generation_checkpoint))
         return Row(start=start, sampling=sampling, features=tuple(features),
                    adapter=self.adapters.index_of(req.namespace))
+
+    def _draft_gate_ceiling(self) -> None:
+        """--draft-model: the gate never lets a step verify where the draft costs too much to pay."""
+        from mlxd.engine.draft import forward_cost
+        from mlxd.engine.speculative import draft_ceiling
+
+        given = os.environ.get("MLXD_DRAFT_COST")  # a draft forward's cost in target forwards, instead of measured
+        cost = float(given) if given else forward_cost(self._draft.model, self.model)
+        gate = self._drafts.gate
+        gate.ceiling = draft_ceiling(self._config.num_draft_tokens, cost)
+        if gate.ceiling < gate.min_speedup:
+            log.warning("engine.draft_cannot_pay", draft_cost=round(cost, 3), ceiling=round(gate.ceiling, 3),
+                        k=self._config.num_draft_tokens)
 
     def _speculation(self, start: RowStart, prompt_new_tokens: int) -> Speculation:
         """A speculating row's part: drafts from its own n-grams, or from the draft model, whose KV

@@ -86,6 +86,18 @@ def load_draft(path: str, target_tokenizer: Any, *, prefill_step: int, placehold
     return DraftModel(where, model, prefill_step, tag=model_identity(where)[:16], placeholder=placeholder)
 
 
+def forward_cost(draft: Any, target: Any) -> float:
+    """What a draft forward costs next to a target forward, from their weights' bytes (a decode
+    step reads every weight once: it is bound by memory on a GPU, by the same multiply-adds on a CPU)."""
+    from mlx.utils import tree_flatten
+
+    def nbytes(model: Any) -> int:
+        return sum(int(a.nbytes) for _, a in tree_flatten(model.parameters()))
+
+    whole = nbytes(target)
+    return nbytes(draft) / whole if whole else 0.0
+
+
 def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
     """Why two tokenizers differ in the ids they give (None: the same vocabulary and end tokens)."""
     a, b = _vocab(target), _vocab(draft)

@@ -91,6 +91,7 @@ class SpeculativeBatch(GenerationBatch):
             pending = known[1]
         else:  # after a plain step: waits for its forward (mlx-lm's pipelined step left it in flight)
             pending = self._next_tokens.tolist()  # type: ignore[assignment]
+            self.drafts.counters.pending_reads += 1
         asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i in wanting]
         drafted = self.drafts.propose(asks)

@@ -253,6 +253,15 @@ class Drafts:
         self.counters.verify_steps += 1
 
 
+def draft_ceiling(k: int, cost: float) -> float:
+    """The most a verifying step can gain over a plain one (tokens per second, as a ratio) with `k`
+    drafts from a draft model whose forward costs `cost` target forwards: every draft accepted
+    emits 1 + k tokens for the target's forward (a plain step's cost at least) and k draft forwards.
+    At k = 4 a draft costing 0.89 of the target or more cannot gain 1.1x (the gate's bar) even at
+    acceptance 1; the target as its own draft (cost 1) gains at most 1.0x."""
+    return (1 + k) / (1 + k * max(cost, 0.0))
+
+
 def speculation_off_reason(model: Any, config: Any) -> str | None:
     """Why this model cannot speculate (None: it can): every layer's KV must roll back per row."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache

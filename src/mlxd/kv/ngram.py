@@ -118,6 +118,7 @@ class DraftCounters:
     grammar_refused: int = 0  # draft tokens cut before verification: the row's grammar refused them
     draft_steps: int = 0  # steps where a draft model proposed (one forward per draft position for all its rows)
     draft_rows: int = 0  # rows' proposals the draft model made in those steps
+    pending_reads: int = 0  # steps that read the rows' pending tokens back to the host for drafting
 
     def add(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -198,6 +199,10 @@ class SpeculationGate:
     measures the steady cost, and spread over the tokens verifying steps emitted since the last
     pause, which lowers verifying's rate by as much. Such a step after plain ones, never timed,
     is counted too.
+
+    A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
+    the most a verifying step can gain over a plain one, from what the draft's forwards cost,
+    `draft_ceiling`; under `min_speedup` no step verifies, so no probe pays a draft prefill).
     """
 
     window: int = 5  # steps of each kind whose median rate is compared
@@ -210,6 +215,7 @@ class SpeculationGate:
     # How much faster than plain a verifying step must measure: what the timed steps leave out (a
     # draft model's catch-up after plain steps, its prefill at a row's first draft) is paid too.
     min_speedup: float = 1.1
+    ceiling: float = float("inf")  # the most verifying can gain (set at load for a draft model)
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
     _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
     _last: tuple[int, bool] | None = None  # the step before it: (rows, verifying)
@@ -228,8 +234,11 @@ class SpeculationGate:
 
     def allow(self, rows: int) -> bool:
         """Whether a step of `rows` rows may verify drafts (counts a paused step when not)."""
-        r = self._by_rows.setdefault(rows, _Rates())
         self.steps += 1
+        if self.ceiling < self.min_speedup:  # cannot pay at any acceptance: not even a probe
+            self.withheld += 1
+            return False
+        r = self._by_rows.setdefault(rows, _Rates())
         if r.pause > 0:
             r.pause -= 1
             self.withheld += 1
