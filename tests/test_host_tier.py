@@ -433,3 +433,35 @@ async def test_the_cache_owner_keeps_an_idle_demoted_entry_on_the_device_under_i
         host = (await _ask(inbox_send, QueryCacheStats)).as_dict()["host"]
         assert (host["reclaims"], host["promotions"]) == (1, 0)
         nursery.cancel_scope.cancel()
+
+
+def test_a_served_promotion_is_in_the_request_record_and_an_idle_entry_under_the_budget_is_reclaimed(
+        tiny_model_dir: Path, monkeypatch):
+    """A live runtime with the host tier forced on (this CPU shares one memory, so the page moves are
+    no-ops): a conversation pushed out of RAM by two others comes back from the host tier, and its
+    request record (the request.done line) says so (promoted_bytes, lookup time). With a memory budget
+    the engine measured far above what the cache holds, the idle server keeps the entry on the device:
+    the same return is a reclaim, no promotion."""
+    import httpx
+    from tests.serving import ServerThread, config_for
+
+    monkeypatch.setattr(host_memory, "separate_host_memory", lambda: True)
+    kv_per_token = 2 * 2 * 16 * 2 * 4  # the "test" preset: layers x kv heads x head dim x (K, V) x fp32
+    prompts = [" ".join(f"w{c}x{i}" for i in range(120)) for c in range(3)]
+    outcomes = []
+    for budget in (0, 1 << 34):
+        config = config_for(tiny_model_dir, prompt_cache_bytes=int(1.2 * 300 * kv_per_token),
+                            host_cache_bytes=1 << 30, memory_budget_bytes=budget)
+        with ServerThread(config) as s:
+            assert s.runtime is not None
+            records = []
+            s.runtime.scheduler.observers.append(records.append)
+            for p in (*prompts, prompts[0] + " again"):
+                body = {"model": "tiny", "prompt": p, "max_tokens": 2, "temperature": 0.0}
+                httpx.post(s.base_url + "/completions", json=body, timeout=60).raise_for_status()
+            stats = httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()["cache"]["host"]
+        returning = records[-1]
+        assert returning.cached_tokens > 100 and returning.lookup_s > 0
+        outcomes.append((returning.promoted_bytes > 0, stats["promotions"], stats["reclaims"] > 0))
+    assert outcomes[0][0] and outcomes[0][1] >= 1  # no budget: moved while idle, promoted back (bytes recorded)
+    assert outcomes[1] == (False, 0, True)  # room under the budget: still on the device, a reclaim

@@ -237,6 +237,8 @@ class SchedulerActor:
             completion_tokens=record.completion_tokens,
             queued_ms=_ms(record.queued_s),
             ttft_ms=_ms(record.ttft_s),
+            lookup_ms=_ms(record.lookup_s),
+            promoted_bytes=record.promoted_bytes,
             total_ms=_ms(record.total_s),
         )
         for observe in self.observers:
@@ -257,8 +259,12 @@ class SchedulerActor:
         cuts: tuple[int, ...] = ()
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
+            asked = time.monotonic()
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
+            record.lookup_s = time.monotonic() - asked
+            if lookup.promoted and lookup.hit is not None:
+                record.promoted_bytes = lookup.hit.entry.nbytes
             hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
             restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens

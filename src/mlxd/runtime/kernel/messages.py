@@ -145,6 +145,8 @@ class RequestRecord:
     output_ids: list[int] = attrs.Factory(list)
     session: str | None = None
     kv_waited: bool = False  # --kv-admission: it waited at the head of the queue for memory
+    lookup_s: float = 0.0  # the cache owner's prefix lookup, reply included (a host-tier promotion is issued in it)
+    promoted_bytes: int = 0  # its hit came back from the host tier: the bytes whose pages were moved back
 
     @property
     def queued_s(self) -> float | None:
