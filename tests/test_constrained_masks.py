@@ -145,3 +145,157 @@ def test_the_device_unpack_gives_numpys_bits(vocab_size):
     want = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(np.bool_)
     got = StepMasks(dict, list)._unpacked(bits, vocab_size)
     assert got.dtype == mx.bool_ and np.array_equal(np.array(got), want)
+
+
+# --- MLXD_MASK_MODE: where a GPU step's masks are made (run on the CPU with MLXD_MASK_DEVICE=gpu) ---
+
+class AheadBatch(Batch):
+    """A Batch whose generator holds the next step's input tokens as an array evaluated asynchronously,
+    as mlx-lm's does; `step` starts the step the engine core's way (`StepMasks.start`)."""
+
+    def __init__(self, cache: GrammarCache, part: type[Constrained] = Constrained,
+                 bodies: tuple[dict, ...] = BODIES) -> None:
+        super().__init__(cache, part, bodies)
+        self.next: mx.array | None = None
+        self.changed = False  # the batch changed between the start and the step: a new array
+        self.masks.pending = lambda: None if self.next is None else (list(self.fed), self.next)
+        self.masks.current = self._current
+
+    def _current(self) -> tuple[list[int], mx.array] | None:
+        if self.next is None:
+            return None
+        return list(self.fed), mx.array(self.next) if self.changed else self.next
+
+    def step(self, logits: mx.array) -> list[mx.array]:
+        self.masks.start()
+        out = []
+        for i, (row, part) in enumerate(self.rows):
+            out.append(part.mask(row, mx.array(self.context[i]), logits[i : i + 1]))
+        return out
+
+    def feed(self, tokens: list[int], *, evaluated: bool = True) -> None:
+        super().feed(tokens)
+        self.next = mx.array([self.fed[uid] for uid in sorted(self.fed)]) + 0  # a graph, as a sampler's output
+        if evaluated:
+            mx.async_eval(self.next)
+
+
+def walk(cache: GrammarCache, batch: Batch, bodies: tuple[dict, ...], steps: int = 12, **feed: bool) -> int:
+    """Decode `steps` steps, checking each row's masked logits against its own matcher; the reads it took."""
+    alone = [cache.matcher(constraint_from_request(body)) for body in bodies]
+    rng = random.Random(1)
+    reads = batch.reads
+    for step in range(steps):
+        logits = mx.random.normal((len(bodies), batch.size), key=mx.random.key(step))
+        processed = batch.step(logits)
+        chosen = []
+        for i, (got, ref) in enumerate(zip(processed, alone, strict=True)):
+            allowed = ref.allowed_mask()
+            assert np.array_equal(np.array(got[0]), np.where(allowed, np.array(logits[i]), -np.inf)), (step, i)
+            allowed[list(cache.vocab.eos_ids)] = False
+            token = int(rng.choice(np.flatnonzero(allowed)))
+            assert ref.consume(token)
+            chosen.append(token)
+        batch.feed(chosen, **feed) if isinstance(batch, AheadBatch) else batch.feed(chosen)
+    for (_, part), ref in zip(batch.rows, alone, strict=True):
+        assert part.walks and part.matcher.tokens == ref.tokens[:-1] and part.consumed == len(ref.tokens) - 1
+    batch.masks.close()
+    return batch.reads - reads
+
+
+@pytest.mark.parametrize("evaluated", [True, False], ids=["tokens scheduled", "tokens not scheduled yet"])
+@pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool"])
+@pytest.mark.parametrize("bodies", [BODIES, BODIES[:1], BODIES[1:2]], ids=["three rows", "one regex row", "one json row"])
+def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bodies, mode, evaluated, monkeypatch):
+    """Ahead, a batch that changed holds a new array of tokens not scheduled yet: the engine thread
+    schedules it before the worker waits for it (another thread cannot evaluate it)."""
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", mode)
+    batch = AheadBatch(cache, bodies=bodies)
+    reads = walk(cache, batch, bodies, evaluated=evaluated)
+    assert not batch.masks._device_is_cpu()
+    # engine: one read per step after the first; ahead: the worker reads the array itself
+    assert reads == (11 if mode == "engine" else 0)
+
+
+def test_ahead_the_matchers_take_their_tokens_on_the_worker_before_the_step(cache, monkeypatch):
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead")
+    batch = AheadBatch(cache, ThreadNoted)
+    logits = mx.zeros((len(BODIES), batch.size))
+    batch.step(logits)  # first steps: each row alone
+    ThreadNoted.threads.clear()
+    batch.feed([cache.vocab.tokenizer.tokenize_str(s)[0] for s in ("a", "[", "1")])
+    batch.masks.start()
+    batch.masks._ahead.future.result()  # the worker is done before any processor runs
+    assert len(ThreadNoted.threads) == len(BODIES) and all(n.startswith("mlxd-masks") for n in ThreadNoted.threads)
+    assert [part.consumed for _, part in batch.rows] == [1, 1, 1]  # fed ahead of the step
+    batch.masks.close()
+
+
+@pytest.mark.parametrize("case", ["batch changed", "no processor ran"])
+def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engines_way(cache, case, monkeypatch):
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead")
+    batch = AheadBatch(cache)
+    if case == "batch changed":
+        batch.changed = True
+        assert walk(cache, batch, BODIES) == 11  # every step read its tokens itself
+    else:
+        logits = mx.zeros((len(BODIES), batch.size))
+        batch.step(logits)
+        batch.feed([cache.vocab.tokenizer.tokenize_str(s)[0] for s in ("a", "[", "1")])
+        batch.masks.start()  # a step that only prefilled: no constrained processor ran
+        batch.masks.start()
+        batch.masks.clear()
+        assert [part.consumed for _, part in batch.rows] == [0, 0, 0]  # its feeds undone
+        assert [len(part.matcher.tokens) for _, part in batch.rows] == [0, 0, 0]
+        batch.masks.close()
+
+
+def test_an_unknown_mask_mode_is_refused_when_the_engine_builds_its_masks(monkeypatch):
+    monkeypatch.setenv("MLXD_MASK_MODE", "sideways")
+    with pytest.raises(ValueError, match="MLXD_MASK_MODE"):
+        StepMasks(dict, list)
+
+
+MIXED = ({"regex": "[a-z ]{0,400}"}, {"guided_json": LIST}, None, {"regex": "[0-9 ]{1,400}"})
+
+
+async def decode_mixed(model_dir: Path, speculative: str) -> list[list[int]]:
+    """Three constrained greedy rows and a free one, decoded together; each row's tokens."""
+    import trio
+
+    from mlxd import RuntimeConfig, SamplingParams, open_runtime
+
+    config = RuntimeConfig(model=str(model_dir), max_batch=4, device_probe="off", speculative=speculative)
+    out: list[list[int]] = [[] for _ in MIXED]
+    async with open_runtime(config) as rt:
+        no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
+        prompt = rt.encode("Write words and numbers. " * 3)
+
+        async def row(i: int) -> None:
+            body = MIXED[i]
+            s = SamplingParams(max_tokens=40, logit_bias=no_eos,
+                               constraint=constraint_from_request(body) if body else None)
+            async with rt.submit(rt.request(prompt, sampling=s)) as stream:
+                out[i] = await stream.tokens()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(MIXED)):
+                nursery.start_soon(row, i)
+    return out
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+async def test_every_mask_mode_decodes_a_mixed_greedy_batch_as_the_cpu_path_does(tiny_model_dir, monkeypatch, speculative):
+    """The GPU path's modes (forced on the CPU) give the same greedy tokens as the CPU path, speculating or not."""
+    runs = {}
+    for mode, device in [("engine", "cpu"), ("engine", "gpu"), ("ahead", "gpu"), ("ahead-bool", "gpu")]:
+        monkeypatch.setenv("MLXD_MASK_MODE", mode)
+        monkeypatch.setenv("MLXD_MASK_DEVICE", device)
+        runs[mode, device] = await decode_mixed(tiny_model_dir, speculative)
+    reference = runs["engine", "cpu"]
+    assert all(len(tokens) == 40 for tokens in reference)
+    for key, tokens in runs.items():
+        assert tokens == reference, key

@@ -156,7 +156,8 @@ class EngineCore:
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
         self._model_path: Path | None = None
-        self._masks = StepMasks(self._step_inputs, self._constrained_rows)  # constrained rows' masks, together
+        self._masks = StepMasks(self._step_inputs, self._constrained_rows, self._pending_inputs,
+                                self._current_inputs)  # constrained rows' masks, together
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         self._pages: Any = None  # --ram-pages on: kv/page_pool.PagePool, RAM entries' shared pages (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
@@ -762,7 +763,7 @@ class EngineCore:
         if hasattr(self.generator, "prefill_step_size"):
             self.generator.prefill_step_size = self._prefill_chunk()
         t0 = time.perf_counter()
-        self._masks.clear()
+        self._masks.start()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
@@ -833,6 +834,16 @@ class EngineCore:
         from mlxd.engine.gen_hook import step_inputs
 
         return step_inputs(self.generator)
+
+    def _pending_inputs(self) -> tuple[list[int], Any] | None:
+        from mlxd.engine.gen_hook import pending_inputs
+
+        return None if self._speculate else pending_inputs(self.generator)  # a speculative step is another
+
+    def _current_inputs(self) -> tuple[list[int], Any] | None:
+        from mlxd.engine.gen_hook import current_inputs
+
+        return current_inputs(self.generator)
 
     def _constrained_rows(self) -> list[tuple[int, Constrained]]:
         return [(uid, part) for uid, row in self._rows.items() for part in row.features if isinstance(part, Constrained)]

@@ -153,6 +153,51 @@ class StopTokens(Feature):
         joining.stop_tokens |= self.ids
 
 
+MASK_MODES = ("engine", "ahead", "ahead-bool")
+
+
+def mask_mode() -> str:
+    """`MLXD_MASK_MODE`: where a GPU step's masks are made (docs/structured-output.md, "Mask modes").
+
+    "engine" (the default): on the engine thread once the forward pass is started; "ahead":
+    a worker reads the step's input tokens, feeds the matchers and fills the packed masks
+    while the engine thread builds the step's graph, joined at the first mask (the packed
+    bits copied and unpacked on the device); "ahead-bool": the same, numpy unpacking the
+    bits on the worker and one bool array copied. Read at every step (a benchmark switches it).
+    """
+    import os
+
+    mode = os.environ.get("MLXD_MASK_MODE", "engine")
+    if mode not in MASK_MODES:
+        raise ValueError(f"MLXD_MASK_MODE must be one of {', '.join(MASK_MODES)}, not {mode!r}")
+    return mode
+
+
+def mask_device_is_cpu() -> bool:
+    """The device the masks are made for: MLX's default, or a GPU's path on the CPU (`MLXD_MASK_DEVICE=gpu`)."""
+    import os
+
+    import mlx.core as mx
+
+    if os.environ.get("MLXD_MASK_DEVICE") == "gpu":  # time the GPU path's host work on a CPU host
+        return False
+    return bool(mx.default_device() == mx.cpu)
+
+
+@attrs.frozen
+class AheadJob:
+    """The masks a worker makes for the step about to run, before its graph is built (mode "ahead")."""
+
+    uids: list[int]  # the batch's decoding rows when it was started
+    tokens: Any  # the mx.array of their input tokens it reads
+    future: Any  # -> (walking uids, their masks as one numpy array: packed or bool, the parts it fed) or None
+
+
+def made_vocab(done: tuple[list[int], np.ndarray, list[Constrained]]) -> int:
+    """The vocab size of an ahead job's masks."""
+    return done[2][0].matcher.vocab_size
+
+
 @attrs.define
 class StepMasks:
     """The token masks of the step in progress for every constrained row that walks, made together.
@@ -169,19 +214,52 @@ class StepMasks:
     A single walking row is done as the per-row path did it, on this thread after the
     forward pass is started, its mask unpacked by numpy and copied as a bool array: a
     hand-off, the packed copy and the unpack ops cost a one-row step more than they save.
+
+    With `MLXD_MASK_MODE=ahead` on a GPU (`start`, called before the generator's step) a
+    worker waits for the step's input tokens, feeds the matchers and fills and unpacks the
+    masks while the engine thread builds the forward pass; the first mask joins it and
+    copies one bool array. When the step turns out to be another (its batch changed, its
+    tokens not evaluated yet), the worker's feeds are rolled back and the step is done the
+    engine's way.
     """
 
     read: Callable[[], dict[int, int]]  # the step's input token of every decoding row, by uid
     rows: Callable[[], list[tuple[int, Constrained]]]  # the batch's constrained rows, by uid
+    pending: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the next step's rows and input tokens, unread
+    current: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the step in progress's, unread
     _filler: Any = None  # structured.BatchMasks, built by the first step that needs it
     _worker: ThreadPoolExecutor | None = None
     _bits: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 0), dtype=np.int32))  # reused step to step
     _shifts: Any = None  # mx.arange(32): a word's bits
     _step: dict[int, Any] | None = None  # this step's masks: uid -> (1, vocab) bool
+    _ahead: AheadJob | None = None
+    _on_cpu: bool | None = None  # the masks are made for the CPU (set by the first step)
+
+    def __attrs_post_init__(self) -> None:
+        mask_mode()  # a bad MLXD_MASK_MODE fails the engine's start, not its first step
 
     def clear(self) -> None:
         """A new generator step starts: nothing is computed for it yet."""
+        self._drop_ahead()
         self._step = None
+
+    def start(self) -> None:
+        """A new generator step starts; in mode "ahead" on a GPU a worker starts on its masks."""
+        self.clear()
+        mode = mask_mode()
+        if mode == "engine" or self._device_is_cpu():
+            return
+        pending = self.pending()
+        if pending is None:
+            return
+        uids, tokens = pending
+        parts = [(uid, part) for uid, part in self.rows() if part.walks and not part.drafted]
+        if parts:
+            import mlx.core as mx
+
+            mx.async_eval(tokens)  # scheduled here (a no-op unless the batch changed): the worker only waits
+            work = self._pool().submit(self._ahead_work, uids, tokens, parts, mode == "ahead-bool")
+            self._ahead = AheadJob(uids, tokens, work)
 
     def mask(self, uid: int, logits: Any) -> Any:
         """Row `uid`'s mask for this step, after its matcher took the token it feeds (None: not batched)."""
@@ -190,16 +268,42 @@ class StepMasks:
         return self._step.get(uid)
 
     def close(self) -> None:
+        self._drop_ahead()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
 
+    def _device_is_cpu(self) -> bool:
+        if self._on_cpu is None:
+            self._on_cpu = mask_device_is_cpu()
+        return self._on_cpu
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-masks")
+        return self._worker
+
+    def _drop_ahead(self) -> None:
+        """An ahead job this step did not use: wait for it and undo its feeds."""
+        job, self._ahead = self._ahead, None
+        if job is None:
+            return
+        done = job.future.result()
+        if done is not None:
+            for part in done[2]:
+                part.matcher.rollback(1)
+                part.consumed -= 1
+
     def _compute(self, logits: Any) -> dict[int, Any]:
         import mlx.core as mx
 
-        on_cpu = mx.default_device() == mx.cpu
+        on_cpu = self._device_is_cpu()
         if not on_cpu:
             mx.async_eval(logits)  # the forward pass runs on the device while the matchers work
+        if self._ahead is not None:
+            made = self._joined()
+            if made is not None:
+                return made
         tokens = self.read()
         walking = [(uid, part, tokens[uid]) for uid, part in self.rows() if part.walks and not part.drafted
                    and uid in tokens]
@@ -212,15 +316,55 @@ class StepMasks:
                 mx.async_eval(logits)
             return self._alone(walking[0], bits)
         if on_cpu:  # fed, filled and unpacked by numpy on the worker while async_eval runs the forward pass
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-masks")
-            job = self._worker.submit(self._walk_unpacked, walking, bits, vocab_size)
+            job = self._pool().submit(self._walk_unpacked, walking, bits, vocab_size)
             mx.async_eval(logits)  # releases the GIL while it runs the forward pass
             allowed = mx.array(job.result())  # one copy of every row's bool mask
         else:  # the device unpacks: its ops are cheap there, and the copy stays packed
             self._walk(walking, bits)
             allowed = self._unpacked(bits[: len(walking)], vocab_size)
         return {uid: allowed[i : i + 1] for i, (uid, _, _) in enumerate(walking)}
+
+    def _joined(self) -> dict[int, Any] | None:
+        """The ahead job's masks when it made them for this step (else its feeds undone, None)."""
+        import mlx.core as mx
+
+        job = self._ahead
+        assert job is not None
+        now = self.current()
+        if now is None or now[1] is not job.tokens or now[0] != job.uids:
+            self._drop_ahead()
+            return None
+        self._ahead = None
+        done = job.future.result()
+        if done is None:
+            return None
+        uids, made, _ = done
+        if made.dtype == np.bool_:
+            masks = mx.array(made)  # one copy of every row's bool mask
+        else:
+            masks = self._unpacked(made, made_vocab(done))
+        if len(uids) == 1:
+            return {uids[0]: masks}
+        return {uid: masks[i : i + 1] for i, uid in enumerate(uids)}
+
+    def _ahead_work(self, uids: list[int], tokens: Any, parts: list[tuple[int, Constrained]], unpack: bool) -> Any:
+        """On the worker: wait for the tokens, feed the walking rows' matchers, fill (and unpack) their masks."""
+        try:
+            values = tokens.tolist()  # waits for the last step's sampling (evaluated asynchronously)
+        except RuntimeError:  # not evaluated yet (the batch changed since): the step does it its way
+            return None
+        by_uid = dict(zip(uids, values, strict=True))
+        walking = [(uid, part, int(by_uid[uid])) for uid, part in parts if uid in by_uid]
+        if not walking:
+            return None
+        vocab_size = walking[0][1].matcher.vocab_size
+        bits = self._buffer(len(walking), vocab_size)
+        made = self._walk_unpacked(walking, bits, vocab_size) if unpack else self._walked(walking, bits)
+        return [uid for uid, _, _ in walking], made, [part for _, part, _ in walking]
+
+    def _walked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray) -> np.ndarray:
+        self._walk(walking, bits)
+        return bits[: len(walking)]
 
     def _alone(self, walking: tuple[int, Constrained, int], bits: np.ndarray) -> dict[int, Any]:
         """One walking row: its matcher fed and its mask filled on this thread, unpacked by numpy."""

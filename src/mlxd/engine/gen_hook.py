@@ -92,3 +92,25 @@ def step_inputs(generator: Any) -> dict[int, int]:
         return {}
     values: list[Any] = batch._current_tokens.tolist()
     return {uid: int(t) for uid, t in zip(batch.uids, values, strict=True)}
+
+
+def pending_inputs(generator: Any) -> tuple[list[int], Any] | None:
+    """The uids of the decoding rows and the array of the tokens they feed the next step, not read.
+
+    Called between steps: mlx-lm's generation batch holds them as `_next_tokens`, evaluated
+    asynchronously by the last step (another thread may wait on it; a new array after the
+    batch changed may not be evaluated yet, and reading it from another thread fails).
+    """
+    return _batch_array(generator, "_next_tokens")
+
+
+def current_inputs(generator: Any) -> tuple[list[int], Any] | None:
+    """The step in progress's rows and input tokens array, not read (from a logits processor)."""
+    return _batch_array(generator, "_current_tokens")
+
+
+def _batch_array(generator: Any, name: str) -> tuple[list[int], Any] | None:
+    batch = getattr(generator, "_generation_batch", None)
+    if batch is None or getattr(batch, name, None) is None or not batch.uids:
+        return None
+    return list(batch.uids), getattr(batch, name)
