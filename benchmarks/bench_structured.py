@@ -18,6 +18,12 @@
    timed alone: the preset's tokenizer may lack `<tool_call>`.
 
     python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
+        [--mask-modes engine ahead ahead-bool]
+
+`--mask-modes` runs each constrained arm once per `MLXD_MASK_MODE` (where a GPU step's masks
+are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...,
+alternating with the others in every round. `MLXD_MASK_DEVICE=gpu` in the environment times
+the GPU path on a CPU host.
 
 Results go to benchmarks/results/structured-*.json.
 """
@@ -28,6 +34,7 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -178,19 +185,35 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
         prompt = await rt.render_chat([{"role": "user", "content": "Write a long list of words."}])
         base = SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos)
+        arms: dict[str, tuple[dict[str, Any] | None, str | None]] = {}  # arm -> (request body, mask mode)
+        for arm, body in ARMS.items():
+            for mode in [None] if body is None or not args.mask_modes else args.mask_modes:
+                arms[arm if mode is None else f"{arm}@{mode}"] = (body, mode)
         samplings = {arm: SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos,
                                          constraint=constraint_from_request(body) if body else None)
-                     for arm, body in ARMS.items()}
+                     for arm, (body, _) in arms.items()}
+        out["mask_device"] = os.environ.get("MLXD_MASK_DEVICE", "default")
+
+        async def rate(arm: str, batch: int) -> float:
+            mode = arms[arm][1]
+            if mode is not None:
+                os.environ["MLXD_MASK_MODE"] = mode
+            try:
+                return await decode_rate(rt, prompt, samplings[arm], batch)
+            finally:
+                if mode is not None:
+                    os.environ.pop("MLXD_MASK_MODE", None)
+
         await decode_rate(rt, prompt, base, 1)  # warm: the prompt's checkpoint, MLX kernels, grammars
-        for arm in ARMS:
-            await decode_rate(rt, prompt, samplings[arm], 1)
+        for arm in arms:
+            await rate(arm, 1)
         for batch in [] if args.ttft_only else args.batch:
-            rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
-            cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            rates: dict[str, list[float]] = {arm: [] for arm in arms}
+            cpu: dict[str, list[float]] = {arm: [] for arm in arms}
             for r in range(args.rounds):
-                order = list(ARMS)[r % len(ARMS):] + list(ARMS)[:r % len(ARMS)]
+                order = list(arms)[r % len(arms):] + list(arms)[:r % len(arms)]
                 for arm in order:
-                    rates[arm].append(await decode_rate(rt, prompt, samplings[arm], batch))
+                    rates[arm].append(await rate(arm, batch))
                     cpu[arm].append(CPU_MS[0])
             # The ratio is the median of per-round ratios: each round's arms ran back to back.
             out["decode"][str(batch)] = {
@@ -204,7 +227,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x; CPU {d['cpu_ms_per_token']} "
                                                  f"ms/token, {d['cpu_ratio']}x)"
                                                  for a, d in out["decode"][str(batch)].items()), flush=True)
-        out["ttft"] = await ttft_cases(rt, prompt, args.rounds)
+        if not args.decode_only:
+            out["ttft"] = await ttft_cases(rt, prompt, args.rounds)
     return out
 
 
@@ -216,6 +240,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ttft-only", action="store_true", help="skip the decode part")
+    parser.add_argument("--decode-only", action="store_true", help="skip the TTFT part")
+    parser.add_argument("--mask-modes", nargs="+", choices=["engine", "ahead", "ahead-bool"],
+                        help="each constrained arm once per MLXD_MASK_MODE")
     args = parser.parse_args()
     result = trio.run(main, args)
     RESULTS.mkdir(exist_ok=True)
