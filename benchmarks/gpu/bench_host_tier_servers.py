@@ -7,7 +7,10 @@ Each server gets the same conversations (`--prompt-tokens` first prompts, 16k by
 default, on the 1.7B shape): A cold, A again (RAM hit), A's next turn (prefix hit
 + ~30 new tokens), then B and C cold, which push A out of a RAM tier sized for
 about one conversation (`--prompt-cache-gb 3`), then A's third turn (the returning
-conversation: a host-tier promotion, a recompute without one). Then decode: a fresh
+conversation: back from the host tier, a recompute without one; `mlxd_host` keeps
+A's pages on the device while its memory budget has room, a reclaim, and
+`mlxd_host_tight` runs under `--tight-budget-gb` so they leave HBM and come back
+by a promotion). Then decode: a fresh
 long prompt (its checkpoint is what write-behind writes next), at once 1 stream and
 then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
 tokens' arrival times. mlx_lm.server keeps every prompt in device memory. The host +
@@ -134,8 +137,12 @@ def main() -> int:
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
                     help="decode concurrency levels (default 1,8; empty: no decode)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
-                    help="which to run (mlx_lm, mlxd_host, mlxd_ram, mlxd_host_ssd); the restarts follow mlxd_host_ssd")
+                    help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd); the restarts follow "
+                         "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
+    ap.add_argument("--tight-budget-gb", default=None,
+                    help="mlxd_host_tight's --memory-budget (default 9 on the 1.7B shape: the weights, the RAM tier "
+                         "and one entry's headroom, so B and C push A's pages out of HBM; --small 2)")
     ap.add_argument("--start-timeout", type=float, default=180)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +172,10 @@ def main() -> int:
     cmds = {
         "mlxd_host": (base + ["--port", "18190", "--host-cache-gb", host_gb, "--device-probe", "off"], 18190),
         "mlxd_ram": (base + ["--port", "18191", "--device-probe", "off"], 18191),
+        # The host tier with HBM short: the returning conversation's pages really left the device (a promotion),
+        # where mlxd_host's idle server keeps them there while the budget has room (a reclaim, no copy).
+        "mlxd_host_tight": (base + ["--port", "18194", "--host-cache-gb", host_gb, "--device-probe", "off",
+                                    "--memory-budget", args.tight_budget_gb or ("2" if args.small else "9")], 18194),
         "mlxd_host_ssd": (base + ["--port", "18192", "--host-cache-gb", host_gb, *ssd], 18192),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18193",
                     "--log-level", "WARNING"], 18193),
@@ -344,7 +355,8 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         rs = out.get(label, {}).get("returning") or []
         if rs:
             med[label] = {"returning": median([r["ttft_s"] for r in rs])}
-    lm, ssd, host, ram = (med.get(k, {}) for k in ("mlx_lm", "mlxd_host_ssd", "mlxd_host", "mlxd_ram"))
+    lm, ssd, host, ram, tight = (med.get(k, {}) for k in ("mlx_lm", "mlxd_host_ssd", "mlxd_host", "mlxd_ram",
+                                                            "mlxd_host_tight"))
     no_ssd = host or ram
     goals: dict[str, Any] = {
         "next_turn_ssd_vs_mlx_lm (goal <= 1.0)": ratio(ssd.get("next"), lm.get("next")),
@@ -354,10 +366,15 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         key = f"decode_{n}_tok_s"
         goals[f"decode_{n}_streams_ssd_vs_mlx_lm (goal >= 1.0)"] = ratio(ssd.get(key), lm.get(key))
         goals[f"decode_{n}_streams_ssd_vs_mlxd_no_ssd"] = ratio(ssd.get(key), no_ssd.get(key))
-    for name, m in (("mlxd_host", host), ("mlxd_host_ssd", ssd), ("mlxd_ram", ram)):
-        if m:  # returning after B and C pushed A out of HBM, against a RAM hit of the same shape (the next turn)
-            goals[f"returning_vs_ram_hit_{name}" + (" (goal <= 1.2)" if name == "mlxd_host" else "")] = ratio(
+    for name, m in (("mlxd_host", host), ("mlxd_host_tight", tight), ("mlxd_host_ssd", ssd), ("mlxd_ram", ram)):
+        if m:  # returning after B and C pushed A out of the RAM tier (mlxd_host_tight: out of HBM), against a
+            # RAM hit of the same shape (the next turn)
+            goals[f"returning_vs_ram_hit_{name}" + (" (goal <= 1.2)" if name == "mlxd_host_tight" else "")] = ratio(
                 m.get("returning"), m.get("next"))
+    if tight:
+        goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
+    served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_host_ssd")
+              if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.
@@ -371,7 +388,24 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     restarts = {label: {"returning_s": [r["ttft_s"] for r in out[label].get("returning") or []],
                         **(out[label].get("advisor") or {})}
                 for label in RESTARTS if label in out}
-    return {"medians_s": med, "goals": goals, "restarts": restarts}
+    return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served}
+
+
+def server_side(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each round's hit, next and returning turn as the server logged it (request.done: ttft_ms, lookup_ms,
+    promoted_bytes), matched to the client's turn by prompt and cached tokens."""
+    lines = [x for x in entry.get("log") or [] if x.get("event") == "request.done"]
+    found: dict[str, list[dict[str, Any]]] = {"hit": [], "next": [], "returning": []}
+    for row in entry.get("rows") or []:
+        for k in found:
+            c = row.get(k) or {}
+            hit = next((x for x in lines if x.get("prompt_tokens") == c.get("prompt_tokens")
+                        and x.get("cached_tokens") == c.get("cached_tokens")), None)
+            if hit is not None:
+                lines.remove(hit)
+                found[k].append({f: hit.get(f) for f in ("ttft_ms", "lookup_ms", "promoted_bytes", "cache_tier")}
+                                | {"client_s": c.get("ttft_s")})
+    return found
 
 
 if __name__ == "__main__":
