@@ -39,7 +39,7 @@ for p in "$@"; do case $p in
             --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
-  probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ;;
+  probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
 echo "=== all done $(date +%T)"
