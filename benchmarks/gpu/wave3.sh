@@ -26,6 +26,7 @@ for p in "$@"; do case $p in
   speculative) phase speculative 170 python3 benchmarks/gpu/bench_speculative_gpu.py --rounds 3 --tokens 96 \
             --batch 1 8 --temperature 4 --draft-self --draft-preset default --no-repeat-check --stop-after 90 \
             ${SPEC_ARGS:-} ;;
+  numerics) phase numerics 100 python3 benchmarks/gpu/verify_numerics.py ${NUMERICS_ARGS:---prompt 512 --tokens 192} ;;
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;
   structured) phase structured 130 python3 benchmarks/gpu/bench_structured_gpu.py ${STRUCT_ARGS:---rounds 6 --tokens 192} ;;
   vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
