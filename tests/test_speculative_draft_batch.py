@@ -155,7 +155,7 @@ def test_a_mixed_batch_drafts_together_and_stays_identical(tiny_model_dir: Path,
 
 def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_dir: Path) -> None:
     """Steps of the same rows write their new positions only (no KV copied, the same batch); a row
-    that sat out and caught up alone is copied back into its slot (its tokens only); a new row takes
+    that sat out catches up in its slot (the rows' catch-ups fed together, nothing copied); a new row takes
     the slot of a row that ended; every row's drafts and KV stay what it gives alone."""
     import gc
 
@@ -185,11 +185,11 @@ def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_di
     for _ in range(3):
         step([0, 1, 2])
     assert draft.batch[0]() is batch and (c.bytes, c.builds, c.adopted) == before
-    tokens[1] = [*tokens[1], pending[1], *_tokens(12)]  # row 1 sat out: its catch-up runs alone
+    tokens[1] = [*tokens[1], pending[1], *_tokens(12)]  # row 1 sat out: it catches up in its slot
     pending[1] = rnd.randrange(3, 250)
     step([0, 2])  # row 1 keeps its slot, not advanced
     step([0, 1, 2])
-    assert draft.batch[0]() is batch and c.builds == before[1] and c.adopted == before[2] + 1
+    assert draft.batch[0]() is batch and (c.bytes, c.builds, c.adopted) == before
     # Row 2 ends; a new row takes its slot (its own KV copied in), nothing else is copied.
     del together[2], alone[2], tokens[2], pending[2]
     gc.collect()

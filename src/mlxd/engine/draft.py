@@ -161,9 +161,10 @@ class ModelDrafts:
         self.accepted = len(seq)  # the pending token is always emitted; the drafts are not verified yet
         return out
 
-    def _catch_up(self, seq: list[int], most: int) -> list[int]:
+    def _catch_up(self, seq: list[int], most: int, *, feed: bool = True) -> list[int]:
         """Cut the caches back to what they share with `seq` (rejected drafts go) and feed the missing
-        ids but the last `most` or fewer (at least the pending token's), which are returned."""
+        ids but the last `most` or fewer (at least the pending token's), which are returned; without
+        `feed`, every missing id is returned (the draft batch feeds them: `propose_rows`)."""
         from mlx_lm.models.cache import make_prompt_cache
 
         if self.caches is None:
@@ -180,7 +181,7 @@ class ModelDrafts:
             for c in self.caches:
                 c.trim(len(self.held) - keep)
         ids = self.draft.ids(seq[keep:])
-        if len(ids) > most:
+        if len(ids) > most and feed:
             self._feed(ids[:-most], whole=True)
             keep, ids = keep + len(ids) - most, ids[-most:]
         self.held = seq[:keep]
@@ -250,9 +251,11 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
     """Drafts for several rows of one draft model, `(row, tokens, pending, k)` each: one draft
     forward per draft position for all of them, over the draft model's `DraftBatch`.
 
-    Each row first catches up alone on what it misses beyond `1 + k` tokens (a row's first step,
-    or one that sat out) and cuts its KV back to what it shares with its tokens (rejected drafts
-    go: a row of the batch only lowers its length); then the rows feed their new ids (right-padded
+    Each row cuts its KV back to what it shares with its tokens (rejected drafts go: a row of the
+    batch only lowers its length) and catches up on what it misses beyond `1 + k` tokens (a row's
+    first step, or one that sat out) in its slot, the rows' catch-ups together in prefill-step
+    chunks (`DraftBatch.catch_up`: a probe after a pause feeds every row's prefix in a few forwards,
+    not one row after another); then the rows feed their new ids (right-padded
     to the longest) in one forward, each at its own positions, and K − 1 single-token forwards
     follow. The batch stays from step to step: a step writes the new positions only, so its cost
     does not grow with the context. The rows' caches after the step are their slots in the batch.
@@ -269,11 +272,17 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
         raise ValueError("rows of different draft models cannot propose together")
     k = max(a[3] for a in asks)
     seqs = [[*tokens, pending] for _, tokens, pending, _ in asks]
-    feeds = [row._catch_up(seq, 1 + k) for (row, *_), seq in zip(asks, seqs, strict=True)]
+    feeds = [row._catch_up(seq, 1 + k, feed=False) for (row, *_), seq in zip(asks, seqs, strict=True)]
     rows = [a[0] for a in asks]
     batch = DraftBatch.for_rows(draft, rows)
-    width = max(len(f) for f in feeds)
     slots = [batch.slot_of(row) for row in rows]
+    longer = [f[: max(0, len(f) - 1 - k)] for f in feeds]  # catch-ups (a row's prefix, steps it sat out)
+    if any(longer):
+        batch.catch_up(slots, longer, rows[0].prefix)
+        feeds = [f[len(c):] for f, c in zip(feeds, longer, strict=True)]
+        for (row, *_), seq, f in zip(asks, seqs, feeds, strict=True):
+            row.held = seq[: len(seq) - len(f)]
+    width = max(len(f) for f in feeds)
     inputs = [[0] * width for _ in range(batch.size)]  # a slot no row asks for feeds padding, kept nowhere
     fed = [0] * batch.size
     for slot, f in zip(slots, feeds, strict=True):
@@ -419,6 +428,27 @@ class DraftBatch:
             for i, n in enumerate(fed):
                 per_layer[i] += n
         return logits
+
+    def catch_up(self, slots: Sequence[int], ids: Sequence[list[int]], prefix: DraftPrefixCounts) -> None:
+        """Feed each row its `ids` (those it misses before its last 1 + K: its prefix at its first
+        draft, the tokens of steps it sat out) into its slot, the rows together in prefill-step chunks
+        (one forward per chunk for all of them, not one per row); timed as drafting's one-off work."""
+        import mlx.core as mx
+
+        began = time.perf_counter()
+        left = [list(x) for x in ids]
+        while any(left):
+            width = min(self.draft.prefill_step, max(len(x) for x in left))
+            inputs = [[0] * width for _ in range(self.size)]
+            fed = [0] * self.size
+            for n, slot in enumerate(slots):
+                part, left[n] = left[n][:width], left[n][width:]
+                if part:
+                    inputs[slot] = part + [part[-1]] * (width - len(part))
+                    fed[slot] = len(part)
+            self.forward(mx.array(inputs), fed)  # the logits are not used: only the KV is evaluated
+            mx.eval(self.keys, self.values)
+        prefix.alone_s += time.perf_counter() - began  # the engine's gate is charged with it
 
     def copy_out(self, i: int, n: int) -> list[Any]:
         """Slot `i`'s first `n` tokens as `KVCache`s of their own (evaluated: nothing refers to the batch after)."""
