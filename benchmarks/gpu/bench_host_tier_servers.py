@@ -19,7 +19,7 @@ or recompute, as its advisor chooses), then restarted twice more with
 `--restore-choice always` and `never` (the two arms) for the ratio to min(restore,
 recompute). Each restart reports its advisor's choice, the arms it predicted, the
 startup probe's restore bandwidth and the served one (`restarts` in the summary).
-`--streams ""` skips decode; `--servers mlxd_host_ssd` alone measures the restarts' goal.
+`--streams ""` skips decode; `--rounds 0` is decode only (no TTFT rounds, no restarts); `--servers mlxd_host_ssd` alone measures the restarts' goal.
 
 To fit one device call: the model is built once under `--work` and reused, every
 server starts at once (measured one at a time, each stopped after its turn), and the
@@ -115,7 +115,10 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         # A fresh long prompt first: on the SSD server, its checkpoint is being written while these decode.
         asyncio.run(ttft(s.base, model, fresh[i]))
         d = asyncio.run(decode(s.base, model, [f"Story {j}: " + TEXTS["q2"] for j in range(n)], args.decode_tokens))
-        out.setdefault("decode", {})[str(n)] = d
+        runs = out.setdefault("decode_runs", {}).setdefault(str(n), [])  # `--streams 1,8,1,8`: each level twice
+        runs.append(d)
+        out.setdefault("decode", {})[str(n)] = {**d, "tok_s": median([r["tok_s"] for r in runs if r["tok_s"]]),
+                                                "runs": len(runs)}
         save()
         log(s.name, f"decode {n} streams: {d['tok_s']}")
     if s.name.startswith("mlxd"):
@@ -128,6 +131,8 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
+    ap.add_argument("--preset", default=None,
+                    help="model preset (default: the 1.7B shape; --small: bench); `test` makes decode host-bound on the CPU")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-servers")))
     ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
                     help="scratch dir; a model built there is reused (default /tmp/host-servers-work)")
@@ -135,7 +140,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
-                    help="decode concurrency levels (default 1,8; empty: no decode)")
+                    help="decode concurrency levels (default 1,8; empty: no decode; a level given again is "
+                         "measured again and its tok/s is the median)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd); the restarts follow "
                          "mlxd_host_ssd")
@@ -147,7 +153,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t_begin = time.perf_counter()
-    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    preset = presets.PRESETS[args.preset] if args.preset else presets.PRESETS["bench"] if args.small else QWEN3_1_7B
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = args.work / f"model-{preset.name}"
     if not (model_dir / "config.json").exists():
