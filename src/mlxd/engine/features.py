@@ -257,8 +257,11 @@ class StepMasks:
         if parts:
             import mlx.core as mx
 
-            mx.async_eval(tokens)  # scheduled here (a no-op unless the batch changed): the worker only waits
-            work = self._pool().submit(self._ahead_work, uids, tokens, parts, mode == "ahead-bool")
+            # The worker waits on its own copy, scheduled here: no other thread waits on that array
+            # (MLX arrays are not thread-safe), and another thread cannot evaluate an unscheduled one.
+            mine = tokens * 1
+            mx.async_eval(mine)
+            work = self._pool().submit(self._ahead_work, uids, mine, parts, mode == "ahead-bool")
             self._ahead = AheadJob(uids, tokens, work)
 
     def mask(self, uid: int, logits: Any) -> Any:
@@ -349,10 +352,7 @@ class StepMasks:
 
     def _ahead_work(self, uids: list[int], tokens: Any, parts: list[tuple[int, Constrained]], unpack: bool) -> Any:
         """On the worker: wait for the tokens, feed the walking rows' matchers, fill (and unpack) their masks."""
-        try:
-            values = tokens.tolist()  # waits for the last step's sampling (evaluated asynchronously)
-        except RuntimeError:  # not evaluated yet (the batch changed since): the step does it its way
-            return None
+        values = tokens.tolist()  # waits for the last step's sampling (scheduled by `start`)
         by_uid = dict(zip(uids, values, strict=True))
         walking = [(uid, part, int(by_uid[uid])) for uid, part in parts if uid in by_uid]
         if not walking:
