@@ -111,7 +111,8 @@ class ThreadNoted(Constrained):
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the worker thread is the CPU path")
-def test_on_the_cpu_the_rows_matchers_walk_on_a_worker_thread_during_the_forward_pass(cache):
+def test_on_the_cpu_the_rows_matchers_walk_on_a_worker_thread_during_the_forward_pass(cache, monkeypatch):
+    monkeypatch.delenv("MLXD_MASK_DEVICE", raising=False)  # the CPU's own path
     batch = Batch(cache, ThreadNoted)
     logits = mx.zeros((len(BODIES), batch.size))
     batch.step(logits)  # first steps: each row alone, on the caller's thread
