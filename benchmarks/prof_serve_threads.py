@@ -6,7 +6,10 @@ py-spy is not installed here, and cProfile sees one thread: this samples
 server stops (SIGTERM / SIGINT), writes per thread the functions that were on the
 stack (inclusive) and on top (self), as shares of that thread's samples, to
 `MLXD_SAMPLE_OUT` (JSON). With `MLXD_CPROFILE=PATH` the main thread (trio: the actors'
-shells and the HTTP side) also runs under cProfile, dumped to PATH (pstats). The sampler itself holds the GIL for a few µs per
+shells and the HTTP side) also runs under cProfile, dumped to PATH (pstats). Always reported (in
+the JSON's "engine_jobs" and on stderr): the engine thread's jobs (`MlxThread.run`): the median job,
+the median gap from one job's end to the next one's start (under 20 ms: the steps of a decode; the
+trio round trip between steps), and from a job's hand-off to its start (the thread's wake-up). The sampler itself holds the GIL for a few µs per
 sample: compare runs under it with each other, not with an unsampled server.
 
     MLXD_SAMPLE_OUT=/tmp/prof.json python benchmarks/prof_serve_threads.py serve --model DIR ...
@@ -25,6 +28,39 @@ import time
 from typing import Any
 
 from mlxd import cli
+from mlxd.runtime.kernel import mlx_thread
+
+JOBS: list[tuple[float, float, float]] = []  # (handed over, started, ended), perf_counter
+
+
+def _time_jobs() -> None:
+    run = mlx_thread.MlxThread.run
+
+    async def timed_run(self: Any, fn: Any, *args: Any, on_cancel: Any = None) -> Any:
+        handed = time.perf_counter()
+
+        def job(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                JOBS.append((handed, start, time.perf_counter()))
+
+        return await run(self, job, *args, on_cancel=on_cancel)
+
+    mlx_thread.MlxThread.run = timed_run  # type: ignore[method-assign]
+
+
+def _jobs_report() -> dict[str, Any]:
+    import statistics
+
+    gaps = [b[1] - a[2] for a, b in zip(JOBS, JOBS[1:], strict=False) if b[1] - a[2] < 0.02]
+    if not gaps:
+        return {"jobs": len(JOBS)}
+    return {"jobs": len(JOBS), "steps_gaps": len(gaps),
+            "job_median_us": statistics.median(e - s for _, s, e in JOBS) * 1e6,
+            "gap_median_us": statistics.median(gaps) * 1e6, "gap_mean_us": statistics.mean(gaps) * 1e6,
+            "wake_median_us": statistics.median(s - h for h, s, _ in JOBS) * 1e6}
 
 
 def _where(code: Any) -> str:
@@ -58,6 +94,7 @@ def main() -> int:
                         inclusive[name][w] += 1
                     f = f.f_back
 
+    _time_jobs()
     t = threading.Thread(target=sample, daemon=True)
     me = 0
     t.start()
@@ -80,8 +117,10 @@ def main() -> int:
                          "self": {k: round(v / n, 4) for k, v in top[name].most_common(40)},
                          "inclusive": {k: round(v / n, 4) for k, v in inclusive[name].most_common(60)}}
                   for name, n in total.most_common()}
+        jobs = _jobs_report()
+        print("engine jobs:", json.dumps(jobs), file=sys.stderr, flush=True)
         with open(out, "w") as f:
-            json.dump({"every_s": every, "at": time.time(), "threads": report}, f, indent=1)
+            json.dump({"every_s": every, "at": time.time(), "engine_jobs": jobs, "threads": report}, f, indent=1)
 
 
 if __name__ == "__main__":
