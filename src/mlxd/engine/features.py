@@ -159,15 +159,16 @@ MASK_MODES = ("engine", "ahead", "ahead-bool")
 def mask_mode() -> str:
     """`MLXD_MASK_MODE`: where a GPU step's masks are made (docs/structured-output.md, "Mask modes").
 
-    "engine" (the default): on the engine thread once the forward pass is started; "ahead":
+    "engine": on the engine thread once the forward pass is started; "ahead":
     a worker reads the step's input tokens, feeds the matchers and fills the packed masks
     while the engine thread builds the step's graph, joined at the first mask (the packed
     bits copied and unpacked on the device); "ahead-bool": the same, numpy unpacking the
-    bits on the worker and one bool array copied. Read at every step (a benchmark switches it).
+    bits on the worker and one bool array copied: the default, the fastest of the three on the H200
+    (docs/benchmarks.md, 2026-12-04 13:52). Read at every step (a benchmark switches it).
     """
     import os
 
-    mode = os.environ.get("MLXD_MASK_MODE", "engine")
+    mode = os.environ.get("MLXD_MASK_MODE", "ahead-bool")
     if mode not in MASK_MODES:
         raise ValueError(f"MLXD_MASK_MODE must be one of {', '.join(MASK_MODES)}, not {mode!r}")
     return mode
