@@ -364,6 +364,30 @@ def test_a_fixed_step_cost_near_the_slice_does_not_shrink_chunks_to_the_minimum(
     assert cpu.chunk(2048, newcomers=[], shared=False) == 64
 
 
+def test_a_first_chunk_slowed_by_a_compile_does_not_pin_chunks_at_the_minimum():
+    """A server's first prefill (a 91-token warm-up) took 360 ms, most of it compiling kernels: its
+    rate asked for MIN_CHUNK, every later chunk was MIN_CHUNK, no second size came for the fit, and
+    a 16k prompt took ~1,000 steps (65 s on the H200). The slicer tries another size instead."""
+    slicer = PrefillSlicer(0.05)
+    slicer.measured(91, 0.360)
+    sizes, done = [], 0
+    while done < 16_384:
+        size = slicer.chunk(2048, newcomers=[], shared=True)
+        slicer.measured(size, 0.060 + 1e-5 * size)
+        sizes.append(size)
+        done += size
+    assert len(sizes) <= 30 and max(sizes) >= 1024, sizes
+    # A stream of one size alone (every chunk MIN_CHUNK) gets a second size on the next chunk.
+    stuck = PrefillSlicer(0.05)
+    for _ in range(8):
+        stuck.measured(16, 0.062)
+    assert stuck.chunk(2048, newcomers=[], shared=True) == 32
+    # At the step size the other size is half of it (a CPU whose whole chunks take a slice or more).
+    whole = PrefillSlicer(0.05)
+    whole.measured(2048, 0.05)
+    assert whole.chunk(2048, newcomers=[], shared=False) == 1024
+
+
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
     """Which request got its first token first: the long prompt joins, one step later the short one."""
     order: list[str] = []

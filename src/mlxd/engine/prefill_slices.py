@@ -23,7 +23,12 @@ prompt fell to 16-token chunks and took 58-69 s instead of ~1 s. So the
 slicer fits each step's time as `fixed + per_token × n` over its recent
 chunks of different sizes and sizes the next one as `slice ÷ per_token`
 (before two sizes were measured, by the whole rate, which overestimates the
-per-token cost and so errs small; the fit then grows it). A short prompt
+per-token cost and so errs small; the fit then grows it). Where that whole
+rate would ask again for the one size measured, the next chunk tries another
+(twice it, or half at the step size), so the fit always gets its second size:
+a first chunk slowed by a kernel compile once gave a rate that asked for
+MIN_CHUNK, every later chunk was MIN_CHUNK, no second size ever came, and a
+16k-token prompt took 65 s on the H200 (2026-12-04 13:50). A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. Pure and
@@ -67,6 +72,11 @@ class PrefillSlicer:
         """A chunk's cost per prompt token less the step's fixed cost: the least-squares slope of the
         recent chunks' times over their sizes; with one size measured (or a slope the noise made
         non-positive), the whole rate's inverse, which includes the fixed cost (so errs small)."""
+        slope = self._slope()
+        return slope if slope is not None else 1.0 / self.rate
+
+    def _slope(self) -> float | None:
+        """The fitted per-token cost, None without two sizes measured or with a non-positive slope."""
         if len({n for n, _ in self._samples}) >= 2:
             count = len(self._samples)
             mean_n = sum(n for n, _ in self._samples) / count
@@ -75,7 +85,16 @@ class PrefillSlicer:
             slope = sum((n - mean_n) * (t - mean_t) for n, t in self._samples) / spread
             if slope > 0:
                 return slope
-        return 1.0 / self.rate
+        return None
+
+    def _sized(self, step_size: int) -> int:
+        """The next chunk by the fit, or, without one, by the whole rate unless that asks again for
+        the only size measured: then another size (twice it, half at the step size) for the fit."""
+        size = min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s / self.seconds_per_token()))))
+        measured = {n for n, _ in self._samples}
+        if self._slope() is None and measured == {size}:
+            size = size * 2 if size * 2 <= step_size else max(MIN_CHUNK, size // 2)
+        return size
 
     def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
         """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
@@ -90,7 +109,7 @@ class PrefillSlicer:
             return step_size
         if shared and awaiting and not newcomers:
             return 1  # those steps stay as short as a decode step: the first token is not held up
-        size = step_size if self.rate <= 0 else _power_of_two_below(int(self.slice_s / self.seconds_per_token()))
+        size = step_size if self.rate <= 0 else self._sized(step_size)
         if shared and newcomers:
             size = min(
                 size, _power_of_two_above(max(newcomers))
