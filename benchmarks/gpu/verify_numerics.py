@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE.parent))
 
 def main(args: argparse.Namespace) -> dict:
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -68,8 +69,8 @@ def main(args: argparse.Namespace) -> dict:
         verify.extend(lp[j] for j in range(len(window)))
     a, b = mx.stack(plain), mx.stack(verify)
     diff = mx.abs(a - b)
-    out = {"device": str(mx.default_device()), "dtype": str(next(iter(
-        v for _, v in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))).dtype),
+    dtype = tree_flatten(model.parameters())[0][1].dtype  # the weights' (bf16 on the GPU shape)
+    out = {"device": str(mx.default_device()), "dtype": str(dtype),
         "prompt": args.prompt, "positions": args.tokens + 1, "k": args.k,
         "max_abs_logprob_diff": diff.max().item(), "mean_abs_logprob_diff": diff.mean().item(),
         "greedy_flips": int((mx.argmax(a, -1) != mx.argmax(b, -1)).sum().item()), "sampled_flips": {}}
