@@ -647,7 +647,10 @@ class EngineCore:
             for part in row.parts():
                 part.segment(row, self, out)
         row.cached_tokens = usable
-        row.prefill_began, row.prefill_shared = began, bool(req.media) or len(self._rows) > 1
+        row.prefill_began, row.prefill_shared = began, bool(req.media)
+        if len(self._rows) > 1:  # rows share the batch now: no prefill still running is timed alone
+            for each in self._rows.values():
+                each.prefill_shared = each.prefill_shared or each.generated == 0
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
 
@@ -767,9 +770,6 @@ class EngineCore:
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         self.counters.steps += 1
-        if len(self._rows) > 1:
-            for each in self._rows.values():
-                each.prefill_shared = each.prefill_shared or each.generated == 0
         self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
         for r in prompt_responses:
             row = self._rows.get(r.uid)

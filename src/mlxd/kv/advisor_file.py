@@ -3,7 +3,7 @@
 A restarted server's advisor would otherwise start from its startup probe alone, and the probe
 times neither the served prefill (slicer chunks, the engine's steps) nor the disk as serving reads
 it: its first choices after a restart were the ones most often wrong (docs/benchmarks.md, H200).
-The cache owner writes `RestoreAdvisor.calibration()` here when it stops (tmp + fsync + rename, on
+The cache owner writes `RestoreAdvisor.calibration()` here when it stops (kv/small_files.py, on
 a worker thread); the next server on the same device reads it at startup (`RestoreAdvisor.resume`).
 A file that cannot be read, or that another device wrote, is no calibration, never an error.
 No trio, no MLX.
@@ -12,10 +12,10 @@ No trio, no MLX.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from mlxd.kv.small_files import write_durably
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.advisor_file")
@@ -30,16 +30,8 @@ def advisor_path(directory: Path) -> Path:
 
 
 def save(path: Path, calibration: dict[str, Any], device: str) -> None:
-    """(worker thread) Write atomically: tmp + fsync + rename; OSError on failure."""
-    body = json.dumps({"version": VERSION, "device": device, "calibration": calibration}).encode()
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """(worker thread) Write atomically (kv/small_files.py); OSError on failure."""
+    write_durably(path, json.dumps({"version": VERSION, "device": device, "calibration": calibration}).encode())
 
 
 def load(path: Path, device: str) -> dict[str, Any]:

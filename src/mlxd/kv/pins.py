@@ -4,7 +4,7 @@ The tier core (`CacheTiers.pin_set`) describes its live pins with wall-clock
 deadlines: each pinned session with its latest checkpoints (namespace and
 exact tokens), and each pinned prefix (a `cache_control` breakpoint's tokens,
 with the session that asked for it). The cache owner writes that set here
-whenever it changes (tmp + fsync + rename, on a worker thread), and the next
+whenever it changes (kv/small_files.py, on a worker thread), and the next
 server reads it at startup and re-applies what has not expired
 (`CacheTiers.restore_pins`). A file that cannot be read is no pins, never an
 error. No trio, no MLX.
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
+from mlxd.kv.small_files import write_durably
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.pins")
@@ -103,20 +103,8 @@ def decode(raw: bytes) -> PinSet:
 
 
 def save(path: Path, pins: PinSet) -> None:
-    """(worker thread) Write the pins atomically: tmp + fsync + rename + directory fsync; OSError on failure."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, encode(pins))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """(worker thread) Write the pins atomically (kv/small_files.py); OSError on failure."""
+    write_durably(path, encode(pins))
 
 
 def load(path: Path, now: float) -> tuple[PinSet, int]:

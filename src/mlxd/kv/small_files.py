@@ -1,0 +1,27 @@
+"""A small file beside the SSD tier's, written so a crash leaves the old one or the new one whole.
+
+The pins file (kv/pins.py) and the restore advisor's calibration (kv/advisor_file.py) are
+rewritten whole when a server stops: tmp + fsync + rename + directory fsync. No trio, no MLX.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_durably(path: Path, body: bytes) -> None:
+    """(worker thread) Replace `path` with `body` atomically and durably; OSError on failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
