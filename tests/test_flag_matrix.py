@@ -48,7 +48,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "host_cache": (None, "1"),  # GB; a reported no-op on this CPU (unified memory)
     "ram_pages": ("off", "on"),  # --ram-pages on: RAM entries as shared KV pages
     # --restore-choice, always given (tests/conftest.py sets MLXD_RESTORE_CHOICE=always for the rest)
-    "restore_choice": ("measured", "always"),
+    "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -137,6 +137,7 @@ class Combo:
             f"host{self.host_cache}": self.host_cache is not None,
             "pages": self.ram_pages == "on",
             "always": self.restore_choice == "always",
+            "never": self.restore_choice == "never",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
