@@ -18,7 +18,7 @@
    timed alone: the preset's tokenizer may lack `<tool_call>`.
 
     python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
-        [--mask-modes engine ahead ahead-bool]
+        [--mask-modes engine ahead ahead-bool ahead-early]
 
 `--mask-modes` runs each constrained arm once per `MLXD_MASK_MODE` (where a GPU step's masks
 are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...,
@@ -45,6 +45,7 @@ from typing import Any
 import trio
 
 from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
+from mlxd.engine.features import MASK_MODES
 from mlxd.model import ensure_model
 from mlxd.structured.spec import constraint_from_request, tool_call_constraint
 
@@ -208,6 +209,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for arm in arms:
             await rate(arm, 1)
         for batch in [] if args.ttft_only else args.batch:
+            await decode_rate(rt, prompt, base, batch)  # warm this batch size's kernels before the first round
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             cpu: dict[str, list[float]] = {arm: [] for arm in arms}
             for r in range(args.rounds):
@@ -241,7 +243,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ttft-only", action="store_true", help="skip the decode part")
     parser.add_argument("--decode-only", action="store_true", help="skip the TTFT part")
-    parser.add_argument("--mask-modes", nargs="+", choices=["engine", "ahead", "ahead-bool"],
+    parser.add_argument("--mask-modes", nargs="+", choices=list(MASK_MODES),
                         help="each constrained arm once per MLXD_MASK_MODE")
     args = parser.parse_args()
     result = trio.run(main, args)

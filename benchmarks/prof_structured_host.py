@@ -3,14 +3,18 @@
 
 Wraps the constrained path's pieces with timers (whichever of them the code under
 PYTHONPATH has, so the same script measures an older tree) and decodes `--batch`
-rows under the bench's regex (`[a-z ]{0,1000000}`: every mask new), then free.
+rows free, then under the bench's regex and JSON schema (bench_structured.ARMS: every mask new).
 Reported per step: the logits processors' total, the part spent in `mx.async_eval`
 (on the CPU that runs the forward pass; on a GPU it returns at once, so the rest is
 what a GPU host pays serially), and the pieces: the token read, matchers fed,
-masks filled, the worker hand-off, the mask's device copy and unpack graph built.
+masks filled, the worker hand-off, the mask's device copy and unpack graph built; in
+the ahead modes the worker's job (its wait for the tokens), and how long the engine
+thread waits for it at the join. A summary per arm: the worker's feed and fill per
+row, the join's wait per step, and the engine thread's own processor work per row.
 Then the mask ops alone (evaluated) for a few vocab sizes, old op vs new op.
 
     PYTHONPATH=src python benchmarks/prof_structured_host.py [--preset test] [--batch 1 8] [--tokens 128]
+        [--arms regex json_schema] [--mask-modes ahead-bool ahead-early] [--model DIR] [--no-ops]
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 import argparse
 import collections
 import functools
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,9 @@ from mlxd.engine import features, gen_hook
 from mlxd.model import ensure_model
 from mlxd.structured import matcher as matcher_mod
 from mlxd.structured.spec import constraint_from_request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_structured import ARMS  # noqa: E402  (the bench's regex and JSON arms)
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 INSIDE = [0]
@@ -55,7 +64,8 @@ def timed(owner: Any, name: str, label: str) -> None:
         finally:
             TIMES[label].append(time.perf_counter() - t0)
 
-    setattr(owner, name, wrapper)
+    static = isinstance(getattr(owner, "__dict__", {}).get(name), staticmethod)
+    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 def instrument() -> None:
@@ -75,16 +85,21 @@ def instrument() -> None:
 
     def mask(*a: Any, **k: Any) -> Any:
         INSIDE[0] += 1
+        later = getattr(a[0].masks, "_step", None) is not None  # the step's masks made by an earlier row
+        t0 = time.perf_counter()
         try:
             return outer(*a, **k)
         finally:
             INSIDE[0] -= 1
+            if later:
+                TIMES["processor (rows after the first)"].append(time.perf_counter() - t0)
 
     features.Constrained.mask = mask
     timed(gen_hook, "step_inputs", "token read")  # the old tree's StepInputs.read holds the function itself
     if hasattr(engine_core.EngineCore, "_step_inputs"):
         timed(engine_core.EngineCore, "_step_inputs", "token read (core)")
     timed(features.Constrained, "_consume", "matcher fed")
+    timed(features.Constrained, "take", "take (one row's feed)")
     timed(matcher_mod.Matcher, "allowed_mask", "mask made (numpy bool)")
     timed(matcher_mod.Matcher, "fill_bitmask", "mask filled (packed)")
     if hasattr(matcher_mod, "BatchMasks"):
@@ -94,6 +109,12 @@ def instrument() -> None:
         timed(features.StepMasks, "_walk", "walk (on the worker on CPU)")
         timed(features.StepMasks, "_alone", "one row: fed, filled, unpacked")
         timed(features.StepMasks, "_unpacked", "device copy + unpack graph")
+        # mode "ahead"/"ahead-bool": the worker's job, its wait for the tokens, and the engine thread's join
+        timed(features.StepMasks, "_ahead_work", "worker: job total")
+        timed(features.StepMasks, "_read_ahead", "worker: waits for the tokens")
+        timed(features.StepMasks, "_walk_unpacked", "walk + numpy unpack")
+        timed(features.StepMasks, "_joined", "engine: join + mask copy")
+        timed(features.StepMasks, "_wait", "engine: waits for the worker")
     step = engine_core.EngineCore.step if hasattr(engine_core.EngineCore, "step") else None
     if step is not None:
         timed(engine_core.EngineCore, "step", "engine step")
@@ -123,27 +144,55 @@ def report(title: str, steps: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    model = ensure_model(args.preset)
+    model = Path(args.model) if args.model else ensure_model(args.preset)
     config = RuntimeConfig(model=str(model), max_batch=max(args.batch), device_probe="off")
     instrument()
     async with open_runtime(config) as rt:
         no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
         prompt = await rt.render_chat([{"role": "user", "content": "Write a long list of words."}])
-        arms = {"free": None, "regex": constraint_from_request({"regex": "[a-z ]{0,1000000}"})}
+        arms: dict[str, tuple[Any, str | None]] = {"free": (None, None)}
+        for name in args.arms:
+            for mode in args.mask_modes or [None]:
+                arms[name if mode is None else f"{name}@{mode}"] = (constraint_from_request(ARMS[name]), mode)
         for batch in args.batch:
-            for arm, constraint in arms.items():
+            for arm, (constraint, mode) in arms.items():
+                if mode is not None:
+                    os.environ["MLXD_MASK_MODE"] = mode
                 s = SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos, constraint=constraint)
-                await decode(rt, prompt, s, batch)  # warm
-                TIMES.clear()
-                t0 = time.perf_counter()
-                n = await decode(rt, prompt, s, batch)
-                wall = time.perf_counter() - t0
+                try:
+                    await decode(rt, prompt, s, batch)  # warm
+                    TIMES.clear()
+                    t0 = time.perf_counter()
+                    n = await decode(rt, prompt, s, batch)
+                    wall = time.perf_counter() - t0
+                finally:
+                    if mode is not None:
+                        os.environ.pop("MLXD_MASK_MODE", None)
                 steps = max(1, n // batch)
-                print(f"batch {batch} {arm}: {n / wall:.1f} tok/s, {1000 * wall / steps:.3f} ms/step wall")
+                print(f"batch {batch} {arm}: {n / wall:.1f} tok/s, {1000 * wall / steps:.3f} ms/step wall", flush=True)
                 report(arm, steps)
                 total, ae = sum(TIMES["processor total"]), sum(TIMES["mx.async_eval (in processor)"])
                 if total:
                     print(f"    => processor minus async_eval (serial host work on a GPU): {1000 * (total - ae) / steps:.3f} ms/step")
+                    summary(steps, batch)
+
+
+def per_step(label: str, steps: int) -> float:
+    return 1000 * sum(TIMES.get(label, ())) / steps
+
+
+def summary(steps: int, batch: int) -> None:
+    """The figures issue 22's batch-8 JSON question asks for, per step (ms) and per constrained row."""
+    rows = max(1, batch)
+    fed, fill, job = per_step("take (one row's feed)", steps), per_step("batch fill", steps), per_step("worker: job total", steps)
+    tokens = per_step("worker: waits for the tokens", steps)
+    wait, joined = per_step("engine: waits for the worker", steps), per_step("engine: join + mask copy", steps)
+    later = TIMES.get("processor (rows after the first)", [])
+    extra = 1000 * statistics.median(later) if later else 0.0
+    print(f"    => worker: feed {fed / rows:.4f} + fill {fill / rows:.4f} ms a row; job {job:.3f} ms a step "
+          f"({tokens:.3f} of it waiting for the tokens)")
+    print(f"    => engine thread: waits {wait:.3f} ms a step for the worker (join + copy {joined:.3f}); "
+          f"a later row's processor {extra:.4f} ms (median)")
 
 
 def mask_ops(vocab: int, rows: int, reps: int = 200) -> None:
@@ -179,13 +228,20 @@ def mask_ops(vocab: int, rows: int, reps: int = 200) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="test")
+    parser.add_argument("--model", help="a model directory instead of a preset (e.g. the GPU driver's)")
+    parser.add_argument("--mask-modes", nargs="+", choices=list(features.MASK_MODES),
+                        help="each constrained arm once per MLXD_MASK_MODE")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--arms", nargs="+", choices=["regex", "json_schema"], default=["regex", "json_schema"])
     parser.add_argument("--ops-only", action="store_true")
+    parser.add_argument("--no-ops", action="store_true", help="skip the mask ops alone")
     args = parser.parse_args()
     print(f"code: {Path(features.__file__).resolve().parents[2]}")
     if not args.ops_only:
         trio.run(main, args)
+    if args.no_ops:
+        sys.exit(0)
     print("mask ops alone (evaluated):")
     for vocab in (1024, 8192, 151936):
         for rows in sorted(set(args.batch)):

@@ -179,6 +179,7 @@ class AheadBatch(Batch):
         self.next = mx.array([self.fed[uid] for uid in sorted(self.fed)]) + 0  # a graph, as a sampler's output
         if evaluated:
             mx.async_eval(self.next)
+        self.masks.prepare()  # the generator's step returned (mode "ahead-early" starts the next one's masks)
 
 
 def walk(cache: GrammarCache, batch: Batch, bodies: tuple[dict, ...], steps: int = 12, **feed: bool) -> int:
@@ -205,7 +206,7 @@ def walk(cache: GrammarCache, batch: Batch, bodies: tuple[dict, ...], steps: int
 
 
 @pytest.mark.parametrize("evaluated", [True, False], ids=["tokens scheduled", "tokens not scheduled yet"])
-@pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool"])
+@pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool", "ahead-early"])
 @pytest.mark.parametrize("bodies", [BODIES, BODIES[:1], BODIES[1:2]], ids=["three rows", "one regex row", "one json row"])
 def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bodies, mode, evaluated, monkeypatch):
     """Ahead, a batch that changed holds a new array of tokens not scheduled yet: the engine thread
@@ -234,10 +235,28 @@ def test_ahead_the_matchers_take_their_tokens_on_the_worker_before_the_step(cach
     batch.masks.close()
 
 
-@pytest.mark.parametrize("case", ["batch changed", "no processor ran"])
-def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engines_way(cache, case, monkeypatch):
+def test_ahead_early_the_worker_starts_when_the_last_step_returns_and_the_next_step_keeps_it(cache, monkeypatch):
     monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
-    monkeypatch.setenv("MLXD_MASK_MODE", "ahead")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead-early")
+    batch = AheadBatch(cache, ThreadNoted)
+    logits = mx.zeros((len(BODIES), batch.size))
+    batch.step(logits)  # first steps: each row alone
+    ThreadNoted.threads.clear()
+    batch.feed([cache.vocab.tokenizer.tokenize_str(s)[0] for s in ("a", "[", "1")])  # the step returned
+    job = batch.masks._ahead
+    assert job is not None, "the worker started before the next step"
+    job.future.result()
+    assert len(ThreadNoted.threads) == len(BODIES) and all(n.startswith("mlxd-masks") for n in ThreadNoted.threads)
+    batch.masks.start()  # the next step: the same rows and tokens
+    assert batch.masks._ahead is job
+    batch.masks.close()
+
+
+@pytest.mark.parametrize("mode", ["ahead", "ahead-early"])
+@pytest.mark.parametrize("case", ["batch changed", "no processor ran"])
+def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engines_way(cache, case, mode, monkeypatch):
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", mode)
     batch = AheadBatch(cache)
     if case == "batch changed":
         batch.changed = True
@@ -292,7 +311,7 @@ async def decode_mixed(model_dir: Path, speculative: str) -> list[list[int]]:
 async def test_every_mask_mode_decodes_a_mixed_greedy_batch_as_the_cpu_path_does(tiny_model_dir, monkeypatch, speculative):
     """The GPU path's modes (forced on the CPU) give the same greedy tokens as the CPU path, speculating or not."""
     runs = {}
-    for mode, device in [("engine", "cpu"), ("engine", "gpu"), ("ahead", "gpu"), ("ahead-bool", "gpu")]:
+    for mode, device in [("engine", "cpu"), ("engine", "gpu"), ("ahead", "gpu"), ("ahead-bool", "gpu"), ("ahead-early", "gpu")]:
         monkeypatch.setenv("MLXD_MASK_MODE", mode)
         monkeypatch.setenv("MLXD_MASK_DEVICE", device)
         runs[mode, device] = await decode_mixed(tiny_model_dir, speculative)

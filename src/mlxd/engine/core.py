@@ -769,6 +769,7 @@ class EngineCore:
         self._masks.start()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
+        self._masks.prepare()  # MLXD_MASK_MODE=ahead-early: the next step's masks start now
         self.counters.steps += 1
         self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
         for r in prompt_responses:

@@ -153,7 +153,7 @@ class StopTokens(Feature):
         joining.stop_tokens |= self.ids
 
 
-MASK_MODES = ("engine", "ahead", "ahead-bool")
+MASK_MODES = ("engine", "ahead", "ahead-bool", "ahead-early")
 
 
 def mask_mode() -> str:
@@ -164,7 +164,10 @@ def mask_mode() -> str:
     while the engine thread builds the step's graph, joined at the first mask (the packed
     bits copied and unpacked on the device); "ahead-bool": the same, numpy unpacking the
     bits on the worker and one bool array copied: the default, the fastest of the three on the H200
-    (docs/benchmarks.md, 2026-12-04 13:52). Read at every step (a benchmark switches it).
+    (docs/benchmarks.md, 2026-12-04 13:52); "ahead-early": ahead-bool, the worker started
+    as soon as the last step's tokens are sampled (`StepMasks.prepare`, before the engine
+    thread hands that step's tokens on) rather than when the next step starts. Read at every
+    step (a benchmark switches it).
     """
     import os
 
@@ -245,9 +248,27 @@ class StepMasks:
         self._step = None
 
     def start(self) -> None:
-        """A new generator step starts; in mode "ahead" on a GPU a worker starts on its masks."""
-        self.clear()
+        """A new generator step starts; in an ahead mode on a GPU a worker starts on its masks,
+        or goes on with the one `prepare` started when the step's rows and tokens are still those."""
+        self._step = None
+        job = self._ahead
+        if job is not None:
+            pending = self.pending()
+            if pending is not None and pending[1] is job.tokens and pending[0] == job.uids:
+                return
+            self._drop_ahead()
+        self._begin(mask_mode())
+
+    def prepare(self) -> None:
+        """The generator's step returned (its sampled tokens scheduled): in mode "ahead-early" on a
+        GPU the worker starts on the next step's masks now, while the engine thread hands this
+        step's tokens on; the next `start` keeps it when the batch did not change in between."""
         mode = mask_mode()
+        if mode == "ahead-early" and self._ahead is None and not self._device_is_cpu():
+            self._begin(mode)
+
+    def _begin(self, mode: str) -> None:
+        """An ahead mode: hand the next step's walking rows to the worker."""
         if mode == "engine" or self._device_is_cpu():
             return
         pending = self.pending()
@@ -262,7 +283,7 @@ class StepMasks:
             # (MLX arrays are not thread-safe), and another thread cannot evaluate an unscheduled one.
             mine = tokens * 1
             mx.async_eval(mine)
-            work = self._pool().submit(self._ahead_work, uids, mine, parts, mode == "ahead-bool")
+            work = self._pool().submit(self._ahead_work, uids, mine, parts, mode != "ahead")
             self._ahead = AheadJob(uids, tokens, work)
 
     def mask(self, uid: int, logits: Any) -> Any:
@@ -339,7 +360,7 @@ class StepMasks:
             self._drop_ahead()
             return None
         self._ahead = None
-        done = job.future.result()
+        done = self._wait(job)
         if done is None:
             return None
         uids, made, _ = done
@@ -351,9 +372,20 @@ class StepMasks:
             return {uids[0]: masks}
         return {uid: masks[i : i + 1] for i, uid in enumerate(uids)}
 
+    @staticmethod
+    def _wait(job: AheadJob) -> Any:
+        """The engine thread waits for the ahead job (timed apart by benchmarks/prof_structured_host.py)."""
+        return job.future.result()
+
+    @staticmethod
+    def _read_ahead(tokens: Any) -> list[int]:
+        """On the worker: the step's input tokens, once the last step's sampling is done (scheduled by `start`)."""
+        values: list[int] = tokens.tolist()
+        return values
+
     def _ahead_work(self, uids: list[int], tokens: Any, parts: list[tuple[int, Constrained]], unpack: bool) -> Any:
         """On the worker: wait for the tokens, feed the walking rows' matchers, fill (and unpack) their masks."""
-        values = tokens.tolist()  # waits for the last step's sampling (scheduled by `start`)
+        values = self._read_ahead(tokens)
         by_uid = dict(zip(uids, values, strict=True))
         walking = [(uid, part, int(by_uid[uid])) for uid, part in parts if uid in by_uid]
         if not walking:
