@@ -18,10 +18,11 @@
    timed alone: the preset's tokenizer may lack `<tool_call>`.
 
     python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
-        [--mask-modes engine ahead ahead-bool ahead-early]
+        [--mask-modes engine ahead ahead-bool ahead-early ahead-early:2]
 
 `--mask-modes` runs each constrained arm once per `MLXD_MASK_MODE` (where a GPU step's masks
-are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...,
+are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...;
+`MODE:THREADS` also sets `MLXD_MASK_THREADS` (llguidance's fill pool) for that arm,
 alternating with the others in every round. `MLXD_MASK_DEVICE=gpu` in the environment times
 the GPU path on a CPU host.
 
@@ -33,12 +34,14 @@ from __future__ import annotations
 import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +178,31 @@ async def ttft_cases(rt: Any, prompt: tuple[int, ...], rounds: int) -> dict[str,
     return out
 
 
+def mask_spec(spec: str) -> str:
+    """A `--mask-modes` entry: MODE or MODE:THREADS (MLXD_MASK_MODE, MLXD_MASK_THREADS)."""
+    mode, _, threads = spec.partition(":")
+    if mode not in MASK_MODES or (threads and (not threads.isdigit() or int(threads) < 1)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: MODE[:THREADS], MODE one of {', '.join(MASK_MODES)}")
+    return spec
+
+
+@contextlib.contextmanager
+def mask_env(spec: str | None) -> Iterator[None]:
+    """MLXD_MASK_MODE (and MLXD_MASK_THREADS) set for an arm's run; the runtime reads them every step."""
+    if spec is None:
+        yield
+        return
+    mode, _, threads = spec.partition(":")
+    os.environ["MLXD_MASK_MODE"] = mode
+    if threads:
+        os.environ["MLXD_MASK_THREADS"] = threads
+    try:
+        yield
+    finally:
+        os.environ.pop("MLXD_MASK_MODE", None)
+        os.environ.pop("MLXD_MASK_THREADS", None)
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else ensure_model(args.preset)
     config = RuntimeConfig(model=str(model), max_batch=max(args.batch), device_probe="off")
@@ -196,14 +224,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         out["mask_device"] = os.environ.get("MLXD_MASK_DEVICE", "default")
 
         async def rate(arm: str, batch: int) -> float:
-            mode = arms[arm][1]
-            if mode is not None:
-                os.environ["MLXD_MASK_MODE"] = mode
-            try:
+            with mask_env(arms[arm][1]):
                 return await decode_rate(rt, prompt, samplings[arm], batch)
-            finally:
-                if mode is not None:
-                    os.environ.pop("MLXD_MASK_MODE", None)
 
         await decode_rate(rt, prompt, base, 1)  # warm: the prompt's checkpoint, MLX kernels, grammars
         for arm in arms:
@@ -243,8 +265,8 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ttft-only", action="store_true", help="skip the decode part")
     parser.add_argument("--decode-only", action="store_true", help="skip the TTFT part")
-    parser.add_argument("--mask-modes", nargs="+", choices=list(MASK_MODES),
-                        help="each constrained arm once per MLXD_MASK_MODE")
+    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS]",
+                        help="each constrained arm once per MLXD_MASK_MODE (and MLXD_MASK_THREADS)")
     args = parser.parse_args()
     result = trio.run(main, args)
     RESULTS.mkdir(exist_ok=True)

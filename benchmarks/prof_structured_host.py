@@ -24,7 +24,6 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 import argparse
 import collections
 import functools
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from mlxd.structured import matcher as matcher_mod
 from mlxd.structured.spec import constraint_from_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import ARMS  # noqa: E402  (the bench's regex and JSON arms)
+from bench_structured import ARMS, mask_env, mask_spec  # noqa: E402  (the bench's arms and mask settings)
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 INSIDE = [0]
@@ -156,20 +155,16 @@ async def main(args: argparse.Namespace) -> None:
                 arms[name if mode is None else f"{name}@{mode}"] = (constraint_from_request(ARMS[name]), mode)
         for batch in args.batch:
             for arm, (constraint, mode) in arms.items():
-                if mode is not None:
-                    os.environ["MLXD_MASK_MODE"] = mode
                 s = SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos, constraint=constraint)
-                try:
+                with mask_env(mode):
                     await decode(rt, prompt, s, batch)  # warm
                     TIMES.clear()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     n = await decode(rt, prompt, s, batch)
-                    wall = time.perf_counter() - t0
-                finally:
-                    if mode is not None:
-                        os.environ.pop("MLXD_MASK_MODE", None)
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 steps = max(1, n // batch)
-                print(f"batch {batch} {arm}: {n / wall:.1f} tok/s, {1000 * wall / steps:.3f} ms/step wall", flush=True)
+                print(f"batch {batch} {arm}: {n / wall:.1f} tok/s, {1000 * wall / steps:.3f} ms/step wall, "
+                      f"{1000 * cpu / steps:.3f} ms/step CPU (every thread)", flush=True)
                 report(arm, steps)
                 total, ae = sum(TIMES["processor total"]), sum(TIMES["mx.async_eval (in processor)"])
                 if total:
@@ -229,8 +224,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="test")
     parser.add_argument("--model", help="a model directory instead of a preset (e.g. the GPU driver's)")
-    parser.add_argument("--mask-modes", nargs="+", choices=list(features.MASK_MODES),
-                        help="each constrained arm once per MLXD_MASK_MODE")
+    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS]",
+                        help="each constrained arm once per MLXD_MASK_MODE (and MLXD_MASK_THREADS)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--arms", nargs="+", choices=["regex", "json_schema"], default=["regex", "json_schema"])

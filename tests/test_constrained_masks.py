@@ -277,6 +277,21 @@ def test_an_unknown_mask_mode_is_refused_when_the_engine_builds_its_masks(monkey
     monkeypatch.setenv("MLXD_MASK_MODE", "sideways")
     with pytest.raises(ValueError, match="MLXD_MASK_MODE"):
         StepMasks(dict, list)
+    monkeypatch.delenv("MLXD_MASK_MODE")
+    monkeypatch.setenv("MLXD_MASK_THREADS", "0")
+    with pytest.raises(ValueError, match="MLXD_MASK_THREADS"):
+        StepMasks(dict, list)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_the_fill_threads_change_no_mask(cache, threads, monkeypatch):
+    """MLXD_MASK_THREADS sizes llguidance's pool for the batched fill; the masks are each row's own."""
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead-early")
+    monkeypatch.setenv("MLXD_MASK_THREADS", threads)
+    batch = AheadBatch(cache)
+    assert walk(cache, batch, BODIES) == 0
+    assert list(batch.masks._fillers) == [int(threads)]
 
 
 MIXED = ({"regex": "[a-z ]{0,400}"}, {"guided_json": LIST}, None, {"regex": "[0-9 ]{1,400}"})

@@ -372,7 +372,8 @@ def test_a_literal_spelling_an_added_token_walks(cache, vocab):
     assert m.consume(int(offered[0]))
 
 
-def test_one_batched_fill_gives_each_row_its_own_mask(cache, vocab):
+@pytest.mark.parametrize("threads", [None, 1, 3], ids=["llguidance's pool", "one thread", "three threads"])
+def test_one_batched_fill_gives_each_row_its_own_mask(cache, vocab, threads):
     rng = random.Random(5)
     rows = [cache.matcher(constraint_from_request(body)) for body in
             ({"guided_json": SCHEMA}, {"regex": "[a-z ]{0,40}"}, {"response_format": {"type": "json_object"}})]
@@ -382,7 +383,7 @@ def test_one_batched_fill_gives_each_row_its_own_mask(cache, vocab):
     words = structured.bitmask_words(vocab.size)
     out = np.zeros((5, words), dtype=np.int32)  # more rows than filled: the rest is left alone
     out[3:] = 7
-    filler = structured.BatchMasks()
+    filler = structured.BatchMasks(threads)
     filler.fill(rows, out)
     for i, m in enumerate(rows):
         assert np.array_equal(out[i], m.allowed_bitmask()[:words])
@@ -393,3 +394,5 @@ def test_one_batched_fill_gives_each_row_its_own_mask(cache, vocab):
         filler.fill(rows, np.zeros((2, words), dtype=np.int32))
     with pytest.raises(ValueError, match="words"):
         filler.fill(rows, np.zeros((3, words + 1), dtype=np.int32))
+    with pytest.raises(ValueError, match="at least 1"):
+        structured.BatchMasks(0)

@@ -177,6 +177,19 @@ def mask_mode() -> str:
     return mode
 
 
+def mask_threads() -> int | None:
+    """`MLXD_MASK_THREADS`: the threads llguidance fills a step's masks on (unset: its default,
+    80% of the cores). Read at every step, like `MLXD_MASK_MODE` (a benchmark switches it)."""
+    import os
+
+    value = os.environ.get("MLXD_MASK_THREADS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MLXD_MASK_THREADS must be a whole number of threads, at least 1, not {value!r}")
+    return int(value)
+
+
 def mask_device_is_cpu() -> bool:
     """The device the masks are made for: MLX's default, or a GPU's path on the CPU (`MLXD_MASK_DEVICE=gpu`)."""
     import os
@@ -231,7 +244,7 @@ class StepMasks:
     rows: Callable[[], list[tuple[int, Constrained]]]  # the batch's constrained rows, by uid
     pending: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the next step's rows and input tokens, unread
     current: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the step in progress's, unread
-    _filler: Any = None  # structured.BatchMasks, built by the first step that needs it
+    _fillers: dict[int | None, Any] = attrs.Factory(dict)  # structured.BatchMasks by MLXD_MASK_THREADS, built when needed
     _worker: ThreadPoolExecutor | None = None
     _bits: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 0), dtype=np.int32))  # reused step to step
     _shifts: Any = None  # mx.arange(32): a word's bits
@@ -240,7 +253,8 @@ class StepMasks:
     _on_cpu: bool | None = None  # the masks are made for the CPU (set by the first step)
 
     def __attrs_post_init__(self) -> None:
-        mask_mode()  # a bad MLXD_MASK_MODE fails the engine's start, not its first step
+        mask_mode()  # a bad MLXD_MASK_MODE or MLXD_MASK_THREADS fails the engine's start, not its first step
+        mask_threads()
 
     def clear(self) -> None:
         """A new generator step starts: nothing is computed for it yet."""
@@ -414,9 +428,11 @@ class StepMasks:
 
         for _, part, token in walking:
             part.take(token)
-        if self._filler is None:
-            self._filler = BatchMasks()
-        self._filler.fill([part.matcher for _, part, _ in walking], bits)
+        threads = mask_threads()
+        filler = self._fillers.get(threads)
+        if filler is None:
+            filler = self._fillers[threads] = BatchMasks(threads)
+        filler.fill([part.matcher for _, part, _ in walking], bits)
 
     def _buffer(self, rows: int, vocab_size: int) -> np.ndarray:
         from mlxd.structured.matcher import bitmask_words

@@ -254,10 +254,18 @@ class BatchMasks:
     """Many rows' packed masks filled in one call, on llguidance's own threads (the GIL released).
 
     Each row of `out` is one matcher's `allowed_bitmask()`; a single row is filled
-    in place without the thread pool's hand-off.
+    in place without the thread pool's hand-off. `threads` sizes llguidance's pool
+    (None: its default, 80% of the cores up to 32; its idle threads spin a while after
+    each fill, so a small pool costs the host less CPU).
     """
 
-    _executor: llg.LLExecutor = attrs.field(factory=llg.LLExecutor)
+    threads: int | None = None
+    _executor: llg.LLExecutor = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, not {self.threads}")
+        self._executor = llg.LLExecutor(self.threads)
 
     def fill(self, rows: Sequence[Matcher], out: np.ndarray) -> None:
         """Write row i's mask into `out[i]` (a C-contiguous int32 array of at least len(rows) rows)."""
