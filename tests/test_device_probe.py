@@ -193,43 +193,58 @@ async def test_the_probe_restores_by_the_path_serving_uses(tiny_model_dir: Path,
 
 
 async def test_the_probe_times_serving_s_own_restore_functions(tiny_model_dir: Path, tmp_path: Path, monkeypatch):
-    # Spies on the functions serving restores with: the store's read (layout, readers, checks) and
-    # the engine's adoption; the probe must go through them, with the engine's own landing.
+    # Spies on the functions serving restores with: the store's read (layout, readers, checks) on a
+    # reader thread, the engine's landing on the engine's thread (as the prefetcher hands it over), and
+    # the engine's adoption; the probe must go through them.
+    import threading
+
     from mlxd.kv import kinds
     from mlxd.kv.ssd_store import SsdStore
 
     loads: list[dict] = []
+    landings: list[str] = []
     adopts: list[object] = []
-    real_load, real_adopt = SsdStore.load, kinds.adopt
+    real_load, real_adopt, real_landing = SsdStore.load, kinds.adopt, kinds.landing
 
     def load(self, record, **kw):
-        loads.append({"verify": kw.get("verify"), "land": kw.get("land"), "blocks": bool(record.blocks),
-                      "readers": self.blocks.readers})
+        loads.append({"verify": kw.get("verify"), "land": kw.get("land") is not None, "blocks": bool(record.blocks),
+                      "readers": self.blocks.readers, "thread": threading.current_thread().name})
         return real_load(self, record, **kw)
 
+    def landing(header):
+        landings.append(threading.current_thread().name)
+        return real_landing(header)
+
     def adopt(loaded, **kw):
-        adopts.append(loaded)
+        adopts.append((loaded, threading.current_thread().name))
         return real_adopt(loaded, **kw)
 
     monkeypatch.setattr(SsdStore, "load", load)
+    monkeypatch.setattr(kinds, "landing", landing)
     monkeypatch.setattr(kinds, "adopt", adopt)
     config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
     async with open_runtime(config) as rt:
         probe = rt.info.probe
         assert probe is not None
         # a warm-up, two cold restores, and each of them again from the page cache
-        assert len(loads) == len(adopts) == 5
-        landing = rt.engine.core.landing
+        assert len(loads) == len(adopts) == len(landings) == 5
         from mlxd.kv.block_store import READERS
 
-        assert all(c["land"] == landing and c["verify"] is True and c["blocks"] and c["readers"] == READERS
-                   for c in loads)
+        assert all(c["land"] and c["verify"] is True and c["blocks"] and c["readers"] == READERS
+                   and c["thread"] == "mlxd-probe-read" for c in loads)
+        # the landing and the adoption on the engine's thread, not the reader's
+        engine_threads = set(landings) | {t for _, t in adopts}
+        assert len(engine_threads) == 1 and "mlxd-probe-read" not in engine_threads
+        assert probe.restores_into_mlx == 2 and all(loaded.landed is not None for loaded, _ in adopts)
         assert len(probe.restore) == 2 and len(probe.restore_warm) == 2
+        assert [b for b, *_ in probe.restore_parts] == [b for b, _ in probe.restore]
+        assert all(min(parts) >= 0 for parts in probe.restore_parts)
         model = probe.cost_model()
         assert 0 < model.restore_bytes_per_s < float("inf") and 0 < model.page_cache_bytes_per_s < float("inf")
         assert rt.cache_owner.tiers.advisor.resident_bytes_per_s == model.page_cache_bytes_per_s
         shown = (await rt.stats()).as_dict()["device_probe"]
         assert shown["page_cache_bytes_per_s"] == round(model.page_cache_bytes_per_s)
+        assert [p["bytes"] for p in shown["restore_parts"]] == [b for b, _ in probe.restore]
 
 
 async def test_a_storage_failure_in_the_probe_leaves_the_default_restore_costs(
@@ -274,3 +289,15 @@ def test_page_cache_points_without_a_slope_fall_back_to_the_largest_point_s_rate
                         restore_warm=((1 << 20, 0.004), (16 << 20, 0.004)), kv_bytes_per_token=8192,
                         prefill_step_size=2048)
     assert probe.cost_model().page_cache_bytes_per_s == pytest.approx((16 << 20) / 0.004)
+
+
+def test_a_restore_fit_without_a_slope_takes_the_largest_read_s_own_rate():
+    # A loaded machine's small read slower than its large one: the fit has no per-byte cost, and the
+    # bandwidth must not fall back to the built-in model's (another machine's) 7.8 GB/s.
+    probe = DeviceProbe(
+        device="Device(cpu, 0)", prefill=((64, 0.05), (256, 0.2), (1024, 1.1)), decode_s_per_token=0.01,
+        restore=((1 << 20, 0.05), (64 << 20, 0.04)), kv_bytes_per_token=8192, prefill_step_size=2048,
+    )
+    model = probe.cost_model()
+    assert model.restore_bytes_per_s == pytest.approx((64 << 20) / 0.04)
+    assert model.restore_seconds(64 << 20) == pytest.approx(0.04)

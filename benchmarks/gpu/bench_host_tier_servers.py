@@ -211,6 +211,10 @@ def main() -> int:
         for name, path in logs.items():
             if path.exists():
                 out.setdefault("log_tails", {})[name] = path.read_text(errors="replace")[-4000:]
+        try:  # the goals of what was measured (a restart cut short: its arm is missing)
+            out["summary"] = summarize(out, wanted)
+        except Exception as exc:
+            out["summary_error"] = repr(exc)
         save()
         raise SystemExit(124)
 
@@ -246,12 +250,16 @@ def main() -> int:
             log(name, "failed", exc)
         finally:
             def finish(name: str = name, s: Proc = s, entry: dict[str, Any] = entry) -> None:
+                before = dir_bytes(ssd_dir) if name == "mlxd_host_ssd" else 0
                 t0 = time.perf_counter()
                 entry["exit_code"] = s.stop()
                 entry["stop_s"] = round(time.perf_counter() - t0, 2)
                 if name.startswith("mlxd"):
                     entry["log"] = done_lines(logs[name])
                     entry["flushed"] = [x for x in _json_lines(logs[name]) if x.get("event") == "serve.flushed"]
+                if name == "mlxd_host_ssd" and entry["flushed"]:
+                    entry["flush"] = flush_report(entry["flushed"][-1], dir_bytes(ssd_dir) - before, ssd_dir)
+                    log(name, "flush", json.dumps(entry["flush"]))
                 save()
 
             if name == "mlxd_host_ssd":
@@ -337,6 +345,54 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def dir_bytes(root: Path) -> int:
+    """Bytes of the files under `root` (the SSD tier's files: what a flush adds to it)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.stat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def raw_write_s(directory: Path, nbytes: int, piece: int = 8 << 20) -> float:
+    """Seconds to write `nbytes` as one file in `piece`-byte writes and fsync it, in `directory`."""
+    path = directory / ".raw-write-probe"
+    buf = os.urandom(piece)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(piece, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    return seconds
+
+
+def flush_report(flushed: dict[str, Any], written: int, directory: Path) -> dict[str, Any]:
+    """The SIGTERM flush's rate (the bytes its files added ÷ the server's own flush seconds) against the
+    disk's write bandwidth (one file of as many bytes, 256 MiB to 2 GiB, 8 MiB writes + fsync, same disk)."""
+    seconds = float(flushed.get("seconds") or 0.0)
+    size = max(256 << 20, min(2 << 30, written))
+    try:
+        raw = size / raw_write_s(directory, size)
+    except OSError as exc:
+        return {"error": repr(exc)}
+    # A few bytes (the advisor's file, pins) say nothing about the rate: write-behind had it all on disk.
+    rate = written / seconds if seconds > 0 and written >= 16 << 20 else None
+    return {"flush_s": seconds, "flushed_bytes": written, "durable_bytes": flushed.get("bytes"),
+            "flush_gb_s": rate / 1e9 if rate else None, "disk_write_gb_s": raw / 1e9,
+            "flush_vs_disk": rate / raw if rate else None,
+            "note": "flushed_bytes: what the files gained between SIGTERM and exit; under 16 MiB, write-behind had "
+                    "written the backlog before the signal and no rate is given (bench_flush.py holds it back)"}
+
+
 def _json_lines(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
@@ -394,7 +450,9 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     restarts = {label: {"returning_s": [r["ttft_s"] for r in out[label].get("returning") or []],
                         **(out[label].get("advisor") or {})}
                 for label in RESTARTS if label in out}
-    return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served}
+    flush = (out.get("mlxd_host_ssd") or {}).get("flush")
+    return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served,
+            **({"flush": flush} if flush else {})}
 
 
 def server_side(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

@@ -5,9 +5,11 @@ chunking and caches serving uses) at growing lengths until a time budget is
 spent, a few decode steps, and, with an SSD tier, a cold restore of real
 snapshot files through the path serving restores by (`RestorePath`): the
 store's own layout (whole files or blocks), readers and CRC checks
-(`SsdStore.load`), read into MLX arrays where serving lands them there
-(`restore_landing`, the engine's own `landing`), adopted as the engine adopts
-them (`kinds.adopt`); each file is then restored again from the page
+(`SsdStore.load`) on a reader thread as the prefetcher's, read into MLX arrays
+where serving lands them there (`restore_landing`, the engine's own `landing`,
+allocated on the engine's thread), adopted as the engine adopts them
+(`kinds.adopt`), at two sizes (a fixed cost and a per-byte cost; the larger
+near a served record's size, `RESTORE_MAX_BYTES`); each file is then restored again from the page
 cache, as serving meets a file written or read recently (a restarted server's
 newest files: the advisor prices the bytes `mincore` finds resident at that
 speed); with a host tier on separate host memory, its two bulk copies too. `kv.device_costs` fits a cost model to the numbers; the restore
@@ -21,8 +23,10 @@ the chunk size barely moves throughput and each trial costs seconds).
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +49,9 @@ GROWTH = 4
 MAX_TOKENS = 16384
 DECODE_STEPS = 8
 STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
-RESTORE_MAX_BYTES = 512 << 20
+# The large restore point: the longest probe whose KV fits this (a real 16k-token record of a 1.7B model,
+# 1.88 GB, does): a served restore is timed at a record's size, not a quarter of it.
+RESTORE_MAX_BYTES = 2 << 30
 
 
 @attrs.frozen(kw_only=True)
@@ -119,14 +125,17 @@ def probe_device(
         step, trials = _tune_step(generator, rng, prefill[-1][0])
     restored: list[tuple[int, float]] = []
     host: list[tuple[int, float]] = []
+    parts: list[tuple[int, float, float, float]] = []
     landed = 0
     if restore is not None:
         # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
-        # The large point is the longest probe whose KV fits RESTORE_MAX_BYTES (startup time).
+        # Two sizes fit a fixed cost and a per-byte cost: the smallest probe, and the longest whose
+        # KV fits RESTORE_MAX_BYTES (near a served record's size, at a bounded startup time).
         fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
         timed = _probe_restore(restore, [caches[0], caches[0], fits[-1]])
         restored, host = [t.restore for t in timed[1:]], [t.host for t in timed[1:] if t.host is not None]
         warm = [t.warm for t in timed[1:] if t.warm is not None]
+        parts = [t.parts for t in timed[1:]]
         landed = sum(t.into_mlx for t in timed[1:])
     decode.sort()
     probe = DeviceProbe(
@@ -138,6 +147,7 @@ def probe_device(
         restore_landing=restore.landing if restore is not None else "",
         restore_layout=restore.layout if restore is not None else "",
         restores_into_mlx=landed,
+        restore_parts=tuple(parts),
         host=tuple(host),
         kv_bytes_per_token=kv_bytes_per_token,
         prefill_step_size=step,
@@ -206,6 +216,7 @@ class _Timed:
     into_mlx: bool  # read straight into MLX arrays
     host: tuple[int, float] | None  # (KV bytes, seconds of the host tier's demotion + promotion)
     warm: tuple[int, float] | None = None  # (KV bytes, seconds to read and adopt it again, page cache warm)
+    parts: tuple[int, float, float, float] = (0, 0.0, 0.0, 0.0)  # the cold one's (bytes, landing, read, adopt) s
 
 
 def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> list[_Timed]:
@@ -231,15 +242,15 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
             assert record.path is not None
             for f in (record.path, *store.blocks.block_paths(record)):
                 _drop_page_cache(f)
-            loaded, adopted, seconds = _restore_once(store, record, path)
+            loaded, adopted, seconds, parts = _restore_once(store, record, path)
             host = _probe_host_tier(adopted, loaded.nbytes) if path.host_tier else None
             nbytes, into_mlx = loaded.nbytes, loaded.landed is not None
             del adopted, loaded  # their memory is free for the next read, as a served restore finds it
             warm = None
             if i > 0:  # (not the warm-up) its pages are in the page cache now: the same again
-                again, _, warm_s = _restore_once(store, record, path)
+                again, _, warm_s, _ = _restore_once(store, record, path)
                 warm = (again.nbytes, warm_s)
-            out.append(_Timed((nbytes, seconds), into_mlx, host, warm))
+            out.append(_Timed((nbytes, seconds), into_mlx, host, warm, (nbytes, *parts)))
     except (file_format.SnapshotError, OSError) as exc:
         log.warning("probe.restore_failed", error=str(exc))
     finally:
@@ -248,22 +259,65 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
     return out
 
 
-def _restore_once(store: Any, record: Any, path: RestorePath) -> tuple[Any, list[Any], float]:
-    """One restore as serving runs and times it (`EngineCore._restore`): the store's read (its layout,
-    readers, checks, the engine's landing) and its own read time, plus the engine's adoption, which
-    starts the pages' move to the device without waiting for it; (loaded, caches, seconds).
+def _restore_once(store: Any, record: Any, path: RestorePath) -> tuple[Any, list[Any], float, tuple[float, float, float]]:
+    """One restore as serving runs and times it: the store's read (its layout, readers, checks, the
+    engine's landing) on a worker thread, as the prefetcher reads (`PrefetcherActor._read`: the landing
+    is allocated on the engine's thread, here the calling one, while the reader waits), its own read
+    time, plus the engine's adoption on this thread (`EngineCore._restore`), which starts the pages'
+    move to the device without waiting for it; (loaded, caches, seconds, (landing, read, adopt) s).
 
-    (It used to evaluate the caches' state too, which serving does not; with it the probe read
-    0.91 GB/s on the H200 where serving's restores of the same layout read 2.53 and its page-cache
-    read was no faster than its cold one, so the gap was not the disk: docs/benchmarks.md.)"""
+    (It once evaluated the caches' state too, which serving does not: docs/benchmarks.md.)"""
     from mlxd.kv import file_format, kinds
 
-    loaded = store.load(record, verify=path.verify, land=path.land)
+    loaded, landing_s = load_as_prefetched(store, record, verify=path.verify, land=path.land)
     if loaded is None:
         raise file_format.StorageError("the probe's own snapshot did not read back")
     t0 = time.perf_counter()
     adopted = kinds.adopt(loaded, landed=device_memory.to_device)
-    return loaded, adopted, loaded.seconds + (time.perf_counter() - t0)
+    adopt_s = time.perf_counter() - t0
+    return loaded, adopted, loaded.seconds + adopt_s, (landing_s, loaded.seconds - landing_s, adopt_s)
+
+
+def load_as_prefetched(
+    store: Any, record: Any, *, verify: bool, land: Callable[[FileHeader], Landing] | None
+) -> tuple[Any, float]:
+    """`store.load` on a worker thread with `land` run on this thread (the engine's), as the prefetcher
+    hands its landing to the engine; (loaded or None, seconds this thread spent on the landing)."""
+    asks: queue.Queue[tuple[FileHeader, queue.Queue[Any]] | None] = queue.Queue()
+    result: dict[str, Any] = {}
+
+    def landed_here(header: FileHeader) -> Landing:
+        reply: queue.Queue[Any] = queue.Queue(maxsize=1)
+        asks.put((header, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    def read() -> None:
+        try:
+            result["loaded"] = store.load(record, verify=verify, land=landed_here if land is not None else None)
+        except BaseException as exc:  # raised again on the calling thread
+            result["error"] = exc
+        finally:
+            asks.put(None)
+
+    reader = threading.Thread(target=read, name="mlxd-probe-read", daemon=True)
+    reader.start()
+    landing_s = 0.0
+    while (ask := asks.get()) is not None:
+        header, reply = ask
+        t0 = time.perf_counter()
+        try:
+            assert land is not None
+            reply.put((True, land(header)))
+        except Exception as exc:  # the reader raises it, as serving's reader meets a failed landing
+            reply.put((False, exc))
+        landing_s += time.perf_counter() - t0
+    reader.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("loaded"), landing_s
 
 
 def _probe_host_tier(caches: list[Any], nbytes: int) -> tuple[int, float]:

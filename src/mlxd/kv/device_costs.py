@@ -36,6 +36,8 @@ class DeviceProbe:
     restore_landing: str = ""  # where the timed restores were read to: "mlx" or "host" (serving's landing)
     restore_layout: str = ""  # "whole" or "blocks" (serving's layout)
     restores_into_mlx: int = 0  # timed restores that were read straight into MLX arrays
+    # Each cold restore's (bytes, seconds of the landing's allocation, of the read, of the adoption).
+    restore_parts: tuple[tuple[int, float, float, float], ...] = ()
     host: tuple[tuple[int, float], ...] = ()  # (KV bytes, seconds to promote from the host tier)
     kv_bytes_per_token: int
     prefill_step_size: int  # the chunk size prefill runs with (chosen by the probe if tuned)
@@ -46,6 +48,9 @@ class DeviceProbe:
         fixed, per_token, per_pair = fit_prefill(self.prefill)
         if self.restore:
             restore_fixed, per_byte = fit_linear(self.restore)
+            if per_byte <= 0:  # noise left no slope (the larger read no slower): the largest point's own rate
+                nbytes, seconds = max(self.restore)
+                restore_fixed, per_byte = 0.0, seconds / nbytes if nbytes > 0 else 0.0
             restore_bw = 1.0 / per_byte if per_byte > 0 else DEFAULT.restore_bytes_per_s
         else:
             restore_fixed, restore_bw = DEFAULT.restore_fixed, DEFAULT.restore_bytes_per_s
@@ -88,6 +93,8 @@ class DeviceProbe:
             "restore_landing": self.restore_landing or None,
             "restore_layout": self.restore_layout or None,
             "restores_into_mlx": self.restores_into_mlx,
+            "restore_parts": [{"bytes": b, "landing_s": round(a, 5), "read_s": round(r, 5), "adopt_s": round(d, 5)}
+                              for b, a, r, d in self.restore_parts],
             "host": [{"bytes": b, "seconds": round(s, 5)} for b, s in self.host],
             "host_bytes_per_s": round(model.host_bytes_per_s) if self.host else None,
             "prefill_step_size": self.prefill_step_size,

@@ -1,0 +1,267 @@
+"""Why the startup probe's restore reads slower than serving's (issue 28): one process, side by side.
+
+    # on the CUDA host, after the host_ssd phase built the model (or it builds one, ~30 s):
+    python3 benchmarks/gpu/probe_restore_paths.py --out $OUT
+    # here, on the CPU, with the small `bench` model:
+    python benchmarks/gpu/probe_restore_paths.py --small --out /tmp/restore-paths
+
+The H200's probe read a 470 MB block record at 0.88-0.91 GB/s (and from the page cache at ~1.0),
+while served restores of 1.89 GB records read 2.33-2.53 GB/s — in servers started with
+`--device-probe off`. This driver times, in ONE process, cold (DONTNEED) restores of records of the
+1.7B shape written through serving's store (blocks layout, serving's span, 8 readers), at a probe's
+size (4,096 tokens) and a served record's (16,384), by each of:
+
+- `probe`: the probe's own `_restore_once` (the read on a worker thread with the landing handed to
+  this thread, as the prefetcher does; then the engine's adoption);
+- `inline`: the read issued from this thread (the probe's path before this change);
+- `host`: read into a host buffer (`--restore-landing host`) and adopted by a copy;
+- `noverify`: `probe` without the CRC-32 checks;
+- `touched`: `probe` into landing memory first written by the CPU (on CUDA: pages already on the host,
+  so the read does not fault them over from the device; the touch's own seconds are reported apart);
+- `raw`: the record's block files read whole by 8 threads into fresh host memory (the disk alone);
+
+three times: in a fresh process (no forward pass yet), after the engine's own startup probe
+(`probe_device`, as `mlxd serve` runs it, whose numbers are reported too), and with its prefill
+caches dropped. Each row has GB/s and the landing / read / adopt split. What to look at: the
+`probe` and `inline` rows against `raw` at 16,384 tokens (is the landed read the disk's speed?),
+4,096 against 16,384 (a per-byte cost that depends on the size?), fresh against after the probe
+(does the process's state after prefills slow restores?), `touched` against `probe` (faults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import mlx.core as mx  # noqa: E402
+from bench_gpu import QWEN3_1_7B, build, generator, load, log  # noqa: E402
+
+import mlxd  # noqa: E402, F401
+from mlxd.model import presets  # noqa: E402
+
+VARIANTS = ("probe", "inline", "host", "noverify", "touched", "raw")
+
+
+def synthetic_caches(model: Any, n: int, seed: int) -> list[Any]:
+    """The model's own cache objects holding `n` tokens of random KV (no forward pass)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    key = mx.random.key(seed)
+    for c in caches:
+        heads, dim = model.args.num_key_value_heads, model.args.head_dim
+        dtype = mx.bfloat16 if mx.default_device() != mx.cpu else mx.float32
+        key, k1, k2 = mx.random.split(key, 3)
+        k = mx.random.normal((1, heads, n, dim), key=k1).astype(dtype)
+        v = mx.random.normal((1, heads, n, dim), key=k2).astype(dtype)
+        c.update_and_fetch(k, v)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def drop(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(paths: list[Path], readers: int = 8) -> float:
+    """Every file read whole into fresh host memory, `readers` files at a time: seconds."""
+    import numpy as np
+
+    todo = list(paths)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                p = todo.pop()
+            size = p.stat().st_size
+            buf = np.empty(size, dtype=np.uint8)
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(memoryview(buf))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
+    """One cold restore of `record` by `variant`; seconds and their split."""
+    import numpy as np
+
+    from mlxd.actors import device_probe as dp
+    from mlxd.kv import kinds
+    from mlxd.runtime import device_memory
+
+    files = [record.path, *store.blocks.block_paths(record)]
+    drop(files)
+    row: dict[str, Any] = {"variant": variant}
+    if variant == "raw":
+        s = raw_read(store.blocks.block_paths(record))
+        row.update(seconds=s, nbytes=sum(p.stat().st_size for p in files))
+        return row
+    if variant in ("probe", "noverify", "touched"):
+        touch_s = 0.0
+
+        def touched_land(header: Any) -> Any:
+            nonlocal touch_s
+            got = land(header)
+            t0 = time.perf_counter()
+            for v in got.views:
+                np.frombuffer(v, dtype=np.uint8)[:] = 0  # the CPU writes every page first
+            touch_s += time.perf_counter() - t0
+            return got
+
+        path = dp.RestorePath(directory=Path("."), land=touched_land if variant == "touched" else land,
+                              verify=variant != "noverify", layout="blocks")
+        loaded, adopted, seconds, (landing_s, read_s, adopt_s) = dp._restore_once(store, record, path)
+        if variant == "touched":  # the touch is not the read's: report it apart
+            row["touch_s"] = touch_s
+            seconds -= touch_s
+            landing_s -= touch_s
+        row.update(seconds=seconds, nbytes=loaded.nbytes, landing_s=landing_s, read_s=read_s, adopt_s=adopt_s)
+        del adopted, loaded
+        return row
+    t0 = time.perf_counter()
+    if variant == "inline":  # the read issued from this thread (the landing allocated inline)
+        loaded = store.load(record, verify=True, land=land)
+    else:  # host
+        loaded = store.load(record, verify=True, land=None)
+    assert loaded is not None
+    t1 = time.perf_counter()
+    adopted = kinds.adopt(loaded, landed=device_memory.to_device)
+    t2 = time.perf_counter()
+    row.update(seconds=loaded.seconds + (t2 - t1), nbytes=loaded.nbytes, read_s=t1 - t0, adopt_s=t2 - t1)
+    del adopted, loaded
+    return row
+
+
+def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds: int, out: list[dict[str, Any]]) -> None:
+    for r in range(rounds):
+        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        for n, record in records.items():
+            for v in order:
+                row = timed(v, store, record, land)
+                row.update(phase=label, tokens=n, round=r, gb_s=row["nbytes"] / row["seconds"] / 1e9)
+                out.append(row)
+                log(label, n, v, f"{row['gb_s']:.2f} GB/s", json.dumps({k: round(x, 4) for k, x in row.items()
+                                                                       if isinstance(x, float)}))
+                mx.clear_cache()
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for row in rows:
+        key = f"{row['phase']}/{row['tokens']}/{row['variant']}"
+        out.setdefault(key, []).append(round(row["gb_s"], 3))
+    return {k: {"gb_s": v, "median": sorted(v)[len(v) // 2]} for k, v in out.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="the `bench` preset (CPU check)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/restore-paths")))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
+                    help="where the model is (bench_host_tier_servers.py builds it there) and the SSD files go")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="record sizes (default 4096 16384; --small 512 2048)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-probe", action="store_true", help="skip the engine's startup probe between the phases")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    sizes = args.tokens or ([512, 2048] if args.small else [4096, 16384])
+    model_dir = args.work / f"model-{preset.name}"
+    if not (model_dir / "config.json").exists():
+        tmp = args.work / f"model-{preset.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(preset, tmp)
+        tmp.rename(model_dir)
+    from mlxd.actors import device_probe as dp
+    from mlxd.kv import kinds
+    from mlxd.kv.blocks import span_for
+    from mlxd.kv.ssd_store import SsdStore, StoreIdentity, compute_fingerprint
+
+    t_begin = time.perf_counter()
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        model, _ = load(model_dir)
+    kv = preset.num_hidden_layers * preset.num_key_value_heads * preset.head_dim * 2 * (
+        4 if mx.default_device() == mx.cpu else 2)
+
+    def land(header: Any) -> Any:  # EngineCore.landing
+        with mx.stream(stream):
+            return kinds.landing(header)
+
+    ssd = args.work / "restore-paths"
+    shutil.rmtree(ssd, ignore_errors=True)
+    identity = StoreIdentity("paths", compute_fingerprint({"paths": "restore"}), "paths")
+    store = SsdStore(ssd, identity, layout="blocks", block_tokens=span_for(kv))
+    res = args.out / f"restore_paths-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out: dict[str, Any] = {"device": str(mx.default_device()), "kv_bytes_per_token": kv, "sizes": sizes,
+                           "block_tokens": span_for(kv), "readers": store.blocks.readers, "argv": sys.argv, "rows": []}
+
+    def save() -> None:
+        out["elapsed_s"] = round(time.perf_counter() - t_begin, 1)
+        out["summary"] = summarize(out["rows"])
+        res.write_text(json.dumps(out, indent=1, default=str))
+
+    records: dict[int, Any] = {}
+    with mx.stream(stream):
+        for i, n in enumerate(sizes):
+            caches = synthetic_caches(model, n, i)
+            stored = store.write(kinds.plan_snapshot(caches, meta=identity.meta(range(n), "")))
+            records[n] = stored.record
+            del caches
+        mx.clear_cache()
+        # a throwaway restore: one-time costs (allocator, kernels) are not the first row's
+        dp._restore_once(store, records[sizes[0]], dp.RestorePath(directory=ssd, land=land, layout="blocks"))
+        round_of("fresh", store, records, land, args.rounds, out["rows"])
+        save()
+        if not args.no_probe:
+            gen = generator(model, 2048)
+            t0 = time.perf_counter()
+            probe = dp.probe_device(
+                gen, vocab_size=preset.vocab_size, max_context=2048 if args.small else 40960, kv_bytes_per_token=kv,
+                budget_s=1.0 if args.small else 3.0,
+                restore=dp.RestorePath(directory=ssd / "probe", land=land, layout="blocks", block_tokens=span_for(kv)),
+                tune_step=mx.default_device() != mx.cpu,
+            )
+            out["probe"] = probe.as_dict()
+            out["probe_s"] = round(time.perf_counter() - t0, 2)
+            log("probe", json.dumps({k: out["probe"][k] for k in ("seconds", "restore", "restore_warm",
+                                                                   "restore_parts", "restore_bytes_per_s")}))
+            round_of("after_probe", store, records, land, args.rounds, out["rows"])
+            save()
+            del gen, probe
+            mx.clear_cache()
+            round_of("after_probe_cleared", store, records, land, args.rounds, out["rows"])
+    save()
+    store.close()
+    shutil.rmtree(ssd, ignore_errors=True)
+    log("summary", json.dumps(out["summary"], indent=1))
+    log("->", res, f"({out['elapsed_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
