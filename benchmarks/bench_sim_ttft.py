@@ -154,19 +154,33 @@ async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path, per_token
             "restore_decisions": (stats.get("ssd_cache") or {}).get("restore_decisions")}
 
 
-def recorded_percentiles(trace: Path) -> dict[str, dict[str, float]]:
+def recorded_percentiles(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
+    """Per tier: n, p50, p95 of the recorded TTFTs, each tier's first `warmup` requests left out (as
+    `mlxd simulate --ttft-warmup`), and the 90% bootstrap interval of p50 and p95 relative to them
+    (`p50_lo`..`p95_hi`: what the tier's own sample size leaves uncertain)."""
     from mlxd.sim.trace import load_recording
+    from mlxd.sim.ttft_fit import tier_warmup_indices
 
+    reqs = load_recording(trace).reqs
+    skip = tier_warmup_indices(reqs, warmup)
     by: dict[str, list[float]] = {}
-    for r in load_recording(trace).reqs:
-        if r.ttft_s is not None:
+    for r in reqs:
+        if r.ttft_s is not None and r.index not in skip:
             by.setdefault(TIERS.get(r.cache_tier or "none", r.cache_tier or "miss"), []).append(r.ttft_s)
     return {k: _pcts(v) for k, v in sorted(by.items())}
 
 
 def _pcts(values: list[float]) -> dict[str, float]:
     a = np.asarray(values)
-    return {"n": len(values), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95))}
+    out = {"n": len(values), "p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95))}
+    draws = np.random.default_rng(0).choice(a, size=(BOOTSTRAP, a.size))
+    for p in ("p50", "p95"):
+        q = np.percentile(draws, float(p[1:]), axis=1) / out[p] if out[p] > 0 else np.ones(BOOTSTRAP)
+        out[f"{p}_lo"], out[f"{p}_hi"] = (round(float(x), 3) for x in np.percentile(q, (5, 95)))
+    return out
+
+
+BOOTSTRAP = 2000  # resamples for a percentile's interval
 
 
 def simulate(trace: Path, *extra: str) -> dict[str, Any]:
@@ -179,9 +193,12 @@ def simulate(trace: Path, *extra: str) -> dict[str, Any]:
     return run
 
 
-def compare(recorded: dict[str, dict[str, float]], sim: dict[str, Any]) -> list[dict[str, Any]]:
+def compare(recorded: dict[str, dict[str, float]], sim: dict[str, Any], warmup: int = 0) -> list[dict[str, Any]]:
+    """Per tier: recorded and predicted p50 / p95 and predicted / recorded; `predicted_n` counts the replay's
+    requests of the tier less its first `warmup` (left out of both sides' percentiles)."""
     rows = []
     counts = {"ram": sim["ram_hits"], "ssd": sim["ssd_hits"], "miss": sim["misses"], "host": sim.get("host_hits", 0)}
+    counts = {k: max(0, v - warmup) for k, v in counts.items()}
     for tier, rec in recorded.items():
         pred = sim["ttft_by_source_s"].get(tier)
         row: dict[str, Any] = {"tier": tier, "recorded_n": rec["n"], "predicted_n": counts.get(tier, 0)}
@@ -227,6 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="conversations served unrecorded in the same process before the recorded runs")
     p.add_argument("--fit-warmup", type=int, default=None, help="mlxd simulate --fit-warmup (default: its own)")
+    p.add_argument("--ttft-warmup", type=int, default=1,
+                   help="each tier's first N requests of each run are left out of the fit and of the recorded and "
+                   "predicted percentiles (mlxd simulate --ttft-warmup): a tier's first use pays one-off costs")
     p.add_argument("--stop-after", type=float, default=0.0,
                    help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
@@ -240,8 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model}: no config.json there")
     if min(args.conversations, args.turns, args.first, args.new, args.back_to_back, args.concurrency) < 1:
         p.error("--conversations, --turns, --first, --new, --back-to-back and --concurrency must be >= 1")
-    if args.stop_after < 0 or args.warmup < 0:
-        p.error("--stop-after and --warmup must be >= 0")
+    if args.stop_after < 0 or args.warmup < 0 or args.ttft_warmup < 0:
+        p.error("--stop-after, --warmup and --ttft-warmup must be >= 0")
     return args
 
 
@@ -277,31 +297,94 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
     for name, path in traces.items():  # given ones too: the JSON carries both recordings
         result.setdefault("traces", {}).setdefault(name, Path(path).read_text().splitlines())
     fitted = tmp / "fitted.json"
-    fit_flags = [] if args.fit_warmup is None else ["--fit-warmup", str(args.fit_warmup)]
+    warm = ["--ttft-warmup", str(args.ttft_warmup)]
+    fit_flags = warm + ([] if args.fit_warmup is None else ["--fit-warmup", str(args.fit_warmup)])
     with contextlib.redirect_stdout(io.StringIO()):  # prints the model it writes
         assert sim_main([str(traces["calibration"]), "--fit-ttft-out", str(fitted), *fit_flags]) == 0
     result["fitted_cost_model"] = json.loads(fitted.read_text())
-    recorded = recorded_percentiles(traces["predicted"])
-    result["recorded"] = {"predicted": recorded, "calibration": recorded_percentiles(traces["calibration"])}
+    recorded = recorded_percentiles(traces["predicted"], args.ttft_warmup)
+    calibration = recorded_percentiles(traces["calibration"], args.ttft_warmup)
+    result["recorded"] = {"predicted": recorded, "calibration": calibration}
     sims = {
-        "probe": simulate(traces["predicted"]),  # the recording's own probe model, calibrated per flush
-        "fit": simulate(traces["predicted"], "--cost-model", str(fitted)),  # fitted to the other run
+        "probe": simulate(traces["predicted"], *warm),  # the recording's own probe model, calibrated per flush
+        "fit": simulate(traces["predicted"], "--cost-model", str(fitted), *warm),  # fitted to the other run
+        # the fit replaying the run it was fitted to: what the model itself gets wrong, with no live drift
+        "fit_own": simulate(traces["calibration"], "--cost-model", str(fitted), *warm),
     }
     result["sim"] = {k: {f: v.get(f) for f in ("ttft_by_source_s", "ram_hits", "ssd_hits", "misses", "restore_decisions")}
                      for k, v in sims.items()}
-    rows = result["rows"] = {k: compare(recorded, v) for k, v in sims.items()}
+    rows = result["rows"] = {k: compare(calibration if k == "fit_own" else recorded, v, args.ttft_warmup)
+                             for k, v in sims.items()}
     worst: dict[str, float | None] = result.setdefault("worst_abs_ratio_minus_1", {})
     for name, title in (("probe", "startup probe + online calibration (the recording's own)"),
-                        ("fit", "cost model fitted to the calibration run's TTFTs")):
+                        ("fit", "cost model fitted to the calibration run's TTFTs (held-out run)"),
+                        ("fit_own", "same fit, replaying the calibration run itself")):
         print(f"predicted with the {title}:")
         print(table(rows[name]))
         ratios = [abs(r[f"ratio_{p}"] - 1) for r in rows[name] for p in ("p50", "p95") if r[f"ratio_{p}"]]
         worst[name] = max(ratios) if ratios else None
         print(f"worst |ratio - 1|: {worst[name]:.3f}\n" if worst[name] is not None else "no comparable tier\n")
     # How far the live server moved between the two runs: no model of the first run predicts that part.
-    result["drift"] = drift(result["recorded"]["calibration"], recorded)
-    print("live drift, predicted run / calibration run: "
-          + ", ".join(f"{t} p50 {d['p50']:.2f} p95 {d['p95']:.2f}" for t, d in result["drift"].items()))
+    result["parts"] = {name: ttft_parts(path, args.ttft_warmup) for name, path in traces.items()}
+    print("TTFT parts, median ms per tier (queue = submission to slot; lookup; fetch = SSD read wait; engine = "
+          "the rest):\n" + "\n".join(f"  {name} {tier}: " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in p.items())
+                                     for name, by in result["parts"].items() for tier, p in by.items()))
+    result["drift"] = drift(calibration, recorded)
+    result["noise"] = noise(rows["fit"], result["drift"], recorded)
+    print(noise_table(result["noise"]))
+
+
+def ttft_parts(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
+    """Per tier, the median of each part of the recorded TTFT (each tier's first `warmup` left out):
+    queue (submission to a slot), lookup, fetch (waiting for an SSD hit's file) and engine (the rest:
+    restore landing, prefill, first token, the trip back)."""
+    from mlxd.sim.trace import load_recording
+    from mlxd.sim.ttft_fit import tier_warmup_indices
+
+    skip = tier_warmup_indices(load_recording(trace).reqs, warmup)
+    by: dict[str, list[dict[str, float]]] = {}
+    lines = [json.loads(x) for x in Path(trace).read_text().splitlines() if x.strip()]
+    reqs = sorted((r for r in lines if "event" not in r), key=lambda r: r["t"])  # load_recording's order
+    for index, r in enumerate(reqs):
+        if r.get("ttft_s") is None or index in skip:
+            continue
+        parts = r.get("parts") or {}
+        row = {"queue": r.get("queued_s") or 0.0, "lookup": parts.get("lookup_s", 0.0), "fetch": parts.get("fetch_s", 0.0)}
+        row["engine"] = r["ttft_s"] - sum(row.values())
+        row["ttft"] = r["ttft_s"]
+        by.setdefault(TIERS.get(r.get("cache_tier") or "none", "miss"), []).append(row)
+    return {t: {k: round(float(np.median([x[k] for x in rows])), 5) for k in rows[0]} for t, rows in sorted(by.items())}
+
+
+def noise(fit_rows: list[dict[str, Any]], drifts: dict[str, dict[str, float]],
+          recorded: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Per tier, the fit's error beside the system's own noise: the live drift between the two runs and
+    the 90% bootstrap interval of the held-out run's own percentile (its sample size)."""
+    out = []
+    for r in fit_rows:
+        t, rec = r["tier"], recorded.get(r["tier"], {})
+        row: dict[str, Any] = {"tier": t, "n": r["recorded_n"]}
+        for p in ("p50", "p95"):
+            row[f"sim_{p}"] = r[f"ratio_{p}"]
+            row[f"drift_{p}"] = drifts.get(t, {}).get(p)
+            row[f"interval_{p}"] = [rec.get(f"{p}_lo"), rec.get(f"{p}_hi")]
+            row[f"sim_{p}_within_10pct"] = r[f"ratio_{p}"] is not None and abs(r[f"ratio_{p}"] - 1) <= 0.1
+        out.append(row)
+    return out
+
+
+def noise_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["the fit's error beside the live noise (ratios; interval = 90% bootstrap of the held-out percentile):",
+             "tier    n   sim p50  drift p50  interval p50    sim p95  drift p95  interval p95"]
+
+    def q(x: float | None) -> str:
+        return "    -" if x is None else f"{x:5.2f}"
+
+    for r in rows:
+        lines.append(f"{r['tier']:<5} {r['n']:>4}   {q(r['sim_p50'])}    {q(r['drift_p50'])}    "
+                     f"{q(r['interval_p50'][0])}-{q(r['interval_p50'][1])}    {q(r['sim_p95'])}    "
+                     f"{q(r['drift_p95'])}    {q(r['interval_p95'][0])}-{q(r['interval_p95'][1])}")
+    return "\n".join(lines)
 
 
 def drift(calibration: dict[str, dict[str, float]], predicted: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -158,10 +158,11 @@ def test_rows_prefilling_at_once_share_the_one_engine(tmp_path, capsys):
     assert slots["ttft_by_source_s"]["miss"]["p50"] == pytest.approx(alone)
 
 
-def tiered_recording(path: Path, factors: dict[str, float], rounds: int = 3) -> None:
+def tiered_recording(path: Path, factors: dict[str, float], rounds: int = 3,
+                     queued: dict[str, float] | None = None) -> None:
     """`rounds` times model_recording's pattern (a miss, a RAM hit, a miss that pushes the first out, its
     SSD restore) on fresh tokens; each tier's measured TTFT is the probe model's times its factor (a RAM
-    hit's extra fixed costs, a restore faster than the model says)."""
+    hit's extra fixed costs, a restore faster than the model says), after the tier's `queued` seconds."""
     rec = TraceRecorder(path)
     rec.server(model="m", kv_bytes_per_token=4096, prompt_cache_bytes=4096 * 700, retention="lru",
                snapshot_min_tokens=16, max_batch=1, ssd=True, ssd_cache_max_bytes=0, ssd_demote_idle_s=0,
@@ -177,11 +178,46 @@ def tiered_recording(path: Path, factors: dict[str, float], rounds: int = 3) -> 
             model = PROBE.prefill_seconds(len(tokens) - cached, cached)
             if tier == "ssd":
                 model += PROBE.restore_seconds(4096 * cached)
+            wait = (queued or {}).get(tier, 0.0)
             rec.record(t=t, tokens=tokens, output_tokens=0, cached_tokens=cached, cache_tier=tier,
-                       ttft_s=model * factors[tier], queued_s=0.0)
+                       ttft_s=wait + model * factors[tier], queued_s=wait)
             rec.flush(t=t + 60, restore_advisor=cal)
             t += 120
     rec.close()
+
+
+def test_a_start_delayed_with_every_slot_free_is_part_of_the_tiers_ttft(tmp_path, capsys):
+    """A request that arrives with the server idle waits for no slot: its recorded queue time is the server's
+    own work before it starts (on the H200 an SSD hit's ~30-50 ms). The fit keeps it per tier and the replay
+    adds it, so that tier's TTFT is predicted with it (before, the fitted service left it out and the replay
+    had no queue: SSD p50 / p95 low by the queue's share)."""
+    from mlxd.sim.ttft_fit import admission_by_tier, fit_recording
+
+    path = tmp_path / "rec.jsonl"
+    tiered_recording(path, {"none": 1.0, "ram": 1.0, "ssd": 1.0}, queued={"ssd": 0.2})
+    reqs = load_recording(path).reqs
+    fitted = fit_recording(reqs, PROBE, warmup=0)
+    assert fitted.admission_s == {"miss": 0.0, "ram": 0.0, "ssd": pytest.approx(0.2)}
+    out = tmp_path / "fit.json"
+    fitted.save(out)
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--cost-model", str(out)]) == 0
+    (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+              if "cache_model" in r]
+    for row in bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim):
+        assert row["ratio_p50"] == pytest.approx(1.0, abs=0.01), row
+        assert row["ratio_p95"] == pytest.approx(1.0, abs=0.01), row
+    without = attrs.evolve(fitted, admission_s={})
+    without.save(out)
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--cost-model", str(out)]) == 0
+    (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+              if "cache_model" in r]
+    ssd = {r["tier"]: r for r in bench_sim_ttft.compare(bench_sim_ttft.recorded_percentiles(path), sim)}["ssd"]
+    assert ssd["ratio_p50"] < 0.9
+    # A request that arrived while another was being served may have waited for a slot: not counted.
+    busy = [attrs.evolve(r, t=reqs[0].t) if r.index == 1 else r for r in reqs[:2]]
+    assert admission_by_tier(busy, {0, 1}) == {}
 
 
 def test_each_tier_keeps_its_own_spread_so_its_median_is_its_own(tmp_path, capsys):
@@ -257,6 +293,44 @@ def test_the_first_request_is_left_out_of_the_fit_as_warm_up(tmp_path, capsys):
         sim_main([str(path), "--fit-ttft-out", str(out), "--fit-warmup", "-1"])
 
 
+def test_each_tiers_first_use_is_left_out_of_the_fit_and_of_both_sides_percentiles(tmp_path, capsys):
+    """--ttft-warmup N: each tier's first N requests pay one-off costs (a shape's first compile, the first
+    restore); they are replayed (the cache state) but left out of the fit and of the recorded and the
+    predicted percentiles alike."""
+    from mlxd.sim.ttft_fit import fit_recording, tier_warmup_indices
+
+    path = tmp_path / "rec.jsonl"
+    tiered_recording(path, {"none": 1.0, "ram": 1.3, "ssd": 0.8}, rounds=4)
+    lines = path.read_text().splitlines()
+    seen: set[str] = set()
+    for i, line in enumerate(lines):
+        r = json.loads(line)
+        if "ttft_s" in r and r["cache_tier"] not in seen:  # each tier's first request: 20x slower
+            seen.add(r["cache_tier"])
+            r["ttft_s"] *= 20
+            lines[i] = json.dumps(r)
+    path.write_text("\n".join(lines) + "\n")
+    reqs = load_recording(path).reqs
+    assert tier_warmup_indices(reqs, 1) == {0, 1, 3}  # miss, RAM hit, SSD hit (the second miss is index 2)
+    assert tier_warmup_indices(reqs, 0) == set()
+    fitted = fit_recording(reqs, PROBE, warmup=0, tier_warmup=1)
+    assert max(fitted.service_ratios) < 1.5
+    out = tmp_path / "fit.json"
+    assert sim_main([str(path), "--fit-ttft-out", str(out), "--ttft-warmup", "1"]) == 0
+    capsys.readouterr()
+    assert sim_main([str(path), "--format", "json", "--cost-model", str(out), "--ttft-warmup", "1"]) == 0
+    (sim,) = [r for r in (json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{"))
+              if "cache_model" in r]
+    recorded = bench_sim_ttft.recorded_percentiles(path, 1)
+    assert {t: v["n"] for t, v in recorded.items()} == {"miss": 7, "ram": 3, "ssd": 3}
+    for row in bench_sim_ttft.compare(recorded, sim, 1):
+        assert row["recorded_n"] == row["predicted_n"]
+        assert row["ratio_p50"] == pytest.approx(1.0, abs=0.02), row
+        assert row["ratio_p95"] == pytest.approx(1.0, abs=0.02), row
+    with pytest.raises(SystemExit):
+        sim_main([str(path), "--ttft-warmup", "-1"])
+
+
 def test_with_a_cost_model_the_replay_still_decides_as_the_recorded_server(tmp_path, capsys):
     """--cost-model times the requests; restore-or-recompute is the recorded server's (its probe model and
     its calibration at each flush), so a model whose restores look hopeless still replays the SSD hit."""
@@ -287,6 +361,17 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert set(result["traces"]) == {"calibration", "predicted"}
     assert {r["tier"] for r in result["rows"]["fit"]} >= {"miss", "ram"}
     assert "tier_ratios" in result["fitted_cost_model"] and "error" not in result
+    # Each tier's first request is left out of both runs' percentiles (--ttft-warmup 1, the default), the
+    # fit also replays its own run, and the error sits beside the live noise: drift and the bootstrap interval.
+    assert result["args"]["ttft_warmup"] == 1 and set(result["rows"]) == {"probe", "fit", "fit_own"}
+    assert result["recorded"]["predicted"]["miss"]["n"] == 2  # 3 first prompts, the first left out
+    assert {r["tier"] for r in result["noise"]} == {r["tier"] for r in result["rows"]["fit"]}
+    for row in result["noise"]:
+        lo, hi = row["interval_p50"]
+        assert lo <= 1.0 <= hi
+    parts = result["parts"]["predicted"]
+    assert parts["ram"]["lookup"] > 0 and parts["ram"]["fetch"] == 0 and parts["ram"]["engine"] > 0
+    assert "ssd" not in parts or parts["ssd"]["fetch"] > 0
     assert set(result["drift"]) == {r["tier"] for r in result["rows"]["fit"]} & set(result["recorded"]["calibration"])
     assert bench_sim_ttft.drift({"miss": {"p50": 2.0, "p95": 4.0}}, {"miss": {"p50": 1.0, "p95": 6.0}, "ram": {
         "p50": 1.0, "p95": 1.0}}) == {"miss": {"p50": 0.5, "p95": 1.5}}

@@ -2,10 +2,11 @@
 
 On the CUDA host (docs/benchmarks.md): `source .gpu/b/install.sh && python3 benchmarks/gpu/bench_sim_ttft_gpu.py`
 (or `bash benchmarks/gpu/wave3.sh simttft`). Builds the model under /tmp/models if it is missing (never
-transferred), then records the calibration and the predicted run and compares them in one process, with
-sizes whose tiers are distinct there: 6,144-token first prompts (a miss ~0.1 s), 128-token turns (a RAM
-hit), and every returning conversation restored from SSD (~1 s; `--restore-choice always`, as the GPU
-would otherwise recompute them). `--stop-after S` (default 135) bounds the whole run, the build included;
+transferred), then records the calibration and the predicted (held-out) run and compares them in one
+process: 32 conversations of a 1,024-token first prompt (a miss), 128-token turns (a RAM hit) and a return
+restored from SSD (`--restore-choice always`, as the GPU would otherwise recompute them), so each tier has
+>= 31 requests per run past its first (left out of both runs as warm-up: `--ttft-warmup 1`) and its p95 is
+no single sample. `--stop-after S` (default 135) bounds the whole run, the build included;
 the result JSON lands in benchmarks/results/ (and $OUT when set). Other arguments go to bench_sim_ttft.py
 and override these. `--small` drives the `default` preset instead (a check on a CPU host):
 `python benchmarks/gpu/bench_sim_ttft_gpu.py --small --stop-after 60 --first 128 --new 16 --conversations 3 --turns 2`.
@@ -25,8 +26,9 @@ from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
-GPU_ARGS = ["--first", "6144", "--new", "128", "--max-tokens", "8", "--conversations", "6", "--turns", "3",
-            "--back-to-back", "2", "--ram-conversations", "2.5", "--restore-choice", "always", "--probe-s", "4"]
+GPU_ARGS = ["--first", "1024", "--new", "128", "--max-tokens", "8", "--conversations", "32", "--turns", "2",
+            "--back-to-back", "2", "--ram-conversations", "2.5", "--restore-choice", "always", "--probe-s", "3",
+            "--ttft-warmup", "1"]
 MARGIN_S = 5.0  # of --stop-after: the bench's own start and exit
 
 

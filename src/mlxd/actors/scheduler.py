@@ -266,7 +266,10 @@ class SchedulerActor:
             if lookup.promoted and lookup.hit is not None:
                 record.promoted_bytes = lookup.hit.entry.nbytes
             hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
-            restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
+            if lookup.restore is not None:
+                asked = time.monotonic()
+                restore = await self._fetch(lookup.restore)
+                record.fetch_s = time.monotonic() - asked
         if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens
             draft = await self._draft_prefix(
                 request, request.prompt + tuple(resume.record.emitted) if resume is not None else request.prompt

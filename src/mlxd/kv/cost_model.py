@@ -52,6 +52,13 @@ class CostModel:
     tier_ratios: dict[str, tuple[float, ...]] = attrs.field(
         factory=dict, converter=lambda d: {str(k): tuple(float(x) for x in v) for k, v in d.items()}, hash=False
     )
+    # Per tier, a recording's median time from submission to a slot for requests that arrived with the server
+    # otherwise idle (`mlxd.sim.ttft_fit`): no slot wait, the server's own work before the request starts (on
+    # the H200 an SSD hit's, ~30-50 ms: its prefetch read starts at submission). A replay adds it to the tier's
+    # TTFT; {} = none.
+    admission_s: dict[str, float] = attrs.field(
+        factory=dict, converter=lambda d: {str(k): float(v) for k, v in d.items()}, hash=False
+    )
 
     def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:
         """Prefill `new_tokens` on top of a `context`-token cached prefix."""

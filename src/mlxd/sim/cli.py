@@ -95,6 +95,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit-warmup", type=int, default=None, metavar="N",
                    help="with --fit-ttft-out: leave the recording's first N requests out of the fit (default 1: "
                    "the first request after a start pays one-off costs)")
+    p.add_argument("--ttft-warmup", type=int, default=0, metavar="N",
+                   help="leave each tier's first N requests out of the TTFT percentiles per tier (and, with "
+                   "--fit-ttft-out, out of the fit): a tier's first use pays one-off costs (default 0)")
     p.add_argument(
         "--slots", type=int, default=None, help="simulated engine slots (default: the recorded max_batch, else 4)"
     )
@@ -218,6 +221,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             restore_choice=getattr(args, "restore_choice", "measured"),
             calibrate_timing=getattr(args, "timing_from_recording", False),
             shared_prefill=_shared_prefill(args),
+            ttft_warmup=getattr(args, "ttft_warmup", 0),
             host_bytes=int(args.host_gb * GIB) if getattr(args, "host_gb", None) else None,
             kv_admission_bytes=int(args.kv_admission_gb * GIB) if getattr(args, "kv_admission_gb", None) else 0,
             kv_admission_rule=getattr(args, "kv_admission_rule", None),
@@ -359,6 +363,8 @@ def run_simulate(args) -> int:
         return run_calibrate(args)
     if not args.trace:
         raise SystemExit("mlxd simulate: a TRACE is required (or --calibrate)")
+    if args.ttft_warmup < 0:
+        raise SystemExit(f"mlxd simulate: --ttft-warmup must be >= 0, not {args.ttft_warmup}")
     cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT
     recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
     reqs = recording.reqs
@@ -369,7 +375,7 @@ def run_simulate(args) -> int:
         warmup = DEFAULT_WARMUP if args.fit_warmup is None else args.fit_warmup
         if warmup < 0:
             raise SystemExit(f"mlxd simulate: --fit-warmup must be >= 0, not {warmup}")
-        fitted = fit_recording(reqs, cost, warmup=warmup)
+        fitted = fit_recording(reqs, cost, warmup=warmup, tier_warmup=args.ttft_warmup)
         fitted.save(args.fit_ttft_out)
         print(json.dumps(fitted.to_json(), indent=2))
         return 0

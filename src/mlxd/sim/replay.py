@@ -151,6 +151,9 @@ class MlxdReplay:
     # One engine: rows prefilling at once share its time (processor sharing), as one MLX thread runs
     # every row's chunks in turn; False = each slot prefills at full speed (independent slots).
     shared_prefill: bool = False
+    # The first N requests of each tier are replayed but left out of its TTFT percentiles (a recording's
+    # first-use costs: compiling, the allocator growing, the first restore), as the fit leaves them out.
+    ttft_warmup: int = 0
     tally: Tally = attrs.Factory(Tally)
     _clock: trio.testing.MockClock = attrs.field(
         factory=lambda: trio.testing.MockClock(autojump_threshold=0)
@@ -169,6 +172,7 @@ class MlxdReplay:
     _engine_rows: int = attrs.field(init=False, default=0)  # rows prefilling now (shared_prefill)
     _engine_changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _spread_drawn: dict[str, int] = attrs.field(init=False, factory=dict)  # requests per tier that took a spread
+    _served_by: dict[str, int] = attrs.field(init=False, factory=dict)  # requests per tier so far (ttft_warmup)
     advisors: list[RestoreAdvisor] = attrs.field(init=False, factory=list)  # one per process, the last live
 
     def now(self) -> float:
@@ -298,6 +302,8 @@ class MlxdReplay:
                 hit, source = real(lookup.hit.usable), "ram"
             else:
                 hit, source = 0, "miss"
+            admitted_s = self.cost.admission_s.get(source, 0.0)  # the server's own work before its start
+            await trio.sleep(admitted_s)
             spread = self._spread(source)
             restore_s *= spread
             if restored:  # as the engine's RestoreMeasured: the advisor calibrates on it
@@ -320,8 +326,10 @@ class MlxdReplay:
             if self.on_request is not None:
                 self.on_request(r, hit, source)
             await trio.sleep(self.cost.decode_seconds(r.output_tokens, r.input_length))
+            nth = self._served_by[source] = self._served_by.get(source, 0) + 1
             self.tally.add_timing(
-                queue=start - arrived, ttft=start + restore_s + prefill_s - arrived, end=self.now(), source=source
+                queue=start + admitted_s - arrived, ttft=start + admitted_s + restore_s + prefill_s - arrived, end=self.now(),
+                source=source if nth > self.ttft_warmup else None,
             )
             if r.output_ids:
                 full = np.concatenate([np.asarray(prompt, np.int32), np.asarray(r.output_ids, np.int32)])
@@ -522,13 +530,15 @@ def replay_mlxd(
     ram_page_tokens: int = 1024,
     calibrate_timing: bool = False,
     shared_prefill: bool = False,
+    ttft_warmup: int = 0,
 ) -> RunResult:
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
     restore advisor started from (its startup probe), when it was not `cost`; `restore_choice`
     its --restore-choice (measured, always, never, split). `calibrate_timing`: `cost` is the recorded server's
     probe model, so the calibration recorded at each flush scales its prefill and restore timings too.
-    `restarts`: times the server restarts on its SSD tier (`MlxdReplay.restarts`)."""
+    `restarts`: times the server restarts on its SSD tier (`MlxdReplay.restarts`). `ttft_warmup`: the first N
+    requests of each tier are left out of its TTFT percentiles (`MlxdReplay.ttft_warmup`)."""
     mooncake = all(r.hash_ids is not None for r in reqs)
     use_blocks = granularity == "block" or (granularity == "auto" and mooncake)
     if use_blocks and not mooncake:
@@ -573,6 +583,7 @@ def replay_mlxd(
         ram_page_tokens=ram_page_tokens,
         calibrate_timing=calibrate_timing,
         shared_prefill=shared_prefill,
+        ttft_warmup=ttft_warmup,
     )
     if replay.kv_admission is not None:
         replay.tally.kv_admission = True

@@ -7,7 +7,8 @@ every block before it, so equal leading ids mean a shared prefix.
 mlxd lines (docs/simulate.md) carry explicit tokens or text:
 `{"t": seconds, "namespace": "", "session": null, "tokens": [...] | "text": "...",
 "output_tokens": m, "cached_tokens": k | null, "cache_tier": "ram" | "ssd" | "none",
-"output_ids": [...] (optional), "ttft_s": s, "queued_s": s (measured, when recorded)}`.
+"output_ids": [...] (optional), "ttft_s": s, "queued_s": s (measured, when recorded),
+"parts": {"lookup_s": s, "fetch_s": s} (where the server's TTFT went; read by no replay)}`.
 `TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`),
 plus event lines: `{"event": "server", ...}` (the server's cache configuration,
 first) and `{"event": "flush", "t": seconds}` (an `/admin/cache/flush`), so a
@@ -219,6 +220,7 @@ class TraceRecorder:
         ttft_s: float | None = None,
         queued_s: float | None = None,
         kv_waited: bool = False,
+        parts: dict[str, float] | None = None,
     ) -> None:
         line: dict[str, object] = {
             "t": t,
@@ -238,6 +240,8 @@ class TraceRecorder:
             line["queued_s"] = round(queued_s, 6)
         if kv_waited:
             line["kv_waited"] = True
+        if parts:  # where the TTFT went, as the server saw it (a replay reads none of it)
+            line["parts"] = {k: round(float(v), 6) for k, v in parts.items()}
         self._write(line)
 
     def server(self, **config: object) -> None:

@@ -53,18 +53,20 @@ DEFAULT_WARMUP = 1
 SOURCE = {"none": "miss", "ram": "ram", "ssd": "ssd", "host": "host"}  # recorded tier -> replay source
 
 
-def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int = DEFAULT_WARMUP) -> CostModel:
+def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int = DEFAULT_WARMUP,
+                  tier_warmup: int = 0) -> CostModel:
     """`base` with its prefill and restore terms fitted to the requests' measured TTFTs.
 
     Decode, KV bytes per token and the host tier are kept from `base`. The first `warmup` requests
-    (in recorded order) are left out. Raises ValueError when the recording has no measured prefill
-    to fit.
+    (in recorded order) are left out, and the first `tier_warmup` of each tier (`tier_warmup_indices`).
+    Raises ValueError when the recording has no measured prefill to fit.
     """
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, not {warmup}")
+    if warmup < 0 or tier_warmup < 0:
+        raise ValueError(f"warmup must be >= 0, not {min(warmup, tier_warmup)}")
     timed = [r for r in sorted(reqs, key=lambda r: r.index) if r.ttft_s is not None]
     own = own_service(timed)
-    measured = timed[warmup:]
+    first_use = tier_warmup_indices(timed, tier_warmup)
+    measured = [r for r in timed[warmup:] if r.index not in first_use]
     rows = [(r.input_length - (r.cached_tokens or 0), r.cached_tokens or 0, own[r.index], SOURCE["none"]
              if (r.cache_tier or "none") == "none" else SOURCE["ram"])
             for r in measured if (r.cache_tier or "none") in _PREFILL_TIERS]
@@ -91,7 +93,39 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int 
     pooled = sorted(x for ratios in by_tier.values() for x in ratios)
     return attrs.evolve(model, service_ratios=_rounded(pooled), tier_ratios={
         src: _rounded(sorted(ratios)) for src, ratios in sorted(by_tier.items()) if len(ratios) >= MIN_TIER_REQUESTS
-    })
+    }, admission_s=admission_by_tier(timed, {r.index for r in measured}))
+
+
+def admission_by_tier(reqs: Sequence[TraceRequest], keep: set[int]) -> dict[str, float]:
+    """Per tier, the median recorded queue time of the requests in `keep` that arrived alone (no other
+    request between its arrival and first token then): with every slot free that is no slot wait but the
+    server's own work before the request starts, which its TTFT includes and the fitted service leaves out."""
+    spans = [(r.t, r.t + r.ttft_s) for r in reqs if r.ttft_s is not None]
+    by: dict[str, list[float]] = {}
+    for r in reqs:
+        if r.index not in keep or r.ttft_s is None or r.queued_s is None:
+            continue
+        others = sum(a <= r.t < b for a, b in spans) - 1  # itself: a <= t < t + ttft when ttft > 0
+        if others <= 0:
+            by.setdefault(SOURCE.get(r.cache_tier or "none", r.cache_tier or "miss"), []).append(r.queued_s)
+    return {tier: round(float(np.median(v)), 6) for tier, v in sorted(by.items())}
+
+
+def tier_warmup_indices(reqs: Sequence[TraceRequest], n: int) -> set[int]:
+    """The indices of each recorded tier's first `n` timed requests (in recorded order): a tier's first
+    use in a process pays one-off costs (a shape's first compile, the first restore's thread and buffers)
+    that its later requests do not. `mlxd simulate --ttft-warmup N` leaves the same requests out of its
+    percentiles (the replay serves every request in the recorded tier)."""
+    seen: dict[str, int] = {}
+    out: set[int] = set()
+    for r in sorted(reqs, key=lambda r: r.index):
+        if r.ttft_s is None:
+            continue
+        tier = SOURCE.get(r.cache_tier or "none", r.cache_tier or "miss")
+        seen[tier] = seen.get(tier, 0) + 1
+        if seen[tier] <= n:
+            out.add(r.index)
+    return out
 
 
 def _rounded(ratios: Sequence[float]) -> tuple[float, ...]:
