@@ -102,24 +102,31 @@ async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
             "restore_decisions": restores}
 
 
-async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path, per_token: int, deadline: float) -> dict[str, Any]:
-    """Serve the conversations with the recorder on (no new turn past `deadline`); the runtime's own view."""
+async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: int, deadline: float) -> list[dict[str, Any]]:
+    """Serve the conversations with the recorder on (no new turn past `deadline`), one runtime per
+    (args, trace, SSD dir) of `runs`; with two, interleaved: each group of conversations is served by one
+    runtime, then by the other (its own seed's prompts), so both runs see the same machine load over time.
+    The runtimes' own views."""
     import attrs
     import trio
 
     from mlxd import open_runtime
     from mlxd.cli import record_trace
 
-    rng = np.random.default_rng(args.seed)
+    rngs = [np.random.default_rng(a.seed) for a, _, _ in runs]
+    args = runs[0][0]
     conversation_bytes = per_token * conversation_tokens(args)
-    config = attrs.evolve(runtime_config(args, ssd_dir), prompt_cache_bytes=int(args.ram_conversations * conversation_bytes))
-    histories: list[list[int]] = [[] for _ in range(args.conversations)]
+    configs = [attrs.evolve(runtime_config(a, ssd_dir), prompt_cache_bytes=int(a.ram_conversations * conversation_bytes))
+               for a, _, ssd_dir in runs]
+    histories: list[list[list[int]]] = [[[] for _ in range(args.conversations)] for _ in runs]
     t0 = time.perf_counter()
     load_before = os.getloadavg()
-    requests = 0
+    requests = [0 for _ in runs]
     stopped_early = False
-    async with open_runtime(config) as rt:
-        record_trace(rt, trace)
+    async with contextlib.AsyncExitStack() as stack:
+        rts = [await stack.enter_async_context(open_runtime(config)) for config in configs]
+        for rt, (_, trace, _) in zip(rts, runs, strict=True):
+            record_trace(rt, trace)
         started = time.perf_counter()
         for turn in range(args.turns):
             order = list(range(args.conversations))
@@ -128,30 +135,31 @@ async def record(args: argparse.Namespace, trace: Path, ssd_dir: Path, per_token
                     stopped_early = True
                     break
                 group = order[start : start + args.concurrency]
+                for k, rt in enumerate(rts):
 
-                async def one(c: int, turn: int = turn) -> None:
-                    nonlocal requests
-                    for again in range(args.back_to_back):  # the turns after the first hit RAM
-                        n = args.first if turn == 0 and again == 0 else args.new
-                        new = rng.integers(10, 1000, n).tolist()
-                        histories[c] = await _conversation_turn(rt, histories[c], new, args.max_tokens)
-                        requests += 1
-                        if args.concurrency == 1:
-                            await rt.flush()  # a barrier the replay keeps too: one request at a time
+                    async def one(c: int, turn: int = turn, k: int = k, rt: Any = rt) -> None:
+                        for again in range(args.back_to_back):  # the turns after the first hit RAM
+                            n = args.first if turn == 0 and again == 0 else args.new
+                            new = rngs[k].integers(10, 1000, n).tolist()
+                            histories[k][c] = await _conversation_turn(rt, histories[k][c], new, args.max_tokens)
+                            requests[k] += 1
+                            if args.concurrency == 1:
+                                await rt.flush()  # a barrier the replay keeps too: one request at a time
 
-                async with trio.open_nursery() as nursery:
-                    for c in group:
-                        nursery.start_soon(one, c)
-                if args.concurrency > 1:
-                    await rt.flush()  # a barrier the replay keeps too
+                    async with trio.open_nursery() as nursery:
+                        for c in group:
+                            nursery.start_soon(one, c)
+                    if args.concurrency > 1:
+                        await rt.flush()  # a barrier the replay keeps too
             if stopped_early:
                 break
         served_s = time.perf_counter() - started
-        stats = (await rt.stats()).as_dict()
-    return {"serve_s": round(time.perf_counter() - t0, 1), "requests_s": round(served_s, 1), "requests": requests,
-            "stopped_early": stopped_early, "loadavg_before": load_before,
-            "kv_bytes_per_token": per_token, "prompt_cache_bytes": config.prompt_cache_bytes, "probe": stats.get("device_probe"),
-            "restore_decisions": (stats.get("ssd_cache") or {}).get("restore_decisions")}
+        stats = [(await rt.stats()).as_dict() for rt in rts]
+    return [{"serve_s": round(time.perf_counter() - t0, 1), "requests_s": round(served_s, 1), "requests": n,
+             "stopped_early": stopped_early, "loadavg_before": load_before, "interleaved": len(runs) > 1,
+             "kv_bytes_per_token": per_token, "prompt_cache_bytes": config.prompt_cache_bytes,
+             "probe": st.get("device_probe"), "restore_decisions": (st.get("ssd_cache") or {}).get("restore_decisions")}
+            for n, config, st in zip(requests, configs, stats, strict=True)]
 
 
 def recorded_percentiles(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
@@ -250,6 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=float, default=0.0,
                    help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="record the calibration and the predicted run at once, two runtimes taking turns by "
+                   "conversation group, so both see the same machine load (--no-interleave: one after the other)")
     p.add_argument("--label", default="", help="in the result file's name (sim_ttft-LABEL-<time>.json)")
     p.add_argument("--trace", type=Path, help="replay this recording instead of recording one")
     p.add_argument("--calibration-trace", type=Path,
@@ -280,20 +291,27 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
     if any(v is None for v in traces.values()):
         live["warmup"] = trio.run(warm_up, args, tmp / "ssd-warmup")
         print(f"warm-up: {live['warmup']}", flush=True)
-    for i, name in enumerate(traces):
-        if traces[name] is None:  # record it: the calibration run, then the predicted run (another seed)
-            path = tmp / f"{name}.jsonl"
-            run_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
-            now = time.perf_counter()
-            deadline = now + (end - now) / 2 if name == "calibration" and traces["predicted"] is None else end
-            try:
-                live[name] = trio.run(record, run_args, path, tmp / f"ssd-{name}", live["warmup"]["kv_bytes_per_token"],
-                                      deadline)
-            finally:
+    missing = [name for name in traces if traces[name] is None]
+    if missing:  # record them: the calibration run and the predicted run (another seed)
+        per_token = live["warmup"]["kv_bytes_per_token"]
+        runs = {name: (argparse.Namespace(**{**vars(args), "seed": args.seed + i}), tmp / f"{name}.jsonl",
+                       tmp / f"ssd-{name}") for i, name in enumerate(traces) if name in missing}
+        batches = [missing] if args.interleave else [[name] for name in missing]
+        try:
+            for batch in batches:
+                now = time.perf_counter()
+                deadline = now + (end - now) / 2 if len(batches) == 2 and batch is batches[0] else end
+                views = trio.run(record, [runs[name] for name in batch], per_token, deadline)
+                for name, view in zip(batch, views, strict=True):
+                    live[name] = view
+                    print(f"{name} run: {view}", flush=True)
+        finally:
+            for name in missing:
+                path = runs[name][1]
                 if path.exists():
                     result.setdefault("traces", {})[name] = path.read_text().splitlines()
-            traces[name] = path
-            print(f"{name} run: {live[name]}", flush=True)
+        for name in missing:
+            traces[name] = runs[name][1]
     for name, path in traces.items():  # given ones too: the JSON carries both recordings
         result.setdefault("traces", {}).setdefault(name, Path(path).read_text().splitlines())
     fitted = tmp / "fitted.json"
