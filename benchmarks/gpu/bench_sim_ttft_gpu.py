@@ -26,7 +26,7 @@ from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
-GPU_ARGS = ["--first", "1024", "--new", "128", "--max-tokens", "8", "--conversations", "32", "--turns", "2",
+GPU_ARGS = ["--first", "1024", "--new", "128", "--max-tokens", "2", "--conversations", "32", "--turns", "2",
             "--back-to-back", "2", "--ram-conversations", "2.5", "--restore-choice", "always", "--probe-s", "3",
             "--ttft-warmup", "1"]
 MARGIN_S = 5.0  # of --stop-after: the bench's own start and exit
