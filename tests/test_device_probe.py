@@ -301,3 +301,25 @@ def test_a_restore_fit_without_a_slope_takes_the_largest_read_s_own_rate():
     model = probe.cost_model()
     assert model.restore_bytes_per_s == pytest.approx((64 << 20) / 0.04)
     assert model.restore_seconds(64 << 20) == pytest.approx(0.04)
+
+
+async def test_a_landing_failure_in_the_probe_leaves_the_default_restore_costs(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog
+):
+    # The landing is allocated on the engine's thread while the reader waits (as the prefetcher hands it
+    # over); its failure reaches the probe through the reader, and the server starts without restore points.
+    from mlxd.kv import kinds
+    from mlxd.kv.cost_model import DEFAULT
+
+    def landing(header):
+        raise RuntimeError("[malloc] Unable to allocate")
+
+    monkeypatch.setattr(kinds, "landing", landing)
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None and probe.restore == () and probe.restore_parts == ()
+        assert probe.cost_model().restore_bytes_per_s == DEFAULT.restore_bytes_per_s
+        assert list((tmp_path / "ssd").glob(".device-probe-*")) == []
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "probe.restore_failed" in logged and "Unable to allocate" in logged

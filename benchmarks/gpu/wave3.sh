@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu/wave3.sh host_ssd flush                    # issue 28's goals with the SSD tier, flush speed
 #   bash benchmarks/gpu/wave3.sh host_ram                          # the same without SSD (host tier, RAM only)
 #   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
+#   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -42,6 +43,8 @@ for p in "$@"; do case $p in
             --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
+  restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
+            ${RESTOREPATHS_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
