@@ -128,6 +128,11 @@ def probe_device(
     parts: list[tuple[int, float, float, float]] = []
     landed = 0
     if restore is not None:
+        # The prefills' freed buffers go back to the device first: MLX reuses cached buffers by size, and
+        # on CUDA (managed memory) a reused buffer's pages are where its last user left them (the device),
+        # so a landing carved from them would be faulted over to the host page by page as the reader fills
+        # it, where a restarted server's first restore lands in fresh memory (docs/benchmarks.md).
+        mx.clear_cache()
         # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
         # Two sizes fit a fixed cost and a per-byte cost: the smallest probe, and the longest whose
         # KV fits RESTORE_MAX_BYTES (near a served record's size, at a bounded startup time).
@@ -138,6 +143,7 @@ def probe_device(
         parts = [t.parts for t in timed[1:]]
         landed = sum(t.into_mlx for t in timed[1:])
     decode.sort()
+    mx.clear_cache()  # serving starts as a server without the probe would: none of its buffers cached
     probe = DeviceProbe(
         device=str(mx.default_device()),
         prefill=tuple(prefill),
