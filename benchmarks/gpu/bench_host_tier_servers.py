@@ -457,7 +457,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
 
 def server_side(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Each round's hit, next and returning turn as the server logged it (request.done: ttft_ms, lookup_ms,
-    promoted_bytes), matched to the client's turn by prompt and cached tokens."""
+    promoted_bytes, promote_ms: the promotion's issue, promote_landed_ms: issue until its pages were back), matched to the client's turn by prompt and cached tokens."""
     lines = [x for x in entry.get("log") or [] if x.get("event") == "request.done"]
     found: dict[str, list[dict[str, Any]]] = {"hit": [], "next": [], "returning": []}
     for row in entry.get("rows") or []:
@@ -467,7 +467,8 @@ def server_side(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                         and x.get("cached_tokens") == c.get("cached_tokens")), None)
             if hit is not None:
                 lines.remove(hit)
-                found[k].append({f: hit.get(f) for f in ("ttft_ms", "lookup_ms", "promoted_bytes", "cache_tier")}
+                found[k].append({f: hit.get(f) for f in ("ttft_ms", "lookup_ms", "promoted_bytes", "promote_ms",
+                                                         "promote_landed_ms", "cache_tier")}
                                 | {"client_s": c.get("ttft_s")})
     return found
 

@@ -9,7 +9,10 @@
    Paths: page-locked buffer + `cudaMemcpyAsync` on a side stream into landed
    MLX arrays (`runtime/host_memory.py`, what serving uses); the same into a
    pageable buffer; managed-memory migration (`cudaMemPrefetchAsync` to the host
-   and back); `mx.array` from the host buffer (adopt's copy) + prefetch.
+   and back); `mx.array` from the host buffer (adopt's copy) + prefetch; and serving's own
+   functions (`host_memory.demote` / `promote`, as the cache owner calls them): the promotion waited
+   (promote_s, GB/s against the pinned copy's), issued then the first token, and both beside another
+   entry's demotion (serving's, held while the promotion lands, against the old shared stream).
 2. decode beside write-behind: B streams decode while a writer thread writes a
    16k checkpoint, in windows alternated with windows alone; writer variants:
    serving's paced write with the read-mostly advice, full speed with the advice,
@@ -68,7 +71,7 @@ def hit_on(gen: Any, caches: list[Any], prompt: list[int]) -> float:
 # --- 1. the host tier ----------------------------------------------------------------------------
 
 
-def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dict[str, Any]:
+def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     from mlxd.kv import kinds
     from mlxd.kv.file_format import LoadedSnapshot
     from mlxd.runtime import device_memory, host_memory
@@ -83,8 +86,9 @@ def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dic
     for _ in range(rounds):
         rows["ram_hit"].append({"first_token_s": hit_on(gen, entry, prompt)})
         mx.clear_cache()
-        rows["recompute"].append({"first_token_s": first_token(gen, prompt)})
-        for name in ("pinned", "pageable"):
+        if "recompute" not in skip:
+            rows["recompute"].append({"first_token_s": first_token(gen, prompt)})
+        for name in [x for x in ("pinned", "pageable") if x not in skip]:
             t0 = time.perf_counter()
             buf = host_memory.alloc(nbytes) if name == "pinned" else host_memory.HostBuffer(nbytes, cuda=None)
             t1 = time.perf_counter()
@@ -102,7 +106,7 @@ def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dic
                 "promote_s": t4 - t2, "promote_GBps": nbytes / (t4 - t2) / 1e9, "first_token_s": ft,
                 "promote_to_token_s": t4 - t2 + ft, "pinned": float(host.pinned),
             })
-            if name == "pinned":  # adopt's copy from the same host buffer, then a bulk migration
+            if name == "pinned" and "adopt_copy" not in skip:  # adopt's copy from the same host buffer, then a bulk migration
                 t0 = time.perf_counter()
                 caches = kinds.adopt(LoadedSnapshot(header, tuple(views), 0.0), landed=device_memory.to_device)
                 t1 = time.perf_counter()
@@ -111,7 +115,7 @@ def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dic
             del caches, landing, host, views, buf
             mx.clear_cache()
         if m is not None:  # keep the arrays, move their pages (serving's host tier: host_memory.move_pages)
-            for name in ("migrate", "migrate_async", "migrate_fault"):
+            for name in [x for x in ("migrate", "migrate_async", "migrate_fault") if x not in skip]:
                 copy = [type(c)() for c in entry]
                 for c, s in zip(copy, entry, strict=True):
                     c.keys, c.values, c.offset = mx.multiply(s.keys, 1), mx.multiply(s.values, 1), s.offset
@@ -132,8 +136,88 @@ def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int) -> dic
                     "promote_GBps": moved / max(t2 - t1, 1e-9) / 1e9})
                 del copy
                 mx.clear_cache()
+        if host_memory.separate_host_memory():  # serving's own functions (actors/cache_owner.py): demote / promote
+            pinned = rows["pinned"][-1]["to_device_GBps"] if rows.get("pinned") else None
+            for name in [x for x in SERVING_ROWS if x not in skip]:
+                rows.setdefault(name, []).append(serving_promotion(gen, entry, prompt, name, pinned))
+                mx.clear_cache()
     medians = {k: {f: median([r[f] for r in v]) for f in v[0]} for k, v in rows.items() if v}
     return {"nbytes": nbytes, "tokens": n, "rows": rows, "medians": medians}
+
+
+SERVING_ROWS = ("serving", "serving_async", "serving_beside_demotion", "shared_stream_beside_demotion")
+
+
+def _copy_of(entry: list[Any]) -> list[Any]:
+    copy = [type(c)() for c in entry]
+    for c, s in zip(copy, entry, strict=True):
+        c.keys, c.values, c.offset = mx.multiply(s.keys, 1), mx.multiply(s.values, 1), s.offset
+    mx.eval([(c.keys, c.values) for c in copy])
+    return copy
+
+
+def serving_promotion(gen: Any, entry: list[Any], prompt: list[int], name: str, pinned_GBps: float | None) -> dict[str, float]:
+    """One promotion as serving issues it (`host_memory.promote`, what the cache owner calls in the lookup),
+    of an entry that serving's demotion (`host_memory.demote`) moved to the host first:
+
+    - serving: the promotion waited (`Promotion.wait`): promote_s and its GB/s against the pinned copy's;
+    - serving_async: issued, then the first token at once (what a returning conversation waits for);
+    - serving_beside_demotion: the same while another entry's demotion runs on a thread (serving's, with its
+      hold: it stops between pieces while the promotion lands), as when the budget makes room;
+    - shared_stream_beside_demotion: the old path, for comparison: the other entry's demotion issued whole
+      on one stream, and the promotion on that same stream and lock (what serving did before 28h)."""
+    import threading
+
+    from mlxd.runtime import host_memory
+
+    copy = _copy_of(entry)
+    other = _copy_of(entry) if "beside" in name else None
+    t0 = time.perf_counter()
+    demoted = host_memory.demote(copy)
+    t1 = time.perf_counter()
+    row: dict[str, float] = {"moved_bytes": demoted.nbytes, "to_host_s": t1 - t0, "demote_pieces": demoted.pieces,
+                             "to_host_GBps": demoted.nbytes / max(t1 - t0, 1e-9) / 1e9}
+    side: dict[str, Any] = {}
+    thread = None
+    if other is not None:
+        cuda = host_memory._runtime()
+        assert cuda is not None
+        def shared(o: list[Any]) -> None:  # the whole entry in one locked call on the shared stream
+            side["bytes"] = cuda.prefetch(host_memory._ranges(o), to_host=True, lane=cuda.demotions)
+
+        def serving(o: list[Any]) -> None:
+            d = host_memory.demote(o, hold=lambda: False)
+            side.update(bytes=d.nbytes, holds=d.holds, held_s=d.held_s)
+
+        thread = threading.Thread(target=shared if name == "shared_stream_beside_demotion" else serving,
+                                  args=(other,))
+        thread.start()
+        time.sleep(0.02)  # the other entry's migration is under way
+    t2 = time.perf_counter()
+    if name == "shared_stream_beside_demotion":
+        cuda = host_memory._runtime()
+        assert cuda is not None
+        ranges = host_memory._ranges(copy)
+        nbytes = cuda.prefetch(ranges, to_host=False, lane=cuda.demotions)
+        promotion = host_memory.Promotion(nbytes=nbytes, calls=len(ranges), issue_s=time.perf_counter() - t2,
+                                          issued_at=t2)
+    else:
+        promotion = host_memory.promote(copy)
+    if name == "serving":
+        promotion.wait()
+        row.update(promote_s=promotion.landed_s or 0.0, promote_GBps=(promotion.bytes_per_s or 0.0) / 1e9)
+        if pinned_GBps:
+            row["promote_vs_pinned"] = row["promote_GBps"] / pinned_GBps
+    t3 = time.perf_counter()
+    ft = hit_on(gen, copy, prompt)
+    row.update(issue_s=promotion.issue_s, calls=promotion.calls, first_token_s=ft,
+               promote_to_token_s=(t3 - t2) + ft if name != "serving" else (promotion.landed_s or 0.0) + ft)
+    if thread is not None:
+        thread.join()
+        host_memory.wait_moves()
+        row.update({f"other_{k}": float(v) for k, v in side.items()})
+    del copy, other
+    return row
 
 
 # --- 2. decode beside write-behind -----------------------------------------------------------------
@@ -253,8 +337,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-tier")))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phases", default="host,decode")
+    ap.add_argument("--skip", default="", help="host rows to leave out, e.g. pageable,adopt_copy,migrate_fault,recompute "
+                    "(rows: ram_hit recompute pinned pageable adopt_copy migrate migrate_async migrate_fault "
+                    + " ".join(SERVING_ROWS) + ")")
+    ap.add_argument("--fake-cuda", action="store_true",
+                    help="CPU check only: the CUDA calls answered by tests/fake_cuda.py (timings mean nothing)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.fake_cuda:
+        sys.path.insert(0, str(HERE.parent.parent))
+        from tests import fake_cuda
+
+        fake_cuda.install(fake_cuda.Patch(), fake_cuda.FakeCudaLib(scale=1.0))
     work = Path(tempfile.mkdtemp(prefix="host-tier-"))
     model_dir = build(presets.PRESETS["bench"] if args.small else QWEN3_1_7B, work / "model")
     model, _ = load(model_dir)
@@ -278,7 +372,8 @@ def main() -> int:
     phases = set(args.phases.split(","))
     try:
         if "host" in phases:
-            out["host_tier"] = host_tier(gen, entry, prompt, args.rounds)
+            out["host_tier"] = host_tier(gen, entry, prompt, args.rounds,
+                                         frozenset(x for x in args.skip.split(",") if x))
             log("host tier", json.dumps(out["host_tier"]["medians"]))
             save()
         gen.close()

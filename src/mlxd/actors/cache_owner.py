@@ -94,6 +94,24 @@ class _Counters:
     vanished: int = 0  # shared directory: indexed files another replica deleted
 
 
+@attrs.define
+class _Copies:
+    """The host tier's page moves as carried out (runtime/host_memory.py), for /stats `cache.host.copies`."""
+
+    promotions: int = 0
+    promote_issue_ms_last: float | None = None  # the lookup's time to issue it (trio thread)
+    promote_landed_ms_last: float | None = None  # issue -> every page back on the device
+    promote_gb_s_last: float | None = None
+    promoted_demotions_stopped: int = 0  # a promotion stopped its own entry's demotion between pieces
+    demotions: int = 0
+    demoted_bytes: int = 0
+    demote_pieces: int = 0
+    demote_holds: int = 0  # times a demotion held still (a request waiting for its first token, a promotion)
+    demote_held_s: float = 0.0
+    demotions_stopped: int = 0
+    demote_gb_s_last: float | None = None
+
+
 class CacheOwnerActor:
     def __init__(
         self,
@@ -176,6 +194,8 @@ class CacheOwnerActor:
         self._mirror = OwnerMirror()
         self._shards_left: list[ShardRef] = []
         self._engine_busy = False  # rows decoding (EngineBusy): host-tier moves wait until none do
+        self._copies = _Copies()
+        self._promotion: host_memory.Promotion | None = None  # issued by the lookup being answered
 
     @staticmethod
     def _host_tier(config: RuntimeConfig, wanted: bool | None, clock: Callable[[], float]) -> tuple[HostTier | None, str | None]:
@@ -286,6 +306,8 @@ class CacheOwnerActor:
             # A promotion's pages start back to the device before the reply lets the engine read them;
             # then the budget: after the lookup, its hit is the most recently used.
             self._apply(tiers.take_effects())
+            if self._promotion is not None:
+                lookup, self._promotion = attrs.evolve(lookup, promotion=self._promotion), None
             msg.reply.send(lookup)
             self._apply(tiers.check_budget())
         elif isinstance(msg, PrefetchHint):
@@ -414,19 +436,52 @@ class CacheOwnerActor:
 
     def _move_pages(self, effect: Demote | Promote) -> None:
         """A host-tier move: on CUDA the entry's pages migrate in bulk (runtime/host_memory.py); elsewhere
-        nothing moves. A promotion's migration is started right here, before the lookup's reply lets the
-        engine read the prefix (issuing it took ~1.5 ms for 1.9 GB on an H200; a first forward pass that
-        faults the pages back instead took 0.28 s, docs/benchmarks.md); a demotion's on a worker thread.
-        The core asks for a demotion only under memory pressure or while no row decodes (a migration
-        beside decode cost that row 71-77% of its speed)."""
+        nothing moves. A promotion is issued right here, on its own stream, before the lookup's reply lets
+        the engine read the prefix (a first forward pass that faults the pages back instead took 0.28 s on
+        an H200, docs/benchmarks.md); a worker thread then times its landing. A demotion runs on a worker
+        thread in pieces; unless device memory is needed now (`urgent`: admission) it holds still while a
+        request waits for its first token or a promotion lands, so a returning conversation's promotion and
+        prefill do not share the link with it. The core asks for a demotion only under memory pressure or
+        while no row decodes (a migration beside decode cost that row 71-77% of its speed)."""
         if not host_memory.separate_host_memory():
             return
+        payload = effect.entry.payload
         if isinstance(effect, Promote):
-            host_memory.move_pages(effect.entry.payload, to_host=False)
+            promotion = host_memory.promote(payload)
+            self._promotion = promotion
+            c = self._copies
+            c.promotions += 1
+            c.promote_issue_ms_last = round(promotion.issue_s * 1000, 3)
+            c.promoted_demotions_stopped += promotion.cancelled_demotion
+            if self._nursery is not None and promotion.nbytes:
+                self._nursery.start_soon(self._promotion_landed, promotion)
         elif self._nursery is not None:
-            self._nursery.start_soon(
-                partial(trio.to_thread.run_sync, partial(host_memory.move_pages, effect.entry.payload, to_host=True))
-            )
+            ticket = host_memory.begin_demotion(payload)
+            hold = None if effect.urgent else self._demotion_holds
+            self._nursery.start_soon(self._demote, payload, hold, ticket)
+
+    def _demotion_holds(self) -> bool:
+        """(any thread) A request waits for its first token: a demotion not urgent holds still."""
+        return self._governor is not None and self._governor.prefilling
+
+    async def _demote(self, payload: Any, hold: Callable[[], bool] | None, ticket: Any) -> None:
+        done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket))
+        c = self._copies
+        c.demotions += 1
+        c.demoted_bytes += done.nbytes
+        c.demote_pieces += done.pieces
+        c.demote_holds += done.holds
+        c.demote_held_s = round(c.demote_held_s + done.held_s, 4)
+        c.demotions_stopped += done.cancelled
+        if done.nbytes and done.seconds > 0:
+            c.demote_gb_s_last = round(done.nbytes / done.seconds / 1e9, 3)
+
+    async def _promotion_landed(self, promotion: host_memory.Promotion) -> None:
+        await trio.to_thread.run_sync(promotion.wait)
+        c = self._copies
+        c.promote_landed_ms_last = round((promotion.landed_s or 0.0) * 1000, 3)
+        rate = promotion.bytes_per_s
+        c.promote_gb_s_last = round(rate / 1e9, 3) if rate else None
 
     async def _watch_shared_dir(self) -> None:
         """Index the files other replicas publish; forget the ones they delete."""
@@ -497,7 +552,7 @@ class CacheOwnerActor:
 
     def _host_stats(self, tiers: TierStats) -> dict[str, object] | None:
         if tiers.host is not None:
-            return {"enabled": True, **attrs.asdict(tiers.host)}
+            return {"enabled": True, **attrs.asdict(tiers.host), "copies": attrs.asdict(self._copies)}
         if self._host_noop is not None:
             return {"enabled": False, "requested_bytes": self._config.host_cache_bytes, "reason": self._host_noop}
         return None

@@ -239,6 +239,10 @@ class SchedulerActor:
             ttft_ms=_ms(record.ttft_s),
             lookup_ms=_ms(record.lookup_s),
             promoted_bytes=record.promoted_bytes,
+            # the promotion's cost: its issue in the lookup, and from issue until its pages were all back
+            # (None while still landing, or off CUDA where nothing moves)
+            promote_ms=_ms(getattr(record.promotion, "issue_s", None)),
+            promote_landed_ms=_ms(getattr(record.promotion, "landed_s", None)),
             total_ms=_ms(record.total_s),
         )
         for observe in self.observers:
@@ -265,6 +269,7 @@ class SchedulerActor:
             record.lookup_s = time.monotonic() - asked
             if lookup.promoted and lookup.hit is not None:
                 record.promoted_bytes = lookup.hit.entry.nbytes
+                record.promotion = lookup.promotion
             hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
             if lookup.restore is not None:
                 asked = time.monotonic()

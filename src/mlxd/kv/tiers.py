@@ -128,6 +128,8 @@ class PrefixLookup:
     plan: RestorePlan | None = None  # the restore advisor's choice, when an SSD record was weighed
     # Pinned breakpoint prefixes of the prompt that no RAM entry holds: the engine checkpoints there
     checkpoint_at: tuple[int, ...] = ()
+    # The shell's handle on a promotion's copy (runtime/host_memory.Promotion): its cost, for the request record
+    promotion: object | None = None
 
 
 # --- effects: what the caller must do after a call ---------------------------------
@@ -179,6 +181,9 @@ class Demote:
     """This host-tier entry's memory goes to host memory now (CUDA), or nothing moves (unified memory)."""
 
     entry: CacheEntry  # the host tier's entry (same payload)
+    # Device memory is needed now (KV admission for rows about to start): the move never holds still for a
+    # request's prefill or a promotion, as the budget's and the idle moves do (runtime/host_memory.demote).
+    urgent: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -917,12 +922,12 @@ class CacheTiers:
     def _host_device_bytes(self) -> int:
         return self.host.device_bytes if self.host is not None else 0
 
-    def move_to_host(self, nbytes: int | None = None) -> list[Effect]:
+    def move_to_host(self, nbytes: int | None = None, *, urgent: bool = False) -> list[Effect]:
         """Issue host-tier moves not issued yet, coldest first: at least `nbytes` (None: all). The shell
-        calls it when no row decodes; the budget and admission call it when device memory is needed."""
+        calls it when no row decodes; the budget and admission (`urgent`) call it when device memory is needed."""
         if self.host is None:
             return []
-        return [Demote(e) for e in self.host.take_moves(nbytes)]
+        return [Demote(e, urgent=urgent) for e in self.host.take_moves(nbytes)]
 
     def idle_moves(self) -> list[Effect]:
         """Host-tier moves worth issuing while no row decodes and none waits: with a measured memory budget,
@@ -971,7 +976,7 @@ class CacheTiers:
         what can go (durable entries demoted, droppable ones evicted; never pinned ones)."""
         if nbytes <= 0:
             return []
-        moves = self.move_to_host(nbytes)  # host-tier entries still on the device go first
+        moves = self.move_to_host(nbytes, urgent=True)  # host-tier entries still on the device go first
         moved = sum(e.entry.nbytes for e in moves if isinstance(e, Demote))
         self._memory.admission_freed += moved
         if nbytes <= moved:
@@ -983,7 +988,7 @@ class CacheTiers:
         self._memory.admission_frees += len(released.evicted)
         if self.ssd:
             self._demotions += len(released.evicted)
-        return moves + self._to_host(released.evicted, move=True)
+        return moves + self._to_host(released.evicted, move=True, urgent=True)
 
     def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
@@ -1136,14 +1141,14 @@ class CacheTiers:
             effects.append(Forget(entry.namespace, entry.tokens))
         return effects
 
-    def _to_host(self, entries: Iterable[CacheEntry], *, move: bool = False) -> list[Effect]:
+    def _to_host(self, entries: Iterable[CacheEntry], *, move: bool = False, urgent: bool = False) -> list[Effect]:
         """RAM victims go to the host tier (when there is one), their pages still on the device; `move`
-        (device memory is needed now): `Demote` them at once."""
+        (device memory is wanted now): `Demote` them at once (`urgent`: for rows about to start)."""
         if self.host is None:
             return []
         for entry in entries:
             self.host.admit(entry)
-        return self.move_to_host() if move else []
+        return self.move_to_host(urgent=urgent) if move else []
 
     # --- stats ----------------------------------------------------------------------
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from mlxd.runtime import device_memory
@@ -62,16 +64,34 @@ class HostBuffer:
             self._cuda.host_free(self._ptr)
 
 
+class _Lane:
+    """One side stream and the lock its callers take turns on."""
+
+    def __init__(self, lib: Any, name: str) -> None:
+        self.name = name
+        self.stream = ctypes.c_void_p()
+        self.lock = threading.RLock()
+        if int(lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), _STREAM_NON_BLOCKING)) != 0:
+            raise OSError("cudaStreamCreateWithFlags failed")
+
+
 class _Cuda:
-    """The CUDA runtime calls the copies need (the library MLX's CUDA build loaded)."""
+    """The CUDA runtime calls the copies need (the library MLX's CUDA build loaded).
+
+    Three side streams (lanes), each with its own lock, so no kind of traffic queues behind another:
+    `copy` (the SSD writer's staging and restores' pinned copies), `promote` (host-tier entries back to
+    the device: a request waits for these) and `demote` (host-tier entries to host memory, in pieces).
+    A migration to the host runs in the calling thread (the driver moves the pages there: issuing
+    1.88 GB took 0.23-0.28 s on an H200), so with one shared stream and lock a promotion issued on the
+    trio thread waited behind it (the H200's lookups of 435-508 ms, 14:02 UTC; docs/benchmarks.md)."""
 
     def __init__(self, lib: Any, version: int) -> None:
         self._lib = lib
         self.version = version
-        self._stream = ctypes.c_void_p()
-        self._lock = threading.Lock()  # one side stream; copies from several threads take turns
-        if int(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), _STREAM_NON_BLOCKING)) != 0:
-            raise OSError("cudaStreamCreateWithFlags failed")
+        self.copies = _Lane(lib, "copy")
+        self.promotions = _Lane(lib, "promote")
+        self.demotions = _Lane(lib, "demote")
+        self._stream, self._lock = self.copies.stream, self.copies.lock  # the copy lane (older callers)
         self.failures = 0
 
     def host_alloc(self, ptr: ctypes.c_void_p, nbytes: int) -> bool:
@@ -84,34 +104,62 @@ class _Cuda:
     def host_free(self, ptr: ctypes.c_void_p) -> None:
         self._lib.cudaFreeHost(ptr)
 
-    def prefetch(self, ranges: Sequence[tuple[int, int]], *, to_host: bool) -> int:
-        """Start migrating managed ranges to the host or the device, on the side stream (no wait)."""
+    def prefetch(self, ranges: Sequence[tuple[int, int]], *, to_host: bool, lane: _Lane | None = None) -> int:
+        """Start migrating managed ranges to the host or the device on a lane's stream (default: promote
+        to the device, demote to the host); returns the bytes asked. Never waits for another lane."""
+        lane = lane or (self.demotions if to_host else self.promotions)
         done = 0
-        with self._lock:
+        with lane.lock:
             for address, n in ranges:
                 if self.version >= 13000:
                     where = device_memory._Location(device_memory._LOCATION_HOST if to_host else
                                                     device_memory._LOCATION_DEVICE, 0)
                     err = self._lib.cudaMemPrefetchAsync(ctypes.c_void_p(address), ctypes.c_size_t(n), where, 0,
-                                                         self._stream)
+                                                         lane.stream)
                 else:
                     err = self._lib.cudaMemPrefetchAsync(ctypes.c_void_p(address), ctypes.c_size_t(n),
-                                                         -1 if to_host else 0, self._stream)
+                                                         -1 if to_host else 0, lane.stream)
                 if int(err) == 0:
                     done += n
                 else:
                     self.failures += 1
         return done
 
+    def sync(self, lane: _Lane) -> None:
+        """Wait for what this lane's stream was given (no lock: other callers keep issuing)."""
+        self._lib.cudaStreamSynchronize(lane.stream)
+
+    def mark(self, lane: _Lane) -> ctypes.c_void_p | None:
+        """A CUDA event recorded on the lane's stream now (after what it was given); None if it failed."""
+        event = ctypes.c_void_p()
+        if int(self._lib.cudaEventCreate(ctypes.byref(event))) != 0:
+            return None
+        if int(self._lib.cudaEventRecord(event, lane.stream)) != 0:
+            self._lib.cudaEventDestroy(event)
+            return None
+        return event
+
+    def elapsed_s(self, start: ctypes.c_void_p, end: ctypes.c_void_p) -> float | None:
+        """Device time between two completed events (seconds), and both freed."""
+        ms = ctypes.c_float()
+        ok = int(self._lib.cudaEventElapsedTime(ctypes.byref(ms), start, end)) == 0
+        self._lib.cudaEventDestroy(start)
+        self._lib.cudaEventDestroy(end)
+        return ms.value / 1000 if ok else None
+
+    def busy(self, lane: _Lane) -> bool:
+        """Is work still queued on this lane's stream (a non-blocking query)?"""
+        return int(self._lib.cudaStreamQuery(lane.stream)) != 0
+
     def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
-        """(dst, src, nbytes) blocks, copied in order on the side stream; returns when all landed."""
-        with self._lock:
+        """(dst, src, nbytes) blocks, copied in order on the copy lane; returns when all landed."""
+        with self.copies.lock:
             for dst, src, n in pairs:
                 err = int(self._lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(n),
-                                                    _MEMCPY_DEFAULT, self._stream))
+                                                    _MEMCPY_DEFAULT, self.copies.stream))
                 if err != 0:
                     raise OSError(f"cudaMemcpyAsync failed: CUDA error {err}")
-            err = int(self._lib.cudaStreamSynchronize(self._stream))
+            err = int(self._lib.cudaStreamSynchronize(self.copies.stream))
             if err != 0:
                 raise OSError(f"cudaStreamSynchronize failed: CUDA error {err}")
 
@@ -258,37 +306,200 @@ def arrays_of(payload: Any) -> list[Any]:
 
 
 def _ranges(payload: Any) -> list[tuple[int, int]]:
-    out = []
+    """(address, nbytes) of a payload's arrays, in the order the forward pass reads them (layer by layer);
+    ranges that follow each other in memory are one range (one call)."""
+    out: list[tuple[int, int]] = []
     for a in arrays_of(payload):
         try:
             b = np.frombuffer(a, dtype=np.uint8)  # the whole (contiguous) buffer; no host access
         except (ValueError, TypeError, BufferError):
             continue  # a strided view: its owner is walked too, or it is left where it is
-        if b.nbytes:
-            out.append((b.ctypes.data, b.nbytes))
+        if not b.nbytes:
+            continue
+        address = b.ctypes.data
+        if out and out[-1][0] + out[-1][1] == address:
+            out[-1] = (out[-1][0], out[-1][1] + b.nbytes)
+        else:
+            out.append((address, b.nbytes))
+    return out
+
+
+def _pieces(ranges: Sequence[tuple[int, int]], piece: int) -> list[tuple[int, int]]:
+    out = []
+    for address, n in ranges:
+        for at in range(0, n, piece):
+            out.append((address + at, min(piece, n - at)))
+    return out
+
+
+# A demotion moves an entry's pages in pieces of this many bytes (~9 ms each at the H200's 7.5 GB/s to the
+# host) and looks between pieces whether to hold still or stop.
+DEMOTE_PIECE = 64 << 20
+# A held demotion waits at most this long in all (then goes on: the budget wants the room).
+DEMOTE_HOLD_S = 2.0
+
+
+@attrs.define(eq=False)
+class _Demoting:
+    lock: threading.Lock = attrs.Factory(threading.Lock)  # held while a piece moves
+    cancelled: bool = False
+
+
+_demoting: dict[int, _Demoting] = {}  # id(payload) -> its demotion in progress
+_demoting_lock = threading.Lock()
+
+
+@attrs.define(eq=False)
+class Promotion:
+    """A host-tier entry's pages on their way back to the device (what serving issues, what the probe times).
+
+    `issue_s`: the caller's time to issue it (waiting for a piece of the same entry's demotion included);
+    `landed_s`: from issue until the promote lane had moved everything (set by `wait`; None until then)."""
+
+    nbytes: int = 0
+    calls: int = 0
+    issue_s: float = 0.0
+    issued_at: float = 0.0  # time.perf_counter()
+    landed_s: float | None = None
+    cancelled_demotion: bool = False  # its own demotion was still moving pieces, and stopped
+    # CUDA events around its prefetches on the promote stream: `landed_s` is then the device's own time
+    # from the first to the last page (exact, whatever thread waits and however late it wakes)
+    events: tuple[Any, Any] | None = None
+
+    def wait(self) -> float:
+        """Wait until the promote lane drained (any thread; not the engine's); returns `landed_s`."""
+        cuda = _runtime()
+        if cuda is not None and self.nbytes:
+            cuda.sync(cuda.promotions)
+        wall = time.perf_counter() - self.issued_at
+        device = cuda.elapsed_s(*self.events) if cuda is not None and self.events is not None else None
+        self.events = None
+        self.landed_s = device if device is not None else wall
+        return self.landed_s
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self.nbytes / self.landed_s if self.landed_s and self.nbytes else None
+
+
+@attrs.define(eq=False)
+class Demotion:
+    nbytes: int = 0  # moved
+    pieces: int = 0
+    held_s: float = 0.0  # waited for `hold` (a request waiting for its first token, a promotion landing)
+    holds: int = 0
+    cancelled: bool = False  # a lookup took the entry back before its last piece
+    seconds: float = 0.0
+
+
+def promote(payload: Any) -> Promotion:
+    """Start a host-tier entry's pages back to the device: one prefetch per contiguous range, in layer order,
+    on the promote lane (never behind a demotion or a staging copy), and return at once. Serving issues it
+    in the lookup, before the reply lets the engine read the prefix; the first forward pass then runs while
+    the pages arrive. A demotion of the same entry still moving pieces stops first (at most one piece).
+    A no-op on unified memory (nbytes 0)."""
+    t0 = time.perf_counter()
+    cuda = _runtime()
+    if cuda is None or payload is None:
+        return Promotion(issued_at=t0)
+    with _demoting_lock:
+        job = _demoting.get(id(payload))
+    if job is not None:
+        job.cancelled = True
+        with job.lock:  # the piece in flight lands first; its pages then come back with the rest
+            pass
+    ranges = _ranges(payload)
+    t1 = time.perf_counter()
+    with cuda.promotions.lock:  # (the events bracket this promotion's prefetches only)
+        start = cuda.mark(cuda.promotions)
+        nbytes = cuda.prefetch(ranges, to_host=False, lane=cuda.promotions)
+        end = cuda.mark(cuda.promotions) if start is not None else None
+    t2 = time.perf_counter()
+    events = (start, end) if start is not None and end is not None else None
+    if start is not None and end is None:
+        cuda._lib.cudaEventDestroy(start)
+    return Promotion(nbytes=nbytes, calls=len(ranges), issue_s=t2 - t0, issued_at=t1,
+                     cancelled_demotion=job is not None, events=events)
+
+
+def promotion_pending() -> bool:
+    """Is a promotion still moving pages to the device?"""
+    cuda = _runtime()
+    return cuda is not None and cuda.busy(cuda.promotions)
+
+
+def begin_demotion(payload: Any) -> _Demoting | None:
+    """Register a demotion about to start (on the thread that decided it, before its worker runs), so a
+    promotion of the same entry in between stops it rather than racing it. None off CUDA."""
+    if _runtime() is None or payload is None:
+        return None
+    job = _Demoting()
+    with _demoting_lock:
+        _demoting[id(payload)] = job
+    return job
+
+
+def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: float = DEMOTE_HOLD_S,
+           piece: int | None = None, ticket: _Demoting | None = None) -> Demotion:
+    """Move a host-tier entry's pages to host memory (a worker thread: each piece runs in this thread).
+
+    Pieces of `piece` bytes, each waited, on the demote lane. Before each piece the demotion holds still
+    while `hold()` says so or a promotion is landing (at most `hold_max_s` in all): a migration beside a
+    request's prefill or a promotion competes with them for the same link and driver (None: no hold, device
+    memory is needed now). A promotion of the same entry stops it between pieces (`cancelled`); `ticket`:
+    from `begin_demotion`, when the demotion was decided on another thread. A no-op on unified memory."""
+    out = Demotion()
+    cuda = _runtime()
+    if cuda is None or payload is None:
+        return out
+    t0 = time.perf_counter()
+    job = ticket if ticket is not None else begin_demotion(payload)
+    assert job is not None
+    key = id(payload)
+    try:
+        for address, n in _pieces(_ranges(payload), piece or DEMOTE_PIECE):
+            if hold is not None and not job.cancelled:
+                h0, waited = time.perf_counter(), False
+                while (out.held_s + time.perf_counter() - h0 < hold_max_s and not job.cancelled
+                       and (hold() or cuda.busy(cuda.promotions))):
+                    waited = True
+                    time.sleep(0.002)
+                if waited:
+                    out.holds += 1
+                    out.held_s += time.perf_counter() - h0
+            # One piece at a time across demotions (the lane), and only then this entry's lock: a promotion
+            # of this entry waits for at most the piece in flight, never for other entries' pieces.
+            with cuda.demotions.lock, job.lock:
+                if job.cancelled:
+                    break
+                out.nbytes += cuda.prefetch([(address, n)], to_host=True, lane=cuda.demotions)
+                cuda.sync(cuda.demotions)
+                out.pieces += 1
+        out.cancelled = job.cancelled
+    finally:
+        with _demoting_lock:
+            if _demoting.get(key) is job:
+                del _demoting[key]
+        out.seconds = time.perf_counter() - t0 - out.held_s
     return out
 
 
 def move_pages(payload: Any, *, to_host: bool) -> int:
-    """Move a cached entry's memory to the host (a host-tier demotion) or back to the device (a promotion).
+    """Move a cached entry's memory to the host (`demote`, no hold) or back to the device (`promote`).
 
     On CUDA the arrays stay MLX arrays: only their managed pages migrate, in
-    bulk and asynchronously (`cudaMemPrefetchAsync` on the side stream), so a
-    promotion is under way before the engine's first forward pass reads it.
-    A no-op (0) on unified memory. Returns the bytes asked to move.
+    bulk (`cudaMemPrefetchAsync` on side streams). A no-op (0) on unified
+    memory. Returns the bytes asked to move.
     """
-    cuda = _runtime()
-    if cuda is None or payload is None:
-        return 0
-    return cuda.prefetch(_ranges(payload), to_host=to_host)
+    return demote(payload).nbytes if to_host else promote(payload).nbytes
 
 
 def wait_moves() -> None:
     """Wait for the page moves started so far (benchmarks; serving never waits on them)."""
     cuda = _runtime()
     if cuda is not None:
-        with cuda._lock:
-            cuda._lib.cudaStreamSynchronize(cuda._stream)
+        for lane in (cuda.promotions, cuda.demotions, cuda.copies):
+            cuda.sync(lane)
 
 
 class Staging:

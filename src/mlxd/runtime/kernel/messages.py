@@ -148,6 +148,7 @@ class RequestRecord:
     lookup_s: float = 0.0  # the cache owner's prefix lookup, reply included (a host-tier promotion is issued in it)
     promoted_bytes: int = 0  # its hit came back from the host tier: the bytes whose pages were moved back
     fetch_s: float = 0.0  # an SSD hit: waiting for the cold file's bytes (the prefetcher's read) before the engine
+    promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
 
     @property
     def queued_s(self) -> float | None:

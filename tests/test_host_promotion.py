@@ -1,0 +1,201 @@
+"""The host tier's page moves as serving issues them (runtime/host_memory.promote / demote), on real MLX
+arrays with the CUDA runtime calls answered by tests/fake_cuda.py (this CPU has no separate device memory):
+a promotion never queues behind a demotion, stops its own entry's demotion, and demotions hold still for
+a request's first token and a landing promotion unless device memory is needed now (issue 28)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlc
+from tests import fake_cuda
+
+from mlxd.kv.host_tier import HostTier
+from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.retention import make_policy
+from mlxd.kv.tiers import CacheTiers, Demote
+from mlxd.runtime import host_memory
+
+
+def _kv(layers: int = 4, n: int = 64) -> list[mlc.KVCache]:
+    out = []
+    for i in range(layers):
+        c = mlc.KVCache()
+        c.update_and_fetch(mx.full((1, 2, n, 16), float(i)), mx.full((1, 2, n, 16), -float(i)))
+        mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+def _bytes(payload: list[mlc.KVCache]) -> int:
+    return sum(c.keys.nbytes + c.values.nbytes for c in payload)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    lib = fake_cuda.FakeCudaLib(to_host_Bps=1e12, to_device_Bps=1e12)
+    fake_cuda.install(monkeypatch, lib)
+    return lib
+
+
+def _thread(fn, *args, **kwargs):
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn(*args, **kwargs)))
+    t.start()
+    return t, box
+
+
+def test_a_promotion_is_one_call_per_contiguous_range_in_layer_order_on_its_own_stream(fake):
+    payload = _kv(layers=3)
+    p = host_memory.promote(payload)
+    calls = [c for c in fake.calls if c.op == "prefetch_device"]
+    assert p.nbytes == _bytes(payload) and p.calls == len(calls) <= 6 and p.issue_s >= 0
+    assert len({c.stream for c in calls}) == 1
+    cuda = host_memory._runtime()
+    assert calls[0].stream == cuda.promotions.stream.value != cuda.demotions.stream.value
+    assert p.wait() >= 0 and p.landed_s is not None and p.bytes_per_s
+    # Arrays that follow each other in memory are one range: one call for them.
+    a = mx.arange(4096, dtype=mx.float32).reshape(8, 512)
+    mx.eval(a)
+    halves = [a[:4], a[4:]]
+    assert host_memory.promote(halves).calls == 1
+    assert host_memory.promote([a[4:], a[:4]]).calls == 2  # layer order first: never reordered to merge
+
+
+def test_a_promotion_never_waits_behind_a_demotion_in_flight(fake):
+    """A migration to the host runs inside its call (the driver's); one in flight must not hold up a
+    promotion issued on the trio thread (the H200's 435-508 ms lookups)."""
+    other, back = _kv(), _kv()
+    fake.gate = threading.Event()
+    t, box = _thread(host_memory.demote, other)
+    assert fake.entered.wait(10)
+    p = host_memory.promote(back)  # returns while the demotion is still inside its first piece
+    assert t.is_alive() and p.nbytes == _bytes(back)
+    fake.gate.set()
+    t.join(10)
+    assert box["out"].nbytes == _bytes(other) and not box["out"].cancelled
+    device = [c for c in fake.calls if c.op == "prefetch_device"]
+    host = [c for c in fake.calls if c.op == "prefetch_host"]
+    assert device[-1].issued < host[0].ends  # issued before the demotion's first piece ended
+    assert {c.stream for c in device}.isdisjoint({c.stream for c in host})
+
+
+def test_a_promotion_stops_its_own_entry_s_demotion_between_pieces(fake):
+    payload = _kv(layers=4)
+    fake.gate = threading.Event()
+    piece = payload[0].keys.nbytes // 2
+    t, box = _thread(host_memory.demote, payload, piece=piece)
+    assert fake.entered.wait(10)
+    pt, pbox = _thread(host_memory.promote, payload)
+    time.sleep(0.05)
+    assert pt.is_alive()  # waits for the piece in flight (its pages then come back with the rest)
+    fake.gate.set()
+    t.join(10)
+    pt.join(10)
+    d, p = box["out"], pbox["out"]
+    assert d.cancelled and d.pieces == 1 and d.nbytes == piece < _bytes(payload)
+    assert p.cancelled_demotion and p.nbytes == _bytes(payload)
+    first_piece = next(c for c in fake.calls if c.op == "prefetch_host")
+    assert all(c.issued >= first_piece.ends for c in fake.calls if c.op == "prefetch_device")
+    assert not host_memory._demoting  # nothing left registered
+
+
+def test_a_demotion_decided_before_its_thread_runs_is_stopped_by_a_promotion_in_between(fake):
+    payload = _kv()
+    ticket = host_memory.begin_demotion(payload)
+    host_memory.promote(payload)  # the lookup came first
+    d = host_memory.demote(payload, ticket=ticket)
+    assert d.cancelled and d.nbytes == 0 and not [c for c in fake.calls if c.op == "prefetch_host"]
+
+
+def test_a_demotion_holds_while_asked_then_goes_and_never_holds_past_its_limit(fake):
+    payload = _kv()
+    waiting = threading.Event()
+    waiting.set()
+    t, box = _thread(host_memory.demote, payload, hold=waiting.is_set, hold_max_s=60)
+    time.sleep(0.1)
+    assert t.is_alive() and not [c for c in fake.calls if c.op == "prefetch_host"]  # held: nothing moved
+    waiting.clear()  # the request got its first token
+    t.join(10)
+    d = box["out"]
+    assert d.nbytes == _bytes(payload) and d.holds == 1 and d.held_s >= 0.1
+    capped = host_memory.demote(_kv(), hold=lambda: True, hold_max_s=0.05)
+    assert capped.nbytes > 0 and capped.held_s >= 0.05 and not capped.cancelled
+
+
+def test_a_demotion_waits_for_a_promotion_to_land_unless_urgent(monkeypatch):
+    lib = fake_cuda.FakeCudaLib(to_host_Bps=1e12, to_device_Bps=1e5)  # the promotion takes a while to land
+    fake_cuda.install(monkeypatch, lib)
+    back = _kv(layers=2, n=32)
+    host_memory.promote(back)
+    held = host_memory.demote(_kv(), hold=lambda: False)
+    landed = max(c.ends for c in lib.calls if c.op == "prefetch_device")
+    moved = [c for c in lib.calls if c.op == "prefetch_host"]
+    assert held.holds == 1 and moved[0].starts >= landed
+    lib.calls.clear()
+    host_memory.promote(back)
+    urgent = host_memory.demote(_kv(), hold=None)  # admission: device memory is needed now
+    landed = max(c.ends for c in lib.calls if c.op == "prefetch_device")
+    assert urgent.holds == 0 and min(c.starts for c in lib.calls if c.op == "prefetch_host") < landed
+
+
+def test_on_this_cpu_the_moves_are_no_ops():
+    assert not host_memory.separate_host_memory()
+    p = host_memory.promote(_kv())
+    assert (p.nbytes, p.calls) == (0, 0) and p.wait() >= 0
+    assert host_memory.demote(_kv()).nbytes == 0 and host_memory.begin_demotion(_kv()) is None
+
+
+def test_admission_moves_are_urgent_and_the_budget_s_are_not():
+    clock = iter(range(10**6)).__next__
+    tiers = CacheTiers(PromptCache(max_bytes=200, policy=make_policy("lru"), clock=clock),
+                       host=HostTier(max_bytes=10_000, clock=clock), memory_budget=10_000)
+    for i in range(6):
+        tiers.publish(tuple(range(i * 100, i * 100 + 10)), payload=f"p{i}", nbytes=100, trimmable=True)
+    assert tiers.host is not None and tiers.host.device_bytes == 400
+    urgent = tiers.free_for_rows(150)
+    assert urgent and all(isinstance(e, Demote) and e.urgent for e in urgent)
+    relief = [e for e in tiers.observe_memory(20_000) if isinstance(e, Demote)]  # far over the budget
+    assert relief and not any(e.urgent for e in relief)
+    tiers.publish(tuple(range(900, 910)), payload="q", nbytes=100, trimmable=True)
+    assert all(not e.urgent for e in tiers.idle_moves() if isinstance(e, Demote))
+
+
+def test_a_served_promotion_reports_its_cost_and_its_copies(tiny_model_dir: Path, monkeypatch):
+    """A live runtime on the fake: a conversation pushed out of RAM and off the device comes back by a
+    promotion issued on the trio thread on its own stream; its request record carries the promotion
+    (issue and landing times) and /stats `cache.host.copies` counts the moves as carried out."""
+    import httpx
+    from tests.serving import ServerThread, config_for
+
+    lib = fake_cuda.FakeCudaLib(to_host_Bps=1e12, to_device_Bps=1e12)
+    cuda = fake_cuda.install(monkeypatch, lib)
+    kv_per_token = 2 * 2 * 16 * 2 * 4
+    prompts = [" ".join(f"w{c}x{i}" for i in range(120)) for c in range(3)]
+    config = config_for(tiny_model_dir, prompt_cache_bytes=int(1.2 * 300 * kv_per_token), host_cache_bytes=1 << 30,
+                        memory_budget_bytes=0)  # no budget: every victim moves once the server is idle
+    with ServerThread(config) as s:
+        assert s.runtime is not None
+        records = []
+        s.runtime.scheduler.observers.append(records.append)
+        for p in (*prompts, prompts[0] + " again"):
+            body = {"model": "tiny", "prompt": p, "max_tokens": 2, "temperature": 0.0}
+            httpx.post(s.base_url + "/completions", json=body, timeout=60).raise_for_status()
+            time.sleep(0.2)  # idle: the moves go
+        stats = httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()["cache"]["host"]
+        trio_thread = s._thread.name
+    returning = records[-1]
+    promotion = returning.promotion
+    assert returning.promoted_bytes > 0 and isinstance(promotion, host_memory.Promotion)
+    assert promotion.nbytes > 0 and promotion.calls >= 1 and promotion.issue_s >= 0
+    promoted = [c for c in lib.calls if c.op == "prefetch_device"]
+    assert promoted and {c.thread for c in promoted} == {trio_thread}
+    assert {c.stream for c in promoted} == {cuda.promotions.stream.value}
+    assert {c.stream for c in lib.calls if c.op == "prefetch_host"} == {cuda.demotions.stream.value}
+    copies = stats["copies"]
+    assert copies["promotions"] == stats["promotions"] >= 1 and copies["demotions"] >= 1
+    assert copies["demoted_bytes"] > 0 and copies["promote_landed_ms_last"] is not None
