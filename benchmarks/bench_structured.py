@@ -18,11 +18,12 @@
    timed alone: the preset's tokenizer may lack `<tool_call>`.
 
     python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
-        [--mask-modes engine ahead ahead-bool ahead-early ahead-early:2]
+        [--mask-modes engine ahead ahead-bool ahead-early ahead-early:2 ahead-bool/0.5]
 
 `--mask-modes` runs each constrained arm once per `MLXD_MASK_MODE` (where a GPU step's masks
 are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...;
-`MODE:THREADS` also sets `MLXD_MASK_THREADS` (llguidance's fill pool) for that arm,
+`MODE:THREADS` also sets `MLXD_MASK_THREADS` (llguidance's fill pool) for that arm and
+`MODE/MS` the GIL's switch interval (`sys.setswitchinterval`, with a `free/MS` arm beside it),
 alternating with the others in every round. `MLXD_MASK_DEVICE=gpu` in the environment times
 the GPU path on a CPU host.
 
@@ -179,26 +180,45 @@ async def ttft_cases(rt: Any, prompt: tuple[int, ...], rounds: int) -> dict[str,
 
 
 def mask_spec(spec: str) -> str:
-    """A `--mask-modes` entry: MODE or MODE:THREADS (MLXD_MASK_MODE, MLXD_MASK_THREADS)."""
-    mode, _, threads = spec.partition(":")
-    if mode not in MASK_MODES or (threads and (not threads.isdigit() or int(threads) < 1)):
-        raise argparse.ArgumentTypeError(f"{spec!r}: MODE[:THREADS], MODE one of {', '.join(MASK_MODES)}")
+    """A `--mask-modes` entry: MODE[:THREADS][/MS] (MLXD_MASK_MODE, MLXD_MASK_THREADS, the GIL's switch interval)."""
+    head, _, ms = spec.partition("/")
+    mode, _, threads = head.partition(":")
+    ok = mode in MASK_MODES and (not threads or (threads.isdigit() and int(threads) >= 1))
+    try:
+        ok = ok and (not ms or float(ms) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{spec!r}: MODE[:THREADS][/MS], MODE one of {', '.join(MASK_MODES)}")
     return spec
+
+
+def switch_ms(spec: str | None) -> str | None:
+    """The /MS part of an arm's spec (`free/0.5` for a free arm at that switch interval), or None."""
+    return spec.partition("/")[2] or None if spec else None
 
 
 @contextlib.contextmanager
 def mask_env(spec: str | None) -> Iterator[None]:
-    """MLXD_MASK_MODE (and MLXD_MASK_THREADS) set for an arm's run; the runtime reads them every step."""
+    """An arm's settings for its run: MLXD_MASK_MODE and MLXD_MASK_THREADS (the runtime reads them every
+    step) and, with /MS, `sys.setswitchinterval` (how soon a thread waiting for the GIL, the mask worker
+    or trio's, forces the engine thread to let it go; Python's default is 5 ms)."""
     if spec is None:
         yield
         return
-    mode, _, threads = spec.partition(":")
-    os.environ["MLXD_MASK_MODE"] = mode
+    head, _, ms = spec.partition("/")
+    mode, _, threads = head.partition(":")
+    if mode != "free":
+        os.environ["MLXD_MASK_MODE"] = mode
     if threads:
         os.environ["MLXD_MASK_THREADS"] = threads
+    interval = sys.getswitchinterval()
+    if ms:
+        sys.setswitchinterval(float(ms) / 1000)
     try:
         yield
     finally:
+        sys.setswitchinterval(interval)
         os.environ.pop("MLXD_MASK_MODE", None)
         os.environ.pop("MLXD_MASK_THREADS", None)
 
@@ -218,6 +238,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for arm, body in ARMS.items():
             for mode in [None] if body is None or not args.mask_modes else args.mask_modes:
                 arms[arm if mode is None else f"{arm}@{mode}"] = (body, mode)
+            if body is None:  # free decode at each switch interval the constrained arms use
+                for ms in sorted({switch_ms(m) for m in args.mask_modes or []} - {None}):
+                    arms[f"free/{ms}"] = (None, f"free/{ms}")
         samplings = {arm: SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=1, logit_bias=no_eos,
                                          constraint=constraint_from_request(body) if body else None)
                      for arm, (body, _) in arms.items()}
@@ -248,6 +271,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                       "cpu_ratio": round(statistics.median(c / f for c, f in zip(cpu[arm], cpu["free"], strict=True)), 3)}
                 for arm, v in rates.items()
             }
+            for arm, d in out["decode"][str(batch)].items():  # /MS arms: also against free decode at that interval
+                ms = switch_ms(arms[arm][1])
+                if ms is not None and not arm.startswith("free"):
+                    same = rates[f"free/{ms}"]
+                    d["ratio_same_switch"] = round(statistics.median(x / f for x, f in zip(rates[arm], same, strict=True)), 3)
             print(f"batch {batch}: " + ", ".join(f"{a} {d['tok_s']} tok/s ({d['ratio']}x; CPU {d['cpu_ms_per_token']} "
                                                  f"ms/token, {d['cpu_ratio']}x)"
                                                  for a, d in out["decode"][str(batch)].items()), flush=True)

@@ -31,7 +31,7 @@ for p in "$@"; do case $p in
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;
   structured) phase structured 130 python3 benchmarks/gpu/bench_structured_gpu.py ${STRUCT_ARGS:---rounds 6 --tokens 192} ;;
   structprof) phase structprof 90 python3 benchmarks/gpu/bench_structured_gpu.py --prof \
-            ${STRUCTPROF_ARGS:---batch 8 --tokens 128 --mask-modes ahead-bool ahead-early} ;;
+            ${STRUCTPROF_ARGS:---batch 8 --tokens 128 --mask-modes ahead-bool ahead-early ahead-early:2 ahead-bool/0.5} ;;
   vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
   host) phase host 540 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/host" \
             --rounds ${HOST_ROUNDS:-1} ;;
