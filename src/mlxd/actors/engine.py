@@ -1,14 +1,17 @@
 """The engine actor: a trio shell around `EngineCore` (engine/core.py).
 
-It drains its inbox into one `StepOps`, runs it on the one MLX thread
-(`await thread.run(steps.step, ops)`), and delivers the `StepResult`: token
-events to each request's channel, checkpoints and timings to the cache owner,
-generation checkpoints to the checkpointer. Under `--distributed` rank 0's
-steps go through `engine.ranks.Leader`, which tells the followers first.
+It drains its inbox into one `StepOps` and hands the one MLX thread a run of
+steps (`engine/step_loop.py`): the thread steps on by itself while rows decode,
+taking what arrives meanwhile (new rows, cancels, stops, drops) from the loop's
+inbox between steps, and hands back each `StepResult`, which is delivered here
+in order: token events to each request's channel, checkpoints and timings to the
+cache owner, generation checkpoints to the checkpointer. Under `--distributed`
+rank 0's steps go through `engine.ranks.Leader`, which tells the followers first.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -18,6 +21,7 @@ import trio
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import EngineInfo, EngineStats, RowStart, StepOps, StepResult
 from mlxd.engine.ranks import Leader
+from mlxd.engine.step_loop import StepLoop, merge
 from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot, SnapshotMeta, SnapshotPlan
 from mlxd.kv.pacing import WriteGovernor
 from mlxd.kv.shard_mirror import ShardRef
@@ -38,11 +42,16 @@ from mlxd.runtime.kernel.messages import (
     ShardsDropped,
     StartGeneration,
     StopGeneration,
+    TokenGenerated,
 )
 from mlxd.runtime.kernel.mlx_thread import MlxThread
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.engine")
+
+# Steps the MLX thread runs ahead of their delivery (engine/step_loop.py): 1 lets step n + 1 run
+# while step n's tokens go out, so a stop or cancel answering a token still lands a step later.
+STEPS_AHEAD = 1
 
 
 class EngineActor:
@@ -72,12 +81,16 @@ class EngineActor:
         self._reset = False  # the last step failed: the next one resets every rank
         self._failed_steps = 0
         self._busy_noted = False  # what the cache owner was last told (EngineBusy)
+        self._carry: StepOps | None = None  # ops a run of steps refused as it ended: the next run's first
+        self._ending: set[str] = set()  # rows sent a stop or cancel: tokens they still decode are not delivered
+        self._runs = 0  # runs of steps handed to the MLX thread (each one trio round trip)
         self._stats = EngineStats()
 
     @property
     def stats(self) -> EngineStats:
         """The counters as of the last step (a value)."""
-        return attrs.evolve(self._stats, batch_rows=len(self._rows), failed_steps=self._failed_steps)
+        return attrs.evolve(self._stats, batch_rows=len(self._rows), failed_steps=self._failed_steps,
+                            step_runs=self._runs)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -128,29 +141,112 @@ class EngineActor:
 
     async def _serve(self, thread: MlxThread, step: Callable[[StepOps], StepResult]) -> None:
         while True:
-            if not (self._rows or self._pending or self._drops or self._reset):
+            if not (self._rows or self._pending or self._drops or self._reset or self._carry):
                 self._governor.set_busy(False)
                 await self._note_busy(False)
                 self._accept(await self._inbox.receive())
             self._governor.set_busy(True)
             await self._note_busy(True)
-            while True:
-                try:
-                    self._accept(self._inbox.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            self._drain_inbox()
             ops = self._next_ops()
+            if self._carry is not None and not ops.reset:  # queued for a run of steps that had just ended
+                ops, rest = merge([self._carry, ops])
+                self._drops[:0] = [d for r in rest for d in r.drops]
+            self._carry = None
+            if ops.reset:
+                await self._step_once(thread, step, ops)
+            else:
+                await self._run_steps(thread, step, ops)
+
+    async def _step_once(self, thread: MlxThread, step: Callable[[StepOps], StepResult], ops: StepOps) -> None:
+        """One step with a round trip (after a failure: the reset)."""
+        self._runs += 1
+        try:
+            result: StepResult = await thread.run(step, ops)
+        except Exception as exc:  # a model error must not take the server down
+            self._step_failed(exc, len(ops.starts))
+            return
+        await self._deliver(result)
+
+    async def _run_steps(self, thread: MlxThread, step: Callable[[StepOps], StepResult], ops: StepOps) -> None:
+        """Let the MLX thread step on by itself until no row is left (engine/step_loop.py): what arrives
+        meanwhile goes to its inbox, what it hands back is delivered here, in order."""
+        self._runs += 1
+        send, receive = trio.open_memory_channel[StepResult](math.inf)  # bounded by the loop's window
+        token = trio.lowlevel.current_trio_token()
+
+        def take(result: StepResult) -> None:  # on the trio thread
             try:
-                result: StepResult = await thread.run(step, ops)
+                send.send_nowait(result)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the run was cancelled (shutdown): every row gets its answer from _fail_all
+
+        def hand(result: StepResult) -> None:  # on the MLX thread
+            try:
+                token.run_sync_soon(take, result)
+            except trio.RunFinishedError:
+                loop.stop()
+
+        loop = StepLoop(step, hand=hand, wait=thread.serve_until, notify=thread.notify, window=STEPS_AHEAD)
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._deliver_each, receive, loop)
+            feeding = trio.CancelScope()
+            nursery.start_soon(self._feed, loop, feeding)
+            try:
+                await thread.run(loop.run, ops, on_cancel=loop.stop)
             except Exception as exc:  # a model error must not take the server down
-                # The generator's state is unknown now: every row in it, and every row
-                # of this step not yet inserted, gets its answer at once; the next step resets.
-                log.exception("engine.step_failed", rows=len(self._rows), starting=len(ops.starts))
-                self._failed_steps += 1
-                self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
-                self._reset = True
-                continue
-            await self._deliver(result)
+                failure = exc
+            finally:
+                feeding.cancel()
+                send.close()  # every result it handed is in the channel: run_sync_soon keeps their order
+        if failure is not None:
+            for left in [*loop.leftover(), *([self._carry] if self._carry is not None else [])]:
+                self._drops[:0] = left.drops  # the rows in them are answered by _fail_all
+            self._carry = None
+            self._step_failed(failure, len(ops.starts))
+
+    async def _feed(self, loop: StepLoop, scope: trio.CancelScope) -> None:
+        """Hand what arrives to the running loop, as the ops of its next step."""
+        with scope:
+            while True:
+                self._accept(await self._inbox.receive())
+                self._drain_inbox()  # no checkpoint from here to `put`: a message is never half taken
+                if not self._hand_on(loop):
+                    return  # the run just ended: the next one starts with what was accepted
+
+    def _hand_on(self, loop: StepLoop) -> bool:
+        """Put what was accepted into the loop's inbox; False once the loop has ended (then kept for the next run)."""
+        ops = self._next_ops()
+        if ops.empty or loop.put(ops):
+            return True
+        ops, rest = merge([self._carry, ops] if self._carry is not None else [ops])
+        self._carry = ops
+        self._drops[:0] = [d for r in rest for d in r.drops]
+        return False
+
+    async def _deliver_each(self, results: trio.MemoryReceiveChannel[StepResult], loop: StepLoop) -> None:
+        async with results:
+            async for result in results:
+                await self._deliver(result)
+                if self._cancels:  # a client went away: its row leaves with the next step
+                    self._hand_on(loop)
+                loop.delivered()
+
+    def _step_failed(self, exc: Exception, starting: int) -> None:
+        # The generator's state is unknown now: every row in it, and every row
+        # of this step not yet inserted, gets its answer at once; the next step resets.
+        log.error("engine.step_failed", rows=len(self._rows), starting=starting, exc_info=exc)
+        self._failed_steps += 1
+        self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
+        self._reset = True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._accept(self._inbox.receive_nowait())
+            except trio.WouldBlock:
+                return
 
     async def _note_busy(self, busy: bool) -> None:
         """Tell the cache owner when rows start or stop decoding (it moves host-tier pages only while none do)."""
@@ -179,6 +275,7 @@ class EngineActor:
         self._pending = []
         cancels = tuple(rid for rid in self._cancels if rid in self._rows)
         stops = tuple(rid for rid in self._stops if rid in self._rows and rid not in self._cancels)
+        self._ending.update(cancels, stops)
         self._cancels.clear()
         self._stops.clear()
         drops, self._drops = tuple(self._drops[:MAX_DROPS_PER_STEP]), self._drops[MAX_DROPS_PER_STEP:]
@@ -215,15 +312,19 @@ class EngineActor:
             else:
                 await self._publish.send(note)
         for rejected in result.rejected:
+            self._ending.discard(rejected.request_id)
             m = self._rows.pop(rejected.request_id, None)
             if m is not None:
                 _send(m.events, GenerationFailed(rejected.message))
                 m.events.close()
         for emit in result.emits:
             m = self._rows.get(emit.request_id)
+            if emit.request_id in self._ending and isinstance(emit.event, TokenGenerated):
+                continue  # decoded after its stop or cancel was sent, before the step that ends it
             if m is not None and not _send(m.events, emit.event):
                 self._cancels.add(emit.request_id)  # its client is gone
         for rid in result.finished:
+            self._ending.discard(rid)
             m = self._rows.pop(rid, None)
             if m is not None:
                 m.events.close()
@@ -236,6 +337,7 @@ class EngineActor:
             self._abandon(m)
         self._rows.clear()
         self._pending.clear()
+        self._ending.clear()
 
     def _abandon(self, m: StartGeneration) -> None:
         """A request leaves without completing: its checkpoint becomes resumable by a retry."""

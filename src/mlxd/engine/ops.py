@@ -159,6 +159,8 @@ class EngineStats:
     """The engine's counters after a step (a value: the actor hands it out as it is)."""
 
     steps: int = 0
+    # runs of steps handed to the engine thread, one trio round trip each (engine/step_loop.py)
+    step_runs: int = 0
     batch_rows: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0  # prompt tokens prefilled (not reused from a cache)

@@ -4,13 +4,18 @@ MLX streams are thread-local, so the engine pins all of its work (model load,
 prefill, decode, lending, snapshot preparation) to this thread.  A trio task
 hands it a function with ``await thread.run(fn, *args)`` and sleeps until the
 result comes back through the trio token; no polling, no stop flags.
+
+A long job (the engine's run of decode steps, engine/step_loop.py) keeps the
+thread's other jobs moving: between its steps it calls `serve_until`, which runs
+the jobs handed over meanwhile and sleeps until the job's own condition holds;
+`notify` (from any thread) wakes it to look again.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
-import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -29,18 +34,50 @@ class MlxThread:
 
     def __init__(self, name: str = "mlxd-engine") -> None:
         # At most one job per awaiting task is ever queued (run() waits for its
-        # result), so this queue is bounded by the number of callers: one engine.
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # result), so this queue is bounded by the number of callers.
+        self._jobs: collections.deque[Any] = collections.deque()
+        self._wake = threading.Condition()  # a job was queued, or a waiting job's condition may hold
+        self.jobs_run = 0  # jobs handed over and run (each a trio round trip)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         _name_os_thread(self._thread.name)
         while True:
-            job = self._jobs.get()
+            with self._wake:
+                while not self._jobs:
+                    self._wake.wait()
+                job = self._jobs.popleft()
             if job is _STOP:
                 _release_thread_streams()
                 return
+            self.jobs_run += 1
+            job()
+
+    def _put(self, job: Any) -> None:
+        with self._wake:
+            self._jobs.append(job)
+            self._wake.notify_all()
+
+    def notify(self) -> None:
+        """Wake a job waiting in `serve_until` to check its condition again (any thread; after the change)."""
+        with self._wake:
+            self._wake.notify_all()
+
+    def serve_until(self, ready: Callable[[], bool]) -> None:
+        """On this thread, inside a job: run the jobs queued meanwhile until `ready()` (checked under the
+        wake lock, so a change followed by `notify` is never missed)."""
+        while True:
+            with self._wake:
+                while not self._jobs:
+                    if ready():
+                        return
+                    self._wake.wait()
+                job = self._jobs.popleft()
+                if job is _STOP:  # the owner is closing: it leaves once the running job returns
+                    self._jobs.appendleft(job)
+                    return
+            self.jobs_run += 1
             job()
 
     async def run(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], None] | None = None) -> T:
@@ -59,7 +96,7 @@ class MlxThread:
             except trio.RunFinishedError:
                 pass
 
-        self._jobs.put(job)
+        self._put(job)
 
         def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
             # Native work cannot be interrupted: the caller gets the result,
@@ -72,7 +109,7 @@ class MlxThread:
         return await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def aclose(self) -> None:
-        self._jobs.put(_STOP)
+        self._put(_STOP)
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._thread.join)
 
