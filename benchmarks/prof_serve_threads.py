@@ -8,8 +8,10 @@ stack (inclusive) and on top (self), as shares of that thread's samples, to
 `MLXD_SAMPLE_OUT` (JSON). With `MLXD_CPROFILE=PATH` the main thread (trio: the actors'
 shells and the HTTP side) also runs under cProfile, dumped to PATH (pstats). Always reported (in
 the JSON's "engine_jobs" and on stderr): the engine thread's jobs (`MlxThread.run`): the median job,
-the median gap from one job's end to the next one's start (under 20 ms: the steps of a decode; the
-trio round trip between steps), and from a job's hand-off to its start (the thread's wake-up). The sampler itself holds the GIL for a few µs per
+the median gap from one job's end to the next one's start, and from a job's hand-off to its start
+(the thread's wake-up); and in "engine_steps" the engine's steps themselves (`EngineCore.step`,
+one job each before the engine thread stepped on by itself, many per job since) and the gap
+between them (under 20 ms: a decode's). The sampler itself holds the GIL for a few µs per
 sample: compare runs under it with each other, not with an unsampled server.
 
     MLXD_SAMPLE_OUT=/tmp/prof.json python benchmarks/prof_serve_threads.py serve --model DIR ...
@@ -31,6 +33,7 @@ from mlxd import cli
 from mlxd.runtime.kernel import mlx_thread
 
 JOBS: list[tuple[float, float, float]] = []  # (handed over, started, ended), perf_counter
+STEPS: list[tuple[float, float, int]] = []  # EngineCore.step (started, ended, rows after it)
 
 
 def _time_jobs() -> None:
@@ -49,6 +52,42 @@ def _time_jobs() -> None:
         return await run(self, job, *args, on_cancel=on_cancel)
 
     mlx_thread.MlxThread.run = timed_run  # type: ignore[method-assign]
+
+
+def _time_steps() -> None:
+    from mlxd.engine.core import EngineCore
+
+    step = EngineCore.step
+
+    def timed_step(self: Any, ops: Any) -> Any:
+        start = time.perf_counter()
+        rows = 0
+        try:
+            result = step(self, ops)
+            rows = result.stats.batch_rows
+            return result
+        finally:
+            STEPS.append((start, time.perf_counter(), rows))
+
+    EngineCore.step = timed_step  # type: ignore[method-assign]
+
+
+def _steps_report() -> dict[str, Any]:
+    """The engine's steps and the gaps between them (under 20 ms: a decode's), whatever runs them,
+    per batch size (consecutive steps with the same rows after them: 1 and 8 streams apart)."""
+    import statistics
+
+    by_rows: dict[str, Any] = {}
+    for rows in sorted({r for _, _, r in STEPS if r}):
+        pairs = [(a, b) for a, b in zip(STEPS, STEPS[1:], strict=False) if a[2] == b[2] == rows]
+        gaps = [b[0] - a[1] for a, b in pairs if b[0] - a[1] < 0.02]
+        if len(gaps) < 8:
+            continue
+        by_rows[str(rows)] = {
+            "gaps": len(gaps), "step_median_us": statistics.median(b[1] - b[0] for _, b in pairs) * 1e6,
+            "gap_median_us": statistics.median(gaps) * 1e6, "gap_mean_us": statistics.mean(gaps) * 1e6,
+            "gap_p90_us": statistics.quantiles(gaps, n=10)[-1] * 1e6}
+    return {"steps": len(STEPS), "by_rows": by_rows}
 
 
 def _jobs_report() -> dict[str, Any]:
@@ -95,6 +134,7 @@ def main() -> int:
                     f = f.f_back
 
     _time_jobs()
+    _time_steps()
     t = threading.Thread(target=sample, daemon=True)
     me = 0
     t.start()
@@ -117,10 +157,12 @@ def main() -> int:
                          "self": {k: round(v / n, 4) for k, v in top[name].most_common(40)},
                          "inclusive": {k: round(v / n, 4) for k, v in inclusive[name].most_common(60)}}
                   for name, n in total.most_common()}
-        jobs = _jobs_report()
+        jobs, steps = _jobs_report(), _steps_report()
         print("engine jobs:", json.dumps(jobs), file=sys.stderr, flush=True)
+        print("engine steps:", json.dumps(steps), file=sys.stderr, flush=True)
         with open(out, "w") as f:
-            json.dump({"every_s": every, "at": time.time(), "engine_jobs": jobs, "threads": report}, f, indent=1)
+            json.dump({"every_s": every, "at": time.time(), "engine_jobs": jobs, "engine_steps": steps,
+                       "threads": report}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ async def _settle(ckpt) -> None:
     import trio
 
     with trio.fail_after(30):
-        while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
+        # `writing`: a removal taken off the queue (pending 0) may still be unlinking on a loaded machine
+        while any(ckpt.snapshot_stats()[k] for k in ("pending", "owned", "writing")):  # noqa: ASYNC110
             await trio.sleep(0.02)
         await trio.sleep(0.05)
 

@@ -3,8 +3,8 @@
 Serves a model built by bench_host_tier_servers.py (its `--work`) under
 benchmarks/prof_serve_threads.py (every thread sampled, the engine thread's jobs
 timed), decodes 1 then 8 streams over HTTP (its `decode`), stops the server and
-writes the profile JSON (median step, the gap between steps: the trio round trip,
-and per thread the functions on the stack) to `--out`.
+writes the profile JSON (median step and the gap between steps per batch size, the
+engine thread's jobs, and per thread the functions on the stack) to `--out`.
 
     python3 benchmarks/gpu/profile_decode_gaps.py --model /tmp/host-servers-work/model-qwen3-1.7b --out $OUT
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import Proc, log  # noqa: E402
+from bench_gpu import Proc, log, text_of, ttft  # noqa: E402
 from bench_host_tier_servers import TEXTS, decode  # noqa: E402
 
 
@@ -33,6 +33,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--port", type=int, default=18194)
     ap.add_argument("--serve-args", default="", help="more `mlxd serve` flags, e.g. '--ssd-cache /tmp/x'")
+    ap.add_argument("--fresh-tokens", type=int, default=0,
+                    help="a fresh prompt this long before each level (with --ssd-cache its write-behind runs "
+                         "during the decode)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prof = args.out / "decode-gaps-profile.json"
@@ -44,7 +47,9 @@ def main() -> int:
     server.start()
     results = {}
     try:
-        for n in [int(x) for x in args.streams.split(",") if x]:
+        for i, n in enumerate(int(x) for x in args.streams.split(",") if x):
+            if args.fresh_tokens:
+                asyncio.run(ttft(server.base, args.model.name, text_of(args.model, args.fresh_tokens, 900 + i)))
             d = asyncio.run(decode(server.base, args.model.name, [f"Story {j}: " + TEXTS["q2"] for j in range(n)],
                                    args.tokens))
             results[str(n)] = d["tok_s"]
@@ -52,7 +57,7 @@ def main() -> int:
     finally:
         server.stop()
     report = json.loads(prof.read_text()) if prof.exists() else {}
-    summary = {"tok_s": results, "engine_jobs": report.get("engine_jobs")}
+    summary = {"tok_s": results, "engine_jobs": report.get("engine_jobs"), "engine_steps": report.get("engine_steps")}
     (args.out / "decode-gaps.json").write_text(json.dumps(summary, indent=1))
     log("summary", json.dumps(summary))
     return 0
