@@ -340,6 +340,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="host rows to leave out, e.g. pageable,adopt_copy,migrate_fault,recompute "
                     "(rows: ram_hit recompute pinned pageable adopt_copy migrate migrate_async migrate_fault "
                     + " ".join(SERVING_ROWS) + ")")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory already built for this shape (skips the ~30-45 s build)")
     ap.add_argument("--fake-cuda", action="store_true",
                     help="CPU check only: the CUDA calls answered by tests/fake_cuda.py (timings mean nothing)")
     args = ap.parse_args()
@@ -350,7 +352,10 @@ def main() -> int:
 
         fake_cuda.install(fake_cuda.Patch(), fake_cuda.FakeCudaLib(scale=1.0))
     work = Path(tempfile.mkdtemp(prefix="host-tier-"))
-    model_dir = build(presets.PRESETS["bench"] if args.small else QWEN3_1_7B, work / "model")
+    if args.model is not None and (args.model / "config.json").exists():
+        model_dir = args.model  # e.g. the servers driver's /tmp/host-servers-work/model-qwen3-1.7b-shape
+    else:
+        model_dir = build(presets.PRESETS["bench"] if args.small else QWEN3_1_7B, work / "model")
     model, _ = load(model_dir)
     from mlxd.model import fast_mask
 
