@@ -98,7 +98,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": args.rounds, "k": args.k, "temperatures": args.temperature, "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "cases": {},
     }
-    workloads = [("repetitive", 0.0)] + [("non-repetitive", t) for t in args.temperature]
+    workloads = [("repetitive", 0.0)] * ("repetitive" in args.workloads) + [
+        ("non-repetitive", t) for t in args.temperature if "non-repetitive" in args.workloads]
     cases = [(name, temperature, batch) for batch in args.batch for name, temperature in workloads]
     for name, temperature, batch in cases if args.cases == "all" else []:  # batch 1 first: a run cut short keeps it
         if args.stop_after and time.perf_counter() - began > args.stop_after:
@@ -234,6 +235,8 @@ if __name__ == "__main__":
                    help="a built-in preset as a draft arm (same tokenizer as the other presets but `test`)")
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0, 4.0],
                    help="of the non-repetitive workload (one case per value)")
+    p.add_argument("--workloads", nargs="+", choices=("repetitive", "non-repetitive"),
+                   default=["repetitive", "non-repetitive"], help="which workloads run (default: both)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="S",
                    help="start no case after S seconds from the loads' start (0: run every case)")
     parsed = p.parse_args()

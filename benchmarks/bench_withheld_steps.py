@@ -30,10 +30,10 @@ from mlxd.model import ensure_model  # noqa: E402
 
 
 class Never(SpeculationGate):
-    def allow(self, rows: int) -> bool:
+    def allowed_rows(self, rows: int) -> int:
         self.steps += 1
         self.withheld += 1
-        return False
+        return 0
 
 
 def main(rounds: int) -> None:

@@ -220,3 +220,88 @@ def test_a_draft_that_cannot_pay_at_any_acceptance_never_verifies():
     dear, cheap = SpeculationGate(ceiling=draft_ceiling(4, 1.0)), SpeculationGate(ceiling=draft_ceiling(4, 0.1))
     assert not any(dear.allow(rows) for rows in (1, 8, 1, 8)) and dear.withheld == dear.steps == 4
     assert cheap.allow(1) and cheap.allow(8) and cheap.withheld == 0
+
+
+@attrs.define
+class DraftDevice:
+    """A draft model's costs beside a `Device`'s: one draft forward (any rows: launch-bound on a GPU),
+    and its prefill of a row's prompt at the row's first draft (rows together: one forward)."""
+
+    target: Device
+    draft_s: float = 0.0015
+    prefill_s: float = 0.004
+
+
+def drive_draft(gate: SpeculationGate, device: DraftDevice, *, runs: int, tokens: int, rows: int,
+                accepted: int, k: int = 4) -> Tally:
+    """`drive` with a draft model at the gate's `decide`: a verifying step also makes k draft forwards
+    and prefills the rows that never drafted in this run; a probe step is a plain step in which one
+    row drafts (the gate's `probe_drafts` draft forwards, its prefill the first time), whose drafts are compared with what it
+    emits over the next steps (`probed`, one step later)."""
+    now, tally, target = 0.0, Tally(), device.target
+    for _ in range(runs):
+        left, carry, fresh, judging = tokens, 0.3, rows, False
+        while left > 0:
+            gate.started(now)
+            start = now
+            kind = gate.decide(rows)
+            if kind == "verify":
+                emitted = min(left, 1 + accepted)
+                cost = carry + target.verify_s + target.host_s + k * device.draft_s
+                cost += device.prefill_s if fresh else 0.0
+                carry, fresh = 0.0, 0
+            else:
+                emitted = 1
+                cost, carry = carry + target.host_s, target.plain_s
+                if judging:  # the probe's drafts against what its row emitted
+                    gate.probed(rows, accepted)
+                    judging = False
+                elif kind == "probe":
+                    cost += gate.probe_drafts * device.draft_s + (device.prefill_s if fresh == rows else 0.0)
+                    fresh, judging = min(fresh, rows - 1), True
+            gate.ran(rows=rows, verifying=kind == "verify", tokens=emitted * rows, start=start,
+                     probe=kind == "probe")
+            now += cost
+            left -= emitted
+            tally.steps += 1
+            tally.verifying += kind == "verify"
+            tally.tokens += emitted * rows
+            tally.seconds += cost
+        now += carry
+        tally.seconds += carry
+        gate.idle(now)
+        now += 4.0
+    return tally
+
+
+H200_DRAFT8 = DraftDevice(Device(plain_s=0.0088, verify_s=0.0110))
+
+
+def test_a_draft_probe_at_batch_8_drafts_one_row_unverified_and_costs_under_3_percent():
+    """A small draft model whose drafts are never accepted, at batch 8 (the H200's draft = default at
+    t = 4, 0.955x when every probe verified the whole batch): probes draft one token for one row in a
+    plain step and compare it with what the row emits, so no step verifies, and over one fresh run of 96
+    tokens (three probes' pauses: 16, 64) the time stays within 3% of plain decoding's; the same gate
+    probing with the whole batch verifies and costs more."""
+    one = SpeculationGate(probe_rows=1)
+    tally = drive_draft(one, H200_DRAFT8, runs=1, tokens=96, rows=8, accepted=0)
+    assert tally.verifying == 0 and one.pauses >= 2, tally
+    assert one.withheld == one.steps == tally.steps
+    assert tally.seconds <= 1.03 * plain_seconds(H200_DRAFT8.target, runs=1, tokens=96), tally
+    every = SpeculationGate(probe_rows=0)
+    whole = drive_draft(every, H200_DRAFT8, runs=1, tokens=96, rows=8, accepted=0)
+    assert whole.verifying >= 4 and whole.seconds > tally.seconds, (whole, tally)
+    three = drive_draft(one, H200_DRAFT8, runs=2, tokens=96, rows=8, accepted=0)
+    assert three.verifying == 0 and one.pauses >= 3, three
+
+
+def test_a_draft_probe_whose_drafts_would_be_accepted_lets_the_whole_batch_verify():
+    """Every draft accepted: after `min_tries` probes the whole batch verifies (timed against plain
+    steps as before) and keeps verifying; a probe at batch 1 is not needed (the batch is one row)."""
+    gate = SpeculationGate(probe_rows=1)
+    tally = drive_draft(gate, H200_DRAFT8, runs=3, tokens=192, rows=8, accepted=4)
+    assert gate.pauses == 0 and tally.verifying >= 0.8 * tally.steps, tally
+    plain, verify = gate.rates(8)
+    assert verify > 2 * plain, (plain, verify)  # 5 tokens a row for a verifying forward and 4 draft forwards
+    assert SpeculationGate(probe_rows=1).decide(1) == "verify"
+    assert SpeculationGate(probe_rows=1).decide(8) == "probe"

@@ -210,3 +210,41 @@ def test_the_draft_batch_is_kept_and_copies_only_rows_that_changed(tiny_model_di
     del batch, caches
     gc.collect()
     assert draft.batch[0]() is None
+
+
+@pytest.mark.parametrize("draft", ["self", "unrelated"])
+def test_a_batch_probes_with_one_row_s_unverified_draft(tiny_model_dir: Path, unrelated: Path, draft: str) -> None:
+    """At batch 3 the gate's first steps are probes: one row drafts one token in a plain step (no
+    verifying forward), compared with what the row then emits. Rows sampled at t = 8 (nearly
+    uniform over the tiny vocabulary; at t = 1 its rows collapse onto tokens any draft predicts) and
+    an unrelated draft: the probes find nothing accepted, no step ever verifies and drafting pauses (1 row's
+    drafts paid, not 3 rows' prefills); the model as its own draft on greedy rows: the probes are
+    accepted and the whole batch verifies after them. Tokens equal speculation off's either way."""
+    draft_dir = tiny_model_dir if draft == "self" else unrelated
+    off = EngineCore(config_for(tiny_model_dir))
+    on = EngineCore(config_for(tiny_model_dir, speculative="draft", draft_model=str(draft_dir)))
+    off.load()
+    on.load()
+    try:
+        if draft == "self":
+            reqs = [_request(f"g{i}", tuple(_tokens(20 + 9 * i)), max_tokens=30, logit_bias=NO_EOS) for i in range(3)]
+        else:
+            reqs = [_request(f"s{i}", tuple(_tokens(20 + 9 * i)), max_tokens=30, temperature=8.0, seed=40 + i,
+                             logit_bias=NO_EOS) for i in range(3)]
+        plain = run_rows(off, reqs)
+        got = run_rows(on, reqs)
+        spec = on.stats().speculation
+        assert spec is not None
+        assert got.tokens == plain.tokens
+        for rid in plain.tokens:
+            assert got.logprobs[rid] == pytest.approx(plain.logprobs[rid], abs=1e-4), rid
+        assert spec.gate_probes >= 2, spec  # the gate's min_tries probes, one row each
+        if draft == "unrelated":
+            assert (spec.verify_steps, spec.draft_steps, spec.gate_probe_accepted) == (0, 0, 0), spec
+            assert spec.gate_pauses >= 1 and spec.draft_prefix_recomputed < 20 + 9 * 3, spec  # one row's prefix
+        else:
+            assert spec.gate_probe_accepted >= 2 and spec.verify_steps > 0, spec
+            assert spec.draft_rows > spec.draft_steps, spec  # the whole batch drafts after the probes
+    finally:
+        off.close()
+        on.close()

@@ -48,10 +48,10 @@ from mlxd.engine.ops import (
 from mlxd.engine.prefill_slices import PrefillSlicer
 from mlxd.engine.speculative import (
     DraftCheckpoints,
-    Drafts,
     NgramDrafts,
     Speculation,
     draft_namespace,
+    engine_drafts,
     speculation_off_reason,
 )
 from mlxd.kv.device_costs import DeviceProbe
@@ -161,7 +161,7 @@ class EngineCore:
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         self._pages: Any = None  # --ram-pages on: kv/page_pool.PagePool, RAM entries' shared pages (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
-        self._drafts = Drafts(self._rows)
+        self._drafts = engine_drafts(self._rows, draft_model=config.draft_model is not None)
         self._speculate = config.speculative != "off"
         self._draft: Any = None  # --draft-model: engine/draft.py's DraftModel (set by load())
         # False for recurrent, hybrid and other caches that cannot be cut back (set by load()).

@@ -152,6 +152,8 @@ class SpeculationStats:
     draft_prefix_recomputed: int = 0  # --draft-model: prefix tokens the draft computed at a row's first step
     draft_steps: int = 0  # --draft-model: steps where the draft proposed (its forwards batched across rows)
     draft_rows: int = 0  # --draft-model: rows' proposals made in those steps (÷ draft_steps: rows per forward)
+    gate_probes: int = 0  # --draft-model: rows' drafts made for the gate's probes (not verified)
+    gate_probe_accepted: int = 0  # of those drafts, the ones the rows then emitted (what verifying would keep)
 
 
 @attrs.frozen(kw_only=True)

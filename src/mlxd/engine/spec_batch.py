@@ -49,11 +49,15 @@ class SpeculativeBatch(GenerationBatch):
     _current_logprobs: Any
     _host_next: tuple[Any, list[int]] | None = None  # `_next_tokens` and its values, when made on the host
     _alone_seen: float = 0.0  # the draft's seconds fed alone, as of the gate's last charge
+    # The gate's probes in flight: uid -> (where its drafts start in the row's tokens, the drafts,
+    # the batch's rows at the probe); `_probed`: the rows that probed last (their draft KV is warm).
+    _probes: dict[int, tuple[int, list[int], int]]
+    _probed: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, model: Any, fallback_sampler: Any, *, drafts: Drafts, k: int) -> SpeculativeBatch:
         batch = cls.empty(model, fallback_sampler)
-        batch.drafts, batch.k = drafts, k
+        batch.drafts, batch.k, batch._probes = drafts, k, {}
         return batch
 
     def next(self) -> list[Any]:
@@ -63,12 +67,15 @@ class SpeculativeBatch(GenerationBatch):
         if not self.uids:
             return []
         rows = len(self.uids)
-        proposals, pending = self._proposals() if gate.allow(rows) else ({}, [])
+        kind = gate.decide(rows)
+        proposals, pending = self._proposals() if kind == "verify" else ({}, [])
+        probed = kind == "probe" and self._probe(gate.probe_rows)
         if proposals:
             responses = self._verify(proposals, pending)
         else:
             responses = super().next()
-        gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start)
+        self._judge_probes()
+        gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start, probe=probed)
         if not self.uids:  # every row ended: the time until rows come again is no step's
             gate.idle(time.perf_counter(), charged=self._charged())
         return responses
@@ -79,6 +86,39 @@ class SpeculativeBatch(GenerationBatch):
         charged = total - self._alone_seen
         self._alone_seen = total
         return charged
+
+    def _probe(self, n: int) -> bool:
+        """A gate probe: up to `n` rows draft after the tokens the host holds (the last one as the
+        pending token: nothing is read from the device), not verified; the rows that probed before
+        first (their draft KV is warm). Whether any row drafted."""
+        if self._probes:  # one at a time: the last one's drafts are still being compared
+            return False
+        order = [u for u in self._probed if u in self.uids] + [u for u in self.uids if u not in self._probed]
+        rows = len(self.uids)
+        for uid in order:
+            if len(self._probes) >= n:
+                break
+            tokens = self.tokens[self.uids.index(uid)]
+            drafts = self.drafts.probe(uid, tokens, min(self.k, self.drafts.gate.probe_drafts))
+            if drafts:
+                self._probes[uid] = (len(tokens), drafts, rows)
+        self._probed = tuple(self._probes) or self._probed
+        return bool(self._probes)
+
+    def _judge_probes(self) -> None:
+        """Compare each probe's drafts with what its row emitted since; the gate hears how many would
+        have been accepted once a draft differs or all are matched (a row that ended is dropped)."""
+        for uid, (at, drafts, rows) in list(self._probes.items()):
+            if uid not in self.uids:
+                del self._probes[uid]
+                continue
+            emitted = self.tokens[self.uids.index(uid)][at : at + len(drafts)]
+            accepted = 0
+            while accepted < len(emitted) and emitted[accepted] == drafts[accepted]:
+                accepted += 1
+            if accepted < len(emitted) or accepted == len(drafts):
+                del self._probes[uid]
+                self.drafts.probed(rows, accepted)
 
     def _proposals(self) -> tuple[dict[int, list[int]], list[int]]:
         """Each drafting row's pending token and drafts, by batch index, and every row's pending token

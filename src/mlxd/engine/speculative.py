@@ -15,6 +15,7 @@ No MLX here: importing this module loads nothing native.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -178,7 +179,8 @@ class Drafts:
             grammar_refused=c.grammar_refused,
             gate_pauses=self.gate.pauses, decode_steps=self.gate.steps, gate_withheld_steps=self.gate.withheld,
             draft_prefix_reused=self.prefix.reused, draft_prefix_recomputed=self.prefix.recomputed,
-            draft_steps=c.draft_steps, draft_rows=c.draft_rows,
+            draft_steps=c.draft_steps, draft_rows=c.draft_rows, gate_probes=c.probes,
+            gate_probe_accepted=c.probe_accepted,
         )
 
     def _part(self, uid: int) -> Speculation | None:
@@ -233,6 +235,21 @@ class Drafts:
                 out[n] = admitted
         return out
 
+    def probe(self, uid: int, tokens: Sequence[int], k: int) -> list[int]:
+        """A gate probe's drafts for a row (not verified): what its source proposes after `tokens`
+        (the row's last token as the pending one: nothing read from the device). None for a row
+        whose grammar checks its drafts (its matcher is not at those tokens), or that has no tokens."""
+        part = self._part(uid)
+        if part is None or len(tokens) < 2 or self._grammar(uid) is not None:
+            return []
+        self.counters.probes += 1
+        return part.source.propose(tokens[:-1], tokens[-1], k)
+
+    def probed(self, rows: int, accepted: int) -> None:
+        """A probe's drafts were compared with what its row emitted: `accepted` matched."""
+        self.counters.probe_accepted += accepted
+        self.gate.probed(rows, accepted)
+
     def verified(self, uid: int, proposed: int, accepted: int) -> None:
         self.counters.add(proposed, accepted)
         part = self._part(uid)
@@ -251,6 +268,21 @@ class Drafts:
     def forward(self) -> None:
         """One target forward verified drafts."""
         self.counters.verify_steps += 1
+
+
+# A draft model's probe at a batch of more rows: this many rows draft in a plain step, not verified, and
+# their drafts are compared with what the rows then emit (kv/ngram.py's SpeculationGate.probe_rows):
+# a failed probe pays one row's draft forwards (and its prefill), no verifying forward, no token read.
+DRAFT_PROBE_ROWS = 1
+
+
+def engine_drafts(rows: Mapping[int, Row], *, draft_model: bool) -> Drafts:
+    """The engine's `Drafts`: with a draft model its gate probes with `DRAFT_PROBE_ROWS` rows
+    (`MLXD_DRAFT_PROBE_ROWS` instead; 0: the whole batch verifies at a probe, as with n-grams,
+    whose drafts cost nothing to make)."""
+    given = os.environ.get("MLXD_DRAFT_PROBE_ROWS")
+    probe = (int(given) if given else DRAFT_PROBE_ROWS) if draft_model else 0
+    return Drafts(rows, gate=SpeculationGate(probe_rows=probe))
 
 
 def draft_ceiling(k: int, cost: float) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 
@@ -119,6 +120,8 @@ class DraftCounters:
     draft_steps: int = 0  # steps where a draft model proposed (one forward per draft position for all its rows)
     draft_rows: int = 0  # rows' proposals the draft model made in those steps
     pending_reads: int = 0  # steps that read the rows' pending tokens back to the host for drafting
+    probes: int = 0  # rows' drafts made for a gate probe (not verified: compared with what the row emitted)
+    probe_accepted: int = 0  # of those drafts, the ones the row then emitted (what verifying would have kept)
 
     def add(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -135,6 +138,9 @@ class DraftCounters:
         return (self.verified_rows + self.accepted) / self.verified_rows if self.verified_rows else 0.0
 
 
+Step = Literal["plain", "probe", "verify"]  # what a decode step does (SpeculationGate.decide)
+
+
 @attrs.define
 class _Rates:
     """The gate's measurements at one batch size (rows in the step)."""
@@ -149,6 +155,7 @@ class _Rates:
     suspect: bool = False  # verifying measured slower once: plain is measured afresh before a pause
     charged_s: float = 0.0  # drafting's one-off seconds since the last pause (a draft model's catch-ups)
     charged_tokens: int = 0  # tokens the verifying steps emitted since the last pause (timed or not)
+    proven: bool = False  # the probe rows' drafts would have been accepted: the whole batch verifies
 
     @property
     def plain(self) -> float:
@@ -200,6 +207,19 @@ class SpeculationGate:
     pause, which lowers verifying's rate by as much. Such a step after plain ones, never timed,
     is counted too.
 
+    A probe can cost less than a verifying step (`probe_rows`, set for a draft model, whose first
+    draft of a row prefills the row's prompt, and whose verifying forward is as wide at any
+    acceptance): at a batch of more rows, at first and after each pause, the step is a plain one
+    (`decide` says "probe") in which that many rows draft without verifying; the batch compares
+    their drafts with the tokens the rows then emit and reports how many would have been accepted
+    (`probed`: exactly what verifying would have kept, since the emitted tokens are the ones
+    verifying gives). A probe row makes `probe_drafts` drafts (one: its draft forward is the
+    probe's cost, and when the first draft is not kept no later one is). Under `min_gain` tokens
+    per probed row after `min_tries` probes drafting pauses as above, having paid one row's draft
+    forward and no wider target forward; otherwise
+    the whole batch verifies from the next step and is judged by the clock. Probe steps are not
+    timed (a plain step with a draft's forwards in it is neither kind's steady cost).
+
     A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
     the most a verifying step can gain over a plain one, from what the draft's forwards cost,
     `draft_ceiling`; under `min_speedup` no step verifies, so no probe pays a draft prefill).
@@ -216,9 +236,11 @@ class SpeculationGate:
     # draft model's catch-up after plain steps, its prefill at a row's first draft) is paid too.
     min_speedup: float = 1.1
     ceiling: float = float("inf")  # the most verifying can gain (set at load for a draft model)
+    probe_rows: int = 0  # rows a probe drafts without verifying, at a batch of more rows (0: no such probe)
+    probe_drafts: int = 1  # drafts a probe row makes (one draft forward: no later draft is kept if the first is not)
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
-    _open: tuple[int, bool, int, float] | None = None  # the step in progress: (rows, verifying, tokens, start)
-    _last: tuple[int, bool] | None = None  # the step before it: (rows, verifying)
+    _open: tuple[int, Step, int, float] | None = None  # the step in progress: (rows, kind, tokens, start)
+    _last: tuple[int, Step] | None = None  # the step before it: (rows, kind)
     steps: int = 0  # decode steps seen (any batch size, verifying or not)
     withheld: int = 0  # of those, steps the gate kept from verifying (paused, or a plain rate to measure)
 
@@ -234,28 +256,55 @@ class SpeculationGate:
 
     def allow(self, rows: int) -> bool:
         """Whether a step of `rows` rows may verify drafts (counts a paused step when not)."""
+        return self.decide(rows) == "verify"
+
+    def decide(self, rows: int) -> Step:
+        """What a step of `rows` rows does: verify drafts, a plain step, or a plain step in which
+        `probe_rows` rows draft without verifying (see the class docstring). A step that does not
+        verify is counted as withheld."""
         self.steps += 1
         if self.ceiling < self.min_speedup:  # cannot pay at any acceptance: not even a probe
             self.withheld += 1
-            return False
+            return "plain"
         r = self._by_rows.setdefault(rows, _Rates())
         if r.pause > 0:
             r.pause -= 1
             self.withheld += 1
-            return False
+            return "plain"
+        if 0 < self.probe_rows < rows and not r.proven:
+            self.withheld += 1
+            return "probe"
         allowed = r.since_plain < (self.probe_every if r.plain > 0 else self.min_samples + 1)
         self.withheld += not allowed
-        return allowed
+        return "verify" if allowed else "plain"
+
+    def probed(self, rows: int, accepted: int) -> None:
+        """A probe row's drafts from a step of `rows` rows: `accepted` of them were what the row
+        then emitted. After `min_tries` probes: under `min_gain` tokens a row, a pause; else the
+        whole batch verifies."""
+        r = self._by_rows.setdefault(rows, _Rates())
+        if r.proven:
+            return
+        r.tried += 1
+        gain = 1.0 + accepted
+        r.gain = gain if r.tried == 1 else r.gain + 0.5 * (gain - r.gain)
+        if r.tried < self.min_tries:
+            return
+        if r.gain < self.min_gain:
+            self._pause(r)
+        else:  # its verifying steps judged afresh, by their tokens and by the clock
+            r.proven, r.tried, r.gain = True, 0, 0.0
 
     def started(self, now: float, *, charged: float = 0.0) -> None:
         """A step starts: the previous one ends here. `charged`: seconds of the previous step that
         drafting paid once (see the class docstring)."""
         if self._open is None:
             return
-        rows, verifying, tokens, start = self._open
+        rows, kind, tokens, start = self._open
         self._open = None
-        follows = self._last == (rows, verifying)
-        self._last = (rows, verifying)
+        follows = self._last == (rows, kind) and kind != "probe"  # a probe step is not timed
+        self._last = (rows, kind)
+        verifying = kind == "verify"
         r = self._by_rows.setdefault(rows, _Rates())
         if charged > 0:
             r.charged_s += charged
@@ -292,10 +341,13 @@ class SpeculationGate:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
         r.verifies, r.tried, r.gain, r.suspect = [], 0, 0.0, False  # measured afresh after the pause
+        r.proven = False  # probed again after it
         r.charged_s, r.charged_tokens = 0.0, 0
 
-    def ran(self, *, rows: int, verifying: bool, tokens: int, start: float) -> None:
-        self._open = (rows, verifying, tokens, start)
+    def ran(self, *, rows: int, verifying: bool, tokens: int, start: float, probe: bool = False) -> None:
+        """A step of `rows` rows ran from `start` and emitted `tokens`: verifying drafts, or plain
+        (`probe`: rows drafted in it without verifying)."""
+        self._open = (rows, "verify" if verifying else "probe" if probe else "plain", tokens, start)
 
     def idle(self, now: float, *, charged: float = 0.0) -> None:
         """The batch ran empty: the last step ends here (not when rows arrive again), and the next
