@@ -85,10 +85,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                          default_max_tokens=args.tokens, max_context=8192)
     cores = {"off": EngineCore(base), "ngram": EngineCore(
         RuntimeConfig(**{**_fields(base), "speculative": "ngram", "num_draft_tokens": args.k}))}
+    if args.control:  # speculation off again, with weights of its own: what two equal arms differ by here
+        cores["off2"] = EngineCore(base)
     for draft in args.draft:  # --speculative draft arms, named by the draft's directory
         name = "draft=self" if Path(draft).resolve() == model.resolve() else f"draft={Path(draft).name}"
-        cores[name] = EngineCore(RuntimeConfig(**{**_fields(base), "speculative": "draft", "draft_model": draft,
-                                                  "num_draft_tokens": args.k}))
+        config = RuntimeConfig(**{**_fields(base), "speculative": "draft", "draft_model": draft,
+                                  "num_draft_tokens": args.k})
+        cores[name] = EngineCore(config)
+        if args.probe_all and name != "draft=self":  # the gate's probes verifying every row, as before d3c0904
+            os.environ["MLXD_DRAFT_PROBE_ROWS"] = "0"  # read when the core is built
+            cores[f"{name} probe-all"] = EngineCore(config)
+            del os.environ["MLXD_DRAFT_PROBE_ROWS"]
     began = time.perf_counter()
     infos = {arm: core.load() for arm, core in cores.items()}
     print(f"[{time.perf_counter() - began:.0f} s] loaded {', '.join(cores)}", flush=True)
@@ -132,7 +139,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                 "off_repeatable": repeatable, "arms": {}}
         for arm in arms[1:]:
             b, a = before[arm], cores[arm].stats().speculation
-            assert b is not None and a is not None
+            if b is None or a is None:  # off2: speculation off
+                case["arms"][arm] = {"tok_s": statistics.median(rates[arm]),
+                                     "ratio_median": statistics.median(ratios[arm]),
+                                     "ratios": [round(x, 3) for x in ratios[arm]], "identical": same[arm]}
+                c = case["arms"][arm]
+                print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} "
+                      f"tok/s, ratio {c['ratio_median']:.3f} {c['ratios']}, identical {c['identical']}", flush=True)
+                continue
             proposed, accepted = a.proposed - b.proposed, a.accepted - b.accepted
             rows = a.verified_rows - b.verified_rows
             case["arms"][arm] = {
@@ -147,12 +161,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "steps": a.decode_steps - b.decode_steps, "withheld": a.gate_withheld_steps - b.gate_withheld_steps,
                 "draft_rows_per_step": ((a.draft_rows - b.draft_rows) / (a.draft_steps - b.draft_steps)
                                         if a.draft_steps > b.draft_steps else 0.0),
+                # The gate's probes that verify nothing (a draft model at batch > 1): rows' drafts made
+                # for them, and of those, the ones the rows then emitted.
+                "gate_probes": a.gate_probes - b.gate_probes,
+                "gate_probe_accepted": a.gate_probe_accepted - b.gate_probe_accepted,
             }
             c = case["arms"][arm]
             print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
                   f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
                   f"{c['tokens_per_forward']:.2f}, verify steps {c['verify_steps']} of {c['steps']} (gate withheld "
-                  f"{c['withheld']}, pauses {c['gate_pauses']}), draft rows/step "
+                  f"{c['withheld']}, pauses {c['gate_pauses']}, probes {c['gate_probes']}), draft rows/step "
                   f"{c['draft_rows_per_step']:.1f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
         out["cases"][f"{label}/batch{batch}"] = case
         save(out, args.result)  # after every case: a run cut short keeps what it measured
@@ -235,6 +253,12 @@ if __name__ == "__main__":
                    help="a built-in preset as a draft arm (same tokenizer as the other presets but `test`)")
     p.add_argument("--temperature", type=float, nargs="+", default=[2.0, 4.0],
                    help="of the non-repetitive workload (one case per value)")
+    p.add_argument("--control", action="store_true",
+                   help="also an arm `off2`: speculation off again, its own copy of the weights (the noise between "
+                        "two equal arms, and what a second copy of the weights costs)")
+    p.add_argument("--probe-all", action="store_true",
+                   help="also, per draft arm but draft=self, a twin whose gate probes by verifying every row "
+                        "(MLXD_DRAFT_PROBE_ROWS=0, as before the one-row unverified probe)")
     p.add_argument("--workloads", nargs="+", choices=("repetitive", "non-repetitive"),
                    default=["repetitive", "non-repetitive"], help="which workloads run (default: both)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="S",
