@@ -253,6 +253,33 @@ def test_each_tier_keeps_its_own_spread_so_its_median_is_its_own(tmp_path, capsy
     assert abs(pooled["ram"]["ratio_p50"] - 1) > 0.1 or abs(pooled["ssd"]["ratio_p50"] - 1) > 0.1
 
 
+def test_ssd_hits_of_different_sizes_fit_the_restores_fixed_cost_and_bandwidth():
+    """A restore costs a fixed part plus its bytes at the disk's rate (as the server's restore, and the
+    advisor's model); with hits of different sizes the fit finds both, not the probe's bandwidth. Hits all of
+    one size cannot tell them apart: the probe's bandwidth, the rest fixed."""
+    from mlxd.sim.ttft_fit import fit_recording
+
+    true = attrs.evolve(PROBE, restore_fixed=0.03, restore_bytes_per_s=4e8)  # the probe (PROBE) said 1e8
+    reqs = [TraceRequest(index=i, t=10.0 * i, input_length=n, output_tokens=0, cached_tokens=0, cache_tier="none",
+                         ttft_s=PROBE.prefill_seconds(n), queued_s=0.0) for i, n in enumerate((200, 400, 800, 300))]
+    for ctx in (500, 1500, 3000, 800, 2200):
+        i = len(reqs)
+        reqs.append(TraceRequest(index=i, t=10.0 * i, input_length=ctx + 60, output_tokens=0, cached_tokens=ctx,
+                                 cache_tier="ssd", queued_s=0.0,
+                                 ttft_s=PROBE.prefill_seconds(60, ctx) + true.restore_seconds(true.kv_bytes(ctx))))
+    fitted = fit_recording(reqs, PROBE, warmup=0)
+    assert fitted.restore_fixed == pytest.approx(0.03, rel=0.02)
+    assert fitted.restore_bytes_per_s == pytest.approx(4e8, rel=0.02)
+    assert all(r == pytest.approx(1.0, abs=0.01) for r in fitted.tier_ratios["ssd"])
+    same = [r for r in reqs if r.cache_tier != "ssd" or r.cached_tokens == 1500]
+    same += [attrs.evolve(r, index=len(same) + k, t=10.0 * (len(same) + k)) for k, r in enumerate(same[-1:] * 2)]
+    one_size = fit_recording(same, PROBE, warmup=0)
+    assert one_size.restore_bytes_per_s == PROBE.restore_bytes_per_s
+    (ratio,) = set(one_size.tier_ratios["ssd"])  # what the tier's spread corrects a replay by
+    predicted = ratio * (one_size.prefill_seconds(60, 1500) + one_size.restore_seconds(true.kv_bytes(1500)))
+    assert predicted == pytest.approx(same[-1].ttft_s, rel=0.002)
+
+
 def test_a_tier_with_few_requests_takes_the_pooled_spread():
     from mlxd.sim.ttft_fit import MIN_TIER_REQUESTS, fit_recording
 

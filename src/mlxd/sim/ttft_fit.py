@@ -5,8 +5,9 @@ time to first token, its queue time, the tier that served it and how many
 tokens that tier held. Misses and RAM hits are prefill: TTFT - queue =
 prefill(new, cached), fitted as `fixed + a*n + b*(n*ctx + n*n/2)` (about
 least absolute relative error: reweighted least squares); SSD hits add a
-restore of the cached tokens' KV bytes at `base`'s bandwidth plus a fixed
-part, the median of what the SSD hits take beyond that and their prefill.
+restore of the cached tokens' KV bytes, `restore_fixed + bytes / bandwidth`
+fitted to what the SSD hits take beyond their prefill when their sizes differ
+enough to tell the two apart (else `base`'s bandwidth and the median rest).
 The prefill fit is then scaled so its median ratio (measured / predicted) is 1:
 on a shared machine a few requests wait far longer than the rest, and the
 median, not the mean, is what a p50 prediction needs. The spread itself is
@@ -49,6 +50,7 @@ from mlxd.sim.trace import TraceRequest
 _PREFILL_TIERS = ("none", "ram")
 _IRLS_ROUNDS = 8
 MIN_TIER_REQUESTS = 3  # fewer than this, a tier takes the pooled spread
+RESTORE_SIZE_SPREAD = 1.5  # SSD hits' largest / smallest restore for the bandwidth to be fitted, not the probe's
 DEFAULT_WARMUP = 1
 SOURCE = {"none": "miss", "ram": "ram", "ssd": "ssd", "host": "host"}  # recorded tier -> replay source
 
@@ -80,10 +82,10 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int 
     model = attrs.evolve(model, prefill_fixed=fixed * scale, prefill_per_token=a * scale, prefill_per_pair=b * scale)
     ssd = [(r.input_length - r.cached_tokens, r.cached_tokens, own[r.index]) for r in measured
            if r.cache_tier == "ssd" and r.cached_tokens]
-    if ssd:  # what the SSD hits take beyond their prefill: a fixed part (the median) plus base's bandwidth
-        extra = [t - model.prefill_seconds(n, ctx) - model.kv_bytes(ctx) / base.restore_bytes_per_s
-                 for n, ctx, t in ssd]
-        model = attrs.evolve(model, restore_fixed=max(0.0, float(np.median(extra))))
+    if ssd:  # what the SSD hits take beyond their prefill: restore_fixed + bytes / bandwidth
+        fixed, bandwidth = _fit_restore([(model.kv_bytes(ctx), t - model.prefill_seconds(n, ctx)) for n, ctx, t in ssd],
+                                        base.restore_bytes_per_s)
+        model = attrs.evolve(model, restore_fixed=fixed, restore_bytes_per_s=bandwidth)
     by_tier: dict[str, list[float]] = {}
     for n, ctx, t, src in rows:
         by_tier.setdefault(src, []).append(t / model.prefill_seconds(n, ctx))
@@ -153,6 +155,27 @@ def own_service(reqs: Sequence[TraceRequest]) -> dict[int, float]:
             for i, (a, b) in spans.items()}
 
 
+def _fit_restore(rows: Sequence[tuple[int, float]], base_bytes_per_s: float) -> tuple[float, float]:
+    """(restore_fixed, restore_bytes_per_s) for SSD hits' (bytes, seconds beyond their prefill). With sizes
+    that differ enough (the largest >= RESTORE_SIZE_SPREAD x the smallest, 3+ hits) both are fitted
+    (least relative error, non-negative), as the server's restore costs; otherwise, or when the fit finds
+    no per-byte cost, the bandwidth is `base_bytes_per_s` (the recorded probe's) and the fixed part the
+    median of what is left."""
+    sizes = [b for b, _ in rows]
+    if len(rows) >= 3 and min(sizes) > 0 and max(sizes) >= RESTORE_SIZE_SPREAD * min(sizes):
+        x = np.array([(1.0, float(b)) for b, _ in rows], dtype=np.float64)
+        t = np.array([max(s, 1e-6) for _, s in rows], dtype=np.float64)
+        w = 1.0 / t
+        for _ in range(_IRLS_ROUNDS):
+            coef = _nonnegative_fit(x, t, w)
+            w = 1.0 / (t * np.maximum(np.abs(x @ np.array(coef) - t) / t, 0.02))
+        fixed, per_byte = _nonnegative_fit(x, t, w)
+        if per_byte > 0:
+            return fixed, 1.0 / per_byte
+    extra = [s - b / base_bytes_per_s for b, s in rows]
+    return max(0.0, float(np.median(extra))), base_bytes_per_s
+
+
 def _fit_prefill(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
     """(fixed, a, b) >= 0, least absolute relative error (approximately; non-negative subset fits)."""
     x = np.array([(1.0, n, n * ctx + n * n / 2.0) for n, ctx, _ in rows], dtype=np.float64)
@@ -161,30 +184,33 @@ def _fit_prefill(rows: Sequence[tuple[int, int, float]]) -> tuple[float, float, 
     for _ in range(_IRLS_ROUNDS):  # toward least absolute relative error: a slow outlier weighs little
         coef = _nonnegative_fit(x, t, w)
         w = 1.0 / (t * np.maximum(np.abs(x @ np.array(coef) - t) / t, 0.02))
-    return _nonnegative_fit(x, t, w)
+    fixed, a, b = _nonnegative_fit(x, t, w)
+    return fixed, a, b
 
 
-def _nonnegative_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float, float]:
+def _nonnegative_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, ...]:
+    """Least squares of `x @ coef ~ t` weighted by `w`, every coefficient >= 0 (the best of the column subsets
+    whose unconstrained fit is non-negative)."""
     import itertools
 
-    rows = t.size
+    rows, width = t.size, x.shape[1]
     best: tuple[float, list[float]] | None = None
-    for size in range(3, 0, -1):
-        for cols in itertools.combinations(range(3), size):
+    for size in range(width, 0, -1):
+        for cols in itertools.combinations(range(width), size):
             if rows < size:
                 continue
             coef, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], t * w, rcond=None)
             if (coef < 0).any():
                 continue
-            full = [0.0, 0.0, 0.0]
+            full = [0.0] * width
             for c, v in zip(cols, coef, strict=True):
                 full[c] = float(v)
             err = float(np.sum(((x @ np.array(full)) - t) ** 2 * w**2))
             if best is None or err < best[0] - 1e-12:
                 best = (err, full)
     if best is None:
-        raise ValueError("no non-negative prefill fit")
-    return best[1][0], best[1][1], best[1][2]
+        raise ValueError("no non-negative fit")
+    return tuple(best[1])
 
 
 def _median_ratio(pairs: Sequence[tuple[float, float]]) -> float:
