@@ -71,8 +71,8 @@ def conversation_tokens(args: argparse.Namespace) -> int:
 
 async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
     """Serve `--warmup` conversations (first prompt, then the turns in a row) unrecorded, then, in a
-    runtime restarted on their SSD files, one more turn of each (a restore: the restore path's one-off
-    costs too); the KV bytes per token."""
+    runtime restarted on their SSD files, the turns in a row again (the first a restore: the restore
+    path's one-off costs too, then the second round's RAM-hit shapes); the KV bytes per token."""
     from mlxd import open_runtime
 
     rng = np.random.default_rng(10_000 + args.seed)
@@ -96,7 +96,8 @@ async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
     if args.warmup:
         async with open_runtime(config) as rt:  # RAM is empty: each conversation's next turn is restored
             for c in range(args.warmup):
-                await turn(rt, c, args.new)
+                for _ in range(args.back_to_back):  # restored, then RAM hits: every shape the runs will serve
+                    await turn(rt, c, args.new)
             restores = ((await rt.stats()).as_dict().get("ssd_cache") or {}).get("restore_decisions")
     return {"kv_bytes_per_token": per_token, "seconds": round(time.perf_counter() - t0, 1), "turns": turns,
             "restore_decisions": restores}

@@ -382,7 +382,7 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert out is not None and out.name.startswith("sim_ttft-t-")
     result = json.loads(out.read_text())
     warmup = result["live"]["warmup"]
-    assert warmup["kv_bytes_per_token"] > 0 and len(warmup["turns"]) == 3  # first prompt, a turn, a restored turn
+    assert warmup["kv_bytes_per_token"] > 0 and len(warmup["turns"]) == 4  # first prompt, a turn, restored, a turn
     assert warmup["restore_decisions"]["restores_chosen"] == 1
     assert [result["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
     assert result["live"]["calibration"]["interleaved"]  # both runs at once, taking turns (the same load)
