@@ -456,17 +456,25 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
     job = ticket if ticket is not None else begin_demotion(payload)
     assert job is not None
     key = id(payload)
+
+    def hold_still() -> None:
+        if hold is None or job.cancelled:
+            return
+        h0, waited = time.perf_counter(), False
+        while (out.held_s + time.perf_counter() - h0 < hold_max_s and not job.cancelled
+               and (hold() or cuda.busy(cuda.promotions))):
+            waited = True
+            time.sleep(0.002)
+        if waited:
+            out.holds += 1
+            out.held_s += time.perf_counter() - h0
+
     try:
-        for address, n in _pieces(_ranges(payload), piece or DEMOTE_PIECE):
-            if hold is not None and not job.cancelled:
-                h0, waited = time.perf_counter(), False
-                while (out.held_s + time.perf_counter() - h0 < hold_max_s and not job.cancelled
-                       and (hold() or cuda.busy(cuda.promotions))):
-                    waited = True
-                    time.sleep(0.002)
-                if waited:
-                    out.holds += 1
-                    out.held_s += time.perf_counter() - h0
+        # Before the first host read too: on MLX's CUDA backend (0.31+) it converts an array computed on the
+        # GPU from device memory to managed memory (an allocation and a synchronous copy, the GIL held).
+        hold_still()
+        for address, n in _pieces(_ranges(payload) if not job.cancelled else [], piece or DEMOTE_PIECE):
+            hold_still()
             # One piece at a time across demotions (the lane), and only then this entry's lock: a promotion
             # of this entry waits for at most the piece in flight, never for other entries' pieces.
             with cuda.demotions.lock, job.lock:
