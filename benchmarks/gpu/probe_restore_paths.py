@@ -22,12 +22,13 @@ size (4,096 tokens) and a served record's (16,384), by each of:
   host tier demotes; waited, its seconds apart): a fix for serving if `touched` is the fast one;
 - `raw`: the record's block files read whole by 8 threads into fresh host memory (the disk alone);
 
-three times: in a fresh process (no forward pass yet), after the engine's own startup probe
-(`probe_device`, as `mlxd serve` runs it, whose numbers are reported too), and with its prefill
-caches dropped. Each row has GB/s and the landing / read / adopt split. What to look at: the
+three times: in a fresh process (no forward pass yet), after two prefills of the longest size (their
+freed buffers in MLX's cache, as in a server that has served), and after the engine's own startup
+probe (`probe_device`, as `mlxd serve` runs it, whose numbers are reported too; it ends with MLX's
+cache cleared). Each row has GB/s and the landing / read / adopt split. What to look at: the
 `probe` and `inline` rows against `raw` at 16,384 tokens (is the landed read the disk's speed?),
 4,096 against 16,384 (a per-byte cost that depends on the size?), fresh against after the probe
-(does the process's state after prefills slow restores?), `touched` against `probe` (faults).
+and after_prefill (do the prefills' cached buffers slow a landing?), `touched` against `probe` (faults).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, build, generator, load, log  # noqa: E402
+from bench_gpu import QWEN3_1_7B, build, first_token, generator, load, log, tokens  # noqa: E402
 
 import mlxd  # noqa: E402, F401
 from mlxd.model import presets  # noqa: E402
@@ -164,7 +165,10 @@ def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
     return row
 
 
-def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds: int, out: list[dict[str, Any]]) -> None:
+def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds: int, out: list[dict[str, Any]],
+             *, clear: bool = True) -> None:
+    """Each variant on each record; `clear`: MLX's cache emptied after each (each landing in fresh memory),
+    else the next landing may reuse the last one's buffers (moved to the device by its adoption)."""
     for r in range(rounds):
         order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
         for n, record in records.items():
@@ -174,7 +178,8 @@ def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds:
                 out.append(row)
                 log(label, n, v, f"{row['gb_s']:.2f} GB/s", json.dumps({k: round(x, 4) for k, x in row.items()
                                                                        if isinstance(x, float)}))
-                mx.clear_cache()
+                if clear:
+                    mx.clear_cache()
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,8 +250,14 @@ def main() -> int:
         dp._restore_once(store, records[sizes[0]], dp.RestorePath(directory=ssd, land=land, layout="blocks"))
         round_of("fresh", store, records, land, args.rounds, out["rows"])
         save()
+        # A served restore after prefills: their freed buffers cached (MLX reuses them by size).
+        gen = generator(model, 2048)
+        for seed in range(2):
+            first_token(gen, tokens(256 if args.small else max(sizes), 500 + seed, preset.vocab_size))
+        out["cache_after_prefill_gb"] = round(mx.get_cache_memory() / 1e9, 3)
+        round_of("after_prefill", store, records, land, args.rounds, out["rows"], clear=False)
+        save()
         if not args.no_probe:
-            gen = generator(model, 2048)
             t0 = time.perf_counter()
             probe = dp.probe_device(
                 gen, vocab_size=preset.vocab_size, max_context=2048 if args.small else 40960, kv_bytes_per_token=kv,
@@ -258,11 +269,9 @@ def main() -> int:
             out["probe_s"] = round(time.perf_counter() - t0, 2)
             log("probe", json.dumps({k: out["probe"][k] for k in ("seconds", "restore", "restore_warm",
                                                                    "restore_parts", "restore_bytes_per_s")}))
+            # the probe ends with MLX's cache cleared, as serving then starts
             round_of("after_probe", store, records, land, args.rounds, out["rows"])
             save()
-            del gen, probe
-            mx.clear_cache()
-            round_of("after_probe_cleared", store, records, land, args.rounds, out["rows"])
     save()
     store.close()
     shutil.rmtree(ssd, ignore_errors=True)
