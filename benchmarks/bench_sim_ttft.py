@@ -105,8 +105,8 @@ async def warm_up(args: argparse.Namespace, ssd_dir: Path) -> dict[str, Any]:
 
 async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: int, deadline: float) -> list[dict[str, Any]]:
     """Serve the conversations with the recorder on (no new turn past `deadline`), one runtime per
-    (args, trace, SSD dir) of `runs`; with two, interleaved: each group of conversations is served by one
-    runtime, then by the other (its own seed's prompts), so both runs see the same machine load over time.
+    (args, trace, SSD dir) of `runs`; with two, interleaved: each turn of a group of conversations is served
+    by one runtime, then by the other (its own seed's prompts), so both runs see the same machine load.
     The runtimes' own views."""
     import attrs
     import trio
@@ -136,10 +136,10 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
                     stopped_early = True
                     break
                 group = order[start : start + args.concurrency]
-                for k, rt in enumerate(rts):
+                for again in range(args.back_to_back):  # the turns after the first hit RAM
+                    for k, rt in enumerate(rts):  # each turn by one runtime, then the other: seconds apart
 
-                    async def one(c: int, turn: int = turn, k: int = k, rt: Any = rt) -> None:
-                        for again in range(args.back_to_back):  # the turns after the first hit RAM
+                        async def one(c: int, turn: int = turn, again: int = again, k: int = k, rt: Any = rt) -> None:
                             n = args.first if turn == 0 and again == 0 else args.new
                             new = rngs[k].integers(10, 1000, n).tolist()
                             histories[k][c] = await _conversation_turn(rt, histories[k][c], new, args.max_tokens)
@@ -147,11 +147,11 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
                             if args.concurrency == 1:
                                 await rt.flush()  # a barrier the replay keeps too: one request at a time
 
-                    async with trio.open_nursery() as nursery:
-                        for c in group:
-                            nursery.start_soon(one, c)
-                    if args.concurrency > 1:
-                        await rt.flush()  # a barrier the replay keeps too
+                        async with trio.open_nursery() as nursery:
+                            for c in group:
+                                nursery.start_soon(one, c)
+                        if args.concurrency > 1:
+                            await rt.flush()  # a barrier the replay keeps too
             if stopped_early:
                 break
         served_s = time.perf_counter() - started
@@ -260,8 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                   help="record the calibration and the predicted run at once, two runtimes taking turns by "
-                   "conversation group, so both see the same machine load (--no-interleave: one after the other)")
+                   help="record the calibration and the predicted run at once, two runtimes taking turns request "
+                   "by request, so both see the same machine load (--no-interleave: one after the other)")
     p.add_argument("--label", default="", help="in the result file's name (sim_ttft-LABEL-<time>.json)")
     p.add_argument("--trace", type=Path, help="replay this recording instead of recording one")
     p.add_argument("--calibration-trace", type=Path,
