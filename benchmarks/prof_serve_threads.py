@@ -14,6 +14,9 @@ one job each before the engine thread stepped on by itself, many per job since) 
 between them (under 20 ms: a decode's). The sampler itself holds the GIL for a few µs per
 sample: compare runs under it with each other, not with an unsampled server.
 
+Variants for a sweep: MLXD_STEPS_AHEAD=N (the engine thread's run-ahead, actors/engine.py) and
+MLXD_SWITCH_MS=X (the GIL's switch interval, 5 ms by default).
+
     MLXD_SAMPLE_OUT=/tmp/prof.json python benchmarks/prof_serve_threads.py serve --model DIR ...
 """
 
@@ -135,6 +138,12 @@ def main() -> int:
 
     _time_jobs()
     _time_steps()
+    if os.environ.get("MLXD_STEPS_AHEAD"):  # a variant: steps the engine thread runs ahead of delivery
+        from mlxd.actors import engine
+
+        engine.STEPS_AHEAD = int(os.environ["MLXD_STEPS_AHEAD"])
+    if os.environ.get("MLXD_SWITCH_MS"):  # a variant: the GIL's switch interval (default 5 ms)
+        sys.setswitchinterval(float(os.environ["MLXD_SWITCH_MS"]) / 1e3)
     t = threading.Thread(target=sample, daemon=True)
     me = 0
     t.start()
