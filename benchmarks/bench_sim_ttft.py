@@ -129,8 +129,10 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
         for rt, (_, trace, _) in zip(rts, runs, strict=True):
             record_trace(rt, trace)
         started = time.perf_counter()
-        for turn in range(args.turns):
-            order = list(range(args.conversations))
+        wave = args.wave or args.conversations  # conversations taking all their turns before the next ones start
+        rounds = [(turn, list(range(w, min(w + wave, args.conversations))))
+                  for w in range(0, args.conversations, wave) for turn in range(args.turns)]
+        for turn, order in rounds:
             for start in range(0, len(order), args.concurrency):
                 if time.perf_counter() >= deadline:
                     stopped_early = True
@@ -259,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=float, default=0.0,
                    help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wave", type=int, default=0,
+                   help="conversations that take all their turns before the next ones start (0 = all at once): "
+                   "a run cut by --stop-after then keeps every tier (> --ram-conversations, so returns restore)")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="record the calibration and the predicted run at once, two runtimes taking turns request "
                    "by request, so both see the same machine load (--no-interleave: one after the other)")
@@ -272,8 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model}: no config.json there")
     if min(args.conversations, args.turns, args.first, args.new, args.back_to_back, args.concurrency) < 1:
         p.error("--conversations, --turns, --first, --new, --back-to-back and --concurrency must be >= 1")
-    if args.stop_after < 0 or args.warmup < 0 or args.ttft_warmup < 0:
-        p.error("--stop-after, --warmup and --ttft-warmup must be >= 0")
+    if args.stop_after < 0 or args.warmup < 0 or args.ttft_warmup < 0 or args.wave < 0:
+        p.error("--stop-after, --warmup, --ttft-warmup and --wave must be >= 0")
     return args
 
 

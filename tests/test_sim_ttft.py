@@ -386,7 +386,7 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert warmup["restore_decisions"]["restores_chosen"] == 1
     assert [result["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
     assert result["live"]["calibration"]["interleaved"]  # both runs at once, taking turns (the same load)
-    one_after = json.loads(bench_sim_ttft.main([*small, "--no-interleave", "--label", "s"]).read_text())
+    one_after = json.loads(bench_sim_ttft.main([*small, "--no-interleave", "--wave", "2", "--label", "s"]).read_text())
     assert [one_after["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
     assert not one_after["live"]["predicted"]["interleaved"]
     assert set(result["traces"]) == {"calibration", "predicted"}
