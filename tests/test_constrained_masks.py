@@ -334,3 +334,27 @@ async def test_every_mask_mode_decodes_a_mixed_greedy_batch_as_the_cpu_path_does
     assert all(len(tokens) == 40 for tokens in reference)
     for key, tokens in runs.items():
         assert tokens == reference, key
+
+
+async def test_the_engine_sets_the_gil_switch_interval_while_it_runs(tiny_model_dir, monkeypatch):
+    """MLXD_GIL_SWITCH_MS: how soon a thread waiting for the GIL (the ahead mask worker) gets it; restored at close."""
+    import sys
+
+    from mlxd import RuntimeConfig, SamplingParams, open_runtime
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("MLXD_GIL_SWITCH_MS", "0.5")
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), device_probe="off")) as rt:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        async with rt.submit(rt.request(rt.encode("Hello"), sampling=SamplingParams(max_tokens=3))) as stream:
+            assert len(await stream.tokens()) == 3
+    assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "fast", "2000"])
+def test_a_bad_gil_switch_interval_is_refused(value, monkeypatch):
+    from mlxd.engine.features import gil_switch_ms
+
+    monkeypatch.setenv("MLXD_GIL_SWITCH_MS", value)
+    with pytest.raises(ValueError, match="MLXD_GIL_SWITCH_MS"):
+        gil_switch_ms()

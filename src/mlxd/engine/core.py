@@ -16,6 +16,7 @@ What a row does beyond decoding lives in the parts it carries
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ from mlxd.engine.features import (
     Sampling,
     StepMasks,
     StopTokens,
+    gil_switch_ms,
 )
 from mlxd.engine.ops import (
     Emit,
@@ -158,6 +160,7 @@ class EngineCore:
         self._model_path: Path | None = None
         self._masks = StepMasks(self._step_inputs, self._constrained_rows, self._pending_inputs,
                                 self._current_inputs)  # constrained rows' masks, together
+        self._switch_before: float | None = None  # Python's GIL switch interval before MLXD_GIL_SWITCH_MS
         self.vision: Vision | None = None  # a vision model's tower and encoder cache (set by load())
         self._pages: Any = None  # --ram-pages on: kv/page_pool.PagePool, RAM entries' shared pages (set by load())
         # --speculative ngram: rows draft from their own tokens; load() turns it off for caches that cannot roll back.
@@ -195,6 +198,10 @@ class EngineCore:
 
         from mlxd.model import fast_mask, window_mask
 
+        switch = gil_switch_ms()
+        if switch is not None:  # process-wide: restored by close()
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(switch / 1000)
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
@@ -350,6 +357,9 @@ class EngineCore:
 
     def close(self) -> None:
         self._masks.close()
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
         if self.generator is not None:
             self.generator.close()
             self.generator = None

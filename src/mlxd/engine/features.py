@@ -190,6 +190,27 @@ def mask_threads() -> int | None:
     return int(value)
 
 
+def gil_switch_ms() -> float | None:
+    """`MLXD_GIL_SWITCH_MS`: Python's GIL switch interval while an engine runs, in ms (unset: Python's own, 5).
+
+    The engine thread holds the GIL while mlx-lm builds a step's graph; a thread waiting for it
+    (the ahead mask worker, trio's) gets it only when the holder lets go or after this interval, so
+    with 5 ms an ahead worker's whole job can land at the join (benchmarks/sim_gil_handoff.py).
+    """
+    import os
+
+    value = os.environ.get("MLXD_GIL_SWITCH_MS", "")
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= 1000:
+        raise ValueError(f"MLXD_GIL_SWITCH_MS must be a number of milliseconds in (0, 1000], not {value!r}")
+    return ms
+
+
 def mask_device_is_cpu() -> bool:
     """The device the masks are made for: MLX's default, or a GPU's path on the CPU (`MLXD_MASK_DEVICE=gpu`)."""
     import os
