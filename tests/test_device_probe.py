@@ -323,3 +323,30 @@ async def test_a_landing_failure_in_the_probe_leaves_the_default_restore_costs(
         assert list((tmp_path / "ssd").glob(".device-probe-*")) == []
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "probe.restore_failed" in logged and "Unable to allocate" in logged
+
+
+@pytest.mark.parametrize(("budget_s", "timed", "warm"), [(float("inf"), 4, [1, 3]), (0.0, 3, [1, 2])])
+def test_the_probe_s_largest_restore_is_timed_only_within_its_budget(tmp_path: Path, budget_s, timed, warm):
+    # Real caches, a real store of serving's layout: points after the medium one are timed only where the
+    # medium one, scaled to their size, predicts their write and read within the budget (a slow disk keeps
+    # startup bounded); the page-cache re-reads are the first timed point's and the last one's.
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxd.actors.device_probe import RestorePath, _probe_restore
+
+    def caches(n: int) -> list[KVCache]:
+        out = []
+        for _ in range(2):
+            c = KVCache()
+            c.update_and_fetch(mx.random.normal((1, 2, n, 16)), mx.random.normal((1, 2, n, 16)))
+            out.append(c)
+        return out
+
+    points = [(16, caches(16)), (16, caches(16)), (256, caches(256)), (1024, caches(1024))]
+    got = _probe_restore(RestorePath(directory=tmp_path, layout="blocks", block_tokens=256), points,
+                         budget_s=budget_s)
+    assert len(got) == timed
+    assert [i for i, t in enumerate(got) if t.warm is not None] == warm
+    assert [t.restore[0] for t in got] == [n * 2 * 2 * 16 * 4 * 2 for n, _ in points[:timed]]
+    assert list(tmp_path.glob(".device-probe-*")) == []

@@ -50,8 +50,12 @@ MAX_TOKENS = 16384
 DECODE_STEPS = 8
 STEP_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 # The large restore point: the longest probe whose KV fits this (a real 16k-token record of a 1.7B model,
-# 1.88 GB, does): a served restore is timed at a record's size, not a quarter of it.
+# 1.88 GB, does): a served restore is timed at a record's size, not a quarter of it. It is timed only when
+# the medium point (the longest within RESTORE_MEDIUM_BYTES), scaled to its size, predicts its write and
+# read within RESTORE_BUDGET_S (a slow disk keeps startup bounded).
 RESTORE_MAX_BYTES = 2 << 30
+RESTORE_MEDIUM_BYTES = 512 << 20
+RESTORE_BUDGET_S = 6.0
 
 
 @attrs.frozen(kw_only=True)
@@ -134,10 +138,16 @@ def probe_device(
         # it, where a restarted server's first restore lands in fresh memory (docs/benchmarks.md).
         mx.clear_cache()
         # The first restore pays one-time costs (allocations, kernels): a throwaway warm-up.
-        # Two sizes fit a fixed cost and a per-byte cost: the smallest probe, and the longest whose
-        # KV fits RESTORE_MAX_BYTES (near a served record's size, at a bounded startup time).
+        # Sizes to fit a fixed cost and a per-byte cost: the smallest probe, a medium one, and the
+        # longest whose KV fits RESTORE_MAX_BYTES (near a served record's size) where the medium one
+        # predicts it within RESTORE_BUDGET_S.
         fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
-        timed = _probe_restore(restore, [caches[0], caches[0], fits[-1]])
+        medium = [c for c in fits if c[0] * kv_bytes_per_token <= RESTORE_MEDIUM_BYTES] or fits[:1]
+        larger: list[tuple[int, list[Any]]] = []
+        for c in (medium[-1], fits[-1]):
+            if c[0] > caches[0][0] and all(c[0] != x[0] for x in larger):
+                larger.append(c)
+        timed = _probe_restore(restore, [caches[0], caches[0], *larger], budget_s=RESTORE_BUDGET_S)
         restored, host = [t.restore for t in timed[1:]], [t.host for t in timed[1:] if t.host is not None]
         warm = [t.warm for t in timed[1:] if t.warm is not None]
         parts = [t.parts for t in timed[1:]]
@@ -225,10 +235,14 @@ class _Timed:
     parts: tuple[int, float, float, float] = (0, 0.0, 0.0, 0.0)  # the cold one's (bytes, landing, read, adopt) s
 
 
-def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> list[_Timed]:
+def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]], *, budget_s: float = float("inf")
+                   ) -> list[_Timed]:
     """Write each cache through a real store of serving's layout, drop its files from the page
-    cache, and restore it cold as serving does (read, landing, verify, adopt); each but the first
-    (a warm-up) again from the page cache."""
+    cache, and restore it cold as serving does (read, landing, verify, adopt); the second (the first
+    is a warm-up) and the last timed again from the page cache. A point after the third is timed only
+    where the one before it, scaled to its size, predicts its write and cold read within `budget_s`."""
+    import mlx.core as mx
+
     from mlxd.kv import file_format, kinds
     from mlxd.kv.ssd_store import Failed, SsdStore, StoreIdentity, compute_fingerprint
 
@@ -241,6 +255,7 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
         for i, (n, cache) in enumerate(caches):
             if not cache:
                 continue
+            t0 = time.perf_counter()
             stored = store.write(kinds.plan_snapshot(cache, meta=identity.meta(range(n), "")))
             if isinstance(stored, Failed):
                 raise file_format.StorageError(stored.error)
@@ -248,15 +263,28 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]]) -> li
             assert record.path is not None
             for f in (record.path, *store.blocks.block_paths(record)):
                 _drop_page_cache(f)
+            write_s = time.perf_counter() - t0
             loaded, adopted, seconds, parts = _restore_once(store, record, path)
             host = _probe_host_tier(adopted, loaded.nbytes) if path.host_tier else None
             nbytes, into_mlx = loaded.nbytes, loaded.landed is not None
-            del adopted, loaded  # their memory is free for the next read, as a served restore finds it
+            del adopted, loaded
+            mx.clear_cache()  # the next landing in fresh memory, as a restarted server's first restore finds it
+            following = caches[i + 1] if i + 1 < len(caches) else None
+            if following is not None and i >= 2 and nbytes > 0:
+                predicted = (write_s + seconds) * following[0] / n
+                if predicted > budget_s:
+                    log.info("probe.restore_point_skipped", tokens=following[0], predicted_s=round(predicted, 2),
+                             budget_s=budget_s)
+                    following = None
             warm = None
-            if i > 0:  # (not the warm-up) its pages are in the page cache now: the same again
+            if i == 1 or (i > 1 and following is None):  # its pages are in the page cache now: the same again
                 again, _, warm_s, _ = _restore_once(store, record, path)
                 warm = (again.nbytes, warm_s)
+                del again
+                mx.clear_cache()
             out.append(_Timed((nbytes, seconds), into_mlx, host, warm, (nbytes, *parts)))
+            if following is None:
+                break
     except Exception as exc:  # a storage or landing failure (no memory for it): serving starts without these points
         log.warning("probe.restore_failed", error=f"{type(exc).__name__}: {exc}")
     finally:
