@@ -304,3 +304,16 @@ def test_a_record_half_in_the_page_cache_splits_at_its_resident_blocks(tmp_path)
     advisor.observe_restore(nbytes=1 << 20, seconds=1e-3)  # the split's (resident) restore
     assert advisor.resident_samples == 1 and advisor.restore_samples == 0
     assert advisor.resident_bytes_per_s == pytest.approx((1 << 20) / 1e-3)
+
+
+def test_nothing_is_read_ahead_for_a_prompt_the_advisor_will_recompute():
+    # After a restart the prefetcher read whole records (1.88 GB on the H200) that the advisor then
+    # recomputed: the read, its landing's memory and the engine thread's time for it were spent for nothing.
+    rec = block_record(128, 32)
+    prompt = tuple(range(1, 140))
+    for advisor, read in ((RestoreAdvisor(never=True), False), (RestoreAdvisor(always=True), True)):
+        tiers = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=advisor)
+        tiers.load_records([rec])
+        ahead = tiers.prefetch_match(prompt)
+        assert (ahead is not None) is read
+        assert (tiers.lookup(prompt).plan.arm == RESTORE) is read  # the lookup decides as the read-ahead did

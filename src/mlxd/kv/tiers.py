@@ -60,7 +60,7 @@ from mlxd.kv.pins import PinSet, PrefixPin, SessionPin
 from mlxd.kv.prefix_index import PrefixIndex, TokenKey, key_tokens, token_key
 from mlxd.kv.prompt_cache import CacheEntry, CacheHit, PromptCache, PromptCacheStats, Tokens
 from mlxd.kv.ram_pages import PageRef
-from mlxd.kv.restore_decision import RestoreAdvisor, RestoreCut, RestorePlan
+from mlxd.kv.restore_decision import RECOMPUTE, RestoreAdvisor, RestoreCut, RestorePlan
 from mlxd.kv.sessions import SessionIndex, SessionStats
 
 if TYPE_CHECKING:
@@ -601,7 +601,8 @@ class CacheTiers:
 
     def prefetch_match(self, tokens: Tokens, namespace: str = "") -> SsdMatch | None:
         """What a newly arrived prompt will likely read from SSD (no accounting): the record and,
-        where the restore advisor would split it, the leading part (`read_tokens`)."""
+        where the restore advisor would split it, the leading part (`read_tokens`); None where it would
+        recompute (after a restart the prefetcher read whole records the advisor then recomputed)."""
         if not self.ssd:
             return None
         cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
@@ -616,6 +617,8 @@ class CacheTiers:
         cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split, resident=self._resident(cold.record))
         plan = self.advisor.plan(cuts=[c for c, _ in cuts], warm_tokens=usable, prompt_tokens=len(tokens),
                                  count=False)
+        if plan.arm == RECOMPUTE:  # read for nothing: the disk, a landing's memory and the engine's time for it
+            return None
         return next((m for c, m in cuts if c is plan.cut), cold)
 
     def checkpoint_tokens(self, tokens: Tokens, namespace: str = "") -> list[tuple[int, ...]]:
