@@ -611,3 +611,53 @@ def test_a_withheld_step_makes_no_draft_forward_and_reads_nothing_back(tiny_mode
         assert (spec.verify_steps, spec.draft_steps, spec.draft_prefix_recomputed, spec.draft_prefix_reused) == (0,) * 4
         assert counters.pending_reads == 0, "no pending token read back for a draft"
         assert core._drafts.prefix.alone_s == 0.0, "no draft prefill nor catch-up"
+
+
+def test_a_withheld_draft_s_steps_make_the_mlx_calls_of_speculation_off(tiny_model_dir, monkeypatch):
+    """What a configured draft that never verifies (the target as its own draft: the ceiling) adds to
+    a step, counted against speculation off on the same rows (the H200's draft=self repetitive batch-8
+    arm measured 0.693x of off with 0 verifying steps): the same target forwards, the same MLX
+    evaluations (`eval`, `async_eval`), no draft forward. Its per-step Python (the gate's calls, the
+    rows' speculation parts) is all that differs; its weights sit beside the target's, unread."""
+    import mlx.core as mx
+
+    requests = [_request(f"r{i}", BASE[i:] + BASE[: 20 + i], max_tokens=24, logit_bias=NO_EOS) for i in range(4)]
+    monkeypatch.delenv("MLXD_DRAFT_COST")
+    calls: dict[str, int] = {}
+    for name in ("eval", "async_eval"):
+        real = getattr(mx, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mx, name, counted)
+
+    def count(speculative: str, **config: object) -> tuple[dict[str, int], dict[str, list[int]]]:
+        core = EngineCore(config_for(tiny_model_dir, speculative=speculative, prompt_cache_bytes=0, **config))
+        core.load()
+        models = {"target": core.model}
+        if core._draft is not None:
+            models["draft"] = core._draft.model
+        forwards = dict.fromkeys(models, 0)
+        model_class = type(core.model)
+        real_call = model_class.__call__
+
+        def call(self, *args, **kwargs):
+            for name, model in models.items():
+                forwards[name] += self is model
+            return real_call(self, *args, **kwargs)
+
+        monkeypatch.setattr(model_class, "__call__", call)
+        calls.clear()
+        run = run_rows(core, requests)
+        got = {**calls, **{f"{name} forwards": n for name, n in forwards.items()}}
+        monkeypatch.setattr(model_class, "__call__", real_call)
+        core.close()
+        return got, run.tokens
+
+    off, off_tokens = count("off")
+    withheld, tokens = count("draft", draft_model=str(tiny_model_dir))
+    assert tokens == off_tokens
+    assert withheld.pop("draft forwards") == 0
+    assert withheld == off and off["target forwards"] > 0, (withheld, off)
