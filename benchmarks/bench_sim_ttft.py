@@ -138,8 +138,11 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
                     stopped_early = True
                     break
                 group = order[start : start + args.concurrency]
+                served = list(enumerate(rts))
+                if (start // args.concurrency) % 2:  # which runtime goes first alternates (ABBA): no order bias
+                    served.reverse()
                 for again in range(args.back_to_back):  # the turns after the first hit RAM
-                    for k, rt in enumerate(rts):  # each turn by one runtime, then the other: seconds apart
+                    for k, rt in served:  # each turn by one runtime, then the other: seconds apart
 
                         async def one(c: int, turn: int = turn, again: int = again, k: int = k, rt: Any = rt) -> None:
                             n = args.first if turn == 0 and again == 0 else args.new
