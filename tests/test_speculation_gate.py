@@ -305,3 +305,18 @@ def test_a_draft_probe_whose_drafts_would_be_accepted_lets_the_whole_batch_verif
     assert verify > 2 * plain, (plain, verify)  # 5 tokens a row for a verifying forward and 4 draft forwards
     assert SpeculationGate(probe_rows=1).decide(1) == "verify"
     assert SpeculationGate(probe_rows=1).decide(8) == "probe"
+
+
+def test_one_chance_match_among_probes_does_not_open_the_whole_batch():
+    """Sampled rows and an unrelated draft: now and then the draft's token is the one sampled. A
+    probe hit between misses does not let the batch verify: `min_tries` misses pause it first;
+    `min_tries` hits (however many misses in between, fewer than that) do."""
+    gate = SpeculationGate(probe_rows=1)
+    for accepted in (0, 1, 0):
+        assert gate.decide(8) == "probe"
+        gate.probed(8, accepted)
+    assert gate.pauses == 1 and gate.decide(8) == "plain", "two misses: a pause, one hit or not"
+    hits = SpeculationGate(probe_rows=1)
+    for accepted in (1, 0, 1):
+        hits.probed(8, accepted)
+    assert hits.decide(8) == "verify" and hits.pauses == 0

@@ -156,6 +156,8 @@ class _Rates:
     charged_s: float = 0.0  # drafting's one-off seconds since the last pause (a draft model's catch-ups)
     charged_tokens: int = 0  # tokens the verifying steps emitted since the last pause (timed or not)
     proven: bool = False  # the probe rows' drafts would have been accepted: the whole batch verifies
+    probe_hits: int = 0  # probes since the last pause whose first draft the row emitted
+    probe_misses: int = 0  # probes since the last pause whose first draft it did not
 
     @property
     def plain(self) -> float:
@@ -214,10 +216,11 @@ class SpeculationGate:
     their drafts with the tokens the rows then emit and reports how many would have been accepted
     (`probed`: exactly what verifying would have kept, since the emitted tokens are the ones
     verifying gives). A probe row makes `probe_drafts` drafts (one: its draft forward is the
-    probe's cost, and when the first draft is not kept no later one is). Under `min_gain` tokens
-    per probed row after `min_tries` probes drafting pauses as above, having paid one row's draft
-    forward and no wider target forward; otherwise
-    the whole batch verifies from the next step and is judged by the clock. Probe steps are not
+    probe's cost, and when the first draft is not kept no later one is). `min_tries` probes whose
+    first draft the row did not emit pause drafting as above, having paid one row's draft
+    forward and no wider target forward; `min_tries` probes whose first draft it did emit (one
+    chance match among sampled tokens is not enough) let
+    the whole batch verify from the next step and is judged by the clock. Probe steps are not
     timed (a plain step with a draft's forwards in it is neither kind's steady cost).
 
     A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
@@ -280,20 +283,19 @@ class SpeculationGate:
 
     def probed(self, rows: int, accepted: int) -> None:
         """A probe row's drafts from a step of `rows` rows: `accepted` of them were what the row
-        then emitted. After `min_tries` probes: under `min_gain` tokens a row, a pause; else the
-        whole batch verifies."""
+        then emitted. `min_tries` probes missed (their first draft not emitted): a pause; as many
+        hit: the whole batch verifies (one chance match among random tokens does not make it)."""
         r = self._by_rows.setdefault(rows, _Rates())
         if r.proven:
             return
-        r.tried += 1
-        gain = 1.0 + accepted
-        r.gain = gain if r.tried == 1 else r.gain + 0.5 * (gain - r.gain)
-        if r.tried < self.min_tries:
-            return
-        if r.gain < self.min_gain:
+        if accepted > 0:
+            r.probe_hits += 1
+        else:
+            r.probe_misses += 1
+        if r.probe_misses >= self.min_tries:
             self._pause(r)
-        else:  # its verifying steps judged afresh, by their tokens and by the clock
-            r.proven, r.tried, r.gain = True, 0, 0.0
+        elif r.probe_hits >= self.min_tries:  # its verifying steps judged afresh, by their tokens and the clock
+            r.proven, r.probe_hits, r.probe_misses = True, 0, 0
 
     def started(self, now: float, *, charged: float = 0.0) -> None:
         """A step starts: the previous one ends here. `charged`: seconds of the previous step that
@@ -341,7 +343,7 @@ class SpeculationGate:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
         r.verifies, r.tried, r.gain, r.suspect = [], 0, 0.0, False  # measured afresh after the pause
-        r.proven = False  # probed again after it
+        r.proven, r.probe_hits, r.probe_misses = False, 0, 0  # probed again after it
         r.charged_s, r.charged_tokens = 0.0, 0
 
     def ran(self, *, rows: int, verifying: bool, tokens: int, start: float, probe: bool = False) -> None:
