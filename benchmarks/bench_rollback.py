@@ -7,9 +7,10 @@ every held position of the batch, since mlx-lm's batch cache keeps every row end
 Timed here on `BatchKVCache`s filled with random KV of a model's shape, per held context length:
 a trim alone (every row accepted the same count) vs the shift (rows accepted 0..K), with the bytes
 the shift reads and writes, next to one plain decode step's KV read (every held position, once);
-and an alternative (`per_row`, not used by the engine): each row that shifts copies its own held
-span out and writes it back one place over (its bytes only, no index arrays; but 4 operations per
-shifted row and layer instead of 2 per layer). Both must leave the same KV (checked).
+and the row-by-row form (`per_row`, the engine's on the CPU: `spec_batch.PER_ROW_SHIFT`): each row
+that shifts copies its own held span out and writes it back one place over (its bytes only, no
+index arrays; but 4 operations per shifted row and layer instead of 2 per layer). Both must leave
+the same KV (checked).
 
     python benchmarks/bench_rollback.py [--shape default|bench|qwen3-1.7b] [--batch 8] [--context 256 1024 4096]
 """
@@ -45,19 +46,12 @@ def filled(batch: int, context: int, k: int, shape: tuple[int, int, int, mx.Dtyp
 
 
 def per_row(cache: BatchKVCache, shifts: list[int]) -> None:
-    """`_shift_right` row by row: a shifted row's held span copied out (evaluated), then written back
-    `shifts[i]` places right (in place: nothing else holds the buffer then)."""
-    end = cache._idx
-    pads = cache.left_padding.tolist()
-    moved = [(i, s, pads[i], mx.contiguous(cache.keys[i : i + 1, :, pads[i] : end - s]),
-              mx.contiguous(cache.values[i : i + 1, :, pads[i] : end - s])) for i, s in enumerate(shifts) if s]
-    mx.eval([x for m in moved for x in m[3:]])
-    for i, s, lo, k, v in moved:
-        cache.keys[i : i + 1, :, lo + s : end] = k
-        cache.values[i : i + 1, :, lo + s : end] = v
-    by = mx.array(shifts)
-    cache.left_padding = cache.left_padding + by
-    cache.offset = cache.offset - by
+    """`_shift_right` row by row (its `pads` form): a shifted row's held span copied out, then written back."""
+    _shift_right(cache, shifts, cache.left_padding.tolist())
+
+
+def roll(cache: BatchKVCache, shifts: list[int]) -> None:
+    _shift_right(cache, shifts)
 
 
 def timed(batch: int, context: int, k: int, shape: tuple[int, int, int, mx.Dtype], how: str,
@@ -73,7 +67,7 @@ def timed(batch: int, context: int, k: int, shape: tuple[int, int, int, mx.Dtype
         for c in caches:
             c.trim(common)
             if any(rest):
-                (per_row if how == "per_row" else _shift_right)(c, rest)
+                (per_row if how == "per_row" else roll)(c, rest)
         mx.eval([x for c in caches for x in (c.keys, c.values)])
         times.append(time.perf_counter() - t0)
     return statistics.median(times), caches

@@ -109,11 +109,11 @@ class Probe:
             draft._batch_caches = batch_caches
         real_shift = spec_batch._shift_right
 
-        def shift(cache: Any, shifts: Any) -> Any:
+        def shift(cache: Any, shifts: Any, pads: Any = None) -> Any:
             if self.on:
                 end = cache._idx
                 self.copied += cache.keys[..., :end, :].nbytes + cache.values[..., :end, :].nbytes
-            return real_shift(cache, shifts)
+            return real_shift(cache, shifts, pads)
 
         spec_batch._shift_right = shift
 

@@ -661,3 +661,30 @@ def test_a_withheld_draft_s_steps_make_the_mlx_calls_of_speculation_off(tiny_mod
     assert tokens == off_tokens
     assert withheld.pop("draft forwards") == 0
     assert withheld == off and off["target forwards"] > 0, (withheld, off)
+
+
+def test_rows_moved_one_by_one_equal_the_batch_roll():
+    """The target's rollback on the CPU moves only the rows that drop more than the others, each over
+    its own span (`_shift_right` with the rows' left padding): the same KV, padding and offsets as
+    rolling the whole batch, rows of different lengths (left padding) included."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxd.engine.spec_batch import _shift_right
+
+    def filled() -> BatchKVCache:
+        mx.random.seed(7)
+        cache = BatchKVCache([0, 3, 1, 6])
+        kv = mx.random.normal((4, 2, 21, 8))
+        cache.update_and_fetch(kv, kv * 2)
+        return cache
+
+    shifts = [0, 2, 4, 1]
+    rolled, moved = filled(), filled()
+    _shift_right(rolled, shifts)
+    _shift_right(moved, shifts, moved.left_padding.tolist())
+    assert moved.left_padding.tolist() == rolled.left_padding.tolist() == [0, 5, 5, 7]
+    assert moved.offset.tolist() == rolled.offset.tolist() and moved._idx == rolled._idx == 21
+    for i, lo in enumerate(rolled.left_padding.tolist()):
+        for a, b in ((moved.keys, rolled.keys), (moved.values, rolled.values)):
+            assert mx.array_equal(a[i, :, lo:21], b[i, :, lo:21]).item(), i

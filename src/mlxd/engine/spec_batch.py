@@ -36,6 +36,10 @@ from mlxd.engine.speculative import Drafts
 # Verifying forwards attend over the whole KV buffer (see the module docstring): on CUDA only, where
 # the attention's plan is keyed by the key length; elsewhere the exact length costs nothing to change.
 WHOLE_BUFFER = mx.cuda.is_available() if hasattr(mx, "cuda") else False
+# Rows that drop more than the others are moved one by one, their own span only (benchmarks/bench_rollback.py:
+# 2-3x cheaper than rolling the whole batch on the CPU); on CUDA the roll, until measured there (4 small
+# operations per shifted row and layer against 2 per layer).
+PER_ROW_SHIFT = not WHOLE_BUFFER
 
 
 class SpeculativeBatch(GenerationBatch):
@@ -231,11 +235,12 @@ class SpeculativeBatch(GenerationBatch):
         """Drop each row's last `extra[i]` positions from every layer's KV."""
         common = min(extra)
         rest = [e - common for e in extra]
+        pads = self.prompt_cache[0].left_padding.tolist() if any(rest) and PER_ROW_SHIFT else None
         for cache in self.prompt_cache:
             if common:
                 cache.trim(common)
             if any(rest):
-                _shift_right(cache, rest)
+                _shift_right(cache, rest, pads)
 
     def _responses(self, emitted: list[list[int]], logprobs: list[list[mx.array]]) -> list[Any]:
         keep, responses = [], []
@@ -325,13 +330,26 @@ def _reserve(cache: Any, held: int, n: int) -> None:
     cache.values = mx.concatenate([cache.values, mx.zeros((b, heads, grow, dv), cache.values.dtype)], axis=2)
 
 
-def _shift_right(cache: Any, shifts: list[int]) -> None:
-    """Drop each row's last `shifts[i]` positions: move the row right by that much, under more left padding."""
+def _shift_right(cache: Any, shifts: list[int], pads: list[int] | None = None) -> None:
+    """Drop each row's last `shifts[i]` positions: move the row right by that much, under more left padding.
+
+    With `pads` (the rows' left padding, read once for every layer), row by row: each row that moves
+    has its held span copied out (evaluated, so that nothing else holds the buffer) and written back
+    one place over, in place; rows that keep their end are not touched. Without, one roll of every
+    row's every held position."""
     if not isinstance(cache, BatchKVCache):
         raise TypeError(f"speculation rolls back BatchKVCache only, not {type(cache).__name__}")
     by = mx.array(shifts)
     end = cache._idx
-    cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], by[:, None], axis=2)
-    cache.values[..., :end, :] = dynamic_roll(cache.values[..., :end, :], by[:, None], axis=2)
+    if pads is None:
+        cache.keys[..., :end, :] = dynamic_roll(cache.keys[..., :end, :], by[:, None], axis=2)
+        cache.values[..., :end, :] = dynamic_roll(cache.values[..., :end, :], by[:, None], axis=2)
+    else:
+        moved = [(i, s, pads[i], mx.contiguous(cache.keys[i : i + 1, :, pads[i] : end - s]),
+                  mx.contiguous(cache.values[i : i + 1, :, pads[i] : end - s])) for i, s in enumerate(shifts) if s]
+        mx.eval([x for m in moved for x in m[3:]])
+        for i, s, lo, keys, values in moved:
+            cache.keys[i : i + 1, :, lo + s : end] = keys
+            cache.values[i : i + 1, :, lo + s : end] = values
     cache.left_padding = cache.left_padding + by
     cache.offset = cache.offset - by
