@@ -248,3 +248,25 @@ def test_a_batch_probes_with_one_row_s_unverified_draft(tiny_model_dir: Path, un
     finally:
         off.close()
         on.close()
+
+
+def test_a_batch_of_constrained_rows_only_verifies_without_probes(tiny_model_dir: Path) -> None:
+    """A constrained row is never a probe row (its matcher is not at the tokens a probe drafts
+    after); a batch of constrained rows only is verified as before probes existed, and gives off's
+    tokens."""
+    grammar = constraint_from_request({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "letters", "schema": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                      "minItems": 8, "maxItems": 8}}}})
+    reqs = [_request(f"j{i}", tuple(_tokens(6 + i)), max_tokens=80, constraint=grammar) for i in range(2)]
+    off = EngineCore(config_for(tiny_model_dir))
+    on = EngineCore(config_for(tiny_model_dir, speculative="draft", draft_model=str(tiny_model_dir)))
+    off.load()
+    on.load()
+    try:
+        plain, got = run_rows(off, reqs), run_rows(on, reqs)
+        spec = on.stats().speculation
+        assert spec is not None and got.tokens == plain.tokens
+        assert spec.gate_probes == 0 and spec.verify_steps > 0 and spec.draft_rows > spec.draft_steps, spec
+    finally:
+        off.close()
+        on.close()

@@ -107,6 +107,8 @@ class SpeculativeBatch(GenerationBatch):
             if drafts:
                 self._probes[uid] = (len(tokens), drafts, rows)
         self._probed = tuple(self._probes) or self._probed
+        if not self._probes:  # no row can probe (constrained rows only): the batch verifies from the next step
+            self.drafts.gate.unprobed(rows)
         return bool(self._probes)
 
     def _judge_probes(self) -> None:

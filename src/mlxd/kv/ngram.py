@@ -281,6 +281,11 @@ class SpeculationGate:
         self.withheld += not allowed
         return "verify" if allowed else "plain"
 
+    def unprobed(self, rows: int) -> None:
+        """No row of a step of `rows` rows can probe (each one's grammar checks its drafts): the
+        batch verifies, judged as a batch without probes is."""
+        self._by_rows.setdefault(rows, _Rates()).proven = True
+
     def probed(self, rows: int, accepted: int) -> None:
         """A probe row's drafts from a step of `rows` rows: `accepted` of them were what the row
         then emitted. `min_tries` probes missed (their first draft not emitted): a pause; as many
