@@ -3,9 +3,10 @@
 
 Two engine cores over the same model (`default` preset): speculation off, and `--speculative draft`
 with the model as its own draft whose gate never lets a step verify (a gate subclass: every step
-withheld). Both decode the same non-repetitive t = 4 rows, alternating which goes first, at batch 1
-and 8; printed per batch: the median per-round decode tok/s ratio (draft ÷ off) and the draft's
-counters (draft steps and verify steps must be 0).
+withheld), and `off2`, speculation off again (the spread between two equal arms). They decode the
+same non-repetitive t = 4 rows, rotating which goes first, at batch 1 and 8; printed per batch: the
+median per-round decode tok/s ratios (draft ÷ off, off2 ÷ off) and the draft's counters (draft
+steps and verify steps must be 0).
 
     python benchmarks/bench_withheld_steps.py [ROUNDS]
 """
@@ -25,15 +26,15 @@ from bench_speculative import _fields, workload  # noqa: E402
 from mlxd import RuntimeConfig  # noqa: E402
 from mlxd.engine.core import EngineCore  # noqa: E402
 from mlxd.engine.drive import run_rows  # noqa: E402
-from mlxd.kv.ngram import SpeculationGate  # noqa: E402
+from mlxd.kv.ngram import SpeculationGate, Step  # noqa: E402
 from mlxd.model import ensure_model  # noqa: E402
 
 
 class Never(SpeculationGate):
-    def allowed_rows(self, rows: int) -> int:
+    def decide(self, rows: int) -> Step:
         self.steps += 1
         self.withheld += 1
-        return 0
+        return "plain"
 
 
 def main(rounds: int) -> None:
@@ -41,7 +42,8 @@ def main(rounds: int) -> None:
     base = RuntimeConfig(model=str(model), max_batch=8, prompt_cache_bytes=0, device_probe="off",
                          default_max_tokens=48, max_context=8192)
     cores = {"off": EngineCore(base), "self": EngineCore(RuntimeConfig(**{
-        **_fields(base), "speculative": "draft", "draft_model": str(model), "num_draft_tokens": 4}))}
+        **_fields(base), "speculative": "draft", "draft_model": str(model), "num_draft_tokens": 4})),
+        "off2": EngineCore(base)}  # speculation off again: the spread between two equal arms
     for c in cores.values():
         c.load()
     cores["self"]._drafts.gate = Never()
@@ -49,15 +51,18 @@ def main(rounds: int) -> None:
         reqs = workload("non-repetitive", batch, 48, 8000, 64, 4.0)
         for c in cores.values():
             run_rows(c, reqs)
-        ratios = []
+        ratios, control = [], []
+        arms = list(cores)
         for r in range(rounds):
-            order = ["off", "self"] if r % 2 == 0 else ["self", "off"]
+            order = arms[r % 3:] + arms[: r % 3]
             got = {a: run_rows(cores[a], reqs).decode_tok_s() for a in order}
             ratios.append(got["self"] / got["off"])
+            control.append(got["off2"] / got["off"])
         s = cores["self"].stats().speculation
         assert s is not None
         print(f"batch {batch}: withheld draft=self / off {statistics.median(ratios):.3f} "
-              f"{[round(x, 3) for x in ratios]}, draft steps {s.draft_steps}, verify steps {s.verify_steps}", flush=True)
+              f"{[round(x, 3) for x in ratios]}, draft steps {s.draft_steps}, verify steps {s.verify_steps}; off2 / off "
+              f"{statistics.median(control):.3f} {[round(x, 3) for x in control]}", flush=True)
 
 
 if __name__ == "__main__":
