@@ -145,7 +145,8 @@ def host_tier(gen: Any, entry: list[Any], prompt: list[int], rounds: int, skip: 
     return {"nbytes": nbytes, "tokens": n, "rows": rows, "medians": medians}
 
 
-SERVING_ROWS = ("serving", "serving_async", "serving_beside_demotion", "shared_stream_beside_demotion")
+SERVING_ROWS = ("serving", "serving_async", "serving_beside_demotion", "serving_beside_demotion_held",
+                "shared_stream_beside_demotion")
 
 
 def _copy_of(entry: list[Any]) -> list[Any]:
@@ -162,8 +163,10 @@ def serving_promotion(gen: Any, entry: list[Any], prompt: list[int], name: str, 
 
     - serving: the promotion waited (`Promotion.wait`): promote_s and its GB/s against the pinned copy's;
     - serving_async: issued, then the first token at once (what a returning conversation waits for);
-    - serving_beside_demotion: the same while another entry's demotion runs on a thread (serving's, with its
-      hold: it stops between pieces while the promotion lands), as when the budget makes room;
+    - serving_beside_demotion: the same while another entry's demotion runs on a thread (serving's: it stops
+      between pieces while the promotion lands), as when the budget makes room;
+    - serving_beside_demotion_held: the same, the demotion also holding still until the first token (serving's
+      hold while a request waits for its first token: what a returning turn under a tight budget sees);
     - shared_stream_beside_demotion: the old path, for comparison: the other entry's demotion issued whole
       on one stream, and the promotion on that same stream and lock (what serving did before 28h)."""
     import threading
@@ -179,6 +182,7 @@ def serving_promotion(gen: Any, entry: list[Any], prompt: list[int], name: str, 
                              "to_host_GBps": demoted.nbytes / max(t1 - t0, 1e-9) / 1e9}
     side: dict[str, Any] = {}
     thread = None
+    waiting = threading.Event()  # a request waits for its first token (the scheduler's `prefilling`)
     if other is not None:
         cuda = host_memory._runtime()
         assert cuda is not None
@@ -186,13 +190,14 @@ def serving_promotion(gen: Any, entry: list[Any], prompt: list[int], name: str, 
             side["bytes"] = cuda.prefetch(host_memory._ranges(o), to_host=True, lane=cuda.demotions)
 
         def serving(o: list[Any]) -> None:
-            d = host_memory.demote(o, hold=lambda: False)
+            d = host_memory.demote(o, hold=waiting.is_set if name.endswith("_held") else (lambda: False))
             side.update(bytes=d.nbytes, holds=d.holds, held_s=d.held_s)
 
         thread = threading.Thread(target=shared if name == "shared_stream_beside_demotion" else serving,
                                   args=(other,))
         thread.start()
         time.sleep(0.02)  # the other entry's migration is under way
+    waiting.set()  # the returning request arrives
     t2 = time.perf_counter()
     if name == "shared_stream_beside_demotion":
         cuda = host_memory._runtime()
@@ -210,6 +215,7 @@ def serving_promotion(gen: Any, entry: list[Any], prompt: list[int], name: str, 
             row["promote_vs_pinned"] = row["promote_GBps"] / pinned_GBps
     t3 = time.perf_counter()
     ft = hit_on(gen, copy, prompt)
+    waiting.clear()
     row.update(issue_s=promotion.issue_s, calls=promotion.calls, first_token_s=ft,
                promote_to_token_s=(t3 - t2) + ft if name != "serving" else (promotion.landed_s or 0.0) + ft)
     if thread is not None:
