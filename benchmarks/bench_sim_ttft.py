@@ -62,6 +62,8 @@ def runtime_config(args: argparse.Namespace, ssd_dir: Path, **changes: Any) -> A
         "snapshot_min_tokens": 64, "ssd_demote_idle_s": 0, "max_context": conversation_tokens(args) + 64,
         "prompt_cache_bytes": 1 << 40,  # the recorded runs' is set from the KV bytes per token (warm_up)
     }
+    if args.prefill_slice_ms is not None:  # mlxd serve --prefill-slice-ms (0 = whole prefill steps)
+        settings["prefill_slice_s"] = args.prefill_slice_ms / 1000
     return RuntimeConfig(**{**settings, **changes})
 
 
@@ -264,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=float, default=0.0,
                    help="seconds for the whole script (0 = no limit): each run stops sending turns at its share")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-slice-ms", type=float, default=None,
+                   help="the runtimes' --prefill-slice-ms (default: the server's; 0 = whole prefill steps, no slicer)")
     p.add_argument("--wave", type=int, default=0,
                    help="conversations that take all their turns before the next ones start (0 = all at once): "
                    "a run cut by --stop-after then keeps every tier (> --ram-conversations, so returns restore)")

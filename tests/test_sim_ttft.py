@@ -415,6 +415,10 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert "error" in json.loads(failed.read_text())
     with pytest.raises(SystemExit):
         bench_sim_ttft.parse_args(["--model", str(tmp_path)])  # no config.json there
+    # --prefill-slice-ms reaches the runtimes (0 = whole prefill steps: a diagnostic of the slicer's shapes)
+    whole = bench_sim_ttft.parse_args([*small, "--prefill-slice-ms", "0"])
+    assert bench_sim_ttft.runtime_config(whole, tmp_path).prefill_slice_s == 0
+    assert bench_sim_ttft.runtime_config(bench_sim_ttft.parse_args(small), tmp_path).prefill_slice_s > 0
 
 
 def test_rows_served_together_have_their_shared_time_divided_out(tmp_path, capsys):
