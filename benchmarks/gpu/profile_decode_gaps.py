@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--port", type=int, default=18194)
     ap.add_argument("--serve-args", default="", help="more `mlxd serve` flags, e.g. '--ssd-cache /tmp/x'")
+    ap.add_argument("--sample-ms", type=float, default=5.0,
+                    help="the thread sampler's period (large, e.g. 1000: steps timed, almost no sampling)")
     ap.add_argument("--fresh-tokens", type=int, default=0,
                     help="a fresh prompt this long before each level (with --ssd-cache its write-behind runs "
                          "during the decode)")
@@ -42,7 +44,7 @@ def main() -> int:
     cmd = [sys.executable, str(HERE.parent / "prof_serve_threads.py"), "serve", "--model", str(args.model),
            "--port", str(args.port), "--log-format", "json", "--queue-timeout", "0", "--device-probe", "off",
            *args.serve_args.split()]
-    os.environ.update(MLXD_SAMPLE_OUT=str(prof), MLXD_SAMPLE_MS="5")
+    os.environ.update(MLXD_SAMPLE_OUT=str(prof), MLXD_SAMPLE_MS=str(args.sample_ms))
     server = Proc("mlxd_prof", cmd, args.port, "/health", args.out / "decode-gaps-serve.log")
     server.start()
     results = {}
