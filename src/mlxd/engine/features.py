@@ -163,15 +163,16 @@ def mask_mode() -> str:
     a worker reads the step's input tokens, feeds the matchers and fills the packed masks
     while the engine thread builds the step's graph, joined at the first mask (the packed
     bits copied and unpacked on the device); "ahead-bool": the same, numpy unpacking the
-    bits on the worker and one bool array copied: the default, the fastest of the three on the H200
-    (docs/benchmarks.md, 2026-12-04 13:52); "ahead-early": ahead-bool, the worker started
+    bits on the worker and one bool array copied (the H200's best of those three,
+    docs/benchmarks.md, 2026-12-04 13:52); "ahead-early": ahead-bool, the worker started
     as soon as the last step's tokens are sampled (`StepMasks.prepare`, before the engine
-    thread hands that step's tokens on) rather than when the next step starts. Read at every
-    step (a benchmark switches it).
+    thread hands that step's tokens on) rather than when the next step starts: the default,
+    ahead of ahead-bool in all four cells of the H200's 15:44-15:56 sweep (noisy). Read at
+    every step (a benchmark switches it).
     """
     import os
 
-    mode = os.environ.get("MLXD_MASK_MODE", "ahead-bool")
+    mode = os.environ.get("MLXD_MASK_MODE", "ahead-early")
     if mode not in MASK_MODES:
         raise ValueError(f"MLXD_MASK_MODE must be one of {', '.join(MASK_MODES)}, not {mode!r}")
     return mode
