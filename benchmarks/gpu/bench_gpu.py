@@ -102,6 +102,17 @@ def build(preset: presets.ModelPreset, dest: Path) -> Path:
     return dest
 
 
+def built(preset: presets.ModelPreset, work: Path) -> Path:
+    """`work/model-NAME`, built once (into a `.partial` folder renamed when whole) and reused after."""
+    model_dir = work / f"model-{preset.name}"
+    if not (model_dir / "config.json").exists():
+        tmp = work / f"model-{preset.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(preset, tmp)
+        tmp.rename(model_dir)
+    return model_dir
+
+
 def load(model_dir: Path) -> tuple[Any, Any]:
     from mlxd.engine.loading import cast_float_weights
     from mlxd.model.detok import load_model

@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, Proc, build, done_lines, log, text_of, ttft  # noqa: E402
+from bench_gpu import QWEN3_1_7B, Proc, built, done_lines, log, text_of, ttft  # noqa: E402
 
 import mlxd  # noqa: E402, F401
 from mlxd.model import presets  # noqa: E402
@@ -155,12 +155,7 @@ def main() -> int:
     t_begin = time.perf_counter()
     preset = presets.PRESETS[args.preset] if args.preset else presets.PRESETS["bench"] if args.small else QWEN3_1_7B
     args.work.mkdir(parents=True, exist_ok=True)
-    model_dir = args.work / f"model-{preset.name}"
-    if not (model_dir / "config.json").exists():
-        tmp = args.work / f"model-{preset.name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(preset, tmp)
-        tmp.rename(model_dir)
+    model_dir = built(preset, args.work)
     n = args.prompt_tokens or (512 if args.small else 16384)
     args.decode_tokens = args.decode_tokens or (24 if args.small else 128)
     # RAM sized for about 1.5 first prompts, so B and C push A out (KV bytes per token: fp32 on the CPU).

@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, build, first_token, generator, load, log, tokens  # noqa: E402
+from bench_gpu import QWEN3_1_7B, built, first_token, generator, load, log, tokens  # noqa: E402
 
 import mlxd  # noqa: E402, F401
 from mlxd.model import presets  # noqa: E402
@@ -203,12 +203,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
     sizes = args.tokens or ([512, 2048] if args.small else [4096, 16384])
-    model_dir = args.work / f"model-{preset.name}"
-    if not (model_dir / "config.json").exists():
-        tmp = args.work / f"model-{preset.name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(preset, tmp)
-        tmp.rename(model_dir)
+    model_dir = built(preset, args.work)
     from mlxd.actors import device_probe as dp
     from mlxd.kv import kinds
     from mlxd.kv.blocks import span_for
