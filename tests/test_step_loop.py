@@ -24,6 +24,7 @@ from mlxd.runtime.kernel.messages import (
     GenerationFinished,
     GenerationRequest,
     SamplingParams,
+    ShardsDropped,
     StartGeneration,
     StopGeneration,
     TokenGenerated,
@@ -226,3 +227,37 @@ async def test_a_cancel_mid_run_ends_the_row_and_delivers_nothing_decoded_after_
     assert end.reason == "cancelled" and runs == 1
     assert after <= buffered + 1
     assert end.completion_tokens <= 5 + buffered + 1 + STEPS_AHEAD + 1
+
+
+async def test_drops_past_one_steps_cap_go_with_the_next_steps_of_a_running_decode(tiny_model_dir):
+    # `--distributed`: a follower frees a dropped prefix's shard only when a step carries its key.
+    # More than one step's worth arriving mid-run must not wait for the run to end (a long decode).
+    async with trio.open_nursery() as nursery:
+        config = RuntimeConfig(model=str(tiny_model_dir), model_name="tiny", prompt_cache_bytes=0, device_probe="off")
+        inbox, receive = trio.open_memory_channel(16)
+        publish, _notes = trio.open_memory_channel(math.inf)
+        actor = EngineActor(config, inbox=receive, publish=publish, governor=WriteGovernor(busy_rate_bytes_per_s=None))
+        seen: list[StepOps] = []
+        core_step = actor.core.step
+
+        def step(ops: StepOps) -> StepResult:
+            seen.append(ops)
+            return core_step(ops)
+
+        actor.core.step = step  # what the engine thread runs (no leader in one process)
+        info = await nursery.start(actor.run)
+        msg, events = start("a", no_eos(info.eos_token_ids, 400))
+        await inbox.send(msg)
+        refs = tuple(ShardRef(key=f"k{i}", seq=i) for i in range(2 * MAX_DROPS_PER_STEP + 5))
+        with trio.fail_after(60):
+            async for e in events:
+                if isinstance(e, TokenGenerated):
+                    break
+            await inbox.send(ShardsDropped(refs))
+            rest = [e async for e in events]
+        nursery.cancel_scope.cancel()
+    assert isinstance(rest[-1], GenerationFinished) and rest[-1].completion_tokens == 400
+    carried = [i for i, ops in enumerate(seen) for _ in ops.drops]
+    assert len(carried) == len(refs) and all(len(ops.drops) <= MAX_DROPS_PER_STEP for ops in seen)
+    # every key went out while the row still decoded: within a few steps of arriving, not after its 400th
+    assert max(carried) < 100, (min(carried), max(carried), len(seen))

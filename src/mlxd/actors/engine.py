@@ -188,6 +188,9 @@ class EngineActor:
                 loop.stop()
 
         loop = StepLoop(step, hand=hand, wait=thread.serve_until, notify=thread.notify, window=STEPS_AHEAD)
+        if self._drops:  # past one step's cap: the loop's next steps carry them (it merges at most the cap each)
+            loop.put(StepOps(drops=tuple(self._drops)))
+            self._drops = []
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._deliver_each, receive, loop)
@@ -218,6 +221,9 @@ class EngineActor:
     def _hand_on(self, loop: StepLoop) -> bool:
         """Put what was accepted into the loop's inbox; False once the loop has ended (then kept for the next run)."""
         ops = self._next_ops()
+        if self._drops:  # past one step's cap: with the loop's next steps, not after the run (a long decode)
+            ops = attrs.evolve(ops, drops=(*ops.drops, *self._drops))
+            self._drops = []
         if ops.empty or loop.put(ops):
             return True
         ops, rest = merge([self._carry, ops] if self._carry is not None else [ops])
