@@ -21,6 +21,7 @@ from mlxd.kv.shard_mirror import ShardRef
 from mlxd.runtime.distributed import MAX_DROPS_PER_STEP
 from mlxd.runtime.kernel.messages import (
     CancelGeneration,
+    GenerationFailed,
     GenerationFinished,
     GenerationRequest,
     SamplingParams,
@@ -261,3 +262,37 @@ async def test_drops_past_one_steps_cap_go_with_the_next_steps_of_a_running_deco
     assert len(carried) == len(refs) and all(len(ops.drops) <= MAX_DROPS_PER_STEP for ops in seen)
     # every key went out while the row still decoded: within a few steps of arriving, not after its 400th
     assert max(carried) < 100, (min(carried), max(carried), len(seen))
+
+
+async def test_other_engine_thread_jobs_run_between_the_steps_of_a_long_decode(tiny_model_dir):
+    # Restores landing in MLX memory and session export/import run on the engine thread: a running
+    # decode must take them between its steps (MlxThread.serve_until), not after its last row.
+    async with trio.open_nursery() as nursery:
+        actor, inbox, eos = await engine(nursery, tiny_model_dir)
+        msg, events = start("a", no_eos(eos, 400))
+        await inbox.send(msg)
+        with trio.fail_after(60):
+            async for e in events:
+                if isinstance(e, TokenGenerated):
+                    break
+            assert actor._thread is not None
+            at = await actor._thread.run(lambda: (threading.current_thread().name, actor.core.counters.steps))
+            rest = [e async for e in events]
+        nursery.cancel_scope.cancel()
+    assert at[0] == "mlxd-engine" and at[1] < 100  # within a few steps, not after the row's 400th
+    assert sum(isinstance(e, TokenGenerated) for e in rest) == 399 and actor.stats.step_runs == 1
+
+
+async def test_a_shutdown_mid_decode_answers_the_row_and_joins_the_engine_thread(tiny_model_dir):
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            actor, inbox, eos = await engine(nursery, tiny_model_dir)
+            msg, events = start("a", no_eos(eos, 100_000))
+            await inbox.send(msg)
+            async for e in events:
+                if isinstance(e, TokenGenerated):
+                    break
+            nursery.cancel_scope.cancel()  # the actor's run returns only once its thread has joined
+        rest = [e async for e in events]
+    assert actor._thread is not None and not actor._thread._thread.is_alive()
+    assert rest and isinstance(rest[-1], GenerationFailed) and "engine stopped" in rest[-1].message
