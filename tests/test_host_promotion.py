@@ -203,3 +203,81 @@ def test_a_served_promotion_reports_its_cost_and_its_copies(tiny_model_dir: Path
     copies = stats["copies"]
     assert copies["promotions"] == stats["promotions"] >= 1 and copies["demotions"] >= 1
     assert copies["demoted_bytes"] > 0 and copies["promote_landed_ms_last"] is not None
+
+
+async def test_many_demotions_at_once_leave_trio_s_worker_threads_to_the_rest_of_the_server(fake):
+    """The idle moves can send dozens of host-tier entries down at once; each demotion holds or waits for
+    the demote lane in a worker thread. They must not take trio's shared threads (40), which every request's
+    JSON parse and tokenization also needs: one demotion's piece stuck in flight, 45 queued behind it, and
+    another worker-thread call still runs."""
+    import trio
+
+    from mlxd.actors.cache_owner import CacheOwnerActor
+    from mlxd.runtime.config import RuntimeConfig
+    from mlxd.runtime.kernel.channels import Reply
+    from mlxd.runtime.kernel.messages import CacheOwnerMessage
+
+    async def ask(channel, make):
+        reply: Reply = Reply()
+        await channel.send(make(reply))
+        return await reply.wait()
+
+    n = 46
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
+    fake.gate = threading.Event()
+    await _many_demotions(owner, inbox_send, inbox, n, ask, fake)
+    assert not host_memory._demoting
+
+
+async def _many_demotions(owner, inbox_send, inbox, n, ask, fake) -> None:
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        try:
+            await _many_demotions_go(inbox_send, n, ask, fake)
+        finally:
+            fake.gate.set()  # before the nursery waits for the worker threads
+        nursery.cancel_scope.cancel()
+
+
+async def _many_demotions_go(inbox_send, n, ask, fake) -> None:
+    import trio
+
+    from mlxd.runtime.kernel.messages import EngineBusy, PublishPrefix, QueryCacheStats
+
+    await inbox_send.send(EngineBusy(True))  # the victims keep their device pages for now
+    for i in range(n + 1):
+        await inbox_send.send(PublishPrefix(tuple(range(i * 100, i * 100 + 8)), "", payload=_kv(layers=1, n=8),
+                                            nbytes=512, trimmable=True, reason="final"))
+    await inbox_send.send(EngineBusy(False))  # idle: every one of them moves now
+    host = (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]
+    assert host["moves"] == n
+    for _ in range(3000):  # the first piece is in flight, stuck
+        if fake.entered.is_set():
+            break
+        await trio.sleep(0.01)
+    assert fake.entered.is_set()
+    with trio.fail_after(30):  # (a hang, not a timing: without the fix this never returns)
+        assert await trio.to_thread.run_sync(lambda: "ran") == "ran"
+    fake.gate.set()
+    for _ in range(6000):
+        if (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]["demotions"] >= n:
+            break
+        await trio.sleep(0.01)
+    copies = (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]
+    assert copies["demotions"] == n and copies["demotions_stopped"] == 0
+
+
+def test_a_demotion_that_waited_for_its_worker_counts_that_wait_against_its_hold(fake):
+    """Demotions run one at a time: one decided long ago does not hold still for a whole hold more."""
+    payload = _kv()
+    ticket = host_memory.begin_demotion(payload)
+    assert ticket is not None
+    ticket.decided -= 10  # it waited behind others for 10 s
+    d = host_memory.demote(payload, hold=lambda: True, hold_max_s=2, ticket=ticket)
+    assert d.holds == 0 and d.nbytes == _bytes(payload)
+    fresh = host_memory.demote(_kv(), hold=lambda: True, hold_max_s=0.05, ticket=host_memory.begin_demotion(_kv()))
+    assert fresh.holds == 1

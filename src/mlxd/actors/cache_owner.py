@@ -196,6 +196,10 @@ class CacheOwnerActor:
         self._engine_busy = False  # rows decoding (EngineBusy): host-tier moves wait until none do
         self._copies = _Copies()
         self._promotion: host_memory.Promotion | None = None  # issued by the lookup being answered
+        # Demotions run one at a time on a worker thread of their own limiter: dozens decided at once (the
+        # idle moves) would otherwise hold trio's shared threads, which requests' parsing and tokenization need
+        # (they share one demote lane anyway; a queued one's wait counts against its hold).
+        self._demote_threads = trio.CapacityLimiter(1)
 
     @staticmethod
     def _host_tier(config: RuntimeConfig, wanted: bool | None, clock: Callable[[], float]) -> tuple[HostTier | None, str | None]:
@@ -465,7 +469,8 @@ class CacheOwnerActor:
         return self._governor is not None and self._governor.prefilling
 
     async def _demote(self, payload: Any, hold: Callable[[], bool] | None, ticket: Any) -> None:
-        done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket))
+        done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
+                                             limiter=self._demote_threads)
         c = self._copies
         c.demotions += 1
         c.demoted_bytes += done.nbytes

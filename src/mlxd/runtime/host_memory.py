@@ -343,6 +343,7 @@ DEMOTE_HOLD_S = 2.0
 class _Demoting:
     lock: threading.Lock = attrs.Factory(threading.Lock)  # held while a piece moves
     cancelled: bool = False
+    decided: float = attrs.Factory(time.perf_counter)  # a queued demotion's hold counts from here
 
 
 _demoting: dict[int, _Demoting] = {}  # id(payload) -> its demotion in progress
@@ -456,12 +457,15 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
     job = ticket if ticket is not None else begin_demotion(payload)
     assert job is not None
     key = id(payload)
+    # A demotion decided earlier (`ticket`) waited for its worker meanwhile (one at a time, the cache owner):
+    # that wait counts against its hold, so demotions queued together hold still about as long as one.
+    limit = hold_max_s - (max(0.0, t0 - job.decided) if ticket is not None else 0.0)
 
     def hold_still() -> None:
         if hold is None or job.cancelled:
             return
         h0, waited = time.perf_counter(), False
-        while (out.held_s + time.perf_counter() - h0 < hold_max_s and not job.cancelled
+        while (out.held_s + time.perf_counter() - h0 < limit and not job.cancelled
                and (hold() or cuda.busy(cuda.promotions))):
             waited = True
             time.sleep(0.002)
