@@ -279,5 +279,48 @@ def test_a_demotion_that_waited_for_its_worker_counts_that_wait_against_its_hold
     ticket.decided -= 10  # it waited behind others for 10 s
     d = host_memory.demote(payload, hold=lambda: True, hold_max_s=2, ticket=ticket)
     assert d.holds == 0 and d.nbytes == _bytes(payload)
-    fresh = host_memory.demote(_kv(), hold=lambda: True, hold_max_s=0.05, ticket=host_memory.begin_demotion(_kv()))
-    assert fresh.holds == 1
+    other = _kv()
+    fresh = host_memory.demote(other, hold=lambda: True, hold_max_s=0.05, ticket=host_memory.begin_demotion(other))
+    assert fresh.holds == 1 and not host_memory._demoting
+
+
+async def test_demotions_still_queued_when_the_cache_owner_stops_leave_nothing_registered(fake):
+    """A demotion decided (registered by `begin_demotion`) whose worker never ran because the actor stopped
+    must not stay registered: a later payload at the same address would read as a stopped demotion."""
+    import trio
+
+    from mlxd.actors.cache_owner import CacheOwnerActor
+    from mlxd.runtime.config import RuntimeConfig
+    from mlxd.runtime.kernel.channels import Reply
+    from mlxd.runtime.kernel.messages import (
+        CacheOwnerMessage,
+        EngineBusy,
+        PublishPrefix,
+        QueryCacheStats,
+    )
+
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
+    fake.gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        try:
+            await inbox_send.send(EngineBusy(True))
+            for i in range(5):
+                await inbox_send.send(PublishPrefix(tuple(range(i * 100, i * 100 + 8)), "",
+                                                    payload=_kv(layers=1, n=8), nbytes=512, trimmable=True,
+                                                    reason="final"))
+            await inbox_send.send(EngineBusy(False))
+            reply: Reply = Reply()
+            await inbox_send.send(QueryCacheStats(reply))
+            assert (await reply.wait()).as_dict()["host"]["moves"] == 4
+            for _ in range(3000):
+                if fake.entered.is_set():
+                    break
+                await trio.sleep(0.01)
+            assert fake.entered.is_set() and len(host_memory._demoting) == 4  # one moving, three queued
+        finally:
+            nursery.cancel_scope.cancel()
+            fake.gate.set()
+    assert not host_memory._demoting

@@ -469,8 +469,11 @@ class CacheOwnerActor:
         return self._governor is not None and self._governor.prefilling
 
     async def _demote(self, payload: Any, hold: Callable[[], bool] | None, ticket: Any) -> None:
-        done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
-                                             limiter=self._demote_threads)
+        try:
+            done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
+                                                 limiter=self._demote_threads)
+        finally:  # cancelled before its worker ran (the actor stopped): registered no longer
+            host_memory.end_demotion(payload, ticket)
         c = self._copies
         c.demotions += 1
         c.demoted_bytes += done.nbytes

@@ -440,6 +440,16 @@ def begin_demotion(payload: Any) -> _Demoting | None:
     return job
 
 
+def end_demotion(payload: Any, job: _Demoting | None) -> None:
+    """Unregister a demotion (done, or its worker never ran: its actor stopped); another since registered
+    for the same payload stays."""
+    if job is None:
+        return
+    with _demoting_lock:
+        if _demoting.get(id(payload)) is job:
+            del _demoting[id(payload)]
+
+
 def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: float = DEMOTE_HOLD_S,
            piece: int | None = None, ticket: _Demoting | None = None) -> Demotion:
     """Move a host-tier entry's pages to host memory (a worker thread: each piece runs in this thread).
@@ -456,7 +466,6 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
     t0 = time.perf_counter()
     job = ticket if ticket is not None else begin_demotion(payload)
     assert job is not None
-    key = id(payload)
     # A demotion decided earlier (`ticket`) waited for its worker meanwhile (one at a time, the cache owner):
     # that wait counts against its hold, so demotions queued together hold still about as long as one.
     limit = hold_max_s - (max(0.0, t0 - job.decided) if ticket is not None else 0.0)
@@ -489,9 +498,7 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
                 out.pieces += 1
         out.cancelled = job.cancelled
     finally:
-        with _demoting_lock:
-            if _demoting.get(key) is job:
-                del _demoting[key]
+        end_demotion(payload, job)
         out.seconds = time.perf_counter() - t0 - out.held_s
     return out
 
