@@ -324,3 +324,14 @@ async def test_demotions_still_queued_when_the_cache_owner_stops_leave_nothing_r
             nursery.cancel_scope.cancel()
             fake.gate.set()
     assert not host_memory._demoting
+
+
+def test_a_promotion_with_nothing_to_move_keeps_no_cuda_events(fake):
+    """Serving waits (and frees the events) only for a promotion that moved bytes: one with none must not
+    leave its two events behind."""
+    p = host_memory.promote([])
+    assert p.nbytes == 0 and p.events is None and not fake._events
+    q = host_memory.promote(_kv(layers=1))
+    assert q.events is not None and len(fake._events) == 2
+    q.wait()
+    assert not fake._events

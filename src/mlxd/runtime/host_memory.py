@@ -416,9 +416,11 @@ def promote(payload: Any) -> Promotion:
         nbytes = cuda.prefetch(ranges, to_host=False, lane=cuda.promotions)
         end = cuda.mark(cuda.promotions) if start is not None else None
     t2 = time.perf_counter()
-    events = (start, end) if start is not None and end is not None else None
-    if start is not None and end is None:
-        cuda._lib.cudaEventDestroy(start)
+    events = (start, end) if start is not None and end is not None and nbytes else None
+    if events is None:  # nothing to time (no pages, or every prefetch failed): no one waits to free them
+        for event in (start, end):
+            if event is not None:
+                cuda._lib.cudaEventDestroy(event)
     return Promotion(nbytes=nbytes, calls=len(ranges), issue_s=t2 - t0, issued_at=t1,
                      cancelled_demotion=job is not None, events=events)
 
