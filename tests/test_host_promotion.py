@@ -335,3 +335,48 @@ def test_a_promotion_with_nothing_to_move_keeps_no_cuda_events(fake):
     assert q.events is not None and len(fake._events) == 2
     q.wait()
     assert not fake._events
+
+
+async def test_a_move_that_raises_is_counted_and_the_cache_owner_serves_on(fake, monkeypatch):
+    """A promotion (trio thread) or demotion (worker) that raises, e.g. out of memory converting an array on
+    MLX's CUDA backend under the very pressure that demotes, must not take the cache owner down."""
+    import trio
+
+    from mlxd.actors.cache_owner import CacheOwnerActor
+    from mlxd.runtime.config import RuntimeConfig
+    from mlxd.runtime.kernel.channels import Reply
+    from mlxd.runtime.kernel.messages import (
+        CacheOwnerMessage,
+        LookupPrefix,
+        PublishPrefix,
+        QueryCacheStats,
+    )
+
+    async def ask(channel, make):
+        reply: Reply = Reply()
+        await channel.send(make(reply))
+        return await reply.wait()
+
+    def boom(payload):
+        raise RuntimeError("[malloc] out of memory")
+
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
+    a, b = tuple(range(8)), tuple(range(100, 108))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        monkeypatch.setattr(host_memory, "_ranges", boom)
+        for t in (a, b):  # a goes to the host tier and moves (idle): its demotion raises
+            await inbox_send.send(PublishPrefix(t, "", payload=_kv(layers=1, n=8), nbytes=512, trimmable=True,
+                                                reason="final"))
+        for _ in range(3000):
+            if (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]["move_failures"] >= 1:
+                break
+            await trio.sleep(0.01)
+        lookup = await ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))  # its promotion raises
+        assert lookup.hit is not None and lookup.hit.usable == 8
+        copies = (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]
+        assert copies["move_failures"] == 2 and copies["demotions"] == 0
+        nursery.cancel_scope.cancel()
+    assert not host_memory._demoting

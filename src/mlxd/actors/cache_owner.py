@@ -110,6 +110,7 @@ class _Copies:
     demote_held_s: float = 0.0
     demotions_stopped: int = 0
     demote_gb_s_last: float | None = None
+    move_failures: int = 0  # a promotion or demotion that raised (logged; the cache owner serves on)
 
 
 class CacheOwnerActor:
@@ -451,7 +452,12 @@ class CacheOwnerActor:
             return
         payload = effect.entry.payload
         if isinstance(effect, Promote):
-            promotion = host_memory.promote(payload)
+            try:
+                promotion = host_memory.promote(payload)
+            except Exception as exc:  # (e.g. out of memory converting an array) its pages fault back instead
+                log.warning("host_cache.promote_failed", error=repr(exc))
+                self._copies.move_failures += 1
+                return
             self._promotion = promotion
             c = self._copies
             c.promotions += 1
@@ -472,6 +478,10 @@ class CacheOwnerActor:
         try:
             done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
                                                  limiter=self._demote_threads)
+        except Exception as exc:  # (e.g. out of memory converting an array) its pages stay where they are
+            log.warning("host_cache.demote_failed", error=repr(exc))
+            self._copies.move_failures += 1
+            return
         finally:  # cancelled before its worker ran (the actor stopped): registered no longer
             host_memory.end_demotion(payload, ticket)
         c = self._copies
