@@ -7,7 +7,7 @@ every held position of the batch, since mlx-lm's batch cache keeps every row end
 Timed here on `BatchKVCache`s filled with random KV of a model's shape, per held context length:
 a trim alone (every row accepted the same count) vs the shift (rows accepted 0..K), with the bytes
 the shift reads and writes, next to one plain decode step's KV read (every held position, once);
-and the row-by-row form (`per_row`, the engine's on the CPU: `spec_batch.PER_ROW_SHIFT`): each row
+and the row-by-row form (`per_row`, the engine's since c36a6a2 on the CPU and dcaff95 on CUDA): each row
 that shifts copies its own held span out and writes it back one place over (its bytes only, no
 index arrays; but 4 operations per shifted row and layer instead of 2 per layer). Both must leave
 the same KV (checked).

@@ -36,10 +36,6 @@ from mlxd.engine.speculative import Drafts
 # Verifying forwards attend over the whole KV buffer (see the module docstring): on CUDA only, where
 # the attention's plan is keyed by the key length; elsewhere the exact length costs nothing to change.
 WHOLE_BUFFER = mx.cuda.is_available() if hasattr(mx, "cuda") else False
-# Rows that drop more than the others are moved one by one, their own span only, on every backend
-# (benchmarks/bench_rollback.py, batch 8: 2-3x cheaper than rolling the whole batch on the CPU; on the H200,
-# qwen3-1.7b shape, 5.8 / 7.2 / 14.9 ms against the roll's 7.4 / 26.1 / 298 ms at 512 / 2,048 / 8,192 positions).
-PER_ROW_SHIFT = True
 
 
 class SpeculativeBatch(GenerationBatch):
@@ -237,7 +233,7 @@ class SpeculativeBatch(GenerationBatch):
         """Drop each row's last `extra[i]` positions from every layer's KV."""
         common = min(extra)
         rest = [e - common for e in extra]
-        pads = self.prompt_cache[0].left_padding.tolist() if any(rest) and PER_ROW_SHIFT else None
+        pads = self.prompt_cache[0].left_padding.tolist() if any(rest) else None
         for cache in self.prompt_cache:
             if common:
                 cache.trim(common)
