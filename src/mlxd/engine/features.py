@@ -167,8 +167,9 @@ def mask_mode() -> str:
     docs/benchmarks.md, 2026-12-04 13:52); "ahead-early": ahead-bool, the worker started
     as soon as the last step's tokens are sampled (`StepMasks.prepare`, before the engine
     thread hands that step's tokens on) rather than when the next step starts: the default,
-    ahead of ahead-bool in all four cells of the H200's 15:44-15:56 sweep (noisy). Read at
-    every step (a benchmark switches it).
+    ahead of ahead-bool in all four cells of the H200's 15:44-15:56 sweep, behind it in both
+    batch-8 cells at 16:19 (a noisy host: docs/benchmarks.md). Read at every step (a
+    benchmark switches it).
     """
     import os
 
