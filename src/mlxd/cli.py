@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -581,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        faulthandler.enable()  # a native crash (MLX, a library's threads) leaves every thread's stack on stderr
         return run_serve(args)
     if args.command == "build-model":
         return run_build_model(args)
