@@ -17,7 +17,10 @@ time from that step to the last (prefill excluded). Two workloads:
   the back-off), at 2 drafts are partly accepted.
 
 Outputs are checked token for token between the arms. Reported per workload
-and batch size: median tok/s per arm, the median per-round ratio arm ÷ off,
+and batch size: median tok/s per arm, the ratio arm ÷ off per pair of runs
+(`--schedule rounds`: an arm's run and the same round's off run; `pairs`: an
+arm's run and an off run right beside it, off first every other pair) as median
+and interquartile range, process CPU ms per token beside it (per pair too),
 acceptance rate and tokens per target forward, and whether each arm's tokens
 equalled off's (and off's its own, run twice), and how many of an arm's engine
 steps verified drafts (the gate's decisions). Cases run batch by batch (batch 1
@@ -25,6 +28,10 @@ first), and the results file is written after each case (to $OUT too when set).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
         [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...] [--stop-after S]
+        [--control] [--schedule rounds|pairs] [--case-seconds S]
+
+`--control` adds `off2` (speculation off again): its ratios are what two equal
+arms differ by on this host, the band an arm's ratio must be read against.
 
 Results go to benchmarks/results/speculative-*.json.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -71,10 +79,40 @@ def workload(
     return requests
 
 
-def decode(core: EngineCore, requests: list[GenerationRequest]) -> tuple[float, dict[str, list[int]]]:
-    """Decode tok/s of the rows together, from the step where each has a token to the last step."""
+@attrs.frozen
+class Measured:
+    """One arm's run of a case's rows."""
+
+    tok_s: float  # decode tok/s of the rows together (prefill excluded)
+    cpu_ms: float  # process CPU ms per decoded token over the same span (every thread of the process)
+    tokens: dict[str, list[int]]
+
+
+def decode(core: EngineCore, requests: list[GenerationRequest]) -> Measured:
+    """Decode tok/s and CPU ms per token of the rows together, from the step where each has a token to the last."""
+    gc.collect()  # the garbage of the runs before is collected here, untimed, not inside whichever run comes next
     run = run_rows(core, requests)
-    return run.decode_tok_s(), run.tokens
+    return Measured(run.decode_tok_s(), run.decode_cpu_ms_per_token(), run.tokens)
+
+
+def schedule(arms: list[str], r: int, paired: bool) -> list[list[str]]:
+    """Round `r`'s runs, in order, as groups that each hold one `off` run and the arms compared with it.
+
+    Rounds: every arm once, the order rotated by one each round (who goes first). Pairs: each other
+    arm (rotated likewise) run right beside an `off` run of its own, off first in every other pair,
+    so a ratio compares two runs a fraction of a second apart (a host's slow spell hits both)."""
+    if not paired:
+        return [arms[r % len(arms):] + arms[: r % len(arms)]]
+    others = arms[1:]
+    rotated = others[r % len(others):] + others[: r % len(others)]
+    return [["off", arm] if (r + i) % 2 == 0 else [arm, "off"] for i, arm in enumerate(rotated)]
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median and interquartile range of per-pair ratios (and the values, rounded)."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": round(statistics.median(values), 4), "iqr": [round(q[0], 4), round(q[2], 4)],
+            "values": [round(x, 3) for x in values]}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,42 +157,55 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for core in cores.values():
             decode(core, warm)  # warm every arm's kernels for this batch's shapes
         # The same arm twice: is the platform itself deterministic for this workload?
-        repeatable = (decode(cores["off"], requests)[1] == decode(cores["off"], requests)[1]
+        repeatable = (decode(cores["off"], requests).tokens == decode(cores["off"], requests).tokens
                       if args.repeat_check else None)
         arms = list(cores)
         rates: dict[str, list[float]] = {arm: [] for arm in arms}
+        cpu: dict[str, list[float]] = {arm: [] for arm in arms}
         ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
+        cpu_ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
         same = dict.fromkeys(arms[1:], True)
         before = {arm: cores[arm].stats().speculation for arm in arms[1:]}
+        case_began, rounds = time.perf_counter(), 0
         for r in range(args.rounds):
-            order = arms[r % len(arms):] + arms[: r % len(arms)]  # rotate who goes first
-            got = {arm: decode(cores[arm], requests) for arm in order}
-            for arm in arms:
-                rates[arm].append(got[arm][0])
-            for arm in arms[1:]:
-                same[arm] = same[arm] and got[arm][1] == got["off"][1]
-                ratios[arm].append(got[arm][0] / got["off"][0])
+            if r >= 3 and args.case_seconds and time.perf_counter() - case_began > args.case_seconds:
+                break  # --case-seconds: no new round past it (3 rounds at least)
+            for group in schedule(arms, r, args.schedule == "pairs"):
+                got = {arm: decode(cores[arm], requests) for arm in group}
+                for arm, m in got.items():
+                    rates[arm].append(m.tok_s)
+                    cpu[arm].append(m.cpu_ms)
+                off = got["off"]
+                for arm in (a for a in group if a != "off"):
+                    same[arm] = same[arm] and got[arm].tokens == off.tokens
+                    ratios[arm].append(got[arm].tok_s / off.tok_s)
+                    cpu_ratios[arm].append(got[arm].cpu_ms / off.cpu_ms if off.cpu_ms else 0.0)
+            rounds += 1
         label = name if name == "repetitive" else f"{name} t={temperature:g}"
-        case: dict[str, Any] = {"batch": batch, "off_tok_s": statistics.median(rates["off"]),
-                                "off_repeatable": repeatable, "arms": {}}
+        case: dict[str, Any] = {
+            "batch": batch, "schedule": args.schedule, "rounds": rounds,
+            "seconds": round(time.perf_counter() - case_began, 1), "off_tok_s": statistics.median(rates["off"]),
+            "off_cpu_ms_per_token": statistics.median(cpu["off"]), "off_repeatable": repeatable, "arms": {}}
         for arm in arms[1:]:
             b, a = before[arm], cores[arm].stats().speculation
+            ratio, cpu_ratio = spread(ratios[arm]), spread(cpu_ratios[arm])
+            c = case["arms"][arm] = {
+                "tok_s": statistics.median(rates[arm]), "ratio_median": ratio["median"], "ratio_iqr": ratio["iqr"],
+                "ratios": ratio["values"], "cpu_ms_per_token": statistics.median(cpu[arm]),
+                "cpu_ratio_median": cpu_ratio["median"], "cpu_ratio_iqr": cpu_ratio["iqr"],
+                "identical": same[arm]}
+            line = (f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
+                    f"ratio {ratio['median']:.3f} IQR {ratio['iqr']}, CPU/token {c['cpu_ms_per_token']:.2f} ms "
+                    f"(off {case['off_cpu_ms_per_token']:.2f}) ratio {cpu_ratio['median']:.3f} IQR {cpu_ratio['iqr']}")
             if b is None or a is None:  # off2: speculation off
-                case["arms"][arm] = {"tok_s": statistics.median(rates[arm]),
-                                     "ratio_median": statistics.median(ratios[arm]),
-                                     "ratios": [round(x, 3) for x in ratios[arm]], "identical": same[arm]}
-                c = case["arms"][arm]
-                print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} "
-                      f"tok/s, ratio {c['ratio_median']:.3f} {c['ratios']}, identical {c['identical']}", flush=True)
+                print(f"{line}, identical {c['identical']}, {len(ratios[arm])} pairs {ratio['values']}", flush=True)
                 continue
             proposed, accepted = a.proposed - b.proposed, a.accepted - b.accepted
             rows = a.verified_rows - b.verified_rows
-            case["arms"][arm] = {
-                "tok_s": statistics.median(rates[arm]), "ratio_median": statistics.median(ratios[arm]),
-                "ratios": [round(x, 3) for x in ratios[arm]],
+            c.update({
                 "acceptance": accepted / proposed if proposed else 0.0,
                 "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
-                "proposed": proposed, "accepted": accepted, "identical": same[arm],
+                "proposed": proposed, "accepted": accepted,
                 "verify_steps": a.verify_steps - b.verify_steps, "gate_pauses": a.gate_pauses,
                 # The gate's decisions in the timed rounds: decode steps, those it kept from verifying
                 # (paused, or measuring the plain rate); the rest verified drafts or had none to verify.
@@ -165,13 +216,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 # for them, and of those, the ones the rows then emitted.
                 "gate_probes": a.gate_probes - b.gate_probes,
                 "gate_probe_accepted": a.gate_probe_accepted - b.gate_probe_accepted,
-            }
-            c = case["arms"][arm]
-            print(f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
-                  f"ratio {c['ratio_median']:.3f} {c['ratios']}, acceptance {c['acceptance']:.2f}, tokens/forward "
-                  f"{c['tokens_per_forward']:.2f}, verify steps {c['verify_steps']} of {c['steps']} (gate withheld "
-                  f"{c['withheld']}, pauses {c['gate_pauses']}, probes {c['gate_probes']}), draft rows/step "
-                  f"{c['draft_rows_per_step']:.1f}, identical {c['identical']} (off vs off: {repeatable})", flush=True)
+            })
+            print(f"{line}, acceptance {c['acceptance']:.2f}, tokens/forward {c['tokens_per_forward']:.2f}, verify "
+                  f"steps {c['verify_steps']} of {c['steps']} (gate withheld {c['withheld']}, pauses "
+                  f"{c['gate_pauses']}, probes {c['gate_probes']}), draft rows/step {c['draft_rows_per_step']:.1f}, "
+                  f"identical {c['identical']} (off vs off: {repeatable}), {len(ratios[arm])} pairs "
+                  f"{ratio['values']}", flush=True)
         out["cases"][f"{label}/batch{batch}"] = case
         save(out, args.result)  # after every case: a run cut short keeps what it measured
         print(f"[{time.perf_counter() - began:.0f} s] {label} batch {batch} done", flush=True)
@@ -259,6 +309,12 @@ if __name__ == "__main__":
     p.add_argument("--probe-all", action="store_true",
                    help="also, per draft arm but draft=self, a twin whose gate probes by verifying every row "
                         "(MLXD_DRAFT_PROBE_ROWS=0, as before the one-row unverified probe)")
+    p.add_argument("--schedule", choices=("rounds", "pairs"), default="rounds",
+                   help="rounds: every arm once a round, in rotating order, each compared with the round's off run; "
+                        "pairs: each arm beside an off run of its own, off first every other pair (the ratio of two "
+                        "adjacent runs; twice the off runs)")
+    p.add_argument("--case-seconds", type=float, default=0.0, metavar="S",
+                   help="start no round of a case after S seconds of it (3 rounds at least; 0: --rounds rounds)")
     p.add_argument("--workloads", nargs="+", choices=("repetitive", "non-repetitive"),
                    default=["repetitive", "non-repetitive"], help="which workloads run (default: both)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="S",

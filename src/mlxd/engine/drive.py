@@ -35,10 +35,17 @@ class RowsRun:
     all_started_s: float  # seconds to the step after which every row had a token
     decoded_after: int  # tokens emitted after that step
     seconds: float  # the whole run
+    # Process CPU seconds (every thread: the engine's, MLX's, a GPU driver's) over the same span as
+    # `decode_tok_s`: from the step after which every row had a token to the last.
+    decode_cpu_s: float = 0.0
 
     def decode_tok_s(self) -> float:
         """Tokens per second of the rows together, once every row had its first token."""
         return self.decoded_after / (self.seconds - self.all_started_s)
+
+    def decode_cpu_ms_per_token(self) -> float:
+        """Process CPU milliseconds per token over the span of `decode_tok_s` (0 when none was emitted)."""
+        return 1000 * self.decode_cpu_s / self.decoded_after if self.decoded_after else 0.0
 
 
 def run_rows(core: Any, starts: Sequence[RowStart | GenerationRequest]) -> RowsRun:
@@ -50,6 +57,7 @@ def run_rows(core: Any, starts: Sequence[RowStart | GenerationRequest]) -> RowsR
         reasons={}, notes=[], first_token_s={}, all_started_s=0.0, decoded_after=0, seconds=0.0,
     )
     ops, began, all_started = StepOps(starts=tuple(rows)), time.perf_counter(), None
+    cpu_started = 0.0
     while len(run.reasons) < len(rows):
         result = core.step(ops)
         ops = StepOps()
@@ -68,6 +76,8 @@ def run_rows(core: Any, starts: Sequence[RowStart | GenerationRequest]) -> RowsR
                 run.reasons[rid] = event.reason
         if all_started is None and all(run.tokens.values()):
             all_started = time.perf_counter() - began
+            cpu_started = time.process_time()
     run.seconds = time.perf_counter() - began
+    run.decode_cpu_s = time.process_time() - cpu_started if all_started is not None else 0.0
     run.all_started_s = run.seconds if all_started is None else all_started
     return run
