@@ -35,7 +35,7 @@ for p in "$@"; do case $p in
             --case-seconds 35 --stop-after 100 ${SPEC1_ARGS:-} ;;
   spec8) phase spec8 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 8 --rounds 40 --tokens 48 \
             --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule pairs \
-            --case-seconds 42 --stop-after 100 ${SPEC8_ARGS:-} ;;
+            --case-seconds 38 --stop-after 100 ${SPEC8_ARGS:-} ;;
   numerics) phase numerics 100 python3 benchmarks/gpu/verify_numerics.py ${NUMERICS_ARGS:---prompt 512 --tokens 192} ;;
   rollback) phase rollback 60 python3 benchmarks/bench_rollback.py ${ROLLBACK_ARGS:---shape qwen3-1.7b --context 512 2048 8192} ;;
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;
