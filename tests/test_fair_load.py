@@ -388,6 +388,28 @@ def test_a_first_chunk_slowed_by_a_compile_does_not_pin_chunks_at_the_minimum():
     assert whole.chunk(2048, newcomers=[], shared=False) == 1024
 
 
+def test_one_slow_chunk_does_not_shrink_the_next_prompts_chunks():
+    """The H200 run of 15:54 (sim_ttft-h200-20261204-155620.json): a 1,024-token miss in one chunk
+    (75 ms), then a RAM hit's 127-token chunk slowed by its first compile (150 ms): sized by that last
+    rate, the next miss went in 32-token chunks (1.16 s, both runs). Bounded by the fastest chunk's
+    whole rate it goes in 512s; so does a slow chunk among measured ones (median pairwise slope)."""
+    slicer = PrefillSlicer(0.05)
+    slicer.measured(1023, 0.075)
+    slicer.measured(127, 0.150)
+    assert slicer.chunk(2048, newcomers=[], shared=False) >= 512
+    steady = PrefillSlicer(0.05)  # 40 ms a step + 4 µs a token, then one chunk 25x slower (a compile)
+    for size in (512, 1024, 256, 512, 1024, 256):
+        steady.measured(size, 0.040 + 4e-6 * size)
+    steady.measured(256, 1.0)
+    assert steady.chunk(2048, newcomers=[], shared=False) == 2048
+    assert steady.apart(400, others_prefilling=True)  # the fastest rate, not the slow chunk's
+    # Where the work per token is what costs (a CPU at 2,048 tokens/s), chunks stay one slice.
+    cpu = PrefillSlicer(0.05)
+    for size in (64, 128, 64, 128):
+        cpu.measured(size, 0.002 + size / 2048)
+    assert cpu.chunk(2048, newcomers=[], shared=False) == 64
+
+
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
     """Which request got its first token first: the long prompt joins, one step later the short one."""
     order: list[str] = []

@@ -28,7 +28,16 @@ rate would ask again for the one size measured, the next chunk tries another
 (twice it, or half at the step size), so the fit always gets its second size:
 a first chunk slowed by a kernel compile once gave a rate that asked for
 MIN_CHUNK, every later chunk was MIN_CHUNK, no second size ever came, and a
-16k-token prompt took 65 s on the H200 (2026-12-04 13:50). A short prompt
+16k-token prompt took 65 s on the H200 (2026-12-04 13:50). One slow chunk
+(a shape's first compile, a GC pause) must not shrink the next ones either:
+the per-token cost is at most the fastest recent chunk's whole time per
+token (its fixed cost included), so that bounds both the fitted slope and the
+fallback, and the slope is the median of the pairwise slopes (Theil-Sen), not
+least squares. Before, a RAM hit's first 128-token chunk (170 ms, compiling)
+asked for 32-token chunks, and the next 1,024-token miss took 1.16 s in 32
+steps instead of 0.08 s (H200, sim_ttft-h200-20261204-155620.json, both
+runs); RAM hits of 128 tokens in 16-token chunks took 0.29-0.46 s instead of
+0.07 s, in one run and not the other. A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. Pure and
@@ -58,34 +67,37 @@ class PrefillSlicer:
     """`chunk(...)`: tokens per prefilling row in the next step; `measured(...)` feeds it the prefill rate."""
 
     slice_s: float  # 0 = off: every chunk is the whole prefill step size
-    rate: float = 0.0  # prompt tokens per second, from chunks that ran alone (0 = not measured yet)
+    rate: float = 0.0  # prompt tokens per second, the fastest recent chunk that ran alone (0 = not measured yet)
     _samples: collections.deque[tuple[int, float]] = attrs.field(
         init=False, factory=lambda: collections.deque(maxlen=FIT_SAMPLES)
     )
 
     def measured(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.rate = tokens / seconds
             self._samples.append((tokens, seconds))
+            self.rate = max(n / t for n, t in self._samples)
 
     def seconds_per_token(self) -> float:
-        """A chunk's cost per prompt token less the step's fixed cost: the least-squares slope of the
-        recent chunks' times over their sizes; with one size measured (or a slope the noise made
-        non-positive), the whole rate's inverse, which includes the fixed cost (so errs small)."""
+        """A chunk's cost per prompt token less the step's fixed cost: the median pairwise slope of the
+        recent chunks' times over their sizes, at most the fastest recent chunk's whole time per token
+        (`1 / rate`: its fixed cost included, so no per-token cost is above it; a chunk slowed by a
+        compile cannot raise it); with one size measured (or a non-positive slope), that bound itself
+        (errs small)."""
         slope = self._slope()
-        return slope if slope is not None else 1.0 / self.rate
+        bound = 1.0 / self.rate
+        return bound if slope is None else min(slope, bound)
 
     def _slope(self) -> float | None:
-        """The fitted per-token cost, None without two sizes measured or with a non-positive slope."""
-        if len({n for n, _ in self._samples}) >= 2:
-            count = len(self._samples)
-            mean_n = sum(n for n, _ in self._samples) / count
-            mean_t = sum(t for _, t in self._samples) / count
-            spread = sum((n - mean_n) ** 2 for n, _ in self._samples)
-            slope = sum((n - mean_n) * (t - mean_t) for n, t in self._samples) / spread
-            if slope > 0:
-                return slope
-        return None
+        """The median of the pairwise slopes of chunks of different sizes (Theil-Sen: one outlier
+        moves it by one rank, not by its size), None without two sizes or with a non-positive median."""
+        samples = list(self._samples)
+        slopes = sorted((t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(samples)
+                        for n2, t2 in samples[i + 1 :] if n2 != n1)
+        if not slopes:
+            return None
+        mid = len(slopes) // 2
+        slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+        return slope if slope > 0 else None
 
     def _sized(self, step_size: int) -> int:
         """The next chunk by the fit, or, without one, by the whole rate unless that asks again for
