@@ -253,6 +253,31 @@ def test_each_tier_keeps_its_own_spread_so_its_median_is_its_own(tmp_path, capsy
     assert abs(pooled["ram"]["ratio_p50"] - 1) > 0.1 or abs(pooled["ssd"]["ratio_p50"] - 1) > 0.1
 
 
+def test_far_out_outliers_are_left_out_of_a_tiers_spread_and_counted():
+    """A tier's few one-offs 4-6x its median (the H200's 15:54 RAM hits in 16-token chunks: 285-457 ms
+    among 53-97 ms) are no tail the next run will have: the fit leaves them out of the spread and counts
+    them; a continuous tail (a loaded CPU's) is kept, and fence 0 keeps everything."""
+    from mlxd.sim.ttft_fit import far_out, fit_recording
+
+    steady = [1.0 + 0.01 * (i % 20) for i in range(58)]
+    kept, out = far_out([*steady, 4.0, 4.5, 5.0, 5.5, 6.0])
+    assert sorted(out) == [4.0, 4.5, 5.0, 5.5, 6.0] and len(kept) == 58
+    tail = [1.0 + 0.05 * i for i in range(40)]  # 1.0 .. 2.95, evenly
+    assert far_out(tail) == (tail, [])
+    assert far_out([*steady, 6.0], 0) == ([*steady, 6.0], [])
+    assert far_out([1.0, 9.0, 1.0]) == ([1.0, 9.0, 1.0], [])  # too few to tell
+    reqs = [TraceRequest(index=i, t=10.0 * i, input_length=200, output_tokens=0, cached_tokens=0, cache_tier="none",
+                         ttft_s=PROBE.prefill_seconds(200) * x, queued_s=0.0)
+            for i, x in enumerate([*steady, 5.0, 6.0])]
+    fitted = fit_recording(reqs, PROBE, warmup=0)
+    assert fitted.outliers == {"miss": 2} and len(fitted.tier_ratios["miss"]) == 58
+    assert max(fitted.tier_ratios["miss"]) < 1.5 * min(fitted.tier_ratios["miss"])
+    everything = fit_recording(reqs, PROBE, warmup=0, fence=0)
+    assert everything.outliers == {} and len(everything.tier_ratios["miss"]) == 60
+    with pytest.raises(ValueError, match="fence"):
+        fit_recording(reqs, PROBE, fence=-1)
+
+
 def test_ssd_hits_of_different_sizes_fit_the_restores_fixed_cost_and_bandwidth():
     """A restore costs a fixed part plus its bytes at the disk's rate (as the server's restore, and the
     advisor's model); with hits of different sizes the fit finds both, not the probe's bandwidth. Hits all of
@@ -400,6 +425,13 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     for row in result["noise"]:
         lo, hi = row["interval_p50"]
         assert lo <= 1.0 <= hi
+        for p in ("p50", "p95"):  # checked only where the live drift is within +-10% itself
+            assert row[f"{p}_checkable"] == (row[f"drift_{p}"] is not None and abs(row[f"drift_{p}"] - 1) <= 0.1)
+            assert row[f"{p}_verdict"] in (("ok", "miss") if row[f"{p}_checkable"] else ("below noise",))
+    said = bench_sim_ttft.noise_table(bench_sim_ttft.noise(
+        [{"tier": "ram", "recorded_n": 63, "ratio_p50": 1.06, "ratio_p95": 3.15}],
+        {"ram": {"p50": 0.94, "p95": 0.31}}, {}))
+    assert "p50 1.06 ok" in said and "live drift p95 0.31: the check is below the system's own noise" in said
     parts = result["parts"]["predicted"]
     assert parts["ram"]["lookup"] > 0 and parts["ram"]["fetch"] == 0 and parts["ram"]["engine"] > 0
     assert "ssd" not in parts or parts["ssd"]["fetch"] > 0

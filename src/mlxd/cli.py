@@ -424,7 +424,7 @@ def record_trace(rt, path: Path) -> None:
             ttft_s=record.ttft_s,
             queued_s=record.queued_s,
             kv_waited=record.kv_waited,
-            parts={"lookup_s": record.lookup_s, "fetch_s": record.fetch_s},
+            parts={"lookup_s": record.lookup_s, "fetch_s": record.fetch_s, "read_s": record.read_s},
         )
 
     def flushed(report: dict) -> None:

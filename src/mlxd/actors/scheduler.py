@@ -275,6 +275,7 @@ class SchedulerActor:
                 asked = time.monotonic()
                 restore = await self._fetch(lookup.restore)
                 record.fetch_s = time.monotonic() - asked
+                record.read_s = restore.loaded.seconds if restore is not None else 0.0
         if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens
             draft = await self._draft_prefix(
                 request, request.prompt + tuple(resume.record.emitted) if resume is not None else request.prompt

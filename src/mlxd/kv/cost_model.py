@@ -59,6 +59,11 @@ class CostModel:
     admission_s: dict[str, float] = attrs.field(
         factory=dict, converter=lambda d: {str(k): float(v) for k, v in d.items()}, hash=False
     )
+    # Per tier, how many of a recording's requests the fit left out of the spread as far-out outliers
+    # (`mlxd.sim.ttft_fit`: a one-off such as a shape's first compile, not the tier's tail); {} = none.
+    outliers: dict[str, int] = attrs.field(
+        factory=dict, converter=lambda d: {str(k): int(v) for k, v in d.items()}, hash=False
+    )
 
     def prefill_seconds(self, new_tokens: int, context: int = 0) -> float:
         """Prefill `new_tokens` on top of a `context`-token cached prefix."""

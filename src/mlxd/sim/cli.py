@@ -95,6 +95,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit-warmup", type=int, default=None, metavar="N",
                    help="with --fit-ttft-out: leave the recording's first N requests out of the fit (default 1: "
                    "the first request after a start pays one-off costs)")
+    p.add_argument("--fit-outlier-fence", type=float, default=None, metavar="K",
+                   help="with --fit-ttft-out: leave out of each tier's spread the requests above Q3 + K x IQR of "
+                   "its log ratios (Tukey's far out: one-offs such as a first compile, not the tier's tail; "
+                   "default 3, 0 = keep every request)")
     p.add_argument("--ttft-warmup", type=int, default=0, metavar="N",
                    help="leave each tier's first N requests out of the TTFT percentiles per tier (and, with "
                    "--fit-ttft-out, out of the fit): a tier's first use pays one-off costs (default 0)")
@@ -370,12 +374,15 @@ def run_simulate(args) -> int:
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
     if args.fit_ttft_out is not None:
-        from mlxd.sim.ttft_fit import DEFAULT_WARMUP, fit_recording
+        from mlxd.sim.ttft_fit import DEFAULT_WARMUP, OUTLIER_FENCE, fit_recording
 
         warmup = DEFAULT_WARMUP if args.fit_warmup is None else args.fit_warmup
         if warmup < 0:
             raise SystemExit(f"mlxd simulate: --fit-warmup must be >= 0, not {warmup}")
-        fitted = fit_recording(reqs, cost, warmup=warmup, tier_warmup=args.ttft_warmup)
+        fence = OUTLIER_FENCE if args.fit_outlier_fence is None else args.fit_outlier_fence
+        if fence < 0:
+            raise SystemExit(f"mlxd simulate: --fit-outlier-fence must be >= 0, not {fence}")
+        fitted = fit_recording(reqs, cost, warmup=warmup, tier_warmup=args.ttft_warmup, fence=fence)
         fitted.save(args.fit_ttft_out)
         print(json.dumps(fitted.to_json(), indent=2))
         return 0

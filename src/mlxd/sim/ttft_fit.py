@@ -32,6 +32,16 @@ The first `warmup` requests (default 1) are left out: the first request after
 a start pays one-off costs (kernel compilation, the allocator growing) that
 are not the server's steady state.
 
+Every term is fitted to medians (the prefill fit's scale, the restore's fixed
+part, the admission time), and a tier's spread leaves out its far-out
+outliers (Tukey's fence on the log ratios: above Q3 + `fence` x IQR, default
+3): a one-off (a shape's first compile, a prefill cut into tiny chunks by a
+rate that compile skewed) that came in the calibration run is no tail the
+next run will have. On the H200 (15:54 run) it left out 5 of 63 RAM hits at
+285-457 ms (the rest 53-97 ms); on the CPU at load 2-10 it leaves out 0-1 of
+95-191 a tier (a loaded machine's tail is continuous, not far out).
+`CostModel.outliers` counts them per tier.
+
 The model describes the recorded server and machine under the recorded load;
 `mlxd simulate OTHER --cost-model FILE` then predicts another trace (or other
 tier sizes) with it. Pure: no MLX, no trio.
@@ -50,21 +60,25 @@ from mlxd.sim.trace import TraceRequest
 _PREFILL_TIERS = ("none", "ram")
 _IRLS_ROUNDS = 8
 MIN_TIER_REQUESTS = 3  # fewer than this, a tier takes the pooled spread
+OUTLIER_FENCE = 3.0  # a tier's spread leaves out ratios above Q3 + this x IQR of the log ratios (Tukey's far out)
 RESTORE_SIZE_SPREAD = 1.5  # SSD hits' largest / smallest restore for the bandwidth to be fitted, not the probe's
 DEFAULT_WARMUP = 1
 SOURCE = {"none": "miss", "ram": "ram", "ssd": "ssd", "host": "host"}  # recorded tier -> replay source
 
 
 def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int = DEFAULT_WARMUP,
-                  tier_warmup: int = 0) -> CostModel:
+                  tier_warmup: int = 0, fence: float = OUTLIER_FENCE) -> CostModel:
     """`base` with its prefill and restore terms fitted to the requests' measured TTFTs.
 
     Decode, KV bytes per token and the host tier are kept from `base`. The first `warmup` requests
-    (in recorded order) are left out, and the first `tier_warmup` of each tier (`tier_warmup_indices`).
+    (in recorded order) are left out, and the first `tier_warmup` of each tier (`tier_warmup_indices`);
+    each tier's spread leaves out its far-out outliers (`far_out`, `fence` 0 = none).
     Raises ValueError when the recording has no measured prefill to fit.
     """
     if warmup < 0 or tier_warmup < 0:
         raise ValueError(f"warmup must be >= 0, not {min(warmup, tier_warmup)}")
+    if fence < 0:
+        raise ValueError(f"the outlier fence must be >= 0, not {fence}")
     timed = [r for r in sorted(reqs, key=lambda r: r.index) if r.ttft_s is not None]
     own = own_service(timed)
     first_use = tier_warmup_indices(timed, tier_warmup)
@@ -92,10 +106,26 @@ def fit_recording(reqs: Sequence[TraceRequest], base: CostModel, *, warmup: int 
     for n, ctx, t in ssd:
         by_tier.setdefault("ssd", []).append(t / (model.prefill_seconds(n, ctx)
                                                    + model.restore_seconds(model.kv_bytes(ctx))))
-    pooled = sorted(x for ratios in by_tier.values() for x in ratios)
+    kept = {src: far_out(ratios, fence)[0] for src, ratios in by_tier.items()}
+    outliers = {src: len(by_tier[src]) - len(ratios) for src, ratios in sorted(kept.items())
+                if len(ratios) < len(by_tier[src])}
+    pooled = sorted(x for ratios in kept.values() for x in ratios)
     return attrs.evolve(model, service_ratios=_rounded(pooled), tier_ratios={
-        src: _rounded(sorted(ratios)) for src, ratios in sorted(by_tier.items()) if len(ratios) >= MIN_TIER_REQUESTS
-    }, admission_s=admission_by_tier(timed, {r.index for r in measured}))
+        src: _rounded(sorted(ratios)) for src, ratios in sorted(kept.items()) if len(ratios) >= MIN_TIER_REQUESTS
+    }, admission_s=admission_by_tier(timed, {r.index for r in measured}), outliers=outliers)
+
+
+def far_out(ratios: Sequence[float], fence: float = OUTLIER_FENCE) -> tuple[list[float], list[float]]:
+    """(kept, left out): the ratios above Q3 + `fence` x IQR of their logs are left out (Tukey's far-out
+    fence, on logs since a ratio is a factor); with fewer than 4 ratios, or `fence` 0, none are."""
+    values = [float(x) for x in ratios]
+    if fence <= 0 or len(values) < 4 or min(values) <= 0:
+        return values, []
+    logs = np.log(values)
+    q1, q3 = np.percentile(logs, (25, 75))
+    limit = q3 + fence * (q3 - q1)
+    return [x for x, v in zip(values, logs, strict=True) if v <= limit], \
+        [x for x, v in zip(values, logs, strict=True) if v > limit]
 
 
 def admission_by_tier(reqs: Sequence[TraceRequest], keep: set[int]) -> dict[str, float]:

@@ -148,6 +148,7 @@ class RequestRecord:
     lookup_s: float = 0.0  # the cache owner's prefix lookup, reply included (a host-tier promotion is issued in it)
     promoted_bytes: int = 0  # its hit came back from the host tier: the bytes whose pages were moved back
     fetch_s: float = 0.0  # an SSD hit: waiting for the cold file's bytes (the prefetcher's read) before the engine
+    read_s: float = 0.0  # of which the read itself on its thread (landing included): the rest waited for it to start
     promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
 
     @property
