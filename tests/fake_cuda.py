@@ -1,6 +1,6 @@
 """A stand-in for the CUDA runtime calls `runtime/host_memory.py` makes, for CPU tests and traces.
 
-It answers `cudaStreamCreateWithFlags`, `cudaMemPrefetchAsync`, `cudaMemcpyAsync`,
+It answers `cudaStreamCreateWithFlags`, `cudaMemPrefetchAsync`, `cudaMemcpyAsync`, `cudaMemcpy2DAsync`,
 `cudaStreamSynchronize`, `cudaStreamQuery`, `cudaEvent*`, `cudaHostAlloc` as ctypes would, keeps
 one timeline per stream, and records every call (thread, stream, direction, bytes,
 when it was issued and when the stream reached it). Time is simulated from an
@@ -82,6 +82,16 @@ class FakeCudaLib:
     def cudaMemcpyAsync(self, dst: Any, src: Any, n: Any, kind: int, stream: Any) -> int:
         ctypes.memmove(_int(dst), _int(src), _int(n))  # pinned copies are real (the SSD writer's staging)
         nbytes = int(_int(n) * self.scale)
+        start, end = self._queue(_int(stream), nbytes / self.copy_Bps)
+        self._record("copy", _int(stream), nbytes, start, end)
+        return 0
+
+    def cudaMemcpy2DAsync(self, dst: Any, dpitch: Any, src: Any, spitch: Any, width: Any, height: Any, kind: int,
+                          stream: Any) -> int:
+        d, s, w = _int(dst), _int(src), _int(width)
+        for row in range(_int(height)):  # real, as the 1D copy's
+            ctypes.memmove(d + row * _int(dpitch), s + row * _int(spitch), w)
+        nbytes = int(w * _int(height) * self.scale)
         start, end = self._queue(_int(stream), nbytes / self.copy_Bps)
         self._record("copy", _int(stream), nbytes, start, end)
         return 0

@@ -158,6 +158,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
                    help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
                    "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
+    p.add_argument("--ssd-write-hold-decode", action="store_true", default=None,
+                   help="hold write-behind still while rows decode, as while a prompt waits for its first token "
+                        "(at most 2 s a hold, then one piece goes; a flush, backlog or RAM pressure is never held)")
     p.add_argument("--generation-checkpoint", type=_non_negative_int, default=0, metavar="N",
                    help="checkpoint running generations every N tokens to the SSD tier, so an identical "
                         "request resumes after a crash or disconnect (default 0: off; needs --ssd-cache)")
@@ -242,8 +245,8 @@ def serve_config(args: argparse.Namespace):
                          "own shard files): leave out --ssd-cache")
     ssd = {}
     if args.ssd_cache is None:
-        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_layout",
-                     "ssd_block_tokens", "ssd_shared", "ssd_rescan"):
+        for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_write_hold_decode",
+                     "ssd_layout", "ssd_block_tokens", "ssd_shared", "ssd_rescan"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
     else:
@@ -257,6 +260,7 @@ def serve_config(args: argparse.Namespace):
             **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
             **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
+            "ssd_write_hold_decode": bool(args.ssd_write_hold_decode),
             **({} if args.ssd_layout is None else {"ssd_layout": args.ssd_layout}),
             **({} if args.ssd_block_tokens is None else {"ssd_block_tokens": args.ssd_block_tokens}),
         }

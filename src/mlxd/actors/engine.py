@@ -166,6 +166,7 @@ class EngineActor:
         except Exception as exc:  # a model error must not take the server down
             self._step_failed(exc, len(ops.starts))
             return
+        self._governor.stepped()
         await self._deliver(result)
 
     async def _run_steps(self, thread: MlxThread, step: Callable[[StepOps], StepResult], ops: StepOps) -> None:
@@ -182,6 +183,7 @@ class EngineActor:
                 pass  # the run was cancelled (shutdown): every row gets its answer from _fail_all
 
         def hand(result: StepResult) -> None:  # on the MLX thread
+            self._governor.stepped()  # write-behind's staged copies go a piece per step meanwhile
             try:
                 token.run_sync_soon(take, result)
             except trio.RunFinishedError:

@@ -56,8 +56,10 @@ def _write(
 
 
 def _stage(staging: host_memory.Staging, pacer: Pacer, piece: SnapshotPlan) -> SnapshotPlan:
-    pacer.hold()
-    staged: SnapshotPlan = staging.stage(piece, between=pacer.hold)
+    # While rows decode: pieces of STAGE_PIECE_DECODING bytes, at most one per engine step (the pacer).
+    pacer.between_pieces()
+    size = pacer.piece_size(host_memory.STAGE_PIECE, host_memory.STAGE_PIECE_DECODING)
+    staged: SnapshotPlan = staging.stage(piece, between=pacer.between_pieces, piece=size)
     return staged
 
 
@@ -129,7 +131,10 @@ class SsdWriterActor:
         seconds = time.perf_counter() - t0
         self._stats = self._count(outcome, seconds, pacer)
         if staging is not None:
-            self._stats = attrs.evolve(self._stats, staged=staging.staged, staged_bytes=staging.staged_bytes)
+            c = staging.copied
+            self._stats = attrs.evolve(self._stats, staged=staging.staged, staged_bytes=staging.staged_bytes,
+                                       staged_pieces=c.pieces, staged_calls=c.calls,
+                                       step_waits=self._stats.step_waits + (pacer.step_waits if pacer else 0))
         return SnapshotWritten(job.job, outcome, seconds, self._stats)
 
     def _count(self, outcome: WriteOutcome, seconds: float, pacer: Pacer | None) -> WriterStats:

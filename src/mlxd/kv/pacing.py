@@ -36,6 +36,9 @@ PACE_SLICE = 16 << 20
 # request is always waiting for its first token, and write-behind must still make progress (one slice,
 # at the paced rate, per hold at least).
 MAX_HOLD_S = 2.0
+# The longest a staged piece waits for the engine's next step while rows decode (a slow or stuck step
+# must not stall write-behind).
+STEP_WAIT_S = 0.1
 
 
 class WriteInterrupted(Exception):
@@ -54,10 +57,16 @@ class WriteGovernor:
     waiting for their first token, the scheduler's) holds writers still (`held`).
     """
 
-    def __init__(self, *, busy_rate_bytes_per_s: float | None, max_hold_s: float = MAX_HOLD_S) -> None:
+    def __init__(self, *, busy_rate_bytes_per_s: float | None, max_hold_s: float = MAX_HOLD_S,
+                 hold_while_decoding: bool = False) -> None:
         self.busy_rate = busy_rate_bytes_per_s or None  # None (or 0): never pace
         self.max_hold_s = max_hold_s  # the longest one hold lasts
+        # Hold still while rows decode too, as for a prefill (`--ssd-write-hold-decode`): only urgency, the
+        # end of a hold (`max_hold_s`) or an idle engine lets a piece go.
+        self.hold_while_decoding = hold_while_decoding
         self._busy = False
+        self._steps = 0  # engine steps so far (`stepped`, the MLX thread): staging goes a piece per step
+        self._step_cond = threading.Condition(threading.Lock())
         self._prefilling = False
         self._urgent: frozenset[str] = frozenset()
         self.changed = threading.Event()
@@ -70,6 +79,22 @@ class WriteGovernor:
         if busy != self._busy:
             self._busy = busy
             self.changed.set()
+
+    def stepped(self) -> None:
+        """The engine finished a step (any thread; cheap: a counter and a notify)."""
+        with self._step_cond:
+            self._steps += 1
+            self._step_cond.notify_all()
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def wait_step(self, after: int, timeout: float) -> int:
+        """Wait until the engine finished a step past `after` (at most `timeout` s); the step count then."""
+        with self._step_cond:
+            self._step_cond.wait_for(lambda: self._steps > after, timeout)
+            return self._steps
 
     def set_prefilling(self, prefilling: bool) -> None:
         if prefilling != self._prefilling:
@@ -97,7 +122,8 @@ class WriteGovernor:
     def held(self) -> bool:
         """Should write-behind hold still now? While a request waits for its first token and nothing is
         urgent (pacing on: a rate of 0 means never pace, never hold)."""
-        return self.busy_rate is not None and self._prefilling and not self._urgent
+        waiting = self._prefilling or (self.hold_while_decoding and self._busy)
+        return self.busy_rate is not None and waiting and not self._urgent
 
     def rate(self) -> float | None:
         """Bytes/s to hold now, or None for full speed."""
@@ -109,7 +135,8 @@ class WriteGovernor:
         return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
                 "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out,
                 "prefilling": self._prefilling, "held_now": self.held(), "holds": self.holds,
-                "holds_expired": self.holds_expired, "held_s": round(self.held_s, 3)}
+                "holds_expired": self.holds_expired, "held_s": round(self.held_s, 3),
+                "hold_while_decoding": self.hold_while_decoding, "engine_steps": self._steps}
 
 
 class Pacer:
@@ -139,6 +166,8 @@ class Pacer:
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate
         self.paced_s = 0.0  # total time spent waiting for the rate
         self.held_s = 0.0  # total time held still for prefills
+        self.step_waits = 0  # staged pieces that waited for the engine's next step
+        self._piece_step: int | None = None  # the engine's step count when the last staged piece went
 
     def pacing(self) -> bool:
         """Whether the writer is being held to a rate (or held still) right now."""
@@ -171,6 +200,25 @@ class Pacer:
         self.held_s += waited
         g.held_s += waited
         self._due = self._clock()  # the rate's schedule restarts after the hold (no burst)
+
+    def piece_size(self, idle: int, decoding: int) -> int:
+        """The staged copy's piece size now: small while rows decode and nothing is urgent."""
+        return decoding if self.governor.rate() is not None else idle
+
+    def between_pieces(self) -> None:
+        """Between two staged pieces (on CUDA device-to-host copies): the hold, then, while rows decode
+        and write-behind is paced, at most one piece per engine step (waiting at most `STEP_WAIT_S` for
+        it), so a copy's runtime calls and the GIL hand-offs they make are spread out, never a burst."""
+        self.hold()
+        g = self.governor
+        if g.rate() is None:
+            self._piece_step = None
+            return
+        if self._piece_step is not None and g.steps <= self._piece_step:
+            self.step_waits += 1
+            g.wait_step(self._piece_step, STEP_WAIT_S)
+            self.check()
+        self._piece_step = g.steps
 
     def done(self, nbytes: int) -> None:
         """Account for `nbytes` just written; wait until the rate allows more."""

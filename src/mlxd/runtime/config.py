@@ -160,6 +160,8 @@ class RuntimeConfig:
     # engine is idle, a flush waits, or the backlog passes ssd_backlog_bytes it
     # writes at full speed.
     ssd_write_rate_bytes: int = attrs.field(default=24 * 1024 * 1024, validator=_non_negative)
+    # Hold write-behind still while rows decode (as for a prefill; bounded by kv/pacing.MAX_HOLD_S a hold).
+    ssd_write_hold_decode: bool = False
     # Dirty bytes beyond which writing is urgent (0 = half the RAM tier).
     ssd_backlog_bytes: int = attrs.field(default=0, validator=_non_negative)
     # Speculative decoding: "ngram" = each row drafts up to num_draft_tokens tokens copied from its own

@@ -38,6 +38,9 @@ _STREAM_NON_BLOCKING = 1
 # A staged copy goes in pieces of about this many bytes, so a writer held still for a prefill stops
 # within one piece (~1 ms at the H200's 50 GB/s).
 STAGE_PIECE = 64 << 20
+# While rows decode (write-behind paced), pieces of at most this many bytes, one per engine step
+# (kv/pacing.py): ~0.16 ms of the copy engine, a few runtime calls.
+STAGE_PIECE_DECODING = 8 << 20
 # A staging buffer is allocated this much larger than the checkpoint that needed it: a conversation's
 # next checkpoint is a little longer, and re-pinning ~2 GB takes 0.6-1 s and synchronizes the device.
 STAGE_HEADROOM = 1.25
@@ -93,6 +96,8 @@ class _Cuda:
         self.demotions = _Lane(lib, "demote")
         self._stream, self._lock = self.copies.stream, self.copies.lock  # the copy lane (older callers)
         self.failures = 0
+        self.copy_calls = 0  # runtime calls the copy lane made (each a GIL release and re-take)
+        self._copy_2d = getattr(lib, "cudaMemcpy2DAsync", None)
 
     def host_alloc(self, ptr: ctypes.c_void_p, nbytes: int) -> bool:
         ok = int(self._lib.cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes), 0)) == 0
@@ -151,17 +156,37 @@ class _Cuda:
         """Is work still queued on this lane's stream (a non-blocking query)?"""
         return int(self._lib.cudaStreamQuery(lane.stream)) != 0
 
-    def copy(self, pairs: Sequence[tuple[int, int, int]]) -> None:
-        """(dst, src, nbytes) blocks, copied in order on the copy lane; returns when all landed."""
+    def copy(self, copies: Sequence[Copy]) -> int:
+        """Copies in order on the copy lane, each one runtime call (a strided one `cudaMemcpy2DAsync`);
+        returns when all landed, with the number of calls made. Every call is a ctypes call: the GIL is
+        released inside it and taken back after, so fewer calls mean fewer hand-offs with the engine thread."""
+        calls = 0
+        stream = self.copies.stream
         with self.copies.lock:
-            for dst, src, n in pairs:
-                err = int(self._lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(n),
-                                                    _MEMCPY_DEFAULT, self.copies.stream))
+            for c in copies:
+                if c.height == 1 or c.pitch == c.width:
+                    err = int(self._lib.cudaMemcpyAsync(ctypes.c_void_p(c.dst), ctypes.c_void_p(c.src),
+                                                        ctypes.c_size_t(c.nbytes), _MEMCPY_DEFAULT, stream))
+                    calls += 1
+                elif self._copy_2d is not None:
+                    err = int(self._copy_2d(ctypes.c_void_p(c.dst), ctypes.c_size_t(c.width), ctypes.c_void_p(c.src),
+                                            ctypes.c_size_t(c.pitch), ctypes.c_size_t(c.width),
+                                            ctypes.c_size_t(c.height), _MEMCPY_DEFAULT, stream))
+                    calls += 1
+                else:  # a runtime without the 2D copy: one call per row
+                    err = 0
+                    for row in range(c.height):
+                        err = err or int(self._lib.cudaMemcpyAsync(
+                            ctypes.c_void_p(c.dst + row * c.width), ctypes.c_void_p(c.src + row * c.pitch),
+                            ctypes.c_size_t(c.width), _MEMCPY_DEFAULT, stream))
+                        calls += 1
                 if err != 0:
                     raise OSError(f"cudaMemcpyAsync failed: CUDA error {err}")
-            err = int(self._lib.cudaStreamSynchronize(self.copies.stream))
+            err = int(self._lib.cudaStreamSynchronize(stream))
             if err != 0:
                 raise OSError(f"cudaStreamSynchronize failed: CUDA error {err}")
+        self.copy_calls += calls
+        return calls
 
 
 _cuda: _Cuda | None = None
@@ -195,76 +220,146 @@ def alloc(nbytes: int) -> HostBuffer:
     return HostBuffer(nbytes, cuda=_runtime())
 
 
-def _blocks(arr: np.ndarray) -> list[tuple[int, int]]:
-    """(address, nbytes) of the C-order contiguous runs of a (possibly strided) array."""
+@attrs.frozen
+class Copy:
+    """One copy into packed host memory: `height` rows of `width` bytes, `pitch` bytes apart at the source
+    (a cache sliced to its offset: one row per head), one after another at `dst`."""
+
+    dst: int
+    src: int
+    width: int
+    height: int = 1
+    pitch: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * self.height
+
+
+def _strided(arr: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """(address, width, height, pitch) runs covering a (possibly strided) array in C order: the longest
+    contiguous trailing block is a row, the leading axes (size-1 axes dropped, collapsible ones merged)
+    give the rows; one run per index of any axes left outside the last one."""
     if arr.size == 0:
         return []
+    base = arr.ctypes.data
     if arr.flags.c_contiguous:
-        return [(arr.ctypes.data, arr.nbytes)]
-    # The longest contiguous trailing block, then one run per index of the leading axes.
+        return [(base, arr.nbytes, 1, arr.nbytes)]
     inner, k = arr.itemsize, arr.ndim
-    while k > 0 and arr.strides[k - 1] == inner:
+    while k > 0 and (arr.shape[k - 1] == 1 or arr.strides[k - 1] == inner):
         inner *= arr.shape[k - 1]
         k -= 1
-    base = arr.ctypes.data
-    runs = []
-    for idx in np.ndindex(*arr.shape[:k]):
-        runs.append((base + sum(i * s for i, s in zip(idx, arr.strides[:k], strict=True)), inner))
-    return runs
+    lead: list[tuple[int, int]] = []  # (extent, stride), outermost first
+    for n, st in zip(arr.shape[:k], arr.strides[:k], strict=True):
+        if n == 1:
+            continue
+        if lead and lead[-1][1] == st * n:
+            lead[-1] = (lead[-1][0] * n, st)
+        else:
+            lead.append((n, st))
+    if not lead:
+        return [(base, inner, 1, inner)]
+    height, pitch = lead[-1]
+    if pitch < inner:  # overlapping or reversed rows: one run per row
+        return [(base + i * pitch, inner, 1, inner) for i in range(height)] if not lead[:-1] else [
+            (base + sum(i * s for i, (_, s) in zip(idx, lead, strict=True)), inner, 1, inner)
+            for idx in np.ndindex(*[n for n, _ in lead])]
+    outer = lead[:-1]
+    return [(base + sum(i * s for i, (_, s) in zip(idx, outer, strict=True)), inner, height, pitch)
+            for idx in np.ndindex(*[n for n, _ in outer])]
+
+
+def _blocks(arr: np.ndarray) -> list[tuple[int, int]]:
+    """(address, nbytes) of the C-order contiguous runs of a (possibly strided) array."""
+    return [(at + row * pitch, width) for at, width, height, pitch in _strided(arr) for row in range(height)]
 
 
 def nbytes_of(buffers: Sequence[Any]) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
 
 
+@attrs.define
+class Copied:
+    """What one or more staged copies did: pieces (each waited, then `between`), runtime calls, bytes."""
+
+    pieces: int = 0
+    calls: int = 0
+    nbytes: int = 0
+    largest_piece: int = 0
+
+
 def to_host(
-    buffers: Sequence[Any], dest: HostBuffer | None = None, *, between: Callable[[], None] | None = None
+    buffers: Sequence[Any], dest: HostBuffer | None = None, *, between: Callable[[], None] | None = None,
+    piece: int | None = None, counts: Copied | None = None,
 ) -> tuple[HostBuffer, tuple[np.ndarray, ...]]:
     """Copy buffers (file order) into one host buffer, compacted: the buffer and one array per tensor.
 
     Each array has its source's shape and dtype, C-contiguous: the bytes the
     file format writes for that tensor, so a `SnapshotPlan` (as memoryviews)
-    or a `LoadedSnapshot` can take them as its buffers. `between`: called
-    between pieces of about `STAGE_PIECE` bytes (a writer's hold; it may raise
-    to stop the copy).
+    or a `LoadedSnapshot` can take them as its buffers. The copy goes in pieces
+    of at most `piece` bytes (default `STAGE_PIECE`; a strided tensor larger
+    than what is left of a piece is split by rows), each issued on the copy
+    lane's stream (one `cudaMemcpy2DAsync` per tensor's rows) and waited with
+    the GIL released; `between`: called between pieces (the writer's hold and
+    pacing; it may raise to stop the copy). `counts`: added to.
     """
     srcs = [np.asarray(b) for b in buffers]
     total = sum(a.nbytes for a in srcs)
     host = dest if dest is not None else alloc(total)
+    limit = max(1, piece or STAGE_PIECE)
+    counts = counts if counts is not None else Copied()
     views: list[np.ndarray] = []
     pos = 0
     cuda = _runtime()
-    pairs: list[tuple[int, int, int]] = []
-    piece = 0  # bytes copied (or queued) since the last `between`
+    pending: list[Copy] = []
+    size = 0  # bytes in the piece being gathered
+
+    def flush() -> None:
+        nonlocal pending, size
+        if cuda is not None and pending:
+            counts.calls += cuda.copy(pending)
+        counts.pieces += 1
+        counts.nbytes += size
+        counts.largest_piece = max(counts.largest_piece, size)
+        pending, size = [], 0
+
     for a in srcs:
         out = host.array[pos : pos + a.nbytes].view(a.dtype).reshape(a.shape)
-        if cuda is not None:
-            at = out.ctypes.data
-            for src, n in _blocks(a):
-                pairs.append((at, src, n))
-                at += n
-                piece += n
-                if between is not None and piece >= STAGE_PIECE:
-                    cuda.copy(pairs)
-                    pairs, piece = [], 0
+        if cuda is None:  # unified memory: a numpy copy, a tensor at a time
+            if size and size + a.nbytes > limit:
+                flush()
+                if between is not None:
                     between()
-        else:
             np.copyto(out, a)
-            piece += a.nbytes
-            if between is not None and piece >= STAGE_PIECE:
-                piece = 0
-                between()
+            size += a.nbytes
+        else:
+            at = out.ctypes.data
+            runs = _strided(a)
+            if len(runs) == 1 and runs[0][2] == 1 and runs[0][1] > limit:  # contiguous: split by bytes
+                runs = [(runs[0][0] + o, min(limit, runs[0][1] - o), 1, 0) for o in range(0, runs[0][1], limit)]
+            for src, width, height, pitch in runs:
+                row = 0
+                while row < height:
+                    if size and size + width > limit:  # this piece is full: copy it, then the hold
+                        flush()
+                        if between is not None:
+                            between()
+                    rows = min(height - row, max(1, (limit - size) // width))
+                    pending.append(Copy(at, src + row * pitch, width, rows, pitch))
+                    at += rows * width
+                    size += rows * width
+                    row += rows
         views.append(out)
         pos += a.nbytes
-    if cuda is not None and pairs:
-        cuda.copy(pairs)
+    if size:
+        flush()
     return host, tuple(views)
 
 
 def from_host(dests: Sequence[memoryview], sources: Sequence[Any]) -> int:
     """Copy host byte views into (contiguous) MLX memory views, e.g. a `Landing`'s; returns bytes copied."""
     cuda = _runtime()
-    pairs = []
+    copies = []
     done = 0
     for d, s in zip(dests, sources, strict=True):
         dst = np.frombuffer(d, dtype=np.uint8)
@@ -272,12 +367,12 @@ def from_host(dests: Sequence[memoryview], sources: Sequence[Any]) -> int:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"{src.nbytes} bytes into a {dst.nbytes}-byte buffer")
         if cuda is not None:
-            pairs.append((dst.ctypes.data, src.ctypes.data, dst.nbytes))
+            copies.append(Copy(dst.ctypes.data, src.ctypes.data, dst.nbytes))
         else:
             np.copyto(dst, src)
         done += dst.nbytes
     if cuda is not None:
-        cuda.copy(pairs)
+        cuda.copy(copies)
     return done
 
 
@@ -542,10 +637,11 @@ class Staging:
         self.allocations = 0
         self.staged = 0
         self.staged_bytes = 0
+        self.copied = Copied()  # every stage's pieces and runtime calls
 
-    def stage(self, plan: Any, *, between: Callable[[], None] | None = None) -> Any:
+    def stage(self, plan: Any, *, between: Callable[[], None] | None = None, piece: int | None = None) -> Any:
         """The plan with its buffers replaced by host copies (a `SnapshotPlan`; descriptors unchanged).
-        `between`: called between pieces of the copy (the writer's hold)."""
+        `between`: called between pieces of the copy (the writer's hold and pacing); `piece`: their size."""
         import attrs
 
         need = nbytes_of(plan.buffers)
@@ -555,8 +651,12 @@ class Staging:
             self._local.buffer = buffer = alloc(int(need * STAGE_HEADROOM))
             with self._count_lock:
                 self.allocations += 1
-        _, arrays = to_host(plan.buffers, buffer, between=between)
+        counts = Copied()
+        _, arrays = to_host(plan.buffers, buffer, between=between, piece=piece, counts=counts)
         with self._count_lock:
             self.staged += 1
             self.staged_bytes += need
+            c = self.copied
+            c.pieces, c.calls, c.nbytes = c.pieces + counts.pieces, c.calls + counts.calls, c.nbytes + counts.nbytes
+            c.largest_piece = max(c.largest_piece, counts.largest_piece)
         return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays))  # type: ignore[arg-type]

@@ -793,7 +793,8 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
     cache_send, cache_receive = trio.open_memory_channel[CacheOwnerMessage](64)
     # Shared by the engine (busy), the durability coordinator and cache owner
     # (urgent) and the SSD writer (which paces itself by it).
-    governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes)
+    governor = WriteGovernor(busy_rate_bytes_per_s=config.ssd_write_rate_bytes,
+                             hold_while_decoding=config.ssd_write_hold_decode)
     # In-flight generation checkpoints: engine -> checkpointer (drained without I/O, so never stuck).
     gen_send, gen_receive = (
         trio.open_memory_channel[GenCheckpointMessage](64) if config.generation_checkpoint else (None, None)

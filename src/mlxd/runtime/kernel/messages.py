@@ -564,6 +564,9 @@ class WriterStats:
     held_s: float = 0.0  # held still while requests waited for their first token (kv/pacing.py)
     staged: int = 0  # pieces (new blocks, whole files) copied to host memory before their write (CUDA)
     staged_bytes: int = 0
+    staged_pieces: int = 0  # copies waited one by one (bounded; while rows decode, one per engine step)
+    staged_calls: int = 0  # CUDA runtime calls those copies made (each a GIL hand-off)
+    step_waits: int = 0  # staged pieces that waited for the engine's next step
     disk_full: bool = False  # a write hit ENOSPC/EDQUOT/EFBIG
 
 

@@ -1,0 +1,221 @@
+"""Write-behind beside decode (issue 28): the SSD writer's device-to-host staging in bounded pieces.
+
+On CUDA the writer copies each block it writes to host memory first (`host_memory.to_host`, on the copy
+lane's side stream, each piece waited with the GIL released). Here the CUDA runtime is `tests/fake_cuda.py`
+(real copies, recorded): a cache sliced to a block is one `cudaMemcpy2DAsync` per tensor (one GIL hand-off,
+where it was one call per head), pieces are bounded, while rows decode at most one piece goes per engine
+step, the bytes on disk are the unstaged write's, and a flush is never held.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import trio
+from mlx_lm.models import cache as mlc
+from tests import fake_cuda
+
+from mlxd.actors.ssd_writer import SsdWriterActor
+from mlxd.kv import kinds, pacing
+from mlxd.kv.pacing import Pacer, WriteGovernor
+from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity
+from mlxd.kv.write_queue import WriteQueue
+from mlxd.runtime import host_memory
+from mlxd.runtime.kernel.messages import DurabilityMessage, SnapshotWritten, WriteSnapshot
+
+MB = 1 << 20
+IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
+
+
+@pytest.fixture
+def lib(monkeypatch: pytest.MonkeyPatch) -> fake_cuda.FakeCudaLib:
+    fake = fake_cuda.FakeCudaLib(copy_Bps=1e12)
+    fake_cuda.install(monkeypatch, fake)
+    return fake
+
+
+def _kv(tokens: int, heads: int = 4, dim: int = 16) -> list[mlc.KVCache]:
+    c = mlc.KVCache()
+    pos = mx.arange(tokens, dtype=mx.float32)[None, None, :, None]
+    k = pos * 1000 + mx.arange(heads, dtype=mx.float32)[None, :, None, None] * 16 + mx.arange(dim, dtype=mx.float32)
+    c.update_and_fetch(k, -k)
+    return [c]
+
+
+def _plan(tokens: tuple[int, ...]):
+    return kinds.plan_snapshot(_kv(len(tokens)), meta=IDENTITY.meta(tokens, ""))
+
+
+def test_a_block_of_a_sliced_cache_is_one_2d_copy_per_tensor_with_the_same_bytes(lib):
+    whole = np.arange(1 * 4 * 64 * 16, dtype=np.float32).reshape(1, 4, 64, 16)
+    spans = [whole[..., 16:48, :], (whole + 0.5)[..., 16:48, :]]  # one block's span of K and V: 4 rows each
+    counts = host_memory.Copied()
+    _, arrays = host_memory.to_host(spans, counts=counts)
+    assert all(np.array_equal(a, s) and a.flags.c_contiguous for a, s in zip(arrays, spans, strict=True))
+    copies = [c for c in lib.calls if c.op == "copy"]
+    assert counts.calls == len(copies) == 2 and counts.pieces == 1  # was one call per head: 8
+    assert host_memory._blocks(spans[0]) == [
+        (spans[0].ctypes.data + h * 64 * 16 * 4, 32 * 16 * 4) for h in range(4)]  # the rows it stands for
+
+
+def test_pieces_are_bounded_split_by_rows_and_yield_between(lib):
+    whole = np.arange(2 * 8 * 64 * 16, dtype=np.float32).reshape(2, 8, 64, 16)
+    spans = [whole[..., 0:32, :], whole[..., 32:64, :], np.arange(5000, dtype=np.float32)]  # 2 strided, 1 flat
+    total = sum(s.nbytes for s in spans)
+    limit = 5000  # bytes: rows are 2 KiB, the flat tensor 20 kB
+    between = []
+    counts = host_memory.Copied()
+    _, arrays = host_memory.to_host(spans, between=lambda: between.append(counts.pieces), piece=limit,
+                                    counts=counts)
+    assert all(np.array_equal(a, s) for a, s in zip(arrays, spans, strict=True))
+    assert counts.nbytes == total and counts.largest_piece <= limit
+    assert counts.pieces == 8 + 8 + 4  # 2 rows (4 KiB) a piece for each span, the flat one in 5000-byte parts
+    assert between == list(range(1, counts.pieces))  # between every two pieces, never after the last
+    assert all(c.nbytes <= limit for c in lib.calls if c.op == "copy")
+    assert sum(c.nbytes for c in lib.calls if c.op == "copy") == total
+
+
+def test_while_rows_decode_a_staged_copy_goes_one_piece_per_engine_step(lib, monkeypatch):
+    monkeypatch.setattr(pacing, "STEP_WAIT_S", 600.0)  # only a step lets the next piece go
+    g = WriteGovernor(busy_rate_bytes_per_s=64 * MB)
+    g.set_busy(True)  # rows decode: write-behind is paced
+    pacer = Pacer(g)
+    src = [np.arange(4096, dtype=np.float32) for _ in range(3)]  # 16 KiB each: 3 pieces of 16 KiB
+    counts = host_memory.Copied()
+    done = threading.Event()
+    result: list[tuple[np.ndarray, ...]] = []
+
+    def stage() -> None:
+        pacer.between_pieces()  # as the writer does before its first piece
+        result.append(host_memory.to_host(src, between=pacer.between_pieces, piece=16 << 10, counts=counts)[1])
+        done.set()
+
+    t = threading.Thread(target=stage)
+    t.start()
+    try:
+        for pieces in (1, 2):
+            _until(lambda p=pieces: counts.pieces == p and pacer.step_waits == p)  # parked after a piece
+            threading.Event().wait(0.05)
+            assert counts.pieces == pieces and not done.is_set()  # no step, no piece
+            g.stepped()
+        assert done.wait(60)
+    finally:
+        for _ in range(3):
+            g.stepped()
+        t.join(timeout=60)
+    assert counts.pieces == 3 and all(np.array_equal(a, s) for a, s in zip(result[0], src, strict=True))
+    idle = Pacer(g)
+    g.set_busy(False)  # an idle engine: pieces go at once, large
+    idle.between_pieces()
+    idle.between_pieces()
+    assert idle.step_waits == 0 and idle.piece_size(64, 8) == 64 and pacer.piece_size(64, 8) == 64
+    g.set_busy(True)
+    assert pacer.piece_size(64, 8) == 8
+    g.set_urgent("flush", True)  # a flush: full speed, no step waits
+    assert pacer.piece_size(64, 8) == 64
+    before = pacer.step_waits
+    pacer.between_pieces()
+    pacer.between_pieces()
+    assert pacer.step_waits == before
+
+
+async def test_the_writer_stages_in_pieces_while_decoding_and_writes_the_same_bytes(lib, tmp_path: Path):
+    """The real SSD writer, blocks layout, rows decoding (its steps ticked): every block staged in bounded
+    2D pieces, the loaded bytes equal the plan's and an unstaged store's."""
+    store = SsdStore(tmp_path / "staged", IDENTITY, layout="blocks", block_tokens=16)
+    plain = SsdStore(tmp_path / "plain", IDENTITY, layout="blocks", block_tokens=16)
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    g.set_busy(True)
+    plan = _plan(tuple(range(70)))
+    written = await _write_one(store, g, plan, ticking=True)
+    assert isinstance(written.outcome, Stored)
+    s = written.stats
+    assert s.staged == 5 and s.staged_bytes == plan.nbytes  # 4 full blocks and one of 6 tokens
+    assert s.staged_calls == 2 * 5  # one 2D copy per tensor (K, V) per block: the blocks' rows were 4 per tensor
+    expect = plain.write(plan)
+    assert isinstance(expect, Stored)
+    loaded, reference = store.load(written.outcome.record), plain.load(expect.record)
+    assert loaded is not None and reference is not None
+    assert all(bytes(a) == bytes(b) == bytes(c)
+               for a, b, c in zip(loaded.buffers, reference.buffers, plan.buffers, strict=True))
+
+
+async def test_holding_write_behind_while_decoding_never_holds_a_flush(lib, tmp_path: Path):
+    """`--ssd-write-hold-decode`: a checkpoint written behind waits while rows decode; a flush (urgent) is
+    never held, and everything it covers is on disk."""
+    store = SsdStore(tmp_path, IDENTITY)
+    g = WriteGovernor(busy_rate_bytes_per_s=64 * MB, max_hold_s=600, hold_while_decoding=True)
+    g.set_busy(True)
+    assert g.held() and g.as_dict()["hold_while_decoding"] is True
+    plan = _plan(tuple(range(40)))
+    write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=g, staging=True)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            await write_send.send(WriteSnapshot(_job(plan)))
+            await _wait_for(lambda: g.holds >= 1)
+            await trio.sleep(0.05)
+            files = await trio.to_thread.run_sync(lambda: list(tmp_path.rglob("*.mlxkv")))
+            assert out.statistics().current_buffer_used == 0 and files == []  # held: nothing staged or written
+            g.set_urgent("flush", True)  # the SIGTERM flush: full speed
+            written = await out.receive()
+            nursery.cancel_scope.cancel()
+    assert isinstance(written, SnapshotWritten) and isinstance(written.outcome, Stored)
+    loaded = store.load(written.outcome.record)
+    assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+    g.set_urgent("flush", False)
+    g.set_busy(False)
+    assert not g.held()  # an idle engine: write-behind goes
+
+
+def _job(plan):
+    queue = WriteQueue()
+    queue.mark("", tuple(plan.meta.tokens), plan=plan, trimmable=True, nbytes=0)
+    job = queue.next_job()
+    assert job is not None
+    return job
+
+
+async def _write_one(store: SsdStore, g: WriteGovernor, plan, *, ticking: bool) -> SnapshotWritten:
+    write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=g, staging=True)
+
+    async def tick() -> None:  # the engine's steps
+        while True:
+            g.stepped()
+            await trio.sleep(0.001)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            if ticking:
+                nursery.start_soon(tick)
+            await write_send.send(WriteSnapshot(_job(plan)))
+            written = await out.receive()
+            nursery.cancel_scope.cancel()
+    assert isinstance(written, SnapshotWritten)
+    return written
+
+
+def _until(predicate) -> None:
+    for _ in range(12_000):  # up to a minute on a loaded host
+        if predicate():
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("timed out")
+
+
+async def _wait_for(predicate) -> None:
+    for _ in range(6000):
+        if predicate():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("timed out")
