@@ -3,11 +3,11 @@
 On the CUDA host (docs/benchmarks.md): `source .gpu/b/install.sh && python3 benchmarks/gpu/bench_sim_ttft_gpu.py`
 (or `bash benchmarks/gpu/wave3.sh simttft`). Builds the model under /tmp/models if it is missing (never
 transferred), then records the calibration and the predicted (held-out) run and compares them in one
-process: 32 conversations of a 1,024-token first prompt (a miss), 128-token turns (a RAM hit) and a return
-restored from SSD (`--restore-choice always`, as the GPU would otherwise recompute them), so each tier has
->= 31 requests per run past its first (left out of both runs as warm-up: `--ttft-warmup 1`) and its p95 is
-no single sample; 8 conversations at a time take both rounds (`--wave 8`), so a run the deadline cuts
-keeps every tier. `--stop-after S` (default 135) bounds the whole run, the build included;
+process: up to 48 conversations of a 1,024-token first prompt (a miss), 128-token turns (a RAM hit) and a
+return restored from SSD (`--restore-choice always`, as the GPU would otherwise recompute them), so each
+tier has >= 31 requests per run past its first (left out of both runs as warm-up: `--ttft-warmup 1`) and
+its p95 is no single sample; 8 conversations at a time take both rounds (`--wave 8`), so a run the
+deadline cuts keeps every tier. `--stop-after S` (default 135) bounds the whole run, the build included;
 the result JSON lands in benchmarks/results/ (and $OUT when set). Other arguments go to bench_sim_ttft.py
 and override these. `--small` drives the `default` preset instead (a check on a CPU host):
 `python benchmarks/gpu/bench_sim_ttft_gpu.py --small --stop-after 60 --first 128 --new 16 --conversations 3 --turns 2`.
@@ -27,9 +27,12 @@ from bench_gpu import QWEN3_1_7B, build, run_streamed  # noqa: E402
 
 from mlxd.model import presets  # noqa: E402
 
-GPU_ARGS = ["--first", "1024", "--new", "128", "--max-tokens", "2", "--conversations", "32", "--turns", "2",
+# 48 conversations: as many as the budget lets through (32-40 when the model is built first), cut by
+# --stop-after at a turn both runs reached; --warmup 2: the warm-up's second first prompt comes after a RAM
+# hit, as every later miss does, so its chunk shapes are compiled before the recorded runs.
+GPU_ARGS = ["--first", "1024", "--new", "128", "--max-tokens", "2", "--conversations", "48", "--turns", "2",
             "--back-to-back", "2", "--ram-conversations", "2.5", "--restore-choice", "always", "--probe-s", "3",
-            "--ttft-warmup", "1", "--wave", "8"]
+            "--ttft-warmup", "1", "--wave", "8", "--warmup", "2"]
 MARGIN_S = 5.0  # of --stop-after: the bench's own start and exit
 
 
