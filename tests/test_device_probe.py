@@ -350,3 +350,25 @@ def test_the_probe_s_largest_restore_is_timed_only_within_its_budget(tmp_path: P
     assert [i for i, t in enumerate(got) if t.warm is not None] == warm
     assert [t.restore[0] for t in got] == [n * 2 * 2 * 16 * 4 * 2 for n, _ in points[:timed]]
     assert list(tmp_path.glob(".device-probe-*")) == []
+
+
+async def test_the_probe_leaves_no_memory_files_or_threads_behind(tiny_model_dir: Path, tmp_path: Path):
+    # Serving must start as a server that never ran the probe: the probe's KV caches and its generator's
+    # buffers given back to the device (not held in MLX's buffer cache, where serving's first landings
+    # could be carved from them), its snapshot files gone, its reader threads finished.
+    import threading
+
+    import mlx.core as mx
+
+    ssd = tmp_path / "ssd"
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=ssd, device_probe_budget_s=0.5)
+    async with open_runtime(config) as rt:
+        probe = rt.info.probe
+        assert probe is not None and len(probe.restore) >= 2
+        longest = max(n for n, _ in probe.prefill) * probe.kv_bytes_per_token
+        # (before: the probe's caches, each length's, were cached here after it returned)
+        assert mx.get_cache_memory() < longest
+        assert not [t for t in threading.enumerate() if t.name.startswith("mlxd-probe")]
+        assert list(ssd.rglob(".device-probe-*")) == []
+        tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
+        assert len(tokens) == 3

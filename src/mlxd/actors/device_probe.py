@@ -106,7 +106,8 @@ def probe_device(
     while True:
         # Twice per length, the faster kept: a new shape's first run can pay one-time
         # costs (on CUDA, attention plans and kernels built per shape).
-        first, steps, _ = _run(generator, rng.take(n), decode=DECODE_STEPS)
+        first, steps, first_cache = _run(generator, rng.take(n), decode=DECODE_STEPS)
+        del first_cache  # the second run's is kept
         seconds, more, cache = _run(generator, rng.take(n), decode=DECODE_STEPS)
         seconds = min(first, seconds)
         prefill.append((n, seconds))
@@ -141,19 +142,19 @@ def probe_device(
         # Sizes to fit a fixed cost and a per-byte cost: the smallest probe, a medium one, and the
         # longest whose KV fits RESTORE_MAX_BYTES (near a served record's size) where the medium one
         # predicts it within RESTORE_BUDGET_S.
-        fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
-        medium = [c for c in fits if c[0] * kv_bytes_per_token <= RESTORE_MEDIUM_BYTES] or fits[:1]
-        larger: list[tuple[int, list[Any]]] = []
-        for c in (medium[-1], fits[-1]):
-            if c[0] > caches[0][0] and all(c[0] != x[0] for x in larger):
-                larger.append(c)
-        timed = _probe_restore(restore, [caches[0], caches[0], *larger], budget_s=RESTORE_BUDGET_S)
+        timed = _probe_restore(restore, _restore_points(caches, kv_bytes_per_token), budget_s=RESTORE_BUDGET_S)
         restored, host = [t.restore for t in timed[1:]], [t.host for t in timed[1:] if t.host is not None]
         warm = [t.warm for t in timed[1:] if t.warm is not None]
         parts = [t.parts for t in timed[1:]]
         landed = sum(t.into_mlx for t in timed[1:])
     decode.sort()
-    mx.clear_cache()  # serving starts as a server without the probe would: none of its buffers cached
+    # Serving starts as a server without the probe would: none of the probe's buffers cached. Its KV
+    # caches (up to a 16k-token record's 1.9 GB on the 1.7B shape) go first: cleared while still held,
+    # they went to MLX's cache when this function returned, where serving's first allocations could be
+    # carved from them (on CUDA: managed buffers whose pages the prefills left on the device).
+    del cache
+    caches.clear()
+    release_probe_memory()
     probe = DeviceProbe(
         device=str(mx.default_device()),
         prefill=tuple(prefill),
@@ -171,6 +172,28 @@ def probe_device(
         seconds=time.perf_counter() - t0,
     )
     return probe
+
+
+def _restore_points(caches: list[tuple[int, list[Any]]], kv_bytes_per_token: int) -> list[tuple[int, list[Any]]]:
+    """The probe's caches to restore: the smallest twice (a warm-up), a medium one, the largest allowed."""
+    fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]
+    medium = [c for c in fits if c[0] * kv_bytes_per_token <= RESTORE_MEDIUM_BYTES] or fits[:1]
+    larger: list[tuple[int, list[Any]]] = []
+    for c in (medium[-1], fits[-1]):
+        if c[0] > caches[0][0] and all(c[0] != x[0] for x in larger):
+            larger.append(c)
+    return [caches[0], caches[0], *larger]
+
+
+def release_probe_memory() -> None:
+    """Give the probe's freed buffers back to the device (MLX keeps freed buffers cached for reuse by size):
+    serving's first allocations come from fresh memory, as in a server that never ran the probe."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()  # a cache object held only by a reference cycle (mlx-lm's batch rows) goes now, not later
+    mx.clear_cache()
 
 
 class _Tokens:

@@ -282,7 +282,7 @@ class EngineCore:
         """Measure this device (seconds) before serving; see actors/device_probe.py."""
         import mlx.core as mx
 
-        from mlxd.actors.device_probe import RestorePath, lands_in_mlx, probe_device
+        from mlxd.actors.device_probe import RestorePath, lands_in_mlx, probe_device, release_probe_memory
         from mlxd.kv.blocks import span_for
         from mlxd.runtime import host_memory
 
@@ -307,9 +307,11 @@ class EngineCore:
             restore=restore,
             tune_step=tune,
         )
-        # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size.
+        # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size, and
+        # the old one's buffers leave MLX's cache with the probe's own (release_probe_memory).
         self._prefill_step_size = probe.prefill_step_size
         self.reset()
+        release_probe_memory()
         summary = probe.as_dict()
         summary.pop("cost_model")
         log.info("engine.device_probe", **summary)
