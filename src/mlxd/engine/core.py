@@ -282,7 +282,12 @@ class EngineCore:
         """Measure this device (seconds) before serving; see actors/device_probe.py."""
         import mlx.core as mx
 
-        from mlxd.actors.device_probe import RestorePath, lands_in_mlx, probe_device, release_probe_memory
+        from mlxd.actors.device_probe import (
+            RestorePath,
+            lands_in_mlx,
+            probe_device,
+            release_probe_memory,
+        )
         from mlxd.kv.blocks import span_for
         from mlxd.runtime import host_memory
 

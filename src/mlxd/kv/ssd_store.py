@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -525,16 +526,29 @@ def _resident_share(path: Path, nbytes: int) -> int:
     return nbytes * resident // total if total else 0
 
 
-def resident_pages(path: Path) -> tuple[int, int]:
-    """(resident, total) pages of a file in the page cache, via mmap + mincore (Linux)."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0, 0
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a page's byte when resident; the rest is reserved
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(resident, total) pages of a file in the page cache, via mmap + mincore (Linux).
+
+    Counted in C (a byte table), not a Python loop: a restarted server checks a 16k-token record's
+    1.9 GB (460k pages) on every lookup and prefetch, on the cache owner's thread; the loop took
+    30-60 ms a check on the H200 host (the returning turns' 121-127 ms `lookup_ms`, 16:17 UTC)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    libc = _libc()
     page = os.sysconf("SC_PAGE_SIZE")
     pages = (size + page - 1) // page
     fd = os.open(path, os.O_RDONLY)
@@ -546,7 +560,7 @@ def resident_pages(path: Path) -> tuple[int, int]:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), "mincore failed")
-            return sum(v & 1 for v in vec), pages
+            return bytes(vec).translate(_LOW_BIT).count(1), pages
         finally:
             libc.munmap(addr, size)
     finally:
