@@ -24,6 +24,7 @@ from mlxd.model import build_model
 from mlxd.runtime.kernel.messages import GenerationRequest
 from mlxd.structured.spec import constraint_from_request
 
+from models import falcon_h1_dir
 from serving import ServerThread, checkpoints_settled, config_for, drop_after
 
 NO_EOS = ((0, -100.0), (2, -100.0))  # the tiny model's end tokens never win: rows run to max_tokens
@@ -294,6 +295,30 @@ def test_a_constrained_row_drafts_what_its_grammar_allows_and_stays_identical(ti
         assert spec is not None and spec.constrained_rows == 1 and spec.accepted > 0, spec
 
 
+@pytest.mark.parametrize("draft", ["self", "unrelated"])
+def test_a_constrained_row_under_a_draft_model_is_masked_before_verifying_and_stays_identical(
+        tiny_model_dir, tmp_path, draft):
+    """A constrained row alone (batch 1), greedy and seeded, under a draft model: its drafts are walked
+    through its grammar and cut at the first refused token before the target verifies them (an
+    unrelated random draft proposes such tokens: `grammar_refused`), and the output is off's."""
+    draft_dir = tiny_model_dir if draft == "self" else build_model(tmp_path / "other", "test", seed=1)
+    grammar = constraint_from_request({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "letters", "schema": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                      "minItems": 20, "maxItems": 20}}}})
+    for sampling in ({"max_tokens": 250}, {"max_tokens": 250, "temperature": 0.9, "seed": 5, "logprobs": True}):
+        requests = [_request("json", BASE[:12], constraint=grammar, **sampling)]
+        off = _run(tiny_model_dir, "off", requests)
+        on = _run(tiny_model_dir, "draft", requests, draft_model=str(draft_dir))
+        assert on[0] == off[0] and on[2] == off[2] == {"json": "stop"}
+        _same_logprobs(off[1]["json"], on[1]["json"])
+        spec = on[3].speculation
+        assert spec is not None and spec.constrained_rows == 1 and spec.proposed > 0, spec
+        if draft == "unrelated":
+            assert spec.grammar_refused > 0, spec
+        else:
+            assert spec.accepted > 0, spec
+
+
 def test_a_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_model_dir):
     plain = _run(tiny_model_dir, "off", [_request("r", BASE + BASE[:20], max_tokens=60)])[0]["r"]
     stop = plain[30]  # deep in the loop the tiny model falls into: drafts of several tokens are accepted there
@@ -304,27 +329,30 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_row_there(tiny_model_dir):
     assert on[0]["r"][-1] == stop and len(on[0]["r"]) == plain.index(stop) + 1
 
 
-def test_checkpoints_hold_the_accepted_tokens_only(tiny_model_dir):
-    """The prompt cache's checkpoints under n-grams, in a batch where drafts are accepted and rejected
-    (rows rolled back by different amounts): the same checkpoints as speculation off, each one's KV
-    holding exactly its tokens, equal to off's."""
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_checkpoints_hold_the_accepted_tokens_only(tiny_model_dir, mode):
+    """The prompt cache's checkpoints under n-grams and under a draft model (the model itself), in a
+    batch where drafts are accepted and rejected (rows rolled back by different amounts): the same
+    checkpoints as speculation off, each one's KV holding exactly its tokens, equal to off's."""
     import mlx.core as mx
 
     requests = [
         _request("greedy", BASE + BASE[:20], max_tokens=40, logit_bias=NO_EOS),
         _request("hot", BASE[7:] + BASE, max_tokens=60, temperature=3.0, seed=11, logit_bias=NO_EOS),
     ]
+    extra = {"draft_model": str(tiny_model_dir)} if mode == "draft" else {}
     notes = {}
-    for mode in ("off", "ngram"):
-        core = EngineCore(config_for(tiny_model_dir, speculative=mode))
+    for arm in ("off", mode):
+        core = EngineCore(config_for(tiny_model_dir, speculative=arm, **(extra if arm == "draft" else {})))
         core.load()
         core._drafts.gate = SpeculationGate(min_samples=1 << 30)  # no pause by timing: drafts whatever the load
-        notes[mode] = {(n.namespace, n.reason, n.tokens): n for n in run_rows(core, requests).notes}
+        # The target's own checkpoints (a draft model's are in a namespace of their own: test_speculative_draft_prefix).
+        notes[arm] = {(n.namespace, n.reason, n.tokens): n for n in run_rows(core, requests).notes if not n.namespace}
         spec = core.stats().speculation
         core.close()
     assert spec is not None and 0 < spec.accepted < spec.proposed, "drafts were accepted and rejected"
-    assert notes["ngram"].keys() == notes["off"].keys() and {k[1] for k in notes["off"]} >= {"boundary", "final"}
-    for key, on in notes["ngram"].items():
+    assert notes[mode].keys() == notes["off"].keys() and {k[1] for k in notes["off"]} >= {"boundary", "final"}
+    for key, on in notes[mode].items():
         plain = notes["off"][key]
         for c_on, c_off in zip(on.payload, plain.payload, strict=True):
             assert c_on.offset == c_off.offset == len(key[2]), key[1]
@@ -333,22 +361,26 @@ def test_checkpoints_hold_the_accepted_tokens_only(tiny_model_dir):
                 assert mx.allclose(x[..., :n, :], y[..., :n, :], atol=1e-4).item(), key[1]
 
 
-@pytest.mark.parametrize(("preset", "kinds"), [
-    ("test-gemma3", "RotatingKVCache"),  # a sliding window
-    ("test-qwen3next", "ArraysCache"),  # hybrid: gated delta-net (recurrent state) + full attention
-    ("test-mamba2", "ArraysCache"),  # pure recurrent: no layer counts tokens
+@pytest.mark.parametrize(("preset", "kinds", "kv_bits"), [
+    ("test-gemma3", "RotatingKVCache", None),  # a sliding window
+    ("test-qwen3next", "ArraysCache", None),  # hybrid: gated delta-net (recurrent state) + full attention
+    ("test-mamba2", "ArraysCache", None),  # pure recurrent: no layer counts tokens
+    ("falcon_h1", "CacheList", None),  # every layer a CacheList(ArraysCache, KVCache)
+    ("test-wide", "--kv-bits 8", 8),  # QuantizedKVCache (--kv-bits needs head_dim >= 32)
 ])
-def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(tmp_path, tiny_model_dir, caplog, preset, kinds):
-    """Recurrent state (and a window) cannot drop rejected drafts per row: speculation is off for that
-    model, with the reason logged and in the stats, under n-grams and a draft model alike; the output
-    is plain decoding's."""
-    model_dir = build_model(tmp_path / preset, preset, seed=0)
+def test_a_model_whose_caches_cannot_roll_back_does_not_speculate(
+        tmp_path, tiny_model_dir, caplog, preset, kinds, kv_bits):
+    """Every cache kind the engine serves but KVCache (recurrent state, a window, a CacheList, quantized
+    KV) cannot drop rejected drafts per row: speculation is off for that model, with the reason logged
+    and in the stats, under n-grams and a draft model alike; the output is plain decoding's."""
+    model_dir = (falcon_h1_dir(tiny_model_dir, tmp_path / preset) if preset == "falcon_h1"
+                 else build_model(tmp_path / preset, preset, seed=0))
     requests = [_request("r", BASE, max_tokens=12), _request("s", BASE[3:], max_tokens=12, temperature=1.2, seed=4)]
-    off = _run(model_dir, "off", requests)
+    off = _run(model_dir, "off", requests, kv_bits=kv_bits)
     for mode, extra in (("ngram", {}), ("draft", {"draft_model": str(tiny_model_dir)})):
         caplog.clear()
         with caplog.at_level("WARNING", logger="mlxd"):
-            on = _run(model_dir, mode, requests, **extra)
+            on = _run(model_dir, mode, requests, kv_bits=kv_bits, **extra)
         assert on[0] == off[0] and on[2] == off[2], mode
         spec = on[3].speculation
         assert spec is not None and not spec.active and kinds in (spec.off_reason or ""), (mode, spec)

@@ -224,3 +224,12 @@ def test_stats_and_metrics_count_the_draft_prefix(tiny_model_dir, draft_dir):
         metrics = httpx.get(f"{root}/metrics", timeout=30).text
         assert f"mlxd_speculation_draft_prefix_reused_tokens_total {float(spec['draft_prefix_reused'])}" in metrics
         assert "mlxd_speculation_draft_prefix_recomputed_tokens_total" in metrics
+        # The four figures under a draft model too, /metrics equal to /stats.
+        lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("mlxd_speculation_"))
+        assert spec["proposed"] > 0, spec
+        for name, field in (("mlxd_speculation_proposed_tokens_total", "proposed"),
+                            ("mlxd_speculation_accepted_tokens_total", "accepted"),
+                            ("mlxd_speculation_acceptance_rate", "acceptance_rate"),
+                            ("mlxd_speculation_tokens_per_forward", "tokens_per_forward"),
+                            ("mlxd_speculation_draft_steps_total", "draft_steps")):
+            assert float(lines[name]) == pytest.approx(spec[field]), name
