@@ -4,7 +4,7 @@ A real server process with generation checkpoints is SIGKILLed while it
 speculates; a new process over the same SSD directory resumes the same request
 from the checkpoint and must give, token for token, the text a server with
 speculation off gives uninterrupted (greedy and seeded; n-grams and a draft
-model). The same request once more, after the restart, gives it again.
+model). The same request once more, after the restart (a prompt cache hit), gives it again.
 """
 
 from __future__ import annotations
@@ -62,5 +62,6 @@ def test_a_speculating_server_sigkilled_mid_generation_resumes_to_speculation_of
         assert speculation["active"] and speculation["proposed"] > 0, speculation
         once_more = http.post("/v1/completions", json=body).json()  # after the restart, no checkpoint left
         assert once_more["choices"][0]["text"] == reference[sampling]
+        assert once_more["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "a prompt cache hit"
         assert http.get("/stats").json()["generation_checkpoints"]["resumed"] == 1
     assert "gen_checkpoint.resume" in second.log()
