@@ -410,6 +410,28 @@ def test_one_slow_chunk_does_not_shrink_the_next_prompts_chunks():
     assert cpu.chunk(2048, newcomers=[], shared=False) == 64
 
 
+def test_a_run_of_short_turns_does_not_cut_the_next_long_prompt_short():
+    """Each wave of the H200 run began with misses of 0.25-0.9 s after a round of 127-token turns: those
+    chunks are nearly all fixed cost (~40 ms), and alone they ask for 128-token chunks, 8 steps for a
+    1,024-token miss where 1 does. The latest chunk of another size class (the last miss's) still counts;
+    a stale slow one cannot pin the chunks small (only a larger size is taken from older chunks)."""
+    slicer = PrefillSlicer(0.05)
+    slicer.measured(1023, 0.045)
+    for _ in range(12):
+        slicer.measured(127, 0.040)
+    assert slicer.chunk(2048, newcomers=[], shared=False) >= 1024
+    stale = PrefillSlicer(0.05)  # a 1,023-token chunk slowed by a compile, then 127-token turns
+    stale.measured(1023, 1.2)
+    for _ in range(12):
+        stale.measured(127, 0.040)
+    assert stale.chunk(2048, newcomers=[], shared=False) == 256  # the recent chunks' next size, not the stale one's
+    # Sizes one token apart give no slope (noise over one token): 128-token chunks and a 127-token tail.
+    near = PrefillSlicer(0.05)
+    for size, seconds in ((128, 0.040), (127, 0.046), (128, 0.041), (127, 0.039)):
+        near.measured(size, seconds)
+    assert near.chunk(2048, newcomers=[], shared=False) == 256  # another size for the fit, not 16
+
+
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
     """Which request got its first token first: the long prompt joins, one step later the short one."""
     order: list[str] = []

@@ -32,12 +32,18 @@ MIN_CHUNK, every later chunk was MIN_CHUNK, no second size ever came, and a
 (a shape's first compile, a GC pause) must not shrink the next ones either:
 the per-token cost is at most the fastest recent chunk's whole time per
 token (its fixed cost included), so that bounds both the fitted slope and the
-fallback, and the slope is the median of the pairwise slopes (Theil-Sen), not
-least squares. Before, a RAM hit's first 128-token chunk (170 ms, compiling)
-asked for 32-token chunks, and the next 1,024-token miss took 1.16 s in 32
-steps instead of 0.08 s (H200, sim_ttft-h200-20261204-155620.json, both
-runs); RAM hits of 128 tokens in 16-token chunks took 0.29-0.46 s instead of
-0.07 s, in one run and not the other. A short prompt
+fallback, and the slope is the median of the pairwise slopes (Theil-Sen) of
+chunks at least 1.5x apart in size, not least squares. Nor may a run of short
+chunks (128-token turns: nearly all fixed cost) make the next long prompt go
+in short chunks: the latest chunk of each power-of-two size class is kept
+after the window moves on, and the chunk is the larger of what the recent
+chunks ask for and what they ask for with those. On the H200
+(sim_ttft-h200-20261204-155620.json, both runs) a RAM hit's first 127-token
+chunk (150 ms) after a miss's 75 ms asked for 32-token chunks, and the next
+1,024-token miss took 1.16 s in 32 steps instead of ~0.08 s; RAM hits went
+in 16-token chunks (0.29-0.46 s instead of ~0.07 s), and each wave's first
+misses after a round of 128-token turns took 0.25-0.9 s, in one run and not
+the other. A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. Pure and
@@ -60,6 +66,8 @@ APART_SLICES = 4
 APART_MIN = 64
 # Chunks the per-token cost is fitted over (the most recent; the context grows as a prompt is prefilled).
 FIT_SAMPLES = 8
+# Two chunks' sizes must differ this much for their slope to count (127 vs 128 tokens: noise over one token).
+PAIR_SPREAD = 1.5
 
 
 @attrs.define
@@ -71,40 +79,36 @@ class PrefillSlicer:
     _samples: collections.deque[tuple[int, float]] = attrs.field(
         init=False, factory=lambda: collections.deque(maxlen=FIT_SAMPLES)
     )
+    # The latest chunk of each power-of-two size class (by bit length), kept after the window moves on.
+    _by_class: dict[int, tuple[int, float]] = attrs.field(init=False, factory=dict)
 
     def measured(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self._samples.append((tokens, seconds))
+            self._by_class[tokens.bit_length()] = (tokens, seconds)
             self.rate = max(n / t for n, t in self._samples)
 
-    def seconds_per_token(self) -> float:
-        """A chunk's cost per prompt token less the step's fixed cost: the median pairwise slope of the
-        recent chunks' times over their sizes, at most the fastest recent chunk's whole time per token
-        (`1 / rate`: its fixed cost included, so no per-token cost is above it; a chunk slowed by a
-        compile cannot raise it); with one size measured (or a non-positive slope), that bound itself
-        (errs small)."""
-        slope = self._slope()
-        bound = 1.0 / self.rate
-        return bound if slope is None else min(slope, bound)
-
-    def _slope(self) -> float | None:
-        """The median of the pairwise slopes of chunks of different sizes (Theil-Sen: one outlier
-        moves it by one rank, not by its size), None without two sizes or with a non-positive median."""
-        samples = list(self._samples)
-        slopes = sorted((t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(samples)
-                        for n2, t2 in samples[i + 1 :] if n2 != n1)
-        if not slopes:
-            return None
-        mid = len(slopes) // 2
-        slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
-        return slope if slope > 0 else None
-
     def _sized(self, step_size: int) -> int:
-        """The next chunk by the fit, or, without one, by the whole rate unless that asks again for
-        the only size measured: then another size (twice it, half at the step size) for the fit."""
-        size = min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s / self.seconds_per_token()))))
-        measured = {n for n, _ in self._samples}
-        if self._slope() is None and measured == {size}:
+        """The next chunk: by the recent chunks, or, larger, by them with the latest chunk of each size
+        class they lack (a 1,023-token miss's chunk, measured before a run of 127-token turns: those alone
+        are nearly all fixed cost and ask for 128-token chunks, 8 steps for the next miss where 1 does).
+        Only a larger size is taken from the older chunks: one of them slowed by a compile must not pin
+        the chunks small, and a size they suggest wrongly is measured afresh at once."""
+        recent = list(self._samples)
+        if not recent:  # a rate given, nothing measured
+            return min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s * self.rate))))
+        size = self._size_from(recent, step_size)
+        classes = {n.bit_length() for n, _ in recent}
+        older = [x for c, x in self._by_class.items() if c not in classes]
+        return max(size, self._size_from(recent + older, step_size)) if older else size
+
+    def _size_from(self, samples: list[tuple[int, float]], step_size: int) -> int:
+        """The chunk `samples` ask for: `slice_s` of the per-token cost (`seconds_per_token`); without
+        a fitted slope, when that asks again for about the one size measured (every chunk within
+        PAIR_SPREAD of it), another size (twice it, half at the step size) for the fit."""
+        slope = _slope(samples)
+        size = min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s / seconds_per_token(samples, slope)))))
+        if slope is None and all(size < PAIR_SPREAD * n and n < PAIR_SPREAD * size for n, _ in samples):
             size = size * 2 if size * 2 <= step_size else max(MIN_CHUNK, size // 2)
         return size
 
@@ -127,6 +131,27 @@ class PrefillSlicer:
                 size, _power_of_two_above(max(newcomers))
             )  # newcomers finish their prompt in this step
         return min(step_size, max(MIN_CHUNK, size))
+
+
+def seconds_per_token(samples: list[tuple[int, float]], slope: float | None) -> float:
+    """A chunk's cost per prompt token less the step's fixed cost: `slope` (the fitted one), at most the
+    fastest chunk's whole time per token (its fixed cost included, so no per-token cost is above it: a
+    chunk slowed by a compile cannot raise it); without a slope, that bound itself (errs small)."""
+    bound = min(t / n for n, t in samples)
+    return bound if slope is None else min(slope, bound)
+
+
+def _slope(samples: list[tuple[int, float]]) -> float | None:
+    """The median of the pairwise slopes of chunks whose sizes differ by PAIR_SPREAD or more (Theil-Sen:
+    one outlier moves it by one rank, not by its size); None without such a pair or with a non-positive
+    median."""
+    slopes = sorted((t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(samples)
+                    for n2, t2 in samples[i + 1 :] if max(n1, n2) >= PAIR_SPREAD * min(n1, n2))
+    if not slopes:
+        return None
+    mid = len(slopes) // 2
+    slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return slope if slope > 0 else None
 
 
 # Chunks are powers of two: a few shapes for the kernels, and the same chunks for the same measured speed.
