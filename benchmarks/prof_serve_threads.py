@@ -171,6 +171,8 @@ def main() -> int:
         print("engine steps:", json.dumps(steps), file=sys.stderr, flush=True)
         with open(out, "w") as f:
             json.dump({"every_s": every, "at": time.time(), "engine_jobs": jobs, "engine_steps": steps,
+                       # each step (perf_counter start, end, rows): CLOCK_MONOTONIC, so a driver slices by its windows
+                       "steps_raw": [(round(a, 6), round(b, 6), r) for a, b, r in STEPS],
                        "threads": report}, f, indent=1)
 
 

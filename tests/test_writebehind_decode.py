@@ -219,3 +219,52 @@ async def _wait_for(predicate) -> None:
             return
         await trio.sleep(0.01)
     raise AssertionError("timed out")
+
+
+def test_an_unpaced_block_write_goes_one_block_at_a_time_once_rows_decode(tmp_path: Path, monkeypatch):
+    """A checkpoint's write that began while the engine was idle commits its blocks four at a time; once rows
+    decode, every block it starts is written alone (the four threads no longer stage, hash and write beside
+    decode at once), and every block is on disk."""
+    from mlxd.kv import file_format as ff
+
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)  # the engine idle: unpaced
+    pacer = Pacer(g)
+    first = threading.Barrier(4, timeout=60)  # the first four blocks start together, unpaced
+    lock = threading.Lock()
+    state = {"prepared": 0, "paced_now": 0, "paced_most": 0}
+    local = threading.local()
+
+    def prepare(plan):
+        with lock:
+            index = state["prepared"]
+            state["prepared"] += 1
+        if index < 4:
+            first.wait()
+            g.set_busy(True)  # rows start decoding while the first blocks are written
+        local.paced = index >= 4
+        return plan
+
+    real = ff.write_snapshot
+
+    def write(plan, path, **kw):
+        paced = getattr(local, "paced", False)
+        if paced:
+            with lock:
+                state["paced_now"] += 1
+                state["paced_most"] = max(state["paced_most"], state["paced_now"])
+        try:
+            threading.Event().wait(0.01)
+            return real(plan, path, **kw)
+        finally:
+            if paced:
+                with lock:
+                    state["paced_now"] -= 1
+
+    monkeypatch.setattr(ff, "write_snapshot", write)
+    plan = _plan(tuple(range(16 * 12)))
+    stored = store.write(plan, pacer, prepare=prepare)
+    assert isinstance(stored, Stored) and state["prepared"] == 12
+    assert state["paced_most"] == 1  # the 8 blocks begun while rows decode: one at a time
+    loaded = store.load(stored.record)
+    assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))

@@ -143,7 +143,8 @@ def main() -> int:
                     help="decode concurrency levels (default 1,8; empty: no decode; a level given again is "
                          "measured again and its tok/s is the median)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
-                    help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd); the restarts follow "
+                    help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
+                         "mlxd_host_ssd_hold); the restarts follow "
                          "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--tight-budget-gb", default=None,
@@ -167,6 +168,7 @@ def main() -> int:
     fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))]
     ssd_dir = args.work / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)
+    shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
     ssd = ["--ssd-cache", str(ssd_dir)]
@@ -178,6 +180,9 @@ def main() -> int:
         "mlxd_host_tight": (base + ["--port", "18194", "--host-cache-gb", host_gb, "--device-probe", "off",
                                     "--memory-budget", args.tight_budget_gb or ("2" if args.small else "9")], 18194),
         "mlxd_host_ssd": (base + ["--port", "18192", "--host-cache-gb", host_gb, *ssd], 18192),
+        # The same with write-behind held still while rows decode (issue 28: decode beside write-behind).
+        "mlxd_host_ssd_hold": (base + ["--port", "18195", "--host-cache-gb", host_gb, "--ssd-cache",
+                                       str(args.work / "ssd-hold"), "--ssd-write-hold-decode"], 18195),
         "mlx_lm": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18193",
                     "--log-level", "WARNING"], 18193),
     }
@@ -423,6 +428,17 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         key = f"decode_{n}_tok_s"
         goals[f"decode_{n}_streams_ssd_vs_mlx_lm (goal >= 1.0)"] = ratio(ssd.get(key), lm.get(key))
         goals[f"decode_{n}_streams_ssd_vs_mlxd_no_ssd"] = ratio(ssd.get(key), no_ssd.get(key))
+    hold = med.get("mlxd_host_ssd_hold", {})
+    lm_runs = (out.get("mlx_lm") or {}).get("decode_runs") or {}
+    for n in ("1", "8"):
+        if hold:
+            goals[f"decode_{n}_streams_ssd_hold_vs_mlx_lm (goal >= 1.0)"] = ratio(hold.get(f"decode_{n}_tok_s"),
+                                                                                 lm.get(f"decode_{n}_tok_s"))
+        for name in ("mlxd_host_ssd", "mlxd_host_ssd_hold", "mlxd_ram", "mlxd_host"):
+            runs = ((out.get(name) or {}).get("decode_runs") or {}).get(n) or []
+            if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
+                goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
+                    ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
     for name, m in (("mlxd_host", host), ("mlxd_host_tight", tight), ("mlxd_host_ssd", ssd), ("mlxd_ram", ram)):
         if m:  # returning after B and C pushed A out of the RAM tier (mlxd_host_tight: out of HBM), against a
             # RAM hit of the same shape (the next turn)

@@ -7,6 +7,13 @@ writes the profile JSON (median step and the gap between steps per batch size, t
 engine thread's jobs, and per thread the functions on the stack) to `--out`.
 
     python3 benchmarks/gpu/profile_decode_gaps.py --model /tmp/host-servers-work/model-qwen3-1.7b --out $OUT
+
+Write-behind beside decode (issue 28): `--fresh-tokens N --fresh-pattern 1,0,1,0` with
+`--serve-args "--ssd-cache DIR"` puts a fresh N-token prompt before the levels marked 1 (its
+checkpoint is staged and written while they decode) and the previous prompt again before
+those marked 0 (a RAM hit: nothing to write), and reports per level the steps and gaps
+inside its decode window and what the SSD writer did meanwhile (`/stats` before and after:
+staged pieces, runtime calls, step waits, bytes written).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +46,9 @@ def main() -> int:
     ap.add_argument("--fresh-tokens", type=int, default=0,
                     help="a fresh prompt this long before each level (with --ssd-cache its write-behind runs "
                          "during the decode)")
+    ap.add_argument("--fresh-pattern", default="",
+                    help="per level, 1: a fresh prompt before it, 0: the previous prompt again (nothing new to "
+                         "write); default: fresh before every level")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prof = args.out / "decode-gaps-profile.json"
@@ -48,21 +59,67 @@ def main() -> int:
     server = Proc("mlxd_prof", cmd, args.port, "/health", args.out / "decode-gaps-serve.log")
     server.start()
     results = {}
+    levels: list[dict[str, object]] = []
+    pattern = [x.strip() == "1" for x in args.fresh_pattern.split(",") if x.strip()]
+    prompt = ""
     try:
         for i, n in enumerate(int(x) for x in args.streams.split(",") if x):
+            fresh = pattern[i] if i < len(pattern) else True
             if args.fresh_tokens:
-                asyncio.run(ttft(server.base, args.model.name, text_of(args.model, args.fresh_tokens, 900 + i)))
+                if fresh or not prompt:
+                    prompt = text_of(args.model, args.fresh_tokens, 900 + i)
+                asyncio.run(ttft(server.base, args.model.name, prompt))
+            before = _writer(server.base)
+            t0 = time.perf_counter()
             d = asyncio.run(decode(server.base, args.model.name, [f"Story {j}: " + TEXTS["q2"] for j in range(n)],
                                    args.tokens))
-            results[str(n)] = d["tok_s"]
-            log("decode", n, "streams", d["tok_s"])
+            t1 = time.perf_counter()
+            after = _writer(server.base)
+            results.setdefault(str(n), []).append(d["tok_s"])
+            levels.append({"streams": n, "fresh": bool(args.fresh_tokens) and fresh, "tok_s": d["tok_s"],
+                           "window": (t0, t1), "writer": {k: round(after[k] - before[k], 3) for k in after
+                                                           if isinstance(after[k], int | float) and k in before}})
+            log("decode", n, "streams", d["tok_s"], "fresh" if fresh else "repeat", json.dumps(levels[-1]["writer"]))
     finally:
         server.stop()
     report = json.loads(prof.read_text()) if prof.exists() else {}
-    summary = {"tok_s": results, "engine_jobs": report.get("engine_jobs"), "engine_steps": report.get("engine_steps")}
+    steps = report.get("steps_raw") or []
+    for level in levels:
+        t0, t1 = level.pop("window")  # type: ignore[misc]
+        level.update(_window(steps, t0, t1))
+        log("level", json.dumps(level))
+    summary = {"tok_s": results, "levels": levels, "engine_jobs": report.get("engine_jobs"),
+               "engine_steps": report.get("engine_steps")}
     (args.out / "decode-gaps.json").write_text(json.dumps(summary, indent=1))
     log("summary", json.dumps(summary))
     return 0
+
+
+def _writer(base: str) -> dict[str, object]:
+    """The SSD writer's counters now (`/stats` ssd_cache.writer; empty without an SSD tier)."""
+    import httpx
+
+    try:
+        stats = httpx.get(base + "/stats", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return dict((stats.get("ssd_cache") or {}).get("writer") or {})
+
+
+def _window(steps: list[list[float]], t0: float, t1: float) -> dict[str, object]:
+    """The decode steps inside [t0, t1] (all rows decoding or not) and the gaps between them."""
+    import statistics
+
+    inside = [s for s in steps if t0 <= s[0] and s[1] <= t1]
+    gaps = [b[0] - a[1] for a, b in zip(inside, inside[1:], strict=False)]
+    if len(inside) < 2:
+        return {"steps": len(inside)}
+    q = statistics.quantiles(gaps, n=100) if len(gaps) >= 2 else [gaps[0]] * 99
+    return {"steps": len(inside), "step_median_us": round(statistics.median(b - a for a, b, _ in inside) * 1e6, 1),
+            "gap_median_us": round(statistics.median(gaps) * 1e6, 1), "gap_p90_us": round(q[89] * 1e6, 1),
+            "gap_p99_us": round(q[98] * 1e6, 1), "gap_max_ms": round(max(gaps) * 1e3, 2),
+            "gaps_over_1ms": sum(g > 1e-3 for g in gaps), "gap_total_ms": round(sum(gaps) * 1e3, 1),
+            "span_ms": round((inside[-1][1] - inside[0][0]) * 1e3, 1)}
 
 
 if __name__ == "__main__":

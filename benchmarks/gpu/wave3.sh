@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, paired runs, b1 then b8
+#   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -55,6 +56,12 @@ for p in "$@"; do case $p in
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
   restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
             ${RESTOREPATHS_ARGS:-} ;;
+  # Issue 28, decode beside write-behind: the steps and the gaps between them per level, a fresh 8k prompt (its
+  # write-behind runs during the decode) before levels 1 and 3, the same prompt again (nothing to write) before 2 and 4.
+  wbgaps) rm -rf /tmp/wbgaps-ssd; phase wbgaps 150 python3 benchmarks/gpu/profile_decode_gaps.py --out "$OUT/wbgaps" \
+            --model ${WBGAPS_MODEL:-/tmp/host-servers-work/model-qwen3-1.7b-shape} --tokens 256 --streams 1,1,8,8 \
+            --fresh-tokens 8192 --fresh-pattern 1,0,1,0 --sample-ms 1000 \
+            --serve-args "--ssd-cache /tmp/wbgaps-ssd --host-cache-gb 24 ${WBGAPS_SERVE:-}" ${WBGAPS_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done

@@ -376,11 +376,22 @@ class BlockStore:
     def _write_blocks_of(
         self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None = None
     ) -> dict[str, int]:
-        """Commit new blocks (name -> file size): `writers` at a time unless the pacer is pacing."""
+        """Commit new blocks (name -> file size): `writers` at a time unless the pacer is pacing. A write
+        that started unpaced (the engine idle) and finds the pacer pacing at a block's start (rows decode
+        now, or a prompt waits for its first token) writes that block and the rest one at a time: four
+        writing threads beside decode stage, hash and write four blocks at once (issue 28)."""
         if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.pacing()):
             return {name: self._write_block(name, plan, pacer, prepare) for name, plan in jobs}
         pool = _thread_pool(self.writers, "mlxd-block-write")
-        futures = [pool.submit(self._write_block, name, plan, pacer, prepare) for name, plan in jobs]
+        one = threading.Lock()
+
+        def block(name: str, plan: ff.SnapshotPlan) -> int:
+            if pacer is not None and pacer.pacing():
+                with one:
+                    return self._write_block(name, plan, pacer, prepare)
+            return self._write_block(name, plan, pacer, prepare)
+
+        futures = [pool.submit(block, name, plan) for name, plan in jobs]
         try:
             return {name: f.result() for (name, _), f in zip(jobs, futures, strict=True)}
         finally:  # after a failure: blocks not started are not written, and none is still writing
