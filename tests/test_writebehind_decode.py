@@ -268,3 +268,18 @@ def test_an_unpaced_block_write_goes_one_block_at_a_time_once_rows_decode(tmp_pa
     assert state["paced_most"] == 1  # the 8 blocks begun while rows decode: one at a time
     loaded = store.load(stored.record)
     assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+
+
+def test_a_runtime_that_refuses_the_2d_copy_gets_rows_and_the_same_bytes(monkeypatch):
+    class Refusing(fake_cuda.FakeCudaLib):
+        def cudaMemcpy2DAsync(self, *args):  # e.g. a pitch past the device's limit
+            return 1
+
+    lib = Refusing(copy_Bps=1e12)
+    cuda = fake_cuda.install(monkeypatch, lib)
+    whole = np.arange(1 * 4 * 64 * 16, dtype=np.float32).reshape(1, 4, 64, 16)
+    spans = [whole[..., 16:48, :], whole[..., 0:16, :]]
+    counts = host_memory.Copied()
+    _, arrays = host_memory.to_host(spans, counts=counts)
+    assert all(np.array_equal(a, s) for a, s in zip(arrays, spans, strict=True))
+    assert counts.calls == 1 + 4 + 4 and cuda._copy_2d is None  # refused once, then one call per row

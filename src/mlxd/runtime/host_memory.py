@@ -168,12 +168,20 @@ class _Cuda:
                     err = int(self._lib.cudaMemcpyAsync(ctypes.c_void_p(c.dst), ctypes.c_void_p(c.src),
                                                         ctypes.c_size_t(c.nbytes), _MEMCPY_DEFAULT, stream))
                     calls += 1
-                elif self._copy_2d is not None:
-                    err = int(self._copy_2d(ctypes.c_void_p(c.dst), ctypes.c_size_t(c.width), ctypes.c_void_p(c.src),
-                                            ctypes.c_size_t(c.pitch), ctypes.c_size_t(c.width),
-                                            ctypes.c_size_t(c.height), _MEMCPY_DEFAULT, stream))
-                    calls += 1
-                else:  # a runtime without the 2D copy: one call per row
+                else:
+                    err = -1
+                    if self._copy_2d is not None:
+                        err = int(self._copy_2d(ctypes.c_void_p(c.dst), ctypes.c_size_t(c.width),
+                                                ctypes.c_void_p(c.src), ctypes.c_size_t(c.pitch),
+                                                ctypes.c_size_t(c.width), ctypes.c_size_t(c.height),
+                                                _MEMCPY_DEFAULT, stream))
+                        calls += 1
+                        if err != 0:  # refused (a pitch past the device's limit?): rows from now on
+                            log.warning("host_memory.copy_2d_refused", error=err, pitch=c.pitch, width=c.width)
+                            self._copy_2d = None
+                    if err == 0:
+                        continue
+                    # A runtime without the 2D copy (or one that refused it): one call per row.
                     err = 0
                     for row in range(c.height):
                         err = err or int(self._lib.cudaMemcpyAsync(
