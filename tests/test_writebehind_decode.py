@@ -283,3 +283,46 @@ def test_a_runtime_that_refuses_the_2d_copy_gets_rows_and_the_same_bytes(monkeyp
     _, arrays = host_memory.to_host(spans, counts=counts)
     assert all(np.array_equal(a, s) for a, s in zip(arrays, spans, strict=True))
     assert counts.calls == 1 + 4 + 4 and cuda._copy_2d is None  # refused once, then one call per row
+
+
+def test_a_backlog_beside_decode_is_written_at_full_speed_one_block_at_a_time(tmp_path: Path, monkeypatch):
+    """Past the backlog bound write-behind goes at full speed; beside decode one block (and one write) at a
+    time, while an idle engine, a flush or RAM pressure still gets the four writers."""
+    from mlxd.kv import file_format as ff
+
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    g.set_busy(True)
+    g.set_urgent("backlog", True)
+    pacer = Pacer(g)
+    assert g.rate() is None and not pacer.pacing() and not g.parallel() and pacer.serial()
+    g.set_urgent("ram", True)
+    assert g.parallel() and not pacer.serial()  # RAM over its cap: every writer
+    g.set_urgent("ram", False)
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+    together = threading.Barrier(2, timeout=60)
+    real = ff.write_snapshot
+
+    def write(plan, path, **kw):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            index = state.setdefault("calls", 0)
+            state["calls"] = index + 1
+        try:
+            if not g.busy and index < 2:
+                together.wait()  # idle: two blocks are being written at once (or this times out)
+            threading.Event().wait(0.005)
+            return real(plan, path, **kw)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(ff, "write_snapshot", write)
+    plan = _plan(tuple(range(16 * 8)))
+    stored = SsdStore(tmp_path / "decoding", IDENTITY, layout="blocks", block_tokens=16).write(plan, pacer)
+    assert isinstance(stored, Stored) and state["most"] == 1 and state["calls"] == 8
+    g.set_busy(False)  # the engine idle: the backlog goes four blocks at a time again
+    state.update(now=0, most=0, calls=0)
+    stored = SsdStore(tmp_path / "idle", IDENTITY, layout="blocks", block_tokens=16).write(plan, pacer)
+    assert isinstance(stored, Stored) and state["most"] >= 2

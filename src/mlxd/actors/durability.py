@@ -151,8 +151,10 @@ class DurabilityCoordinator:
 
     def _parallel_writes(self) -> int:
         """Several writers only while durability is urgent (a flush waits, the backlog or RAM is over its
-        bound): then nothing paces them; otherwise one paced write at a time, beside decode."""
-        urgent = bool(self._waiters) or (self._governor is not None and bool(self._governor.urgent))
+        bound): then nothing paces them; otherwise one paced write at a time, beside decode. A backlog alone
+        while rows decode: one write at a time, at full speed (`WriteGovernor.parallel`)."""
+        g = self._governor
+        urgent = bool(self._waiters) or (g is not None and bool(g.urgent) and g.parallel())
         return self._writers if urgent else 1
 
     async def _answer_flushes(self) -> None:

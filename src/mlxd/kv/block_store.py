@@ -376,17 +376,18 @@ class BlockStore:
     def _write_blocks_of(
         self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None = None
     ) -> dict[str, int]:
-        """Commit new blocks (name -> file size): `writers` at a time unless the pacer is pacing. A write
-        that started unpaced (the engine idle) and finds the pacer pacing at a block's start (rows decode
-        now, or a prompt waits for its first token) writes that block and the rest one at a time: four
-        writing threads beside decode stage, hash and write four blocks at once (issue 28)."""
-        if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.pacing()):
+        """Commit new blocks (name -> file size): `writers` at a time unless the pacer says one at a time
+        (`Pacer.serial`: paced, held, or a backlog beside decode). A write that started in parallel (the
+        engine idle) and finds it serial at a block's start (rows decode now, or a prompt waits for its
+        first token) writes that block and the rest one at a time: four writing threads beside decode
+        stage, hash and write four blocks at once (issue 28)."""
+        if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.serial()):
             return {name: self._write_block(name, plan, pacer, prepare) for name, plan in jobs}
         pool = _thread_pool(self.writers, "mlxd-block-write")
         one = threading.Lock()
 
         def block(name: str, plan: ff.SnapshotPlan) -> int:
-            if pacer is not None and pacer.pacing():
+            if pacer is not None and pacer.serial():
                 with one:
                     return self._write_block(name, plan, pacer, prepare)
             return self._write_block(name, plan, pacer, prepare)

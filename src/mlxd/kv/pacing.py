@@ -125,6 +125,13 @@ class WriteGovernor:
         waiting = self._prefilling or (self.hold_while_decoding and self._busy)
         return self.busy_rate is not None and waiting and not self._urgent
 
+    def parallel(self) -> bool:
+        """May write-behind run several writes, and a write several blocks, at once now? Not beside decode
+        unless a flush waits or RAM is over its cap: a backlog past its bound alone is written at full
+        speed but one write and one block at a time while rows decode (four writing threads beside decode
+        stage, hash and write four blocks at once; issue 28)."""
+        return not self._busy or bool(self._urgent - {"backlog"})
+
     def rate(self) -> float | None:
         """Bytes/s to hold now, or None for full speed."""
         if self.busy_rate is None or self._urgent or not self._busy:
@@ -172,6 +179,10 @@ class Pacer:
     def pacing(self) -> bool:
         """Whether the writer is being held to a rate (or held still) right now."""
         return self.governor.rate() is not None or self.governor.held()
+
+    def serial(self) -> bool:
+        """One block at a time now: paced, held, or a backlog written beside decode (`WriteGovernor.parallel`)."""
+        return self.pacing() or not self.governor.parallel()
 
     def check(self) -> None:
         """Raise WriteInterrupted if asked to stop."""
