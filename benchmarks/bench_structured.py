@@ -41,6 +41,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,29 +67,108 @@ ARMS: dict[str, dict[str, Any] | None] = {
 CPU_MS: list[float] = []  # the last decode_rate's CPU time of this process per token (every thread), in ms
 
 
-async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> float:
-    """Tokens/s of `batch` rows decoding together, from the first token of the batch to the last.
+def thread_clocks() -> dict[str, int]:
+    """CPU clocks of the engine thread and the mask worker (found by name), where they run now."""
+    clocks: dict[str, int] = {}
+    for t in threading.enumerate():
+        name = "engine" if t.name == "mlxd-engine" else "masks" if t.name.startswith("mlxd-masks") else None
+        if name is not None and t.ident is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                clocks[name] = time.pthread_getcpuclockid(t.ident)
+    return clocks
 
-    Also notes the process's CPU time per token over the same span in CPU_MS: on a host
-    whose cores are all busy that is what a step's extra work costs, whatever it overlaps.
+
+def cpu_now(clocks: dict[str, int]) -> dict[str, float]:
+    """The process's CPU time (every thread) and each clock's thread's, in s."""
+    now = {"process": time.process_time()}
+    for name, clock in clocks.items():
+        with contextlib.suppress(OSError):
+            now[name] = time.clock_gettime(clock)
+    return now
+
+
+async def decode_once(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> dict[str, float]:
+    """`batch` rows decoding together, from the batch's first token to its last: tokens/s, and CPU ms per
+    token over the same span: the process's (every thread), the engine thread's and the mask worker's.
+
+    On a host whose cores are busy (other tenants) CPU time per token moves far less than wall time:
+    it is what a step's extra work costs, whatever it overlaps.
     """
     stamps: list[float] = []
-    cpu: list[float] = []
+    last = batch * sampling.max_tokens  # every row runs to its limit (end tokens banned)
+    clocks = thread_clocks()
+    spans: dict[str, dict[str, float]] = {}
 
     async def row() -> None:
         async with rt.submit(rt.request(prompt, sampling=sampling)) as stream:
             async for event in stream:
                 if isinstance(event, TokenGenerated):
                     stamps.append(time.perf_counter())
-                    cpu.append(time.process_time())
+                    if len(stamps) in (batch, last):
+                        spans["start" if len(stamps) == batch else "end"] = cpu_now(clocks)
 
     async with trio.open_nursery() as nursery:
         for _ in range(batch):
             nursery.start_soon(row)
     stamps.sort()
-    cpu.sort()
-    CPU_MS[:] = [1000 * (cpu[-1] - cpu[batch - 1]) / (len(cpu) - batch)]
-    return (len(stamps) - batch) / (stamps[-1] - stamps[batch - 1])
+    tokens = len(stamps) - batch
+    start, end = spans["start"], spans.get("end") or cpu_now(clocks)
+    out = {"tok_s": tokens / (stamps[-1] - stamps[batch - 1])}
+    for name in ("process", "engine", "masks"):
+        out[f"{name}_cpu_ms"] = 1000 * (end.get(name, 0.0) - start.get(name, 0.0)) / tokens
+    return out
+
+
+async def decode_rate(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> float:
+    """Tokens/s of `batch` rows decoding together (`decode_once`); the process's CPU ms a token in CPU_MS."""
+    once = await decode_once(rt, prompt, sampling, batch)
+    CPU_MS[:] = [once["process_cpu_ms"]]
+    return once["tok_s"]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and quartiles (the IQR's ends) of per-pair ratios."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": round(statistics.median(values), 3), "q1": round(q[0], 3), "q3": round(q[2], 3),
+            "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+async def paired(run: Any, arms: list[str], rounds: int, deadline: float) -> dict[str, Any]:
+    """Each arm decoded right beside a free decode, many times: per pair, arm ÷ free.
+
+    A round pairs every arm (the control `free2` included) with a free decode, each pair ~1-2 s,
+    which of the two goes first alternating pair by pair, the arms' order rotating round by round.
+    A host's slow spell then hits a pair's two decodes alike more often than two far-apart decodes,
+    and `free2 ÷ free` shows what is left of the noise. Rounds stop at `deadline` (perf_counter).
+    """
+    pairs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {arm: [] for arm in arms}
+    n = 0
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            if time.perf_counter() > deadline:
+                break
+            if n % 2 == 0:
+                free, x = await run("free"), await run(arm)
+            else:
+                x, free = await run(arm), await run("free")
+            pairs[arm].append((x, free))
+            n += 1
+    out: dict[str, Any] = {}
+    for arm, got in pairs.items():
+        if not got:
+            continue
+        d: dict[str, Any] = {"pairs": len(got), "tok_s": round(statistics.median(x["tok_s"] for x, _ in got), 1),
+                             "free_tok_s": round(statistics.median(f["tok_s"] for _, f in got), 1),
+                             "ratio": spread([x["tok_s"] / f["tok_s"] for x, f in got])}
+        for name in ("process", "engine", "masks"):
+            key = f"{name}_cpu_ms"
+            d[key] = round(statistics.median(x[key] for x, _ in got), 3)
+            d[f"free_{key}"] = round(statistics.median(f[key] for _, f in got), 3)
+            if name != "masks":  # free decode uses no mask worker
+                d[f"{name}_cpu_ratio"] = spread([x[key] / f[key] for x, f in got if f[key] > 0] or [0.0])
+        d["rounds"] = [[round(x["tok_s"], 1), round(f["tok_s"], 1)] for x, f in got]
+        out[arm] = d
+    return out
 
 
 async def ttft(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams) -> float:
@@ -223,6 +303,15 @@ def mask_env(spec: str | None) -> Iterator[None]:
         os.environ.pop("MLXD_MASK_THREADS", None)
 
 
+STARTED = time.perf_counter()
+PATH = RESULTS / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def save(result: dict[str, Any]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    PATH.write_text(json.dumps(result, indent=2) + "\n")
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else ensure_model(args.preset)
     config = RuntimeConfig(model=str(model), max_batch=max(args.batch), device_probe="off")
@@ -253,7 +342,30 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await decode_rate(rt, prompt, base, 1)  # warm: the prompt's checkpoint, MLX kernels, grammars
         for arm in arms:
             await rate(arm, 1)
-        for batch in [] if args.ttft_only else args.batch:
+        if args.pairs:
+            arms["free2"] = (None, None)  # the control: free decode paired with free decode
+            samplings["free2"] = samplings["free"]  # (the warm-up above started the mask worker: its clock is read)
+            out["pairs"] = {}
+            batches = [] if args.ttft_only else args.batch
+            for i, batch in enumerate(batches):
+                await decode_rate(rt, prompt, base, batch)  # warm this batch size's kernels before the first pair
+
+                async def run(arm: str, batch: int = batch) -> dict[str, float]:
+                    with mask_env(arms[arm][1]):
+                        return await decode_once(rt, prompt, samplings[arm], batch)
+
+                # The time left shared by the batch sizes still to run (--stop-after: a cut run still reports).
+                deadline = time.perf_counter() + (STARTED + args.stop_after - time.perf_counter()) / (len(batches) - i)
+                got = out["pairs"][str(batch)] = await paired(run, [a for a in arms if a != "free"], args.rounds, deadline)
+                save(out)
+                for arm, d in got.items():
+                    r, c, e = d["ratio"], d["process_cpu_ratio"], d["engine_cpu_ratio"]
+                    print(f"batch {batch} {arm}: {d['pairs']} pairs, {d['tok_s']} tok/s (free {d['free_tok_s']}); "
+                          f"tok/s ratio {r['median']} [IQR {r['q1']}-{r['q3']}]; CPU ms/token process "
+                          f"{d['process_cpu_ms']} (free {d['free_process_cpu_ms']}) ratio {c['median']} "
+                          f"[{c['q1']}-{c['q3']}], engine thread {d['engine_cpu_ms']} (free {d['free_engine_cpu_ms']}) "
+                          f"ratio {e['median']} [{e['q1']}-{e['q3']}], mask worker {d['masks_cpu_ms']}", flush=True)
+        for batch in [] if args.ttft_only or args.pairs else args.batch:
             await decode_rate(rt, prompt, base, batch)  # warm this batch size's kernels before the first round
             rates: dict[str, list[float]] = {arm: [] for arm in arms}
             cpu: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -295,9 +407,11 @@ if __name__ == "__main__":
     parser.add_argument("--decode-only", action="store_true", help="skip the TTFT part")
     parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS]",
                         help="each constrained arm once per MLXD_MASK_MODE (and MLXD_MASK_THREADS)")
+    parser.add_argument("--pairs", action="store_true",
+                        help="pair every arm with a free decode, --rounds times each (and a free2 control arm)")
+    parser.add_argument("--stop-after", type=float, default=1e9, metavar="S",
+                        help="--pairs: start no pair after S seconds from the start (the results so far are kept)")
     args = parser.parse_args()
     result = trio.run(main, args)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(path)
+    save(result)
+    print(PATH)
