@@ -18,13 +18,19 @@
    timed alone: the preset's tokenizer may lack `<tool_call>`.
 
     python benchmarks/bench_structured.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--ttft-only]
-        [--mask-modes engine ahead ahead-bool ahead-early ahead-early:2 ahead-bool/0.5]
+        [--mask-modes engine ahead ahead-bool ahead-early ahead-early:2 ahead-bool/0.5 ahead-early~0
+         ahead-early+ready] [--pairs] [--stop-after S]
 
 `--mask-modes` runs each constrained arm once per `MLXD_MASK_MODE` (where a GPU step's masks
 are made, engine/features.py; the runtime reads it every step), as arms `regex@ahead`, ...;
 `MODE:THREADS` also sets `MLXD_MASK_THREADS` (llguidance's fill pool) for that arm and
 `MODE/MS` the GIL's switch interval (`sys.setswitchinterval`, with a `free/MS` arm beside it),
-alternating with the others in every round. `MLXD_MASK_DEVICE=gpu` in the environment times
+`MODE~KEPT` sets `MLXD_MASK_CACHE` (`~0`: every mask copied every step, the path before kept masks),
+`MODE+ready` sets `MLXD_MASK_LAUNCH=ready` (one launch a step when the ahead masks are made in time),
+alternating with the others in every round. `--pairs` decodes each arm right beside a free decode
+instead, `--rounds` pairs per arm, with a `free2` control (free beside free: the host's noise floor),
+and reports per-pair ratios (median, IQR) of tok/s and of CPU ms per token: the process's, the
+engine thread's (on a host-bound GPU, the step's critical path) and the mask worker's. `MLXD_MASK_DEVICE=gpu` in the environment times
 the GPU path on a CPU host.
 
 Results go to benchmarks/results/structured-*.json.
@@ -50,7 +56,7 @@ from typing import Any
 import trio
 
 from mlxd import RuntimeConfig, SamplingParams, TokenGenerated, open_runtime
-from mlxd.engine.features import MASK_MODES
+from mlxd.engine.features import MASK_LAUNCHES, MASK_MODES
 from mlxd.model import ensure_model
 from mlxd.structured.spec import constraint_from_request, tool_call_constraint
 
@@ -259,39 +265,54 @@ async def ttft_cases(rt: Any, prompt: tuple[int, ...], rounds: int) -> dict[str,
     return out
 
 
-def mask_spec(spec: str) -> str:
-    """A `--mask-modes` entry: MODE[:THREADS][/MS] (MLXD_MASK_MODE, MLXD_MASK_THREADS, the GIL's switch interval)."""
-    head, _, ms = spec.partition("/")
+def parse_spec(spec: str) -> tuple[str, str, str, str, str]:
+    """MODE[:THREADS][/MS][~KEPT][+LAUNCH] -> (MODE, THREADS, MS, KEPT, LAUNCH), the absent parts ''."""
+    spec, _, launch = spec.partition("+")
+    rest, _, kept = spec.partition("~")
+    head, _, ms = rest.partition("/")
     mode, _, threads = head.partition(":")
+    return mode, threads, ms, kept, launch
+
+
+def mask_spec(spec: str) -> str:
+    """A `--mask-modes` entry: MODE[:THREADS][/MS][~KEPT][+LAUNCH] (MLXD_MASK_MODE, MLXD_MASK_THREADS, the GIL's
+    switch interval, MLXD_MASK_CACHE: ~0 copies every mask every step, as before kept device masks;
+    MLXD_MASK_LAUNCH: +ready launches the forward pass at the mask only when the masks are not made yet)."""
+    mode, threads, ms, kept, launch = parse_spec(spec)
     ok = mode in MASK_MODES and (not threads or (threads.isdigit() and int(threads) >= 1))
+    ok = ok and (not kept or kept.isdigit()) and (not launch or launch in MASK_LAUNCHES)
     try:
         ok = ok and (not ms or float(ms) > 0)
     except ValueError:
         ok = False
     if not ok:
-        raise argparse.ArgumentTypeError(f"{spec!r}: MODE[:THREADS][/MS], MODE one of {', '.join(MASK_MODES)}")
+        raise argparse.ArgumentTypeError(f"{spec!r}: MODE[:THREADS][/MS][~KEPT][+LAUNCH], MODE one of "
+                                         f"{', '.join(MASK_MODES)}, LAUNCH one of {', '.join(MASK_LAUNCHES)}")
     return spec
 
 
 def switch_ms(spec: str | None) -> str | None:
     """The /MS part of an arm's spec (`free/0.5` for a free arm at that switch interval), or None."""
-    return spec.partition("/")[2] or None if spec else None
+    return parse_spec(spec)[2] or None if spec else None
 
 
 @contextlib.contextmanager
 def mask_env(spec: str | None) -> Iterator[None]:
-    """An arm's settings for its run: MLXD_MASK_MODE and MLXD_MASK_THREADS (the runtime reads them every
-    step) and, with /MS, `sys.setswitchinterval` (how soon a thread waiting for the GIL, the mask worker
-    or trio's, forces the engine thread to let it go; Python's default is 5 ms)."""
+    """An arm's settings for its run: MLXD_MASK_MODE, MLXD_MASK_THREADS and MLXD_MASK_CACHE (the runtime
+    reads them every step) and, with /MS, `sys.setswitchinterval` (how soon a thread waiting for the GIL,
+    the mask worker or trio's, forces the engine thread to let it go; Python's default is 5 ms)."""
     if spec is None:
         yield
         return
-    head, _, ms = spec.partition("/")
-    mode, _, threads = head.partition(":")
+    mode, threads, ms, kept, launch = parse_spec(spec)
     if mode != "free":
         os.environ["MLXD_MASK_MODE"] = mode
     if threads:
         os.environ["MLXD_MASK_THREADS"] = threads
+    if kept:
+        os.environ["MLXD_MASK_CACHE"] = kept
+    if launch:
+        os.environ["MLXD_MASK_LAUNCH"] = launch
     interval = sys.getswitchinterval()
     if ms:
         sys.setswitchinterval(float(ms) / 1000)
@@ -299,8 +320,8 @@ def mask_env(spec: str | None) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(interval)
-        os.environ.pop("MLXD_MASK_MODE", None)
-        os.environ.pop("MLXD_MASK_THREADS", None)
+        for name in ("MLXD_MASK_MODE", "MLXD_MASK_THREADS", "MLXD_MASK_CACHE", "MLXD_MASK_LAUNCH"):
+            os.environ.pop(name, None)
 
 
 STARTED = time.perf_counter()
@@ -405,8 +426,9 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--ttft-only", action="store_true", help="skip the decode part")
     parser.add_argument("--decode-only", action="store_true", help="skip the TTFT part")
-    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS]",
-                        help="each constrained arm once per MLXD_MASK_MODE (and MLXD_MASK_THREADS)")
+    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS][/MS][~KEPT][+LAUNCH]",
+                        help="each constrained arm once per MLXD_MASK_MODE (MLXD_MASK_THREADS, GIL switch ms, "
+                             "MLXD_MASK_CACHE, MLXD_MASK_LAUNCH)")
     parser.add_argument("--pairs", action="store_true",
                         help="pair every arm with a free decode, --rounds times each (and a free2 control arm)")
     parser.add_argument("--stop-after", type=float, default=1e9, metavar="S",

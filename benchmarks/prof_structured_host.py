@@ -11,10 +11,12 @@ masks filled, the worker hand-off, the mask's device copy and unpack graph built
 the ahead modes the worker's job (its wait for the tokens), and how long the engine
 thread waits for it at the join. A summary per arm: the worker's feed and fill per
 row, the join's wait per step, and the engine thread's own processor work per row.
-Then the mask ops alone (evaluated) for a few vocab sizes, old op vs new op.
+Per run also the CPU ms a step of the process, the engine thread and the mask worker; `--cpu-clock`
+times every piece by its own thread's CPU time instead of the wall clock (a busy host stretches
+wall time, CPU time far less). Then the mask ops alone (evaluated) for a few vocab sizes, old op vs new op.
 
     PYTHONPATH=src python benchmarks/prof_structured_host.py [--preset test] [--batch 1 8] [--tokens 128]
-        [--arms regex json_schema] [--mask-modes ahead-bool ahead-early] [--model DIR] [--no-ops]
+        [--arms regex json_schema] [--mask-modes ahead-bool ahead-early] [--model DIR] [--no-ops] [--cpu-clock]
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from mlxd.structured import matcher as matcher_mod
 from mlxd.structured.spec import constraint_from_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_structured import ARMS, mask_env, mask_spec  # noqa: E402  (the bench's arms and mask settings)
+from bench_structured import ARMS, cpu_now, mask_env, mask_spec, thread_clocks  # noqa: E402  (the bench's arms, settings, clocks)
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 INSIDE = [0]
+CLOCK = [time.perf_counter]  # --cpu-clock: time.thread_time (the calling thread's CPU; a busy host moves it less)
 
 
 def timed(owner: Any, name: str, label: str) -> None:
@@ -57,11 +60,12 @@ def timed(owner: Any, name: str, label: str) -> None:
 
     @functools.wraps(fn)
     def wrapper(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
+        clock = CLOCK[0]
+        t0 = clock()
         try:
             return fn(*a, **k)
         finally:
-            TIMES[label].append(time.perf_counter() - t0)
+            TIMES[label].append(clock() - t0)
 
     static = isinstance(getattr(owner, "__dict__", {}).get(name), staticmethod)
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)
@@ -72,12 +76,12 @@ def instrument() -> None:
     inner = mx.async_eval
 
     def async_eval(*a: Any) -> Any:  # timed only inside the constrained processors
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         try:
             return inner(*a)
         finally:
             if INSIDE[0]:
-                TIMES["mx.async_eval (in processor)"].append(time.perf_counter() - t0)
+                TIMES["mx.async_eval (in processor)"].append(CLOCK[0]() - t0)
 
     mx.async_eval = async_eval
     outer = features.Constrained.mask
@@ -85,13 +89,13 @@ def instrument() -> None:
     def mask(*a: Any, **k: Any) -> Any:
         INSIDE[0] += 1
         later = getattr(a[0].masks, "_step", None) is not None  # the step's masks made by an earlier row
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         try:
             return outer(*a, **k)
         finally:
             INSIDE[0] -= 1
             if later:
-                TIMES["processor (rows after the first)"].append(time.perf_counter() - t0)
+                TIMES["processor (rows after the first)"].append(CLOCK[0]() - t0)
 
     features.Constrained.mask = mask
     timed(gen_hook, "step_inputs", "token read")  # the old tree's StepInputs.read holds the function itself
@@ -114,9 +118,15 @@ def instrument() -> None:
         timed(features.StepMasks, "_walk_unpacked", "walk + numpy unpack")
         timed(features.StepMasks, "_joined", "engine: join + mask copy")
         timed(features.StepMasks, "_wait", "engine: waits for the worker")
+        timed(features.StepMasks, "start", "engine: masks.start")
+        timed(features.StepMasks, "prepare", "engine: masks.prepare (starts the worker)")
+        timed(features.StepMasks, "_device_masks", "engine: kept masks or copies")
+        timed(features.StepMasks, "_walk_keyed", "walk + keys (+ unpack of new bits)")
     step = engine_core.EngineCore.step if hasattr(engine_core.EngineCore, "step") else None
     if step is not None:
         timed(engine_core.EngineCore, "step", "engine step")
+    if hasattr(engine_core.EngineCore, "_next"):
+        timed(engine_core.EngineCore, "_next", "engine: _next (generator step + events)")
 
 
 async def decode(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams, batch: int) -> int:
@@ -159,12 +169,15 @@ async def main(args: argparse.Namespace) -> None:
                 with mask_env(mode):
                     await decode(rt, prompt, s, batch)  # warm
                     TIMES.clear()
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    clocks = thread_clocks()
+                    t0, c0 = time.perf_counter(), cpu_now(clocks)
                     n = await decode(rt, prompt, s, batch)
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    wall, c1 = time.perf_counter() - t0, cpu_now(clocks)
                 steps = max(1, n // batch)
+                cpu = {name: 1000 * (c1[name] - c0.get(name, 0.0)) / steps for name in c1}
                 print(f"batch {batch} {arm}: {n / wall:.1f} tok/s, {1000 * wall / steps:.3f} ms/step wall, "
-                      f"{1000 * cpu / steps:.3f} ms/step CPU (every thread)", flush=True)
+                      f"{cpu['process']:.3f} ms/step CPU (every thread), engine thread {cpu.get('engine', 0):.3f}, "
+                      f"mask worker {cpu.get('masks', 0):.3f}", flush=True)
                 report(arm, steps)
                 total, ae = sum(TIMES["processor total"]), sum(TIMES["mx.async_eval (in processor)"])
                 if total:
@@ -224,8 +237,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="test")
     parser.add_argument("--model", help="a model directory instead of a preset (e.g. the GPU driver's)")
-    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS]",
-                        help="each constrained arm once per MLXD_MASK_MODE (and MLXD_MASK_THREADS)")
+    parser.add_argument("--mask-modes", nargs="+", type=mask_spec, metavar="MODE[:THREADS][/MS][~KEPT][+LAUNCH]",
+                        help="each constrained arm once per MLXD_MASK_MODE (MLXD_MASK_THREADS, GIL switch ms, "
+                             "MLXD_MASK_CACHE, MLXD_MASK_LAUNCH)")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="time each piece by its thread's CPU time (time.thread_time), not the wall clock")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--arms", nargs="+", choices=["regex", "json_schema"], default=["regex", "json_schema"])
@@ -233,6 +249,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-ops", action="store_true", help="skip the mask ops alone")
     args = parser.parse_args()
     print(f"code: {Path(features.__file__).resolve().parents[2]}")
+    if args.cpu_clock:
+        CLOCK[0] = time.thread_time
     if not args.ops_only:
         trio.run(main, args)
     if args.no_ops:

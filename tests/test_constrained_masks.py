@@ -273,6 +273,72 @@ def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engine
         batch.masks.close()
 
 
+@pytest.mark.parametrize("kept", ["0", "1", "64"], ids=["none kept", "one kept", "64 kept"])
+@pytest.mark.parametrize(("mode", "device"), [("ahead-early", "gpu"), ("ahead-bool", "gpu"), ("engine", "gpu"),
+                                              ("engine", "cpu")])
+@pytest.mark.parametrize("bodies", [BODIES, BODIES[:1]], ids=["three rows", "one regex row"])
+def test_kept_device_masks_mask_as_each_row_alone_would(cache, bodies, mode, device, kept, monkeypatch):
+    """MLXD_MASK_CACHE: a step whose rows' bits match kept masks reuses them; with one kept, the worker's
+    view of what is kept goes stale between rows (unpacked on the engine thread then); none: copied every step."""
+    if device == "cpu" and mx.default_device() != mx.cpu:
+        pytest.skip("the CPU path")
+    monkeypatch.setenv("MLXD_MASK_DEVICE", device)
+    monkeypatch.setenv("MLXD_MASK_MODE", mode)
+    monkeypatch.setenv("MLXD_MASK_CACHE", kept)
+    batch = AheadBatch(cache, bodies=bodies)
+    walk(cache, batch, bodies, steps=16)
+    assert len(batch.masks._kept) <= int(kept)
+
+
+@pytest.mark.parametrize("mode", ["ahead-early", "ahead-bool"])
+@pytest.mark.parametrize("bodies", [BODIES, BODIES[:1]], ids=["three rows", "one regex row"])
+def test_a_step_whose_masks_are_made_launches_once_and_masks_as_each_row_alone_would(cache, bodies, mode, monkeypatch):
+    """MLXD_MASK_LAUNCH=ready: when the ahead job is done at the first mask, the forward pass is not
+    launched there (the step's own launch takes it); when it is not, it is, as "early" always does."""
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", mode)
+    monkeypatch.setenv("MLXD_MASK_LAUNCH", "ready")
+    launches = [0, 0]  # at the first mask: [with the job done, with it not done]
+    real = StepMasks._compute
+
+    def compute(self, logits):
+        if self._ahead is not None:
+            launches[not self._ahead.future.done()] += 1
+        return real(self, logits)
+
+    monkeypatch.setattr(StepMasks, "_compute", compute)
+    batch = AheadBatch(cache, bodies=bodies)
+    walk(cache, batch, bodies)
+    assert sum(launches) == 11  # every step after the first had an ahead job
+
+
+def test_a_mask_whose_bits_were_seen_is_the_kept_device_array(cache, monkeypatch):
+    """The regex row offers the same tokens step after step: after its first batched step its mask is
+    one device array, never unpacked or copied again."""
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead-early")
+    unpacks: list[int] = []
+    real = np.unpackbits
+
+    def counted(*a, **k):
+        unpacks.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(np, "unpackbits", counted)
+    batch = AheadBatch(cache, bodies=BODIES[:1])
+    a = cache.vocab.tokenizer.tokenize_str("a")[0]
+    logits = mx.zeros((1, batch.size))
+    masks = []
+    for _ in range(6):
+        batch.step(logits)
+        masks.append(batch.masks._step[0] if batch.masks._step else None)
+        batch.feed([a])
+    assert masks[1] is not None and all(m is masks[1] for m in masks[2:])
+    assert len(batch.masks._kept) == 1
+    assert len(unpacks) == 2, "the row's first step (its own way) and the first batched step"
+    batch.masks.close()
+
+
 def test_an_unknown_mask_mode_is_refused_when_the_engine_builds_its_masks(monkeypatch):
     monkeypatch.setenv("MLXD_MASK_MODE", "sideways")
     with pytest.raises(ValueError, match="MLXD_MASK_MODE"):
@@ -280,6 +346,14 @@ def test_an_unknown_mask_mode_is_refused_when_the_engine_builds_its_masks(monkey
     monkeypatch.delenv("MLXD_MASK_MODE")
     monkeypatch.setenv("MLXD_MASK_THREADS", "0")
     with pytest.raises(ValueError, match="MLXD_MASK_THREADS"):
+        StepMasks(dict, list)
+    monkeypatch.delenv("MLXD_MASK_THREADS")
+    monkeypatch.setenv("MLXD_MASK_CACHE", "-1")
+    with pytest.raises(ValueError, match="MLXD_MASK_CACHE"):
+        StepMasks(dict, list)
+    monkeypatch.delenv("MLXD_MASK_CACHE")
+    monkeypatch.setenv("MLXD_MASK_LAUNCH", "later")
+    with pytest.raises(ValueError, match="MLXD_MASK_LAUNCH"):
         StepMasks(dict, list)
 
 
@@ -324,13 +398,20 @@ async def decode_mixed(model_dir: Path, speculative: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 async def test_every_mask_mode_decodes_a_mixed_greedy_batch_as_the_cpu_path_does(tiny_model_dir, monkeypatch, speculative):
-    """The GPU path's modes (forced on the CPU) give the same greedy tokens as the CPU path, speculating or not."""
+    """The GPU path's modes (forced on the CPU) give the same greedy tokens as the CPU path, speculating or not,
+    with kept device masks or without."""
     runs = {}
-    for mode, device in [("engine", "cpu"), ("engine", "gpu"), ("ahead", "gpu"), ("ahead-bool", "gpu"), ("ahead-early", "gpu")]:
+    for mode, device, kept, launch in [
+        ("engine", "cpu", "0", "early"), ("engine", "cpu", "64", "early"), ("engine", "gpu", "64", "early"),
+        ("ahead", "gpu", "64", "early"), ("ahead-bool", "gpu", "64", "early"), ("ahead-early", "gpu", "0", "early"),
+        ("ahead-early", "gpu", "64", "early"), ("ahead-early", "gpu", "64", "ready"),
+    ]:
         monkeypatch.setenv("MLXD_MASK_MODE", mode)
         monkeypatch.setenv("MLXD_MASK_DEVICE", device)
-        runs[mode, device] = await decode_mixed(tiny_model_dir, speculative)
-    reference = runs["engine", "cpu"]
+        monkeypatch.setenv("MLXD_MASK_CACHE", kept)  # 0: every mask copied every step (before kept masks)
+        monkeypatch.setenv("MLXD_MASK_LAUNCH", launch)
+        runs[mode, device, kept, launch] = await decode_mixed(tiny_model_dir, speculative)
+    reference = runs["engine", "cpu", "0", "early"]
     assert all(len(tokens) == 40 for tokens in reference)
     for key, tokens in runs.items():
         assert tokens == reference, key

@@ -21,6 +21,7 @@ prompt-boundary and final checkpoints) and `GenerationCheckpoints`
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -192,6 +193,37 @@ def mask_threads() -> int | None:
     return int(value)
 
 
+def mask_cache() -> int:
+    """`MLXD_MASK_CACHE`: how many device masks a step may reuse by their bits (unset: 64; 0: none, every
+    mask copied every step). A grammar offers the same set of tokens step after step (inside a string,
+    between items), and a kept mask costs the engine thread no unpack, copy or allocation. Read at every
+    step, like `MLXD_MASK_MODE` (a benchmark switches it)."""
+    import os
+
+    value = os.environ.get("MLXD_MASK_CACHE", "")
+    if not value:
+        return 64
+    if not value.isdigit():
+        raise ValueError(f"MLXD_MASK_CACHE must be a whole number of masks (0: none), not {value!r}")
+    return int(value)
+
+
+MASK_LAUNCHES = ("early", "ready")
+
+
+def mask_launch() -> str:
+    """`MLXD_MASK_LAUNCH`: when a GPU step with constrained rows launches its forward pass. "early" (the
+    default): at the first mask, before the masks are joined, so the device runs it while the matchers
+    work; "ready": then only when an ahead job's masks are not made yet, else with the rest of the step
+    at its one launch after sampling (one launch a step, as free decode has). Read at every step."""
+    import os
+
+    value = os.environ.get("MLXD_MASK_LAUNCH", "early")
+    if value not in MASK_LAUNCHES:
+        raise ValueError(f"MLXD_MASK_LAUNCH must be one of {', '.join(MASK_LAUNCHES)}, not {value!r}")
+    return value
+
+
 def gil_switch_ms() -> float | None:
     """`MLXD_GIL_SWITCH_MS`: Python's GIL switch interval while an engine runs, in ms (unset: Python's own, 5).
 
@@ -233,9 +265,17 @@ class AheadJob:
     future: Any  # -> (walking uids, their masks as one numpy array: packed or bool, the parts it fed) or None
 
 
-def made_vocab(done: tuple[list[int], np.ndarray, list[Constrained]]) -> int:
+def made_vocab(done: tuple[list[int], Any, list[Constrained]]) -> int:
     """The vocab size of an ahead job's masks."""
     return done[2][0].matcher.vocab_size
+
+
+@attrs.frozen
+class Filled:
+    """A step's masks as filled on a worker, for the engine thread's kept device masks (`MLXD_MASK_CACHE`)."""
+
+    keys: list[bytes]  # each row's packed bits: the key of its device mask
+    unpacked: dict[int, np.ndarray]  # row -> its (vocab,) bool mask, for bits no kept mask had when filled
 
 
 @attrs.define
@@ -272,12 +312,26 @@ class StepMasks:
     _bits: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 0), dtype=np.int32))  # reused step to step
     _shifts: Any = None  # mx.arange(32): a word's bits
     _step: dict[int, Any] | None = None  # this step's masks: uid -> (1, vocab) bool
+    _kept: OrderedDict[bytes, Any] = attrs.Factory(OrderedDict)  # device masks by packed bits, last used last
+    _kept_vocab: int = 0  # the vocab size of the kept masks
+    _neg: dict[Any, Any] = attrs.Factory(dict)  # -inf as a device scalar, by logits dtype
     _ahead: AheadJob | None = None
     _on_cpu: bool | None = None  # the masks are made for the CPU (set by the first step)
 
     def __attrs_post_init__(self) -> None:
-        mask_mode()  # a bad MLXD_MASK_MODE or MLXD_MASK_THREADS fails the engine's start, not its first step
+        mask_mode()  # a bad MLXD_MASK_* setting fails the engine's start, not its first step
         mask_threads()
+        mask_cache()
+        mask_launch()
+
+    def neg_inf(self, dtype: Any) -> Any:
+        """-inf in `dtype`, made once (the masked-out logits' value)."""
+        neg = self._neg.get(dtype)
+        if neg is None:
+            import mlx.core as mx
+
+            neg = self._neg[dtype] = mx.array(-mx.inf, dtype=dtype)
+        return neg
 
     def clear(self) -> None:
         """A new generator step starts: nothing is computed for it yet."""
@@ -360,12 +414,17 @@ class StepMasks:
         import mlx.core as mx
 
         on_cpu = self._device_is_cpu()
-        if not on_cpu:
-            mx.async_eval(logits)  # the forward pass runs on the device while the matchers work
+        # The forward pass is launched now to run while the matchers work, unless (MLXD_MASK_LAUNCH=ready)
+        # an ahead job has its masks already: then the step's one launch, after sampling, takes it all.
+        late = self._ahead is not None and self._ahead.future.done() and mask_launch() == "ready"
+        if not on_cpu and not late:
+            mx.async_eval(logits)
         if self._ahead is not None:
             made = self._joined()
             if made is not None:
                 return made
+        if not on_cpu and late:  # the job was for another step: the forward runs while this one works
+            mx.async_eval(logits)
         tokens = self.read()
         walking = [(uid, part, tokens[uid]) for uid, part in self.rows() if part.walks and not part.drafted
                    and uid in tokens]
@@ -378,8 +437,12 @@ class StepMasks:
                 mx.async_eval(logits)
             return self._alone(walking[0], bits)
         if on_cpu:  # fed, filled and unpacked by numpy on the worker while async_eval runs the forward pass
-            job = self._pool().submit(self._walk_unpacked, walking, bits, vocab_size)
+            keep = mask_cache() > 0
+            job = self._pool().submit(self._walk_keyed if keep else self._walk_unpacked, walking, bits, vocab_size)
             mx.async_eval(logits)  # releases the GIL while it runs the forward pass
+            if keep:
+                kept = self._device_masks(job.result(), vocab_size)
+                return {uid: kept[i] for i, (uid, _, _) in enumerate(walking)}
             allowed = mx.array(job.result())  # one copy of every row's bool mask
         else:  # the device unpacks: its ops are cheap there, and the copy stays packed
             self._walk(walking, bits)
@@ -401,6 +464,9 @@ class StepMasks:
         if done is None:
             return None
         uids, made, _ = done
+        if isinstance(made, Filled):  # each row's kept device mask, or one copied for it
+            kept = self._device_masks(made, made_vocab(done))
+            return {uid: kept[i] for i, uid in enumerate(uids)}
         if made.dtype == np.bool_:
             masks = mx.array(made)  # one copy of every row's bool mask
         else:
@@ -429,7 +495,10 @@ class StepMasks:
             return None
         vocab_size = walking[0][1].matcher.vocab_size
         bits = self._buffer(len(walking), vocab_size)
-        made = self._walk_unpacked(walking, bits, vocab_size) if unpack else self._walked(walking, bits)
+        if not unpack:
+            made: Any = self._walked(walking, bits)
+        else:
+            made = self._walk_keyed(walking, bits, vocab_size) if mask_cache() > 0 else self._walk_unpacked(walking, bits, vocab_size)
         return [uid for uid, _, _ in walking], made, [part for _, part, _ in walking]
 
     def _walked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray) -> np.ndarray:
@@ -443,6 +512,8 @@ class StepMasks:
         uid, part, token = walking
         part.take(token)
         part.matcher.fill_bitmask(bits[0])
+        if mask_cache() > 0:
+            return {uid: self._device_masks(Filled([bits[0].tobytes()], {}), part.matcher.vocab_size)[0]}
         allowed: np.ndarray = np.unpackbits(bits[0].view(np.uint8), bitorder="little")[: part.matcher.vocab_size].view(np.bool_)
         return {uid: mx.array(allowed)}
 
@@ -464,6 +535,41 @@ class StepMasks:
         if self._bits.shape[0] < rows or self._bits.shape[1] != words:
             self._bits = np.zeros((max(rows, self._bits.shape[0]), words), dtype=np.int32)
         return self._bits
+
+    def _walk_keyed(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> Filled:
+        """Fed and filled; each row's bits as its key, unpacked only where no kept mask has those bits."""
+        self._walk(walking, bits)
+        keys = [bits[i].tobytes() for i in range(len(walking))]
+        new = [i for i, key in enumerate(keys) if key not in self._kept]
+        if not new:
+            return Filled(keys, {})
+        rows: np.ndarray = bits[new].view(np.uint8)
+        unpacked: np.ndarray = np.unpackbits(rows, axis=1, count=vocab_size, bitorder="little").view(np.bool_)
+        return Filled(keys, dict(zip(new, unpacked, strict=True)))
+
+    def _device_masks(self, filled: Filled, vocab_size: int) -> list[Any]:
+        """On the engine thread: each row's (1, vocab) bool mask on the device, the one kept for the same
+        bits when there is one (no unpack, no copy), else copied and kept (the least recently used dropped)."""
+        import mlx.core as mx
+
+        kept, limit = self._kept, mask_cache()
+        if vocab_size != self._kept_vocab:
+            kept.clear()
+            self._kept_vocab = vocab_size
+        masks = []
+        for i, key in enumerate(filled.keys):
+            mask = kept.get(key)
+            if mask is not None:
+                kept.move_to_end(key)
+            else:
+                row = filled.unpacked.get(i)
+                if row is None:  # not unpacked on the worker (its bits were kept then) or on this thread
+                    row = np.unpackbits(np.frombuffer(key, dtype=np.uint8), count=vocab_size, bitorder="little").view(np.bool_)
+                mask = kept[key] = mx.array(row[None])
+                while len(kept) > limit:
+                    kept.popitem(last=False)
+            masks.append(mask)
+        return masks
 
     def _walk_unpacked(self, walking: list[tuple[int, Constrained, int]], bits: np.ndarray, vocab_size: int) -> np.ndarray:
         self._walk(walking, bits)
@@ -534,7 +640,7 @@ class Constrained(Feature):
             allowed = self.masks.mask(row.uid, logits)
             if allowed is not None:
                 if generated == self.consumed:
-                    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+                    return mx.where(allowed, logits, self.masks.neg_inf(logits.dtype))
                 self.matcher.rollback(1)  # not the step the batch took it for: the row's own way below
                 self.consumed -= 1
         # Start this step's forward pass before waiting for the last token: the matcher's
@@ -544,7 +650,7 @@ class Constrained(Feature):
             self._consume(tokens[self.prompt_tokens + self.consumed:].tolist())
         self.walks = True
         allowed = mx.array(self.matcher.allowed_mask())
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return mx.where(allowed, logits, self.masks.neg_inf(logits.dtype))
 
     def _consume(self, tokens: list[int]) -> None:
         for t in tokens:
