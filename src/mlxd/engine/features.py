@@ -437,12 +437,13 @@ class StepMasks:
                 mx.async_eval(logits)
             return self._alone(walking[0], bits)
         if on_cpu:  # fed, filled and unpacked by numpy on the worker while async_eval runs the forward pass
-            keep = mask_cache() > 0
-            job = self._pool().submit(self._walk_keyed if keep else self._walk_unpacked, walking, bits, vocab_size)
-            mx.async_eval(logits)  # releases the GIL while it runs the forward pass
-            if keep:
-                kept = self._device_masks(job.result(), vocab_size)
+            if mask_cache() > 0:
+                keyed = self._pool().submit(self._walk_keyed, walking, bits, vocab_size)
+                mx.async_eval(logits)  # releases the GIL while it runs the forward pass
+                kept = self._device_masks(keyed.result(), vocab_size)
                 return {uid: kept[i] for i, (uid, _, _) in enumerate(walking)}
+            job = self._pool().submit(self._walk_unpacked, walking, bits, vocab_size)
+            mx.async_eval(logits)
             allowed = mx.array(job.result())  # one copy of every row's bool mask
         else:  # the device unpacks: its ops are cheap there, and the copy stays packed
             self._walk(walking, bits)
