@@ -10,7 +10,8 @@ stands for `scale` bytes: a fresh prompt of `--fresh-tokens` tokens is the 0.94 
 pieces and the SSD block size are scaled alike, so a write takes as long beside decode as
 it would there. Before each decode level, either a fresh prompt (its checkpoint is written
 behind while the streams decode) or the last one again (a RAM hit: nothing to write); then
-N streams of T tokens over HTTP. Arms, interleaved within each round:
+N streams of T tokens over HTTP. The RAM tier holds `--ram-prompts` fresh prompts, as the H200
+bench's 3 GB (the backlog bound, half of it, is then passed as there). Arms, interleaved within each round:
 
   new    the staging as it is: one 2D copy per tensor, 8 MiB pieces while rows decode, one per step
   rows   the staging before: one runtime call per row (head), 64 MiB pieces, no step pacing
@@ -57,6 +58,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--fresh-tokens", type=int, default=2048)
     ap.add_argument("--arms", default="new,rows,hold,none")
+    ap.add_argument("--ram-prompts", type=float, default=3.2,
+                    help="the RAM tier in fresh prompts (the H200 bench: 3 GB = 3.2 prompts of 0.94 GB; the write "
+                         "backlog's bound is half of it)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     from mlxd.actors import ssd_writer
@@ -106,7 +110,8 @@ def main() -> int:
     out: dict[str, Any] = {"scale": scale, "fresh_tokens": args.fresh_tokens, "block_tokens": block_tokens,
                            "tokens": args.tokens, "argv": sys.argv, "rows": []}
     rate = max(1, int(24 * 2**20 / scale))  # the default --ssd-write-rate, scaled
-    config = config_for(model, prompt_cache_bytes=64 * args.fresh_tokens * kv_per_token, ssd_cache_dir=str(work / "ssd"),
+    ram = int(args.ram_prompts * args.fresh_tokens * kv_per_token)
+    config = config_for(model, prompt_cache_bytes=ram, ssd_cache_dir=str(work / "ssd"),
                         ssd_write_rate_bytes=rate, ssd_layout="blocks", ssd_block_tokens=block_tokens,
                         max_context=args.fresh_tokens + 512)
     seed = 0
@@ -130,14 +135,22 @@ def main() -> int:
                         steps.clear()
                         pieces.clear()
                         cpu0 = _thread_cpu()
+                        states: list[str] = []
+                        watching = threading.Event()
+                        watcher = threading.Thread(target=_watch, args=(governor, states, watching), daemon=True)
+                        watcher.start()
                         t0 = time.perf_counter()
                         d = asyncio.run(decode(base, "tiny", [f"Story {j}: " + TEXTS["q2"] for j in range(n)],
                                                args.tokens))
                         t1 = time.perf_counter()
+                        watching.set()
+                        watcher.join()
                         cpu = {k: round((v - cpu0.get(k, 0.0)) * 1000, 1) for k, v in _thread_cpu().items()}
                         row = {"round": r, "arm": arm, "streams": n, "tok_s": d["tok_s"],
                                **_summary(steps, pieces, t0, t1),
-                               "thread_cpu_ms": {k: v for k, v in sorted(cpu.items()) if v >= 1.0}}
+                               "thread_cpu_ms": {k: v for k, v in sorted(cpu.items()) if v >= 1.0},
+                               "writer_state": {k: round(states.count(k) / max(1, len(states)), 3)
+                                                for k in sorted(set(states))}}
                         out["rows"].append(row)
                         print(json.dumps(row), flush=True)
                         _set_arm(patch, "new", cuda, governor, host_memory, pacing, sizes, scale)
@@ -169,6 +182,14 @@ def main() -> int:
     path.write_text(json.dumps(out, indent=1, default=str))
     print("->", path)
     return 0
+
+
+def _watch(governor: Any, states: list[str], done: threading.Event) -> None:
+    """Every 5 ms, what the governor tells write-behind: held, paced, urgent (which), or free (idle engine)."""
+    while not done.wait(0.005):
+        urgent = governor.urgent
+        states.append("urgent:" + "+".join(sorted(urgent)) if urgent else "held" if governor.held()
+                      else "paced" if governor.rate() is not None else "free")
 
 
 def _thread_cpu() -> dict[str, float]:

@@ -78,7 +78,11 @@ def main() -> int:
             results.setdefault(str(n), []).append(d["tok_s"])
             levels.append({"streams": n, "fresh": bool(args.fresh_tokens) and fresh, "tok_s": d["tok_s"],
                            "window": (t0, t1), "writer": {k: round(after[k] - before[k], 3) for k in after
-                                                           if isinstance(after[k], int | float) and k in before}})
+                                                           if isinstance(after[k], int | float) and k in before},
+                           # write-behind's state as the decode began and ended: urgent (a backlog past its
+                           # bound writes at full speed), held, paced
+                           "pacing": [{k: (p or {}).get(k) for k in ("urgent", "held_now", "pacing_now")}
+                                      for p in (before.get("pacing"), after.get("pacing"))]})
             log("decode", n, "streams", d["tok_s"], "fresh" if fresh else "repeat", json.dumps(levels[-1]["writer"]))
     finally:
         server.stop()
