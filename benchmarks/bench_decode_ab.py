@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--ssd", action="store_true", help="also each arm with --host-cache-gb 1 --ssd-cache")
     ap.add_argument("--fresh-tokens", type=int, default=1024, help="the fresh prompt before an SSD arm's decode")
+    ap.add_argument("--ssd-args", default="", help="more `mlxd serve` flags for the SSD arms, e.g. a RAM tier and "
+                    "write rate scaled so the write backlog passes its bound as on the H200")
     ap.add_argument("--port", type=int, default=18390)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "decode-ab-work")
@@ -67,7 +69,8 @@ def main() -> int:
         if args.ssd:
             ssd = args.work / f"ssd-{name}"
             shutil.rmtree(ssd, ignore_errors=True)
-            add(f"{name}+ssd", [*serve, "--host-cache-gb", "1", "--ssd-cache", str(ssd)], "/health", src)
+            add(f"{name}+ssd", [*serve, "--host-cache-gb", "1", "--ssd-cache", str(ssd), *args.ssd_args.split()],
+                "/health", src)
     base_path = os.environ.get("PYTHONPATH", "")
     out: dict[str, Any] = {"argv": sys.argv, "load_before": os.getloadavg(), "rounds": []}
     try:
