@@ -111,8 +111,9 @@ async def test_startup_probe_measures_this_device_and_seeds_the_advisor(tiny_mod
         assert stats["device_probe"]["device"] == probe.device
         assert stats["device_probe"]["cost_model"]["prefill_per_token"] == probe.cost_model().prefill_per_token
         # The probe's own snapshot files are gone; serving still works.
-        # (blocks.lock: the serving store's own lock file, in the default layout)
-        leftovers = [p for p in ssd.rglob("*") if p.is_file() and p.name != "blocks.lock"]
+        # (blocks.lock: the serving store's own lock file, in the default layout; device-probe.json: the
+        # measurements, for the next server here: kv/probe_file.py)
+        leftovers = [p for p in ssd.rglob("*") if p.is_file() and p.name not in ("blocks.lock", "device-probe.json")]
         assert leftovers == []
         tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
         assert len(tokens) == 3
@@ -372,3 +373,56 @@ async def test_the_probe_leaves_no_memory_files_or_threads_behind(tiny_model_dir
         assert list(ssd.rglob(".device-probe-*")) == []
         tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
         assert len(tokens) == 3
+
+
+def test_a_saved_probe_reads_back_as_it_was_measured(tmp_path: Path):
+    from mlxd.kv import probe_file
+
+    probe = DeviceProbe(device="Device(gpu, 0)", prefill=((64, 0.0123456789), (256, 0.02), (1024, 0.05)),
+                        decode_s_per_token=0.01, restore=((1 << 20, 0.002), (16 << 20, 0.011)),
+                        restore_warm=((1 << 20, 0.001),), restore_parts=((1 << 20, 0.1, 0.2, 0.3),),
+                        host=((1 << 20, 0.0001),), kv_bytes_per_token=8192, prefill_step_size=4096,
+                        step_trials=((2048, 0.3), (4096, 0.2)), seconds=8.4, restore_landing="mlx")
+    path = tmp_path / "fp" / probe_file.FILE_NAME
+    setup = {"device": "Device(gpu, 0)", "budget_s": 3.0}
+    probe_file.save(path, probe, setup)
+    back = probe_file.load(path, setup)
+    assert back is not None and back.reused and attrs.evolve(back, reused=False) == probe
+    assert back.cost_model() == probe.cost_model()
+    assert probe_file.load(path, {**setup, "budget_s": 1.0}) is None  # another setup: measure again
+    path.write_text("{not json")
+    assert probe_file.load(path, setup) is None
+    assert probe_file.load(tmp_path / "missing.json", setup) is None
+
+
+async def test_a_restarted_server_reuses_its_predecessor_s_probe_unless_told_to_measure(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+):
+    # A restart on the same device and setup measures the same again (8.4 s of its start on the H200,
+    # and GBs of its own files through the disk serving restores from): it reuses the saved probe.
+    from mlxd.actors import device_probe
+
+    runs: list[int] = []
+    real = device_probe.probe_device
+
+    def counted(*a, **kw):
+        runs.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(device_probe, "probe_device", counted)
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        first = rt.info.probe
+        assert first is not None and not first.reused and len(runs) == 1
+    async with open_runtime(config) as rt:
+        again = rt.info.probe
+        assert again is not None and again.reused and len(runs) == 1
+        assert attrs.evolve(again, reused=False) == first
+        assert rt.cache_owner.tiers.advisor.base == first.cost_model()
+        assert (await rt.stats()).as_dict()["device_probe"]["reused"] is True
+        tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
+        assert len(tokens) == 3
+    for changed in (attrs.evolve(config, device_probe="on"), attrs.evolve(config, device_probe_budget_s=0.3)):
+        async with open_runtime(changed) as rt:  # told to measure, or another setup: measured afresh
+            assert rt.info.probe is not None and not rt.info.probe.reused
+    assert len(runs) == 3

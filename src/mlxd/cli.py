@@ -128,7 +128,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "so other requests prefill and decode between them (0 = whole --prefill-step-size chunks)")
     p.add_argument(
         "--device-probe", choices=("auto", "on", "off"), default="auto",
-        help="measure prefill, decode and restore speed before listening (auto: with --ssd-cache)",
+        help="measure prefill, decode and restore speed before listening (auto: with --ssd-cache, reusing the "
+        "last server's probe saved beside its files on this device and setup; on: always measure)",
     )
     p.add_argument(
         "--device-probe-budget", type=float, default=3.0, metavar="S",

@@ -279,7 +279,8 @@ class EngineCore:
         return (caches, ()) if paged is None else (paged, paged.refs)
 
     def _probe(self, max_context: int, kv_bytes_per_token: int, vocab_size: int) -> DeviceProbe:
-        """Measure this device (seconds) before serving; see actors/device_probe.py."""
+        """Measure this device (seconds) before serving; see actors/device_probe.py. With the SSD tier and
+        `--device-probe auto`, the last server's probe on this device and setup is reused (kv/probe_file.py)."""
         import mlx.core as mx
 
         from mlxd.actors.device_probe import (
@@ -288,6 +289,7 @@ class EngineCore:
             probe_device,
             release_probe_memory,
         )
+        from mlxd.kv import probe_file
         from mlxd.kv.blocks import span_for
         from mlxd.runtime import host_memory
 
@@ -303,15 +305,26 @@ class EngineCore:
                 block_tokens=c.ssd_block_tokens or span_for(kv_bytes_per_token),
                 host_tier=c.host_cache_bytes > 0 and host_memory.separate_host_memory(),
             )
-        probe = probe_device(
-            self.generator,
-            vocab_size=vocab_size,
-            max_context=max_context,
-            kv_bytes_per_token=kv_bytes_per_token,
-            budget_s=c.device_probe_budget_s,
-            restore=restore,
-            tune_step=tune,
-        )
+        saved_at, setup = None, _probe_setup(c, restore, tune=tune, max_context=max_context,
+                                            kv_bytes_per_token=kv_bytes_per_token, step=self._prefill_step_size)
+        if c.ssd_cache_dir and not c.ssd_shared:  # (replicas sharing a directory may sit on other devices)
+            saved_at = probe_file.probe_path(Path(c.ssd_cache_dir) / self.store_identity.fingerprint)
+        probe = probe_file.load(saved_at, setup) if saved_at is not None and c.device_probe == "auto" else None
+        if probe is None:
+            probe = probe_device(
+                self.generator,
+                vocab_size=vocab_size,
+                max_context=max_context,
+                kv_bytes_per_token=kv_bytes_per_token,
+                budget_s=c.device_probe_budget_s,
+                restore=restore,
+                tune_step=tune,
+            )
+            if saved_at is not None:
+                try:
+                    probe_file.save(saved_at, probe, setup)
+                except OSError as exc:  # the next server probes again
+                    log.warning("engine.device_probe_not_saved", path=str(saved_at), error=str(exc))
         # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size, and
         # the old one's buffers leave MLX's cache with the probe's own (release_probe_memory).
         self._prefill_step_size = probe.prefill_step_size
@@ -902,3 +915,23 @@ class EngineCore:
             tokens=exact, namespace=namespace, payload=payload, nbytes=kinds.nbytes(caches),
             trimmable=kinds.is_trimmable(caches), reason=reason, plan=plan, session=session, pages=pages,
         )
+
+
+def _probe_setup(config: RuntimeConfig, restore: Any, *, tune: bool, max_context: int, kv_bytes_per_token: int,
+                 step: int) -> dict[str, Any]:
+    """What a device probe's measurements depend on (kv/probe_file.py): the device, MLX, the host, and
+    the probe's own options. Another value in any of them: the saved probe is not reused."""
+    import platform
+
+    import mlx.core as mx
+
+    info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
+    return {
+        "device": str(mx.default_device()), "device_info": {k: str(v) for k, v in sorted(info.items())},
+        "mlx": getattr(mx, "__version__", ""), "host": platform.node(), "budget_s": config.device_probe_budget_s,
+        "tune_step": tune, "step": step, "max_context": max_context, "kv_bytes_per_token": kv_bytes_per_token,
+        "restore": None if restore is None else {
+            "landing": restore.landing, "verify": restore.verify, "layout": restore.layout,
+            "block_tokens": restore.block_tokens, "host_tier": restore.host_tier,
+        },
+    }

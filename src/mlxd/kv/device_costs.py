@@ -43,6 +43,26 @@ class DeviceProbe:
     prefill_step_size: int  # the chunk size prefill runs with (chosen by the probe if tuned)
     step_trials: tuple[tuple[int, float], ...] = ()  # (chunk size, seconds for the same prefill)
     seconds: float = 0.0  # wall time of the whole probe
+    reused: bool = False  # the last server's probe on this device and setup, not measured again (kv/probe_file.py)
+
+    def saved(self) -> dict[str, Any]:
+        """Every measurement as it was (no rounding), for `from_saved` in the next server."""
+        return {k: v for k, v in attrs.asdict(self).items() if k != "reused"}
+
+    @classmethod
+    def from_saved(cls, data: dict[str, Any]) -> DeviceProbe:
+        """A probe `saved()` wrote; ValueError (or TypeError/KeyError) when it is not one."""
+        pairs = ("prefill", "restore", "restore_warm", "host", "step_trials")
+        fields = {k: v for k, v in data.items() if k in attrs.fields_dict(cls) and k != "reused"}
+        for k in pairs:
+            fields[k] = tuple((int(a), float(b)) for a, b in fields.get(k, ()))
+        fields["restore_parts"] = tuple((int(b), float(x), float(y), float(z))
+                                        for b, x, y, z in fields.get("restore_parts", ()))
+        probe = cls(**fields)
+        if not probe.prefill or probe.kv_bytes_per_token <= 0:
+            raise ValueError("a saved probe without prefill points")
+        probe.cost_model()  # fits, or raises ValueError
+        return attrs.evolve(probe, reused=True)
 
     def cost_model(self) -> CostModel:
         fixed, per_token, per_pair = fit_prefill(self.prefill)
@@ -83,6 +103,7 @@ class DeviceProbe:
         return {
             "device": self.device,
             "seconds": round(self.seconds, 3),
+            "reused": self.reused,
             "prefill": [{"tokens": n, "seconds": round(s, 5)} for n, s in self.prefill],
             "prefill_tokens_per_s": round(self.prefill[-1][0] / self.prefill[-1][1], 1) if self.prefill else None,
             "decode_tokens_per_s": round(1.0 / self.decode_s_per_token, 2) if self.decode_s_per_token > 0 else None,
