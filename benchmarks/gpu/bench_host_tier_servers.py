@@ -105,7 +105,8 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         row["next"] = asyncio.run(ttft(s.base, model, hist))
         hist += [{"role": "assistant", "content": row["next"]["text"]}, {"role": "user", "content": TEXTS["q3"]}]
         save()
-        row["others"] = [asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
+        # --restart-only: the restarts need A's checkpoints on disk, not B and C pushing A out of RAM
+        row["others"] = [] if args.restart_only else [asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
         row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
         row["history"] = hist
         save()
@@ -147,11 +148,25 @@ def main() -> int:
                          "mlxd_host_ssd_hold); the restarts follow "
                          "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
+    ap.add_argument("--restart-only", action="store_true",
+                    help="only what the restarts need: mlxd_host_ssd alone, A's turns without B and C, no decode")
+    ap.add_argument("--restart-arms", default=",".join(DEFAULT_ARMS),
+                    help=f"which restarts, in order (from {', '.join(RESTARTS)}; restart_always_probe: every "
+                         "restore forced, the startup probe on: the probe's effect on serving's restores)")
+    ap.add_argument("--restart-page-cache", choices=("keep", "drop"), default="keep",
+                    help="before each restart: keep the page cache as the previous server left it (a later arm "
+                         "reads what an earlier one read), or drop the SSD files' pages (every arm starts alike; "
+                         "the startup's WILLNEED warming still runs)")
     ap.add_argument("--tight-budget-gb", default=None,
                     help="mlxd_host_tight's --memory-budget (default 9 on the 1.7B shape: the weights, the RAM tier "
                          "and one entry's headroom, so B and C push A's pages out of HBM; --small 2)")
     ap.add_argument("--start-timeout", type=float, default=180)
     args = ap.parse_args()
+    if args.restart_only:
+        args.servers, args.streams, args.no_restart = "mlxd_host_ssd", [], False
+    arms = [a for a in args.restart_arms.split(",") if a]
+    if [a for a in arms if a not in RESTARTS]:
+        ap.error(f"unknown restart arms {[a for a in arms if a not in RESTARTS]}; choose from {list(RESTARTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     t_begin = time.perf_counter()
     preset = presets.PRESETS[args.preset] if args.preset else presets.PRESETS["bench"] if args.small else QWEN3_1_7B
@@ -192,9 +207,11 @@ def main() -> int:
         ap.error(f"unknown servers {unknown}; choose from {sorted(cmds)}")
     wanted.sort(key=lambda w: w == "mlxd_host_ssd")  # last: its stop flushes, and the restarts follow it
     out: dict[str, Any] = {"device": str(mx.default_device()), "tokens": n, "rounds": args.rounds,
-                           "decode_tokens": args.decode_tokens, "argv": sys.argv,
+                           "decode_tokens": args.decode_tokens, "argv": sys.argv, "restart_arms": arms,
+                           "restart_page_cache": args.restart_page_cache,
                            "commands": {k: " ".join(v[0]) for k, v in cmds.items() if k in wanted}}
-    res = args.out / f"host_servers-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    kind = ("small-" if args.small else "") + ("restart-" if args.restart_only else "")
+    res = args.out / f"host_servers-{kind}{time.strftime('%Y%m%d-%H%M%S')}.json"
     logs = {name: args.work / f"{name}.log" for name in [*wanted, *RESTARTS]}
     for p in logs.values():
         p.unlink(missing_ok=True)
@@ -273,23 +290,33 @@ def main() -> int:
 
     rows_ssd = out.get("mlxd_host_ssd", {}).get("rows") or []
     if rows_ssd and not args.no_restart:
+        import httpx
+
         cmd = cmds["mlxd_host_ssd"][0]
-        for label, extra in RESTARTS.items():
+        for label in arms:
+            extra = RESTARTS[label]
+            if args.restart_page_cache == "drop":
+                drop_page_cache(ssd_dir)
             again = Proc(label, cmd + extra, cmds["mlxd_host_ssd"][1], "/health", logs[label])
             entry = out.setdefault(label, {})
             try:
+                # what of the tier's files the page cache held as this server started (GB): the arms alike?
+                entry["page_cache_gb_at_start"] = page_cache_gb(ssd_dir)
                 entry["start_s"] = again.start(timeout=args.start_timeout)
-                entry["returning"] = []
+                entry["page_cache_gb_at_first_turn"] = page_cache_gb(ssd_dir)
+                entry["returning"], entry["turns"] = [], []
                 for r in rows_ssd:
                     entry["returning"].append(asyncio.run(ttft(again.base, model_dir.name, r["history"])))
+                    entry["turns"].append(turn_report(httpx.get(again.base + "/stats", timeout=30).json()))
                     save()
-                import httpx
-
                 stats = httpx.get(again.base + "/stats", timeout=30).json()
                 entry["stats"] = stats.get("ssd_cache")
                 entry["device_probe"] = stats.get("device_probe")
                 entry["advisor"] = advisor_report(stats)
-                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]], json.dumps(entry["advisor"]))
+                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]],
+                    "restore ms", [t["restore_ms_last"] for t in entry["turns"]],
+                    "page cache GB at start / first turn", entry["page_cache_gb_at_start"],
+                    entry["page_cache_gb_at_first_turn"], json.dumps(entry["advisor"]))
             except Exception as exc:
                 out[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
             finally:
@@ -312,7 +339,59 @@ RESTARTS = {
     "restart": [],
     "restart_always": ["--restore-choice", "always", "--device-probe", "off"],
     "restart_never": ["--restore-choice", "never", "--device-probe", "off"],
+    # every restore forced, in a process that ran the startup probe: against restart_always, what the probe
+    # costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)
+    # (`on`: measured afresh; `auto` reuses the probe the first server saved beside the files: kv/probe_file.py)
+    "restart_always_probe": ["--restore-choice", "always", "--device-probe", "on"],
 }
+DEFAULT_ARMS = ("restart", "restart_always", "restart_never")
+
+
+def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
+    """After one returning turn: its restore (ms, as the engine timed it), what the advisor chose and
+    predicted, and what of the record it found in the page cache."""
+    ssd = stats.get("ssd_cache") or {}
+    d = ssd.get("restore_decisions") or {}
+    return {"restores": ssd.get("restores"), "restore_ms_last": ssd.get("restore_ms_last"),
+            "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
+            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "last_predicted_s",
+                                     "last_recompute_s", "last_restore_s", "last_resident_bytes")}}
+
+
+def _tier_files(root: Path) -> list[Path]:
+    """The SSD tier's data files: whole snapshots and blocks (not manifests, locks or tmp files)."""
+    from mlxd.kv.block_store import BLOCK_EXT
+    from mlxd.kv.file_format import EXTENSION
+
+    return [Path(d) / n for d, _, names in os.walk(root) for n in names if n.endswith((EXTENSION, BLOCK_EXT))]
+
+
+def page_cache_gb(root: Path) -> float:
+    """GB of the SSD tier's files in the page cache now (mincore)."""
+    from mlxd.kv.ssd_store import resident_pages
+
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for f in _tier_files(root):
+        try:
+            total += resident_pages(f)[0] * page
+        except OSError:
+            pass
+    return round(total / 1e9, 3)
+
+
+def drop_page_cache(root: Path) -> None:
+    """Ask the kernel to forget the SSD tier's (flushed, clean) pages: the next server reads them cold."""
+    for f in _tier_files(root):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
@@ -341,6 +420,7 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
         # the probe's prefill model scaled by the served chunks' timings (at the end of the restart)
         "prefill_scale": d.get("prefill_scale"), "prefill_samples": d.get("prefill_samples", 0),
         "probe_prefill_tokens_per_s": probe.get("prefill_tokens_per_s"), "probe_seconds": probe.get("seconds"),
+        "probe_reused": probe.get("reused"),  # the first server's probe, saved beside the files: none ran here
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
 
@@ -459,8 +539,14 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
                                "recompute_from": "restart_never" if med.get("restart_never") else "cold"}
     # Per restart: each returning turn's TTFT, and what the advisor chose and predicted.
     restarts = {label: {"returning_s": [r["ttft_s"] for r in out[label].get("returning") or []],
+                        # each turn's restore as the engine timed it (the same ms again: that turn recomputed)
+                        "restore_ms": [t.get("restore_ms_last") for t in out[label].get("turns") or []],
+                        "page_cache_gb_at_start": out[label].get("page_cache_gb_at_start"),
                         **(out[label].get("advisor") or {})}
                 for label in RESTARTS if label in out}
+    probed, unprobed = (med.get(k, {}).get("returning") for k in ("restart_always_probe", "restart_always"))
+    if probed is not None:  # the probe's cost to serving's restores: the same forced arm with and without it
+        goals["restart_always_with_probe_vs_without"] = ratio(probed, unprobed)
     flush = (out.get("mlxd_host_ssd") or {}).get("flush")
     return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served,
             **({"flush": flush} if flush else {})}
