@@ -61,7 +61,8 @@ for p in "$@"; do case $p in
   wbgaps) rm -rf /tmp/wbgaps-ssd; phase wbgaps 150 python3 benchmarks/gpu/profile_decode_gaps.py --out "$OUT/wbgaps" \
             --model ${WBGAPS_MODEL:-/tmp/host-servers-work/model-qwen3-1.7b-shape} --tokens 256 --streams 1,1,8,8 \
             --fresh-tokens 8192 --fresh-pattern 1,0,1,0 --sample-ms 1000 \
-            --serve-args "--ssd-cache /tmp/wbgaps-ssd --host-cache-gb 24 ${WBGAPS_SERVE:-}" ${WBGAPS_ARGS:-} ;;
+            --serve-args "--ssd-cache /tmp/wbgaps-ssd --host-cache-gb 24 --prompt-cache-gb 3 ${WBGAPS_SERVE:-}" \
+            ${WBGAPS_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
