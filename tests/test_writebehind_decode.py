@@ -326,3 +326,45 @@ def test_a_backlog_beside_decode_is_written_at_full_speed_one_block_at_a_time(tm
     state.update(now=0, most=0, calls=0)
     stored = SsdStore(tmp_path / "idle", IDENTITY, layout="blocks", block_tokens=16).write(plan, pacer)
     assert isinstance(stored, Stored) and state["most"] >= 2
+
+
+async def test_a_live_flush_while_rows_decode_writes_what_the_decode_hold_kept_back(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A live runtime with `--ssd-write-hold-decode`, staging on (the fake CUDA runtime): a checkpoint published
+    while a row decodes is held back; a flush during the decode writes it (staged through the copy lane) and
+    reports everything durable, the row still decoding."""
+    from mlxd import RuntimeConfig, SamplingParams, open_runtime
+
+    fake_cuda.install(monkeypatch, fake_cuda.FakeCudaLib(copy_Bps=1e12))
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", snapshot_min_tokens=16,
+                           max_batch=4, ssd_write_hold_decode=True)
+    async with open_runtime(config) as rt, trio.open_nursery() as nursery:
+        governor = rt.cold.governor
+        assert governor.hold_while_decoding
+        governor.max_hold_s = 600.0  # held until the flush (by default a piece goes after 2 s)
+        long_prompt = await rt.render_chat([{"role": "user", "content": "Count slowly."}])
+        no_eos = tuple((t, -100.0) for t in sorted(rt.info.eos_token_ids))
+        decoding = rt.submit(rt.request(long_prompt, sampling=SamplingParams(max_tokens=8000, logit_bias=no_eos)))
+        first_token = trio.Event()
+
+        async def drain() -> None:
+            async with decoding:
+                async for _ in decoding:
+                    first_token.set()
+
+        nursery.start_soon(drain)
+        await first_token.wait()
+        prompt = await rt.render_chat([{"role": "user", "content": "Tell me about prefix caches. " * 20}])
+        async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
+            await stream.tokens()
+        await _wait_for(lambda: governor.holds >= 1)
+        await trio.sleep(0.3)
+        stats = await rt.ssd_stats()
+        assert stats.pending_spills >= 1 and stats.pacing["held_now"] and governor.busy  # held beside decode
+        with trio.fail_after(60):
+            report = await rt.flush()
+        assert report["durable"] and report["entries"] >= 1, report
+        assert governor.busy, "the decode was still running during the flush"
+        writer = (await rt.ssd_stats()).writer
+        assert writer.staged >= 1 and writer.staged_calls >= 1 and writer.failures == 0
+        nursery.cancel_scope.cancel()
