@@ -171,8 +171,18 @@ async def test_holding_write_behind_while_decoding_never_holds_a_flush(lib, tmp_
     loaded = store.load(written.outcome.record)
     assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
     g.set_urgent("flush", False)
+    g.set_urgent("backlog", True)
+    assert g.held()  # past the backlog bound beside decode: still held (a piece every max_hold_s)
+    g.set_urgent("ram", True)
+    assert not g.held()  # RAM over its cap: never
+    g.set_urgent("ram", False)
     g.set_busy(False)
     assert not g.held()  # an idle engine: write-behind goes
+    g.set_urgent("backlog", False)
+    g.set_prefilling(True)
+    assert g.held()
+    g.set_urgent("backlog", True)
+    assert not g.held()  # a backlog is never held for a prefill (as before)
 
 
 def _job(plan):

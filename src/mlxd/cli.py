@@ -160,8 +160,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
                    "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
     p.add_argument("--ssd-write-hold-decode", action="store_true", default=None,
-                   help="hold write-behind still while rows decode, as while a prompt waits for its first token "
-                        "(at most 2 s a hold, then one piece goes; a flush, backlog or RAM pressure is never held)")
+                   help="hold write-behind still while rows decode, as while a prompt waits for its first token, "
+                        "even past the backlog bound (at most 2 s a hold, then one piece goes; a flush or RAM over "
+                        "its cap is never held)")
     p.add_argument("--generation-checkpoint", type=_non_negative_int, default=0, metavar="N",
                    help="checkpoint running generations every N tokens to the SSD tier, so an identical "
                         "request resumes after a crash or disconnect (default 0: off; needs --ssd-cache)")

@@ -61,8 +61,8 @@ class WriteGovernor:
                  hold_while_decoding: bool = False) -> None:
         self.busy_rate = busy_rate_bytes_per_s or None  # None (or 0): never pace
         self.max_hold_s = max_hold_s  # the longest one hold lasts
-        # Hold still while rows decode too, as for a prefill (`--ssd-write-hold-decode`): only urgency, the
-        # end of a hold (`max_hold_s`) or an idle engine lets a piece go.
+        # Hold still while rows decode too, as for a prefill (`--ssd-write-hold-decode`), even past the backlog
+        # bound: only a flush, RAM over its cap, the end of a hold (`max_hold_s`) or an idle engine lets a piece go.
         self.hold_while_decoding = hold_while_decoding
         self._busy = False
         self._steps = 0  # engine steps so far (`stepped`, the MLX thread): staging goes a piece per step
@@ -122,8 +122,12 @@ class WriteGovernor:
     def held(self) -> bool:
         """Should write-behind hold still now? While a request waits for its first token and nothing is
         urgent (pacing on: a rate of 0 means never pace, never hold)."""
-        waiting = self._prefilling or (self.hold_while_decoding and self._busy)
-        return self.busy_rate is not None and waiting and not self._urgent
+        if self.busy_rate is None or self._urgent - {"backlog"}:
+            return False  # never paced, or a flush / RAM over its cap: never held
+        decoding = self.hold_while_decoding and self._busy
+        if self._urgent:  # a backlog past its bound: held only beside decode, and only when asked to
+            return decoding
+        return self._prefilling or decoding
 
     def parallel(self) -> bool:
         """May write-behind run several writes, and a write several blocks, at once now? Not beside decode
