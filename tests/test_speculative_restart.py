@@ -22,7 +22,7 @@ SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "seed":
 
 def _serve(tmp_path: Path, model_dir: Path, cache: Path, name: str, *spec: str) -> ServeProcess:
     return ServeProcess("--model", str(model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
-                        "--generation-checkpoint", "16", *spec, log_path=tmp_path / f"{name}.log")
+                        "--generation-checkpoint", "8", *spec, log_path=tmp_path / f"{name}.log")
 
 
 def _body(sampling: str) -> dict:
@@ -50,7 +50,7 @@ def test_a_speculating_server_sigkilled_mid_generation_resumes_to_speculation_of
     body, cache = _body(sampling), tmp_path / "ssd"
     kill_mid_request(_serve(tmp_path, tiny_model_dir, cache, "first", *spec).start(), "/v1/completions", body)
     (checkpoint,) = cache.rglob("*.mlxgen")
-    assert 0 < ff.read_header(checkpoint).meta.generation["emitted"] < 900
+    assert 0 < ff.read_header(checkpoint).meta.generation["emitted"] < 900  # 20-52 here: killed early
 
     with _serve(tmp_path, tiny_model_dir, cache, "second", *spec) as second, second.client() as http:
         again = http.post("/v1/completions", json=body).json()
