@@ -84,9 +84,42 @@ def thread_clocks() -> dict[str, int]:
     return clocks
 
 
+NOTES = {"steps": 0.0, "ready": 0.0, "wait_s": 0.0, "read": 0.0}  # constrained steps (`note_masks`)
+
+
+def note_masks() -> None:
+    """Count each constrained step's first mask (`StepMasks._compute`), those whose ahead masks were made by
+    then, those the engine thread made itself (it read the step's tokens: mode "engine", a stolen or
+    dropped ahead job), and the engine thread's wait for the worker at the join (`StepMasks._wait`)."""
+    from mlxd.engine import features, gen_hook
+
+    compute, wait, read = features.StepMasks._compute, features.StepMasks._wait, gen_hook.step_inputs
+
+    def step_inputs(generator: Any) -> Any:
+        NOTES["read"] += 1
+        return read(generator)
+
+    gen_hook.step_inputs = step_inputs
+
+    def _compute(self: Any, logits: Any) -> Any:
+        NOTES["steps"] += 1
+        NOTES["ready"] += self._ahead is not None and self._ahead.future.done()
+        return compute(self, logits)
+
+    def _wait(job: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return wait(job)
+        finally:
+            NOTES["wait_s"] += time.perf_counter() - t0
+
+    features.StepMasks._compute = _compute  # type: ignore[method-assign]
+    features.StepMasks._wait = staticmethod(_wait)  # type: ignore[method-assign]
+
+
 def cpu_now(clocks: dict[str, int]) -> dict[str, float]:
-    """The process's CPU time (every thread) and each clock's thread's, in s."""
-    now = {"process": time.process_time()}
+    """The process's CPU time (every thread) and each clock's thread's, in s; and the constrained steps' NOTES."""
+    now = {"process": time.process_time(), **{f"note_{k}": v for k, v in NOTES.items()}}
     for name, clock in clocks.items():
         with contextlib.suppress(OSError):
             now[name] = time.clock_gettime(clock)
@@ -122,6 +155,10 @@ async def decode_once(rt: Any, prompt: tuple[int, ...], sampling: SamplingParams
     out = {"tok_s": tokens / (stamps[-1] - stamps[batch - 1])}
     for name in ("process", "engine", "masks"):
         out[f"{name}_cpu_ms"] = 1000 * (end.get(name, 0.0) - start.get(name, 0.0)) / tokens
+    steps = end["note_steps"] - start["note_steps"]  # constrained steps (0 in a free decode)
+    out["join_wait_ms"] = 1000 * (end["note_wait_s"] - start["note_wait_s"]) / steps if steps else 0.0
+    out["ready_at_mask"] = (end["note_ready"] - start["note_ready"]) / steps if steps else 0.0
+    out["made_by_engine"] = (end["note_read"] - start["note_read"]) / steps if steps else 0.0
     return out
 
 
@@ -172,6 +209,9 @@ async def paired(run: Any, arms: list[str], rounds: int, deadline: float) -> dic
             d[f"free_{key}"] = round(statistics.median(f[key] for _, f in got), 3)
             if name != "masks":  # free decode uses no mask worker
                 d[f"{name}_cpu_ratio"] = spread([x[key] / f[key] for x, f in got if f[key] > 0] or [0.0])
+        d["join_wait_ms"] = round(statistics.median(x["join_wait_ms"] for x, _ in got), 4)  # a step, at the join
+        d["ready_at_mask"] = round(statistics.median(x["ready_at_mask"] for x, _ in got), 3)  # masks made by then
+        d["made_by_engine"] = round(statistics.median(x["made_by_engine"] for x, _ in got), 3)  # steps, its own way
         d["rounds"] = [[round(x["tok_s"], 1), round(f["tok_s"], 1)] for x, f in got]
         out[arm] = d
     return out
@@ -364,6 +404,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for arm in arms:
             await rate(arm, 1)
         if args.pairs:
+            note_masks()
             arms["free2"] = (None, None)  # the control: free decode paired with free decode
             samplings["free2"] = samplings["free"]  # (the warm-up above started the mask worker: its clock is read)
             out["pairs"] = {}
@@ -385,7 +426,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                           f"tok/s ratio {r['median']} [IQR {r['q1']}-{r['q3']}]; CPU ms/token process "
                           f"{d['process_cpu_ms']} (free {d['free_process_cpu_ms']}) ratio {c['median']} "
                           f"[{c['q1']}-{c['q3']}], engine thread {d['engine_cpu_ms']} (free {d['free_engine_cpu_ms']}) "
-                          f"ratio {e['median']} [{e['q1']}-{e['q3']}], mask worker {d['masks_cpu_ms']}", flush=True)
+                          f"ratio {e['median']} [{e['q1']}-{e['q3']}], mask worker {d['masks_cpu_ms']}; join wait "
+                          f"{d['join_wait_ms']} ms a step, masks ready at the first mask {d['ready_at_mask']}, made by the "
+                          f"engine thread {d['made_by_engine']}", flush=True)
         for batch in [] if args.ttft_only or args.pairs else args.batch:
             await decode_rate(rt, prompt, base, batch)  # warm this batch size's kernels before the first round
             rates: dict[str, list[float]] = {arm: [] for arm in arms}

@@ -206,7 +206,7 @@ def walk(cache: GrammarCache, batch: Batch, bodies: tuple[dict, ...], steps: int
 
 
 @pytest.mark.parametrize("evaluated", [True, False], ids=["tokens scheduled", "tokens not scheduled yet"])
-@pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool", "ahead-early"])
+@pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool", "ahead-early", "ahead-steal"])
 @pytest.mark.parametrize("bodies", [BODIES, BODIES[:1], BODIES[1:2]], ids=["three rows", "one regex row", "one json row"])
 def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bodies, mode, evaluated, monkeypatch):
     """Ahead, a batch that changed holds a new array of tokens not scheduled yet: the engine thread
@@ -216,8 +216,12 @@ def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bo
     batch = AheadBatch(cache, bodies=bodies)
     reads = walk(cache, batch, bodies, evaluated=evaluated)
     assert not batch.masks._device_is_cpu()
-    # engine: one read per step after the first; ahead: the worker reads the array itself
-    assert reads == (11 if mode == "engine" else 0)
+    # engine: one read per step after the first; ahead: the worker reads the array itself (ahead-steal: the
+    # engine thread reads it for a step whose job the worker had not started yet)
+    if mode == "ahead-steal":
+        assert reads <= 11
+    else:
+        assert reads == (11 if mode == "engine" else 0)
 
 
 def test_ahead_the_matchers_take_their_tokens_on_the_worker_before_the_step(cache, monkeypatch):
@@ -252,7 +256,7 @@ def test_ahead_early_the_worker_starts_when_the_last_step_returns_and_the_next_s
     batch.masks.close()
 
 
-@pytest.mark.parametrize("mode", ["ahead", "ahead-early"])
+@pytest.mark.parametrize("mode", ["ahead", "ahead-early", "ahead-steal"])
 @pytest.mark.parametrize("case", ["batch changed", "no processor ran"])
 def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engines_way(cache, case, mode, monkeypatch):
     monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
@@ -274,8 +278,8 @@ def test_ahead_work_for_another_step_is_rolled_back_and_the_step_done_the_engine
 
 
 @pytest.mark.parametrize("kept", ["0", "1", "64"], ids=["none kept", "one kept", "64 kept"])
-@pytest.mark.parametrize(("mode", "device"), [("ahead-early", "gpu"), ("ahead-bool", "gpu"), ("engine", "gpu"),
-                                              ("engine", "cpu")])
+@pytest.mark.parametrize(("mode", "device"), [("ahead-early", "gpu"), ("ahead-steal", "gpu"), ("ahead-bool", "gpu"),
+                                              ("engine", "gpu"), ("engine", "cpu")])
 @pytest.mark.parametrize("bodies", [BODIES, BODIES[:1]], ids=["three rows", "one regex row"])
 def test_kept_device_masks_mask_as_each_row_alone_would(cache, bodies, mode, device, kept, monkeypatch):
     """MLXD_MASK_CACHE: a step whose rows' bits match kept masks reuses them; with one kept, the worker's
@@ -310,6 +314,36 @@ def test_a_step_whose_masks_are_made_launches_once_and_masks_as_each_row_alone_w
     batch = AheadBatch(cache, bodies=bodies)
     walk(cache, batch, bodies)
     assert sum(launches) == 11  # every step after the first had an ahead job
+
+
+@pytest.mark.parametrize("bodies", [BODIES, BODIES[:1]], ids=["three rows", "one regex row"])
+def test_ahead_steal_the_engine_thread_makes_the_masks_of_a_job_the_worker_has_not_started(cache, bodies, monkeypatch):
+    """The worker is busy (a busy host's late wake-up): the step's first mask claims the job, feeds the
+    matchers on the engine thread and masks as each row alone would; the worker then drops the job."""
+    monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
+    monkeypatch.setenv("MLXD_MASK_MODE", "ahead-steal")
+    batch = AheadBatch(cache, ThreadNoted, bodies=bodies)
+    alone = [cache.matcher(constraint_from_request(body)) for body in bodies]
+    logits = mx.random.normal((len(bodies), batch.size), key=mx.random.key(0))
+    batch.step(logits)  # first steps: each row alone
+    first = [cache.vocab.tokenizer.tokenize_str(s)[0] for s in ("a", "[", "1")][: len(bodies)]
+    for ref, token in zip(alone, first, strict=True):
+        assert ref.consume(token)
+    release = threading.Event()
+    batch.masks._pool().submit(release.wait)  # the worker cannot start the next job
+    ThreadNoted.threads.clear()
+    batch.feed(first)  # the step returned: the job is queued behind the busy worker
+    job = batch.masks._ahead
+    assert job is not None and job.claim is not None
+    processed = batch.step(logits)
+    assert ThreadNoted.threads == [threading.current_thread().name] * len(bodies), "fed on the engine thread"
+    for i, (got, ref) in enumerate(zip(processed, alone, strict=True)):
+        assert np.array_equal(np.array(got[0]), np.where(ref.allowed_mask(), np.array(logits[i]), -np.inf))
+    release.set()
+    assert job.future.result() is None  # the worker dropped it: nothing fed twice
+    assert [part.consumed for _, part in batch.rows] == [1] * len(bodies)
+    assert [part.matcher.tokens for _, part in batch.rows] == [(t,) for t in first]
+    batch.masks.close()
 
 
 def test_a_mask_whose_bits_were_seen_is_the_kept_device_array(cache, monkeypatch):
@@ -404,7 +438,7 @@ async def test_every_mask_mode_decodes_a_mixed_greedy_batch_as_the_cpu_path_does
     for mode, device, kept, launch in [
         ("engine", "cpu", "0", "early"), ("engine", "cpu", "64", "early"), ("engine", "gpu", "64", "early"),
         ("ahead", "gpu", "64", "early"), ("ahead-bool", "gpu", "64", "early"), ("ahead-early", "gpu", "0", "early"),
-        ("ahead-early", "gpu", "64", "early"), ("ahead-early", "gpu", "64", "ready"),
+        ("ahead-early", "gpu", "64", "early"), ("ahead-early", "gpu", "64", "ready"), ("ahead-steal", "gpu", "64", "early"),
     ]:
         monkeypatch.setenv("MLXD_MASK_MODE", mode)
         monkeypatch.setenv("MLXD_MASK_DEVICE", device)

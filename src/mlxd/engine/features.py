@@ -20,6 +20,7 @@ prompt-boundary and final checkpoints) and `GenerationCheckpoints`
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -154,7 +155,8 @@ class StopTokens(Feature):
         joining.stop_tokens |= self.ids
 
 
-MASK_MODES = ("engine", "ahead", "ahead-bool", "ahead-early")
+MASK_MODES = ("engine", "ahead", "ahead-bool", "ahead-early", "ahead-steal")
+EARLY_MODES = ("ahead-early", "ahead-steal")  # the worker starts when the last step returns
 
 
 def mask_mode() -> str:
@@ -169,7 +171,10 @@ def mask_mode() -> str:
     as soon as the last step's tokens are sampled (`StepMasks.prepare`, before the engine
     thread hands that step's tokens on) rather than when the next step starts: the default,
     ahead of ahead-bool in all four cells of the H200's 15:44-15:56 sweep, behind it in both
-    batch-8 cells at 16:19 (a noisy host: docs/benchmarks.md). Read at every step (a
+    batch-8 cells at 16:19 (a noisy host: docs/benchmarks.md); "ahead-steal": ahead-early, but
+    when the engine thread reaches the join before the worker has started the job (not woken
+    yet, or waiting for the GIL: a busy host's hand-off), the engine thread does the step's
+    masks itself, the engine's way, and the worker drops the job. Read at every step (a
     benchmark switches it).
     """
     import os
@@ -263,6 +268,7 @@ class AheadJob:
     uids: list[int]  # the batch's decoding rows when it was started
     tokens: Any  # the mx.array of their input tokens it reads
     future: Any  # -> (walking uids, their masks as one numpy array: packed or bool, the parts it fed) or None
+    claim: Any = None  # mode "ahead-steal": a Lock; whichever thread takes it first makes the step's masks
 
 
 def made_vocab(done: tuple[list[int], Any, list[Constrained]]) -> int:
@@ -355,7 +361,7 @@ class StepMasks:
         GPU the worker starts on the next step's masks now, while the engine thread hands this
         step's tokens on; the next `start` keeps it when the batch did not change in between."""
         mode = mask_mode()
-        if mode == "ahead-early" and self._ahead is None and not self._device_is_cpu():
+        if mode in EARLY_MODES and self._ahead is None and not self._device_is_cpu():
             self._begin(mode)
 
     def _begin(self, mode: str) -> None:
@@ -374,8 +380,9 @@ class StepMasks:
             # (MLX arrays are not thread-safe), and another thread cannot evaluate an unscheduled one.
             mine = tokens * 1
             mx.async_eval(mine)
-            work = self._pool().submit(self._ahead_work, uids, mine, parts, mode != "ahead")
-            self._ahead = AheadJob(uids, tokens, work)
+            claim = threading.Lock() if mode == "ahead-steal" else None
+            work = self._pool().submit(self._ahead_work, uids, mine, parts, mode != "ahead", claim)
+            self._ahead = AheadJob(uids, tokens, work, claim)
 
     def mask(self, uid: int, logits: Any) -> Any:
         """Row `uid`'s mask for this step, after its matcher took the token it feeds (None: not batched)."""
@@ -404,6 +411,8 @@ class StepMasks:
         job, self._ahead = self._ahead, None
         if job is None:
             return
+        if job.claim is not None:
+            job.claim.acquire(blocking=False)  # not started yet: the worker will feed nothing
         done = job.future.result()
         if done is not None:
             for part in done[2]:
@@ -461,6 +470,8 @@ class StepMasks:
             self._drop_ahead()
             return None
         self._ahead = None
+        if job.claim is not None and job.claim.acquire(blocking=False):
+            return None  # the worker has not started it: this thread makes the step's masks (the caller)
         done = self._wait(job)
         if done is None:
             return None
@@ -487,9 +498,13 @@ class StepMasks:
         values: list[int] = tokens.tolist()
         return values
 
-    def _ahead_work(self, uids: list[int], tokens: Any, parts: list[tuple[int, Constrained]], unpack: bool) -> Any:
-        """On the worker: wait for the tokens, feed the walking rows' matchers, fill (and unpack) their masks."""
+    def _ahead_work(self, uids: list[int], tokens: Any, parts: list[tuple[int, Constrained]], unpack: bool,
+                    claim: Any = None) -> Any:
+        """On the worker: wait for the tokens, feed the walking rows' matchers, fill (and unpack) their masks
+        (None when the engine thread claimed the job first: "ahead-steal")."""
         values = self._read_ahead(tokens)
+        if claim is not None and not claim.acquire(blocking=False):
+            return None
         by_uid = dict(zip(uids, values, strict=True))
         walking = [(uid, part, int(by_uid[uid])) for uid, part in parts if uid in by_uid]
         if not walking:
