@@ -516,7 +516,9 @@ async def ttft(base: str, model: str, prompt: str | list[dict[str, str]], max_to
                         first = first or time.perf_counter()
                         text.append(piece)
     details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": (first or time.perf_counter()) - t0, "prompt_tokens": usage.get("prompt_tokens"),
+    # t0 and first: this process's perf_counter, the server's clock too on one host (its request.http `arrived`)
+    return {"ttft_s": (first or time.perf_counter()) - t0, "t0": t0, "first": first,
+            "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": details.get("cached_tokens"), "text": "".join(text)}
 
 
@@ -529,7 +531,8 @@ def text_of(model_dir: Path, n: int, seed: int) -> str:
 def done_lines(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(errors="replace").splitlines():
-        if '"request.done"' in line or '"engine.device_probe"' in line or '"restore' in line:
+        if ('"request.done"' in line or '"request.http"' in line or '"engine.device_probe"' in line
+                or '"restore' in line):
             try:
                 out.append(json.loads(line))
             except ValueError:

@@ -330,6 +330,7 @@ def main() -> int:
             row.pop("history", None)
     save()
     log("summary", json.dumps(out["summary"], indent=1))
+    print_stages(out["summary"])
     log("->", res, f"({out['elapsed_s']} s)")
     return 0
 
@@ -552,22 +553,101 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             **({"flush": flush} if flush else {})}
 
 
-def server_side(entry: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+def server_side(entry: dict[str, Any]) -> dict[str, Any]:
     """Each round's hit, next and returning turn as the server logged it (request.done: ttft_ms, lookup_ms,
-    promoted_bytes, promote_ms: the promotion's issue, promote_landed_ms: issue until its pages were back), matched to the client's turn by prompt and cached tokens."""
-    lines = [x for x in entry.get("log") or [] if x.get("event") == "request.done"]
-    found: dict[str, list[dict[str, Any]]] = {"hit": [], "next": [], "returning": []}
+    promoted_bytes, promote_ms: the promotion's issue, promote_landed_ms: issue until its pages were back;
+    first_token_ms: the engine's part, split; request.http: the HTTP side's stages), matched to the client's
+    turn by prompt and cached tokens; `stages_ms`: the median of each stage per turn kind (stage_rows)."""
+    log_lines = entry.get("log") or []
+    lines = [x for x in log_lines if x.get("event") == "request.done"]
+    http = {x.get("request_id"): x for x in log_lines if x.get("event") == "request.http"}
+    found: dict[str, Any] = {"hit": [], "next": [], "returning": []}
     for row in entry.get("rows") or []:
-        for k in found:
+        for k in ("hit", "next", "returning"):
             c = row.get(k) or {}
             hit = next((x for x in lines if x.get("prompt_tokens") == c.get("prompt_tokens")
                         and x.get("cached_tokens") == c.get("cached_tokens")), None)
             if hit is not None:
                 lines.remove(hit)
                 found[k].append({f: hit.get(f) for f in ("ttft_ms", "lookup_ms", "promoted_bytes", "promote_ms",
-                                                         "promote_landed_ms", "cache_tier")}
-                                | {"client_s": c.get("ttft_s")})
+                                                         "promote_landed_ms", "cache_tier", "first_token_ms")}
+                                | {"client_s": c.get("ttft_s"), **client_gaps(c, http.get(hit.get("request_id")))})
+    found["stages_ms"] = {k: stage_rows(found[k]) for k in ("hit", "next", "returning") if found[k]}
     return found
+
+
+def client_gaps(turn: dict[str, Any], http: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's HTTP stages, and the client's part on one clock (perf_counter is CLOCK_MONOTONIC on Linux):
+    from its send (a new connection each turn) to the server's arrival stamp, and from the first token's chunk
+    written to the client reading it."""
+    if not http:
+        return {"http_ms": None}
+    ms, arrived = http.get("ms") or {}, http.get("arrived")
+    out: dict[str, Any] = {"http_ms": ms}
+    if arrived is not None and turn.get("t0") is not None:
+        out["send_ms"] = round((arrived - turn["t0"]) * 1000, 2)
+        if turn.get("first") is not None and "first_chunk_sent" in ms:
+            out["read_ms"] = round((turn["first"] - arrived) * 1000 - ms["first_chunk_sent"], 2)
+    return out
+
+
+# A turn from the client's send to its first token, stage by stage (ms; each the time since the one before):
+# the HTTP side (request.http, since arrival), then the scheduler and engine (request.done's first_token_ms).
+HTTP_STAGES = ("parsed", "rendered", "keyed", "submitted")
+ENGINE_STAGES = ("to_engine", "lend", "join", "wait", "forward", "checkpoint", "other", "deliver")
+
+
+def stage_rows(turns: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The median of each stage over `turns` (ms): arrival -> parsed -> rendered (template + tokens) ->
+    keyed -> submitted (request built), lookup, the engine's split, then the handler's first token and
+    its chunk written, the server's whole (arrival -> chunk written) and the client's."""
+    def med(vals: list[float | None]) -> float | None:
+        xs = [v for v in vals if v is not None]
+        return round(median(xs), 2) if xs else None
+
+    out: dict[str, float | None] = {"client.send": med([t.get("send_ms") for t in turns])}
+    prev = "arrived"
+    for name in HTTP_STAGES:
+        out[f"http.{name}"] = med([_span(t.get("http_ms"), prev, name) for t in turns])
+        prev = name
+    out["lookup"] = med([t.get("lookup_ms") for t in turns])
+    for name in ENGINE_STAGES:
+        out[f"engine.{name}"] = med([(t.get("first_token_ms") or {}).get(name) for t in turns])
+    out["engine.steps"] = med([(t.get("first_token_ms") or {}).get("steps") for t in turns])
+    out["server_ttft"] = med([t.get("ttft_ms") for t in turns])
+    out["http.first_token"] = med([(t.get("http_ms") or {}).get("first_token") for t in turns])
+    out["http.first_chunk_sent"] = med([(t.get("http_ms") or {}).get("first_chunk_sent") for t in turns])
+    out["client.read"] = med([t.get("read_ms") for t in turns])
+    out["client"] = med([t["client_s"] * 1000 if t.get("client_s") is not None else None for t in turns])
+    return out
+
+
+def _span(ms: dict[str, float] | None, a: str, b: str) -> float | None:
+    if not ms or b not in ms:
+        return None
+    return ms[b] - (ms.get(a, 0.0) if a != "arrived" else 0.0)
+
+
+def print_stages(summary: dict[str, Any]) -> None:
+    """One table: each mlxd server's hit and next turn, stage by stage (median ms), beside the client's
+    time and mlx_lm's."""
+    med = summary.get("medians_s") or {}
+    cols: list[tuple[str, dict[str, float | None]]] = []
+    for name, served in (summary.get("served_turns") or {}).items():
+        for k in ("hit", "next"):
+            if (served.get("stages_ms") or {}).get(k):
+                cols.append((f"{name}:{k}", served["stages_ms"][k]))
+    if not cols:
+        return
+    keys = list(cols[0][1])
+    lm = med.get("mlx_lm") or {}
+    print("stages (median ms)".ljust(24) + "".join(c[0][-22:].rjust(24) for c in cols), flush=True)
+    for key in keys:
+        print(key.ljust(24) + "".join(("-" if c[1].get(key) is None else f"{c[1][key]:.2f}").rjust(24)
+                                      for c in cols), flush=True)
+    if lm:
+        print("mlx_lm client".ljust(24) + "".join(
+            f"{lm.get(c[0].rsplit(':', 1)[1], float('nan')) * 1000:.2f}".rjust(24) for c in cols), flush=True)
 
 
 if __name__ == "__main__":

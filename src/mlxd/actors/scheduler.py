@@ -244,6 +244,7 @@ class SchedulerActor:
             promote_ms=_ms(getattr(record.promotion, "issue_s", None)),
             promote_landed_ms=_ms(getattr(record.promotion, "landed_s", None)),
             total_ms=_ms(record.total_s),
+            first_token_ms=first_token_split(record),
         )
         for observe in self.observers:
             try:
@@ -282,6 +283,7 @@ class SchedulerActor:
             )
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
+        record.engine_sent_at = time.monotonic()
         await self._engine.send(
             StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
                             draft=draft, checkpoint_at=cuts)
@@ -292,6 +294,7 @@ class SchedulerActor:
             async for event in receive:
                 if isinstance(event, TokenGenerated) and first_token_at is None:
                     first_token_at = record.first_token_at = time.monotonic()
+                    record.engine_stages = event.stages
                     self._prefilling(request.request_id, False)  # write-behind may resume
                     self.stats.last_ttft_s = first_token_at - submit.submitted_at
                     self.backlog.done(request.request_id, first_token_at)
@@ -379,6 +382,39 @@ def _note(record: RequestRecord, event: GenerationEvent) -> None:
             record.reason = event.reason
     elif isinstance(event, GenerationFailed):
         record.reason = "failed"
+
+
+def first_token_split(record: RequestRecord) -> dict[str, float | int] | None:
+    """Where the time from the scheduler's hand-off to the engine until the first token went (ms).
+
+    to_engine: the engine took the row (its inbox; a run of steps under way); lend: the cached prefix
+    lent (or restored); join: the row inserted (a short prompt prefilled apart); wait: until its first
+    step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
+    the rest of those steps; deliver: the token back in the scheduler.
+    """
+    stamps, sent, got = record.engine_stages, record.engine_sent_at, record.first_token_at
+    if not stamps or sent is None or got is None:
+        return None
+    at = dict(stamps)  # the first of each name is enough for the single stages
+    spans: dict[str, float] = {"forward": 0.0, "checkpoint": 0.0}
+    steps, opened = 0, {}
+    for name, t in stamps:
+        if name in ("step", "checkpoint"):
+            opened[name] = t
+            steps += name == "step"
+        elif name in ("stepped", "checkpointed"):
+            key = "forward" if name == "stepped" else "checkpoint"
+            begun = opened.pop("step" if name == "stepped" else "checkpoint", None)
+            if begun is not None:
+                spans[key] += t - begun
+    joined, lent = at.get("joined", sent), at.get("lent", sent)
+    admitted, first = at.get("admitted", lent), at.get("first_token", got)
+    first_step = next((t for name, t in stamps if name == "step"), admitted)
+    out: dict[str, float | int] = {
+        "to_engine": joined - sent, "lend": lent - joined, "join": admitted - lent, "wait": first_step - admitted,
+        **spans, "other": first - first_step - spans["forward"] - spans["checkpoint"], "deliver": got - first,
+    }
+    return {k: round(v * 1000, 2) for k, v in out.items()} | {"steps": steps}
 
 
 def _ms(seconds: float | None) -> float | None:

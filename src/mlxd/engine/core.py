@@ -102,10 +102,16 @@ class Row:
     prompt_new: int = 0  # prompt tokens this insert prefills (the last one goes with the first decode)
     prefill_began: float = 0.0  # perf_counter when its prefill began (after a restore's adoption)
     prefill_shared: bool = False  # another row was in the batch during its prefill: its wall time is not its own
+    stages: list[tuple[str, float]] = attrs.Factory(list)  # until its first token: (stage, time.monotonic())
 
     @property
     def request_id(self) -> str:
         return self.start.request.request_id
+
+    def stamp(self, stage: str) -> None:
+        """Where its time goes before its first token (handed out with that token: TokenGenerated.stages)."""
+        if self.generated == 0:
+            self.stages.append((stage, time.monotonic()))
 
     def parts(self) -> tuple[Feature, ...]:
         return (self.sampling, *self.features)
@@ -650,6 +656,7 @@ class EngineCore:
         from mlxd.kv import page_pool
 
         req = start.request
+        joined = time.monotonic()
         sampling = Sampling.of(req.sampling)  # built (and checked) before the generator sees the row
         if start.restore is not None and start.restore.loaded is not None:
             lent, usable, tier = self._restore(start, out)
@@ -660,7 +667,7 @@ class EngineCore:
             tier = "ram" if usable > 0 else "none"
         else:
             lent, usable, tier = None, 0, "none"
-        began = time.perf_counter()
+        began, lent_at = time.perf_counter(), time.monotonic()
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
         cuts = tuple(c for c in start.checkpoint_at if usable < c < len(req.prompt) - 1) if not req.media else ()
@@ -670,6 +677,7 @@ class EngineCore:
             elif not cuts and self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
+        row.stages += [("joined", joined), ("lent", lent_at)] + ([("prefilled_apart", time.monotonic())] if apart else [])
         self._draft_prefix(row, start, out)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]),
                     cuts=tuple(c - joins_at for c in cuts))
@@ -677,6 +685,7 @@ class EngineCore:
             for part in row.parts():
                 part.segment(row, self, out)
         row.cached_tokens = usable
+        row.stamp("admitted")
         row.prefill_began, row.prefill_shared = began, bool(req.media)
         if len(self._rows) > 1:  # rows share the batch now: no prefill still running is timed alone
             for each in self._rows.values():
@@ -795,10 +804,15 @@ class EngineCore:
         decoding = any(r.generated for r in self._rows.values())
         if hasattr(self.generator, "prefill_step_size"):
             self.generator.prefill_step_size = self._prefill_chunk()
+        waiting = [r for r in self._rows.values() if r.generated == 0]  # rows before their first token
+        for each in waiting:
+            each.stamp("step")
         t0 = time.perf_counter()
         self._masks.start()
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
+        for each in waiting:
+            each.stamp("stepped")
         self._masks.prepare()  # MLXD_MASK_MODE=ahead-early: the next step's masks start now
         self.counters.steps += 1
         self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
@@ -813,9 +827,12 @@ class EngineCore:
                 continue
             row.generated += 1
             self.counters.generated_tokens += 1
+            event = row.sampling.event(r)
             if row.generated == 1:
                 self._prefill_whole(row, out)
-            out.emit(row, row.sampling.event(r))
+                event = attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic())))
+                row.stages = []
+            out.emit(row, event)
             if r.finish_reason is None:
                 for part in row.parts():
                     part.token(row, r.token, self, out)

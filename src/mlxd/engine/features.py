@@ -690,7 +690,9 @@ class PromptCheckpoints(Feature):
         elif self.at_boundary:
             self.at_boundary = False
             req = row.start.request
+            row.stamp("checkpoint")
             core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session)
+            row.stamp("checkpointed")
 
     def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
         req = row.start.request

@@ -256,8 +256,11 @@ def reply_model(rt: Runtime, requested: str | None) -> str:
 class _Completion:
     """Runs a request's generations (its choices) and shapes them into OpenAI chunks or a body."""
 
-    def __init__(self, rt: Runtime, choices: list[_Choice], parsed: ParsedRequest, *, chat: bool) -> None:
+    def __init__(
+        self, rt: Runtime, choices: list[_Choice], parsed: ParsedRequest, *, chat: bool, stages: Stages | None = None
+    ) -> None:
         self.rt = rt
+        self.stages = stages  # reported (request.http) once the first token's chunk is written
         self.choices = choices
         self.parsed = parsed
         self.chat = chat
@@ -326,6 +329,8 @@ class _Completion:
                 yield self.chunk(first)
             async for delta, entries in c.deltas():
                 yield self.chunk(self.choice_chunk(c, delta, entries, None))
+                if self.stages is not None and c.index == 0:  # the first token's chunk is written
+                    self._report_stages(c, self.stages)
             yield self.chunk(self.choice_chunk(c, ReplyDelta(), [], c.finish_reason()))
         except GenerationError as exc:
             yield f"data: {json.dumps(ApiError(500, str(exc), type='server_error').body())}\n\n"
@@ -333,6 +338,13 @@ class _Completion:
             log.exception("http.stream_failed", request_id=c.stream.request.request_id)
             error = ApiError(500, f"internal error: {type(exc).__name__}", type="server_error")
             yield f"data: {json.dumps(error.body())}\n\n"
+
+    def _report_stages(self, c: _Choice, stages: Stages) -> None:
+        self.stages = None  # once
+        if c.first_token_at is not None:
+            stages.mark("first_token", c.first_token_at)
+        stages.mark("first_chunk_sent")
+        stages.report(request_id=c.stream.request.request_id, stream=True)
 
     async def _pump(self, c: _Choice, send: trio.MemorySendChannel[str]) -> None:
         async with send:
@@ -651,7 +663,7 @@ def create_app(
         check_model(parsed.model)
         choices = await start_choices(parsed, prompt, options or ChatOptions(), chat=chat, session=session,
                                       media=media, checkpoint_at=checkpoint_at)
-        completion = _Completion(rt, choices, parsed, chat=chat)
+        completion = _Completion(rt, choices, parsed, chat=chat, stages=g.stages)
         if parsed.stream:
             return event_stream(completion.sse(app.nursery.start_soon))
         try:
@@ -659,6 +671,7 @@ def create_app(
             if choices[0].first_token_at is not None:
                 g.stages.mark("first_token", choices[0].first_token_at)
             g.stages.mark("replied")
+            g.stages.report(request_id=choices[0].stream.request.request_id, stream=False)
             return _json(reply)
         except GenerationError as exc:
             raise ApiError(500, str(exc), type="server_error") from None

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
+import numpy as np
 
 from mlxd.kv.admission import RamRoom
 from mlxd.kv.blocks import BlockLedger, BlockRef
@@ -651,8 +652,8 @@ class CacheTiers:
         if self.ssd:
             candidates += [r.tokens for r in self._index.diverging(tokens, namespace)]
         found: list[tuple[int, ...]] = []
-        for c in candidates:
-            exact = tuple(int(t) for t in c)
+        for c in candidates:  # (on the cache owner's thread: no Python loop over the tokens)
+            exact = tuple(c.tolist()) if isinstance(c, np.ndarray) else tuple(map(int, c))
             if exact not in found:
                 found.append(exact)
         return found

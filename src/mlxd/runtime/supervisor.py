@@ -279,7 +279,8 @@ class Runtime:
                        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
             if any(ids is not None for ids in replies.values()):  # decodes the whole prompt: off the event loop too
                 ids, _ = await trio.to_thread.run_sync(
-                    encode_chat, self.tokenizer, messages, replies, self.info.eos_token_ids, (text, plain)
+                    encode_chat, self.tokenizer, messages, replies, self.info.eos_token_ids, (text, plain),
+                    self.prompt_tokens.encode,
                 )
             else:
                 ids = plain
@@ -296,7 +297,7 @@ class Runtime:
                 if better == ids:
                     break
                 ids = better
-        ids = tuple(int(t) for t in ids)
+        ids = tuple(map(int, ids))
         return ids, (cut_for(stable, plain, ids) if stable is not None else None)
 
     def remember_reply(self, text: str, ids: Sequence[int]) -> None:
@@ -324,7 +325,7 @@ class Runtime:
         `media`: the prompt's images (vision/encoder.ImageInput); their spans hold media key ids (kv/media.py).
         `checkpoint_at`: prompt lengths to checkpoint at (the chat template's stable prefix, `render_chat_cut`).
         """
-        prompt = tuple(int(t) for t in prompt)
+        prompt = tuple(map(int, prompt))
         if sampling is None:
             room = self.info.max_context - len(prompt)
             sampling = SamplingParams(max_tokens=max(1, min(self.config.default_max_tokens, room)))
@@ -354,7 +355,7 @@ class Runtime:
             why = check_spans(prompt, [m.span for m in media], vocab)
             if why is not None:
                 raise InvalidRequest(why, param="messages")
-        elif any(t < 0 or t >= vocab for t in prompt):
+        elif prompt and (min(prompt) < 0 or max(prompt) >= vocab):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         # Ids reach MLX indexing unchecked: an out-of-range one would write out of bounds.
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):

@@ -96,6 +96,9 @@ class TokenGenerated:
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # A row's first token only: where its time went in the engine, (stage, time.monotonic()) in order
+    # (engine/core.py RowStages); not part of the token's value.
+    stages: tuple[tuple[str, float], ...] = attrs.field(default=(), eq=False, repr=False)
 
 
 @attrs.frozen
@@ -150,6 +153,8 @@ class RequestRecord:
     fetch_s: float = 0.0  # an SSD hit: waiting for the cold file's bytes (the prefetcher's read) before the engine
     read_s: float = 0.0  # of which the read itself on its thread (landing included): the rest waited for it to start
     promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
+    engine_sent_at: float | None = None  # time.monotonic() when the scheduler handed it to the engine
+    engine_stages: tuple[tuple[str, float], ...] = ()  # the engine's stamps to its first token (TokenGenerated.stages)
 
     @property
     def queued_s(self) -> float | None:
