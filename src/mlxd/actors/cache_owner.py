@@ -171,7 +171,7 @@ class CacheOwnerActor:
         self._watch: DirWatch | None = None
         if store is not None and config.ssd_shared:
             self._guard = DeletionGuard(store.directory, grace_s=config.ssd_shared_grace_s)
-            self._watch = DirWatch(store.directory, store.read_record)
+            self._watch = DirWatch(store.directory, store.read_record, own=store.writer)
             self._watch.know(r.path for r in records if r.path is not None)
         self._startup = list(self.tiers.load_records(records))
         # Pins survive a restart (kv/pins.py): re-applied now, saved again whenever they change.
@@ -506,9 +506,9 @@ class CacheOwnerActor:
         assert self._watch is not None
         while True:
             await trio.sleep(self._config.ssd_rescan_s)
-            changes = await trio.to_thread.run_sync(self._watch.poll)
+            changes = await trio.to_thread.run_sync(self._watch.poll)  # (our own files it skips)
             indexed = {r.path: r for r in self.tiers.ssd_records()}
-            found = [r for r in changes.found if r.path not in indexed]  # not our own commits
+            found = [r for r in changes.found if r.path not in indexed]
             if found:
                 self._count.discovered += len(found)
                 self._apply(self.tiers.load_records(found))
@@ -518,9 +518,11 @@ class CacheOwnerActor:
                     self._count.vanished += 1
                     self._apply(self.tiers.lost(record))
             if self._guard is not None and self._guard.pending:
-                # Deletions refused under the grace: the cap must hold on disk too.
-                still = {r.path for r in self.tiers.ssd_records()}
-                deleted = await trio.to_thread.run_sync(self._guard.retry, still.__contains__)
+                # Deletions refused under the grace: the cap must hold on disk too. The files indexed
+                # again are dropped here, with the index as it is now (an eviction refused while the
+                # worker thread runs must stay pending).
+                self._guard.forget_indexed({r.path for r in self.tiers.ssd_records()}.__contains__)
+                deleted = await trio.to_thread.run_sync(self._guard.retry)
                 if deleted and self._store is not None and self._store.blocks.blocks_dir.is_dir():
                     # Manifests among them: their blocks that no manifest on disk names go too.
                     await trio.to_thread.run_sync(self._store.blocks.collect)

@@ -3,8 +3,8 @@
 Layout under the fingerprint directory (as whole files, `mlxd.kv.ssd_store`):
 
     <root>/<fingerprint>/blocks/<name>.mlxblk      a block: an `.mlxkv` format-2 file
-    <root>/<fingerprint>/<ns-hash>/<uuid>.mlxmf    a manifest: one checkpoint
-    <root>/<fingerprint>/<ns-hash>/<uuid>.mlxkv    a whole-file checkpoint (still read)
+    <root>/<fingerprint>/<ns-hash>/<stem>.mlxmf    a manifest: one checkpoint
+    <root>/<fingerprint>/<ns-hash>/<stem>.mlxkv    a whole-file checkpoint (still read)
     <root>/<fingerprint>/blocks.lock               serializes collection with writes
 
 A block is an ordinary snapshot file (hashed header, per-tensor CRC-32) of
@@ -65,6 +65,7 @@ from mlxd.kv.file_format.header import parse_cache as _parse_cache
 from mlxd.kv.file_format.read import read_open_header as _read_header
 from mlxd.kv.listing import is_link, listdir, real_dir
 from mlxd.kv.pacing import Pacer
+from mlxd.kv.shared_dir import fresh_stem, new_writer_id
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
 
@@ -254,6 +255,7 @@ class BlockStore:
     block_tokens: int = bk.BLOCK_TOKENS
     readers: int = READERS  # block files one load reads at once (their destinations are disjoint)
     writers: int = WRITERS  # new block files one unpaced write commits at once
+    writer: str = attrs.field(factory=new_writer_id)  # the first hex digits of its manifests' names
     _manifest_cache: dict[Path, tuple[int, int, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
     # Where this process's known blocks start (scan + writes): a new block ends where it stops sharing.
     _starts: bk.SharedStarts = attrs.field(factory=bk.SharedStarts, init=False)
@@ -309,7 +311,7 @@ class BlockStore:
             refs, written, new = self._write_blocks(plan, pacer, prepare)
             manifest = bk.Manifest(meta, bk.blank(plan.caches), tuple(refs), self.block_tokens)
             data = encode_manifest(manifest)
-            path = ns_dir / (uuid.uuid4().hex + MANIFEST_EXT)
+            path = ns_dir / (fresh_stem(self.writer) + MANIFEST_EXT)
             try:
                 _write_durably(path, data)
             except OSError as exc:

@@ -1,12 +1,14 @@
 """One `--ssd-cache` directory shared by several replicas (`--ssd-shared`).
 
 Files are published atomically (tmp + fsync + rename), never modified after,
-and named by a fresh uuid, so replicas never write over each other. What
-sharing adds is discovery and deletion discipline:
+and named by their writer's id and random digits (`fresh_stem`), so replicas
+never write over each other and each knows its own. What sharing adds is
+discovery and deletion discipline:
 
 - Discovery (`DirWatch`): a replica lists its fingerprint directory and reads
   the header of every `.mlxkv` file and `.mlxmf` block manifest it has not
-  seen, so a conversation another replica flushed becomes restorable here.
+  seen, so a conversation another replica flushed becomes restorable here
+  (its own files it skips: they are indexed when committed).
   The `blocks/` directory is never listed: blocks are found through the
   manifests that name them. Listing is skipped while no
   namespace directory changed its mtime, so an idle poll costs a few `stat`s.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,16 @@ import attrs
 
 GC_LOCK = ".gc.lock"
 DEFAULT_GRACE_S = 60.0
+
+
+def new_writer_id() -> str:
+    """A process's writer id: the first 8 hex digits of each file name it publishes."""
+    return uuid.uuid4().hex[:8]
+
+
+def fresh_stem(writer: str) -> str:
+    """A new file's name (without its suffix): `writer`, then random hex digits, 32 in all (a uuid4's)."""
+    return writer + uuid.uuid4().hex[len(writer):]
 
 
 @attrs.define
@@ -105,16 +118,29 @@ class DeletionGuard:
         """Refused deletions waiting for their grace to pass."""
         return len(self._pending)
 
-    def retry(self, indexed: Callable[[Path], bool]) -> int:
-        """Delete the refused files whose grace has passed; returns how many went.
+    def forget_indexed(self, indexed: Callable[[Path], bool]) -> int:
+        """Forget the refused deletions of files indexed again; returns how many (no I/O).
+
+        Call it where the index cannot change meanwhile (the owner's own thread), not
+        from `retry`'s worker thread: a file evicted and refused after the index was read
+        would be forgotten as "indexed" and stay on disk for good.
+        """
+        again = [path for path in list(self._pending) if indexed(path)]
+        for path in again:
+            self._pending.pop(path, None)
+        return len(again)
+
+    def retry(self) -> int:
+        """(I/O) Delete the refused files whose grace has passed; returns how many went.
 
         Without this the cap would hold in the index only: a file evicted while
-        fresh would stay on disk for good. A file this replica indexes again (or
-        that someone used since) is not deleted; one already gone is forgotten.
+        fresh would stay on disk for good. A file someone used since waits for its
+        grace again; one already gone is forgotten. The ones indexed again are the
+        caller's to drop first (`forget_indexed`).
         """
         deleted = 0
         for path in list(self._pending):
-            if indexed(path) or not path.exists():
+            if not path.exists():
                 self._pending.pop(path, None)
                 continue
             if self.may_delete(path):
@@ -123,8 +149,8 @@ class DeletionGuard:
                 except OSError:
                     continue
                 self._pending.pop(path, None)
+                self.retried += 1
                 deleted += 1
-        self.retried += deleted
         return deleted
 
     def release(self) -> None:
@@ -149,6 +175,10 @@ class DirWatch:
     # Every this many polls, list every directory even if its mtime did not move
     # (filesystems with coarse timestamps can hide a second change within one tick).
     full_every: int = 30
+    # This replica's writer id (`fresh_stem`): its own files are indexed when it commits them, never
+    # "discovered" (one found between its rename and that commit, or after its eviction, would be
+    # indexed again as the newest file, evicting a fresher one).
+    own: str = ""
     _seen: set[Path] = attrs.Factory(set)
     _dir_mtimes: dict[Path, float] = attrs.Factory(dict)
     _polls: int = 0
@@ -182,6 +212,9 @@ class DirWatch:
             self._dir_mtimes[d] = mtime
             gone |= {p for p in self._seen if p.parent == d and p not in names}
             for path in sorted(names - self._seen):
+                if self.own and path.name.startswith(self.own):
+                    self._seen.add(path)
+                    continue
                 record = self.read(path)
                 if record is not None:
                     found.append(record)

@@ -1,6 +1,6 @@
 """The SSD tier: `.mlxkv` files are the database (seed §5.1 D4, §5.3).
 
-Layout: `<root>/<fingerprint>/<ns-hash>/<uuid4 hex>.mlxkv`, dirs 0700, files
+Layout: `<root>/<fingerprint>/<ns-hash>/<writer id + random hex>.mlxkv`, dirs 0700, files
 0600. The fingerprint names everything a file's numbers depend on (model
 config and weights, tokenizer, KV scheme, MLX version and backend), so a
 change of any of them selects another directory and old files stay intact.
@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from mlxd.kv.block_store import MANIFEST_EXT, WRITERS, BlockStore
 from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
+from mlxd.kv.shared_dir import fresh_stem, new_writer_id
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
 from mlxd.vision.tensor_store import (
@@ -166,12 +166,14 @@ class SsdStore:
     # A vision model's encoder identity: its encoder outputs under `tensors/` are records too
     # (vision/tensor_store.py); not with a shared directory.
     encoder_identity: str | None = None
+    # The first hex digits of every file name this store publishes (kv/shared_dir.py: a replica's own files).
+    writer: str = attrs.field(factory=new_writer_id)
     _blocks: BlockStore = attrs.field(init=False)
     # Taken by the first scan, before it touches a file, and held for the store's life (kv/dir_lock.py).
     _lock: DirLock | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self._blocks = BlockStore(self.root, self.identity, block_tokens=self.block_tokens)
+        self._blocks = BlockStore(self.root, self.identity, block_tokens=self.block_tokens, writer=self.writer)
 
     @property
     def directory(self) -> Path:
@@ -371,7 +373,7 @@ class SsdStore:
         """A fresh file path in the namespace dir (created 0700). Raises StorageError."""
         ns_dir = self.directory / namespace_dir(namespace)
         _make_dirs(self.root, self.directory, ns_dir)
-        return ns_dir / (uuid.uuid4().hex + ff.EXTENSION)
+        return ns_dir / (fresh_stem(self.writer) + ff.EXTENSION)
 
     def write(
         self,
