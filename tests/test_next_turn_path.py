@@ -123,3 +123,22 @@ def test_a_served_turn_logs_its_stages(tiny_model_dir, monkeypatch):
         assert all(k in ms for k in order)
         assert [ms[k] for k in order] == sorted(ms[k] for k in order)
     assert records[1].cached_tokens > 0  # the next turn hit the first one's checkpoint
+
+
+def test_realignment_is_skipped_only_where_it_cannot_change_the_ids(tok):
+    """A next turn's checkpoints are prefixes of its ids: no realignment (no worker hop, no decode); a
+    checkpoint that parts from them (a reply re-tokenized after a restart) still goes to best_realignment."""
+    from mlxd.runtime.chat.token_history import best_realignment, needs_realignment
+
+    text = "<|im_start|>user\nhello there, a few words<|im_end|>\n<|im_start|>assistant\nSure thing.<|im_end|>\n"
+    ids = tuple(tok.encode(text, add_special_tokens=False))
+    prefixes = [ids[:5], ids[:-2], ids]
+    assert not needs_realignment(ids, prefixes) and not needs_realignment(ids, [])
+    assert best_realignment(tok, text, ids, prefixes) == ids
+    reply = tok.encode("Sure thing.", add_special_tokens=False)
+    spelled = [t for ch in "Sure thing." for t in tok.encode(ch, add_special_tokens=False)]
+    at = next(i for i in range(len(ids)) if list(ids[i:i + len(reply)]) == list(reply))
+    diverging = ids[:at] + tuple(spelled) + ids[at + len(reply):]
+    if diverging != ids:  # the tokenizer merges these characters: the checkpoint parts from the ids
+        assert needs_realignment(ids, [*prefixes, diverging])
+        assert best_realignment(tok, text, ids, [diverging]) == diverging

@@ -569,8 +569,9 @@ def server_side(entry: dict[str, Any]) -> dict[str, Any]:
                         and x.get("cached_tokens") == c.get("cached_tokens")), None)
             if hit is not None:
                 lines.remove(hit)
-                found[k].append({f: hit.get(f) for f in ("ttft_ms", "lookup_ms", "promoted_bytes", "promote_ms",
-                                                         "promote_landed_ms", "cache_tier", "first_token_ms")}
+                found[k].append({f: hit.get(f) for f in ("ttft_ms", "queued_ms", "lookup_ms", "promoted_bytes",
+                                                         "promote_ms", "promote_landed_ms", "cache_tier",
+                                                         "first_token_ms")}
                                 | {"client_s": c.get("ttft_s"), **client_gaps(c, http.get(hit.get("request_id")))})
     found["stages_ms"] = {k: stage_rows(found[k]) for k in ("hit", "next", "returning") if found[k]}
     return found
@@ -610,6 +611,7 @@ def stage_rows(turns: list[dict[str, Any]]) -> dict[str, float | None]:
     for name in HTTP_STAGES:
         out[f"http.{name}"] = med([_span(t.get("http_ms"), prev, name) for t in turns])
         prev = name
+    out["queued"] = med([t.get("queued_ms") for t in turns])  # submitted -> the scheduler took it
     out["lookup"] = med([t.get("lookup_ms") for t in turns])
     for name in ENGINE_STAGES:
         out[f"engine.{name}"] = med([(t.get("first_token_ms") or {}).get(name) for t in turns])

@@ -55,7 +55,13 @@ from mlxd.kv.tiers import SessionCheckpoint, SsdRecord
 from mlxd.runtime import session_files
 from mlxd.runtime.chat.prompt_tokens import PieceEncoder
 from mlxd.runtime.chat.stable_prefix import ProbedPrefixes, cut_for, template_identity
-from mlxd.runtime.chat.token_history import GeneratedHistory, best_realignment, encode_chat, render
+from mlxd.runtime.chat.token_history import (
+    GeneratedHistory,
+    best_realignment,
+    encode_chat,
+    needs_realignment,
+    render,
+)
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.channels import ChannelStats, Reply
 from mlxd.runtime.kernel.messages import (
@@ -271,19 +277,13 @@ class Runtime:
             if tools:
                 kwargs["tools"] = list(tools)
             probing = probe and self.needs_template_cuts()
-            text, plain, stable = await trio.to_thread.run_sync(
-                partial(_render_probed, self.tokenizer, messages, self.prompt_tokens.encode, kwargs,
-                        self.probed if probing else None)
-            )
             replies = {m["content"]: self.history.get(m["content"]) for m in messages
                        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]}
-            if any(ids is not None for ids in replies.values()):  # decodes the whole prompt: off the event loop too
-                ids, _ = await trio.to_thread.run_sync(
-                    encode_chat, self.tokenizer, messages, replies, self.info.eos_token_ids, (text, plain),
-                    self.prompt_tokens.encode,
-                )
-            else:
-                ids = plain
+            # One worker-thread hop for the rendering and the replies' ids (each hop a GIL hand-off each way).
+            text, plain, stable, ids = await trio.to_thread.run_sync(
+                partial(_render_chat, self.tokenizer, messages, self.prompt_tokens.encode, kwargs,
+                        self.probed if probing else None, replies, self.info.eos_token_ids)
+            )
         except Exception as exc:
             raise InvalidRequest(f"could not apply the chat template: {exc}") from exc
         if realign and any(m.get("role") == "assistant" for m in messages):
@@ -293,6 +293,8 @@ class Runtime:
                 reply: Reply[list[tuple[int, ...]]] = Reply()
                 await self._cache.send(FindCheckpointTokens(ids, namespace, reply))
                 checkpoints = await reply.wait()
+                if not needs_realignment(ids, checkpoints):  # a next turn: its checkpoints are prefixes of it
+                    break
                 better = await trio.to_thread.run_sync(best_realignment, self.tokenizer, text, ids, checkpoints)
                 if better == ids:
                     break
@@ -594,6 +596,19 @@ class Runtime:
         while self.scheduler.stats.running or ChannelStats.of(self._submit).queued:
             await self.scheduler.wait_idle()
             await trio.lowlevel.checkpoint()
+
+
+def _render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], encode: Callable[[str], tuple[int, ...]],
+    kwargs: dict[str, Any], probed: ProbedPrefixes | None, replies: dict[str, tuple[int, ...] | None],
+    eos: frozenset[int],
+) -> tuple[str, tuple[int, ...], int | None, tuple[int, ...]]:
+    """(text, canonical ids, stable prefix or None, ids with the replies' own ids spliced in) (a worker thread)."""
+    text, plain, stable = _render_probed(tokenizer, messages, encode, kwargs, probed)
+    if not any(ids is not None for ids in replies.values()):
+        return text, plain, stable, plain
+    ids, _ = encode_chat(tokenizer, messages, replies, eos, (text, plain), encode)
+    return text, plain, stable, ids
 
 
 def _render_probed(

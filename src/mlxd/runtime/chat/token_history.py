@@ -70,6 +70,12 @@ def best_realignment(
     return best
 
 
+def needs_realignment(current: Sequence[int], checkpoints: Sequence[tuple[int, ...]]) -> bool:
+    """Whether `best_realignment` could change `current`: not when every checkpoint is a prefix of it
+    (a next turn after its own reply), which this tells with slice comparisons, no decode."""
+    return any(c and len(c) > _common_prefix(current, c) for c in checkpoints)
+
+
 def _longest_spelled_prefix(tokenizer: Any, text: str, tokens: tuple[int, ...]) -> int:
     """The largest k such that decode(tokens[:k]) is a prefix of `text` (binary search)."""
     lo, hi = 0, len(tokens)
