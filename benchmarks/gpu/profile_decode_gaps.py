@@ -8,10 +8,11 @@ engine thread's jobs, and per thread the functions on the stack) to `--out`.
 
     python3 benchmarks/gpu/profile_decode_gaps.py --model /tmp/host-servers-work/model-qwen3-1.7b --out $OUT
 
-Write-behind beside decode (issue 28): `--fresh-tokens N --fresh-pattern 1,0,1,0` with
+Write-behind beside decode (issue 28): `--fresh-tokens N --fresh-pattern 1,w,0` with
 `--serve-args "--ssd-cache DIR"` puts a fresh N-token prompt before the levels marked 1 (its
-checkpoint is staged and written while they decode) and the previous prompt again before
-those marked 0 (a RAM hit: nothing to write), and reports per level the steps and gaps
+checkpoint is staged and written while they decode), a fresh one before those marked w and
+then waits until everything is written (nothing written during the decode), and the previous
+prompt again before those marked 0 (a RAM hit; an earlier write may still run), and reports per level the steps and gaps
 inside its decode window and what the SSD writer did meanwhile (`/stats` before and after:
 staged pieces, runtime calls, step waits, bytes written).
 """
@@ -48,7 +49,9 @@ def main() -> int:
                          "during the decode)")
     ap.add_argument("--fresh-pattern", default="",
                     help="per level, 1: a fresh prompt before it, 0: the previous prompt again (nothing new to "
-                         "write); default: fresh before every level")
+                         "write), w: a fresh prompt, then wait until write-behind has written everything (the "
+                         "idle engine writes at full speed) before the decode; default: fresh before every level")
+    ap.add_argument("--wait-s", type=float, default=30.0, help="w: the longest wait for write-behind")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prof = args.out / "decode-gaps-profile.json"
@@ -60,15 +63,17 @@ def main() -> int:
     server.start()
     results = {}
     levels: list[dict[str, object]] = []
-    pattern = [x.strip() == "1" for x in args.fresh_pattern.split(",") if x.strip()]
+    pattern = [x.strip() for x in args.fresh_pattern.split(",") if x.strip()]
     prompt = ""
     try:
         for i, n in enumerate(int(x) for x in args.streams.split(",") if x):
-            fresh = pattern[i] if i < len(pattern) else True
+            mark = pattern[i] if i < len(pattern) else "1"
+            fresh = mark in ("1", "w")
             if args.fresh_tokens:
                 if fresh or not prompt:
                     prompt = text_of(args.model, args.fresh_tokens, 900 + i)
                 asyncio.run(ttft(server.base, args.model.name, prompt))
+            waited = _written(server.base, args.wait_s) if mark == "w" else None
             before = _writer(server.base)
             t0 = time.perf_counter()
             d = asyncio.run(decode(server.base, args.model.name, [f"Story {j}: " + TEXTS["q2"] for j in range(n)],
@@ -76,7 +81,8 @@ def main() -> int:
             t1 = time.perf_counter()
             after = _writer(server.base)
             results.setdefault(str(n), []).append(d["tok_s"])
-            levels.append({"streams": n, "fresh": bool(args.fresh_tokens) and fresh, "tok_s": d["tok_s"],
+            levels.append({"streams": n, "fresh": bool(args.fresh_tokens) and fresh, "waited_for_writes_s": waited,
+                           "tok_s": d["tok_s"],
                            "window": (t0, t1), "writer": {k: round(after[k] - before[k], 3) for k in after
                                                            if isinstance(after[k], int | float) and k in before},
                            # write-behind's state as the decode began and ended: urgent (a backlog past its
@@ -108,6 +114,22 @@ def _writer(base: str) -> dict[str, object]:
     except (httpx.HTTPError, ValueError):
         return {}
     return dict((stats.get("ssd_cache") or {}).get("writer") or {})
+
+
+def _written(base: str, limit_s: float) -> float | None:
+    """Wait until `/stats` shows no write pending (at most `limit_s`); the seconds waited, None if it never did."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        try:
+            ssd = httpx.get(base + "/stats", timeout=30).json().get("ssd_cache") or {}
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not ssd.get("pending_spills"):
+            return round(time.perf_counter() - t0, 2)
+        time.sleep(0.1)
+    return None
 
 
 def _window(steps: list[list[float]], t0: float, t1: float) -> dict[str, object]:
