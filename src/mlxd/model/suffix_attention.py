@@ -1,0 +1,81 @@
+"""Short prefill chunks over a long cached context, attended without cuDNN (CUDA; `MLXD_SUFFIX_ATTENTION`).
+
+On CUDA, MLX runs a multi-token attention through a cuDNN graph built and cached per exact
+query/key shape (mlx/backend/cuda/scaled_dot_product_attention.cpp, `sdpa_cache`): a next turn
+(a ~30-token suffix over a 16k-token prefix) has a key length no earlier step had, so it builds a
+graph, and its forward costs far more than a hit's (H200: 144-165 ms against 50-61 ms, both in
+mlx-lm's steps). The same attention as plain operations (what MLX itself runs on the CPU: scores,
+causal mask, precise softmax, values) has no per-shape build, and for a few dozen queries its
+scores are small. `MLXD_SUFFIX_ATTENTION=unfused` routes chunks of 2..MAX_QUERY queries over at
+least MIN_KEYS keys (no sinks, a causal or no mask) that way; anything else keeps MLX's kernel.
+Off by default while it is measured (benchmarks/gpu/bench_host_tier_servers.py, `mlxd_ram_unfused`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ENV = "MLXD_SUFFIX_ATTENTION"
+MAX_QUERY = 128  # a chunk this short is a suffix: its scores are queries x keys per head
+MIN_KEYS = 1024  # over a context this long: a short context's graph build is rare and cheap to redo
+
+_ORIGINAL: Any = None
+
+
+def wanted() -> bool:
+    """Whether the environment asks for it (`MLXD_SUFFIX_ATTENTION=unfused`)."""
+    return os.environ.get(ENV, "").strip().lower() == "unfused"
+
+
+def install(*, force: bool = False) -> bool:
+    """Wrap `mx.fast.scaled_dot_product_attention` once per process when asked for and on a GPU
+    (`force`: on any device, for tests); returns whether it is installed."""
+    global _ORIGINAL
+    import mlx.core as mx
+
+    if _ORIGINAL is not None:
+        return True
+    if not force and (not wanted() or mx.default_device() == mx.cpu):
+        return False
+    original = mx.fast.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
+                                     sinks: Any = None, **kwargs: Any) -> Any:
+        if (sinks is None and not kwargs and (mask is None or isinstance(mask, str) and mask == "causal")
+                and 1 < q.shape[2] <= MAX_QUERY and k.shape[2] >= MIN_KEYS and q.shape[2] <= k.shape[2]):
+            return unfused(q, k, v, scale=scale, causal=mask == "causal")
+        return original(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+    mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+    _ORIGINAL = original
+    return True
+
+
+def uninstall() -> None:
+    global _ORIGINAL
+    import mlx.core as mx
+
+    if _ORIGINAL is not None:
+        mx.fast.scaled_dot_product_attention = _ORIGINAL
+        _ORIGINAL = None
+
+
+def unfused(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -> Any:
+    """Attention as MLX's own fallback computes it (B, heads, L, D queries; grouped KV heads; a causal
+    mask aligned to the end of the keys)."""
+    import mlx.core as mx
+
+    b, heads, n, d = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    q = q * mx.array(scale, dtype=q.dtype)
+    repeats = heads // kv_heads
+    if repeats > 1:
+        q = q.reshape(b, kv_heads, repeats, n, d)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = q @ mx.swapaxes(k, -1, -2)
+    if causal:
+        allowed = (mx.arange(n)[:, None] + (keys - n)) >= mx.arange(keys)[None]
+        scores = mx.where(allowed, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    return out.reshape(b, heads, n, v.shape[-1]) if repeats > 1 else out

@@ -1,0 +1,83 @@
+"""MLXD_SUFFIX_ATTENTION=unfused (model/suffix_attention.py): short chunks over a long context attended
+as plain operations give MLX's attention, and a served conversation the same tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxd.model import suffix_attention
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "n", "keys"), [(4, 2, 5, 1100), (8, 8, 30, 1030), (16, 8, 128, 2048)])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_unfused_matches_mlx_attention(heads, kv_heads, n, keys, mask):
+    mx.random.seed(n)
+    q = mx.random.normal((1, heads, n, 64))
+    k, v = mx.random.normal((1, kv_heads, keys, 64)), mx.random.normal((1, kv_heads, keys, 64))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = suffix_attention.unfused(q, k, v, scale=0.125, causal=mask == "causal")
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item()
+
+
+def test_the_wrapper_routes_only_short_chunks_over_long_contexts(monkeypatch):
+    calls: list[tuple[int, int]] = []
+    real = suffix_attention.unfused
+
+    def spy(q, k, v, *, scale, causal):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, scale=scale, causal=causal)
+
+    monkeypatch.setattr(suffix_attention, "unfused", spy)
+    try:
+        assert suffix_attention.install(force=True)
+        for n, keys, mask in [(1, 2048, None), (30, 2048, "causal"), (30, 512, "causal"), (300, 2048, "causal"),
+                              (30, 2048, mx.ones((30, 2048), dtype=mx.bool_))]:
+            q = mx.random.normal((1, 4, n, 64))
+            k = v = mx.random.normal((1, 2, keys, 64))
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+    finally:
+        suffix_attention.uninstall()
+    assert calls == [(30, 2048)]  # a decode step, a short context, a long chunk and an array mask keep MLX's
+
+
+def test_a_conversation_served_with_it_gives_the_same_tokens(tiny_model_dir, monkeypatch):
+    """Greedy turns of a long conversation (the cached prefix past MIN_KEYS, ~20-token suffixes) with the
+    unfused path forced on this CPU decode what MLX's attention decodes."""
+    import trio
+    from tests.serving import config_for
+
+    from mlxd.runtime.kernel.messages import SamplingParams
+    from mlxd.runtime.supervisor import open_runtime
+
+    async def conversation() -> list[list[int]]:
+        out = []
+        async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16)) as rt:
+            messages = [{"role": "user", "content": " ".join(f"w{i % 97}x{i}" for i in range(500))}]
+            for turn in range(3):
+                ids, _ = await rt.render_chat_cut(messages)
+                async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=6, temperature=0.0))) as s:
+                    tokens = list(await s.tokens())
+                out.append(tokens)
+                text = rt.tokenizer.decode(tokens)
+                rt.remember_reply(text, tokens)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"go on {turn}"}]
+        return out
+
+    plain = trio.run(conversation)
+    calls: list[int] = []
+    real = suffix_attention.unfused
+
+    def spy(q, k, v, *, scale, causal):
+        calls.append(q.shape[2])
+        return real(q, k, v, scale=scale, causal=causal)
+
+    monkeypatch.setattr(suffix_attention, "unfused", spy)
+    try:
+        suffix_attention.install(force=True)
+        routed = trio.run(conversation)
+    finally:
+        suffix_attention.uninstall()
+    assert calls  # the next turns' suffixes went the unfused way
+    assert routed == plain
