@@ -234,6 +234,7 @@ def main() -> int:
                 out.setdefault("log_tails", {})[name] = path.read_text(errors="replace")[-4000:]
         try:  # the goals of what was measured (a restart cut short: its arm is missing)
             out["summary"] = summarize(out, wanted)
+            print_stages(out["summary"])
         except Exception as exc:
             out["summary_error"] = repr(exc)
         save()
