@@ -19,8 +19,10 @@ time from that step to the last (prefill excluded). Two workloads:
 Outputs are checked token for token between the arms. Reported per workload
 and batch size: median tok/s per arm, the ratio arm ÷ off per pair of runs
 (`--schedule rounds`: an arm's run and the same round's off run; `pairs`: an
-arm's run and an off run right beside it, off first every other pair) as median
-and interquartile range, process CPU ms per token beside it (per pair too),
+arm's run and an off run right beside it, off first every other pair; `bracket`:
+the mean of the off runs just before and just after it) as median and
+interquartile range, process CPU ms per token beside it (per pair too), and with
+`--control` each arm's ratio ÷ off2's of the same round,
 acceptance rate and tokens per target forward, and whether each arm's tokens
 equalled off's (and off's its own, run twice), and how many of an arm's engine
 steps verified drafts (the gate's decisions). Cases run batch by batch (batch 1
@@ -28,7 +30,7 @@ first), and the results file is written after each case (to $OUT too when set).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
         [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...] [--stop-after S]
-        [--control] [--schedule rounds|pairs] [--case-seconds S]
+        [--control] [--schedule rounds|pairs|bracket] [--case-seconds S]
 
 `--control` adds `off2` (speculation off again): its ratios are what two equal
 arms differ by on this host, the band an arm's ratio must be read against.
@@ -95,17 +97,47 @@ def decode(core: EngineCore, requests: list[GenerationRequest]) -> Measured:
     return Measured(run.decode_tok_s(), run.decode_cpu_ms_per_token(), run.tokens)
 
 
-def schedule(arms: list[str], r: int, paired: bool) -> list[list[str]]:
-    """Round `r`'s runs, in order, as groups that each hold one `off` run and the arms compared with it.
+def schedule(arms: list[str], r: int, mode: str) -> list[str]:
+    """Round `r`'s runs, in order (every arm once a round; `off` once, or beside each arm).
 
-    Rounds: every arm once, the order rotated by one each round (who goes first). Pairs: each other
-    arm (rotated likewise) run right beside an `off` run of its own, off first in every other pair,
-    so a ratio compares two runs a fraction of a second apart (a host's slow spell hits both)."""
-    if not paired:
-        return [arms[r % len(arms):] + arms[: r % len(arms)]]
+    rounds: every arm once, the order rotated by one each round (who goes first). pairs: each other
+    arm (rotated likewise) right beside an `off` run of its own, off first in every other pair.
+    bracket: off, A, off, B, ... (the next round, or one closing off run, ends the last bracket): each
+    arm between two off runs, and no engine core runs twice in a row (on the H200 at batch 8, where
+    the host's CPU bounds a step, pairs ran off right after off in 3 of 8 runs and the control arm
+    read 0.90x of off)."""
     others = arms[1:]
     rotated = others[r % len(others):] + others[: r % len(others)]
-    return [["off", arm] if (r + i) % 2 == 0 else [arm, "off"] for i, arm in enumerate(rotated)]
+    if mode == "rounds":
+        return arms[r % len(arms):] + arms[: r % len(arms)]
+    if mode == "pairs":
+        return [x for i, arm in enumerate(rotated) for x in (["off", arm] if (r + i) % 2 == 0 else [arm, "off"])]
+    return [x for arm in rotated for x in ("off", arm)]
+
+
+@attrs.frozen
+class Run:
+    round: int
+    at: int  # position in its round
+    arm: str
+    m: Measured
+
+
+def references(runs: list[Run], mode: str) -> list[tuple[Run, list[Measured]]]:
+    """Each arm's run (not off's) with the off runs it is compared with: the round's (rounds), the
+    pair's (pairs), the one before and the one after (bracket)."""
+    out = []
+    for j, run in enumerate(runs):
+        if run.arm == "off":
+            continue
+        if mode == "rounds":
+            offs = [x.m for x in runs if x.round == run.round and x.arm == "off"]
+        elif mode == "pairs":
+            offs = [x.m for x in runs if x.round == run.round and x.at == run.at ^ 1]
+        else:
+            offs = [runs[j - 1].m, runs[j + 1].m]
+        out.append((run, offs))
+    return out
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -146,7 +178,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     workloads = [("repetitive", 0.0)] * ("repetitive" in args.workloads) + [
         ("non-repetitive", t) for t in args.temperature if "non-repetitive" in args.workloads]
     cases = [(name, temperature, batch) for batch in args.batch for name, temperature in workloads]
-    for name, temperature, batch in cases if args.cases == "all" else []:  # batch 1 first: a run cut short keeps it
+    cases = cases if args.cases == "all" else []
+    for i, (name, temperature, batch) in enumerate(cases):  # batch 1 first: a run cut short keeps it
+        case_start = time.perf_counter()
+        # --budget: this case (its warm-up included) ends by its share of the seconds left
+        deadline = (case_start + (args.budget - (case_start - began)) / (len(cases) - i) - 2.0
+                    if args.budget else float("inf"))
         if args.stop_after and time.perf_counter() - began > args.stop_after:
             print(f"[{time.perf_counter() - began:.0f} s] --stop-after {args.stop_after:g}: {name} batch {batch} "
                   "and what follows not run", flush=True)
@@ -166,21 +203,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         cpu_ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
         same = dict.fromkeys(arms[1:], True)
         before = {arm: cores[arm].stats().speculation for arm in arms[1:]}
-        case_began, rounds = time.perf_counter(), 0
+        case_began, rounds, runs, last = time.perf_counter(), 0, [], 0.0
         for r in range(args.rounds):
-            if r >= 3 and args.case_seconds and time.perf_counter() - case_began > args.case_seconds:
-                break  # --case-seconds: no new round past it (3 rounds at least)
-            for group in schedule(arms, r, args.schedule == "pairs"):
-                got = {arm: decode(cores[arm], requests) for arm in group}
-                for arm, m in got.items():
-                    rates[arm].append(m.tok_s)
-                    cpu[arm].append(m.cpu_ms)
-                off = got["off"]
-                for arm in (a for a in group if a != "off"):
-                    same[arm] = same[arm] and got[arm].tokens == off.tokens
-                    ratios[arm].append(got[arm].tok_s / off.tok_s)
-                    cpu_ratios[arm].append(got[arm].cpu_ms / off.cpu_ms if off.cpu_ms else 0.0)
-            rounds += 1
+            now = time.perf_counter()
+            if r >= 3 and ((args.case_seconds and now - case_began > args.case_seconds) or now + last > deadline):
+                break  # --case-seconds, --budget: no new round past them, or that would end past --budget's share
+            runs += [Run(r, at, arm, decode(cores[arm], requests)) for at, arm in enumerate(schedule(arms, r, args.schedule))]
+            rounds, last = rounds + 1, time.perf_counter() - now
+        if args.schedule == "bracket":  # the last arm's closing off run
+            runs.append(Run(rounds, 0, "off", decode(cores["off"], requests)))
+        for run in runs:
+            rates[run.arm].append(run.m.tok_s)
+            cpu[run.arm].append(run.m.cpu_ms)
+        for run, offs in references(runs, args.schedule):  # in round order: each arm once a round
+            off_tok_s, off_cpu = statistics.fmean(o.tok_s for o in offs), statistics.fmean(o.cpu_ms for o in offs)
+            same[run.arm] = same[run.arm] and all(run.m.tokens == o.tokens for o in offs)
+            ratios[run.arm].append(run.m.tok_s / off_tok_s)
+            cpu_ratios[run.arm].append(run.m.cpu_ms / off_cpu if off_cpu else 0.0)
         label = name if name == "repetitive" else f"{name} t={temperature:g}"
         case: dict[str, Any] = {
             "batch": batch, "schedule": args.schedule, "rounds": rounds,
@@ -197,6 +236,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             line = (f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
                     f"ratio {ratio['median']:.3f} IQR {ratio['iqr']}, CPU/token {c['cpu_ms_per_token']:.2f} ms "
                     f"(off {case['off_cpu_ms_per_token']:.2f}) ratio {cpu_ratio['median']:.3f} IQR {cpu_ratio['iqr']}")
+            if "off2" in ratios and arm != "off2":  # ÷ the control's ratio of the same round: its schedule's bias out
+                control = spread([x / y for x, y in zip(ratios[arm], ratios["off2"], strict=True)])
+                c["vs_control_median"], c["vs_control_iqr"] = control["median"], control["iqr"]
+                line += f", ÷ off2 {control['median']:.3f} IQR {control['iqr']}"
             if b is None or a is None:  # off2: speculation off
                 print(f"{line}, identical {c['identical']}, {len(ratios[arm])} pairs {ratio['values']}", flush=True)
                 continue
@@ -309,12 +352,17 @@ if __name__ == "__main__":
     p.add_argument("--probe-all", action="store_true",
                    help="also, per draft arm but draft=self, a twin whose gate probes by verifying every row "
                         "(MLXD_DRAFT_PROBE_ROWS=0, as before the one-row unverified probe)")
-    p.add_argument("--schedule", choices=("rounds", "pairs"), default="rounds",
+    p.add_argument("--schedule", choices=("rounds", "pairs", "bracket"), default="rounds",
                    help="rounds: every arm once a round, in rotating order, each compared with the round's off run; "
-                        "pairs: each arm beside an off run of its own, off first every other pair (the ratio of two "
-                        "adjacent runs; twice the off runs)")
+                        "pairs: each arm beside an off run of its own, off first every other pair; bracket: off, A, "
+                        "off, B, ... each arm compared with the mean of the off runs either side (no core twice in a "
+                        "row)")
     p.add_argument("--case-seconds", type=float, default=0.0, metavar="S",
                    help="start no round of a case after S seconds of it (3 rounds at least; 0: --rounds rounds)")
+    p.add_argument("--budget", type=float, default=0.0, metavar="S",
+                   help="seconds the cases may take from the loads' start: each case, its warm-up included, ends its "
+                        "rounds by its share of what is left (a round that would not fit is not started; 3 rounds "
+                        "at least); 0: no budget")
     p.add_argument("--workloads", nargs="+", choices=("repetitive", "non-repetitive"),
                    default=["repetitive", "non-repetitive"], help="which workloads run (default: both)")
     p.add_argument("--stop-after", type=float, default=0.0, metavar="S",

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/wave3.sh host_ram                          # the same without SSD (host tier, RAM only)
 #   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
-#   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, paired runs, b1 then b8
+#   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -29,14 +29,15 @@ for p in "$@"; do case $p in
   speculative) phase speculative 170 python3 benchmarks/gpu/bench_speculative_gpu.py --rounds 3 --tokens 96 \
             --batch 1 8 --temperature 4 --draft-self --draft-preset default --no-repeat-check --stop-after 90 \
             ${SPEC_ARGS:-} ;;
-  # Issue 23's noise-proof side by side: each arm beside an off run of its own (--schedule pairs), many short
-  # rounds within --case-seconds, ratio median + IQR, CPU ms per token, off2 (the equal-arm control); one batch each.
-  spec1) phase spec1 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 1 --rounds 40 --tokens 64 \
-            --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule pairs \
-            --case-seconds 35 --stop-after 100 ${SPEC1_ARGS:-} ;;
+  # Issue 23's side by side with the noise controlled: each arm between two off runs (--schedule bracket: no core
+  # twice in a row), many short rounds, ratio median + IQR, ÷ off2 (the equal-arm control) per round, CPU ms per
+  # token; one batch each; --budget fits both cases in the phase's limit whatever the model build took.
+  spec1) phase spec1 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 1 --rounds 40 --tokens 48 \
+            --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule bracket \
+            --budget $(( ${LIMIT_spec1:-170} - 14 )) ${SPEC1_ARGS:-} ;;
   spec8) phase spec8 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 8 --rounds 40 --tokens 48 \
-            --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule pairs \
-            --case-seconds 38 --stop-after 100 ${SPEC8_ARGS:-} ;;
+            --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule bracket \
+            --budget $(( ${LIMIT_spec8:-170} - 14 )) ${SPEC8_ARGS:-} ;;
   numerics) phase numerics 100 python3 benchmarks/gpu/verify_numerics.py ${NUMERICS_ARGS:---prompt 512 --tokens 192} ;;
   rollback) phase rollback 60 python3 benchmarks/bench_rollback.py ${ROLLBACK_ARGS:---shape qwen3-1.7b --context 512 2048 8192} ;;
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;
