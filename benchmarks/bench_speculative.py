@@ -103,9 +103,8 @@ def schedule(arms: list[str], r: int, mode: str) -> list[str]:
     rounds: every arm once, the order rotated by one each round (who goes first). pairs: each other
     arm (rotated likewise) right beside an `off` run of its own, off first in every other pair.
     bracket: off, A, off, B, ... (the next round, or one closing off run, ends the last bracket): each
-    arm between two off runs, and no engine core runs twice in a row (on the H200 at batch 8, where
-    the host's CPU bounds a step, pairs ran off right after off in 3 of 8 runs and the control arm
-    read 0.90x of off)."""
+    arm between two off runs (a linear drift cancels), no engine core twice in a row. Every schedule
+    but rounds runs the off core more often than each arm: `--control`'s ÷ off2 takes that out."""
     others = arms[1:]
     rotated = others[r % len(others):] + others[: r % len(others)]
     if mode == "rounds":
