@@ -135,6 +135,8 @@ def test_realignment_is_skipped_only_where_it_cannot_change_the_ids(tok):
     prefixes = [ids[:5], ids[:-2], ids]
     assert not needs_realignment(ids, prefixes) and not needs_realignment(ids, [])
     assert best_realignment(tok, text, ids, prefixes) == ids
+    extended = ids + tuple(tok.encode(" and the reply goes on", add_special_tokens=False))  # its own end-of-turn
+    assert not needs_realignment(ids, [extended]) and best_realignment(tok, text, ids, [extended]) == ids
     reply = tok.encode("Sure thing.", add_special_tokens=False)
     spelled = [t for ch in "Sure thing." for t in tok.encode(ch, add_special_tokens=False)]
     at = next(i for i in range(len(ids)) if list(ids[i:i + len(reply)]) == list(reply))

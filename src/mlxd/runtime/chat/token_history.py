@@ -47,7 +47,10 @@ def realign(tokenizer: Any, text: str, current: tuple[int, ...], checkpoint: tup
     followed by the encoding of the rest; `current` comes back unchanged unless
     that reuses more of the checkpoint and decodes to exactly `text`.
     """
-    if not checkpoint or len(checkpoint) <= _common_prefix(current, checkpoint):
+    shared = _common_prefix(current, checkpoint) if checkpoint else 0
+    if not checkpoint or len(checkpoint) <= shared or shared >= len(current):
+        # (`current` spells all of `text`: a checkpoint it is a prefix of, e.g. this very prompt's
+        # end-of-turn checkpoint, cannot spell more of it; its search decoded ~15 prefixes of 16k tokens)
         return current
     k = _longest_spelled_prefix(tokenizer, text, checkpoint)
     if k <= _common_prefix(current, checkpoint):
@@ -72,8 +75,13 @@ def best_realignment(
 
 def needs_realignment(current: Sequence[int], checkpoints: Sequence[tuple[int, ...]]) -> bool:
     """Whether `best_realignment` could change `current`: not when every checkpoint is a prefix of it
-    (a next turn after its own reply), which this tells with slice comparisons, no decode."""
-    return any(c and len(c) > _common_prefix(current, c) for c in checkpoints)
+    (a next turn after its own reply) or extends it (the same prompt again, after its reply's checkpoint),
+    which this tells with slice comparisons, no decode."""
+    for c in checkpoints:
+        shared = _common_prefix(current, c)
+        if shared < len(c) and shared < len(current):
+            return True
+    return False
 
 
 def _longest_spelled_prefix(tokenizer: Any, text: str, tokens: tuple[int, ...]) -> int:
