@@ -144,3 +144,21 @@ def test_realignment_is_skipped_only_where_it_cannot_change_the_ids(tok):
     if diverging != ids:  # the tokenizer merges these characters: the checkpoint parts from the ids
         assert needs_realignment(ids, [*prefixes, diverging])
         assert best_realignment(tok, text, ids, [diverging]) == diverging
+
+
+def test_rfind_agrees_with_mlx_lm_and_the_initial_state_too(tok):
+    """The reply's initial state (a `<think>` left open by the prompt) searches the prompt in C, with the
+    answer mlx-lm's Python search gives."""
+    from mlxd.http.replies import initial_state, rfind
+
+    rng = random.Random(7)
+    for _ in range(400):
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(0, 40))]
+        seq = [rng.randint(0, 4) for _ in range(rng.randint(1, 3))]
+        assert rfind(tokens, seq) == type(tok)._find(tokens, seq, reverse=True), (tokens, seq)
+    think, end = tok.encode("<think>", add_special_tokens=False), tok.encode("</think>", add_special_tokens=False)
+    body = tok.encode("some words here", add_special_tokens=False)
+    for prompt, want in [(body + think + body, "reasoning"), (body + think + body + end + body, "normal"),
+                         (body, "normal"), (think + body + end + think, "reasoning")]:
+        slow = "reasoning" if tok.rfind_think_start(list(prompt)) > tok.rfind_think_end(list(prompt)) else "normal"
+        assert initial_state(tok, prompt) == want == slow

@@ -32,9 +32,34 @@ class ReplyDelta:
 def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
     """"reasoning" when the prompt leaves a `<think>` block open (as mlx-lm's server decides)."""
     state = "normal"
-    if tokenizer.has_thinking and tokenizer.rfind_think_start(list(prompt)) > tokenizer.rfind_think_end(list(prompt)):
-        state = "reasoning"
+    if tokenizer.has_thinking:
+        start, end = getattr(tokenizer, "_think_start_tokens", None), getattr(tokenizer, "_think_end_tokens", None)
+        if start and end:  # on the event loop, for every request: a C search (mlx-lm's is a Python loop, twice)
+            ids = list(prompt)
+            opened = rfind(ids, start) > rfind(ids, end)
+        else:
+            opened = tokenizer.rfind_think_start(list(prompt)) > tokenizer.rfind_think_end(list(prompt))
+        state = "reasoning" if opened else state
     return getattr(tokenizer, "response_initial_state", None) or state
+
+
+def rfind(tokens: list[int], sequence: Sequence[int]) -> int:
+    """Where `sequence` last starts in `tokens` (-1 if nowhere), as mlx-lm's `_find(reverse=True)`."""
+    seq = list(sequence)
+    n, k = len(tokens), len(seq)
+    if k == 0 or k > n:
+        return -1
+    backwards = tokens[::-1]
+    at = 0
+    while True:
+        try:
+            at = backwards.index(seq[0], at)
+        except ValueError:
+            return -1
+        i = n - 1 - at
+        if i + k <= n and tokens[i:i + k] == seq:
+            return i
+        at += 1
 
 
 class ReplyReader:
