@@ -81,3 +81,40 @@ def test_a_conversation_served_with_it_gives_the_same_tokens(tiny_model_dir, mon
         suffix_attention.uninstall()
     assert calls  # the next turns' suffixes went the unfused way
     assert routed == plain
+
+
+def test_a_short_suffix_prefilled_apart_on_an_idle_engine_decodes_the_same(tiny_model_dir, monkeypatch):
+    """MLXD_SUFFIX_APART (engine/core.py): a next turn's suffix joining an empty batch is prefilled on its
+    lent caches before it joins; the turns decode the same greedy tokens as through mlx-lm's prompt phase."""
+    import trio
+    from tests.serving import config_for
+
+    from mlxd.engine import core
+    from mlxd.runtime.kernel.messages import SamplingParams
+    from mlxd.runtime.supervisor import open_runtime
+
+    async def conversation() -> tuple[list[list[int]], list[bool]]:
+        out, apart = [], []
+        async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16)) as rt:
+            records: list = []
+            rt.scheduler.observers.append(records.append)
+            messages = [{"role": "user", "content": " ".join(f"w{i % 31}y{i}" for i in range(200))}]
+            for turn in range(3):
+                ids, _ = await rt.render_chat_cut(messages)
+                async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=5, temperature=0.0))) as s:
+                    tokens = list(await s.tokens())
+                out.append(tokens)
+                text = rt.tokenizer.decode(tokens)
+                rt.remember_reply(text, tokens)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and {turn}?"}]
+            await rt.scheduler.wait_idle()
+            apart = [any(name == "prefilled_apart" for name, _ in r.engine_stages) for r in records]
+        return out, apart
+
+    monkeypatch.setattr(core, "SUFFIX_APART", 0)
+    plain, plain_apart = trio.run(conversation)
+    monkeypatch.setattr(core, "SUFFIX_APART", 256)
+    routed, routed_apart = trio.run(conversation)
+    assert routed == plain
+    assert plain_apart == [False, False, False]
+    assert routed_apart == [False, True, True]  # the first turn has no cached prefix

@@ -194,6 +194,9 @@ def main() -> int:
         # (model/suffix_attention.py): the next turn's suffix
         "mlxd_ram_unfused": (["env", "MLXD_SUFFIX_ATTENTION=unfused", *base, "--port", "18195",
                               "--device-probe", "off"], 18195),
+        # RAM only, a short suffix on an idle engine prefilled on its lent caches before it joins
+        # (engine/core.py SUFFIX_APART): not by mlx-lm's prompt phase
+        "mlxd_ram_apart": (["env", "MLXD_SUFFIX_APART=256", *base, "--port", "18196", "--device-probe", "off"], 18196),
         # The host tier with HBM short: the returning conversation's pages really left the device (a promotion),
         # where mlxd_host's idle server keeps them there while the budget has room (a reclaim, no copy).
         "mlxd_host_tight": (base + ["--port", "18194", "--host-cache-gb", host_gb, "--device-probe", "off",
@@ -525,10 +528,11 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
-    unfused = med.get("mlxd_ram_unfused", {})
-    if unfused:
-        goals["next_turn_ram_unfused_vs_mlx_lm"] = ratio(unfused.get("next"), lm.get("next"))
-        goals["next_turn_ram_unfused_vs_mlxd_ram"] = ratio(unfused.get("next"), ram.get("next"))
+    for arm in ("unfused", "apart"):
+        m = med.get(f"mlxd_ram_{arm}", {})
+        if m:
+            goals[f"next_turn_ram_{arm}_vs_mlx_lm"] = ratio(m.get("next"), lm.get("next"))
+            goals[f"next_turn_ram_{arm}_vs_mlxd_ram"] = ratio(m.get("next"), ram.get("next"))
     for name, m in (("mlxd_host", host), ("mlxd_host_tight", tight), ("mlxd_host_ssd", ssd), ("mlxd_ram", ram)):
         if m:  # returning after B and C pushed A out of the RAM tier (mlxd_host_tight: out of HBM), against a
             # RAM hit of the same shape (the next turn)
@@ -537,7 +541,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     if tight:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
-                                                        "mlxd_host_ssd") if name in out}
+                                                        "mlxd_ram_apart", "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.

@@ -85,6 +85,10 @@ log = get_logger("mlxd.engine")
 # boundary and at least every this many steps (a cheap counter read, no sync).
 MEASURE_MEMORY_EVERY = 256
 WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
+# MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
+# is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
+# prompt phase (its per-chunk mx.clear_cache, and a merged batch cache grown for it); an arm on the H200.
+SUFFIX_APART = int(os.environ.get("MLXD_SUFFIX_APART", "0") or 0)
 
 
 @attrs.define
@@ -675,7 +679,8 @@ class EngineCore:
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling()):
+            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling())
+                               or (usable > 0 and not self._rows and 0 < len(req.prompt) - usable - 1 <= SUFFIX_APART)):
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
         row.stages += [("joined", joined), ("lent", lent_at)] + ([("prefilled_apart", time.monotonic())] if apart else [])
