@@ -45,12 +45,21 @@ class ServeProcess:
                 self.url = match.group(1)
                 return self
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlxd serve exited {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"mlxd serve {exit_status(self.proc.returncode)}:\n{self.log()}")
             time.sleep(0.05)
         raise TimeoutError(f"mlxd serve did not start:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def post_mortem(self, returncode: int | None, lines: int = 150) -> str:
+        """How the server ended (or that it still ran) and its log's last lines, for a failed test."""
+        if returncode is None:
+            status = "was still running when the test failed (its threads' stacks: SIGUSR1, below)"
+        else:
+            status = exit_status(returncode)
+        tail = self.log().splitlines()[-lines:]
+        return f"mlxd serve (pid {self.proc.pid if self.proc else None}) {status}; its log's last lines:\n" + "\n".join(tail)
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         assert self.proc is not None
@@ -69,7 +78,15 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self.proc is not None and not self.launcher:
+            # The test failed: say whether the server died (its exit status, a signal's name) or still
+            # runs (then its threads' stacks first: `mlxd serve` dumps them on SIGUSR1), with its log.
+            returncode = self.proc.poll()
+            if returncode is None:
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)  # the dump is written by a C handler at once; give the file a moment
+            exc.add_note(self.post_mortem(returncode))
         if self.proc is not None and self.launcher:
             try:  # the ranks too, not only the launcher
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -80,6 +97,17 @@ class ServeProcess:
             self.proc.wait(timeout=30)
         if not self._log.closed:
             self._log.close()
+
+
+def exit_status(returncode: int) -> str:
+    """`exited 1`, or `killed by SIGKILL (-9)` for a negative Popen returncode."""
+    if returncode >= 0:
+        return f"exited {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name} ({returncode})"
 
 
 def kill_mid_request(proc: ServeProcess, path: str, body: dict, *, checkpoints: int = 2) -> None:

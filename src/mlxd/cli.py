@@ -589,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         faulthandler.enable()  # a native crash (MLX, a library's threads) leaves every thread's stack on stderr
+        if hasattr(signal, "SIGUSR1"):  # and SIGUSR1 dumps them without stopping (a hung server, tests' post-mortem)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         return run_serve(args)
     if args.command == "build-model":
         return run_build_model(args)
