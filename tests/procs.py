@@ -61,6 +61,13 @@ class ServeProcess:
         tail = self.log().splitlines()[-lines:]
         return f"mlxd serve (pid {self.proc.pid if self.proc else None}) {status}; its log's last lines:\n" + "\n".join(tail)
 
+    def wait_for_log(self, text: str, timeout: float = 60) -> None:
+        """Until `text` appears in the server's log (a state it reached, not a guessed sleep)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            assert time.monotonic() < deadline, f"{text!r} not in the log after {timeout} s"
+            time.sleep(0.02)
+
     def signal(self, signum: int = signal.SIGTERM) -> None:
         assert self.proc is not None
         self.proc.send_signal(signum)
@@ -85,7 +92,10 @@ class ServeProcess:
             returncode = self.proc.poll()
             if returncode is None:
                 self.proc.send_signal(signal.SIGUSR1)
-                time.sleep(1.0)  # the dump is written by a C handler at once; give the file a moment
+                deadline = time.monotonic() + 10  # written by a C handler as soon as the process runs
+                while "most recent call first" not in self.log() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.2)  # the other threads' stacks follow the first
             exc.add_note(self.post_mortem(returncode))
         if self.proc is not None and self.launcher:
             try:  # the ranks too, not only the launcher

@@ -35,7 +35,11 @@ def test_a_drain_that_never_ends_leaves_the_flush_its_reserved_share(tmp_path, t
 
         worker = threading.Thread(target=endless)
         worker.start()
-        time.sleep(1.0)
+        with proc.client() as http:  # the endless request runs (a fixed sleep could signal before it did)
+            deadline = time.monotonic() + 60
+            while http.get("/stats").json()["scheduler"]["running"] == 0:
+                assert time.monotonic() < deadline, "the endless request never started"
+                time.sleep(0.02)
         t0 = time.monotonic()
         proc.signal()
         assert proc.wait(timeout=60) == 0
