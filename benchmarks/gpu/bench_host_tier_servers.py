@@ -106,12 +106,15 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         hist += [{"role": "assistant", "content": row["next"]["text"]}, {"role": "user", "content": TEXTS["q3"]}]
         save()
         # --restart-only: the restarts need A's checkpoints on disk, not B and C pushing A out of RAM
-        row["others"] = [] if args.restart_only else [asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
-        row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
+        # --next-only: the next turn's goal alone (no B and C, no returning turn)
+        row["others"] = [] if args.restart_only or args.next_only else [
+            asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
+        if not args.next_only:
+            row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
         row["history"] = hist
         save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
-                             ("cold", "hit", "next", "returning")))
+                             ("cold", "hit", "next", "returning") if k in row))
     for i, n in enumerate(args.streams):
         # A fresh long prompt first: on the SSD server, its checkpoint is being written while these decode.
         asyncio.run(ttft(s.base, model, fresh[i]))
@@ -148,6 +151,9 @@ def main() -> int:
                          "mlxd_host_ssd_hold); the restarts follow "
                          "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
+    ap.add_argument("--next-only", action="store_true",
+                    help="per round A cold, A again and A's next turn only (no B, C, returning turn): the next turn's "
+                         "goal in less time")
     ap.add_argument("--restart-only", action="store_true",
                     help="only what the restarts need: mlxd_host_ssd alone, A's turns without B and C, no decode")
     ap.add_argument("--restart-arms", default=",".join(DEFAULT_ARMS),
