@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("--preset", default="test")
     ap.add_argument("--prompt-tokens", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--servers", default="mlxd,mlx_lm", help="mlxd, mlxd_before (--before-src), mlx_lm")
+    ap.add_argument("--servers", default="mlxd,mlx_lm",
+                    help="mlxd, mlxd_before (--before-src), mlxd_apart, mlxd_handover, mlxd_both, mlx_lm")
     ap.add_argument("--before-src", default=None, help="an older mlxd's src/ directory (the mlxd_before server)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/trace-next-turn"))
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -51,6 +52,11 @@ def main() -> int:
     mlxd = [py, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json", "--prompt-cache-gb", "4",
             "--device-probe", "off", "--queue-timeout", "0"]
     cmds = {"mlxd": (mlxd + ["--port", "18311"], 18311, None),
+            # the arms off by default, on this code (engine/core.py SUFFIX_APART, model/batch_handover.py)
+            "mlxd_apart": (["env", "MLXD_SUFFIX_APART=256", *mlxd, "--port", "18314"], 18314, None),
+            "mlxd_handover": (["env", "MLXD_BATCH_HANDOVER=1", *mlxd, "--port", "18315"], 18315, None),
+            "mlxd_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *mlxd, "--port", "18316"], 18316,
+                          None),
             "mlxd_before": (mlxd + ["--port", "18312"], 18312, args.before_src),
             "mlx_lm": ([py, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18313", "--log-level",
                         "WARNING"], 18313, None)}

@@ -203,6 +203,12 @@ def main() -> int:
         # RAM only, a short suffix on an idle engine prefilled on its lent caches before it joins
         # (engine/core.py SUFFIX_APART): not by mlx-lm's prompt phase
         "mlxd_ram_apart": (["env", "MLXD_SUFFIX_APART=256", *base, "--port", "18196", "--device-probe", "off"], 18196),
+        # RAM only, a lone row's KV into mlx-lm's batch and on to generation uncopied (model/batch_handover.py)
+        "mlxd_ram_handover": (["env", "MLXD_BATCH_HANDOVER=1", *base, "--port", "18197", "--device-probe", "off"],
+                              18197),
+        # both of the last two
+        "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
+                           "--device-probe", "off"], 18198),
         # The host tier with HBM short: the returning conversation's pages really left the device (a promotion),
         # where mlxd_host's idle server keeps them there while the budget has room (a reclaim, no copy).
         "mlxd_host_tight": (base + ["--port", "18194", "--host-cache-gb", host_gb, "--device-probe", "off",
@@ -534,7 +540,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
-    for arm in ("unfused", "apart"):
+    for arm in ("unfused", "apart", "handover", "both"):
         m = med.get(f"mlxd_ram_{arm}", {})
         if m:
             goals[f"next_turn_ram_{arm}_vs_mlx_lm"] = ratio(m.get("next"), lm.get("next"))
@@ -547,7 +553,8 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     if tight:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
-                                                        "mlxd_ram_apart", "mlxd_host_ssd") if name in out}
+                                                        "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
+                                                        "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.

@@ -206,7 +206,7 @@ class EngineCore:
         """Load the model, measure its KV cost and the device, and start a generator."""
         import mlx.core as mx
 
-        from mlxd.model import fast_mask, suffix_attention, window_mask
+        from mlxd.model import batch_handover, fast_mask, suffix_attention, window_mask
 
         switch = gil_switch_ms()
         if switch is not None:  # process-wide: restored by close()
@@ -214,6 +214,7 @@ class EngineCore:
             sys.setswitchinterval(switch / 1000)
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         suffix_attention.install()  # MLXD_SUFFIX_ATTENTION=unfused: short chunks without cuDNN's per-shape graph
+        batch_handover.install()  # MLXD_BATCH_HANDOVER=1: a lone row into the batch and on to generation uncopied
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
         before = memory_costs.active_bytes() if self._config.kv_admission else 0  # this runtime's own memory
