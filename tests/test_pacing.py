@@ -105,11 +105,12 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         prompt = await rt.render_chat([{"role": "user", "content": "Tell me about prefix caches. " * 20}])
         async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
             await stream.tokens()
-        await trio.sleep(1.0)
-        stats = await rt.ssd_stats()
+        await trio.sleep(1.0)  # paced a while (writer.paced_s below)
+        with trio.fail_after(30):  # the first slice went out (its writer thread may start late when loaded)...
+            while (stats := await rt.ssd_stats()).pacing["bytes_out"] == 0:
+                await trio.sleep(0.05)
         assert stats.pending_spills >= 1, "the paced write is still in flight"
         pacing = stats.pacing
-        assert pacing["bytes_out"] > 0  # the first slice went out...
         skip = ("bytes_out", "holds", "holds_expired", "held_s", "engine_steps")
         assert {k: v for k, v in pacing.items() if k not in skip} == {
             "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True,
