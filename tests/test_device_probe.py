@@ -395,6 +395,33 @@ def test_a_saved_probe_reads_back_as_it_was_measured(tmp_path: Path):
     assert probe_file.load(tmp_path / "missing.json", setup) is None
 
 
+def test_a_damaged_saved_probe_is_measured_again_never_a_failed_start(tmp_path: Path):
+    # A flipped byte can still be JSON: "16777216" -> "16e77216" reads as infinity (int() raised
+    # OverflowError out of load: the server did not start); a field of the wrong type passed load and
+    # failed later (the prefill chunk size, the decode rate in /stats).
+    from mlxd.kv import probe_file
+
+    probe = DeviceProbe(device="Device(gpu, 0)", prefill=((64, 0.01), (256, 0.02), (1024, 0.05)),
+                        decode_s_per_token=0.01, restore=((1 << 20, 0.002), (16 << 20, 0.011)),
+                        kv_bytes_per_token=8192, prefill_step_size=4096, seconds=8.4)
+    path = tmp_path / "fp" / probe_file.FILE_NAME
+    setup = {"device": "Device(gpu, 0)", "budget_s": 3.0}
+    probe_file.save(path, probe, setup)
+    good = path.read_text()
+    assert "16777216" in good
+    path.write_text(good.replace("16777216", "16e77216"))
+    assert probe_file.load(path, setup) is None
+    for field, bad in (("decode_s_per_token", None), ("decode_s_per_token", "x"), ("prefill_step_size", 0),
+                       ("prefill_step_size", -1), ("prefill_step_size", "x"), ("prefill_step_size", 1e400),
+                       ("seconds", None), ("kv_bytes_per_token", 1e400), ("device", 3)):
+        data = json.loads(good)
+        data["probe"][field] = bad
+        path.write_text(json.dumps(data))
+        assert probe_file.load(path, setup) is None, (field, bad)
+    path.write_text(good)
+    assert probe_file.load(path, setup) is not None
+
+
 async def test_a_restarted_server_reuses_its_predecessor_s_probe_unless_told_to_measure(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch
 ):

@@ -14,6 +14,7 @@ restores. Pure: no trio, no MLX.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,9 +59,18 @@ class DeviceProbe:
             fields[k] = tuple((int(a), float(b)) for a, b in fields.get(k, ()))
         fields["restore_parts"] = tuple((int(b), float(x), float(y), float(z))
                                         for b, x, y, z in fields.get("restore_parts", ()))
+        for k, kind in (("decode_s_per_token", float), ("seconds", float), ("kv_bytes_per_token", int),
+                        ("prefill_step_size", int), ("restores_into_mlx", int)):
+            if k in fields:  # a field of another type passed here, then failed serving (a chunk size of "x")
+                fields[k] = kind(fields[k])
+        for k in ("device", "restore_landing", "restore_layout"):
+            if not isinstance(fields.get(k, ""), str):
+                raise TypeError(f"a saved probe's {k} is not a string")
         probe = cls(**fields)
-        if not probe.prefill or probe.kv_bytes_per_token <= 0:
+        if not probe.prefill or probe.kv_bytes_per_token <= 0 or probe.prefill_step_size <= 0:
             raise ValueError("a saved probe without prefill points")
+        if not math.isfinite(probe.decode_s_per_token) or probe.decode_s_per_token < 0:
+            raise ValueError("a saved probe's decode rate is not a time")
         probe.cost_model()  # fits, or raises ValueError
         return attrs.evolve(probe, reused=True)
 

@@ -50,6 +50,6 @@ def load(path: Path, setup: dict[str, Any]) -> DeviceProbe | None:
         return DeviceProbe.from_saved(data["probe"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:  # 1e400: int(inf)
         log.warning("probe.saved_unreadable", path=str(path), error=str(exc))
         return None
