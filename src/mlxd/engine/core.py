@@ -88,7 +88,17 @@ WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for
 # MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
 # is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
 # prompt phase (its per-chunk mx.clear_cache, and a merged batch cache grown for it); an arm on the H200.
-SUFFIX_APART = int(os.environ.get("MLXD_SUFFIX_APART", "0") or 0)
+def suffix_apart(value: str) -> int:
+    """`MLXD_SUFFIX_APART`'s tokens (unset or "": 0, off); ValueError unless a whole number >= 0."""
+    value = value.strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"MLXD_SUFFIX_APART must be a whole number of tokens (0: off), not {value!r}")
+    return int(value)
+
+
+SUFFIX_APART = suffix_apart(os.environ.get("MLXD_SUFFIX_APART", ""))  # read once, at import
 
 
 @attrs.define

@@ -27,7 +27,12 @@ _ORIGINAL: dict[str, Any] = {}
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("1", "on", "true")
+    """`MLXD_BATCH_HANDOVER`: "1", "on" or "true" on; unset, "", "0", "off" or "false" off; another value
+    is a ValueError (read once, when the engine loads: a typo must not measure the default as the arm)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "0", "off", "false", "1", "on", "true"):
+        raise ValueError(f"{ENV} must be 1/on/true or 0/off/false (or unset), not {value!r}")
+    return value in ("1", "on", "true")
 
 
 def install(*, force: bool = False) -> bool:

@@ -24,8 +24,13 @@ _ORIGINAL: Any = None
 
 
 def wanted() -> bool:
-    """Whether the environment asks for it (`MLXD_SUFFIX_ATTENTION=unfused`)."""
-    return os.environ.get(ENV, "").strip().lower() == "unfused"
+    """Whether the environment asks for it (`MLXD_SUFFIX_ATTENTION=unfused`; unset, "", "0", "off" or
+    "fused": no). Another value is a ValueError (read once, when the engine loads: a typo must not
+    measure the default path as the arm)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "0", "off", "fused", "unfused"):
+        raise ValueError(f"{ENV} must be 'unfused' or unset ('fused', 'off'), not {value!r}")
+    return value == "unfused"
 
 
 def install(*, force: bool = False) -> bool:
