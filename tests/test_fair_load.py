@@ -432,6 +432,24 @@ def test_a_run_of_short_turns_does_not_cut_the_next_long_prompt_short():
     assert near.chunk(2048, newcomers=[], shared=False) == 256  # another size for the fit, not 16
 
 
+def test_a_pathological_timing_never_makes_a_chunk_of_0_or_past_the_step_size():
+    """Timings no clock should give (0, negative, sub-nanosecond, infinite, NaN) are ignored: 5e-324 s
+    divided the slice by a per-token cost of 0.0 (ZeroDivisionError in the engine's step) and an
+    infinite one made the fit's sizes inf (OverflowError); one huge chunk is bounded by the step size."""
+    for bad in (0.0, -1.0, 5e-324, 1e-300, float("inf"), float("nan")):
+        slicer = PrefillSlicer(0.05)
+        slicer.measured(16, 0.6)
+        slicer.measured(127, bad)
+        slicer.measured(1, bad)
+        for newcomers, shared in (([], False), ([5], True), ([0], True)):
+            size = slicer.chunk(2048, newcomers=newcomers, shared=shared)
+            assert MIN_CHUNK <= size <= 2048, (bad, size)
+    huge = PrefillSlicer(0.05)
+    huge.measured(10_000_000, 0.001)
+    assert huge.chunk(2048, newcomers=[], shared=False) == 2048
+    assert huge.chunk(8, newcomers=[], shared=False) == 8
+
+
 def _first_tokens(core: EngineCore, long: RowStart, short: RowStart) -> list[str]:
     """Which request got its first token first: the long prompt joins, one step later the short one."""
     order: list[str] = []

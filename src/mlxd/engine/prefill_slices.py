@@ -53,6 +53,7 @@ deterministic given its inputs (the engine core calls it).
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -68,6 +69,8 @@ APART_MIN = 64
 FIT_SAMPLES = 8
 # Two chunks' sizes must differ this much for their slope to count (127 vs 128 tokens: noise over one token).
 PAIR_SPREAD = 1.5
+# A chunk's time below this is no measurement (perf_counter's resolution is far finer than any step).
+MIN_SECONDS = 1e-9
 
 
 @attrs.define
@@ -83,7 +86,9 @@ class PrefillSlicer:
     _by_class: dict[int, tuple[int, float]] = attrs.field(init=False, factory=dict)
 
     def measured(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        # (a timing no clock gives is ignored: below MIN_SECONDS a chunk's cost per token could be 0.0
+        # and the slice divided by it; an infinite one, inf sizes)
+        if tokens > 0 and MIN_SECONDS <= seconds < math.inf:
             self._samples.append((tokens, seconds))
             self._by_class[tokens.bit_length()] = (tokens, seconds)
             self.rate = max(n / t for n, t in self._samples)
