@@ -13,10 +13,11 @@ from mlxd.model import batch_handover, suffix_attention
 from mlxd.runtime.supervisor import open_runtime
 
 
-@pytest.mark.parametrize("value", ["", "off", "0", "fused"])
-def test_suffix_attention_off_values(monkeypatch, value):
+@pytest.mark.parametrize(("value", "on"), [("", True), ("unfused", True), ("off", False), ("0", False),
+                                           ("fused", False)])
+def test_suffix_attention_values(monkeypatch, value, on):
     monkeypatch.setenv("MLXD_SUFFIX_ATTENTION", value)
-    assert not suffix_attention.wanted()
+    assert suffix_attention.wanted() is on  # on by default (a GPU's; the CPU installs nothing)
 
 
 @pytest.mark.parametrize("value", ["unfuse", "on", "1"])
@@ -26,7 +27,7 @@ def test_suffix_attention_unknown_values_are_an_error(monkeypatch, value):
         suffix_attention.wanted()
 
 
-@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("off", False), ("1", True), ("on", True)])
+@pytest.mark.parametrize(("value", "on"), [("", True), ("0", False), ("off", False), ("1", True), ("on", True)])
 def test_batch_handover_values(monkeypatch, value, on):
     monkeypatch.setenv("MLXD_BATCH_HANDOVER", value)
     assert batch_handover.wanted() is on

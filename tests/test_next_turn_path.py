@@ -114,8 +114,10 @@ def test_a_served_turn_logs_its_stages(tiny_model_dir, monkeypatch):
         split = first_token_split(record)
         assert split is not None
         assert set(split) == {"to_engine", "lend", "join", "wait", "forward", "checkpoint", "other", "deliver",
-                              "steps"}
-        assert split["steps"] >= 1 and split["forward"] > 0
+                              "steps", "step_ms"}
+        steps = split.pop("step_ms")
+        assert split["steps"] >= 1 and split["forward"] > 0 and len(steps) == split["steps"]
+        assert abs(sum(steps) - split["forward"]) < 0.1
         assert all(split[k] >= -0.01 for k in split)  # each a span of one clock, in order
         assert line["request_id"] == record.request_id and line["stream"] is True
         ms = line["ms"]

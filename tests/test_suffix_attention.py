@@ -21,6 +21,16 @@ def test_unfused_matches_mlx_attention(heads, kv_heads, n, keys, mask):
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item()
 
 
+def test_it_is_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(suffix_attention.ENV, raising=False)
+    assert suffix_attention.wanted()
+    monkeypatch.setenv(suffix_attention.ENV, "off")
+    assert not suffix_attention.wanted()
+    monkeypatch.delenv(suffix_attention.ENV)
+    if mx.default_device() == mx.cpu:  # nothing to route around on the CPU: MLX's own attention is plain ops
+        assert not suffix_attention.install() and suffix_attention._ORIGINAL is None
+
+
 def test_the_wrapper_routes_only_short_chunks_over_long_contexts(monkeypatch):
     calls: list[tuple[int, int]] = []
     real = suffix_attention.unfused

@@ -200,6 +200,10 @@ def main() -> int:
         # (model/suffix_attention.py): the next turn's suffix
         "mlxd_ram_unfused": (["env", "MLXD_SUFFIX_ATTENTION=unfused", *base, "--port", "18195",
                               "--device-probe", "off"], 18195),
+        # RAM only, both default fixes of the next turn off (model/suffix_attention.py, model/batch_handover.py):
+        # what mlxd_ram was before they became the default
+        "mlxd_ram_plain": (["env", "MLXD_SUFFIX_ATTENTION=off", "MLXD_BATCH_HANDOVER=0", *base, "--port", "18199",
+                            "--device-probe", "off"], 18199),
         # RAM only, a short suffix on an idle engine prefilled on its lent caches before it joins
         # (engine/core.py SUFFIX_APART): not by mlx-lm's prompt phase
         "mlxd_ram_apart": (["env", "MLXD_SUFFIX_APART=256", *base, "--port", "18196", "--device-probe", "off"], 18196),
@@ -540,7 +544,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
-    for arm in ("unfused", "apart", "handover", "both"):
+    for arm in ("unfused", "apart", "handover", "both", "plain"):
         m = med.get(f"mlxd_ram_{arm}", {})
         if m:
             goals[f"next_turn_ram_{arm}_vs_mlx_lm"] = ratio(m.get("next"), lm.get("next"))
@@ -554,6 +558,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
+                                                        "mlxd_ram_plain",
                                                         "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
@@ -642,6 +647,10 @@ def stage_rows(turns: list[dict[str, Any]]) -> dict[str, float | None]:
     for name in ENGINE_STAGES:
         out[f"engine.{name}"] = med([(t.get("first_token_ms") or {}).get(name) for t in turns])
     out["engine.steps"] = med([(t.get("first_token_ms") or {}).get("steps") for t in turns])
+    for i in range(3):  # the first steps' own times (which of them holds the forward's time)
+        out[f"engine.step{i + 1}"] = med([((t.get("first_token_ms") or {}).get("step_ms") or [None] * 3)[i]
+                                          if len((t.get("first_token_ms") or {}).get("step_ms") or []) > i else None
+                                          for t in turns])
     out["server_ttft"] = med([t.get("ttft_ms") for t in turns])
     out["http.first_token"] = med([(t.get("http_ms") or {}).get("first_token") for t in turns])
     out["http.first_chunk_sent"] = med([(t.get("http_ms") or {}).get("first_chunk_sent") for t in turns])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
@@ -384,20 +384,21 @@ def _note(record: RequestRecord, event: GenerationEvent) -> None:
         record.reason = "failed"
 
 
-def first_token_split(record: RequestRecord) -> dict[str, float | int] | None:
+def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
     """Where the time from the scheduler's hand-off to the engine until the first token went (ms).
 
     to_engine: the engine took the row (its inbox; a run of steps under way); lend: the cached prefix
     lent (or restored); join: the row inserted (a short prompt prefilled apart); wait: until its first
     step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
-    the rest of those steps; deliver: the token back in the scheduler.
+    the rest of those steps; deliver: the token back in the scheduler; step_ms: each step's time (the
+    first 8).
     """
     stamps, sent, got = record.engine_stages, record.engine_sent_at, record.first_token_at
     if not stamps or sent is None or got is None:
         return None
     at = dict(stamps)  # the first of each name is enough for the single stages
     spans: dict[str, float] = {"forward": 0.0, "checkpoint": 0.0}
-    steps, opened = 0, {}
+    steps, opened, each = 0, {}, []
     for name, t in stamps:
         if name in ("step", "checkpoint"):
             opened[name] = t
@@ -407,6 +408,8 @@ def first_token_split(record: RequestRecord) -> dict[str, float | int] | None:
             begun = opened.pop("step" if name == "stepped" else "checkpoint", None)
             if begun is not None:
                 spans[key] += t - begun
+                if key == "forward":
+                    each.append(round((t - begun) * 1000, 2))
     joined, lent = at.get("joined", sent), at.get("lent", sent)
     admitted, first = at.get("admitted", lent), at.get("first_token", got)
     first_step = next((t for name, t in stamps if name == "step"), admitted)
@@ -414,7 +417,7 @@ def first_token_split(record: RequestRecord) -> dict[str, float | int] | None:
         "to_engine": joined - sent, "lend": lent - joined, "join": admitted - lent, "wait": first_step - admitted,
         **spans, "other": first - first_step - spans["forward"] - spans["checkpoint"], "deliver": got - first,
     }
-    return {k: round(v * 1000, 2) for k, v in out.items()} | {"steps": steps}
+    return {k: round(v * 1000, 2) for k, v in out.items()} | {"steps": steps, "step_ms": each[:8]}
 
 
 def _ms(seconds: float | None) -> float | None:

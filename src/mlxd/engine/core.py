@@ -223,8 +223,8 @@ class EngineCore:
             self._switch_before = sys.getswitchinterval()
             sys.setswitchinterval(switch / 1000)
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
-        suffix_attention.install()  # MLXD_SUFFIX_ATTENTION=unfused: short chunks without cuDNN's per-shape graph
-        batch_handover.install()  # MLXD_BATCH_HANDOVER=1: a lone row into the batch and on to generation uncopied
+        suffix_attention.install()  # GPU: short chunks over long contexts without cuDNN's per-shape graph
+        batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
         before = memory_costs.active_bytes() if self._config.kv_admission else 0  # this runtime's own memory
