@@ -544,6 +544,12 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
+    # The goal holds "in every run": each round's next turn against mlx_lm's of the same round (same prompt)
+    lm_rows = (out.get("mlx_lm") or {}).get("rows") or []
+    goals["next_turn_per_round_vs_mlx_lm"] = {
+        name: [ratio(r["next"]["ttft_s"], m["next"]["ttft_s"]) for r, m in zip(
+            out[name].get("rows") or [], lm_rows, strict=False) if "next" in r and "next" in m]
+        for name in wanted if name.startswith("mlxd") and lm_rows}
     for arm in ("unfused", "apart", "handover", "both", "plain"):
         m = med.get(f"mlxd_ram_{arm}", {})
         if m:
