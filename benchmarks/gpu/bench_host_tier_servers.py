@@ -359,15 +359,21 @@ def main() -> int:
     return 0
 
 
-# The restarts of the host + SSD server on its files: as its advisor decides, then each arm forced.
+# The restarts of the host + SSD server on its files: as its advisor decides, then each arm forced. The forced
+# arms run as the advisor's does (`--device-probe auto`: the first server's saved probe, so the same prefill chunk
+# size and no probe time; kv/probe_file.py): only the choice differs. (Before 19:10 UTC they ran with the probe
+# off: the default 2,048-token prefill step where the advisor's arm had the probe's choice, 16,384 at 18:26.) The
+# *_no_probe arms are those.
 RESTARTS = {
     "restart": [],
-    "restart_always": ["--restore-choice", "always", "--device-probe", "off"],
-    "restart_never": ["--restore-choice", "never", "--device-probe", "off"],
-    # every restore forced, in a process that ran the startup probe: against restart_always, what the probe
-    # costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)
+    "restart_always": ["--restore-choice", "always"],
+    "restart_never": ["--restore-choice", "never"],
+    # every restore forced, in a process that ran the startup probe: against restart_always_no_probe, what the
+    # probe costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)
     # (`on`: measured afresh; `auto` reuses the probe the first server saved beside the files: kv/probe_file.py)
     "restart_always_probe": ["--restore-choice", "always", "--device-probe", "on"],
+    "restart_always_no_probe": ["--restore-choice", "always", "--device-probe", "off"],
+    "restart_never_no_probe": ["--restore-choice", "never", "--device-probe", "off"],
 }
 DEFAULT_ARMS = ("restart", "restart_always", "restart_never")
 
@@ -582,9 +588,13 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
                         "page_cache_gb_at_start": out[label].get("page_cache_gb_at_start"),
                         **(out[label].get("advisor") or {})}
                 for label in RESTARTS if label in out}
-    probed, unprobed = (med.get(k, {}).get("returning") for k in ("restart_always_probe", "restart_always"))
+    probed, unprobed = (med.get(k, {}).get("returning") for k in ("restart_always_probe", "restart_always_no_probe"))
     if probed is not None:  # the probe's cost to serving's restores: the same forced arm with and without it
         goals["restart_always_with_probe_vs_without"] = ratio(probed, unprobed)
+    for forced in ("restart_always", "restart_never"):  # the same forced arm with the saved probe and without one
+        ratio_ = ratio(med.get(forced, {}).get("returning"), med.get(forced + "_no_probe", {}).get("returning"))
+        if ratio_ is not None:
+            goals[f"{forced}_saved_probe_vs_no_probe"] = ratio_
     flush = (out.get("mlxd_host_ssd") or {}).get("flush")
     return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served,
             **({"flush": flush} if flush else {})}
