@@ -180,22 +180,23 @@ async def paired(run: Any, arms: list[str], rounds: int, deadline: float) -> dic
     """Each arm decoded right beside a free decode, many times: per pair, arm ÷ free.
 
     A round pairs every arm (the control `free2` included) with a free decode, each pair ~1-2 s,
-    which of the two goes first alternating pair by pair, the arms' order rotating round by round.
+    which of the two goes first alternating pair by pair for each arm, the arms' order rotating round by round.
     A host's slow spell then hits a pair's two decodes alike more often than two far-apart decodes,
     and `free2 ÷ free` shows what is left of the noise. Rounds stop at `deadline` (perf_counter).
     """
     pairs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {arm: [] for arm in arms}
-    n = 0
     for r in range(rounds):
         for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
             if time.perf_counter() > deadline:
                 break
-            if n % 2 == 0:
+            # Each arm's own pairs alternate (a count over all pairs kept an arm's order fixed round after
+            # round: free2 ran second in every pair of the H200's 18:20 run), so whatever a decode leaves
+            # the next (a fill pool still spinning) falls on the arm and on free alike.
+            if len(pairs[arm]) % 2 == 0:
                 free, x = await run("free"), await run(arm)
             else:
                 x, free = await run(arm), await run("free")
             pairs[arm].append((x, free))
-            n += 1
     out: dict[str, Any] = {}
     for arm, got in pairs.items():
         if not got:

@@ -205,14 +205,18 @@ def walk(cache: GrammarCache, batch: Batch, bodies: tuple[dict, ...], steps: int
     return batch.reads - reads
 
 
+@pytest.mark.parametrize("launch", ["early", "ready"])
 @pytest.mark.parametrize("evaluated", [True, False], ids=["tokens scheduled", "tokens not scheduled yet"])
 @pytest.mark.parametrize("mode", ["engine", "ahead", "ahead-bool", "ahead-early", "ahead-steal"])
 @pytest.mark.parametrize("bodies", [BODIES, BODIES[:1], BODIES[1:2]], ids=["three rows", "one regex row", "one json row"])
-def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bodies, mode, evaluated, monkeypatch):
+def test_every_mask_mode_on_the_gpu_path_masks_as_each_row_alone_would(cache, bodies, mode, evaluated, launch,
+                                                                      monkeypatch):
     """Ahead, a batch that changed holds a new array of tokens not scheduled yet: the engine thread
-    schedules it before the worker waits for it (another thread cannot evaluate it)."""
+    schedules it before the worker waits for it (another thread cannot evaluate it). MLXD_MASK_LAUNCH:
+    the forward launched at the first mask, or (ready) only when the ahead masks are not made yet."""
     monkeypatch.setenv("MLXD_MASK_DEVICE", "gpu")
     monkeypatch.setenv("MLXD_MASK_MODE", mode)
+    monkeypatch.setenv("MLXD_MASK_LAUNCH", launch)
     batch = AheadBatch(cache, bodies=bodies)
     reads = walk(cache, batch, bodies, evaluated=evaluated)
     assert not batch.masks._device_is_cpu()

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu/wave3.sh host_ram                          # the same without SSD (host tier, RAM only)
 #   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
+#   bash benchmarks/gpu/wave3.sh struct1 struct8                   # structured decode paired with free, b1 then b8
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 set -u
@@ -42,6 +43,10 @@ for p in "$@"; do case $p in
   rollback) phase rollback 60 python3 benchmarks/bench_rollback.py ${ROLLBACK_ARGS:---shape qwen3-1.7b --context 512 2048 8192} ;;
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;
   structured) phase structured 130 python3 benchmarks/gpu/bench_structured_gpu.py ${STRUCT_ARGS:---rounds 6 --tokens 192} ;;
+  struct1) phase struct1 150 python3 benchmarks/gpu/bench_structured_gpu.py --pairs --batch 1 --decode-only --tokens 48 \
+            --rounds 40 --stop-after $(( ${LIMIT_struct1:-150} - 60 )) ${STRUCT1_ARGS:---mask-modes ahead-early ahead-steal ahead-early+early} ;;
+  struct8) phase struct8 150 python3 benchmarks/gpu/bench_structured_gpu.py --pairs --batch 8 --decode-only --tokens 48 \
+            --rounds 40 --stop-after $(( ${LIMIT_struct8:-150} - 25 )) ${STRUCT8_ARGS:---mask-modes ahead-early ahead-steal ahead-early:2} ;;
   structprof) phase structprof 90 python3 benchmarks/gpu/bench_structured_gpu.py --prof \
             ${STRUCTPROF_ARGS:---batch 8 --tokens 128 --mask-modes ahead-bool ahead-early ahead-early:2 ahead-bool/0.5} ;;
   vision) phase vision 170 python3 benchmarks/gpu/bench_vision_gpu.py ${VISION_ARGS:-} ;;
