@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import trio
@@ -48,6 +49,7 @@ from mlxd.runtime.kernel.mlx_thread import MlxThread
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.engine")
+T = TypeVar("T")
 
 # Steps the MLX thread runs ahead of their delivery (engine/step_loop.py): 1 lets step n + 1 run
 # while step n's tokens go out, so a stop or cancel answering a token still lands a step later.
@@ -313,12 +315,14 @@ class EngineActor:
         self._stats = result.stats
         # Checkpoints first: a client that flushes right after its reply must find
         # that reply's checkpoint already with the cache owner.
+        # Without a wait where there is room: each awaited send is a schedule point that let the cache owner
+        # handle the note (a publication) before this step's tokens went out.
         for note in result.notes:
             if isinstance(note, CheckpointGeneration | GenerationCompleted | GenerationAbandoned):
                 if self._checkpoints is not None:
-                    await self._checkpoints.send(note)
+                    await _send_soon(self._checkpoints, note)
             else:
-                await self._publish.send(note)
+                await _send_soon(self._publish, note)
         for rejected in result.rejected:
             self._ending.discard(rejected.request_id)
             m = self._rows.pop(rejected.request_id, None)
@@ -354,6 +358,14 @@ class EngineActor:
                 self._checkpoints.send_nowait(GenerationAbandoned(m.checkpoint_key, m.request.request_id))
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the key stays owned until this process ends: no resume, never a wrong one
+
+
+async def _send_soon(channel: trio.MemorySendChannel[T], item: T) -> None:
+    """Send now when the channel has room, else wait for it (the order of sends is kept either way)."""
+    try:
+        channel.send_nowait(item)
+    except trio.WouldBlock:
+        await channel.send(item)
 
 
 def _send(channel: trio.MemorySendChannel[GenerationEvent], event: GenerationEvent) -> bool:
