@@ -76,7 +76,9 @@ from mlxd.runtime.kernel.messages import (
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
-from mlxd.structured.matcher import GrammarCache, load_vocabulary
+from mlxd.structured import warm_list
+from mlxd.structured.matcher import GrammarCache, Matcher, load_vocabulary
+from mlxd.structured.spec import Constraint
 from mlxd.vision.encoder import Vision, load_vision
 
 log = get_logger("mlxd.engine")
@@ -84,6 +86,7 @@ log = get_logger("mlxd.engine")
 # With a memory budget, MLX memory is measured for the cache owner at every prefill
 # boundary and at least every this many steps (a cheap counter read, no sync).
 MEASURE_MEMORY_EVERY = 256
+GRAMMAR_WARM_BUDGET_S = 3.0  # at load: the saved constraints compiled before serving, at most this long
 WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
 # MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
 # is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
@@ -177,6 +180,7 @@ class EngineCore:
         self._slicer = PrefillSlicer(0.0 if config.distributed else config.prefill_slice_s)
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
+        self._grammar_list: Path | None = None  # with an SSD tier: the recent constraints (structured/warm_list.py)
         self._model_path: Path | None = None
         self._masks = StepMasks(self._step_inputs, self._constrained_rows, self._pending_inputs,
                                 self._current_inputs)  # constrained rows' masks, together
@@ -255,6 +259,8 @@ class EngineCore:
             self._store_identity = loading.store_identity(identity, loaded.path, self._config.kv_scheme)
             self._pages = self._page_pool(kv_bytes_per_token)
             self._model_path = loaded.path
+            if self._config.ssd_cache_dir is not None:
+                self._warm_grammars(Path(self._config.ssd_cache_dir) / self.store_identity.fingerprint)
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
@@ -398,6 +404,7 @@ class EngineCore:
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
+        self._save_grammars()  # their order of use up to now (SIGTERM's flush comes through here)
         self._masks.close()
         if self._switch_before is not None:
             sys.setswitchinterval(self._switch_before)
@@ -417,8 +424,8 @@ class EngineCore:
     def grammars(self) -> GrammarCache:
         """Compiled structured-output grammars for this model's vocabulary.
 
-        Built by the first constrained request: a server that never gets one never reads
-        the tokenizer for llguidance.
+        Built by the first constrained request, or at load when the SSD tier holds a saved list
+        (`_warm_grammars`): a server that never gets one never reads the tokenizer for llguidance.
         """
         if self._grammars is None:
             if self._model_path is None:
@@ -429,6 +436,45 @@ class EngineCore:
     @grammars.setter
     def grammars(self, cache: GrammarCache) -> None:
         self._grammars = cache
+
+    def _warm_grammars(self, directory: Path, budget_s: float = GRAMMAR_WARM_BUDGET_S) -> None:
+        """Compile the constraints the last server saved beside the SSD tier's files, before serving,
+        within `budget_s`; the tokenizer is read for llguidance only when the list has entries."""
+        self._grammar_list = warm_list.list_path(directory)
+        saved = warm_list.load(self._grammar_list, self._vocabulary_id())
+        if not saved:
+            return
+        began = time.monotonic()
+        grammars, warmed = self.grammars, 0
+        for constraint in reversed(saved):  # the most recent first, in case the budget runs out
+            if time.monotonic() - began > budget_s:
+                break
+            warmed += grammars.warm(constraint)
+        for constraint in saved:  # the saved order of use, the most recent last
+            grammars.touch(constraint)
+        log.info("engine.grammars_warmed", warmed=warmed, saved=len(saved),
+                 seconds=round(time.monotonic() - began, 3))
+
+    def _vocabulary_id(self) -> str:
+        return f"{self.store_identity.model_id} {self.store_identity.tokenizer_hash}"
+
+    def _save_grammars(self) -> None:
+        """With an SSD tier: write the recent constraints (a small file); a failure is logged, never raised."""
+        if self._grammar_list is None or self._grammars is None:
+            return
+        try:
+            warm_list.save(self._grammar_list, self._grammars.recent(), self._vocabulary_id())
+        except OSError as exc:
+            log.warning("engine.grammars_unsaved", path=str(self._grammar_list), error=str(exc))
+
+    def _constrained(self, constraint: Constraint) -> Matcher:
+        """A new row's matcher; a grammar compiled for it is added to the saved list at once."""
+        grammars = self.grammars
+        misses = grammars.stats().misses
+        matcher = grammars.matcher(constraint)
+        if grammars.stats().misses != misses:
+            self._save_grammars()
+        return matcher
 
     @property
     def store_identity(self) -> StoreIdentity:
@@ -512,6 +558,7 @@ class EngineCore:
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
+            grammars=attrs.asdict(self._grammars.stats()) if self._grammars is not None else None,
         )
 
     # --- a step --------------------------------------------------------------------------
@@ -555,7 +602,7 @@ class EngineCore:
         req, config = start.request, self._config
         features: list[Feature] = [StopTokens(self._stop_ids(req.sampling))]
         if req.sampling.constraint is not None:
-            features.append(Constrained(self.grammars.matcher(req.sampling.constraint), len(req.prompt), self._masks))
+            features.append(Constrained(self._constrained(req.sampling.constraint), len(req.prompt), self._masks))
             self._drafts.counters.constrained_rows += self._speculate  # its grammar checks its drafts
         if self._speculate:
             features.append(self._speculation(start, prompt_new_tokens))

@@ -178,6 +178,9 @@ class EngineStats:
     media_encoder_ssd_hits: int | None = None
     media_prefills: int | None = None
     speculation: SpeculationStats | None = None  # --speculative (None: off)
+    # Structured output's compiled grammars (structured/matcher.py CacheStats: entries, hits, misses, warmed);
+    # None until the first constrained request or a start that warmed the saved list.
+    grammars: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if v is not None}

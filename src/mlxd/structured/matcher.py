@@ -6,9 +6,10 @@ once, keyed by `Constraint.key`, and keeps the most recently used in RAM; a
 `Matcher` is one row's walk through a compiled grammar: the allowed-token mask
 before each step, then the sampled token.
 
-Nothing is persisted: llguidance cannot serialize a compiled grammar (its
-lexer is built lazily as rows walk it), and a compile costs milliseconds.
-All of it is synchronous and meant for one thread (the engine's).
+A compiled grammar is not persisted: llguidance cannot serialize one (its
+lexer is built lazily as rows walk it), and a compile costs milliseconds. With
+an SSD tier the engine keeps the list of recent constraints instead
+(structured/warm_list.py) and `warm`s them at the next start. All of it is synchronous and meant for one thread (the engine's).
 
 A known llguidance quirk: it counts every added token (`<think>`,
 `<tool_call>`, ...) as special, so a grammar literal that spells one out
@@ -103,6 +104,7 @@ class CacheStats:
     entries: int
     hits: int
     misses: int
+    warmed: int = 0  # compiled at start from the saved list (structured/warm_list.py), before any request
 
 
 @attrs.define
@@ -114,6 +116,7 @@ class GrammarCache:
     _entries: OrderedDict[str, CompiledGrammar] = attrs.field(init=False, factory=OrderedDict)
     _hits: int = attrs.field(init=False, default=0)
     _misses: int = attrs.field(init=False, default=0)
+    _warmed: int = attrs.field(init=False, default=0)
 
     def compiled(self, constraint: Constraint) -> CompiledGrammar:
         found = self._entries.get(constraint.key)
@@ -122,6 +125,30 @@ class GrammarCache:
             self._entries.move_to_end(constraint.key)
             return found
         self._misses += 1
+        return self._add(constraint)
+
+    def warm(self, constraint: Constraint) -> bool:
+        """Compile `constraint` ahead of its requests (neither a hit nor a miss); False when it is
+        already here or does not compile for this vocabulary."""
+        if constraint.key in self._entries:
+            return False
+        try:
+            self._add(constraint)
+        except Exception:  # a saved source this llguidance refuses: skipped, as a request would be refused
+            return False
+        self._warmed += 1
+        return True
+
+    def touch(self, constraint: Constraint) -> None:
+        """Mark `constraint` the most recently used, if it is here (neither a hit nor a miss)."""
+        if constraint.key in self._entries:
+            self._entries.move_to_end(constraint.key)
+
+    def recent(self) -> list[Constraint]:
+        """The constraints compiled here, the most recently used last."""
+        return [c.constraint for c in self._entries.values()]
+
+    def _add(self, constraint: Constraint) -> CompiledGrammar:
         compiled = compile_grammar(constraint, self.vocab)
         self._entries[constraint.key] = compiled
         while len(self._entries) > self.capacity:
@@ -137,7 +164,7 @@ class GrammarCache:
         return self.compiled(constraint).restore(state)
 
     def stats(self) -> CacheStats:
-        return CacheStats(len(self._entries), self._hits, self._misses)
+        return CacheStats(len(self._entries), self._hits, self._misses, self._warmed)
 
 
 @attrs.frozen
