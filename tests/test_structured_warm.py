@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.structured import warm_list
+from mlxd.kv import grammar_list
 from mlxd.structured.matcher import GrammarCache, load_vocabulary
 from mlxd.structured.spec import JSON_OBJECT, Constraint, constraint_from_request
 
@@ -30,22 +30,22 @@ def regex(i: int) -> Constraint:
 
 
 def test_the_list_round_trips_in_order_of_use(tmp_path: Path) -> None:
-    path = warm_list.list_path(tmp_path / "fp")
+    path = grammar_list.list_path(tmp_path / "fp")
     saved = [JSON_OBJECT, regex(1), constraint_from_request({"response_format": FORMAT}), Constraint("grammar",
                                                                                                        'start: "a"')]
-    warm_list.save(path, saved, VOCAB)
-    assert warm_list.load(path, VOCAB) == saved
-    assert [p.name for p in path.parent.iterdir()] == [warm_list.FILE_NAME]  # no tmp file left beside it
+    grammar_list.save(path, saved, VOCAB)
+    assert grammar_list.load(path, VOCAB) == saved
+    assert [p.name for p in path.parent.iterdir()] == [grammar_list.FILE_NAME]  # no tmp file left beside it
 
 
 def test_the_list_keeps_the_most_recent_64_and_4_mb(tmp_path: Path) -> None:
-    path = tmp_path / warm_list.FILE_NAME
+    path = tmp_path / grammar_list.FILE_NAME
     many = [regex(i) for i in range(100)]
-    warm_list.save(path, many, VOCAB)
-    assert warm_list.load(path, VOCAB) == many[-64:]
+    grammar_list.save(path, many, VOCAB)
+    assert grammar_list.load(path, VOCAB) == many[-64:]
     big = [Constraint("regex", "a" * (1 << 20) + str(i)) for i in range(6)]
-    warm_list.save(path, big, VOCAB)
-    assert warm_list.load(path, VOCAB) == big[-3:]  # a fourth would pass 4 MB of source
+    grammar_list.save(path, big, VOCAB)
+    assert grammar_list.load(path, VOCAB) == big[-3:]  # a fourth would pass 4 MB of source
     assert path.stat().st_size < 4 << 20
 
 
@@ -55,20 +55,20 @@ def test_the_list_keeps_the_most_recent_64_and_4_mb(tmp_path: Path) -> None:
                                   b'[{"kind": "sql", "source": "s"}]}', b"\xff\xfe"],
                          ids=["empty", "truncated", "a-list", "no-entries", "no-source", "unknown-kind", "not-utf8"])
 def test_a_corrupt_list_is_empty(tmp_path: Path, body: bytes) -> None:
-    path = tmp_path / warm_list.FILE_NAME
+    path = tmp_path / grammar_list.FILE_NAME
     path.write_bytes(body)
-    assert warm_list.load(path, VOCAB) == []
+    assert grammar_list.load(path, VOCAB) == []
 
 
 def test_another_version_or_model_or_no_file_is_empty(tmp_path: Path) -> None:
-    path = tmp_path / warm_list.FILE_NAME
-    assert warm_list.load(path, VOCAB) == []
-    warm_list.save(path, [regex(2)], VOCAB)
-    assert warm_list.load(path, "model-b tok-1") == []
-    assert warm_list.load(path, "model-a tok-2") == []
+    path = tmp_path / grammar_list.FILE_NAME
+    assert grammar_list.load(path, VOCAB) == []
+    grammar_list.save(path, [regex(2)], VOCAB)
+    assert grammar_list.load(path, "model-b tok-1") == []
+    assert grammar_list.load(path, "model-a tok-2") == []
     data = json.loads(path.read_bytes())
-    path.write_text(json.dumps({**data, "version": warm_list.VERSION + 1}))
-    assert warm_list.load(path, VOCAB) == []
+    path.write_text(json.dumps({**data, "version": grammar_list.VERSION + 1}))
+    assert grammar_list.load(path, VOCAB) == []
 
 
 def test_a_warmed_grammar_is_a_hit_and_recent_keeps_the_order_of_use(tiny_model_dir: Path) -> None:
@@ -97,7 +97,7 @@ def test_a_restart_on_the_same_ssd_cache_compiles_the_grammar_before_serving(tmp
         assert http.get("/stats").json()["engine"]["grammars"] == {"entries": 1, "hits": 0, "misses": 1, "warmed": 0}
         a.signal()
         assert a.wait() == 0, a.log()
-    (listed,) = ssd.glob(f"*/{warm_list.FILE_NAME}")
+    (listed,) = ssd.glob(f"*/{grammar_list.FILE_NAME}")
     assert [c["kind"] for c in json.loads(listed.read_bytes())["constraints"]] == ["json_schema"]
 
     with ServeProcess(*args, log_path=tmp_path / "b.log") as b, b.client() as http:

@@ -56,6 +56,7 @@ from mlxd.engine.speculative import (
     engine_drafts,
     speculation_off_reason,
 )
+from mlxd.kv import grammar_list
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot, SnapshotMeta, SnapshotPlan
 from mlxd.kv.ssd_store import StoreIdentity
@@ -76,7 +77,6 @@ from mlxd.runtime.kernel.messages import (
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
-from mlxd.structured import warm_list
 from mlxd.structured.matcher import GrammarCache, Matcher, load_vocabulary
 from mlxd.structured.spec import Constraint
 from mlxd.vision.encoder import Vision, load_vision
@@ -180,7 +180,7 @@ class EngineCore:
         self._slicer = PrefillSlicer(0.0 if config.distributed else config.prefill_slice_s)
         self._fresh_generator: Callable[[], Any] = self._new_generator
         self._grammars: GrammarCache | None = None
-        self._grammar_list: Path | None = None  # with an SSD tier: the recent constraints (structured/warm_list.py)
+        self._grammar_file: Path | None = None  # with an SSD tier: the recent constraints (kv/grammar_list.py)
         self._model_path: Path | None = None
         self._masks = StepMasks(self._step_inputs, self._constrained_rows, self._pending_inputs,
                                 self._current_inputs)  # constrained rows' masks, together
@@ -440,8 +440,8 @@ class EngineCore:
     def _warm_grammars(self, directory: Path, budget_s: float = GRAMMAR_WARM_BUDGET_S) -> None:
         """Compile the constraints the last server saved beside the SSD tier's files, before serving,
         within `budget_s`; the tokenizer is read for llguidance only when the list has entries."""
-        self._grammar_list = warm_list.list_path(directory)
-        saved = warm_list.load(self._grammar_list, self._vocabulary_id())
+        self._grammar_file = grammar_list.list_path(directory)
+        saved = grammar_list.load(self._grammar_file, self._vocabulary_id())
         if not saved:
             return
         began = time.monotonic()
@@ -460,12 +460,12 @@ class EngineCore:
 
     def _save_grammars(self) -> None:
         """With an SSD tier: write the recent constraints (a small file); a failure is logged, never raised."""
-        if self._grammar_list is None or self._grammars is None:
+        if self._grammar_file is None or self._grammars is None:
             return
         try:
-            warm_list.save(self._grammar_list, self._grammars.recent(), self._vocabulary_id())
+            grammar_list.save(self._grammar_file, self._grammars.recent(), self._vocabulary_id())
         except OSError as exc:
-            log.warning("engine.grammars_unsaved", path=str(self._grammar_list), error=str(exc))
+            log.warning("engine.grammars_unsaved", path=str(self._grammar_file), error=str(exc))
 
     def _constrained(self, constraint: Constraint) -> Matcher:
         """A new row's matcher; a grammar compiled for it is added to the saved list at once."""

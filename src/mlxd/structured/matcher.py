@@ -9,7 +9,7 @@ before each step, then the sampled token.
 A compiled grammar is not persisted: llguidance cannot serialize one (its
 lexer is built lazily as rows walk it), and a compile costs milliseconds. With
 an SSD tier the engine keeps the list of recent constraints instead
-(structured/warm_list.py) and `warm`s them at the next start. All of it is synchronous and meant for one thread (the engine's).
+(kv/grammar_list.py) and `warm`s them at the next start. All of it is synchronous and meant for one thread (the engine's).
 
 A known llguidance quirk: it counts every added token (`<think>`,
 `<tool_call>`, ...) as special, so a grammar literal that spells one out
@@ -104,7 +104,7 @@ class CacheStats:
     entries: int
     hits: int
     misses: int
-    warmed: int = 0  # compiled at start from the saved list (structured/warm_list.py), before any request
+    warmed: int = 0  # compiled at start from the saved list (kv/grammar_list.py), before any request
 
 
 @attrs.define

@@ -6,7 +6,7 @@ and when it closes, and at load compiles its entries before serving, within a ti
 
 The file says which vocabulary it was written for (the SSD store's model id and tokenizer hash): a
 list another model wrote is ignored, as are a missing, unreadable or other-version file. No trio,
-no MLX, no llguidance.
+no MLX (structured/spec.py's Constraint only).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mlxd.kv.small_files import write_durably
 from mlxd.runtime.logging import get_logger
 from mlxd.structured.spec import Constraint, Kind
 
-log = get_logger("mlxd.warm_list")
+log = get_logger("mlxd.grammar_list")
 
 FILE_NAME = "grammars.json"
 VERSION = 1
