@@ -4,7 +4,7 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice); each
+--speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -49,6 +49,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "ram_pages": ("off", "on"),  # --ram-pages on: RAM entries as shared KV pages
     # --restore-choice, always given (tests/conftest.py sets MLXD_RESTORE_CHOICE=always for the rest)
     "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
+    "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -61,6 +62,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # ignored without --ssd-cache
     if combo.get("generation_checkpoint") and ssd == "off":
         return False  # refused: "--generation-checkpoint needs the SSD tier"
+    if combo.get("write_hold") and ssd == "off":
+        return False  # no write-behind without the SSD tier
     if combo.get("ssd_verify") == "off" and ssd == "off":
         return False  # nothing is restored without the SSD tier
     if combo.get("kv_token_ids") and combo.get("kv_events") is False:
@@ -81,8 +84,9 @@ def reachable_pairs(factors: Mapping[str, tuple[object, ...]], keep: Callable[[M
     """Every pair of flag values that some whole allowed combination holds.
 
     `keep` judges partial combinations too and refuses one only for a rule it already breaks, so a
-    depth-first completion decides each pair exactly; it agrees with listing all 663,552 combinations,
-    which took 24 s of CPU at each import (and 80-120 s in the coverage test under CI's load)."""
+    depth-first completion decides each pair exactly; it agreed with listing all 663,552 combinations
+    (before --ssd-write-hold-decode doubled them), which took 24 s of CPU at each import (and 80-120 s
+    in the coverage test under CI's load)."""
     names = list(factors)
 
     def completes(partial: dict[str, object], rest: list[str]) -> bool:
@@ -134,6 +138,7 @@ class Combo:
     host_cache: str | None
     ram_pages: str = "off"
     restore_choice: str = "measured"
+    write_hold: bool = False
 
     @property
     def id(self) -> str:
@@ -156,6 +161,7 @@ class Combo:
             "pages": self.ram_pages == "on",
             "always": self.restore_choice == "always",
             "never": self.restore_choice == "never",
+            "hold": self.write_hold,
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -191,6 +197,8 @@ class Combo:
             args += ["--host-cache-gb", self.host_cache]
         if self.ram_pages == "on":
             args += ["--ram-pages", "on"]
+        if self.write_hold:
+            args.append("--ssd-write-hold-decode")
         return args
 
 
@@ -253,7 +261,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 673, "FLAGS or allowed() changed: recount by listing every combination (24 s)"
+    assert len(wanted) == 748, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 16  # each a server start: keep it small
