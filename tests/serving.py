@@ -111,3 +111,22 @@ async def checkpoints_settled(rt: Runtime, timeout_s: float = 30.0) -> None:
     with trio.fail_after(timeout_s):
         while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
             await trio.sleep(0.02)
+
+
+async def greedy_turns(rt: Runtime, first: str, follow_ups: list[str], max_tokens: int) -> list[list[int]]:
+    """A conversation's greedy turns through the chat path: `first`, then each of `follow_ups` after the
+    reply before it (remembered, so each next turn's prefix is the cached one)."""
+    from mlxd.runtime.kernel.messages import SamplingParams
+
+    out: list[list[int]] = []
+    messages = [{"role": "user", "content": first}]
+    for follow_up in [*follow_ups, None]:
+        ids, _ = await rt.render_chat_cut(messages)
+        async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))) as s:
+            tokens = list(await s.tokens())
+        out.append(tokens)
+        text = rt.tokenizer.decode(tokens)
+        rt.remember_reply(text, tokens)
+        if follow_up is not None:
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
+    return out

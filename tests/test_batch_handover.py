@@ -7,7 +7,7 @@ import mlx.core as mx
 import trio
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from tests.serving import config_for
+from tests.serving import config_for, greedy_turns
 
 from mlxd.model import batch_handover
 from mlxd.runtime.kernel.messages import SamplingParams
@@ -43,17 +43,9 @@ def test_it_is_on_unless_turned_off(monkeypatch):
 
 def test_served_turns_decode_the_same_with_the_handover(tiny_model_dir, monkeypatch):
     async def turns() -> list[list[int]]:
-        out = []
         async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16, max_batch=4)) as rt:
-            messages = [{"role": "user", "content": " ".join(f"v{i % 23}z{i}" for i in range(150))}]
-            for turn in range(3):
-                ids, _ = await rt.render_chat_cut(messages)
-                async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=6, temperature=0.0))) as s:
-                    tokens = list(await s.tokens())
-                out.append(tokens)
-                text = rt.tokenizer.decode(tokens)
-                rt.remember_reply(text, tokens)
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"then {turn}"}]
+            out = await greedy_turns(rt, " ".join(f"v{i % 23}z{i}" for i in range(150)),
+                                     [f"then {turn}" for turn in range(2)], max_tokens=6)
             # several rows at once: joins that split part of a prompt batch take mlx-lm's path
             results: list[list[int]] = [[] for _ in range(3)]
 

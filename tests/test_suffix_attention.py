@@ -56,24 +56,14 @@ def test_a_conversation_served_with_it_gives_the_same_tokens(tiny_model_dir, mon
     """Greedy turns of a long conversation (the cached prefix past MIN_KEYS, ~20-token suffixes) with the
     unfused path forced on this CPU decode what MLX's attention decodes."""
     import trio
-    from tests.serving import config_for
+    from tests.serving import config_for, greedy_turns
 
-    from mlxd.runtime.kernel.messages import SamplingParams
     from mlxd.runtime.supervisor import open_runtime
 
     async def conversation() -> list[list[int]]:
-        out = []
         async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16)) as rt:
-            messages = [{"role": "user", "content": " ".join(f"w{i % 97}x{i}" for i in range(500))}]
-            for turn in range(3):
-                ids, _ = await rt.render_chat_cut(messages)
-                async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=6, temperature=0.0))) as s:
-                    tokens = list(await s.tokens())
-                out.append(tokens)
-                text = rt.tokenizer.decode(tokens)
-                rt.remember_reply(text, tokens)
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"go on {turn}"}]
-        return out
+            return await greedy_turns(rt, " ".join(f"w{i % 97}x{i}" for i in range(500)),
+                                      [f"go on {turn}" for turn in range(2)], max_tokens=6)
 
     plain = trio.run(conversation)
     calls: list[int] = []
@@ -97,26 +87,17 @@ def test_a_short_suffix_prefilled_apart_on_an_idle_engine_decodes_the_same(tiny_
     """MLXD_SUFFIX_APART (engine/core.py): a next turn's suffix joining an empty batch is prefilled on its
     lent caches before it joins; the turns decode the same greedy tokens as through mlx-lm's prompt phase."""
     import trio
-    from tests.serving import config_for
+    from tests.serving import config_for, greedy_turns
 
     from mlxd.engine import core
-    from mlxd.runtime.kernel.messages import SamplingParams
     from mlxd.runtime.supervisor import open_runtime
 
     async def conversation() -> tuple[list[list[int]], list[bool]]:
-        out, apart = [], []
         async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16)) as rt:
             records: list = []
             rt.scheduler.observers.append(records.append)
-            messages = [{"role": "user", "content": " ".join(f"w{i % 31}y{i}" for i in range(200))}]
-            for turn in range(3):
-                ids, _ = await rt.render_chat_cut(messages)
-                async with rt.submit(rt.request(ids, sampling=SamplingParams(max_tokens=5, temperature=0.0))) as s:
-                    tokens = list(await s.tokens())
-                out.append(tokens)
-                text = rt.tokenizer.decode(tokens)
-                rt.remember_reply(text, tokens)
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and {turn}?"}]
+            out = await greedy_turns(rt, " ".join(f"w{i % 31}y{i}" for i in range(200)),
+                                     [f"and {turn}?" for turn in range(2)], max_tokens=5)
             await rt.scheduler.wait_idle()
             apart = [any(name == "prefilled_apart" for name, _ in r.engine_stages) for r in records]
         return out, apart
