@@ -53,7 +53,7 @@ def realign(tokenizer: Any, text: str, current: tuple[int, ...], checkpoint: tup
         # end-of-turn checkpoint, cannot spell more of it; its search decoded ~15 prefixes of 16k tokens)
         return current
     k = _longest_spelled_prefix(tokenizer, text, checkpoint)
-    if k <= _common_prefix(current, checkpoint):
+    if k <= shared:
         return current
     spelled = tokenizer.decode(list(checkpoint[:k]))
     ids = tuple(checkpoint[:k]) + tuple(tokenizer.encode(text[len(spelled):], add_special_tokens=False))
