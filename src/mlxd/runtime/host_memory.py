@@ -269,9 +269,8 @@ def _strided(arr: np.ndarray) -> list[tuple[int, int, int, int]]:
         return [(base, inner, 1, inner)]
     height, pitch = lead[-1]
     if pitch < inner:  # overlapping or reversed rows: one run per row
-        return [(base + i * pitch, inner, 1, inner) for i in range(height)] if not lead[:-1] else [
-            (base + sum(i * s for i, (_, s) in zip(idx, lead, strict=True)), inner, 1, inner)
-            for idx in np.ndindex(*[n for n, _ in lead])]
+        return [(base + sum(i * s for i, (_, s) in zip(idx, lead, strict=True)), inner, 1, inner)
+                for idx in np.ndindex(*[n for n, _ in lead])]
     outer = lead[:-1]
     return [(base + sum(i * s for i, (_, s) in zip(idx, outer, strict=True)), inner, height, pitch)
             for idx in np.ndindex(*[n for n, _ in outer])]
