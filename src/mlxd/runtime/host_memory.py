@@ -294,6 +294,13 @@ class Copied:
     nbytes: int = 0
     largest_piece: int = 0
 
+    def add(self, other: Copied) -> None:
+        """Count `other`'s copies in too."""
+        self.pieces += other.pieces
+        self.calls += other.calls
+        self.nbytes += other.nbytes
+        self.largest_piece = max(self.largest_piece, other.largest_piece)
+
 
 def to_host(
     buffers: Sequence[Any], dest: HostBuffer | None = None, *, between: Callable[[], None] | None = None,
@@ -663,7 +670,5 @@ class Staging:
         with self._count_lock:
             self.staged += 1
             self.staged_bytes += need
-            c = self.copied
-            c.pieces, c.calls, c.nbytes = c.pieces + counts.pieces, c.calls + counts.calls, c.nbytes + counts.nbytes
-            c.largest_piece = max(c.largest_piece, counts.largest_piece)
+            self.copied.add(counts)
         return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays))  # type: ignore[arg-type]
