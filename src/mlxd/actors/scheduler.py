@@ -384,6 +384,10 @@ def _note(record: RequestRecord, event: GenerationEvent) -> None:
         record.reason = "failed"
 
 
+# A stage that closes a span of `first_token_split`: the stamp that opened it, and the span's name.
+_CLOSES = {"stepped": ("step", "forward"), "checkpointed": ("checkpoint", "checkpoint")}
+
+
 def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
     """Where the time from the scheduler's hand-off to the engine until the first token went (ms).
 
@@ -403,9 +407,9 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
         if name in ("step", "checkpoint"):
             opened[name] = t
             steps += name == "step"
-        elif name in ("stepped", "checkpointed"):
-            key = "forward" if name == "stepped" else "checkpoint"
-            begun = opened.pop("step" if name == "stepped" else "checkpoint", None)
+        elif name in _CLOSES:
+            opener, key = _CLOSES[name]
+            begun = opened.pop(opener, None)
             if begun is not None:
                 spans[key] += t - begun
                 if key == "forward":
