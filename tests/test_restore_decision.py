@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 
@@ -64,7 +66,7 @@ def _arms(advisor: RestoreAdvisor, *, warm: int = 0, cold: int = 16_000, prompt:
     return recompute, restore
 
 
-def test_an_unmeasured_restore_within_the_explore_ratio_of_recompute_is_tried_once_then_costs_decide():
+def test_an_unmeasured_restore_slower_than_recompute_is_tried_once_recomputes_forgo_its_cost_then_costs_decide():
     recompute = DEFAULT.prefill_seconds(16_140, 0)
     # The probe's guess makes the restore 1.3x recompute: worse, but not by enough to never look.
     guess = 16_000 * KV_PER_TOKEN / (1.3 * recompute)
@@ -72,17 +74,51 @@ def test_an_unmeasured_restore_within_the_explore_ratio_of_recompute_is_tried_on
     ask = {"restore_bytes": 16_000 * KV_PER_TOKEN, "cold_tokens": 16_000, "warm_tokens": 0, "prompt_tokens": 16_140}
     predicted_recompute, predicted_restore = _arms(advisor)
     assert predicted_recompute < predicted_restore < 1.5 * predicted_recompute
+    # The first returning turn recomputes (its predicted cost); what it may have forgone, were the read
+    # EXPLORE_RATIO times faster than guessed, is counted.
+    assert not advisor.should_restore(**ask)
+    assert advisor.explorations == 0 and advisor.recomputes_chosen == 1
+    assert advisor.last.forgoes == pytest.approx(advisor.forgone_s)
+    assert predicted_restore - predicted_recompute < advisor.forgone_s < predicted_recompute
+    # Now it covers what trying the restore costs: the next one is tried.
     assert advisor.should_restore(**ask)
     assert advisor.explorations == 1 and advisor.restores_chosen == 1
     stats = advisor.stats()
-    assert stats["explorations"] == 1 and stats["last_explored"] == 1
+    assert stats["explorations"] == 1 and stats["last_explored"] == 1 and stats["forgone_s"] > 0
     assert stats["last_restore_s"] > stats["last_recompute_s"] > 0
-    # Chosen but not yet measured (in flight): no second exploration.
-    assert not advisor.should_restore(**ask)
+    # Chosen but not yet measured (in flight): no second exploration, nothing more forgone.
+    forgone = advisor.forgone_s
+    assert not advisor.should_restore(**ask) and advisor.forgone_s == forgone
     # The served restore was 3x faster than the guess: restores win on their measured cost.
     advisor.observe_restore(nbytes=16_000 * KV_PER_TOKEN, seconds=16_000 * KV_PER_TOKEN / (3 * guess))
     assert advisor.should_restore(**ask) and advisor.stats()["last_explored"] == 0
     assert advisor.explorations == 1 and advisor.restores_chosen == 2
+
+
+def test_the_h200_restart_of_19_28_recomputes_its_returning_turns_before_any_exploration():
+    # The 19:28 restart (benchmarks/results/host_servers-h200-restart-20261204-192823.json): the saved probe
+    # (prefill points, 1.09 GB/s cold restore) and the first server's whole-prompt prefill scale 3.7144; a
+    # 16,454-token prompt whose 16,453-token record is 1.8875 GB. It predicted restore 1.829 s against
+    # recompute 1.007 s and tried the restore at once (served 1.683 s, the recompute arm 0.959 / 0.726 s).
+    from mlxd.kv.device_costs import DeviceProbe
+
+    probe = DeviceProbe(
+        device="Device(gpu, 0)", decode_s_per_token=1 / 140.15, kv_bytes_per_token=KV_PER_TOKEN,
+        prefill=((64, 0.02203), (256, 0.03043), (1024, 0.02938), (4096, 0.05976), (16384, 0.26923)),
+        restore=((8_257_536, 0.02189), (470_679_552, 0.44511)), prefill_step_size=4096,
+        host=((8_257_536, 0.0006), (470_679_552, 0.01482)),  # its host tier's promotion: 31 GB/s
+    )
+    advisor = RestoreAdvisor(base=probe.cost_model(), explore=True)
+    advisor.resume({"prefill_scale": 3.7144, "whole_prefill_samples": 2})
+    ask = {"restore_bytes": 1_887_535_104, "cold_tokens": 16_453, "warm_tokens": 0, "prompt_tokens": 16_454}
+    turns = []
+    while not advisor.should_restore(**ask):
+        turns.append(advisor.last)
+    # 19:28's 1.829 s, plus the restored pages' move to the device (61 ms at the promotion's 31 GB/s)
+    assert turns[0].restore_seconds == pytest.approx(1.829 + 0.061, abs=0.01)
+    assert turns[0].recompute_seconds == pytest.approx(1.007, abs=0.01)
+    assert len(turns) >= 3 and advisor.last.explore  # three rounds of the benchmark recompute every turn
+    assert advisor.forgone_s >= advisor.last.restore_seconds - advisor.last.recompute_seconds
 
 
 def test_a_measured_slow_restore_is_not_tried_again():
@@ -122,13 +158,17 @@ def test_no_exploration_far_from_recompute_nor_over_a_long_ram_hit():
 def test_never_recomputes_and_a_look_ahead_explores_without_counting():
     never = RestoreAdvisor(never=True, explore=True)
     assert not never.should_restore(restore_bytes=10**6, cold_tokens=16_000, warm_tokens=0, prompt_tokens=16_140)
+    assert never.forgone_s == 0  # a forced arm forgoes nothing
     recompute = DEFAULT.prefill_seconds(16_140, 0)
     advisor = _restart_advisor(16_000 * KV_PER_TOKEN / (1.3 * recompute))
     from mlxd.kv.restore_decision import RestoreCut
 
     cuts = [RestoreCut(16_000, 16_000 * KV_PER_TOKEN)]
+    assert advisor.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_140).arm == "recompute"  # forgoes its cost
+    forgone = advisor.forgone_s
     ahead = advisor.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_140, count=False)  # the prefetcher's
     assert ahead.explore and advisor.explorations == 0 and advisor.restores_chosen == 0
+    assert advisor.forgone_s == forgone
     chosen = advisor.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_140)
     assert chosen.explore and chosen.cut == ahead.cut and advisor.explorations == 1
 
@@ -181,7 +221,8 @@ def test_a_restarted_advisor_resumes_what_was_measured_and_does_not_explore_it_a
 
 def test_a_guess_as_far_off_as_the_h200_s_probe_is_still_tried_once():
     # 15:50 H200 restart: the probe's cold read put the restore at 2.03x the predicted recompute (1.82 vs
-    # 0.89 s) while served restores ran 2.3x faster than that guess; it must be tried once, then measured.
+    # 0.89 s) while served restores ran 2.3x faster than that guess; it must be tried once, then measured,
+    # after the recomputes forgo what trying it costs.
     from mlxd.kv.restore_decision import EXPLORE_RATIO
 
     recompute = DEFAULT.prefill_seconds(16_140, 0)
@@ -190,9 +231,44 @@ def test_a_guess_as_far_off_as_the_h200_s_probe_is_still_tried_once():
     ask = {"restore_bytes": 16_000 * KV_PER_TOKEN, "cold_tokens": 16_000, "warm_tokens": 0, "prompt_tokens": 16_140}
     predicted_recompute, predicted_restore = _arms(advisor)
     assert 2.0 * predicted_recompute < predicted_restore < EXPLORE_RATIO * predicted_recompute
-    assert advisor.should_restore(**ask) and advisor.explorations == 1
+    forgoes = []
+    while not advisor.should_restore(**ask):
+        forgoes.append(advisor.last.forgoes)
+        assert len(forgoes) < 20
+    assert advisor.explorations == 1 and len(forgoes) == advisor.recomputes_chosen
+    # Each recompute forgoes what the restore would save were its read EXPLORE_RATIO times faster.
+    read = predicted_restore - advisor.prefill_seconds(140, 16_000)
+    assert forgoes[0] == pytest.approx(predicted_recompute - (predicted_restore - read + read / EXPLORE_RATIO))
+    assert len(forgoes) == math.ceil((predicted_restore - predicted_recompute) / forgoes[0]) > 1
     advisor.observe_restore(nbytes=16_000 * KV_PER_TOKEN, seconds=16_000 * KV_PER_TOKEN / (2.3 * guess))
     assert advisor.should_restore(**ask) and advisor.explorations == 1  # now by its measured cost
+
+
+def test_forgone_seconds_are_carried_across_a_restart_until_a_restore_is_measured(tmp_path):
+    from mlxd.kv import advisor_file
+
+    recompute = DEFAULT.prefill_seconds(16_140, 0)
+    guess = 16_000 * KV_PER_TOKEN / (1.3 * recompute)
+    ask = {"restore_bytes": 16_000 * KV_PER_TOKEN, "cold_tokens": 16_000, "warm_tokens": 0, "prompt_tokens": 16_140}
+    before = _restart_advisor(guess)
+    assert not before.should_restore(**ask) and before.forgone_s > 0
+    path = advisor_file.advisor_path(tmp_path)
+    advisor_file.save(path, before.calibration(), "Device(gpu, 0)")
+    # A server restarted after each returning turn still gets to try the restore.
+    after = _restart_advisor(guess)
+    after.resume(advisor_file.load(path, "Device(gpu, 0)"))
+    assert after.forgone_s == pytest.approx(before.forgone_s)
+    assert after.should_restore(**ask) and after.explorations == 1
+    # Once a restore is measured, what was forgone no longer matters: not carried.
+    after.observe_restore(nbytes=10**9, seconds=0.5)
+    measured = _restart_advisor(guess)
+    measured.resume(after.calibration())
+    assert measured.restore_samples == 1 and measured.forgone_s == 0
+    # Nor a damaged figure.
+    for bad in (float("inf"), float("nan"), -1.0):
+        fresh = _restart_advisor(guess)
+        fresh.resume({"forgone_s": bad})
+        assert fresh.forgone_s == 0
 
 
 def test_resident_bytes_never_cost_more_than_bytes_from_the_disk():
@@ -205,3 +281,18 @@ def test_resident_bytes_never_cost_more_than_bytes_from_the_disk():
     faster = RestoreAdvisor(base=attrs.evolve(base, page_cache_bytes_per_s=2.0e9))
     assert faster.restore_seconds(n, n) == pytest.approx(base.restore_fixed + n / 2.0e9)
     assert faster.restore_seconds(n, n // 2) < faster.restore_seconds(n, 0)
+
+
+def test_a_restored_turn_waits_for_its_pages_moved_to_the_device_where_memory_is_not_unified():
+    # What a restored turn costs beyond the read: the first forward waits for the landed pages' move to the
+    # device (the host tier's promotion, as the probe timed it); free on unified memory (no host figure).
+    from mlxd.kv.restore_decision import RestoreCut
+
+    cuts = [RestoreCut(16_000, 16_000 * KV_PER_TOKEN)]
+    unified = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=2e9))
+    cuda = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=2e9, host_bytes_per_s=30e9))
+    a = unified.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_001)
+    b = cuda.plan(cuts=cuts, warm_tokens=0, prompt_tokens=16_001)
+    assert unified.landed_seconds(10**9) == 0.0
+    assert b.restore_seconds - a.restore_seconds == pytest.approx(16_000 * KV_PER_TOKEN / 30e9)
+    assert b.recompute_seconds == a.recompute_seconds  # recomputing moves nothing

@@ -144,7 +144,9 @@ def test_replay_of_a_recorded_trace_reproduces_reported_hits(tmp_path):
 @pytest.mark.parametrize("faster", [10.0, 1.0])
 def test_a_restart_explores_one_unmeasured_restore_then_decides_by_its_measured_cost(faster):
     # A GPU-like machine: prefill 0.1 ms a token; the restarted server's startup guess puts a
-    # restore at 1.3x recomputing, and the disk really is `faster` times that guess.
+    # restore at 1.3x recomputing, and the disk really is `faster` times that guess. The first returning
+    # turn recomputes (as the advisor predicts); what it may have forgone pays for trying the restore on the
+    # second (kv/restore_decision.py, as a live server's advisor).
     gpu = attrs.evolve(DEFAULT, prefill_fixed=0.0, prefill_per_token=1e-4, prefill_per_pair=0.0,
                        restore_fixed=0.0, kv_bytes_per_token=1000)
     guess = 2000 * 1000 / (1.3 * gpu.prefill_seconds(2100) - gpu.prefill_seconds(100, 2000))
@@ -154,10 +156,10 @@ def test_a_restart_explores_one_unmeasured_restore_then_decides_by_its_measured_
     result, per = run(trace, cost=attrs.evolve(gpu, restore_bytes_per_s=faster * guess), ssd=True,
                       advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess), restarts=[10.0])
     assert result.restarts == 1
-    # The first returning turn is restored to measure the disk; the others follow what it measured.
-    assert [src for _, src in per[4:]] == (["ssd"] * 4 if faster > 1 else ["ssd", "miss", "miss", "miss"])
+    # The second returning turn is restored to measure the disk; the others follow what it measured.
+    assert [src for _, src in per[4:]] == (["miss"] + ["ssd"] * 3 if faster > 1 else ["miss", "ssd", "miss", "miss"])
     assert result.restore_decisions["explorations"] == 1
-    assert result.restore_decisions["restore_samples"] == (4 if faster > 1 else 1)
+    assert result.restore_decisions["restore_samples"] == (3 if faster > 1 else 1)
     # Without the restart RAM serves them all (no restore weighed, nothing explored).
     unbroken, per = run(trace, cost=gpu, ssd=True, advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess))
     assert [src for _, src in per[4:]] == ["ram"] * 4 and unbroken.restore_decisions["explorations"] == 0
@@ -173,5 +175,20 @@ def test_a_second_restart_resumes_the_measured_restore_and_explores_no_more():
     trace += [req(6 + c, firsts[2 + c] + list(range(9000, 9100)), t=40 + c) for c in range(2)]  # and at 30
     result, per = run(trace, cost=attrs.evolve(gpu, restore_bytes_per_s=10 * guess), ssd=True,
                       advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess), restarts=[10.0, 30.0])
-    assert result.restarts == 2 and [src for _, src in per[4:]] == ["ssd"] * 4
+    assert result.restarts == 2 and [src for _, src in per[4:]] == ["miss"] + ["ssd"] * 3
     assert result.restore_decisions["explorations"] == 1  # the second restart resumed the measurement
+
+
+def test_what_a_restart_forgoes_is_carried_to_the_next_so_a_restore_is_still_tried():
+    # One returning turn after each restart: the first recomputes (forgoing what trying the restore costs),
+    # the second restart resumes that and tries it (kv/restore_decision.py: forgone_s is carried).
+    gpu = attrs.evolve(DEFAULT, prefill_fixed=0.0, prefill_per_token=1e-4, prefill_per_pair=0.0,
+                       restore_fixed=0.0, kv_bytes_per_token=1000)
+    guess = 2000 * 1000 / (1.3 * gpu.prefill_seconds(2100) - gpu.prefill_seconds(100, 2000))
+    firsts = [list(range(10_000 * c, 10_000 * c + 2000)) for c in range(2)]
+    trace = [req(c, firsts[c], t=c) for c in range(2)]
+    trace += [req(2, firsts[0] + list(range(9000, 9100)), t=20), req(3, firsts[1] + list(range(9000, 9100)), t=40)]
+    result, per = run(trace, cost=attrs.evolve(gpu, restore_bytes_per_s=10 * guess), ssd=True,
+                      advisor_base=attrs.evolve(gpu, restore_bytes_per_s=guess), restarts=[10.0, 30.0])
+    assert result.restarts == 2 and [src for _, src in per[2:]] == ["miss", "ssd"]
+    assert result.restore_decisions["explorations"] == 1

@@ -17,13 +17,21 @@ cheaper to read than the rest (a record partly in a fast medium: page cache,
 host memory). Only cuts the layout can read alone are offered (a block
 layout's block boundaries; a whole file's only cut is the whole file).
 
-Exploration: until a restore has been measured in this process, the
-bandwidth is the startup probe's guess. A guess that is too low would make
-every restore lose and never be measured, so the first restore predicted
-within `EXPLORE_RATIO` of recomputing is taken once (`explore`; counted in
-`explorations`), only
-where it brings at least half the prompt (little or no RAM hit): its served
-bandwidth then decides the rest.
+Exploration: until a restore has been measured (here or by the server
+before a restart), the bandwidth is the startup probe's guess. A guess that is
+too low would make every restore lose and never be measured, so a restore the
+costs do not choose is still taken once (`explore`; counted in `explorations`)
+to measure it, only where it brings at least half the prompt (little or no RAM
+hit), and not at once: as in ski rental, recomputing is kept while it is the
+cheaper bet, and the restore is tried when what the recomputed turns may have
+forgone (each turn's recompute minus the restore as it would be were the read
+`EXPLORE_RATIO` times faster than guessed; `forgone_s`) has reached what trying
+it is predicted to cost (restore minus recompute). So a right guess no longer
+costs the first returning turns after a restart (H200 19:28: trying a restore
+predicted 1.8x recompute on the first turn cost that turn 1.75x the recompute
+arm's); a guess too low costs at most about twice what trying at once would
+have (what was forgone, then the try); a restore that would lose even with
+its read `EXPLORE_RATIO` times faster is never tried (nothing is forgone).
 """
 
 from __future__ import annotations
@@ -36,11 +44,11 @@ import attrs
 from mlxd.kv.cost_model import DEFAULT, CostModel
 
 _WEIGHT = 0.3  # weight of a new observation in the moving averages
-# An unmeasured restore predicted within this factor of recomputing is tried once. The guess is the startup
-# probe's cold read; on the H200 served restores after a restart ran 2.1-2.8x faster than it predicted
-# (reads helped by the page cache the startup warms), while the probe's own reads matched the disk
-# (docs/benchmarks.md): a guess off by that much must still be tried. Cost: one restore per process at
-# most this factor slower than recomputing.
+# How much faster than the startup probe's guess an unmeasured restore's read may really be: the guess is the
+# probe's cold read; on the H200 served restores after a restart ran 1.2-1.8x faster than it (18:26, 19:28:
+# 1.38-1.60 GB/s served against the probe's 0.87-1.09) and 2.1-2.8x before the probe read as serving does
+# (docs/benchmarks.md). A restore predicted slower than recomputing is tried once when, were its read this
+# much faster, recomputing would have forgone as much as trying it costs (`RestoreAdvisor.forgone_s`).
 EXPLORE_RATIO = 2.5
 
 RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
@@ -69,6 +77,9 @@ class RestorePlan:
     recompute_seconds: float
     restore_seconds: float  # the whole record restored, then the rest prefilled
     explore: bool = False  # a restore the costs would not choose, taken to measure its bandwidth
+    # A recompute chosen over an unmeasured restore it may have been slower than: recompute minus the
+    # restore were its read EXPLORE_RATIO times faster than guessed (seconds, >= 0; added to forgone_s).
+    forgoes: float = 0.0
 
 
 @attrs.define
@@ -92,6 +103,9 @@ class RestoreAdvisor:
     explorations: int = 0  # restores chosen to measure their bandwidth (counted in restores_chosen too)
     last: RestorePlan | None = None  # the last counted choice (its predicted arms are in the stats)
     resident_samples: int = 0
+    # Seconds the recomputes chosen over an unmeasured restore may have forgone (RestorePlan.forgoes, summed;
+    # carried across a restart until a restore is measured): an exploration is taken once it covers its cost.
+    forgone_s: float = 0.0
     # The resident share of each restore chosen and not yet measured, oldest first (observe_restore)
     _chosen_resident: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=16))
 
@@ -181,6 +195,7 @@ class RestoreAdvisor:
         if count:
             self.last = plan
             self.explorations += int(plan.explore)
+            self.forgone_s += plan.forgoes
             if plan.cut is not None and plan.cut.nbytes > 0:
                 self._chosen_resident.append(min(plan.cut.resident_nbytes, plan.cut.nbytes) / plan.cut.nbytes)
             if plan.arm == RECOMPUTE:
@@ -209,26 +224,39 @@ class RestoreAdvisor:
         else:
             i = min(range(len(usable)), key=lambda j: (costs[j], -usable[j].tokens))
             if costs[i] >= recompute:
-                if self._explores(whole, costs[-1], recompute, warm_tokens, prompt_tokens):
+                if not self._explorable(whole, warm_tokens, prompt_tokens):
+                    return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
+                if 0 < costs[-1] - recompute <= self.forgone_s:
                     return RestorePlan(RESTORE, whole, costs[-1], recompute, costs[-1], explore=True)
-                return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
+                read = self.restore_seconds(whole.nbytes, whole.resident_nbytes)
+                hopeful = costs[-1] - read + read / EXPLORE_RATIO  # the read EXPLORE_RATIO times faster
+                return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1],
+                                   forgoes=max(0.0, recompute - hopeful))
         arm = RESTORE if i == len(usable) - 1 else SPLIT
         return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
 
-    def _explores(self, whole: RestoreCut, restore: float, recompute: float, warm_tokens: int,
-                  prompt_tokens: int) -> bool:
-        """Restore `whole` once to measure it? Only before any restore was chosen or measured here,
-        when predicted within EXPLORE_RATIO of recomputing, and bringing at least half the prompt
-        (never a few tokens over a long RAM hit)."""
+    def _explorable(self, whole: RestoreCut, warm_tokens: int, prompt_tokens: int) -> bool:
+        """Could restoring `whole` be tried to measure it (`_plan` says when)? Only before any restore
+        was chosen or measured, and where it brings at least half the prompt (never a few tokens over a
+        long RAM hit)."""
         if not self.explore:
             return False
         unmeasured = self.restore_samples == 0 and self.restores_chosen == 0 and self.splits_chosen == 0
-        brings = 2 * (whole.tokens - warm_tokens) >= prompt_tokens
-        return unmeasured and brings and restore <= EXPLORE_RATIO * recompute
+        return unmeasured and 2 * (whole.tokens - warm_tokens) >= prompt_tokens
 
     def _cut_seconds(self, cut: RestoreCut, prompt_tokens: int) -> float:
+        """Restore `cut` (its read, then its pages moved to the device), then prefill the rest on it."""
         rest = self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
-        return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + rest
+        return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + self.landed_seconds(cut.nbytes) + rest
+
+    def landed_seconds(self, nbytes: int) -> float:
+        """What a restored turn waits for beyond the read: the landed pages' move to the device. The
+        adoption starts it without waiting (`kinds.adopt`: outside the measured restore), the first forward
+        over them waits; it is the host tier's promotion (a bulk host-to-device move, the probe's `host`
+        figure); 0 on unified memory, or where no host tier was probed. (H200 18:26 and 19:28: a restored
+        turn's forward took 62-69 ms, 168-216 ms on a process's first restore, against 16-49 ms on a RAM
+        hit; the probe's promotion rate puts 1.88 GB at 61 ms.)"""
+        return self.base.host_seconds(nbytes)
 
     def calibration(self) -> dict[str, float]:
         """What this advisor measured on this machine (what a restarted server's advisor `resume`s)."""
@@ -236,12 +264,14 @@ class RestoreAdvisor:
             "prefill_scale": self.prefill_scale, "whole_prefill_samples": self.whole_prefill_samples,
             "restore_bytes_per_s": self.restore_bytes_per_s, "restore_samples": self.restore_samples,
             "page_cache_bytes_per_s": self.resident_bytes_per_s, "page_cache_samples": self.resident_samples,
+            "forgone_s": self.forgone_s,
         }
 
     def resume(self, calibration: dict[str, float]) -> None:
         """Start from a previous process's measurements on this machine: served whole-prompt prefills and
         restores (only those: chunk timings and unmeasured guesses are not carried). A carried restore
-        is measured, so it is not explored again."""
+        is measured, so it is not explored again; what recomputes forgone before one was is carried
+        (a server restarted after each returning turn still tries a restore)."""
         c = calibration
         if int(c.get("whole_prefill_samples", 0)) > 0 and float(c.get("prefill_scale", 0)) > 0:
             self.prefill_scale = float(c["prefill_scale"])
@@ -253,6 +283,9 @@ class RestoreAdvisor:
         if int(c.get("page_cache_samples", 0)) > 0 and float(c.get("page_cache_bytes_per_s", 0)) > 0:
             self.resident_bytes_per_s = float(c["page_cache_bytes_per_s"])
             self.resident_samples = int(c["page_cache_samples"])
+        forgone = float(c.get("forgone_s", 0))
+        if self.restore_samples == 0 and 0 < forgone < float("inf"):
+            self.forgone_s = forgone
 
     def stats(self) -> dict[str, float]:
         return {
@@ -267,6 +300,7 @@ class RestoreAdvisor:
             "page_cache_bytes_per_s": round(self.resident_bytes_per_s),
             "page_cache_samples": self.resident_samples,
             "explorations": self.explorations,
+            "forgone_s": round(self.forgone_s, 6),
             # The last choice's predicted seconds: its arm, recomputing, restoring the whole record.
             **({} if self.last is None else {
                 "last_predicted_s": round(self.last.seconds, 6),
