@@ -385,8 +385,9 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
     d = ssd.get("restore_decisions") or {}
     return {"restores": ssd.get("restores"), "restore_ms_last": ssd.get("restore_ms_last"),
             "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
-            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "last_predicted_s",
-                                     "last_recompute_s", "last_restore_s", "last_resident_bytes")}}
+            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s",
+                                     "last_predicted_s", "last_recompute_s", "last_restore_s",
+                                     "last_resident_bytes")}}
 
 
 def _tier_files(root: Path) -> list[Path]:
@@ -434,7 +435,8 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
     served = d.get("restore_bytes_per_s") if d.get("restore_samples") else None
     served_cached = d.get("page_cache_bytes_per_s") if d.get("page_cache_samples") else None
     return {
-        "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations")},
+        "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations",
+                                             "forgone_s")},
         "chosen": ",".join(k.removesuffix("s_chosen") for k in chosen) or None,
         "predicted_s": {"chosen": d.get("last_predicted_s"), "recompute": d.get("last_recompute_s"),
                         "restore": d.get("last_restore_s"), "explored": d.get("last_explored")},
