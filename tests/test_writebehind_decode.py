@@ -145,6 +145,38 @@ async def test_the_writer_stages_in_pieces_while_decoding_and_writes_the_same_by
                for a, b, c in zip(loaded.buffers, reference.buffers, plan.buffers, strict=True))
 
 
+async def test_the_staged_writer_copies_without_the_gil_and_writes_the_same_bytes(lib, tmp_path: Path, monkeypatch):
+    """Staged (CUDA), the writer copies every byte it writes into its write buffer with numpy, which releases
+    the GIL (a GIL-held copy beside decode made every host-bound step wait, issue 28); unstaged (the CPU), it
+    keeps the slice assignment. The files hold the same bytes either way."""
+    copied = []
+    copyto = np.copyto
+
+    def counting(dst, src, *a, **k):
+        copied.append(np.asarray(src).nbytes)
+        return copyto(dst, src, *a, **k)
+
+    monkeypatch.setattr(np, "copyto", counting)
+    store = SsdStore(tmp_path / "staged", IDENTITY, layout="blocks", block_tokens=16)
+    plain = SsdStore(tmp_path / "plain", IDENTITY, layout="blocks", block_tokens=16)
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    g.set_urgent("backlog", True)  # full speed beside decode
+    g.set_busy(True)
+    plan = _plan(tuple(range(70)))
+    written = await _write_one(store, g, plan, ticking=True)
+    assert isinstance(written.outcome, Stored)
+    assert sum(copied) == plan.nbytes  # every tensor byte, through numpy (host_memory's fake staging copies none)
+    copied.clear()
+    expect = await trio.to_thread.run_sync(lambda: plain.write(plan, Pacer(g)))  # unstaged: GIL-held copies
+    assert isinstance(expect, Stored) and not copied
+    loaded, reference = store.load(written.outcome.record), plain.load(expect.record)
+    assert loaded is not None and reference is not None
+    assert all(bytes(a) == bytes(b) == bytes(c)
+               for a, b, c in zip(loaded.buffers, reference.buffers, plan.buffers, strict=True))
+    assert sorted(p.read_bytes() for p in (tmp_path / "staged").rglob("*.mlxblk")) == sorted(
+        p.read_bytes() for p in (tmp_path / "plain").rglob("*.mlxblk"))
+
+
 async def test_holding_write_behind_while_decoding_never_holds_a_flush(lib, tmp_path: Path):
     """`--ssd-write-hold-decode`: a checkpoint written behind waits while rows decode; a flush (urgent) is
     never held, and everything it covers is on disk."""

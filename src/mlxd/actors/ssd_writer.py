@@ -118,7 +118,9 @@ class SsdWriterActor:
         pacer = None
         try:
             assert plan is not None
-            pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set)
+            # Staged (CUDA): the bytes are copied on without the GIL, which decode's host-bound steps need.
+            pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set,
+                          release_gil=staging is not None)
             # Shutdown cancels us: the paced write stops at its next slice.
             outcome: WriteOutcome = await thread.run(
                 _write, self._store, plan, pacer, staging, on_cancel=self.stopping.set

@@ -166,12 +166,17 @@ class Pacer:
         slice_bytes: int = 2 << 20,
         stop: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        release_gil: bool = False,
     ) -> None:
+        """`release_gil`: the writer copies bytes into its write buffer with the GIL released (where decode
+        waits on a device and its host step needs the GIL back at once: CUDA; on the CPU the copy would run
+        beside decode's BLAS threads instead, which measured slower: file_format/write.py `_copy_note`)."""
         if governor is None:
             governor = WriteGovernor(busy_rate_bytes_per_s=rate_bytes_per_s)
             governor.set_busy(rate_bytes_per_s is not None)
         self.governor = governor
         self.slice_bytes = max(4096, slice_bytes)
+        self.release_gil = release_gil
         self._stop = stop
         self._clock = clock
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate

@@ -164,7 +164,8 @@ def _write_tmp(
         want_direct = pacer.pacing if pacer is not None else (lambda: False)
     try:
         size = pacer.slice_bytes if pacer is not None else _CHUNK
-        sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct)
+        sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct,
+                     release_gil=pacer is not None and pacer.release_gil)
         digests = []
         for (_, desc), buf in zip(layout.tensors(), plan.buffers, strict=True):
             sink.zeros(desc.offset - sink.position)  # padding up to the tensor's page
@@ -207,7 +208,8 @@ class _Sink:
     (tmpfs, some FUSE and network filesystems).
     """
 
-    def __init__(self, fd: int, *, start: int, size: int, want_direct: Callable[[], bool]) -> None:
+    def __init__(self, fd: int, *, start: int, size: int, want_direct: Callable[[], bool],
+                 release_gil: bool = False) -> None:
         self.fd = fd
         self.position = start  # file offset of the next byte
         self._flushed = start  # file offset of the buffer's first byte
@@ -215,6 +217,7 @@ class _Sink:
         self._buf = _bounce(self._size)
         self._fill = 0
         self._want_direct = want_direct
+        self._release_gil = release_gil  # copy into the buffer without the GIL (see _copy_note)
         self._refused = False  # the filesystem said no to O_DIRECT: stop asking
         self.direct = False
         self.direct_bytes = 0  # bytes written with O_DIRECT (for tests and stats)
@@ -222,7 +225,11 @@ class _Sink:
     def write(self, data: memoryview, pacer: Pacer | None) -> None:
         while data.nbytes:
             n = min(data.nbytes, self._size - self._fill)
-            self._buf[self._fill : self._fill + n] = data[:n]  # holds the GIL: see _copy_note
+            if self._release_gil:  # numpy copies without the GIL
+                np.copyto(np.frombuffer(self._buf[self._fill : self._fill + n], dtype=np.uint8),
+                          np.frombuffer(data[:n], dtype=np.uint8))
+            else:
+                self._buf[self._fill : self._fill + n] = data[:n]  # holds the GIL: see _copy_note
             self._fill += n
             self.position += n
             data = data[n:]
@@ -281,8 +288,11 @@ _SYNC_SLICE = 1 << 20  # buffered slices this large are written back at once
 
 
 # _copy_note: the slice assignment in `write` holds the GIL for each 16 MiB copy; np.copyto
-# would release it, but decode beside write-behind measured slower with it, so this copy is
-# kept (docs/benchmarks.md, H200 run 9).
+# releases it. On the CPU decode beside write-behind measured slower with np.copyto (its BLAS
+# threads need every core; docs/benchmarks.md, H200 run 9), so the CPU keeps the slice
+# assignment. On CUDA (`Pacer.release_gil`, set where the writer stages to host memory) the
+# engine thread's step is host-bound Python that needs the GIL back whenever the device
+# answers, and a GIL-held copy beside it made every step wait (issue 28, wbgaps).
 
 
 def _set_direct(fd: int, on: bool) -> bool:
