@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import Proc, log, text_of, ttft  # noqa: E402
+from bench_gpu import QWEN3_1_7B, Proc, built, log, text_of, ttft  # noqa: E402
 from bench_host_tier_servers import TEXTS, decode  # noqa: E402
 
 
@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--wait-s", type=float, default=30.0, help="w: the longest wait for write-behind")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if not (args.model / "config.json").exists() and args.model.name == f"model-{QWEN3_1_7B.name}":
+        built(QWEN3_1_7B, args.model.parent)  # a fresh machine: the servers bench's model, built as it builds it
     prof = args.out / "decode-gaps-profile.json"
     cmd = [sys.executable, str(HERE.parent / "prof_serve_threads.py"), "serve", "--model", str(args.model),
            "--port", str(args.port), "--log-format", "json", "--queue-timeout", "0", "--device-probe", "off",
