@@ -606,6 +606,52 @@ def test_verifying_over_the_whole_kv_buffer_is_identical_and_keeps_key_shapes(ti
     assert len(set(key_lengths)) <= 8, f"one key length per buffer size, not one per step: {sorted(set(key_lengths))}"
 
 
+def test_on_cuda_speculation_s_forwards_reach_mlx_attention_in_few_shapes_and_stay_identical(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """CUDA's paths forced on here (the whole-buffer view, model/suffix_attention.py's routing): a draft
+    model (other weights, so the gate probes, pauses and probes again at batch 1, each probe catching the
+    draft up on a new number of tokens) over rows of different prompt lengths decodes what plain
+    decoding does, and of the draft's forwards none of 2..SHORT_QUERY queries reaches MLX's attention
+    (cuDNN's per-shape plans on CUDA); longer ones (its catch-ups) come in bucket widths (draft.fed_width)
+    over the whole buffer (its size changes once in 256 positions) or over a fresh cache of that width."""
+    import mlx.core as mx
+
+    from mlxd.engine import spec_batch
+    from mlxd.engine.draft import fed_width
+    from mlxd.model import suffix_attention
+
+    draft = build_model(tmp_path / "wide", "test-wide", seed=1)  # head_dim 64: its calls tell themselves apart
+    monkeypatch.setattr(spec_batch, "WHOLE_BUFFER", True)
+    reached: list[tuple[int, int]] = []  # the draft's (queries, keys) at MLX's kernel
+    original = mx.fast.scaled_dot_product_attention
+
+    def kernel(q, k, v, *, scale, mask=None, **kwargs):
+        if q.shape[-1] == 64 and q.shape[2] > 1:  # one query: no per-shape plan (a vector kernel, or per buffer)
+            reached.append((q.shape[2], k.shape[2]))
+        return original(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", kernel)
+    requests = [_request(f"r{n}", BASE[:n] * 3, max_tokens=70, temperature=4.0, seed=n, logit_bias=NO_EOS)
+                for n in (23, 31, 40)]
+    suffix_attention.install(force=True)
+    try:
+        for batch in (requests[:1], requests[1:2], requests):
+            off = _run(tiny_model_dir, "off", batch)
+            on = _run(tiny_model_dir, "draft", batch, draft_model=str(draft))
+            assert on[0] == off[0] and on[2] == off[2]
+            for r in batch:
+                _same_logprobs(off[1][r.request_id], on[1][r.request_id])
+            spec = on[3].speculation
+            assert spec is not None and spec.gate_probes >= 2, spec
+    finally:
+        suffix_attention.uninstall()
+    assert reached, "the draft's catch-ups (its prefix) reach MLX's kernel"
+    widths = {fed_width(n, 2048) for n in range(1, 2049)}
+    assert all(q > suffix_attention.SHORT_QUERY and q in widths for q, _ in reached), sorted(set(reached))
+    # Keys: the whole buffer (it grows 256 positions at a time) or a fresh cache's first chunk: a few sizes.
+    assert len(set(reached)) <= 6, sorted(set(reached))
+
+
 def test_a_withheld_step_makes_no_draft_forward_and_reads_nothing_back(tiny_model_dir, monkeypatch):
     """Steps the gate keeps from verifying cost what plain steps cost: no draft forward (no prefix
     prefill, no catch-up), no read of the pending tokens. Twice: a draft priced at its weights (the

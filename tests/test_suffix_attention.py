@@ -31,25 +31,51 @@ def test_it_is_on_unless_turned_off(monkeypatch):
         assert not suffix_attention.install() and suffix_attention._ORIGINAL is None
 
 
-def test_the_wrapper_routes_only_short_chunks_over_long_contexts(monkeypatch):
-    calls: list[tuple[int, int]] = []
+def test_the_wrapper_routes_short_chunks_over_long_contexts_and_speculation_s_forwards_over_any(monkeypatch):
+    """Up to MAX_QUERY queries over MIN_KEYS keys or more (causal or no mask) go the plain way, and so do
+    2..SHORT_QUERY queries (a verify's 1 + K, a draft's first forward) over any keys, array masks too (the
+    whole-buffer view's): no per-shape graph for speculation's forwards, whatever the key length."""
+    calls: list[tuple[int, int, str]] = []
     real = suffix_attention.unfused
 
-    def spy(q, k, v, *, scale, causal):
-        calls.append((q.shape[2], k.shape[2]))
-        return real(q, k, v, scale=scale, causal=causal)
+    def spy(q, k, v, *, scale, causal, mask=None):
+        calls.append((q.shape[2], k.shape[2], "causal" if causal else "array" if mask is not None else "none"))
+        return real(q, k, v, scale=scale, causal=causal, mask=mask)
 
     monkeypatch.setattr(suffix_attention, "unfused", spy)
+    short = suffix_attention.SHORT_QUERY
     try:
         assert suffix_attention.install(force=True)
         for n, keys, mask in [(1, 2048, None), (30, 2048, "causal"), (30, 512, "causal"), (300, 2048, "causal"),
-                              (30, 2048, mx.ones((30, 2048), dtype=mx.bool_))]:
+                              (30, 2048, mx.ones((30, 2048), dtype=mx.bool_)),
+                              (5, 300, "causal"), (5, 512, mx.ones((1, 1, 5, 512), dtype=mx.bool_)),
+                              (short, 40, None), (short + 1, 512, mx.ones((short + 1, 512), dtype=mx.bool_)),
+                              (8, 4, "causal"), (1, 300, mx.ones((1, 300), dtype=mx.bool_))]:
             q = mx.random.normal((1, 4, n, 64))
             k = v = mx.random.normal((1, 2, keys, 64))
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
     finally:
         suffix_attention.uninstall()
-    assert calls == [(30, 2048)]  # a decode step, a short context, a long chunk and an array mask keep MLX's
+    # Kept MLX's: a decode step, a 30-query chunk over a short context, a long chunk, a 30-query array
+    # mask, SHORT_QUERY + 1 under an array mask, a causal chunk longer than its keys, one query under a mask.
+    assert calls == [(30, 2048, "causal"), (5, 300, "causal"), (5, 512, "array"), (short, 40, "none")]
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 5, 300), (2, 1, 5, 300), (5, 300), (2, 8, 5, 300)])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_unfused_under_an_array_mask_matches_mlx_attention(mask_shape, kind):
+    """A verify's whole-buffer mask (rows, 1, queries, buffer), a per-head one and a 2-d one, boolean or
+    additive, attended the plain way as MLX's kernel attends them (grouped KV heads: 8 over 2)."""
+    mx.random.seed(len(mask_shape))
+    q = mx.random.normal((2, 8, 5, 64))
+    k, v = mx.random.normal((2, 2, 300, 64)), mx.random.normal((2, 2, 300, 64))
+    allowed = mx.random.uniform(shape=mask_shape) > 0.3
+    allowed = allowed | (mx.arange(300) == 0)  # every query sees one key at least
+    mask = allowed if kind == "bool" else mx.where(allowed, 0.0, -1e9).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = suffix_attention.unfused(q, k, v, scale=0.125, causal=False, mask=mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item()
 
 
 def test_a_conversation_served_with_it_gives_the_same_tokens(tiny_model_dir, monkeypatch):
@@ -69,9 +95,9 @@ def test_a_conversation_served_with_it_gives_the_same_tokens(tiny_model_dir, mon
     calls: list[int] = []
     real = suffix_attention.unfused
 
-    def spy(q, k, v, *, scale, causal):
+    def spy(q, k, v, *, scale, causal, mask=None):
         calls.append(q.shape[2])
-        return real(q, k, v, scale=scale, causal=causal)
+        return real(q, k, v, scale=scale, causal=causal, mask=mask)
 
     monkeypatch.setattr(suffix_attention, "unfused", spy)
     try:

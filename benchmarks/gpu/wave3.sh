@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
 #   bash benchmarks/gpu/wave3.sh struct1 struct8                   # structured decode paired with free, b1 then b8
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
+#   bash benchmarks/gpu/wave3.sh vshapes                           # a short forward's cost per new key length
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -39,6 +40,9 @@ for p in "$@"; do case $p in
   spec8) phase spec8 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 8 --rounds 40 --tokens 48 \
             --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule bracket \
             --budget $(( ${LIMIT_spec8:-170} - 14 )) ${SPEC8_ARGS:-} ;;
+  # Issue 23: what a forward of 1 (decode), 5 (a verify), 17 and 64 (a draft's catch-ups) queries costs at 20
+  # consecutive key lengths, first call vs second, over MLX's kernel (exact keys / whole buffer) and routed.
+  vshapes) phase vshapes 90 python3 benchmarks/gpu/verify_shapes.py ${VSHAPES_ARGS:-} ;;
   numerics) phase numerics 100 python3 benchmarks/gpu/verify_numerics.py ${NUMERICS_ARGS:---prompt 512 --tokens 192} ;;
   rollback) phase rollback 60 python3 benchmarks/bench_rollback.py ${ROLLBACK_ARGS:---shape qwen3-1.7b --context 512 2048 8192} ;;
   verify) phase verify 120 python3 benchmarks/bench_verify_step.py --bf16-shape qwen3-1.7b ${VERIFY_ARGS:---span 256 --tokens 96 --rounds 5} ;;

@@ -192,13 +192,21 @@ class ModelDrafts:
         last chunk of at most one step, which is returned (its logits are the caller's)."""
         import mlx.core as mx
 
+        from mlxd.engine import spec_batch
+
         began = time.perf_counter()
         self._own()
         assert self.caches is not None
         step = self.draft.prefill_step
         while len(ids) > step or (whole and ids):
             chunk, ids = ids[:step], ids[step:]
-            self.draft.model(mx.array([chunk]), cache=self.caches)
+            if spec_batch.WHOLE_BUFFER:  # CUDA: a bucket's width over the whole buffer (one plan per pair)
+                pad = fed_width(len(chunk), step) - len(chunk)
+                self.draft.model(mx.array([chunk + [chunk[-1]] * pad]), cache=spec_batch.whole_buffers(self.caches))
+                for c in self.caches if pad else ():
+                    c.trim(pad)  # the padding's KV (after every real id: none of them attended to it)
+            else:
+                self.draft.model(mx.array([chunk]), cache=self.caches)
             mx.eval([c.state for c in self.caches])
         self.prefix.alone_s += time.perf_counter() - began  # the engine's gate is charged with it
         return ids
@@ -231,6 +239,16 @@ class ModelDrafts:
         if self.caches and isinstance(self.caches[0], _Slot):
             slot = self.caches[0]
             self.caches = slot.batch.copy_out(slot.i, slot.offset)
+
+
+def fed_width(n: int, most: int) -> int:
+    """The width a catch-up of `n` ids is fed at on CUDA (padded after its last id): 16 at least, then
+    powers of two to 128, then multiples of 128, at most `most` (the prefill step) and never under `n`.
+    A draft's catch-up (its prefix at a row's first draft, the tokens of steps it sat out) has a new
+    length nearly every time, and CUDA's attention builds a plan per exact shape (model/suffix_attention.py):
+    in buckets, a handful of widths over the whole buffer's 256-position sizes makes every plan."""
+    width = 16 if n <= 16 else 1 << (n - 1).bit_length() if n <= 128 else -(-n // 128) * 128
+    return max(n, min(width, most))
 
 
 @attrs.define
@@ -437,8 +455,12 @@ class DraftBatch:
 
         began = time.perf_counter()
         left = [list(x) for x in ids]
+        from mlxd.engine import spec_batch
+
         while any(left):
             width = min(self.draft.prefill_step, max(len(x) for x in left))
+            if spec_batch.WHOLE_BUFFER:  # CUDA: a bucket's width (fed_width), padded past each row's ids
+                width = fed_width(width, self.draft.prefill_step)
             inputs = [[0] * width for _ in range(self.size)]
             fed = [0] * self.size
             for n, slot in enumerate(slots):

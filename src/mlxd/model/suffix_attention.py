@@ -10,6 +10,14 @@ scores are small. On a GPU, chunks of 2..MAX_QUERY queries over at least MIN_KEY
 mask) go that way; anything else keeps MLX's kernel. The H200 (18:48, `mlxd_ram_unfused` against
 `mlxd_ram`, 3 rounds): the next turn's forward 133 -> 94 ms, its client time 0.729x. On by default on
 a GPU (the CPU has no cuDNN: nothing to install); `MLXD_SUFFIX_ATTENTION=off` keeps MLX's everywhere.
+
+Speculation's forwards are shorter still: a verify feeds 1 + K queries (K = --num-draft-tokens, 4 by
+default), a draft model's first forward at a step up to as many, at a key length that moves with every
+accepted token, over a short context as often as a long one (issue 23: an unrelated draft's tries at
+batch 1 cost 0.84x of off on the H200 in 48-token rounds, 0.99x in 96-token ones). So chunks of
+2..SHORT_QUERY queries go the plain way over any number of keys, and under an array mask too (the
+whole-buffer view's, spec_batch.WholeBuffer, and the draft batch's, draft._LayerView): their scores are
+a few rows a head, and no forward of speculation waits for a graph build, whatever its key length.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from typing import Any
 ENV = "MLXD_SUFFIX_ATTENTION"
 MAX_QUERY = 128  # a chunk this short is a suffix: its scores are queries x keys per head
 MIN_KEYS = 1024  # over a context this long: a short context's graph build is rare and cheap to redo
+# Chunks this short (a speculative verify's 1 + K queries, a draft's first forward) go the plain way over any
+# number of keys and under an array mask: speculation's forwards see a new key length at nearly every step.
+SHORT_QUERY = 16
 
 _ORIGINAL: Any = None
 
@@ -47,14 +58,26 @@ def install(*, force: bool = False) -> bool:
 
     def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
                                      sinks: Any = None, **kwargs: Any) -> Any:
-        if (sinks is None and not kwargs and (mask is None or isinstance(mask, str) and mask == "causal")
-                and 1 < q.shape[2] <= MAX_QUERY and k.shape[2] >= MIN_KEYS and q.shape[2] <= k.shape[2]):
-            return unfused(q, k, v, scale=scale, causal=mask == "causal")
+        if sinks is None and not kwargs and routed(q.shape[2], k.shape[2], mask):
+            if isinstance(mask, str):
+                return unfused(q, k, v, scale=scale, causal=True)
+            return unfused(q, k, v, scale=scale, causal=False, mask=mask)
         return original(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
     _ORIGINAL = original
     return True
+
+
+def routed(queries: int, keys: int, mask: Any) -> bool:
+    """Whether a chunk of `queries` over `keys` under `mask` (None, "causal" or an array) goes the plain way:
+    2..SHORT_QUERY queries over any keys (any of those masks), or up to MAX_QUERY over MIN_KEYS or more
+    (no mask or a causal one). A causal chunk longer than its keys keeps MLX's (it aligns to the end)."""
+    if mask is not None and not isinstance(mask, str):
+        return 1 < queries <= SHORT_QUERY
+    if queries > keys or isinstance(mask, str) and mask != "causal":
+        return False
+    return 1 < queries <= SHORT_QUERY or (1 < queries <= MAX_QUERY and keys >= MIN_KEYS)
 
 
 def uninstall() -> None:
@@ -66,9 +89,10 @@ def uninstall() -> None:
         _ORIGINAL = None
 
 
-def unfused(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -> Any:
+def unfused(q: Any, k: Any, v: Any, *, scale: float, causal: bool, mask: Any = None) -> Any:
     """Attention as MLX's own fallback computes it (B, heads, L, D queries; grouped KV heads; a causal
-    mask aligned to the end of the keys)."""
+    mask aligned to the end of the keys, or an array `mask`: boolean, True where a query may attend,
+    or added to the scores, broadcast to (B, heads, L, keys) as MLX's kernel broadcasts it)."""
     import mlx.core as mx
 
     b, heads, n, d = q.shape
@@ -82,5 +106,15 @@ def unfused(q: Any, k: Any, v: Any, *, scale: float, causal: bool) -> Any:
     if causal:
         allowed = (mx.arange(n)[:, None] + (keys - n)) >= mx.arange(keys)[None]
         scores = mx.where(allowed, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    elif mask is not None:
+        if repeats > 1:  # (.., heads, L, keys) -> (.., kv heads, repeats, L, keys), as the scores are
+            if mask.ndim == 4 and mask.shape[1] == heads:
+                mask = mask.reshape(mask.shape[0], kv_heads, repeats, *mask.shape[2:])
+            else:
+                mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
     out = mx.softmax(scores, axis=-1, precise=True) @ v
     return out.reshape(b, heads, n, v.shape[-1]) if repeats > 1 else out
