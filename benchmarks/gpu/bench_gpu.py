@@ -86,12 +86,12 @@ def run_streamed(args: list[str], *, result: str = "last", merge_stderr: bool = 
 # --- 1. the model ------------------------------------------------------------------------
 
 
-def build(preset: presets.ModelPreset, dest: Path) -> Path:
+def build(preset: presets.ModelPreset, dest: Path, *, seed: int = 0) -> Path:
     from mlxd.model.tiny import build_model
 
     presets.PRESETS[preset.name] = preset
     t0 = time.perf_counter()
-    build_model(dest, preset.name, seed=0)
+    build_model(dest, preset.name, seed=seed)
     weights = mx.load(str(dest / "model.safetensors"))
     weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -270,9 +270,10 @@ class Drafts:
         self.counters.verify_steps += 1
 
 
-# A draft model's probe at a batch of more rows: this many rows draft in a plain step, not verified, and
-# their drafts are compared with what the rows then emit (kv/ngram.py's SpeculationGate.probe_rows):
-# a failed probe pays one row's draft forwards (and its prefill), no verifying forward, no token read.
+# A draft model's probe, at any batch of this many rows or more (batch 1 included): this many rows draft in
+# a plain step, not verified, and their drafts are compared with what the rows then emit (kv/ngram.py's
+# SpeculationGate.probe_rows): a failed probe pays one row's draft forward (and its prefill), no verifying
+# forward, no token read.
 DRAFT_PROBE_ROWS = 1
 
 

@@ -211,7 +211,9 @@ class SpeculationGate:
 
     A probe can cost less than a verifying step (`probe_rows`, set for a draft model, whose first
     draft of a row prefills the row's prompt, and whose verifying forward is as wide at any
-    acceptance): at a batch of more rows, at first and after each pause, the step is a plain one
+    acceptance): at a batch of that many rows or more (batch 1 too: there a verifying try costs K
+    draft forwards, a read of the pending token and a wider forward, a probe one draft forward),
+    at first and after each pause, the step is a plain one
     (`decide` says "probe") in which that many rows draft without verifying; the batch compares
     their drafts with the tokens the rows then emit and reports how many would have been accepted
     (`probed`: exactly what verifying would have kept, since the emitted tokens are the ones
@@ -223,6 +225,11 @@ class SpeculationGate:
     the whole batch verify from the next step and is judged by the clock. Probe steps are not
     timed (a plain step with a draft's forwards in it is neither kind's steady cost).
 
+    After a pause, one failed try is a verdict (`retries`: a verifying step whose tokens per row stay
+    under `min_gain`, or a probe whose first draft the row did not emit): the next pause follows at
+    once, not after `min_tries` more (the H200 at batch 1, an unrelated draft model, 48-token rounds:
+    2 tries, pause 16, 2 tries, pause 64, 2 tries cost 0.84x of off; issue 23).
+
     A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
     the most a verifying step can gain over a plain one, from what the draft's forwards cost,
     `draft_ceiling`; under `min_speedup` no step verifies, so no probe pays a draft prefill).
@@ -233,13 +240,14 @@ class SpeculationGate:
     first_pause: int = 16  # each pause in a row is 4 times longer, up to max_pause
     min_samples: int = 3  # verifying steps measured before they are judged (one step is noisy)
     min_tries: int = 2  # verifying steps before their tokens per row are judged
+    retries: int = 1  # after a pause: failed tries (verifying steps, probes) before the next pause
     min_gain: float = 1.05  # tokens per row a verifying step must average
     probe_every: int = 64  # verifying steps between measured plain steps
     # How much faster than plain a verifying step must measure: what the timed steps leave out (a
     # draft model's catch-up after plain steps, its prefill at a row's first draft) is paid too.
     min_speedup: float = 1.1
     ceiling: float = float("inf")  # the most verifying can gain (set at load for a draft model)
-    probe_rows: int = 0  # rows a probe drafts without verifying, at a batch of more rows (0: no such probe)
+    probe_rows: int = 0  # rows a probe drafts without verifying, at a batch of as many or more (0: no such probe)
     probe_drafts: int = 1  # drafts a probe row makes (one draft forward: no later draft is kept if the first is not)
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
     _open: tuple[int, Step, int, float] | None = None  # the step in progress: (rows, kind, tokens, start)
@@ -274,7 +282,7 @@ class SpeculationGate:
             r.pause -= 1
             self.withheld += 1
             return "plain"
-        if 0 < self.probe_rows < rows and not r.proven:
+        if 0 < self.probe_rows <= rows and not r.proven:
             self.withheld += 1
             return "probe"
         allowed = r.since_plain < (self.probe_every if r.plain > 0 else self.min_samples + 1)
@@ -297,7 +305,7 @@ class SpeculationGate:
             r.probe_hits += 1
         else:
             r.probe_misses += 1
-        if r.probe_misses >= self.min_tries:
+        if r.probe_misses >= self._tries(r):
             self._pause(r)
         elif r.probe_hits >= self.min_tries:  # its verifying steps judged afresh, by their tokens and the clock
             r.proven, r.probe_hits, r.probe_misses = True, 0, 0
@@ -321,7 +329,7 @@ class SpeculationGate:
             r.since_plain += 1
             r.tried += 1
             r.gain = tokens / rows if r.tried == 1 else r.gain + 0.5 * (tokens / rows - r.gain)
-            if r.tried >= self.min_tries and r.gain < self.min_gain:
+            if r.tried >= self._tries(r) and r.gain < self.min_gain:
                 self._pause(r)
                 return
         if not follows or now <= start or tokens <= 0:
@@ -344,6 +352,10 @@ class SpeculationGate:
             r.suspect = True
             r.plains, r.verifies, r.since_plain = [], [], self.probe_every
 
+    def _tries(self, r: _Rates) -> int:
+        """Failed tries that make a verdict: `min_tries` at first, `retries` after a pause."""
+        return self.min_tries if r.pauses == 0 else min(self.retries, self.min_tries)
+
     def _pause(self, r: _Rates) -> None:
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
@@ -358,6 +370,10 @@ class SpeculationGate:
 
     def idle(self, now: float, *, charged: float = 0.0) -> None:
         """The batch ran empty: the last step ends here (not when rows arrive again), and the next
-        step follows nothing."""
+        step follows nothing. The rows that come next are judged by their own tokens per row: what
+        the last ones averaged is dropped (after rows whose drafts were all accepted, rows whose drafts
+        are not would otherwise verify until the average decays, 7 steps from 5 tokens a row)."""
         self.started(now, charged=charged)
         self._last = None
+        for r in self._by_rows.values():
+            r.tried, r.gain = 0, 0.0
