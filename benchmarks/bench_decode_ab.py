@@ -9,7 +9,18 @@ thread stepping on by itself vs one trio round trip per step). An arm is
 (`--host-cache-gb 1 --ssd-cache DIR`) with a fresh prompt before each decode, so its
 write-behind runs while it decodes.
 
+For a noisy host (the H200's runs, issue 28): `--fresh-all` sends the fresh prompt before
+every server's decode (the goal's workload: bench_host_tier_servers.py), `--control` adds a
+second mlx_lm.server (`mlx_lm2`: its ratio to mlx_lm is the noise floor), the order of the
+servers rotates every round, `--budget S` starts no round that would end past S seconds,
+and the summary gives per arm and level the per-round ratios to mlx_lm with their median,
+quartiles and minimum. A `--model` named `model-qwen3-1.7b-shape` that does not exist is
+built (as the servers bench builds it).
+
     python benchmarks/bench_decode_ab.py --model DIR --arm new=src --arm base=/tmp/base/src --rounds 5 --ssd
+    python benchmarks/bench_decode_ab.py --model /tmp/host-servers-work/model-qwen3-1.7b-shape --arm mlxd=src \
+        --ssd --fresh-all --control --tokens 256 --fresh-tokens 8192 --serve-args "--prompt-cache-gb 3" \
+        --ssd-args "--host-cache-gb 24" --rounds 20 --budget 200
 """
 
 from __future__ import annotations
@@ -23,13 +34,14 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu"))
 
-from bench_gpu import Proc, log, text_of, ttft  # noqa: E402
+from bench_gpu import QWEN3_1_7B, Proc, built, log, text_of, ttft  # noqa: E402
 from bench_host_tier_servers import TEXTS, decode  # noqa: E402
 
 
@@ -44,74 +56,114 @@ def main() -> int:
     ap.add_argument("--fresh-tokens", type=int, default=1024, help="the fresh prompt before an SSD arm's decode")
     ap.add_argument("--ssd-args", default="", help="more `mlxd serve` flags for the SSD arms, e.g. a RAM tier and "
                     "write rate scaled so the write backlog passes its bound as on the H200")
+    ap.add_argument("--serve-args", default="", help="more `mlxd serve` flags for every mlxd arm")
+    ap.add_argument("--fresh-all", action="store_true", help="the fresh prompt before every server's decode")
+    ap.add_argument("--control", action="store_true", help="a second mlx_lm.server (mlx_lm2): the noise floor")
+    ap.add_argument("--budget", type=float, default=0, help="seconds: no round starts that would end past it")
     ap.add_argument("--port", type=int, default=18390)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "decode-ab-work")
     args = ap.parse_args()
+    t_begin = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
+    if not (args.model / "config.json").exists() and args.model.name == f"model-{QWEN3_1_7B.name}":
+        built(QWEN3_1_7B, args.model.parent)
     levels = [int(x) for x in args.streams.split(",") if x]
     port = args.port
     servers: dict[str, tuple[Proc, str]] = {}
 
+    base_path = os.environ.get("PYTHONPATH", "")
+
     def add(name: str, cmd: list[str], ready: str, src: str | None) -> None:
         nonlocal port
-        proc = Proc(name, [*cmd, "--port", str(port)], port, ready, args.work / f"{name}.log")
+        path = os.pathsep.join(p for p in (src, base_path) if p)
+        proc = Proc(name, ["env", f"PYTHONPATH={path}", *cmd, "--port", str(port)], port, ready,
+                    args.work / f"{name}.log")
         servers[name] = (proc, src or "")
         port += 1
 
-    add("mlx_lm", [sys.executable, "-m", "mlx_lm", "server", "--model", str(args.model), "--log-level", "WARNING"],
-        "/v1/models", None)
+    mlx_lm = [sys.executable, "-m", "mlx_lm", "server", "--model", str(args.model), "--log-level", "WARNING"]
+    add("mlx_lm", mlx_lm, "/v1/models", None)
+    if args.control:
+        add("mlx_lm2", mlx_lm, "/v1/models", None)
     for arm in args.arm:
         name, src = arm.split("=", 1)
         serve = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(args.model), "--log-format", "json",
-                 "--queue-timeout", "0", "--device-probe", "off"]
+                 "--queue-timeout", "0", "--device-probe", "off", *args.serve_args.split()]
         add(name, serve, "/health", src)
         if args.ssd:
             ssd = args.work / f"ssd-{name}"
             shutil.rmtree(ssd, ignore_errors=True)
             add(f"{name}+ssd", [*serve, "--host-cache-gb", "1", "--ssd-cache", str(ssd), *args.ssd_args.split()],
                 "/health", src)
-    base_path = os.environ.get("PYTHONPATH", "")
-    out: dict[str, Any] = {"argv": sys.argv, "load_before": os.getloadavg(), "rounds": []}
+    import mlx.core as mx
+
+    out: dict[str, Any] = {"device": str(mx.default_device()), "argv": sys.argv, "load_before": os.getloadavg(),
+                           "rounds": [], "orders": []}
+    names = list(servers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode-ab-{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
-        for proc, src in servers.values():
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (src, base_path) if p)
-            proc.start()
-        os.environ["PYTHONPATH"] = base_path
+        with ThreadPoolExecutor(len(servers)) as pool:  # every server starts at once
+            out["start_s"] = dict(zip(names, pool.map(lambda n: round(servers[n][0].start(), 1), names), strict=True))
+        log("started", json.dumps(out["start_s"]))
         fresh = 0
+        round_s = 0.0
         for r in range(args.rounds):
+            if args.budget and time.perf_counter() - t_begin + round_s > args.budget:
+                log(f"budget: {len(out['rounds'])} rounds")
+                break
+            t_round = time.perf_counter()
+            order = names[r % len(names):] + names[:r % len(names)]  # rotated: no server always first
+            out["orders"].append(order)
             row: dict[str, Any] = {}
             for n in levels:
-                for name, (proc, _) in servers.items():
-                    model = "default_model" if name == "mlx_lm" else args.model.name
-                    if name.endswith("+ssd"):
+                for name in order:
+                    proc = servers[name][0]
+                    model = "default_model" if name.startswith("mlx_lm") else args.model.name
+                    if name.endswith("+ssd") or args.fresh_all:
                         fresh += 1
                         asyncio.run(ttft(proc.base, model, text_of(args.model, args.fresh_tokens, 900 + fresh)))
                     prompts = [f"Story {j}: " + TEXTS["q2"] for j in range(n)]
                     row.setdefault(name, {})[str(n)] = asyncio.run(decode(proc.base, model, prompts, args.tokens))["tok_s"]
             out["rounds"].append(row)
+            round_s = max(round_s, time.perf_counter() - t_round)
             log(f"round {r}", json.dumps({k: {n: round(v or 0) for n, v in x.items()} for k, x in row.items()}))
+            out["summary"] = summarize(out["rounds"], names, levels)
+            path.write_text(json.dumps(out, indent=1))  # each round: a run cut short still reports
     finally:
         for proc, _ in servers.values():
             proc.stop()
     out["load_after"] = os.getloadavg()
-    summary: dict[str, Any] = {}
-    for name in servers:
-        for n in map(str, levels):
-            got = [row[name][n] for row in out["rounds"] if row[name][n]]
-            paired = [row[name][n] / row["mlx_lm"][n] for row in out["rounds"] if row[name][n] and row["mlx_lm"][n]]
-            summary.setdefault(name, {})[n] = {"median_tok_s": statistics.median(got) if got else None,
-                                               "paired_vs_mlx_lm": paired,
-                                               "median_paired_vs_mlx_lm": statistics.median(paired) if paired else None}
-    out["summary"] = summary
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-ab-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out["summary"] = summary = summarize(out["rounds"], names, levels)
     path.write_text(json.dumps(out, indent=1))
     for name, levels_ in summary.items():
-        print(name, " ".join(f"{n}: {v['median_tok_s'] or 0:.0f} tok/s ({v['median_paired_vs_mlx_lm'] or 0:.2f}x)"
+        def f(x: float | None, spec: str = ".3f") -> str:
+            return "-" if x is None else format(x, spec)
+
+        print(name, " ".join(f"{n}: {f(v['median_tok_s'], '.0f')} tok/s ({f(v['median_paired_vs_mlx_lm'])}x "
+                             f"[{f(v['q1'])}-{f(v['q3'])}], min {f(v['min'])}, "
+                             f"{v['rounds_at_or_above_1']}/{len(v['paired_vs_mlx_lm'])} >= 1)"
                              for n, v in levels_.items()), flush=True)
     print("->", path)
     return 0
+
+
+def summarize(rounds: list[dict[str, Any]], names: list[str], levels: list[int]) -> dict[str, Any]:
+    """Per server and level: median tok/s, and each round's ratio to mlx_lm's decode of the same round and level
+    (median, quartiles, minimum, how many rounds at or above 1)."""
+    summary: dict[str, Any] = {}
+    for name in names:
+        for n in map(str, levels):
+            got = [row[name][n] for row in rounds if row[name][n]]
+            paired = [row[name][n] / row["mlx_lm"][n] for row in rounds if row[name][n] and row["mlx_lm"][n]]
+            q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [None, None, None]
+            summary.setdefault(name, {})[n] = {"median_tok_s": statistics.median(got) if got else None,
+                                               "paired_vs_mlx_lm": [round(x, 3) for x in paired],
+                                               "median_paired_vs_mlx_lm": statistics.median(paired) if paired else None,
+                                               "q1": q[0], "q3": q[2], "min": min(paired) if paired else None,
+                                               "rounds_at_or_above_1": sum(x >= 1.0 for x in paired)}
+    return summary
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
 #   bash benchmarks/gpu/wave3.sh vshapes                           # a short forward's cost per new key length
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
+#   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -73,6 +74,13 @@ for p in "$@"; do case $p in
             --fresh-tokens 8192 --fresh-pattern 1,0,1,0 --sample-ms 1000 \
             --serve-args "--ssd-cache /tmp/wbgaps-ssd --host-cache-gb 24 --prompt-cache-gb 3 ${WBGAPS_SERVE:-}" \
             ${WBGAPS_ARGS:-} ;;
+  # Issue 28's decode goal with the host's drift spread over every arm: mlx_lm, a second mlx_lm (the noise floor),
+  # mlxd RAM only and mlxd + host tier + SSD all up at once; each round a fresh 8k prompt then 1 and 8 streams on
+  # every server in a rotated order; per-round ratios to mlx_lm (median, IQR, min). Builds the model if missing.
+  decodeab) phase decodeab 260 python3 benchmarks/bench_decode_ab.py --model /tmp/host-servers-work/model-qwen3-1.7b-shape \
+            --arm mlxd=src --ssd --fresh-all --control --tokens 256 --fresh-tokens 8192 --rounds 30 \
+            --serve-args "--prompt-cache-gb 3" --ssd-args "--host-cache-gb 24" --out "$OUT" \
+            --budget $(( ${LIMIT_decodeab:-260} - 25 )) ${DECODEAB_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
