@@ -382,9 +382,24 @@ class BlockStore:
         (`Pacer.serial`: paced, held, or a backlog beside decode). A write that started in parallel (the
         engine idle) and finds it serial at a block's start (rows decode now, or a prompt waits for its
         first token) writes that block and the rest one at a time: four writing threads beside decode
-        stage, hash and write four blocks at once (issue 28)."""
-        if len(jobs) <= 1 or self.writers <= 1 or (pacer is not None and pacer.serial()):
-            return {name: self._write_block(name, plan, pacer, prepare) for name, plan in jobs}
+        stage, hash and write four blocks at once (issue 28). The other way round too: a write begun one
+        block at a time (rows decoding) hands the blocks it has not started to the `writers` threads once it
+        may (a flush waits, the engine went idle), so a SIGTERM flush never finishes a checkpoint begun
+        beside decode one block at a time (issue 28: a 1.9 GB checkpoint's last 0.9 GB flushed at 0.44x the
+        disk on the H200)."""
+        made: dict[str, int] = {}
+        left = list(jobs)
+        while left and (len(left) == 1 or self.writers <= 1 or (pacer is not None and pacer.serial())):
+            name, plan = left.pop(0)
+            made[name] = self._write_block(name, plan, pacer, prepare)
+        if left:
+            made.update(self._write_blocks_at_once(left, pacer, prepare))
+        return made
+
+    def _write_blocks_at_once(
+        self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None
+    ) -> dict[str, int]:
+        """`writers` blocks in flight; one at a time again for the blocks started while the pacer says so."""
         pool = _thread_pool(self.writers, "mlxd-block-write")
         one = threading.Lock()
 

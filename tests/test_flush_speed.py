@@ -1,0 +1,123 @@
+"""The SIGTERM flush at the disk's write bandwidth (issue 28): what a flush pays besides the bytes.
+
+A checkpoint's write begun beside decode (one block at a time) hands its remaining blocks to the four
+writing threads once a flush waits; a buffered file is written back a slice at a time with one slice in
+flight behind the one being filled (sync_file_range), made durable by its fsync at the end; the flush
+reports where its seconds went. Bytes on disk are always the source's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlc
+
+from mlxd.kv import file_format as ff
+from mlxd.kv import kinds
+from mlxd.kv.file_format import write as ffw
+from mlxd.kv.pacing import Pacer, WriteGovernor
+from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity
+
+MB = 1 << 20
+IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
+
+
+def _plan(n: int, heads: int = 4, dim: int = 16):
+    c = mlc.KVCache()
+    pos = mx.arange(n, dtype=mx.float32)[None, None, :, None]
+    k = pos * 1000 + mx.arange(heads, dtype=mx.float32)[None, :, None, None] * 16 + mx.arange(dim, dtype=mx.float32)
+    c.update_and_fetch(k, -k)
+    return kinds.plan_snapshot([c], meta=IDENTITY.meta(tuple(range(n)), ""))
+
+
+def test_a_write_begun_beside_decode_goes_four_blocks_at_a_time_once_a_flush_waits(tmp_path: Path, monkeypatch):
+    """Rows decode (paced): the checkpoint's first blocks go one at a time on the calling thread; a flush
+    arrives; the blocks not yet started are written several at once on the block-writing threads, and
+    every block's bytes are the source's."""
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    g.set_busy(True)
+    pacer = Pacer(g)
+    assert pacer.serial()
+    caller = threading.current_thread().name
+    lock = threading.Lock()
+    threads: list[str] = []  # the thread that wrote each block, in the order they started
+    inflight = [0, 0]  # now, most
+    together = threading.Barrier(2, timeout=60)  # two blocks in flight at once after the flush, or a timeout
+    real = ff.write_snapshot
+
+    def write(plan, path, **kw):
+        with lock:
+            threads.append(threading.current_thread().name)
+            index = len(threads)
+            inflight[0] += 1
+            inflight[1] = max(inflight)
+        try:
+            if index == 2:
+                g.set_urgent("flush", True)  # a flush waits from the second block on
+            elif index in (3, 4):
+                together.wait()
+            return real(plan, path, **kw)
+        finally:
+            with lock:
+                inflight[0] -= 1
+
+    monkeypatch.setattr(ff, "write_snapshot", write)
+    plan = _plan(16 * 10)
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    stored = store.write(plan, pacer)
+    assert isinstance(stored, Stored)
+    assert len(threads) == 10
+    assert threads[:2] == [caller, caller]  # begun one at a time, on the writer's own thread
+    assert all(t.startswith("mlxd-block-write") for t in threads[2:]) and inflight[1] >= 2
+    loaded = store.load(stored.record)
+    assert loaded is not None
+    assert all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+
+
+def _tensors_on_disk_are(path: Path, plan) -> bool:
+    head = ff.read_header(path)
+    raw = path.read_bytes()
+    descs = [t for c in head.caches for t in c.tensors if t is not None]
+    return len(descs) == len(plan.buffers) and all(
+        raw[t.offset : t.offset + t.nbytes] == bytes(buf) for t, buf in zip(descs, plan.buffers, strict=True))
+
+
+def test_buffered_slices_are_written_back_one_behind_and_the_file_is_the_source(tmp_path: Path, monkeypatch):
+    """Unpaced (a flush): each slice's write-back starts at once and only the slice before it is waited for;
+    the file is fsynced at its end and holds the source's bytes."""
+    calls: list[tuple[int, int, int]] = []
+    real = ffw._sync_range
+
+    def record(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        calls.append((offset, nbytes, flags))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(ffw, "_sync_range", record)
+    syncs: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd))[1])
+    plan = _plan(16 * 80, heads=8, dim=128)  # keys and values, 5.2 MB each
+    pacer = Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=1 * MB)
+    written = ff.write_snapshot(plan, tmp_path / "x.mlxkv", pacer=pacer)
+    starts = [c for c in calls if c[2] == ffw._SYNC_RANGE_WRITE]
+    waits = [c for c in calls if c[2] == ffw._SYNC_RANGE_WAIT]
+    assert len(starts) >= 10 and len(waits) == len(starts) - 1
+    assert [w[:2] for w in waits] == [s[:2] for s in starts[:-1]]  # each wait is for the slice before
+    assert syncs, "the file is fsynced before its rename"
+    assert _tensors_on_disk_are(written.path, plan)
+
+
+def test_without_sync_file_range_every_slice_is_fdatasynced(tmp_path: Path, monkeypatch):
+    """Where sync_file_range is missing (not Linux), each slice is written back whole before the next."""
+    monkeypatch.setattr(ffw, "_sync_file_range", None)
+    datasyncs: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (datasyncs.append(fd), real(fd))[1])
+    plan = _plan(16 * 32, heads=8, dim=128)  # 2.1 MB each
+    pacer = Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=1 * MB)
+    written = ff.write_snapshot(plan, tmp_path / "y.mlxkv", pacer=pacer)
+    assert len(datasyncs) >= 4
+    assert _tensors_on_disk_are(written.path, plan)
