@@ -121,3 +121,76 @@ def test_without_sync_file_range_every_slice_is_fdatasynced(tmp_path: Path, monk
     written = ff.write_snapshot(plan, tmp_path / "y.mlxkv", pacer=pacer)
     assert len(datasyncs) >= 4
     assert _tensors_on_disk_are(written.path, plan)
+
+
+def test_a_sigterm_flush_of_a_write_begun_beside_decode_is_durable_and_reports_its_split(tmp_path, tiny_model_dir):
+    """A real server: a conversation's checkpoint starts writing at a crawl beside a decoding row (one block at
+    a time); SIGTERM; the drain lets the row finish, the flush writes the rest at full speed and says where
+    its seconds went; the process exits 0 after `serve.stopped`; a new process restores the conversation and
+    continues it exactly (same tokens, same logprobs)."""
+    import json
+    import signal
+
+    import pytest
+
+    from procs import ServeProcess
+
+    cache = tmp_path / "ssd"
+    flags = ("--model", str(tiny_model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
+             "--ssd-block-tokens", "16", "--ssd-write-rate", "0.01", "--shutdown-timeout", "60")
+    turn = [{"role": "system", "content": "You are a meticulous assistant. Answer in full sentences. " * 12},
+            {"role": "user", "content": "What is a prefix cache?"}]
+    body = {"model": "tiny", "messages": turn, "temperature": 0, "max_tokens": 8, "logprobs": True}
+    with ServeProcess(*flags, log_path=tmp_path / "first.log") as first:
+        decoding = threading.Thread(target=_decode, args=(first.url,))
+        decoding.start()
+        with first.client() as http:
+            _until(lambda: http.get("/stats").json()["scheduler"]["running"] >= 1)
+            warm = http.post("/v1/chat/completions", json=body)
+            assert warm.status_code == 200, warm.text
+            _until(lambda: http.get("/stats").json()["ssd_cache"]["pending_spills"] >= 1)
+            assert http.get("/stats").json()["scheduler"]["running"] >= 1, "the row still decodes at the signal"
+        first.signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 0
+        decoding.join(timeout=60)
+    events = [json.loads(line) for line in first.log().splitlines() if line.startswith("{")]
+    flushed = next(e for e in events if e.get("event") == "serve.flushed")
+    assert flushed["durable"] is True and flushed["pending"] == 0 and flushed["failed"] == 0, flushed
+    assert flushed["writes"] >= 1 and flushed["written_bytes"] > 0
+    assert flushed["files_s"] > 0 and flushed["sync_s"] > 0 and flushed["pwrite_s"] > 0
+    assert any(e.get("event") == "serve.stopped" for e in events)
+
+    with ServeProcess(*flags, log_path=tmp_path / "second.log") as second, second.client() as http:
+        again = http.post("/v1/chat/completions", json=body)
+        assert again.status_code == 200, again.text
+        a, w = again.json(), warm.json()
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= a["usage"]["prompt_tokens"] - 16
+        assert a["choices"][0]["message"]["content"] == w["choices"][0]["message"]["content"]
+        lp = [c["logprob"] for c in a["choices"][0]["logprobs"]["content"]]
+        assert lp == pytest.approx([c["logprob"] for c in w["choices"][0]["logprobs"]["content"]], abs=1e-4)
+        assert http.get("/stats").json()["ssd_cache"]["restores"] == 1
+        second.signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 0
+
+
+def _decode(url: str) -> None:
+    """One row decoding for a while (end tokens banned), streamed until the server ends it or it finishes."""
+    import httpx
+
+    body = {"model": "tiny", "prompt": "Count slowly. " * 4, "max_tokens": 400, "stream": True,
+            "logit_bias": {"0": -100, "2": -100}}
+    try:
+        with httpx.Client(base_url=url, timeout=120) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for _ in r.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass
+
+
+def _until(check, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

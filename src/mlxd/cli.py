@@ -317,7 +317,7 @@ def serve_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from mlxd.runtime.logging import configure_logging
+    from mlxd.runtime.logging import configure_logging, get_logger
 
     configure_logging(args.log_format, level=args.log_level)
     try:
@@ -336,6 +336,8 @@ def run_serve(args: argparse.Namespace) -> int:
         trio.run(_serve_main, config, args)
     except* (ModelRefused, DirLocked) as group:  # refused at startup: exit 2 with the reason
         refused = list(group.exceptions)
+    else:  # the runtime is closed (a flush's exit path: from `serve.flushed` to here, then the interpreter's)
+        get_logger("mlxd.serve").info("serve.stopped")
     for error in refused:
         print(f"mlxd serve: {error}", file=sys.stderr)
     return 2 if refused else 0

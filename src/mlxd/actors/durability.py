@@ -60,6 +60,7 @@ class _FlushWaiter:
     targets: set[Key]
     reply: Reply[FlushReport]
     started: float
+    writer: WriterStats  # the writer's counters when the flush came (its report gives what they gained)
 
 
 class DurabilityCoordinator:
@@ -121,7 +122,7 @@ class DurabilityCoordinator:
             self._not_stored_total += 1
         elif isinstance(msg, FlushRequest):
             self._flushes += 1
-            self._waiters.append(_FlushWaiter(queue.open_flush(), msg.reply, self._clock()))
+            self._waiters.append(_FlushWaiter(queue.open_flush(), msg.reply, self._clock(), self._writer_stats))
         elif isinstance(msg, DurabilityStats):
             msg.reply.send(self.snapshot_stats())
 
@@ -191,7 +192,14 @@ class DurabilityCoordinator:
             reason = f"{len(self._not_stored)} checkpoints were not stored: {self._not_stored[0]}"
         elif dropped:
             reason = f"{dropped} checkpoints were dropped before they could be written"
+        now, then = self._writer_stats, waiter.writer
         return FlushReport(
+            writes=now.writes + now.failures - then.writes - then.failures,
+            written_bytes=now.bytes_written - then.bytes_written,
+            stage_s=round(now.stage_s - then.stage_s, 4),
+            pwrite_s=round(now.pwrite_s - then.pwrite_s, 4),
+            sync_s=round(now.sync_s - then.sync_s, 4),
+            files_s=round(now.files_s - then.files_s, 4),
             durable=not failed and pending == 0 and dropped == 0,
             pending=pending,
             failed=len(failed),

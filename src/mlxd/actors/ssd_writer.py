@@ -58,8 +58,10 @@ def _write(
 def _stage(staging: host_memory.Staging, pacer: Pacer, piece: SnapshotPlan) -> SnapshotPlan:
     # While rows decode: pieces of STAGE_PIECE_DECODING bytes, at most one per engine step (the pacer).
     pacer.between_pieces()
+    t0 = time.perf_counter()
     size = pacer.piece_size(host_memory.STAGE_PIECE, host_memory.STAGE_PIECE_DECODING)
     staged: SnapshotPlan = staging.stage(piece, between=pacer.between_pieces, piece=size)
+    pacer.times.add(stage_s=time.perf_counter() - t0)
     return staged
 
 
@@ -143,6 +145,10 @@ class SsdWriterActor:
         s = self._stats
         paced = round(s.paced_s + (pacer.paced_s if pacer is not None else 0.0), 3)
         s = attrs.evolve(s, held_s=round(s.held_s + (pacer.held_s if pacer is not None else 0.0), 3))
+        if pacer is not None:
+            t = pacer.times
+            s = attrs.evolve(s, stage_s=round(s.stage_s + t.stage_s, 4), pwrite_s=round(s.pwrite_s + t.pwrite_s, 4),
+                             sync_s=round(s.sync_s + t.sync_s, 4), files_s=round(s.files_s + t.files_s, 4))
         if isinstance(outcome, Stored):
             return attrs.evolve(s, writes=s.writes + 1, bytes_written=s.bytes_written + outcome.written,
                                 write_s_last=round(seconds, 4), paced_s=paced)

@@ -150,6 +150,30 @@ class WriteGovernor:
                 "hold_while_decoding": self.hold_while_decoding, "engine_steps": self._steps}
 
 
+class WriteTimes:
+    """Where one write's seconds went, summed over the threads that wrote its pieces (several block
+    writers at once during a flush: thread-seconds, which may add up to more than the write's wall time).
+
+    `stage_s`: copies to host memory before writing (CUDA; holds and step waits between pieces included);
+    `pwrite_s`: handing bytes to the OS; `sync_s`: waiting for the disk (write-back of slices, each file's
+    fsync, the directories' fsyncs); `files_s`: files from open to rename (checksums and packing are the
+    rest of it, less pwrite_s and sync_s)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stage_s = 0.0
+        self.pwrite_s = 0.0
+        self.sync_s = 0.0
+        self.files_s = 0.0
+
+    def add(self, *, stage_s: float = 0.0, pwrite_s: float = 0.0, sync_s: float = 0.0, files_s: float = 0.0) -> None:
+        with self._lock:
+            self.stage_s += stage_s
+            self.pwrite_s += pwrite_s
+            self.sync_s += sync_s
+            self.files_s += files_s
+
+
 class Pacer:
     """Called by a writer after every slice; sleeps as needed to hold the governor's rate.
 
@@ -183,6 +207,7 @@ class Pacer:
         self.paced_s = 0.0  # total time spent waiting for the rate
         self.held_s = 0.0  # total time held still for prefills
         self.step_waits = 0  # staged pieces that waited for the engine's next step
+        self.times = WriteTimes()  # where the write's seconds went (the writer's threads add to it)
         self._piece_step: int | None = None  # the engine's step count when the last staged piece went
 
     def pacing(self) -> bool:

@@ -146,14 +146,20 @@ def write_snapshot(
         header = _write_tmp(plan, layout, fd, pacer, direct)
         os.replace(tmp, path)
         if sync_dir:
+            t1 = time.perf_counter()
             fsync_dir(path.parent)
+            if pacer is not None:
+                pacer.times.add(sync_s=time.perf_counter() - t1)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise storage_error(exc, f"writing {path}") from exc
     except WriteInterrupted:
         _unlink_quietly(tmp)
         raise
-    return WrittenFile(path, header.file_size, header, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if pacer is not None:
+        pacer.times.add(files_s=seconds)
+    return WrittenFile(path, header.file_size, header, seconds)
 
 
 def _write_tmp(
@@ -184,7 +190,10 @@ def _write_tmp(
         head.write(memoryview(blob), None)
         head.finish(None)  # zero-pads the header block up to data_offset
         os.ftruncate(fd, header.file_size)  # the last block was padded to the page
+        t0 = time.perf_counter()
         os.fsync(fd)
+        if pacer is not None:
+            pacer.times.add(sync_s=time.perf_counter() - t0)
     finally:
         os.close(fd)
     return attrs.evolve(header, digest=digest)
@@ -280,6 +289,7 @@ class _Sink:
             self._refused = want and not self.direct
         data = self._buf[: self._fill]
         offset = self._flushed
+        t0 = time.perf_counter()
         while data.nbytes:
             try:
                 n = os.pwrite(self.fd, data, offset)
@@ -291,10 +301,13 @@ class _Sink:
                 continue
             data = data[n:]
             offset += n
+        t1 = time.perf_counter()
         if self.direct:
             self.direct_bytes += self._fill
         elif self._fill >= _SYNC_SLICE:
             self._write_back(self._flushed, self._fill)
+        if pacer is not None:
+            pacer.times.add(pwrite_s=t1 - t0, sync_s=time.perf_counter() - t1)
         self._flushed += self._fill
         written, self._fill = self._fill, 0
         if pacer is not None:

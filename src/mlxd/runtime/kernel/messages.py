@@ -573,6 +573,12 @@ class WriterStats:
     staged_calls: int = 0  # CUDA runtime calls those copies made (each a GIL hand-off)
     step_waits: int = 0  # staged pieces that waited for the engine's next step
     disk_full: bool = False  # a write hit ENOSPC/EDQUOT/EFBIG
+    # Where the writes' seconds went, summed over writing threads (kv/pacing.py WriteTimes): staging to host
+    # memory, handing bytes to the OS, waiting for the disk (write-backs, fsyncs), files open to rename.
+    stage_s: float = 0.0
+    pwrite_s: float = 0.0
+    sync_s: float = 0.0
+    files_s: float = 0.0
 
 
 @attrs.frozen(eq=False)
@@ -596,6 +602,15 @@ class FlushReport:
     reason: str | None = None
     encoder_outputs: int = 0  # of `entries`: vision encoder outputs on SSD (vision/tensor_store.py)
     encoder_output_bytes: int = 0
+    # The writes that finished while the flush waited (one begun before it counts whole) and where their
+    # seconds went, summed over writing threads (`WriterStats`): staging to host memory (CUDA), handing bytes
+    # to the OS, waiting for the disk (write-backs and fsyncs), files open to rename.
+    writes: int = 0
+    written_bytes: int = 0
+    stage_s: float = 0.0
+    pwrite_s: float = 0.0
+    sync_s: float = 0.0
+    files_s: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return attrs.asdict(self)
