@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--fresh-all", action="store_true", help="the fresh prompt before every server's decode")
     ap.add_argument("--control", action="store_true", help="a second mlx_lm.server (mlx_lm2): the noise floor")
     ap.add_argument("--budget", type=float, default=0, help="seconds: no round starts that would end past it")
+    ap.add_argument("--copy-logs", action="store_true", help="copy each server's log to --out at the end")
     ap.add_argument("--port", type=int, default=18390)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "decode-ab-work")
@@ -134,6 +135,8 @@ def main() -> int:
     finally:
         for proc, _ in servers.values():
             proc.stop()
+            if args.copy_logs and proc.logpath.exists():  # beside the results (the work dir holds the SSD tier)
+                shutil.copyfile(proc.logpath, args.out / f"decode-ab-{proc.name}.log")
     out["load_after"] = os.getloadavg()
     out["summary"] = summary = summarize(out["rounds"], names, levels)
     path.write_text(json.dumps(out, indent=1))

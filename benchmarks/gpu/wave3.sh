@@ -79,7 +79,7 @@ for p in "$@"; do case $p in
   # every server in a rotated order; per-round ratios to mlx_lm (median, IQR, min). Builds the model if missing.
   decodeab) phase decodeab 260 python3 benchmarks/bench_decode_ab.py --model /tmp/host-servers-work/model-qwen3-1.7b-shape \
             --arm mlxd=src --ssd --fresh-all --control --tokens 256 --fresh-tokens 8192 --rounds 30 \
-            --serve-args "--prompt-cache-gb 3" --ssd-args "--host-cache-gb 24" --out "$OUT" \
+            --serve-args "--prompt-cache-gb 3" --ssd-args "--host-cache-gb 24" --out "$OUT" --copy-logs \
             --budget $(( ${LIMIT_decodeab:-260} - 25 )) ${DECODEAB_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
