@@ -15,6 +15,18 @@ of the same size written in 8 MiB pieces and fsynced, in the same directory, in 
 same round. Reported per arm: the medians of flush MB/s, raw MB/s and their ratio.
 An arm runs `mlxd serve` with its own source tree first on PYTHONPATH (before/after
 a change on one machine, side by side).
+
+`--beside-decode`: one more request decodes (streamed, end tokens banned) from before
+the conversations until just before the signal, so their checkpoints' writes begin
+beside decode (one block at a time, at the crawl), as write-behind's do in serving;
+the client closes it, then signals.
+
+Where a flush's seconds went (per round, and medians per arm): from the server's log,
+`signal_s` (SIGTERM to `serve.shutdown`), `drain_s` (to `serve.drained`), `flush_s`
+(to `serve.flushed`), `close_s` (to `serve.stopped`, the runtime closed) and `exit_s`
+(to the process's exit, seen by the client); from the flush's report, the writes that
+finished during it and their thread-seconds: `stage_s` (copies to host memory, CUDA),
+`pwrite_s`, `sync_s` (write-backs and fsyncs), `files_s` (open to rename).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -101,6 +114,41 @@ def log_events(text: str, *events: str) -> list[dict[str, Any]]:
     return out
 
 
+def decode_beside(url: str, model: str, stop: threading.Event, started: threading.Event) -> None:
+    """One streamed request decoding (end tokens banned) until `stop` is set; then the client closes it."""
+    import httpx
+
+    body = {"model": model, "prompt": "Count on and on. " * 8, "max_tokens": 1_000_000, "stream": True,
+            "temperature": 0.0, "logit_bias": {"0": -100, "2": -100}}  # <|endoftext|>, <|im_end|> (built-in)
+    try:
+        with httpx.Client(base_url=url, timeout=None) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    return  # closing the stream ends the row
+    except httpx.HTTPError as exc:
+        log("decode beside:", exc)
+    finally:
+        started.set()
+
+
+def timeline(text: str, t_term: float, t_exit: float) -> dict[str, float | None]:
+    """Seconds from SIGTERM to each shutdown step the server logged, as differences (None: not logged)."""
+    at: dict[str, float | None] = {}
+    for key, event in (("shutdown", "serve.shutdown"), ("drained", "serve.drained"), ("flushed", "serve.flushed"),
+                       ("stopped", "serve.stopped")):
+        lines = log_events(text, event)
+        at[key] = (datetime.fromisoformat(lines[-1]["timestamp"].replace("Z", "+00:00")).timestamp()
+                   if lines else None)
+    steps = [("signal_s", t_term, at["shutdown"]), ("drain_s", at["shutdown"], at["drained"]),
+             ("flush_s", at["drained"], at["flushed"]), ("close_s", at["flushed"], at["stopped"]),
+             ("exit_s", at["stopped"] or at["flushed"], t_exit)]
+    return {name: round(b - a, 4) if a is not None and b is not None else None for name, a, b in steps}
+
+
+SPLIT = ("writes", "written_bytes", "stage_s", "pwrite_s", "sync_s", "files_s")
+
+
 async def warm(url: str, model: str, prompts: list[str]) -> None:
     import httpx
 
@@ -129,11 +177,21 @@ def one_round(arm: str, src: str | None, model_dir: Path, prompts: list[str], wo
     proc = ServeProc(serve_args, work / f"{arm}-{r}.log", env=env)
     proc.start(timeout=600)
     row: dict[str, Any] = {"arm": arm, "round": r}
+    stop, started = threading.Event(), threading.Event()
+    beside = threading.Thread(target=decode_beside, args=(proc.url, model_dir.name, stop, started), daemon=True)
     try:
         asyncio.run(warm(proc.url, model_dir.name, ["warm up " * 20]))  # measures the prompt rate
+        if args.beside_decode:
+            beside.start()
+            started.wait(60)
         t0 = time.perf_counter()
         asyncio.run(warm(proc.url, model_dir.name, prompts))
         row["warm_s"] = round(time.perf_counter() - t0, 3)
+        if args.beside_decode:
+            stop.set()
+            beside.join(30)
+            while httpx.get(proc.url + "/stats", timeout=30).json()["scheduler"]["running"]:
+                time.sleep(0.01)  # the closed stream's row has left the batch
         stats = httpx.get(proc.url + "/stats", timeout=30).json()
         ssd_stats = stats["ssd_cache"]
         row["pending_spill_bytes"] = ssd_stats["pending_spill_bytes"]
@@ -142,9 +200,12 @@ def one_round(arm: str, src: str | None, model_dir: Path, prompts: list[str], wo
         t_term = time.time()
         proc.signal(signal.SIGTERM)
         row["exit_code"] = proc.wait(timeout=args.shutdown_timeout + 60)
+        t_exit = time.time()
     finally:
+        stop.set()
         proc.kill()
     text = proc.log()
+    row["timeline"] = timeline(text, t_term, t_exit)
     flushed = log_events(text, "serve.flushed")
     after = cache_file_bytes(ssd)
     row["bytes_before"], row["bytes_after"] = before, after
@@ -152,7 +213,7 @@ def one_round(arm: str, src: str | None, model_dir: Path, prompts: list[str], wo
     if flushed:
         end = datetime.fromisoformat(flushed[-1]["timestamp"].replace("Z", "+00:00")).timestamp()
         row["flush_window_s"] = round(end - t_term, 4)
-        row["report"] = {k: flushed[-1].get(k) for k in ("durable", "pending", "failed", "entries", "seconds")}
+        row["report"] = {k: flushed[-1].get(k) for k in ("durable", "pending", "failed", "entries", "seconds", *SPLIT)}
         row["flush_MB_s"] = row["flushed_bytes"] / max(row["flush_window_s"], 1e-6) / 1e6
     else:
         row["error"] = "no serve.flushed line: " + text[-2000:]
@@ -160,8 +221,7 @@ def one_round(arm: str, src: str | None, model_dir: Path, prompts: list[str], wo
     if "flush_MB_s" in row:
         row["flush_over_raw"] = row["flush_MB_s"] / row["raw_write_MB_s"]
     shutil.rmtree(ssd, ignore_errors=True)
-    log(arm, r, json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                            if k not in ("report",)}))
+    log(arm, r, json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
     return row
 
 
@@ -180,6 +240,8 @@ def main() -> int:
     ap.add_argument("--prompt-cache-gb", type=float, default=None, help="RAM tier cap (default 40; --small 2)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shutdown-timeout", type=float, default=240.0)
+    ap.add_argument("--beside-decode", action="store_true",
+                    help="a request decodes while the conversations are sent, closed just before the signal")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=SRC",
                     help="an arm: NAME, serving from source tree SRC (repeatable; default one arm, this tree)")
     ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `mlxd serve` flags (last)")
@@ -223,6 +285,10 @@ def main() -> int:
             "flush_window_s": median([x["flush_window_s"] for x in rows]),
             "flushed_MB": median([x["flushed_bytes"] / 1e6 for x in rows]),
             "rounds": len(rows),
+            # where the seconds went: the shutdown's steps, and the flush's writes (thread-seconds)
+            "timeline": {k: median([x["timeline"][k] for x in rows if x["timeline"].get(k) is not None])
+                         for k in ("signal_s", "drain_s", "flush_s", "close_s", "exit_s")},
+            "writer": {k: median([x["report"][k] for x in rows if x["report"].get(k) is not None]) for k in SPLIT},
         }
     if len(arms) == 2:  # per-round ratio of the two arms' flush rates
         a, b = arms[0][0], arms[1][0]

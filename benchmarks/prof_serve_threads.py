@@ -155,7 +155,7 @@ def main() -> int:
         prof = cProfile.Profile()
         prof.enable()
     try:
-        return cli.main(sys.argv[1:])
+        return cli.main(sys.argv[1:], exit_at_once=False)  # the report below runs after it
     finally:
         if prof is not None:
             prof.disable()
