@@ -372,3 +372,50 @@ async def test_writes_finishing_out_of_order_reach_the_cache_owner_in_start_orde
         query = await cache.receive()  # the flush asks the cache owner what it holds only now
         assert isinstance(query, QueryCacheStats)
         nursery.cancel_scope.cancel()
+
+
+def test_a_record_extending_a_pending_one_adds_only_its_own_bytes_to_the_backlog_where_blocks_are_shared():
+    """A prompt's boundary checkpoint is being written when its final one (4 tokens longer) is queued: with the
+    blocks layout the final is one new block on disk, so the backlog counts what it adds, not the prompt twice
+    (whole files rewrite it all: counted twice). Chains count once, other conversations in full."""
+    boundary, final = tuple(range(8192)), tuple(range(8196))
+    for shared, expect in ((True, 1000 + 4), (False, 1000 + 1004)):
+        queue = WriteQueue(shared_prefixes=shared)
+        queue.mark("", boundary, plan=None, trimmable=True, nbytes=1000)
+        assert queue.next_job() is not None  # writing: the final cannot supersede it
+        queue.mark("", final, plan=None, trimmable=True, nbytes=1004)
+        assert len(queue.pending()) == 2 and queue.pending_bytes() == expect
+    queue = WriteQueue(shared_prefixes=True)
+    for n, nbytes in ((100, 100), (200, 200), (300, 300)):  # each writing before the next arrives
+        queue.mark("a", tuple(range(n)), plan=None, trimmable=True, nbytes=nbytes)
+        queue.next_job(limit=3)
+    queue.mark("b", tuple(range(300)), plan=None, trimmable=True, nbytes=300)  # another namespace: its own
+    queue.mark("a", (7, *range(299)), plan=None, trimmable=True, nbytes=300)  # no prefix of it is pending
+    assert queue.pending_bytes() == 300 + 300 + 300
+    job = queue.next_job(limit=4)
+    assert job is not None and job.record.namespace == "b"
+    queue.written(job.key, job.version, stored=False, error="EIO")  # failed: not pending any more
+    assert queue.pending_bytes() == 300 + 300
+
+
+async def test_one_prompt_s_boundary_and_final_checkpoints_do_not_make_the_backlog_urgent(autojump_clock):
+    """The coordinator with shared prefixes (the blocks layout): a prompt's two checkpoints together pass the
+    backlog bound only if counted twice, so write-behind stays paced beside decode; whole files: urgent."""
+    for shared, urgent in ((True, False), (False, True)):
+        governor = WriteGovernor(busy_rate_bytes_per_s=1024)
+        governor.set_busy(True)
+        inbox, writer_receive = trio.open_memory_channel[DurabilityMessage](math.inf)
+        writer_send, writer = trio.open_memory_channel[WriteSnapshot](1)
+        cache_send, _cache = trio.open_memory_channel[CacheOwnerMessage](64)
+        coordinator = DurabilityCoordinator(inbox=writer_receive, writer=writer_send, cache=cache_send,
+                                            governor=governor, backlog_bytes=1500, shared_prefixes=shared)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(coordinator.run)
+            boundary, final = tuple(range(64)), tuple(range(68))
+            await inbox.send(MarkDirty("", boundary, plan_for(boundary), True, 1000))
+            await writer.receive()  # its write began
+            await inbox.send(MarkDirty("", final, plan_for(final), True, 1004))
+            await trio.testing.wait_all_tasks_blocked()
+            assert ("backlog" in governor.urgent) is urgent
+            assert (governor.rate() is None) is urgent  # paced beside decode unless urgent
+            nursery.cancel_scope.cancel()

@@ -73,6 +73,7 @@ class DurabilityCoordinator:
         governor: WriteGovernor | None = None,
         backlog_bytes: int = 0,
         writers: int = 1,
+        shared_prefixes: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # Writing is urgent (full speed, even during decode) while a flush waits
@@ -84,7 +85,7 @@ class DurabilityCoordinator:
         self._writer = writer
         self._cache = cache
         self._clock = clock
-        self._queue = WriteQueue()
+        self._queue = WriteQueue(shared_prefixes=shared_prefixes)  # the backlog's bytes: WriteQueue.pending_bytes
         self._waiters: list[_FlushWaiter] = []
         self._not_stored: list[str] = []  # reasons since the last flush report
         self._not_stored_total = 0

@@ -692,6 +692,7 @@ def _cold_tier(
     durability = DurabilityCoordinator(
         inbox=durability_receive, writer=write_send, cache=cache_send.clone(), governor=governor,
         backlog_bytes=config.ssd_backlog_bytes or config.prompt_cache_bytes // 2, writers=writers,
+        shared_prefixes=store.layout == "blocks",
     )
     prefetcher = PrefetcherActor(
         store, inbox=prefetch_receive, cache=cache_send.clone(), verify=config.ssd_cache_verify, land=land
