@@ -419,3 +419,13 @@ async def test_one_prompt_s_boundary_and_final_checkpoints_do_not_make_the_backl
             assert ("backlog" in governor.urgent) is urgent
             assert (governor.rate() is None) is urgent  # paced beside decode unless urgent
             nursery.cancel_scope.cancel()
+
+
+def test_the_backlog_bound_is_a_serve_flag():
+    """`--ssd-backlog-gb`: the dirty bytes past which write-behind is urgent (default: half the RAM tier)."""
+    from mlxd.cli import build_parser, serve_config
+
+    parser = build_parser()
+    assert serve_config(parser.parse_args(["serve", "--ssd-cache", "/d"])).ssd_backlog_bytes == 0
+    config = serve_config(parser.parse_args(["serve", "--ssd-cache", "/d", "--ssd-backlog-gb", "0.5"]))
+    assert config.ssd_backlog_bytes == 1 << 29

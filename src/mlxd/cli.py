@@ -160,6 +160,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
                    help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
                    "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
+    p.add_argument("--ssd-backlog-gb", type=_gb, metavar="GB",
+                   help="unwritten checkpoint bytes past which write-behind is urgent (full speed, even beside "
+                        "decode; default 0: half of --prompt-cache-gb)")
     p.add_argument("--ssd-write-hold-decode", action="store_true", default=None,
                    help="hold write-behind still while rows decode, as while a prompt waits for its first token, "
                         "even past the backlog bound (at most 2 s a hold, then one piece goes; a flush or RAM over "
@@ -249,6 +252,7 @@ def serve_config(args: argparse.Namespace):
     ssd = {}
     if args.ssd_cache is None:
         for flag in ("ssd_cache_max", "ssd_cache_verify", "ssd_demote_idle", "ssd_write_rate", "ssd_write_hold_decode",
+                     "ssd_backlog_gb",
                      "ssd_layout", "ssd_block_tokens", "ssd_shared", "ssd_rescan"):
             if getattr(args, flag) not in (None, False):
                 print(f"mlxd serve: warning: --{flag.replace('_', '-')} ignored without --ssd-cache", file=sys.stderr)
@@ -264,6 +268,7 @@ def serve_config(args: argparse.Namespace):
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
             **({} if args.ssd_write_rate is None else {"ssd_write_rate_bytes": int(args.ssd_write_rate * 2**20)}),
             "ssd_write_hold_decode": bool(args.ssd_write_hold_decode),
+            **({} if not args.ssd_backlog_gb else {"ssd_backlog_bytes": args.ssd_backlog_gb}),
             **({} if args.ssd_layout is None else {"ssd_layout": args.ssd_layout}),
             **({} if args.ssd_block_tokens is None else {"ssd_block_tokens": args.ssd_block_tokens}),
         }
