@@ -126,10 +126,17 @@ def main() -> int:
                         fresh += 1
                         asyncio.run(ttft(proc.base, model, text_of(args.model, args.fresh_tokens, 900 + fresh)))
                     prompts = [f"Story {j}: " + TEXTS["q2"] for j in range(n)]
+                    before = _writer(proc.base) if name.endswith("+ssd") else None
                     row.setdefault(name, {})[str(n)] = asyncio.run(decode(proc.base, model, prompts, args.tokens))["tok_s"]
+                    if before is not None:  # what write-behind did beside this decode
+                        after = _writer(proc.base)
+                        row.setdefault("writes", {})[f"{name} {n}"] = {
+                            "gb_written": round((after.get("bytes_written", 0) - before.get("bytes_written", 0)) / 1e9, 3),
+                            "urgent_at_start": (before.get("pacing") or {}).get("urgent")}
             out["rounds"].append(row)
             round_s = max(round_s, time.perf_counter() - t_round)
-            log(f"round {r}", json.dumps({k: {n: round(v or 0) for n, v in x.items()} for k, x in row.items()}))
+            log(f"round {r}", json.dumps({k: {n: round(v or 0) for n, v in x.items()} for k, x in row.items()
+                                          if k != "writes"}), json.dumps(row.get("writes")))
             out["summary"] = summarize(out["rounds"], names, levels)
             path.write_text(json.dumps(out, indent=1))  # each round: a run cut short still reports
     finally:
@@ -150,6 +157,16 @@ def main() -> int:
                              for n, v in levels_.items()), flush=True)
     print("->", path)
     return 0
+
+
+def _writer(base: str) -> dict[str, Any]:
+    """The SSD writer's counters (`/stats` ssd_cache.writer; empty if unavailable)."""
+    import httpx
+
+    try:
+        return dict((httpx.get(base + "/stats", timeout=30).json().get("ssd_cache") or {}).get("writer") or {})
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def summarize(rounds: list[dict[str, Any]], names: list[str], levels: list[int]) -> dict[str, Any]:
