@@ -135,3 +135,19 @@ def test_a_short_suffix_prefilled_apart_on_an_idle_engine_decodes_the_same(tiny_
     assert routed == plain
     assert plain_apart == [False, False, False]
     assert routed_apart == [False, True, True]  # the first turn has no cached prefix
+
+
+def test_the_short_routing_is_set_by_its_variable(monkeypatch):
+    """MLXD_SHORT_QUERY=1: only the long-context rule (a 5-query verify over 512 keys keeps MLX's); a
+    bad value is refused when the routing is installed."""
+    monkeypatch.setattr(suffix_attention, "SHORT_QUERY", suffix_attention.SHORT_QUERY)
+    monkeypatch.setenv(suffix_attention.SHORT_ENV, "1")
+    try:
+        assert suffix_attention.install(force=True)
+        assert not suffix_attention.routed(5, 512, "causal") and suffix_attention.routed(5, 2048, "causal")
+    finally:
+        suffix_attention.uninstall()
+    monkeypatch.setenv(suffix_attention.SHORT_ENV, "many")
+    with pytest.raises(ValueError, match="MLXD_SHORT_QUERY"):
+        suffix_attention.install(force=True)
+    assert suffix_attention._ORIGINAL is None

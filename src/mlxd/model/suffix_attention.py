@@ -30,7 +30,9 @@ MAX_QUERY = 128  # a chunk this short is a suffix: its scores are queries x keys
 MIN_KEYS = 1024  # over a context this long: a short context's graph build is rare and cheap to redo
 # Chunks this short (a speculative verify's 1 + K queries, a draft's first forward) go the plain way over any
 # number of keys and under an array mask: speculation's forwards see a new key length at nearly every step.
+# MLXD_SHORT_QUERY sets it when the routing is installed (1: none, only the long-context rule above).
 SHORT_QUERY = 16
+SHORT_ENV = "MLXD_SHORT_QUERY"
 
 _ORIGINAL: Any = None
 
@@ -47,13 +49,18 @@ def wanted() -> bool:
 def install(*, force: bool = False) -> bool:
     """Wrap `mx.fast.scaled_dot_product_attention` once per process on a GPU unless turned off (`force`:
     on any device, for tests); returns whether it is installed."""
-    global _ORIGINAL
+    global _ORIGINAL, SHORT_QUERY
     import mlx.core as mx
 
     if _ORIGINAL is not None:
         return True
     if not force and (not wanted() or mx.default_device() == mx.cpu):
         return False
+    given = os.environ.get(SHORT_ENV, "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{SHORT_ENV} must be a whole number of queries, 1 or more, not {given!r}")
+        SHORT_QUERY = int(given)
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
