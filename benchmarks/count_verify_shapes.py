@@ -77,7 +77,7 @@ def graph_key(q: Any, k: Any, mask: Any) -> tuple[Any, ...] | None:
 def run(routing: str, gate: str, args: argparse.Namespace, target: Path, draft: Path) -> dict[str, Any]:
     recorder = Recorder()
     mx.fast.scaled_dot_product_attention = recorder
-    short = suffix_attention.SHORT_QUERY
+    short = getattr(suffix_attention, "SHORT_QUERY", 1)  # (none before it: 2..MAX_QUERY over MIN_KEYS only)
     if routing == "before":
         suffix_attention.SHORT_QUERY = 1
     suffix_attention.install(force=True)
