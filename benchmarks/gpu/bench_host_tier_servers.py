@@ -13,7 +13,12 @@ A's pages on the device while its memory budget has room, a reclaim, and
 by a promotion). Then decode: a fresh
 long prompt (its checkpoint is what write-behind writes next), at once 1 stream and
 then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
-tokens' arrival times. mlx_lm.server keeps every prompt in device memory. The host +
+tokens' arrival times; by default (`--decode-schedule interleaved`) with every server
+still up, in many short rounds that each visit every server at each level in a rotated
+order (plus mlx_lm again: the control), each run with its own fresh prompt, the SSD
+servers' pending writes settled before each run, and the ratios to mlx_lm taken per
+round (median + IQR: benchmarks/gpu/interleave.py), `--budget` seconds in all; `serial`
+is the old order (each server's levels in its own turn). mlx_lm.server keeps every prompt in device memory. The host +
 SSD server is then restarted on its SSD tier and A's third turn sent again (restore
 or recompute, as its advisor chooses), then restarted twice more with
 `--restore-choice always` and `never` (the two arms) for the ratio to min(restore,
@@ -115,7 +120,7 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
                              ("cold", "hit", "next", "returning") if k in row))
-    for i, n in enumerate(args.streams):
+    for i, n in enumerate(args.streams if args.decode_schedule == "serial" else []):  # else decode_interleaved
         # A fresh long prompt first: on the SSD server, its checkpoint is being written while these decode.
         asyncio.run(ttft(s.base, model, fresh[i]))
         d = asyncio.run(decode(s.base, model, [f"Story {j}: " + TEXTS["q2"] for j in range(n)], args.decode_tokens))
@@ -132,6 +137,109 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache") if k in stats}
 
 
+def model_of(name: str, model_dir: Path) -> str:
+    """The model name a server answers to."""
+    return "default_model" if name == "mlx_lm" else model_dir.name
+
+
+def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.Namespace, out: dict[str, Any],
+                       save: Any, deadline: float | None) -> None:
+    """Decode levels with every server up: `--decode-rounds` rounds (fewer where `deadline`, perf_counter,
+    comes first: a round starts only if the longest round so far still fits), each visiting every server at
+    each level (interleave.slots: rotated, or bracketed by the reference) plus the reference's control slot.
+    Each run: a fresh prompt (on an SSD server its write-behind runs during the decode, as in the serial
+    schedule), then the level's streams. Before each run, the SSD servers' pending writes settle (at most
+    `--settle-s`), so one server's write-behind never falls into another's decode. Results in
+    out["decode_interleaved"] (runs, per-round ratios, median + IQR) and, per server, out[name]["decode"]
+    (median tok/s) and ["decode_runs"] (in round order)."""
+    import interleave
+
+    names = list(procs)
+    ref = "mlx_lm" if "mlx_lm" in names else names[0]
+    levels = list(dict.fromkeys(args.streams))
+    ssd = [procs[n].base for n in names if "ssd" in n]
+    runs: list[interleave.Run] = []
+    rec: dict[str, Any] = {"schedule": args.decode_schedule, "reference": ref, "levels": levels,
+                           "decode_tokens": args.decode_tokens, "prompt_tokens": args.fresh_tokens, "runs": []}
+    out["decode_interleaved"] = rec
+
+    def streams(n: int) -> list[str]:
+        return [f"Story {j}: " + TEXTS["q2"] for j in range(n)]
+
+    if args.decode_warmup_tokens:  # each server's first decode at each level outside the rounds
+        for n in levels:
+            for name in names:
+                asyncio.run(decode(procs[name].base, model_of(name, model_dir), streams(n), args.decode_warmup_tokens))
+    maker_seed = 5000  # a fresh prompt per run: no server ever hits a prompt another run sent it
+    longest = 0.0
+    for r in range(args.decode_rounds):
+        t_round = time.perf_counter()
+        if r and deadline is not None and t_round + longest > deadline:
+            rec["stopped"] = f"budget: {r} rounds (the next would end past it)"
+            break
+        for n in levels:
+            order = interleave.slots(names, ref, r, args.decode_schedule)
+            texts = [text_of(model_dir, args.fresh_tokens, maker_seed + i) for i in range(len(order))]
+            maker_seed += len(order)
+            for at, (slot, text) in enumerate(zip(order, texts, strict=True)):
+                name = interleave.server_of(slot)
+                base, model = procs[name].base, model_of(name, model_dir)
+                settled = settle(ssd, args.settle_s)
+                run: dict[str, Any] = {"round": r, "streams": n, "at": at, "slot": slot, "settle_s": settled}
+                try:
+                    run["prompt_ttft_s"] = asyncio.run(ttft(base, model, text))["ttft_s"]
+                    d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
+                    run.update(tok_s=d["tok_s"], per_stream_tok_s=d["per_stream_tok_s"], tokens=d["tokens"])
+                except Exception as exc:  # one failed run: its ratios are None, the rounds go on
+                    run.update(tok_s=None, error=f"{type(exc).__name__}: {exc}")
+                rec["runs"].append(run)
+                runs.append(interleave.Run(r, n, at, slot, run["tok_s"]))
+                if slot in names:
+                    out[name].setdefault("decode_runs", {}).setdefault(str(n), []).append(run)
+            rec["summary"] = interleave.summarize(runs, ref, args.decode_schedule)
+            level = rec["summary"]["levels"][str(n)]["ratio_to_" + ref]
+            log("decode", f"round {r} {n} streams", " ".join(
+                f"{slot} {entry['values'][-1]}" for slot, entry in level.items()),
+                f"({time.perf_counter() - t_round:.1f} s)")
+        longest = max(longest, time.perf_counter() - t_round)
+        rec["rounds_done"] = r + 1
+        for name in names:
+            for n in levels:
+                rates = [x["tok_s"] for x in out[name].get("decode_runs", {}).get(str(n), []) if x["tok_s"]]
+                out[name].setdefault("decode", {})[str(n)] = {"tok_s": median(rates) if rates else None,
+                                                               "runs": len(rates)}
+        save()
+    for name in names:  # a fresh prompt last, so the stop's flush has a backlog as after the serial schedule
+        if "ssd" in name:
+            asyncio.run(ttft(procs[name].base, model_of(name, model_dir),
+                             text_of(model_dir, args.fresh_tokens, maker_seed)))
+    summary = rec.get("summary") or {}
+    for n, level in (summary.get("levels") or {}).items():
+        log("decode", f"{n} streams, ratio to {ref} (median [IQR] over {level['rounds']} rounds)", json.dumps(
+            {slot: [e["median"], e["iqr"]] for slot, e in level["ratio_to_" + ref].items()}))
+
+
+def settle(bases: list[str], limit_s: float) -> float | None:
+    """Wait until no server in `bases` has a write pending (`/stats` ssd_cache.pending_spills), at most
+    `limit_s`; the seconds waited (None: still pending at the limit, or /stats failed)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    left = list(bases)
+    while left:
+        try:
+            left = [b for b in left if (httpx.get(b + "/stats", timeout=30).json().get("ssd_cache") or {}).get(
+                "pending_spills")]
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not left:
+            break
+        if time.perf_counter() - t0 > limit_s:
+            return None
+        time.sleep(0.05)
+    return round(time.perf_counter() - t0, 3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
@@ -144,8 +252,25 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
-                    help="decode concurrency levels (default 1,8; empty: no decode; a level given again is "
-                         "measured again and its tok/s is the median)")
+                    help="decode concurrency levels (default 1,8; empty: no decode; serial schedule: a level "
+                         "given again is measured again and its tok/s is the median)")
+    ap.add_argument("--decode-schedule", choices=("interleaved", "bracket", "serial"), default="interleaved",
+                    help="interleaved: after the TTFT rounds every server stays up and `--decode-rounds` short "
+                         "rounds each visit every server at each level, the order rotated, plus a control slot "
+                         "(mlx_lm again); ratios per round, median + IQR (benchmarks/gpu/interleave.py); "
+                         "bracket: each server between two mlx_lm runs; serial: each server's levels in its own "
+                         "turn, one server after another (before 21:00 UTC 2026-12-04)")
+    ap.add_argument("--decode-rounds", type=int, default=40,
+                    help="interleaved/bracket: rounds at most (`--budget` usually ends them first)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds from the start for everything up to the last decode round: a round starts only if "
+                         "the longest one so far still fits (the stops, flush and summary come after; 0: no limit)")
+    ap.add_argument("--settle-s", type=float, default=10,
+                    help="interleaved/bracket: before each run, wait at most this long for the SSD servers' pending "
+                         "writes (one server's write-behind never falls into another's decode)")
+    ap.add_argument("--decode-warmup-tokens", type=int, default=16,
+                    help="interleaved/bracket: each server decodes this many tokens at each level before the rounds "
+                         "(0: none)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
                          "mlxd_host_ssd_hold); the restarts follow "
@@ -186,7 +311,8 @@ def main() -> int:
     ram_gb = f"{1.5 * n * kv_per_token / 1e9:.4f}" if args.small else "3"
     host_gb = "1" if args.small else "24"
     prompts = [[text_of(model_dir, n, 700 + 3 * r + i) for i in range(3)] for r in range(args.rounds)]
-    fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))]
+    args.fresh_tokens = n
+    fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))] if args.decode_schedule == "serial" else []
     ssd_dir = args.work / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)
     shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
@@ -277,38 +403,57 @@ def main() -> int:
     for t in threads:
         t.start()
     stoppers: list[threading.Thread] = []
+
+    def finish(name: str) -> None:
+        s, entry = procs[name], out[name]
+        before = dir_bytes(ssd_dir) if name == "mlxd_host_ssd" else 0
+        t0 = time.perf_counter()
+        entry["exit_code"] = s.stop()
+        entry["stop_s"] = round(time.perf_counter() - t0, 2)
+        if name.startswith("mlxd"):
+            entry["log"] = done_lines(logs[name])
+            entry["flushed"] = [x for x in _json_lines(logs[name]) if x.get("event") == "serve.flushed"]
+        if name == "mlxd_host_ssd" and entry["flushed"]:
+            entry["flush"] = flush_report(entry["flushed"][-1], dir_bytes(ssd_dir) - before, ssd_dir)
+            log(name, "flush", json.dumps(entry["flush"]))
+        save()
+
+    def stop_server(name: str) -> None:
+        if name == "mlxd_host_ssd":
+            finish(name)  # the restarts need its directory, flushed
+        else:
+            stoppers.append(threading.Thread(target=finish, args=(name,)))
+            stoppers[-1].start()
+        save()
+
+    # Decode interleaved across the servers: each keeps running after its TTFT rounds, all stop after the decode.
+    interleave = bool(args.streams) and args.decode_schedule != "serial"
+    up: list[str] = []
     for name, t in zip(wanted, threads, strict=True):
         t.join()
-        s, entry = procs[name], out.setdefault(name, {})
+        entry = out.setdefault(name, {})
         entry["start_s"] = started[name] if not isinstance(started[name], Exception) else None
         try:
             if isinstance(started[name], Exception):
                 raise started[name]
-            model = "default_model" if name == "mlx_lm" else model_dir.name
-            run_server(s, model, prompts, args, fresh, entry, save)
+            run_server(procs[name], model_of(name, model_dir), prompts, args, fresh, entry, save)
+            up.append(name)
         except Exception as exc:  # keep what was measured
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
             log(name, "failed", exc)
         finally:
-            def finish(name: str = name, s: Proc = s, entry: dict[str, Any] = entry) -> None:
-                before = dir_bytes(ssd_dir) if name == "mlxd_host_ssd" else 0
-                t0 = time.perf_counter()
-                entry["exit_code"] = s.stop()
-                entry["stop_s"] = round(time.perf_counter() - t0, 2)
-                if name.startswith("mlxd"):
-                    entry["log"] = done_lines(logs[name])
-                    entry["flushed"] = [x for x in _json_lines(logs[name]) if x.get("event") == "serve.flushed"]
-                if name == "mlxd_host_ssd" and entry["flushed"]:
-                    entry["flush"] = flush_report(entry["flushed"][-1], dir_bytes(ssd_dir) - before, ssd_dir)
-                    log(name, "flush", json.dumps(entry["flush"]))
-                save()
-
-            if name == "mlxd_host_ssd":
-                finish()  # the restarts need its directory, flushed
-            else:
-                stoppers.append(threading.Thread(target=finish))
-                stoppers[-1].start()
-            save()
+            if not (interleave and name in up):
+                stop_server(name)
+    if interleave and up:
+        try:
+            decode_interleaved({name: procs[name] for name in up}, model_dir, args, out, save,
+                               t_begin + args.budget if args.budget else None)
+        except Exception as exc:  # keep what was measured
+            out["decode_interleaved_error"] = f"{type(exc).__name__}: {exc}"
+            log("decode_interleaved", "failed", exc)
+        finally:
+            for name in up:  # in `wanted`'s order: mlxd_host_ssd last
+                stop_server(name)
     for t in stoppers:
         t.join()
 
@@ -552,6 +697,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
             if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
+    goals.update(interleaved_goals(out))
     # The goal holds "in every run": each round's next turn against mlx_lm's of the same round (same prompt)
     lm_rows = (out.get("mlx_lm") or {}).get("rows") or []
     goals["next_turn_per_round_vs_mlx_lm"] = {
@@ -611,6 +757,38 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     flush = (out.get("mlxd_host_ssd") or {}).get("flush")
     return {"medians_s": med, "goals": goals, "restarts": restarts, "served_turns": served,
             **({"flush": flush} if flush else {})}
+
+
+def interleaved_goals(out: dict[str, Any]) -> dict[str, Any]:
+    """Decode's goals from the interleaved (or bracket) schedule, under the keys the serial one fills: each
+    the median of the per-round ratios (not a ratio of two medians); `decode_N_paired_X_vs_mlx_lm` the
+    per-round ratios in round order; `decode_N_iqr_X_vs_mlx_lm` their IQR; `decode_N_control_mlx_lm_vs_mlx_lm`
+    the reference against itself in the same schedule (median, IQR): the noise a ratio carries here."""
+    import interleave
+
+    summary = (out.get("decode_interleaved") or {}).get("summary") or {}
+    ref = summary.get("reference")
+    goals: dict[str, Any] = {}
+    for n, level in (summary.get("levels") or {}).items():
+        table = level.get("ratio_to_" + str(ref)) or {}
+        control = table.get(interleave.control_of(str(ref))) or {}
+        goals[f"decode_{n}_control_{ref}_vs_{ref}"] = {"median": control.get("median"), "iqr": control.get("iqr"),
+                                                        "rounds": control.get("n")}
+        if ref != "mlx_lm":
+            continue
+        no_ssd = next((x for x in ("mlxd_host", "mlxd_ram") if x in table), None)
+        if "mlxd_host_ssd" in table:
+            goals[f"decode_{n}_streams_ssd_vs_mlx_lm (goal >= 1.0)"] = table["mlxd_host_ssd"]["median"]
+            if no_ssd:
+                goals[f"decode_{n}_streams_ssd_vs_mlxd_no_ssd"] = interleave.ratio_of(summary, n, "mlxd_host_ssd",
+                                                                                     no_ssd)
+        if "mlxd_host_ssd_hold" in table:
+            goals[f"decode_{n}_streams_ssd_hold_vs_mlx_lm (goal >= 1.0)"] = table["mlxd_host_ssd_hold"]["median"]
+        for name, entry in table.items():
+            if name in out:  # the servers, not the control slot
+                goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = entry["values"]
+                goals[f"decode_{n}_iqr_{name}_vs_mlx_lm"] = entry["iqr"]
+    return goals
 
 
 def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu/wave3.sh vshapes                           # a short forward's cost per new key length
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 #   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
+#   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -81,6 +82,13 @@ for p in "$@"; do case $p in
             --arm mlxd=src --ssd --fresh-all --control --tokens 256 --fresh-tokens 8192 --rounds 30 \
             --serve-args "--prompt-cache-gb 3" --ssd-args "--host-cache-gb 24" --out "$OUT" --copy-logs \
             --budget $(( ${LIMIT_decodeab:-260} - 25 )) ${DECODEAB_ARGS:-} ;;
+  # Issue 28's decode goal through this host's drift: every server up at once, short rounds each visiting every
+  # server at each level (order rotated, mlx_lm twice: the control), a fresh 8k prompt before each run (the SSD
+  # server's write-behind runs during its decode), ratio to mlx_lm per round, median + IQR; --budget ends the
+  # rounds in time for the stops, the flush and the summary.
+  decodeil) phase decodeil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/decodeil" --rounds 0 \
+            --servers mlx_lm,mlxd_ram,mlxd_host_ssd --streams 1,8 --prompt-tokens 8192 --decode-tokens 64 \
+            --budget $(( ${LIMIT_decodeil:-240} - 35 )) ${DECODEIL_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
