@@ -13,7 +13,7 @@ A's pages on the device while its memory budget has room, a reclaim, and
 by a promotion). Then decode: a fresh
 long prompt (its checkpoint is what write-behind writes next), at once 1 stream and
 then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
-tokens' arrival times; by default (`--decode-schedule interleaved`) with every server
+tokens' arrival times; with `--rounds 0` (decode only; `--decode-schedule interleaved`) with every server
 still up, in many short rounds that each visit every server at each level in a rotated
 order (plus mlx_lm again: the control), each run with its own fresh prompt, the SSD
 servers' pending writes settled before each run, and the ratios to mlx_lm taken per
@@ -254,13 +254,14 @@ def main() -> int:
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
                     help="decode concurrency levels (default 1,8; empty: no decode; serial schedule: a level "
                          "given again is measured again and its tok/s is the median)")
-    ap.add_argument("--decode-schedule", choices=("interleaved", "bracket", "serial"), default="interleaved",
-                    help="interleaved: after the TTFT rounds every server stays up and `--decode-rounds` short "
+    ap.add_argument("--decode-schedule", choices=("auto", "interleaved", "bracket", "serial"), default="auto",
+                    help="auto: interleaved with `--rounds 0` (decode only), else serial; "
+                         "interleaved: after the TTFT rounds every server stays up and `--decode-rounds` short "
                          "rounds each visit every server at each level, the order rotated, plus a control slot "
                          "(mlx_lm again); ratios per round, median + IQR (benchmarks/gpu/interleave.py); "
                          "bracket: each server between two mlx_lm runs; serial: each server's levels in its own "
                          "turn, one server after another (before 21:00 UTC 2026-12-04)")
-    ap.add_argument("--decode-rounds", type=int, default=40,
+    ap.add_argument("--decode-rounds", type=int, default=8,
                     help="interleaved/bracket: rounds at most (`--budget` usually ends them first)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds from the start for everything up to the last decode round: a round starts only if "
@@ -295,6 +296,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.restart_only:
         args.servers, args.streams, args.no_restart = "mlxd_host_ssd", [], False
+    if args.decode_schedule == "auto":
+        args.decode_schedule = "interleaved" if args.rounds == 0 else "serial"
     arms = [a for a in args.restart_arms.split(",") if a]
     if [a for a in arms if a not in RESTARTS]:
         ap.error(f"unknown restart arms {[a for a in arms if a not in RESTARTS]}; choose from {list(RESTARTS)}")

@@ -88,7 +88,7 @@ for p in "$@"; do case $p in
   # rounds in time for the stops, the flush and the summary.
   decodeil) phase decodeil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/decodeil" --rounds 0 \
             --servers mlx_lm,mlxd_ram,mlxd_host_ssd --streams 1,8 --prompt-tokens 8192 --decode-tokens 64 \
-            --budget $(( ${LIMIT_decodeil:-240} - 35 )) ${DECODEIL_ARGS:-} ;;
+            --decode-rounds 40 --budget $(( ${LIMIT_decodeil:-240} - 35 )) ${DECODEIL_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
