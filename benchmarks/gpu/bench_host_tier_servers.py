@@ -697,7 +697,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
                                                                                  lm.get(f"decode_{n}_tok_s"))
         for name in ("mlxd_host_ssd", "mlxd_host_ssd_hold", "mlxd_ram", "mlxd_host"):
             runs = ((out.get(name) or {}).get("decode_runs") or {}).get(n) or []
-            if runs and lm_runs.get(n):  # paired by repeat: the i-th decode of this level on each server
+            if runs and lm_runs.get(n) and "decode_interleaved" not in out:  # paired by repeat: the i-th decode of this level on each server
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = [
                     ratio(a.get("tok_s"), b.get("tok_s")) for a, b in zip(runs, lm_runs[n], strict=False)]
     goals.update(interleaved_goals(out))
@@ -769,7 +769,12 @@ def interleaved_goals(out: dict[str, Any]) -> dict[str, Any]:
     the reference against itself in the same schedule (median, IQR): the noise a ratio carries here."""
     import interleave
 
-    summary = (out.get("decode_interleaved") or {}).get("summary") or {}
+    rec = out.get("decode_interleaved") or {}
+    if not rec.get("runs"):
+        return {}
+    # from the runs, not the summary of the last whole level: a run cut short by SIGTERM still counts its rounds
+    summary = interleave.summarize([interleave.Run(x["round"], x["streams"], x["at"], x["slot"], x["tok_s"])
+                                    for x in rec["runs"]], rec["reference"], rec["schedule"])
     ref = summary.get("reference")
     goals: dict[str, Any] = {}
     for n, level in (summary.get("levels") or {}).items():
