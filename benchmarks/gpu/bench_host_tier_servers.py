@@ -188,7 +188,11 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                 run: dict[str, Any] = {"round": r, "streams": n, "at": at, "slot": slot, "settle_s": settled}
                 try:
                     run["prompt_ttft_s"] = asyncio.run(ttft(base, model, text))["ttft_s"]
+                    before = writer_bytes(base) if base in ssd else None
                     d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
+                    if before is not None:  # what write-behind wrote beside this decode (the goal's condition)
+                        after = writer_bytes(base)
+                        run["mb_written_beside"] = round((after - before) / 1e6, 1) if after is not None else None
                     run.update(tok_s=d["tok_s"], per_stream_tok_s=d["per_stream_tok_s"], tokens=d["tokens"])
                 except Exception as exc:  # one failed run: its ratios are None, the rounds go on
                     run.update(tok_s=None, error=f"{type(exc).__name__}: {exc}")
@@ -198,9 +202,10 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     out[name].setdefault("decode_runs", {}).setdefault(str(n), []).append(run)
             rec["summary"] = interleave.summarize(runs, ref, args.decode_schedule)
             level = rec["summary"]["levels"][str(n)]["ratio_to_" + ref]
+            beside = [x.get("mb_written_beside") for x in rec["runs"][-len(order):] if "mb_written_beside" in x]
             log("decode", f"round {r} {n} streams", " ".join(
                 f"{slot} {entry['values'][-1]}" for slot, entry in level.items()),
-                f"({time.perf_counter() - t_round:.1f} s)")
+                f"MB written beside the SSD decode {beside}", f"({time.perf_counter() - t_round:.1f} s)")
         longest = max(longest, time.perf_counter() - t_round)
         rec["rounds_done"] = r + 1
         for name in names:
@@ -217,6 +222,17 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
     for n, level in (summary.get("levels") or {}).items():
         log("decode", f"{n} streams, ratio to {ref} (median [IQR] over {level['rounds']} rounds)", json.dumps(
             {slot: [e["median"], e["iqr"]] for slot, e in level["ratio_to_" + ref].items()}))
+
+
+def writer_bytes(base: str) -> int | None:
+    """Bytes the server's SSD writer has written so far (`/stats` ssd_cache.writer.bytes_written)."""
+    import httpx
+
+    try:
+        writer = (httpx.get(base + "/stats", timeout=30).json().get("ssd_cache") or {}).get("writer") or {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return writer.get("bytes_written")
 
 
 def settle(bases: list[str], limit_s: float) -> float | None:
