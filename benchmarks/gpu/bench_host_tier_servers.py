@@ -663,9 +663,12 @@ def flush_report(flushed: dict[str, Any], written: int, directory: Path) -> dict
         return {"error": repr(exc)}
     # A few bytes (the advisor's file, pins) say nothing about the rate: write-behind had it all on disk.
     rate = written / seconds if seconds > 0 and written >= 16 << 20 else None
+    # where the flush's seconds went (its report: the writes it waited for, thread-seconds; absent before c05e6e4)
+    split = {k: flushed[k] for k in ("writes", "written_bytes", "stage_s", "pwrite_s", "sync_s", "files_s")
+             if k in flushed}
     return {"flush_s": seconds, "flushed_bytes": written, "durable_bytes": flushed.get("bytes"),
             "flush_gb_s": rate / 1e9 if rate else None, "disk_write_gb_s": raw / 1e9,
-            "flush_vs_disk": rate / raw if rate else None,
+            "flush_vs_disk": rate / raw if rate else None, "split": split,
             "note": "flushed_bytes: what the files gained between SIGTERM and exit; under 16 MiB, write-behind had "
                     "written the backlog before the signal and no rate is given (bench_flush.py holds it back)"}
 
