@@ -5,7 +5,8 @@
 One checkpoint of the 1.7B shape (28 layers, 8 KV heads, head dim 128, bf16: 112 KiB a token) as
 the RAM tier holds it, written to a block store as the SSD writer writes it during a flush: each
 block staged to host memory first through `tests/fake_cuda.py` (real copies, timed at the H200's
-50 GB/s), then packed, checksummed and written in 16 MiB slices. Arms, alternating per round, on
+50 GB/s; `--cuda real` on a CUDA host: the real runtime and page-locked buffers), then packed,
+checksummed and written in 16 MiB slices. Arms, alternating per round, on
 the same plan, each into a fresh directory on the same disk:
 
   serial  the flush path before issue 28's change, for a write begun beside decode: its blocks
@@ -116,15 +117,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--arms", default="serial,new")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--cuda", choices=("fake", "real"), default="fake",
+                    help="stage through tests/fake_cuda.py (CPU) or the real runtime (on a CUDA host: real D2H copies "
+                         "into page-locked buffers; elsewhere numpy copies)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
-    lib = fake_cuda.FakeCudaLib()
     patch = fake_cuda.Patch()
-    fake_cuda.install(patch, lib)
+    if args.cuda == "fake":
+        fake_cuda.install(patch, fake_cuda.FakeCudaLib())
     work = Path(tempfile.mkdtemp(prefix="trace-flush-", dir=args.dir))
     plan, identity = plan_of(args.tokens)
     arms = args.arms.split(",")
+    from mlxd.runtime import host_memory
+
     out: dict[str, Any] = {"argv": sys.argv, "tokens": args.tokens, "block_tokens": args.block_tokens,
+                           "cuda": args.cuda, "separate_host_memory": host_memory.separate_host_memory(),
                            "plan_bytes": plan.nbytes, "load": os.getloadavg(), "rows": []}
     try:
         for r in range(args.rounds):

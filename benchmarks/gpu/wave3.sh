@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 #   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
+#   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -64,6 +65,10 @@ for p in "$@"; do case $p in
             --servers mlx_lm,mlxd_host,mlxd_ram --rounds ${HOST_ROUNDS:-2} ${HOST_ARGS:-} ;;
   flush) phase flush 150 python3 benchmarks/bench_flush.py --preset qwen3-1.7b --conversations 6 \
             --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
+  # Issue 28, the flush path alone on this disk: one 8k checkpoint of the 1.7B shape written as a flush writes it, the old
+  # serial path vs the new, paired per round, staged through the real CUDA runtime; no model build (~30 s).
+  flushtrace) phase flushtrace 60 python3 benchmarks/trace_flush.py --cuda real --tokens 8192 --block-tokens 256 \
+            --rounds 4 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
   restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
