@@ -90,7 +90,8 @@ def write_once(arm: str, plan: Any, identity: Any, directory: Path, block_tokens
         g.set_urgent("backlog", True)
     else:
         g.set_urgent("flush", True)
-    pacer = Pacer(g, slice_bytes=PACE_SLICE)
+    # as the SSD writer's: the copy into the write buffer without the GIL where it stages (CUDA)
+    pacer = Pacer(g, slice_bytes=PACE_SLICE, release_gil=host_memory.separate_host_memory())
     assert pacer.serial() == (arm == "serial")
     saved = ffw._sync_file_range
     if arm == "serial":
