@@ -13,6 +13,7 @@ the same plan, each into a fresh directory on the same disk:
           one at a time to the last, each buffered 16 MiB slice fdatasynced before the next
   new     the blocks handed to the four block writers once the flush waits; each slice's
           write-back started at once, only the slice before it waited for (sync_file_range)
+  new:N   the same with N block writers (`--arms serial,new,new:8`: would more files in flight help?)
 
 Per arm: wall seconds, MB/s and ÷ a plain file of the same size (8 MiB writes + fsync, same
 directory, same round), and where the seconds went (`WriteTimes`, thread-seconds summed over
@@ -98,6 +99,8 @@ def write_once(arm: str, plan: Any, identity: Any, directory: Path, block_tokens
         ffw._sync_file_range = None  # an fdatasync per slice
     staging = host_memory.Staging()
     store = SsdStore(directory, identity, layout="blocks", block_tokens=block_tokens)
+    if ":" in arm:  # new:N: N block writers instead of block_store.WRITERS
+        store.blocks.writers = int(arm.split(":")[1])
     try:
         t0 = time.perf_counter()
         stored = store.write(plan, pacer, prepare=partial(ssd_writer._stage, staging, pacer))
@@ -153,10 +156,10 @@ def main() -> int:
         rows = [x for x in out["rows"] if x["arm"] == arm]
         summary[arm] = {k: statistics.median(x[k] for x in rows)
                         for k in ("wall_s", "MB_s", "raw_MB_s", "over_raw", "stage_s", "pwrite_s", "sync_s", "files_s")}
-    if {"serial", "new"} <= set(arms):
+    for arm in (a for a in arms if a != "serial" and "serial" in arms):  # per round, paired with the old path
         per = [n["MB_s"] / s["MB_s"] for n in out["rows"] for s in out["rows"]
-               if n["arm"] == "new" and s["arm"] == "serial" and n["round"] == s["round"]]
-        summary["new_over_serial_MB_s"] = {"median": statistics.median(per), "rounds": [round(x, 3) for x in per]}
+               if n["arm"] == arm and s["arm"] == "serial" and n["round"] == s["round"]]
+        summary[f"{arm}_over_serial_MB_s"] = {"median": statistics.median(per), "rounds": [round(x, 3) for x in per]}
     out["summary"] = summary
     out["load_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
