@@ -194,3 +194,41 @@ def _until(check, timeout: float = 60) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_write_back_error_fails_the_write_and_leaves_no_file(tmp_path: Path, monkeypatch):
+    """EIO from a slice's write-back: the write fails as a storage error (a miss, not a file), its tmp file is
+    removed, and the store reports the checkpoint not stored; an EINTR is retried, not a failure."""
+    import ctypes
+    import errno
+
+    from mlxd.kv.ssd_store import Failed
+
+    calls = []
+
+    def failing(fd, offset, nbytes, flags):
+        calls.append(flags)
+        if len(calls) == 1:  # the first call is interrupted by a signal: tried again
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        if len(calls) >= 3:
+            ctypes.set_errno(errno.EIO)
+            return -1
+        return 0
+
+    monkeypatch.setattr(ffw, "_sync_file_range", failing)
+    plan = _plan(16 * 80, heads=8, dim=128)
+    pacer = Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=1 * MB)
+    try:
+        ff.write_snapshot(plan, tmp_path / "x.mlxkv", pacer=pacer)
+    except ff.StorageError as exc:
+        assert exc.errno == errno.EIO
+    else:
+        raise AssertionError("the write-back error was not reported")
+    assert calls[:2] == [ffw._SYNC_RANGE_WRITE, ffw._SYNC_RANGE_WRITE]  # EINTR: the same call again
+    assert list(tmp_path.iterdir()) == []
+    calls.clear()
+    store = SsdStore(tmp_path / "store", IDENTITY, layout="blocks", block_tokens=16 * 40)
+    outcome = store.write(plan, Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=1 * MB))
+    assert isinstance(outcome, Failed) and "Input/output error" in outcome.error
+    assert not [p for p in (tmp_path / "store").rglob("*") if p.suffix in (".mlxmf", ".tmp")]

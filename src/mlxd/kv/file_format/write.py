@@ -340,9 +340,12 @@ def _sync_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
     falls back to fdatasync). A write error surfaces as OSError here, or at the file's fsync."""
     if _sync_file_range is None:
         return False
-    if _sync_file_range(fd, offset, nbytes, flags) == 0:
+    while _sync_file_range(fd, offset, nbytes, flags) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINTR:  # a signal: again, as os.fdatasync does (PEP 475)
+            break
+    else:
         return True
-    err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err))
