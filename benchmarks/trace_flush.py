@@ -14,6 +14,8 @@ the same plan, each into a fresh directory on the same disk:
   new     the blocks handed to the four block writers once the flush waits; each slice's
           write-back started at once, only the slice before it waited for (sync_file_range)
   new:N   the same with N block writers (`--arms serial,new,new:8`: would more files in flight help?)
+  fdsync  four blocks at a time, each slice fdatasynced (the old path of a flush begun with the
+          engine idle: `new` less the write-back change alone)
 
 Per arm: wall seconds, MB/s and ÷ a plain file of the same size (8 MiB writes + fsync, same
 directory, same round), and where the seconds went (`WriteTimes`, thread-seconds summed over
@@ -95,7 +97,7 @@ def write_once(arm: str, plan: Any, identity: Any, directory: Path, block_tokens
     pacer = Pacer(g, slice_bytes=PACE_SLICE, release_gil=host_memory.separate_host_memory())
     assert pacer.serial() == (arm == "serial")
     saved = ffw._sync_file_range
-    if arm == "serial":
+    if arm in ("serial", "fdsync"):
         ffw._sync_file_range = None  # an fdatasync per slice
     staging = host_memory.Staging()
     store = SsdStore(directory, identity, layout="blocks", block_tokens=block_tokens)

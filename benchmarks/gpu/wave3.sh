@@ -68,7 +68,7 @@ for p in "$@"; do case $p in
   # Issue 28, the flush path alone on this disk: one 8k checkpoint of the 1.7B shape written as a flush writes it, the old
   # serial path vs the new, paired per round, staged through the real CUDA runtime; no model build (~30 s).
   flushtrace) phase flushtrace 60 python3 benchmarks/trace_flush.py --cuda real --tokens 8192 --block-tokens 256 \
-            --rounds 4 --arms serial,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
+            --rounds 4 --arms serial,fdsync,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
   restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
