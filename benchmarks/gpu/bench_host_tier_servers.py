@@ -335,6 +335,7 @@ def main() -> int:
     ssd_dir = args.work / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)
     shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
+    shutil.rmtree(args.work / "ssd-urgent", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
     ssd = ["--ssd-cache", str(ssd_dir)]
@@ -363,6 +364,10 @@ def main() -> int:
         "mlxd_host_tight": (base + ["--port", "18194", "--host-cache-gb", host_gb, "--device-probe", "off",
                                     "--memory-budget", args.tight_budget_gb or ("2" if args.small else "9")], 18194),
         "mlxd_host_ssd": (base + ["--port", "18192", "--host-cache-gb", host_gb, *ssd], 18192),
+        # The same with every fresh prompt's checkpoint written at full speed beside the decode after it (a backlog
+        # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
+        "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",
+                                         str(args.work / "ssd-urgent"), "--ssd-backlog-gb", "0.5"], 18189),
         # The same with write-behind held still while rows decode (issue 28: decode beside write-behind).
         "mlxd_host_ssd_hold": (base + ["--port", "18195", "--host-cache-gb", host_gb, "--ssd-cache",
                                        str(args.work / "ssd-hold"), "--ssd-write-hold-decode"], 18195),
