@@ -611,9 +611,10 @@ def test_on_cuda_speculation_s_forwards_reach_mlx_attention_in_few_shapes_and_st
     """CUDA's paths forced on here (the whole-buffer view, model/suffix_attention.py's routing): a draft
     model (other weights, so the gate probes, pauses and probes again at batch 1, each probe catching the
     draft up on a new number of tokens) over rows of different prompt lengths decodes what plain
-    decoding does, and of the draft's forwards none of 2..SHORT_QUERY queries reaches MLX's attention
-    (cuDNN's per-shape plans on CUDA); longer ones (its catch-ups) come in bucket widths (draft.fed_width)
-    over the whole buffer (its size changes once in 256 positions) or over a fresh cache of that width."""
+    decoding does, and the draft's forwards reach MLX's attention (cuDNN's per-shape plans on CUDA) in a
+    few shapes: over the whole buffer (an array mask; its size changes once in 256 positions), or over
+    exact keys only at a catch-up's bucket width (draft.fed_width: a fresh cache's first chunk); none of
+    2..SHORT_QUERY queries over exact keys (those go the plain way)."""
     import mlx.core as mx
 
     from mlxd.engine import spec_batch
@@ -622,12 +623,12 @@ def test_on_cuda_speculation_s_forwards_reach_mlx_attention_in_few_shapes_and_st
 
     draft = build_model(tmp_path / "wide", "test-wide", seed=1)  # head_dim 64: its calls tell themselves apart
     monkeypatch.setattr(spec_batch, "WHOLE_BUFFER", True)
-    reached: list[tuple[int, int]] = []  # the draft's (queries, keys) at MLX's kernel
+    reached: list[tuple[int, int, bool]] = []  # the draft's (queries, keys, under an array mask) at MLX's kernel
     original = mx.fast.scaled_dot_product_attention
 
     def kernel(q, k, v, *, scale, mask=None, **kwargs):
         if q.shape[-1] == 64 and q.shape[2] > 1:  # one query: no per-shape plan (a vector kernel, or per buffer)
-            reached.append((q.shape[2], k.shape[2]))
+            reached.append((q.shape[2], k.shape[2], mask is not None and not isinstance(mask, str)))
         return original(q, k, v, scale=scale, mask=mask, **kwargs)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", kernel)
@@ -645,11 +646,15 @@ def test_on_cuda_speculation_s_forwards_reach_mlx_attention_in_few_shapes_and_st
             assert spec is not None and spec.gate_probes >= 2, spec
     finally:
         suffix_attention.uninstall()
-    assert reached, "the draft's catch-ups (its prefix) reach MLX's kernel"
+    exact = {(q, k) for q, k, masked in reached if not masked}
+    assert exact, "the draft's prefix at its first probe: a fresh cache's chunk"
     widths = {fed_width(n, 2048) for n in range(1, 2049)}
-    assert all(q > suffix_attention.SHORT_QUERY and q in widths for q, _ in reached), sorted(set(reached))
-    # Keys: the whole buffer (it grows 256 positions at a time) or a fresh cache's first chunk: a few sizes.
-    assert len(set(reached)) <= 6, sorted(set(reached))
+    assert all(q > suffix_attention.SHORT_QUERY and q in widths and k == q for q, k in exact), sorted(exact)
+    # Over the whole buffer: 1 + K = 5 queries at most (a draft's first forward) or a bucket width (a
+    # catch-up), over a few buffer sizes (the rows' contexts stay under 512 + 256 positions).
+    whole = {(q, k) for q, k, masked in reached if masked}
+    assert all(q <= 5 or q in widths for q, _ in whole), sorted(whole)
+    assert len({k for _, k in whole}) <= 3 and all(k >= 256 for _, k in whole), sorted(whole)
 
 
 def test_a_withheld_step_makes_no_draft_forward_and_reads_nothing_back(tiny_model_dir, monkeypatch):

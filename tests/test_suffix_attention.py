@@ -31,10 +31,10 @@ def test_it_is_on_unless_turned_off(monkeypatch):
         assert not suffix_attention.install() and suffix_attention._ORIGINAL is None
 
 
-def test_the_wrapper_routes_short_chunks_over_long_contexts_and_speculation_s_forwards_over_any(monkeypatch):
+def test_the_wrapper_routes_short_chunks_over_long_contexts_and_very_short_ones_over_any(monkeypatch):
     """Up to MAX_QUERY queries over MIN_KEYS keys or more (causal or no mask) go the plain way, and so do
-    2..SHORT_QUERY queries (a verify's 1 + K, a draft's first forward) over any keys, array masks too (the
-    whole-buffer view's): no per-shape graph for speculation's forwards, whatever the key length."""
+    2..SHORT_QUERY queries over any keys (no per-shape graph at a new key length); under an array mask (the
+    whole-buffer views: stable shapes) MLX's kernel keeps them, as it keeps a decode step."""
     calls: list[tuple[int, int, str]] = []
     real = suffix_attention.unfused
 
@@ -56,9 +56,9 @@ def test_the_wrapper_routes_short_chunks_over_long_contexts_and_speculation_s_fo
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
     finally:
         suffix_attention.uninstall()
-    # Kept MLX's: a decode step, a 30-query chunk over a short context, a long chunk, a 30-query array
-    # mask, SHORT_QUERY + 1 under an array mask, a causal chunk longer than its keys, one query under a mask.
-    assert calls == [(30, 2048, "causal"), (5, 300, "causal"), (5, 512, "array"), (short, 40, "none")]
+    # Kept MLX's: a decode step, a 30-query chunk over a short context, a long chunk, array masks (30, 5,
+    # SHORT_QUERY + 1 queries), a causal chunk longer than its keys, one query under a mask.
+    assert calls == [(30, 2048, "causal"), (5, 300, "causal"), (short, 40, "none")]
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1, 5, 300), (2, 1, 5, 300), (5, 300), (2, 8, 5, 300)])

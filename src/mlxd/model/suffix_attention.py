@@ -11,13 +11,14 @@ mask) go that way; anything else keeps MLX's kernel. The H200 (18:48, `mlxd_ram_
 `mlxd_ram`, 3 rounds): the next turn's forward 133 -> 94 ms, its client time 0.729x. On by default on
 a GPU (the CPU has no cuDNN: nothing to install); `MLXD_SUFFIX_ATTENTION=off` keeps MLX's everywhere.
 
-Speculation's forwards are shorter still: a verify feeds 1 + K queries (K = --num-draft-tokens, 4 by
-default), a draft model's first forward at a step up to as many, at a key length that moves with every
-accepted token, over a short context as often as a long one (issue 23: an unrelated draft's tries at
-batch 1 cost 0.84x of off on the H200 in 48-token rounds, 0.99x in 96-token ones). So chunks of
-2..SHORT_QUERY queries go the plain way over any number of keys, and under an array mask too (the
-whole-buffer view's, spec_batch.WholeBuffer, and the draft batch's, draft._LayerView): their scores are
-a few rows a head, and no forward of speculation waits for a graph build, whatever its key length.
+Chunks of 2..SHORT_QUERY queries (no mask or a causal one) go the plain way over any number of keys: a
+chunk that short over the exact keys has a new shape at nearly every key length (issue 23: a speculative
+draft's catch-ups; a short suffix over a short context), and the H200 (21:09, benchmarks/gpu/verify_shapes.py,
+Qwen3-1.7B shape) builds a plan for each new one in +58-67 ms against a 10-12 ms forward. Under an array mask
+they keep MLX's kernel: the speculative forwards that have one attend over the whole KV buffer
+(spec_batch.WholeBuffer, draft._LayerView), one shape per 256 positions, no build after the first (+0.05 ms),
+and there the fused kernel is the cheaper (a 5-query verify 12.2 ms, plain operations 13.4 ms). `unfused`
+takes an array mask too (MLXD_SHORT_QUERY does not route one; kept for measuring).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import Any
 ENV = "MLXD_SUFFIX_ATTENTION"
 MAX_QUERY = 128  # a chunk this short is a suffix: its scores are queries x keys per head
 MIN_KEYS = 1024  # over a context this long: a short context's graph build is rare and cheap to redo
-# Chunks this short (a speculative verify's 1 + K queries, a draft's first forward) go the plain way over any
-# number of keys and under an array mask: speculation's forwards see a new key length at nearly every step.
-# MLXD_SHORT_QUERY sets it when the routing is installed (1: none, only the long-context rule above).
+# Chunks this short (no mask or a causal one) go the plain way over any number of keys: over the exact keys
+# they see a new key length at nearly every step. MLXD_SHORT_QUERY sets it when the routing is installed
+# (1: none, only the long-context rule above).
 SHORT_QUERY = 16
 SHORT_ENV = "MLXD_SHORT_QUERY"
 
@@ -78,11 +79,12 @@ def install(*, force: bool = False) -> bool:
 
 def routed(queries: int, keys: int, mask: Any) -> bool:
     """Whether a chunk of `queries` over `keys` under `mask` (None, "causal" or an array) goes the plain way:
-    2..SHORT_QUERY queries over any keys (any of those masks), or up to MAX_QUERY over MIN_KEYS or more
-    (no mask or a causal one). A causal chunk longer than its keys keeps MLX's (it aligns to the end)."""
-    if mask is not None and not isinstance(mask, str):
-        return 1 < queries <= SHORT_QUERY
-    if queries > keys or isinstance(mask, str) and mask != "causal":
+    2..SHORT_QUERY queries over any keys, or up to MAX_QUERY over MIN_KEYS or more, with no mask or a causal
+    one. An array mask keeps MLX's (the whole-buffer views: stable shapes, the fused kernel the cheaper);
+    so does a causal chunk longer than its keys (MLX aligns it to the end)."""
+    if mask is not None and not isinstance(mask, str) or queries > keys:
+        return False
+    if isinstance(mask, str) and mask != "causal":
         return False
     return 1 < queries <= SHORT_QUERY or (1 < queries <= MAX_QUERY and keys >= MIN_KEYS)
 
