@@ -116,8 +116,11 @@ def main() -> int:
     out: dict[str, Any] = {"model": shape.name, "device": str(mx.default_device()), "context": args.context,
                            "short_query": suffix_attention.SHORT_QUERY, "runs": []}
     for n, q in enumerate(args.queries):
-        for path in args.paths if q > 1 else ["fused"]:
-            r = run_path(model, path, q, args.context + 64 * n, args.lengths, seed=n)
+        for m, path in enumerate(args.paths if q > 1 else ["fused"]):
+            # Key lengths of their own per (queries, path): a path must not find the plans an earlier one built
+            # (at 21:09 `routed` q=17/64, not routed, read the `fused` run's cached plans as "no build").
+            start = args.context + (len(args.paths) * n + m) * (args.lengths + 8)
+            r = run_path(model, path, q, start, args.lengths, seed=n)
             out["runs"].append(r)
             print(f"{path:>7} q={q:<3} keys {r['keys_from']}..{r['keys_from'] + args.lengths - 1}: first "
                   f"{r['first_ms']:.2f} ms, second {r['second_ms']:.2f} ms, new shape +{r['new_shape_ms']:.2f} ms "
