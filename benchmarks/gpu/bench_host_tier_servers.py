@@ -92,8 +92,14 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
     # All rows decoding: from the last stream's first token to the first stream's last one.
     start, end = max(t[0] for t in streams if t), min(t[-1] for t in streams if t)
     inside = sum(sum(start <= x <= end for x in t) for t in streams)
+    # The whole decode: every token after each stream's first, from the first token any stream got to the last
+    # (defined when the server does not run every row at once: mlx_lm at 8 streams of 64 tokens, H200 21:07).
+    first, last = min(t[0] for t in streams if t), max(t[-1] for t in streams if t)
+    after_first = sum(len(t) - 1 for t in streams if t)
     return {"streams": len(prompts), "tokens": [len(t) for t in streams], "per_stream_tok_s": per,
-            "tok_s": (inside - len(streams)) / (end - start) if end > start else None}
+            "tok_s": (inside - len(streams)) / (end - start) if end > start else None,
+            "span_tok_s": after_first / (last - first) if last > first else None,
+            "first_token_spread_s": round(start - first, 4)}
 
 
 def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Namespace, fresh: list[str],
@@ -160,6 +166,7 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
     ssd = [procs[n].base for n in names if "ssd" in n]
     runs: list[interleave.Run] = []
     rec: dict[str, Any] = {"schedule": args.decode_schedule, "reference": ref, "levels": levels,
+                           "metric": args.decode_metric,
                            "decode_tokens": args.decode_tokens, "prompt_tokens": args.fresh_tokens, "runs": []}
     out["decode_interleaved"] = rec
 
@@ -190,10 +197,15 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     run["prompt_ttft_s"] = asyncio.run(ttft(base, model, text))["ttft_s"]
                     before = writer_bytes(base) if base in ssd else None
                     d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
-                    if before is not None:  # what write-behind wrote beside this decode (the goal's condition)
-                        after = writer_bytes(base)
-                        run["mb_written_beside"] = round((after - before) / 1e6, 1) if after is not None else None
-                    run.update(tok_s=d["tok_s"], per_stream_tok_s=d["per_stream_tok_s"], tokens=d["tokens"])
+                    if before is not None:  # what write-behind wrote beside this decode (the goal's condition),
+                        # and after it (a write the server deferred past the decode: held or paced while rows ran)
+                        run.update(written_mb(before, writer_bytes(base), "beside"))
+                        run["write_after_decode_s"] = settle([base], args.settle_s)
+                        run.update(written_mb(before, writer_bytes(base), "by_settle"))
+                    rates = {"span_tok_s": d["span_tok_s"], "all_rows_tok_s": d["tok_s"],
+                             "stream_sum_tok_s": sum(d["per_stream_tok_s"]) or None}
+                    run.update(tok_s=rates[args.decode_metric], **rates, per_stream_tok_s=d["per_stream_tok_s"],
+                               tokens=d["tokens"], first_token_spread_s=d["first_token_spread_s"])
                 except Exception as exc:  # one failed run: its ratios are None, the rounds go on
                     run.update(tok_s=None, error=f"{type(exc).__name__}: {exc}")
                 rec["runs"].append(run)
@@ -202,10 +214,12 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     out[name].setdefault("decode_runs", {}).setdefault(str(n), []).append(run)
             rec["summary"] = interleave.summarize(runs, ref, args.decode_schedule)
             level = rec["summary"]["levels"][str(n)]["ratio_to_" + ref]
-            beside = [x.get("mb_written_beside") for x in rec["runs"][-len(order):] if "mb_written_beside" in x]
+            writes = [(x.get("mb_written_beside"), x.get("mb_written_by_settle")) for x in rec["runs"][-len(order):]
+                      if "mb_written_beside" in x]
             log("decode", f"round {r} {n} streams", " ".join(
                 f"{slot} {entry['values'][-1]}" for slot, entry in level.items()),
-                f"MB written beside the SSD decode {beside}", f"({time.perf_counter() - t_round:.1f} s)")
+                f"SSD MB written beside its decode / by the write's end {writes}",
+                f"({time.perf_counter() - t_round:.1f} s)")
         longest = max(longest, time.perf_counter() - t_round)
         rec["rounds_done"] = r + 1
         for name in names:
@@ -220,8 +234,33 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                              text_of(model_dir, args.fresh_tokens, maker_seed)))
     summary = rec.get("summary") or {}
     for n, level in (summary.get("levels") or {}).items():
-        log("decode", f"{n} streams, ratio to {ref} (median [IQR] over {level['rounds']} rounds)", json.dumps(
+        log("decode", f"{n} streams, ratio to {ref} (median [IQR] over {level['rounds']} rounds, "
+            f"{args.decode_metric})", json.dumps(
             {slot: [e["median"], e["iqr"]] for slot, e in level["ratio_to_" + ref].items()}))
+    for n, medians in by_metric(rec).items():
+        log("decode", f"{n} streams, median ratio to {ref} by metric", json.dumps(medians))
+
+
+DECODE_METRICS = ("stream_sum_tok_s", "span_tok_s", "all_rows_tok_s")
+
+
+def by_metric(rec: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per level, each slot's median per-round ratio under each decode metric (`--decode-metric`), so a
+    conclusion that hangs on the metric shows."""
+    import interleave
+
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for metric in DECODE_METRICS:
+        runs = [interleave.Run(x["round"], x["streams"], x["at"], x["slot"], x.get(metric)) for x in rec["runs"]]
+        for n, level in interleave.summarize(runs, rec["reference"], rec["schedule"])["levels"].items():
+            for slot, entry in level["ratio_to_" + rec["reference"]].items():
+                out.setdefault(n, {}).setdefault(slot, {})[metric] = entry["median"]
+    return out
+
+
+def written_mb(before: int | None, after: int | None, label: str) -> dict[str, float | None]:
+    return {f"mb_written_{label}": round((after - before) / 1e6, 1) if before is not None and after is not None
+            else None}
 
 
 def writer_bytes(base: str) -> int | None:
@@ -277,6 +316,14 @@ def main() -> int:
                          "(mlx_lm again); ratios per round, median + IQR (benchmarks/gpu/interleave.py); "
                          "bracket: each server between two mlx_lm runs; serial: each server's levels in its own "
                          "turn, one server after another (before 21:00 UTC 2026-12-04)")
+    ap.add_argument("--decode-metric", choices=DECODE_METRICS, default="stream_sum_tok_s",
+                    help="interleaved/bracket: the tok/s the ratios use (all three are recorded per run): "
+                         "stream_sum_tok_s, each stream's own rate (first to last token) added up: a server that "
+                         "admits the rows one after another (mlx_lm: 7 rows, then the 8th alone, H200 21:07) is "
+                         "credited as if they ran together, so mlxd's ratio is never flattered; span_tok_s, every "
+                         "token after each stream's first over the first to the last token of any stream (the "
+                         "admission's stagger counts); all_rows_tok_s, only while every row decodes (the serial "
+                         "schedule's tok/s; None where they never all did, and inflated by bursty delivery)")
     ap.add_argument("--decode-rounds", type=int, default=8,
                     help="interleaved/bracket: rounds at most (`--budget` usually ends them first)")
     ap.add_argument("--budget", type=float, default=0,
@@ -816,6 +863,7 @@ def interleaved_goals(out: dict[str, Any]) -> dict[str, Any]:
                                                                                      no_ssd)
         if "mlxd_host_ssd_hold" in table:
             goals[f"decode_{n}_streams_ssd_hold_vs_mlx_lm (goal >= 1.0)"] = table["mlxd_host_ssd_hold"]["median"]
+        goals[f"decode_{n}_median_ratio_by_metric"] = by_metric(rec).get(n)
         for name, entry in table.items():
             if name in out:  # the servers, not the control slot
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = entry["values"]
