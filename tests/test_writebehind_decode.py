@@ -177,6 +177,23 @@ async def test_the_staged_writer_copies_without_the_gil_and_writes_the_same_byte
         p.read_bytes() for p in (tmp_path / "plain").rglob("*.mlxblk"))
 
 
+async def test_mlxd_ssd_copy_gil_brings_back_the_gil_held_copy_for_an_h200_arm(lib, tmp_path: Path, monkeypatch):
+    """`MLXD_SSD_COPY_GIL=1` (read at import): staged writes copy holding the GIL again, the same bytes."""
+    from mlxd.actors import ssd_writer
+
+    copied = []
+    copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, *a, **k: (copied.append(1), copyto(dst, src, *a, **k)))
+    monkeypatch.setattr(ssd_writer, "_COPY_HOLDS_GIL", True)
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    plan = _plan(tuple(range(40)))
+    written = await _write_one(store, g, plan, ticking=False)
+    assert isinstance(written.outcome, Stored) and written.stats.staged == 3 and not copied
+    loaded = store.load(written.outcome.record)
+    assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+
+
 async def test_holding_write_behind_while_decoding_never_holds_a_flush(lib, tmp_path: Path):
     """`--ssd-write-hold-decode`: a checkpoint written behind waits while rows decode; a flush (urgent) is
     never held, and everything it covers is on disk."""

@@ -13,6 +13,7 @@ writes a slice (the governor's hold, kv/pacing.py) unless durability is urgent.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from functools import partial
@@ -35,6 +36,10 @@ from mlxd.runtime.logging import get_logger
 from mlxd.vision.tensor_store import TensorPlan
 
 log = get_logger("mlxd.ssd_writer")
+
+# MLXD_SSD_COPY_GIL=1: staged writes copy into the write buffer holding the GIL, as before issue 28's fix (an arm
+# for the H200: the same run with and without it says what the GIL-held copy cost decode beside write-behind).
+_COPY_HOLDS_GIL = os.environ.get("MLXD_SSD_COPY_GIL", "").strip() == "1"
 
 def _write(
     store: SsdStore, plan: SnapshotPlan | TensorPlan, pacer: Pacer, staging: host_memory.Staging | None
@@ -122,7 +127,7 @@ class SsdWriterActor:
             assert plan is not None
             # Staged (CUDA): the bytes are copied on without the GIL, which decode's host-bound steps need.
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set,
-                          release_gil=staging is not None)
+                          release_gil=staging is not None and not _COPY_HOLDS_GIL)
             # Shutdown cancels us: the paced write stops at its next slice.
             outcome: WriteOutcome = await thread.run(
                 _write, self._store, plan, pacer, staging, on_cancel=self.stopping.set
