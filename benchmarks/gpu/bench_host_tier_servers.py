@@ -14,8 +14,8 @@ by a promotion). Then decode: a fresh
 long prompt (its checkpoint is what write-behind writes next), at once 1 stream and
 then 8 streams of `--decode-tokens` tokens (EOS banned), tok/s from the streamed
 tokens' arrival times; with `--rounds 0` (decode only; `--decode-schedule interleaved`) with every server
-still up, in many short rounds that each visit every server at each level in a rotated
-order (plus mlx_lm again: the control), each run with its own fresh prompt, the SSD
+still up, in many short rounds that each visit every server at each level in an order
+balanced for position and for who runs after whom (plus mlx_lm again: the control), each run with its own fresh prompt, the SSD
 servers' pending writes settled before each run, and the ratios to mlx_lm taken per
 round (median + IQR: benchmarks/gpu/interleave.py), `--budget` seconds in all; `serial`
 is the old order (each server's levels in its own turn). mlx_lm.server keeps every prompt in device memory. The host +
@@ -152,7 +152,7 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                        save: Any, deadline: float | None) -> None:
     """Decode levels with every server up: `--decode-rounds` rounds (fewer where `deadline`, perf_counter,
     comes first: a round starts only if the longest round so far still fits), each visiting every server at
-    each level (interleave.slots: rotated, or bracketed by the reference) plus the reference's control slot.
+    each level (interleave.slots: a Williams design's orders, or bracketed by the reference) plus the reference's control slot.
     Each run: a fresh prompt (on an SSD server its write-behind runs during the decode, as in the serial
     schedule), then the level's streams. Before each run, the SSD servers' pending writes settle (at most
     `--settle-s`), so one server's write-behind never falls into another's decode. Results in
@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--decode-schedule", choices=("auto", "interleaved", "bracket", "serial"), default="auto",
                     help="auto: interleaved with `--rounds 0` (decode only), else serial; "
                          "interleaved: after the TTFT rounds every server stays up and `--decode-rounds` short "
-                         "rounds each visit every server at each level, the order rotated, plus a control slot "
+                         "rounds each visit every server at each level (orders balanced for position and neighbour), plus a control slot "
                          "(mlx_lm again); ratios per round, median + IQR (benchmarks/gpu/interleave.py); "
                          "bracket: each server between two mlx_lm runs; serial: each server's levels in its own "
                          "turn, one server after another (before 21:00 UTC 2026-12-04)")

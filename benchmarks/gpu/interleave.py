@@ -7,8 +7,11 @@ is taken within the round; the goal is the median of those per-round ratios, wit
 the reference against itself (a second reference run in the same schedule).
 
 Schedules of one level of one round (`slots`):
-- interleaved: every server once and the control slot once, the order rotated by one each round (each slot
-  takes each position equally often, so neither the reference nor an arm goes first more often);
+- interleaved: every server once and the control slot once, in the orders of a Williams design (a Latin
+  square balanced for carry-over): over a cycle of rounds (n slots: n rounds, 2n where n is odd) each slot
+  takes each position equally often AND follows every other slot equally often. A plain rotation keeps who
+  follows whom fixed (mlx_lm~ after mlxd_host_ssd in every round at 21:07 UTC), so whatever one server leaves
+  behind (an SSD write's tail, a cache insert after the last token) would always land on the same neighbour;
 - bracket: ref, A, ref, B, ref, control, ref, the arms rotated each round: each arm (and the control) between
   two reference runs (a linear drift cancels), ratio to their mean.
 
@@ -42,13 +45,27 @@ def slots(servers: Sequence[str], ref: str, r: int, mode: str) -> list[str]:
         raise ValueError(f"the reference {ref!r} is not among the servers {list(servers)}")
     if mode == "interleaved":
         arms = [*servers, control_of(ref)]
-        k = r % len(arms)
-        return arms[k:] + arms[:k]
+        rows = williams(len(arms))
+        return [arms[i] for i in rows[r % len(rows)]]
     if mode == "bracket":
         arms = [s for s in servers if s != ref] + [control_of(ref)]
         k = r % len(arms)
         return [x for arm in arms[k:] + arms[:k] for x in (ref, arm)] + [ref]
     raise ValueError(f"unknown schedule {mode!r}; choose from {SCHEDULES}")
+
+
+def williams(n: int) -> list[list[int]]:
+    """Orders of 0..n-1, one a round: each index in each position equally often and right after every other
+    index equally often (a Williams design: n rows for even n, the n rows and their mirrors for odd n)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + k) % n for x in first] for k in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 @attrs.frozen

@@ -88,7 +88,7 @@ for p in "$@"; do case $p in
             --serve-args "--prompt-cache-gb 3" --ssd-args "--host-cache-gb 24" --out "$OUT" --copy-logs \
             --budget $(( ${LIMIT_decodeab:-260} - 25 )) ${DECODEAB_ARGS:-} ;;
   # Issue 28's decode goal through this host's drift: every server up at once, short rounds each visiting every
-  # server at each level (order rotated, mlx_lm twice: the control), a fresh 8k prompt before each run (the SSD
+  # server at each level (orders balanced for position and neighbour, mlx_lm twice: the control), a fresh 8k prompt before each run (the SSD
   # server's write-behind runs during its decode), ratio to mlx_lm per round, median + IQR; --budget ends the
   # rounds in time for the stops, the flush and the summary.
   decodeil) phase decodeil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/decodeil" --rounds 0 \
