@@ -194,6 +194,19 @@ async def test_mlxd_ssd_copy_gil_brings_back_the_gil_held_copy_for_an_h200_arm(l
     assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
 
 
+def test_generation_checkpoints_copy_without_the_gil_on_cuda(monkeypatch):
+    """A generation checkpoint is written while its row decodes: on CUDA its copies release the GIL too."""
+    from mlxd.actors.gen_checkpointer import pacer_for
+
+    g = WriteGovernor(busy_rate_bytes_per_s=MB)
+    assert pacer_for(None) is None
+    plain = pacer_for(g)
+    assert plain is not None and not plain.release_gil  # the CPU: host and MLX memory are one
+    fake_cuda.install(monkeypatch, fake_cuda.FakeCudaLib())
+    cuda = pacer_for(g)
+    assert cuda is not None and cuda.release_gil and cuda.governor is g
+
+
 async def test_holding_write_behind_while_decoding_never_holds_a_flush(lib, tmp_path: Path):
     """`--ssd-write-hold-decode`: a checkpoint written behind waits while rows decode; a flush (urgent) is
     never held, and everything it covers is on disk."""

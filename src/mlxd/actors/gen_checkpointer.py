@@ -36,7 +36,7 @@ import trio
 from mlxd.kv import file_format as ff
 from mlxd.kv import gen_checkpoint as gc
 from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
-from mlxd.runtime import device_memory
+from mlxd.runtime import device_memory, host_memory
 from mlxd.runtime.kernel.messages import (
     CheckpointGeneration,
     FindGenerationCheckpoint,
@@ -214,7 +214,7 @@ class GenerationCheckpointer:
         assert self._thread is not None
         path = self.directory / gc.file_name(job.key)
         t0 = time.perf_counter()
-        pacer = Pacer(self._governor, slice_bytes=PACE_SLICE) if self._governor is not None else None
+        pacer = pacer_for(self._governor)
         try:
             written = await self._thread.run(_write_file, job.plan, path, pacer)
         except (ff.StorageError, WriteInterrupted) as exc:
@@ -286,6 +286,14 @@ class GenerationCheckpointer:
             )
         if self._entries:
             log.info("gen_checkpoint.scan", entries=len(self._entries))
+
+
+def pacer_for(governor: WriteGovernor | None) -> Pacer | None:
+    """The pacer of one checkpoint's write; on CUDA its copies release the GIL, which the engine thread's
+    host-bound decode steps need back at once (the rows being checkpointed are decoding; issue 28)."""
+    if governor is None:
+        return None
+    return Pacer(governor, slice_bytes=PACE_SLICE, release_gil=host_memory.separate_host_memory())
 
 
 def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.WrittenFile:
