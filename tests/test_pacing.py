@@ -69,6 +69,32 @@ def test_urgency_ends_the_pacing_of_a_write_in_progress(tmp_path):
     assert time.monotonic() - t0 < 3.0
 
 
+def test_a_flush_reaches_a_paced_writer_whose_wake_was_swallowed():
+    """Writers share the governor's `changed` event and each clears it before it waits, so a flush's set that
+    lands just before a clear is lost to every waiter (another writer's clear, or this one's between two
+    waits). The paced writer still stops pacing: it looks at the rate after each clear, instead of sleeping
+    out its schedule (1,000 s here) for want of a wake."""
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)
+    governor.set_busy(True)
+
+    class Swallowing(threading.Event):
+        clears = 0
+
+        def clear(self) -> None:
+            Swallowing.clears += 1
+            if Swallowing.clears == 2:  # the flush comes just before the writer's second clear
+                governor.set_urgent("flush", True)
+            super().clear()
+
+    governor.changed = Swallowing()
+    pacer = Pacer(governor, slice_bytes=4096)
+    waiting = threading.Thread(target=pacer.done, args=(1024 * 1000,), daemon=True)
+    waiting.start()
+    waiting.join(timeout=30)
+    assert Swallowing.clears >= 2 and governor.urgent == {"flush"}
+    assert not waiting.is_alive(), "the paced writer missed the flush"
+
+
 def test_an_interrupted_write_leaves_no_file(tmp_path):
     plan = _plan()
     governor = WriteGovernor(busy_rate_bytes_per_s=64 * 1024)

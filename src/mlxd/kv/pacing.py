@@ -277,9 +277,12 @@ class Pacer:
         while (wait := self._due - self._clock()) > 0:
             t0 = self._clock()
             self.governor.changed.clear()
-            woke = self.governor.changed.wait(min(wait, 0.05))
-            self.paced_s += self._clock() - t0
-            self.check()
-            if woke and self.governor.rate() != rate:
+            # Checked after the clear, and on every wake: the event is shared by every writer's pacer, and
+            # another one's clear can swallow the set that a flush's urgency made, so a wake alone would miss it
+            # (a paced write then slept out its whole schedule before the flush could use it).
+            if self.governor.rate() != rate:
                 self._due = self._clock()  # re-plan the next slice at the new rate
                 return
+            self.governor.changed.wait(min(wait, 0.05))
+            self.paced_s += self._clock() - t0
+            self.check()
