@@ -296,3 +296,24 @@ def test_a_restored_turn_waits_for_its_pages_moved_to_the_device_where_memory_is
     assert unified.landed_seconds(10**9) == 0.0
     assert b.restore_seconds - a.restore_seconds == pytest.approx(16_000 * KV_PER_TOKEN / 30e9)
     assert b.recompute_seconds == a.recompute_seconds  # recomputing moves nothing
+
+
+def test_a_calibration_file_with_a_figure_that_is_not_a_number_is_no_calibration(tmp_path):
+    # A file that cannot be read is no calibration, never an error (kv/advisor_file.py): a damaged figure
+    # (a string, null, a list) made the restarted server's `resume` raise at startup.
+    import json
+
+    from mlxd.kv import advisor_file
+
+    path = advisor_file.advisor_path(tmp_path)
+    good = RestoreAdvisor(prefill_scale=2.0, whole_prefill_samples=1).calibration()
+    for name, bad in (("forgone_s", "x"), ("forgone_s", None), ("prefill_scale", "2.0"),
+                      ("whole_prefill_samples", [1]), ("restore_bytes_per_s", {"a": 1})):
+        path.write_text(json.dumps({"version": advisor_file.VERSION, "device": "Device(gpu, 0)",
+                                    "calibration": {**good, name: bad}}))
+        assert advisor_file.load(path, "Device(gpu, 0)") == {}, (name, bad)
+        advisor = RestoreAdvisor(explore=True)
+        advisor.resume(advisor_file.load(path, "Device(gpu, 0)"))
+        assert advisor.prefill_scale == 1.0 and advisor.forgone_s == 0
+    advisor_file.save(path, good, "Device(gpu, 0)")
+    assert advisor_file.load(path, "Device(gpu, 0)") == good  # whole numbers and floats are read as saved

@@ -41,6 +41,9 @@ def load(path: Path, device: str) -> dict[str, Any]:
         data = json.loads(path.read_bytes())
         if data.get("version") != VERSION or not isinstance(data.get("calibration"), dict):
             raise ValueError("not a restore advisor calibration")
+        # Every figure a number (`RestoreAdvisor.resume` converts them): a damaged one is no calibration.
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in data["calibration"].values()):
+            raise ValueError("a calibration figure is not a number")
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, AttributeError) as exc:
