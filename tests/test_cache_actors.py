@@ -429,3 +429,28 @@ def test_the_backlog_bound_is_a_serve_flag():
     assert serve_config(parser.parse_args(["serve", "--ssd-cache", "/d"])).ssd_backlog_bytes == 0
     config = serve_config(parser.parse_args(["serve", "--ssd-cache", "/d", "--ssd-backlog-gb", "0.5"]))
     assert config.ssd_backlog_bytes == 1 << 29
+
+
+def test_the_backlog_with_shared_prefixes_counts_what_each_record_adds_to_its_longest_pending_prefix():
+    """`pending_bytes` against its definition (each pending record adds its bytes beyond the most bytes among
+    its pending strict prefixes of the same namespace), on chains, branches, namespaces and failed records."""
+    import random
+
+    rng = random.Random(7)
+    queue = WriteQueue(shared_prefixes=True)
+    stems = [tuple(rng.randrange(50) for _ in range(rng.randrange(1, 6))) for _ in range(12)]
+    for _ in range(160):
+        tokens = rng.choice(stems) + tuple(rng.randrange(3) for _ in range(rng.randrange(0, 8)))
+        queue.mark(rng.choice("ab"), tokens, plan=None, trimmable=rng.random() < 0.3, nbytes=rng.randrange(1, 500))
+        if rng.random() < 0.6:  # writing: a longer record does not supersede it
+            job = queue.next_job(limit=1000)
+            if job is not None and rng.random() < 0.2:
+                queue.written(job.key, job.version, stored=False, error="EIO")
+    pending = queue.pending()
+    assert len(pending) > 40 and len({r.namespace for r in pending}) == 2
+    expect = 0
+    for r in pending:
+        prefixes = [o.nbytes for o in pending if o.namespace == r.namespace and len(o.tokens) < len(r.tokens)
+                    and tuple(r.tokens[: len(o.tokens)]) == tuple(o.tokens)]
+        expect += max(0, r.nbytes - max(prefixes, default=0))
+    assert queue.pending_bytes() == expect

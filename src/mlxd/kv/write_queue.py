@@ -176,11 +176,17 @@ class WriteQueue:
         pending = [(key, r) for key, r in self._records.items() if r.state != "failed"]
         if not self.shared_prefixes:
             return sum(r.nbytes for _, r in pending)
+        # In key order, a record's pending strict prefixes are exactly the chain left before it once the keys
+        # it does not extend are popped (every key between a prefix and its extension extends that prefix too):
+        # one sort, not every pair (called after each message: 95 ms at 1,000 records sharing a prompt).
         total = 0
-        for key, r in pending:
-            base = max((o.nbytes for other, o in pending if other[0] == key[0] and _strict_prefix(other[1], key[1])),
-                       default=0)
+        chain: list[tuple[Key, int]] = []  # (key, the most bytes of it and the prefixes before it)
+        for key, r in sorted(pending, key=lambda kr: kr[0]):
+            while chain and not (chain[-1][0][0] == key[0] and _strict_prefix(chain[-1][0][1], key[1])):
+                chain.pop()
+            base = chain[-1][1] if chain else 0
             total += max(0, r.nbytes - base)
+            chain.append((key, max(base, r.nbytes)))
         return total
 
     def counters(self) -> WriteCounters:
