@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "gpu"))
 
+from bench_host_tier_servers import raw_write_s  # noqa: E402
 from serve_proc import ServeProc  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -87,20 +88,7 @@ def cache_file_bytes(directory: Path) -> int:
 
 def raw_write_mb_s(directory: Path, nbytes: int) -> float:
     """Write `nbytes` in 8 MiB pieces and fsync: the disk's plain sequential write rate, MB/s."""
-    path = directory / "raw-write.bin"
-    piece = os.urandom(8 << 20)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, piece[: min(left, len(piece))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - t0
-    path.unlink()
-    return nbytes / seconds / 1e6
+    return nbytes / raw_write_s(directory, nbytes) / 1e6
 
 
 def log_events(text: str, *events: str) -> list[dict[str, Any]]:

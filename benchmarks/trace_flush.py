@@ -39,7 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
+from bench_host_tier_servers import raw_write_s  # noqa: E402
 from tests import fake_cuda  # noqa: E402
 
 LAYERS, HEADS, DIM = 28, 8, 128  # the 1.7B shape's KV (bf16)
@@ -61,23 +63,6 @@ def plan_of(tokens: int) -> Any:
     mx.eval([c.state for c in caches])
     identity = StoreIdentity(model_id="trace", fingerprint="f" * 32, tokenizer_hash="t")
     return kinds.plan_snapshot(caches, meta=identity.meta(tuple(range(tokens)), "")), identity
-
-
-def raw_write_s(directory: Path, nbytes: int) -> float:
-    path = directory / "raw-write.bin"
-    piece = os.urandom(8 << 20)
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, piece[: min(left, len(piece))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - t0
-    path.unlink()
-    return seconds
 
 
 def write_once(arm: str, plan: Any, identity: Any, directory: Path, block_tokens: int) -> dict[str, Any]:
