@@ -158,6 +158,8 @@ class _Rates:
     proven: bool = False  # the probe rows' drafts would have been accepted: the whole batch verifies
     probe_hits: int = 0  # probes since the last pause whose first draft the row emitted
     probe_misses: int = 0  # probes since the last pause whose first draft it did not
+    speedup: float = 0.0  # verifying's rate over plain's when last compared (kept across pauses)
+    hit: bool = False  # a verifying step since the last pause emitted `min_gain` tokens a row or more
 
     @property
     def plain(self) -> float:
@@ -241,6 +243,8 @@ class SpeculationGate:
     min_samples: int = 3  # verifying steps measured before they are judged (one step is noisy)
     min_tries: int = 2  # verifying steps before their tokens per row are judged
     retries: int = 1  # after a pause: failed tries (verifying steps, probes) before the next pause
+    paid_retries: int = 2  # those tries instead, where verifying last measured faster than plain (speedup > 1)
+    hold_after_hit: bool = True  # a pause after a verifying step that gained does not grow (the same length again)
     min_gain: float = 1.05  # tokens per row a verifying step must average
     probe_every: int = 64  # verifying steps between measured plain steps
     # How much faster than plain a verifying step must measure: what the timed steps leave out (a
@@ -329,8 +333,9 @@ class SpeculationGate:
             r.since_plain += 1
             r.tried += 1
             r.gain = tokens / rows if r.tried == 1 else r.gain + 0.5 * (tokens / rows - r.gain)
+            r.hit = r.hit or tokens / rows >= self.min_gain
             if r.tried >= self._tries(r) and r.gain < self.min_gain:
-                self._pause(r)
+                self._pause(r, failed_try=True)
                 return
         if not follows or now <= start or tokens <= 0:
             return
@@ -342,6 +347,7 @@ class SpeculationGate:
         r.verifies = [*r.verifies[1 - self.window:], rate]
         if not r.plains or len(r.verifies) < self.min_samples:
             return
+        r.speedup = r.verify / r.plain
         if r.verify >= self.min_speedup * r.plain:
             r.pauses, r.suspect = 0, False
         elif r.suspect:  # slower again, against a plain rate measured just before: a verdict
@@ -354,11 +360,16 @@ class SpeculationGate:
 
     def _tries(self, r: _Rates) -> int:
         """Failed tries that make a verdict: `min_tries` at first, `retries` after a pause."""
-        return self.min_tries if r.pauses == 0 else min(self.retries, self.min_tries)
+        if r.pauses == 0:
+            return self.min_tries
+        return min(self.paid_retries if r.speedup > 1.0 else self.retries, self.min_tries)
 
-    def _pause(self, r: _Rates) -> None:
+    def _pause(self, r: _Rates, *, failed_try: bool = False) -> None:
+        if failed_try and self.hold_after_hit and r.hit and r.pauses > 0:
+            r.pauses -= 1  # the same length as the last pause, not 4 times longer
         r.pause = min(self.max_pause, self.first_pause << (2 * r.pauses))
         r.pauses += 1
+        r.hit = False
         r.verifies, r.tried, r.gain, r.suspect = [], 0, 0.0, False  # measured afresh after the pause
         r.proven, r.probe_hits, r.probe_misses = False, 0, 0  # probed again after it
         r.charged_s, r.charged_tokens = 0.0, 0
