@@ -230,7 +230,13 @@ class SpeculationGate:
     After a pause, one failed try is a verdict (`retries`: a verifying step whose tokens per row stay
     under `min_gain`, or a probe whose first draft the row did not emit): the next pause follows at
     once, not after `min_tries` more (the H200 at batch 1, an unrelated draft model, 48-token rounds:
-    2 tries, pause 16, 2 tries, pause 64, 2 tries cost 0.84x of off; issue 23).
+    2 tries, pause 16, 2 tries, pause 64, 2 tries cost 0.84x of off; issue 23). Two exceptions keep a
+    good draft whose tries sometimes keep nothing (acceptance 0.7 a token: 30% of verifying steps) from
+    being given up: where verifying last measured faster than plain (`speedup` > 1, kept across pauses)
+    `paid_retries` failed tries make the verdict; and a pause for failed tries after a verifying step that
+    gained (`min_gain` tokens a row, since the last pause) is as long as the last one, not 4 times longer.
+    A draft never accepted neither measures a speedup nor gains: its pauses are as before. A pause by the
+    clock (verifying measured slower) grows as before.
 
     A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
     the most a verifying step can gain over a plain one, from what the draft's forwards cost,
