@@ -454,3 +454,40 @@ def test_the_backlog_with_shared_prefixes_counts_what_each_record_adds_to_its_lo
                     and tuple(r.tokens[: len(o.tokens)]) == tuple(o.tokens)]
         expect += max(0, r.nbytes - max(prefixes, default=0))
     assert queue.pending_bytes() == expect
+
+
+async def test_a_failure_handling_a_write_s_outcome_answers_the_waiting_flush_not_durable(autojump_clock):
+    """A write's outcome that its handler cannot take (here an outcome of no known kind) used to leave the
+    write in flight for ever: the waiting flush was never answered and SIGTERM waited out its whole timeout.
+    Now every waiting flush is answered at once, not durable, with the cause; the coordinator keeps serving."""
+    with trio.fail_after(60):  # on the mock clock: a hang fails the test rather than the run
+        await _flush_after_a_failing_outcome_handler()
+
+
+async def _flush_after_a_failing_outcome_handler() -> None:
+    async with trio.open_nursery() as nursery:
+        inbox, writer, cache = await start_coordinator(nursery)
+        a, b = tuple(range(10)), tuple(range(20, 30))
+        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
+        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        job_a = await writer.receive()
+        flush: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(flush))
+        await inbox.send(SnapshotWritten(job_a.job, object(), 0.0, WriterStats()))  # type: ignore[arg-type]
+        with trio.fail_after(1):  # on the mock clock: it is answered without any other message
+            report = await flush.wait()
+        assert not report.durable and "AttributeError" in (report.reason or "")
+        # Still serving: the failed write is retried by the next flush, which is answered as usual.
+        again: Reply[FlushReport] = Reply()
+        await inbox.send(FlushRequest(again))
+        written = []
+        for _ in (a, b):  # one writer: one write at a time
+            job = await writer.receive()
+            written.append(job.job.record.tokens)
+            stored = SsdRecord("", job.job.record.tokens, 320, 0.0)
+            await inbox.send(SnapshotWritten(job.job, Stored(stored, 0.0), 0.0, WriterStats(writes=1)))
+            assert isinstance(await cache.receive(), EntryDurable)
+        assert sorted(written) == [a, b]
+        await answer_stats(cache)
+        assert (await again.wait()).durable
+        nursery.cancel_scope.cancel()

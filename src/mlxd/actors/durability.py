@@ -9,7 +9,10 @@ and retryable. This actor feeds the writer, reports each outcome to the cache
 owner as a message (`EntryDurable`, `EntryNotPersisted`) and answers flushes:
 a flush retries failures once, waits for everything that was dirty when it
 was called, and reports durable only when nothing is pending, failed, dropped
-or unstorable. A failed write's report carries its cause (errno text).
+or unstorable. A failed write's report carries its cause (errno text). A
+failure in a handler answers every waiting flush at once, not durable, with
+that failure as its reason (never a flush left waiting: SIGTERM would wait out
+its whole timeout), and a write whose outcome was lost counts as failed.
 Outcomes reach the cache owner in the order the writes were started, however
 the writers finish: the tier core indexes each file as the most recently used
 and enforces the SSD cap as it goes, so the order is what it keeps, and the
@@ -105,8 +108,13 @@ class DurabilityCoordinator:
                 except Exception as exc:  # one bad message fails its own reply, not the runtime
                     log.exception("durability.handler_failed", message=type(msg).__name__)
                     reply = getattr(msg, "reply", None)
-                    if reply is not None:
+                    # A waiting flush is answered now (not durable) rather than never: SIGTERM must not wait
+                    # out its timeout for a write whose outcome was lost.
+                    answered = self._abandon_flushes(exc)
+                    if reply is not None and reply not in answered:
                         reply.fail(exc)
+                    if isinstance(msg, SnapshotWritten):
+                        await self._release(msg, exc)  # a failure here ends the actor, loudly
                 self._set_urgency()
 
     async def _handle(self, msg: DurabilityMessage) -> None:
@@ -139,11 +147,36 @@ class DurabilityCoordinator:
             report = EntryNotPersisted(record.namespace, tuple(record.tokens), outcome.error)
         slot = next(s for j, s in self._started if j is job)
         slot.append(report)
-        # Report in start order: an earlier write still in flight holds the later ones back.
+        await self._report_in_order()
+
+    async def _report_in_order(self) -> None:
+        """Report in start order: an earlier write still in flight holds the later ones back."""
         while self._started and self._started[0][1]:
             _, (ready,) = self._started.popleft()
             if ready is not None:
                 await self._cache.send(ready)
+
+    async def _release(self, msg: SnapshotWritten, exc: Exception) -> None:
+        """A write whose outcome could not be handled: count it failed, so the next flush retries it and the
+        writes started after it still reach the cache owner (unless its handler got that far)."""
+        slot = next((s for j, s in self._started if j is msg.job), None)
+        if slot is None or slot:
+            return
+        self._queue.written(msg.job.key, msg.job.version, stored=False, error=f"durability handler failed: {exc!r}")
+        slot.append(None)
+        await self._report_in_order()
+
+    def _abandon_flushes(self, exc: Exception) -> list[Reply[FlushReport]]:
+        """Answer every waiting flush: not durable, with the handler's failure as the reason. What the SSD
+        holds is not asked of the cache owner (that may be what failed): its figures read 0."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            self._queue.close_flush(waiter.targets)
+            report = self._report(waiter, 0, 0, 0)
+            waiter.reply.send(attrs.evolve(report, durable=False, reason=f"durability handler failed: {exc!r}"))
+        if waiters:
+            log.error("durability.flushes_abandoned", flushes=len(waiters), error=repr(exc))
+        return [w.reply for w in waiters]
 
     async def _pump(self) -> None:
         """Start queued writes while fewer than the allowed number are in flight."""
