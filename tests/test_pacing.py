@@ -149,3 +149,74 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         assert governor.urgent == frozenset()  # urgency ends with the flush
         assert (await rt.ssd_stats()).writer.paced_s > 0.5
         nursery.cancel_scope.cancel()
+
+
+def test_one_pacer_shared_by_several_block_writing_threads_keeps_exact_totals():
+    """The block store's writing threads share one write's pacer (and every writer the governor): its sums
+    are read-modify-writes, and a thread switch inside one lost the other threads' additions. Each thread's
+    clock here ticks 2**-20 s per call and yields at every call, so every paced wait adds exactly one tick
+    (its start and end are that thread's two consecutive readings) and switches land mid-update."""
+    tick = 2.0**-20
+    local = threading.local()
+
+    def clock() -> float:
+        local.k = getattr(local, "k", 0) + 1
+        time.sleep(0)  # another thread runs now
+        return local.k * tick
+
+    governor = WriteGovernor(busy_rate_bytes_per_s=1 / tick)  # a byte: one tick of schedule
+    governor.set_busy(True)
+    stops = []  # check() runs once per done() (its hold) and once per paced wait
+
+    def stop() -> bool:
+        stops.append(None)  # list.append is atomic
+        return False
+
+    pacer = Pacer(governor, slice_bytes=4096, stop=stop, clock=clock)
+    threads, calls = 4, 400
+
+    def hammer() -> None:
+        for _ in range(calls):
+            pacer.done(1)
+
+    workers = [threading.Thread(target=hammer) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers)
+    waits = len(stops) - threads * calls
+    assert waits > 0
+    assert governor.bytes_out == threads * calls
+    assert pacer.paced_s == waits * tick  # exact: sums of whole ticks
+
+
+def test_holds_of_several_threads_keep_exact_totals():
+    """The hold's sums too (the pacer's and the governor's): each hold here expires at once and lasts exactly
+    two ticks of its thread's clock."""
+    tick = 2.0**-20
+    local = threading.local()
+
+    def clock() -> float:
+        local.k = getattr(local, "k", 0) + 1
+        time.sleep(0)
+        return local.k * tick
+
+    governor = WriteGovernor(busy_rate_bytes_per_s=MB, max_hold_s=0.0)
+    governor.set_prefilling(True)
+    pacer = Pacer(governor, clock=clock)
+    threads, calls = 4, 400
+
+    def hammer() -> None:
+        for _ in range(calls):
+            pacer.hold()
+
+    workers = [threading.Thread(target=hammer) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers)
+    n = threads * calls
+    assert governor.holds == n and governor.holds_expired == n
+    assert pacer.held_s == governor.held_s == 2 * n * tick

@@ -74,6 +74,15 @@ class WriteGovernor:
         self.holds = 0  # times a writer held still for a prefill (writer threads count; for /stats and tests)
         self.holds_expired = 0  # holds that reached max_hold_s (a piece went anyway)
         self.held_s = 0.0
+        self._counts = threading.Lock()  # the sums above: added to by every writing thread
+
+    def count(self, *, bytes_out: int = 0, holds: int = 0, holds_expired: int = 0, held_s: float = 0.0) -> None:
+        """Add to the writers' sums (several threads: each addition is a read-modify-write)."""
+        with self._counts:
+            self.bytes_out += bytes_out
+            self.holds += holds
+            self.holds_expired += holds_expired
+            self.held_s += held_s
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
@@ -209,6 +218,8 @@ class Pacer:
         self.step_waits = 0  # staged pieces that waited for the engine's next step
         self.times = WriteTimes()  # where the write's seconds went (the writer's threads add to it)
         self._piece_step: int | None = None  # the engine's step count when the last staged piece went
+        # The block store's writing threads share one write's pacer: its sums and schedule change under this.
+        self._lock = threading.Lock()
 
     def pacing(self) -> bool:
         """Whether the writer is being held to a rate (or held still) right now."""
@@ -231,7 +242,7 @@ class Pacer:
         g = self.governor
         if not g.held():
             return
-        g.holds += 1
+        g.count(holds=1)
         t0 = self._clock()
         while (left := t0 + g.max_hold_s - self._clock()) > 0:
             g.changed.clear()
@@ -240,11 +251,13 @@ class Pacer:
             g.changed.wait(min(left, 0.05))
             self.check()
         else:
-            g.holds_expired += 1  # held too long: this piece goes (the next one may hold again)
+            g.count(holds_expired=1)  # held too long: this piece goes (the next one may hold again)
         waited = self._clock() - t0
-        self.held_s += waited
-        g.held_s += waited
-        self._due = self._clock()  # the rate's schedule restarts after the hold (no burst)
+        g.count(held_s=waited)
+        now = self._clock()
+        with self._lock:
+            self.held_s += waited
+            self._due = now  # the rate's schedule restarts after the hold (no burst)
 
     def piece_size(self, idle: int, decoding: int) -> int:
         """The staged copy's piece size now: small while rows decode and nothing is urgent."""
@@ -260,20 +273,22 @@ class Pacer:
             self._piece_step = None
             return
         if self._piece_step is not None and g.steps <= self._piece_step:
-            self.step_waits += 1
+            with self._lock:
+                self.step_waits += 1
             g.wait_step(self._piece_step, STEP_WAIT_S)
             self.check()
         self._piece_step = g.steps
 
     def done(self, nbytes: int) -> None:
         """Account for `nbytes` just written; wait until the rate allows more."""
-        self.governor.bytes_out += nbytes
+        self.governor.count(bytes_out=nbytes)
         self.hold()
         rate = self.governor.rate()
         if rate is None:
             return
         now = self._clock()
-        self._due = max(self._due, now) + nbytes / rate
+        with self._lock:
+            self._due = max(self._due, now) + nbytes / rate
         while (wait := self._due - self._clock()) > 0:
             t0 = self._clock()
             self.governor.changed.clear()
@@ -281,8 +296,12 @@ class Pacer:
             # another one's clear can swallow the set that a flush's urgency made, so a wake alone would miss it
             # (a paced write then slept out its whole schedule before the flush could use it).
             if self.governor.rate() != rate:
-                self._due = self._clock()  # re-plan the next slice at the new rate
+                now = self._clock()
+                with self._lock:
+                    self._due = now  # re-plan the next slice at the new rate
                 return
             self.governor.changed.wait(min(wait, 0.05))
-            self.paced_s += self._clock() - t0
+            waited = self._clock() - t0
+            with self._lock:
+                self.paced_s += waited
             self.check()
