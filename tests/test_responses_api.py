@@ -10,10 +10,14 @@ the SSD tier.
 
 from __future__ import annotations
 
+import os
+import stat
+
 import httpx
 import openai
 import pytest
 
+from mlxd.http.response_store import ResponseStore
 from mlxd.http.responses import input_messages, output_messages
 from scripted_model import ANSWER, REASONING, build_scripted_model
 
@@ -256,3 +260,25 @@ def test_the_agents_sdk_drives_a_five_step_tool_loop(server):
         # Each step's prompt extends the last; the cache serves at least the last step's whole prompt.
         assert after.input_tokens > before.input_tokens
         assert after.input_tokens_details.cached_tokens >= before.input_tokens
+
+
+def test_a_stored_response_s_rename_is_made_durable_by_fsyncing_its_directory(tmp_path, monkeypatch):
+    """A rename is durable only once its directory is fsynced: without that, a power loss after the reply can
+    lose a stored response (`previous_response_id` then 404s) as it would any other file of the SSD tier's."""
+    directory = tmp_path / "responses"
+    synced: list[tuple[str, int]] = []  # (kind, inode) of every fsync, in order
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.append(("dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    rid = "resp_" + "a" * 32
+    ResponseStore(directory).put(rid, {"response": {"id": rid}, "messages": []})
+    path = directory / f"{rid}.json"
+    assert synced[0] == ("file", path.stat().st_ino)  # the body, before its rename
+    assert ("dir", directory.stat().st_ino) in synced[1:]  # the rename, after it
+    assert sorted(p.name for p in directory.iterdir()) == [path.name]  # no tmp left
+    assert ResponseStore(directory).get(rid) == {"response": {"id": rid}, "messages": []}  # read back from its file

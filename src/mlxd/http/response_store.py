@@ -4,21 +4,22 @@ A stored response is a JSON record: the response object as returned, the
 conversation it ends (chat messages, its own output included) that a request
 naming it in `previous_response_id` continues, and the cache session of that
 conversation. With an SSD tier the records are written to
-`<ssd-cache>/responses/<id>.json` (tmp + fsync + rename), so they survive a
-restart; a record that cannot be read back is a miss (404), never a 500.
-Without an SSD tier they live in this process only. Synchronous file I/O:
-callers run it on a worker thread.
+`<ssd-cache>/responses/<id>.json` (tmp + fsync + rename + directory fsync:
+kv/small_files.py), so they survive a restart or a power loss; a record that
+cannot be read back is a miss (404), never a 500. Without an SSD tier they
+live in this process only. Synchronous file I/O: callers run it on a worker
+thread.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from mlxd.kv.small_files import write_durably
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.http.responses")
@@ -45,14 +46,10 @@ class ResponseStore:
         path = self._path(rid)
         if path is None:
             return
-        tmp = path.with_suffix(".json.tmp")
+        tmp = path.with_name(path.name + ".tmp")  # write_durably's
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(record, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_durably(path, json.dumps(record).encode())  # tmp + fsync + rename + directory fsync
         except OSError as exc:  # kept in memory: a full disk costs the restart, not the request
             log.warning("response_store_write_failed", id=rid, error=str(exc))
             tmp.unlink(missing_ok=True)

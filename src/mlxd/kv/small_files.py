@@ -1,7 +1,7 @@
 """A small file beside the SSD tier's, written so a crash leaves the old one or the new one whole.
 
 The pins file (kv/pins.py) and the restore advisor's calibration (kv/advisor_file.py) are
-rewritten whole when a server stops: tmp + fsync + rename + directory fsync. No trio, no MLX.
+rewritten whole when a server stops, a stored response (http/response_store.py) when it is made: tmp + fsync + rename + directory fsync. No trio, no MLX.
 """
 
 from __future__ import annotations
