@@ -317,3 +317,20 @@ def test_a_calibration_file_with_a_figure_that_is_not_a_number_is_no_calibration
         assert advisor.prefill_scale == 1.0 and advisor.forgone_s == 0
     advisor_file.save(path, good, "Device(gpu, 0)")
     assert advisor_file.load(path, "Device(gpu, 0)") == good  # whole numbers and floats are read as saved
+
+
+def test_a_calibration_file_with_a_bool_figure_is_no_calibration(tmp_path, caplog):
+    # JSON's true is Python's True, an int (True -> 1.0 in `resume`): a bool figure is no number either.
+    import json
+
+    from mlxd.kv import advisor_file
+
+    path = advisor_file.advisor_path(tmp_path)
+    good = RestoreAdvisor(prefill_scale=2.0, whole_prefill_samples=1).calibration()
+    for name in ("prefill_scale", "whole_prefill_samples", "forgone_s"):
+        for bad in (True, False):
+            path.write_text(json.dumps({"version": advisor_file.VERSION, "device": "Device(gpu, 0)",
+                                        "calibration": {**good, name: bad}}))
+            caplog.clear()
+            assert advisor_file.load(path, "Device(gpu, 0)") == {}, (name, bad)
+            assert "advisor.calibration_unreadable" in caplog.text and "not a number" in caplog.text
