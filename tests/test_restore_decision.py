@@ -333,4 +333,19 @@ def test_a_calibration_file_with_a_bool_figure_is_no_calibration(tmp_path, caplo
                                         "calibration": {**good, name: bad}}))
             caplog.clear()
             assert advisor_file.load(path, "Device(gpu, 0)") == {}, (name, bad)
-            assert "advisor.calibration_unreadable" in caplog.text and "not a number" in caplog.text
+            assert "advisor.calibration_unreadable" in caplog.text and "calibration figure is not a" in caplog.text
+
+
+def test_a_calibration_file_with_a_figure_that_is_not_finite_is_no_calibration(tmp_path):
+    # Python's json reads NaN and Infinity as floats: a restore rate of Infinity made every restore look free.
+    import json
+
+    from mlxd.kv import advisor_file
+
+    path = advisor_file.advisor_path(tmp_path)
+    good = RestoreAdvisor(prefill_scale=2.0, whole_prefill_samples=1).calibration()
+    for name in ("prefill_scale", "restore_bytes_per_s", "forgone_s"):
+        for bad in (float("inf"), float("nan"), float("-inf")):
+            path.write_text(json.dumps({"version": advisor_file.VERSION, "device": "Device(gpu, 0)",
+                                        "calibration": {**good, "restore_samples": 3, name: bad}}))
+            assert advisor_file.load(path, "Device(gpu, 0)") == {}, (name, bad)

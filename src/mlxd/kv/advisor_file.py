@@ -12,6 +12,7 @@ No trio, no MLX.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ def load(path: Path, device: str) -> dict[str, Any]:
         data = json.loads(path.read_bytes())
         if data.get("version") != VERSION or not isinstance(data.get("calibration"), dict):
             raise ValueError("not a restore advisor calibration")
-        # Every figure a number (`RestoreAdvisor.resume` converts them): a damaged one is no calibration.
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in data["calibration"].values()):
-            raise ValueError("a calibration figure is not a number")
+        # Every figure a finite number (`RestoreAdvisor.resume` converts them; json reads NaN and Infinity):
+        # a damaged one is no calibration.
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                   for v in data["calibration"].values()):
+            raise ValueError("a calibration figure is not a finite number")
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, AttributeError) as exc:
