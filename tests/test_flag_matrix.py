@@ -4,7 +4,7 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode); each
+--speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -50,6 +50,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     # --restore-choice, always given (tests/conftest.py sets MLXD_RESTORE_CHOICE=always for the rest)
     "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
+    "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -64,6 +65,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # refused: "--generation-checkpoint needs the SSD tier"
     if combo.get("write_hold") and ssd == "off":
         return False  # no write-behind without the SSD tier
+    if combo.get("backlog") is not None and ssd == "off":
+        return False  # no write-behind backlog without the SSD tier
     if combo.get("ssd_verify") == "off" and ssd == "off":
         return False  # nothing is restored without the SSD tier
     if combo.get("kv_token_ids") and combo.get("kv_events") is False:
@@ -139,6 +142,7 @@ class Combo:
     ram_pages: str = "off"
     restore_choice: str = "measured"
     write_hold: bool = False
+    backlog: str | None = None
 
     @property
     def id(self) -> str:
@@ -162,6 +166,7 @@ class Combo:
             "always": self.restore_choice == "always",
             "never": self.restore_choice == "never",
             "hold": self.write_hold,
+            "urgent": self.backlog is not None,
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -199,6 +204,8 @@ class Combo:
             args += ["--ram-pages", "on"]
         if self.write_hold:
             args.append("--ssd-write-hold-decode")
+        if self.backlog is not None:
+            args += ["--ssd-backlog-gb", self.backlog]
         return args
 
 
@@ -261,7 +268,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 748, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 827, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 16  # each a server start: keep it small
