@@ -20,6 +20,7 @@ import trio
 from mlx_lm.models import cache as mlc
 from tests import fake_cuda
 
+from mlxd.actors import ssd_writer
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv import kinds, pacing
 from mlxd.kv.pacing import Pacer, WriteGovernor
@@ -179,8 +180,6 @@ async def test_the_staged_writer_copies_without_the_gil_and_writes_the_same_byte
 
 async def test_mlxd_ssd_copy_gil_brings_back_the_gil_held_copy_for_an_h200_arm(lib, tmp_path: Path, monkeypatch):
     """`MLXD_SSD_COPY_GIL=1` (read at import): staged writes copy holding the GIL again, the same bytes."""
-    from mlxd.actors import ssd_writer
-
     copied = []
     copyto = np.copyto
     monkeypatch.setattr(np, "copyto", lambda dst, src, *a, **k: (copied.append(1), copyto(dst, src, *a, **k)))
@@ -440,3 +439,15 @@ async def test_a_live_flush_while_rows_decode_writes_what_the_decode_hold_kept_b
         writer = (await rt.ssd_stats()).writer
         assert writer.staged >= 1 and writer.staged_calls >= 1 and writer.failures == 0
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("value", "holds"), [("", False), ("0", False), ("off", False), ("1", True), ("True", True)])
+def test_mlxd_ssd_copy_gil_reads_its_values(monkeypatch, value, holds):
+    monkeypatch.setenv("MLXD_SSD_COPY_GIL", value)
+    assert ssd_writer._copy_holds_gil() is holds
+
+
+def test_mlxd_ssd_copy_gil_refuses_a_value_it_does_not_know(monkeypatch):
+    monkeypatch.setenv("MLXD_SSD_COPY_GIL", "yes")
+    with pytest.raises(ValueError, match="MLXD_SSD_COPY_GIL"):
+        ssd_writer._copy_holds_gil()

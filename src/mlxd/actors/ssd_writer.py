@@ -39,7 +39,16 @@ log = get_logger("mlxd.ssd_writer")
 
 # MLXD_SSD_COPY_GIL=1: staged writes copy into the write buffer holding the GIL, as before issue 28's fix (an arm
 # for the H200: the same run with and without it says what the GIL-held copy cost decode beside write-behind).
-_COPY_HOLDS_GIL = os.environ.get("MLXD_SSD_COPY_GIL", "").strip() == "1"
+def _copy_holds_gil() -> bool:
+    """`MLXD_SSD_COPY_GIL`: unset, "", "0", "off" or "false" (the default) or "1", "on", "true"; another value is a
+    ValueError (a typo must not measure one copy as the other; docs/operations.md, the environment's arms)."""
+    value = os.environ.get("MLXD_SSD_COPY_GIL", "").strip().lower()
+    if value not in ("", "0", "off", "false", "1", "on", "true"):
+        raise ValueError(f"MLXD_SSD_COPY_GIL must be 0/off/false (the default) or 1/on/true, not {value!r}")
+    return value in ("1", "on", "true")
+
+
+_COPY_HOLDS_GIL = _copy_holds_gil()
 
 def _write(
     store: SsdStore, plan: SnapshotPlan | TensorPlan, pacer: Pacer, staging: host_memory.Staging | None
