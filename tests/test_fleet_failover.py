@@ -6,6 +6,8 @@ import signal
 import time
 from contextlib import ExitStack
 
+from mlxd.kv import block_store as bs
+
 from gateway import Gateway
 from procs import ServeProcess
 
@@ -46,9 +48,12 @@ def test_stopping_a_replica_moves_its_conversations_with_their_cache(tmp_path, t
             stopped.signal(signal.SIGTERM)
             assert stopped.wait() == 0 and "serve.flushed" in stopped.log()
             [other] = [r for url, r in by_url.items() if url != home]
+            # Every checkpoint the stopped replica left (the first turn's by write-behind, the second's by the
+            # flush) indexed by the survivor: waiting for the first one alone raced the rescan for the second.
+            left = max(1, len(list(cache.rglob("*" + bs.MANIFEST_EXT))))
             with other.client() as direct:
                 deadline = time.monotonic() + 30
-                while direct.get("/stats").json()["ssd_cache"]["shared"]["discovered"] == 0:
+                while direct.get("/stats").json()["ssd_cache"]["shared"]["discovered"] < left:
                     assert time.monotonic() < deadline
                     time.sleep(0.1)
             # The next turn goes through the gateway to the survivor, which restores it from SSD.
