@@ -46,13 +46,11 @@ class ResponseStore:
         path = self._path(rid)
         if path is None:
             return
-        tmp = path.with_name(path.name + ".tmp")  # write_durably's
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_durably(path, json.dumps(record).encode())  # tmp + fsync + rename + directory fsync
         except OSError as exc:  # kept in memory: a full disk costs the restart, not the request
-            log.warning("response_store_write_failed", id=rid, error=str(exc))
-            tmp.unlink(missing_ok=True)
+            log.warning("response_store_write_failed", id=rid, error=str(exc))  # write_durably removed its tmp
 
     def get(self, rid: str) -> dict[str, Any] | None:
         if rid in self._recent:
