@@ -431,6 +431,18 @@ def test_the_backlog_bound_is_a_serve_flag():
     assert config.ssd_backlog_bytes == 1 << 29
 
 
+@pytest.mark.parametrize("flag", ["--ssd-backlog-gb", "--prompt-cache-gb", "--ssd-write-rate"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_size_or_rate_that_is_not_a_finite_number_is_a_usage_error(flag, value, capsys):
+    """argparse's usage error (exit 2, the flag named), not an OverflowError's traceback from int(inf)."""
+    from mlxd.cli import build_parser, serve_config
+
+    with pytest.raises(SystemExit) as info:
+        serve_config(build_parser().parse_args(["serve", "--ssd-cache", "/d", flag, value]))
+    assert info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
 def test_the_backlog_with_shared_prefixes_counts_what_each_record_adds_to_its_longest_pending_prefix():
     """`pending_bytes` against its definition (each pending record adds its bytes beyond the most bytes among
     its pending strict prefixes of the same namespace), on chains, branches, namespaces and failed records."""

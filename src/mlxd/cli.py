@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -14,10 +15,7 @@ from mlxd.runtime.config import GB
 
 
 def _gb(text: str) -> int:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return int(value * GB)
+    return int(_finite_non_negative_float(text) * GB)
 
 
 def _positive_int(text: str) -> int:
@@ -42,6 +40,14 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _finite_non_negative_float(text: str) -> float:
+    """A size or a rate (converted to whole bytes: int(inf) would be an OverflowError's traceback)."""
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be a finite number >= 0")
     return value
 
 
@@ -157,7 +163,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "longer than RAM's prefix (always), never (never: the recompute arm, to compare), or a middle part of it, the rest prefilled (split: tests)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
-    p.add_argument("--ssd-write-rate", type=_non_negative_float, metavar="MB/S",
+    p.add_argument("--ssd-write-rate", type=_finite_non_negative_float, metavar="MB/S",
                    help="write-behind rate while the engine is decoding (default 24; 0 = unpaced); full speed "
                    "when idle, when a flush waits, or when the unwritten backlog passes half the RAM tier")
     p.add_argument("--ssd-backlog-gb", type=_gb, metavar="GB",
