@@ -13,7 +13,6 @@ writes a slice (the governor's hold, kv/pacing.py) unless durability is urgent.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from functools import partial
@@ -25,6 +24,7 @@ from mlxd.kv.file_format import SnapshotPlan
 from mlxd.kv.pacing import PACE_SLICE, Pacer, WriteGovernor, WriteInterrupted
 from mlxd.kv.ssd_store import Failed, SsdStore, Stored, WriteOutcome
 from mlxd.runtime import device_memory, host_memory
+from mlxd.runtime.config import env_switch
 from mlxd.runtime.kernel.messages import (
     DurabilityMessage,
     SnapshotWritten,
@@ -40,12 +40,9 @@ log = get_logger("mlxd.ssd_writer")
 # MLXD_SSD_COPY_GIL=1: staged writes copy into the write buffer holding the GIL, as before issue 28's fix (an arm
 # for the H200: the same run with and without it says what the GIL-held copy cost decode beside write-behind).
 def _copy_holds_gil() -> bool:
-    """`MLXD_SSD_COPY_GIL`: unset, "", "0", "off" or "false" (the default) or "1", "on", "true"; another value is a
-    ValueError (a typo must not measure one copy as the other; docs/operations.md, the environment's arms)."""
-    value = os.environ.get("MLXD_SSD_COPY_GIL", "").strip().lower()
-    if value not in ("", "0", "off", "false", "1", "on", "true"):
-        raise ValueError(f"MLXD_SSD_COPY_GIL must be 0/off/false (the default) or 1/on/true, not {value!r}")
-    return value in ("1", "on", "true")
+    """`MLXD_SSD_COPY_GIL`: off by default; another value than 0/off/false or 1/on/true is a ValueError
+    (`runtime.config.env_switch`; docs/operations.md, the environment's arms)."""
+    return env_switch("MLXD_SSD_COPY_GIL", default=False)
 
 
 _COPY_HOLDS_GIL = _copy_holds_gil()

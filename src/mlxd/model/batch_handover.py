@@ -19,7 +19,6 @@ Anything else (several rows, padding, other cache classes) takes mlx-lm's own pa
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 ENV = "MLXD_BATCH_HANDOVER"
@@ -28,13 +27,11 @@ _ORIGINAL: dict[str, Any] = {}
 
 
 def wanted() -> bool:
-    """Whether it is on: unset, "", "1", "on" or "true" (the default); "0", "off" or "false" turn it off.
-    Another value is a ValueError (read once, when the engine loads: a typo must not measure one path as
-    the other)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in ("", "0", "off", "false", "1", "on", "true"):
-        raise ValueError(f"{ENV} must be 1/on/true (the default) or 0/off/false, not {value!r}")
-    return value not in ("0", "off", "false")
+    """Whether it is on: unset or "" (the default), "1", "on" or "true"; "0", "off" or "false" turn it off.
+    Another value is a ValueError (`runtime.config.env_switch`)."""
+    from mlxd.runtime.config import env_switch
+
+    return env_switch(ENV, default=True)
 
 
 def install(*, force: bool = False) -> bool:

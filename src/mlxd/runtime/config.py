@@ -15,6 +15,20 @@ if TYPE_CHECKING:
 GB = 1024**3
 
 
+_ON, _OFF = ("1", "on", "true"), ("0", "off", "false")
+
+
+def env_switch(name: str, *, default: bool) -> bool:
+    """An environment arm that is on or off: unset or "" (`default`), "1"/"on"/"true", "0"/"off"/"false" (any
+    case). Another value is a ValueError naming it (read once, at load: a typo must not measure one path as the
+    other)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", *_ON, *_OFF):
+        raise ValueError(f"{name} must be 1/on/true or 0/off/false (unset: {'on' if default else 'off'}), "
+                         f"not {value!r}")
+    return default if value == "" else value in _ON
+
+
 def _non_negative(_inst: object, attr: attrs.Attribute, value: float) -> None:
     if value < 0:
         raise ValueError(f"{attr.name} must be >= 0, got {value}")
