@@ -5,8 +5,9 @@ is the list of constraints (kind and source): the engine writes it when it compi
 and when it closes, and at load compiles its entries before serving, within a time budget.
 
 The file says which vocabulary it was written for (the SSD store's model id and tokenizer hash): a
-list another model wrote is ignored, as are a missing, unreadable or other-version file. No trio,
-no MLX (structured/spec.py's Constraint only).
+list another model wrote is ignored, as are a missing, unreadable or other-version file. Replicas on
+one --ssd-shared directory share the file: the last save wins, whole (each writer has its own tmp).
+No trio, no MLX (structured/spec.py's Constraint only).
 """
 
 from __future__ import annotations

@@ -7,12 +7,16 @@ rewritten whole when a server stops, a stored response (http/response_store.py) 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
 def write_durably(path: Path, body: bytes) -> None:
-    """(worker thread) Replace `path` with `body` atomically and durably; OSError on failure."""
-    tmp = path.with_name(path.name + ".tmp")
+    """(worker thread) Replace `path` with `body` atomically and durably; OSError on failure.
+
+    The tmp is this writer's own (process and thread): replicas on one --ssd-shared directory save the
+    same file (the grammar list, the probe), and through one tmp name two saves wrote into each other's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         try:
