@@ -9,7 +9,8 @@ Per decode step: the calling thread's CPU time (`time.thread_time`) in all and o
 that wait for the device or launch work (mx.eval / async_eval, .item, .tolist, int/float/bool of
 an array: "syncs"), how many syncs, and whether the step queued the next step's work
 (`async_eval`) before its first sync (pipelining, as mlx_lm's `GenerationBatch._step` does).
-Medians + IQR over repeats; the counts are exact, the CPU times are this host's.
+Also, traced (exact, the same on any host): the Python calls and bytecodes a step executes on this
+thread. Medians + IQR over repeats; the counts are exact, the CPU times are this host's.
 
     PYTHONPATH=src python benchmarks/bench_step_host.py [--steps 200] [--repeats 8] [--rows 1,8]
 """
@@ -33,6 +34,7 @@ import mlx.core as mx
 
 HERE = Path(__file__).resolve().parent
 SYNCS = ("eval", "item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__")
+TRACED = 20  # steps traced for the exact counts (after the timed ones)
 BAN = ((0, -100.0), (2, -100.0))  # EOS banned, as the servers' clients ban it
 
 
@@ -100,18 +102,50 @@ def measure(step: Any, probe: Probe, steps: int) -> dict[str, Any]:
             "pipelined_share": piped / steps, "event_patterns": dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:3])}
 
 
+@attrs.define
+class Counted:
+    """Python calls and bytecodes executed by this thread (exact: the same on any host)."""
+
+    calls: int = 0
+    opcodes: int = 0
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.opcodes += 1
+        return self._local
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        self.calls += 1
+        frame.f_trace_opcodes = True
+        return self._local
+
+
+def count(step: Any, steps: int) -> dict[str, float]:
+    """Python function calls and bytecodes per call of `step` (over `steps` calls, traced)."""
+    counted = Counted()
+    sys.settrace(counted._global)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.settrace(None)
+    return {"py_calls": counted.calls / steps, "py_opcodes": counted.opcodes / steps}
+
+
 def arm_mlx_lm(model: Any, probe: Probe, rows: int, warm: int, steps: int) -> dict[str, Any]:
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_logits_processors
 
-    gen = BatchGenerator(model, max_tokens=warm + steps + 4, stop_tokens=[], prefill_step_size=512,
+    n = warm + steps + TRACED + 4
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=[], prefill_step_size=512,
                          logits_processors=make_logits_processors(logit_bias=dict(BAN)))
-    gen.insert([[5 + i, 6, 7, 8] for i in range(rows)], [warm + steps + 4] * rows)
+    gen.insert([[5 + i, 6, 7, 8] for i in range(rows)], [n] * rows)
     decoded = 0
     while decoded < warm:
         _, responses = gen.next()
         decoded += bool(responses)
     out = measure(gen.next, probe, steps)
+    out.update(count(gen.next, TRACED))
     gen.close()
     return out
 
@@ -120,7 +154,7 @@ def arm_core(core: Any, probe: Probe, rows: int, warm: int, steps: int, tag: int
     from mlxd.engine.ops import RowStart, StepOps
     from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams
 
-    n = warm + steps + 4
+    n = warm + steps + TRACED + 4
     starts = tuple(
         RowStart(request=GenerationRequest(request_id=f"r{tag}-{i}", prompt=(5 + i, 6, 7, 8),
                                       sampling=SamplingParams(max_tokens=n, logit_bias=BAN)))
@@ -132,6 +166,7 @@ def arm_core(core: Any, probe: Probe, rows: int, warm: int, steps: int, tag: int
         decoded += bool(result.emits)
     empty = StepOps()
     out = measure(lambda: core.step(empty), probe, steps)
+    out.update(count(lambda: core.step(empty), TRACED))
     core.step(StepOps(cancels=tuple(s.request.request_id for s in starts)))
     return out
 
@@ -189,7 +224,8 @@ def main() -> int:
         for arm in ("mlx_lm", "core"):
             runs = raw[str(n)][arm]
             per[arm] = {k: summary([x[k] for x in runs]) for k in
-                        ("cpu_us", "outside_sync_cpu_us", "wall_us", "syncs_per_step", "pipelined_share")}
+                        ("cpu_us", "outside_sync_cpu_us", "wall_us", "syncs_per_step", "pipelined_share",
+                         "py_calls", "py_opcodes")}
             per[arm]["event_patterns"] = runs[-1]["event_patterns"]
         ratios = [c["outside_sync_cpu_us"] / m["outside_sync_cpu_us"]
                   for c, m in zip(raw[str(n)]["core"], raw[str(n)]["mlx_lm"], strict=True)]
@@ -205,7 +241,9 @@ def main() -> int:
               f"{per['core_minus_mlx_lm_outside_sync_cpu_us']['q3']:.0f}], x{per['core_vs_mlx_lm_outside_sync_cpu']['median']:.3f}); "
               f"all CPU {m['cpu_us']['median']:.0f} / {c['cpu_us']['median']:.0f} us; syncs "
               f"{m['syncs_per_step']['median']:g} / {c['syncs_per_step']['median']:g}; pipelined "
-              f"{m['pipelined_share']['median']:.2f} / {c['pipelined_share']['median']:.2f}; "
+              f"{m['pipelined_share']['median']:.2f} / {c['pipelined_share']['median']:.2f}; Python calls "
+              f"{m['py_calls']['median']:.0f} / {c['py_calls']['median']:.0f}, bytecodes "
+              f"{m['py_opcodes']['median']:.0f} / {c['py_opcodes']['median']:.0f}; "
               f"events {next(iter(m['event_patterns']))!r} / {next(iter(c['event_patterns']))!r}", flush=True)
     print(f"load {out['load_before'][0]:.2f} -> {out['load_after'][0]:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
