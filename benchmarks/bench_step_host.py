@@ -227,6 +227,7 @@ def main() -> int:
                         ("cpu_us", "outside_sync_cpu_us", "wall_us", "syncs_per_step", "pipelined_share",
                          "py_calls", "py_opcodes")}
             per[arm]["event_patterns"] = runs[-1]["event_patterns"]
+            per[arm]["runs"] = [{k: v for k, v in x.items() if k != "event_patterns"} for x in runs]
         ratios = [c["outside_sync_cpu_us"] / m["outside_sync_cpu_us"]
                   for c, m in zip(raw[str(n)]["core"], raw[str(n)]["mlx_lm"], strict=True)]
         extra = [c["outside_sync_cpu_us"] - m["outside_sync_cpu_us"]

@@ -164,6 +164,7 @@ class EngineCore:
         self.counters = Counters()
         self._rows: dict[int, Row] = {}  # by generator uid
         self._uids: dict[str, int] = {}  # request id -> generator uid
+        self._masked_parts: tuple[tuple[int, Constrained], ...] | None = None  # constrained rows (None: to find)
         self._steps_unmeasured = 0
         # Set by load():
         self._stream: Any = None
@@ -401,6 +402,7 @@ class EngineCore:
         self.close()
         self._rows.clear()
         self._uids.clear()
+        self._masked_parts = None
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
@@ -714,6 +716,7 @@ class EngineCore:
         row.prompt_new = ends[-1] - 1
         self._rows[uid] = row
         self._uids[row.request_id] = uid
+        self._masked_parts = None
 
     def _insert(self, start: RowStart, out: StepOut) -> None:
         from mlxd.kv import page_pool
@@ -863,6 +866,7 @@ class EngineCore:
         out.finished.append(row.request_id)
         del self._rows[row.uid]
         del self._uids[row.request_id]
+        self._masked_parts = None
 
     def _next(self, out: StepOut) -> None:
         decoding = any(r.generated for r in self._rows.values())
@@ -957,8 +961,12 @@ class EngineCore:
 
         return current_inputs(self.generator)
 
-    def _constrained_rows(self) -> list[tuple[int, Constrained]]:
-        return [(uid, part) for uid, row in self._rows.items() for part in row.features if isinstance(part, Constrained)]
+    def _constrained_rows(self) -> tuple[tuple[int, Constrained], ...]:
+        """The batch's constrained rows' parts, found again only after a row joined or left (read every step)."""
+        if self._masked_parts is None:
+            self._masked_parts = tuple((uid, part) for uid, row in self._rows.items() for part in row.features
+                                      if isinstance(part, Constrained))
+        return self._masked_parts
 
     def extract(self, uid: int) -> tuple[list[Any], list[int]]:
         """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -312,7 +312,7 @@ class StepMasks:
     """
 
     read: Callable[[], dict[int, int]]  # the step's input token of every decoding row, by uid
-    rows: Callable[[], list[tuple[int, Constrained]]]  # the batch's constrained rows, by uid
+    rows: Callable[[], Sequence[tuple[int, Constrained]]]  # the batch's constrained rows, by uid
     pending: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the next step's rows and input tokens, unread
     current: Callable[[], tuple[list[int], Any] | None] = lambda: None  # the step in progress's, unread
     _fillers: dict[int | None, Any] = attrs.Factory(dict)  # structured.BatchMasks by MLXD_MASK_THREADS, built when needed
@@ -348,8 +348,12 @@ class StepMasks:
 
     def start(self) -> None:
         """A new generator step starts; in an ahead mode on a GPU a worker starts on its masks,
-        or goes on with the one `prepare` started when the step's rows and tokens are still those."""
+        or goes on with the one `prepare` started when the step's rows and tokens are still those.
+        A batch without constrained rows has no masks to make: no setting read, no tokens looked at."""
         self._step = None
+        if not self.rows():
+            self._drop_ahead()
+            return
         job = self._ahead
         if job is not None:
             pending = self.pending()
@@ -362,6 +366,8 @@ class StepMasks:
         """The generator's step returned (its sampled tokens scheduled): in mode "ahead-early" on a
         GPU the worker starts on the next step's masks now, while the engine thread hands this
         step's tokens on; the next `start` keeps it when the batch did not change in between."""
+        if not self.rows():
+            return
         mode = mask_mode()
         if mode in EARLY_MODES and self._ahead is None and not self._device_is_cpu():
             self._begin(mode)
