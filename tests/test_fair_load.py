@@ -345,6 +345,30 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
 
 
+def test_a_fit_is_kept_until_a_chunk_is_measured_and_agrees_with_a_fresh_one():
+    """Each prefilling step asks for its chunk; the fit over the recent chunks (pairwise slopes) is made
+    again only after a new measurement, or a rate or slice set by hand, and is what a slicer fed the
+    same chunks from scratch says."""
+    sizes = (2048, 64, 512, 128, 1024, 256, 16, 700, 90)
+    slicer = PrefillSlicer(0.05)
+    for i, size in enumerate(sizes):
+        slicer.measured(size, 0.030 + 2e-5 * size * (1 + i % 3))
+        fresh = PrefillSlicer(0.05)
+        for j, again in enumerate(sizes[: i + 1]):
+            fresh.measured(again, 0.030 + 2e-5 * again * (1 + j % 3))
+        for step_size in (2048, 256, 2048):
+            assert slicer.chunk(step_size, newcomers=[], shared=False) == fresh.chunk(step_size, newcomers=[],
+                                                                                      shared=False), (i, step_size)
+    kept = slicer.chunk(2048, newcomers=[], shared=False)
+    slicer.slice_s = 0.2  # a longer slice: larger chunks, not the kept fit
+    assert slicer.chunk(2048, newcomers=[], shared=False) > kept
+    slicer.slice_s = 0.05
+    assert slicer.chunk(2048, newcomers=[], shared=False) == kept
+    slicer.measured(2048, 5.0)  # a slow whole chunk: a new fit
+    fresh.measured(2048, 5.0)
+    assert slicer.chunk(2048, newcomers=[], shared=False) == fresh.chunk(2048, newcomers=[], shared=False)
+
+
 def test_a_fixed_step_cost_near_the_slice_does_not_shrink_chunks_to_the_minimum():
     """Each step costs a fixed 60 ms plus 10 µs a token (an H200 serving a 1.7B model): sized by the
     whole rate, the chunks fell to MIN_CHUNK and a 16k prompt took ~800 steps; the fitted per-token

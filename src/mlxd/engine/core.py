@@ -869,10 +869,11 @@ class EngineCore:
         self._masked_parts = None
 
     def _next(self, out: StepOut) -> None:
-        decoding = any(r.generated for r in self._rows.values())
-        if hasattr(self.generator, "prefill_step_size"):
-            self.generator.prefill_step_size = self._prefill_chunk()
         waiting = [r for r in self._rows.values() if r.generated == 0]  # rows before their first token
+        decoding = len(waiting) < len(self._rows)
+        # Only rows before their first token have prompt left: with none, the chunk is not used.
+        if waiting and hasattr(self.generator, "prefill_step_size"):
+            self.generator.prefill_step_size = self._prefill_chunk()
         for each in waiting:
             each.stamp("step")
         t0 = time.perf_counter()

@@ -84,12 +84,16 @@ class PrefillSlicer:
     )
     # The latest chunk of each power-of-two size class (by bit length), kept after the window moves on.
     _by_class: dict[int, tuple[int, float]] = attrs.field(init=False, factory=dict)
+    # The last fit: (step size, rate, slice, samples seen) -> its size; a prefilling step asks again each step.
+    _fitted: tuple[tuple[int, float, float, int], int] | None = attrs.field(init=False, default=None)
+    _seen: int = attrs.field(init=False, default=0)  # samples taken so far
 
     def measured(self, tokens: int, seconds: float) -> None:
         # (a timing no clock gives is ignored: below MIN_SECONDS a chunk's cost per token could be 0.0
         # and the slice divided by it; an infinite one, inf sizes)
         if tokens > 0 and MIN_SECONDS <= seconds < math.inf:
             self._samples.append((tokens, seconds))
+            self._seen += 1
             self._by_class[tokens.bit_length()] = (tokens, seconds)
             self.rate = max(n / t for n, t in self._samples)
 
@@ -102,10 +106,16 @@ class PrefillSlicer:
         recent = list(self._samples)
         if not recent:  # a rate given, nothing measured
             return min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s * self.rate))))
+        key = (step_size, self.rate, self.slice_s, self._seen)
+        if self._fitted is not None and self._fitted[0] == key:  # nothing new measured: the same fit
+            return self._fitted[1]
         size = self._size_from(recent, step_size)
         classes = {n.bit_length() for n, _ in recent}
         older = [x for c, x in self._by_class.items() if c not in classes]
-        return max(size, self._size_from(recent + older, step_size)) if older else size
+        if older:
+            size = max(size, self._size_from(recent + older, step_size))
+        self._fitted = (key, size)
+        return size
 
     def _size_from(self, samples: list[tuple[int, float]], step_size: int) -> int:
         """The chunk `samples` ask for: `slice_s` of the per-token cost (`seconds_per_token`); without
