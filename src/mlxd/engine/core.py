@@ -120,10 +120,13 @@ class Row:
     prefill_began: float = 0.0  # perf_counter when its prefill began (after a restore's adoption)
     prefill_shared: bool = False  # another row was in the batch during its prefill: its wall time is not its own
     stages: list[tuple[str, float]] = attrs.Factory(list)  # until its first token: (stage, time.monotonic())
+    request_id: str = attrs.field(init=False)
+    # The parts with a `token` hook (read per token: the others' hooks do nothing)
+    token_parts: tuple[Feature, ...] = attrs.field(init=False)
 
-    @property
-    def request_id(self) -> str:
-        return self.start.request.request_id
+    def __attrs_post_init__(self) -> None:
+        self.request_id = self.start.request.request_id
+        self.token_parts = tuple(p for p in self.parts() if type(p).token is not Feature.token)
 
     def stamp(self, stage: str) -> None:
         """Where its time goes before its first token (handed out with that token: TokenGenerated.stages)."""
@@ -576,8 +579,10 @@ class EngineCore:
         with mx.stream(self._stream):
             for start in ops.starts:
                 self._join(start, out)
-            self._end(ops.cancels, "cancelled", out)
-            self._end(ops.stops, "stop", out)
+            if ops.cancels:
+                self._end(ops.cancels, "cancelled", out)
+            if ops.stops:
+                self._end(ops.stops, "stop", out)
             if self._rows:
                 self._next(out)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
@@ -884,32 +889,35 @@ class EngineCore:
             each.stamp("stepped")
         self._masks.prepare()  # MLXD_MASK_MODE=ahead-early: the next step's masks start now
         self.counters.steps += 1
-        self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
+        if prompt_responses:
+            self._prefill_progress(prompt_responses, elapsed if not decoding else None, out)
         for r in prompt_responses:
             row = self._rows.get(r.uid)
             if row is not None and r.end_of_segment and not r.end_of_prompt:
                 for part in row.parts():
                     part.segment(row, self, out)
+        rows, emit, tokens = self._rows, out.emits.append, 0
         for r in gen_responses:
-            row = self._rows.get(r.uid)
+            row = rows.get(r.uid)
             if row is None:
                 continue
             row.generated += 1
-            self.counters.generated_tokens += 1
+            tokens += 1
             event = row.sampling.event(r)
             if row.generated == 1:
                 self._prefill_whole(row, out)
                 event = attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic())))
                 row.stages = []
-            out.emit(row, event)
+            emit(Emit(row.request_id, event))
             if r.finish_reason is None:
-                for part in row.parts():
+                for part in row.token_parts:
                     part.token(row, r.token, self, out)
             else:
                 ending = Ending(r.finish_reason, caches=r.prompt_cache, tokens=tuple(r.all_tokens or ()))
                 for part in row.parts():
                     part.leave(row, ending, self, out)
                 self._finish(row, r.finish_reason, out)
+        self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
             if any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):

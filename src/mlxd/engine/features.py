@@ -123,11 +123,11 @@ class Sampling(Feature):
 
     def event(self, response: Any) -> TokenGenerated:
         """The token event, with its logprobs when the request asked for them."""
-        import mlx.core as mx
-
         s = self.params
         if not s.logprobs and s.top_logprobs == 0:
             return TokenGenerated(response.token)
+        import mlx.core as mx
+
         lp = response.logprobs
         chosen = float(lp[response.token].item())
         top: tuple[tuple[int, float], ...] = ()
