@@ -12,7 +12,10 @@ was called, and reports durable only when nothing is pending, failed, dropped
 or unstorable. A failed write's report carries its cause (errno text). A
 failure in a handler answers every waiting flush at once, not durable, with
 that failure as its reason (never a flush left waiting: SIGTERM would wait out
-its whole timeout), and a write whose outcome was lost counts as failed.
+its whole timeout), and a write whose outcome was lost counts as failed. So
+does every write once the SSD writer actor is gone (its inbox closed): the
+writes it had taken and each one after, reported as failed writes are (the
+entries stay in RAM), logged once; flushes are answered at once, not durable.
 Outcomes reach the cache owner in the order the writes were started, however
 the writers finish: the tier core indexes each file as the most recently used
 and enforces the SSD cap as it goes, so the order is what it keeps, and the
@@ -96,6 +99,7 @@ class DurabilityCoordinator:
         self._writer_stats = WriterStats()
         # Writes in the order they were started, each with its report to the cache owner once it is known.
         self._started: deque[tuple[WriteJob, list[CacheOwnerMessage | None]]] = deque()
+        self._writer_gone: str | None = None  # why no write can reach the writer any more
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -113,8 +117,8 @@ class DurabilityCoordinator:
                     answered = self._abandon_flushes(exc)
                     if reply is not None and reply not in answered:
                         reply.fail(exc)
-                    if isinstance(msg, SnapshotWritten):
-                        await self._release(msg, exc)  # a failure here ends the actor, loudly
+                    if isinstance(msg, SnapshotWritten):  # a failure here ends the actor, loudly
+                        await self._release(msg.job, f"durability handler failed: {exc!r}")
                 self._set_urgency()
 
     async def _handle(self, msg: DurabilityMessage) -> None:
@@ -145,7 +149,11 @@ class DurabilityCoordinator:
         elif self._queue.written(job.key, job.version, stored=False, error=outcome.error):
             record = job.record
             report = EntryNotPersisted(record.namespace, tuple(record.tokens), outcome.error)
-        slot = next(s for j, s in self._started if j is job)
+        slot = next((s for j, s in self._started if j is job), None)
+        if slot is None:  # sent before the writer went, and counted failed then: the cache owner learns it now
+            if report is not None:
+                await self._cache.send(report)
+            return
         slot.append(report)
         await self._report_in_order()
 
@@ -156,15 +164,28 @@ class DurabilityCoordinator:
             if ready is not None:
                 await self._cache.send(ready)
 
-    async def _release(self, msg: SnapshotWritten, exc: Exception) -> None:
-        """A write whose outcome could not be handled: count it failed, so the next flush retries it and the
-        writes started after it still reach the cache owner (unless its handler got that far)."""
-        slot = next((s for j, s in self._started if j is msg.job), None)
+    async def _release(self, job: WriteJob, error: str, *, tell_cache: bool = False) -> None:
+        """A write whose outcome could not be handled, or will never come: count it failed, so the next flush
+        retries it and the writes started after it still reach the cache owner (unless its handler got that far).
+        `tell_cache`: reported as a failed write is (the cache owner is not what failed)."""
+        slot = next((s for j, s in self._started if j is job), None)
         if slot is None or slot:
             return
-        self._queue.written(msg.job.key, msg.job.version, stored=False, error=f"durability handler failed: {exc!r}")
-        slot.append(None)
+        report: CacheOwnerMessage | None = None
+        if self._queue.written(job.key, job.version, stored=False, error=error) and tell_cache:
+            report = EntryNotPersisted(job.record.namespace, tuple(job.record.tokens), error)
+        slot.append(report)
         await self._report_in_order()
+
+    async def _lose_writer(self, exc: BaseException | None) -> None:
+        """The SSD writer is gone (its inbox closed): no outcome comes for the writes it had taken, and none
+        can reach it. Each write in flight counts failed now, each later one at once (`_pump`); logged once."""
+        self._writer_gone = f"the SSD writer is gone ({type(exc).__name__ if exc else 'its inbox closed'})"
+        log.error("durability.writer_gone", in_flight=sum(1 for _, slot in self._started if not slot),
+                  error=repr(exc) if exc else None)
+        for job, slot in list(self._started):
+            if not slot:
+                await self._release(job, self._writer_gone, tell_cache=True)
 
     def _abandon_flushes(self, exc: Exception) -> list[Reply[FlushReport]]:
         """Answer every waiting flush: not durable, with the handler's failure as the reason. What the SSD
@@ -180,9 +201,18 @@ class DurabilityCoordinator:
 
     async def _pump(self) -> None:
         """Start queued writes while fewer than the allowed number are in flight."""
+        if self._writer_gone is None and self._writer.statistics().open_receive_channels == 0:
+            await self._lose_writer(None)
         while (job := self._queue.next_job(limit=self._parallel_writes())) is not None:
             self._started.append((job, []))
-            await self._writer.send(WriteSnapshot(job))
+            if self._writer_gone is None:
+                try:
+                    await self._writer.send(WriteSnapshot(job))
+                    continue
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    await self._lose_writer(exc)
+            assert self._writer_gone is not None
+            await self._release(job, self._writer_gone, tell_cache=True)
 
     def _parallel_writes(self) -> int:
         """Several writers only while durability is urgent (a flush waits, the backlog or RAM is over its
