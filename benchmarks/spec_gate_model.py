@@ -47,7 +47,7 @@ def cost_curve(points: tuple[tuple[int, float], ...], slope_s: float = 0.0) -> C
         elif q >= points[-1][0]:
             base = points[-1][1]
         else:
-            for (q0, c0), (q1, c1) in zip(points, points[1:]):
+            for (q0, c0), (q1, c1) in zip(points, points[1:], strict=False):
                 if q0 <= q <= q1:
                     base = c0 + (c1 - c0) * (q - q0) / (q1 - q0)
                     break
