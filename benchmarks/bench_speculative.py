@@ -30,7 +30,7 @@ first), and the results file is written after each case (to $OUT too when set).
 
     python benchmarks/bench_speculative.py [--preset default] [--rounds 5] [--tokens 128] [--batch 1 8] [--k 4]
         [--temperature 2 4] [--draft-self] [--draft DIR ...] [--draft-preset bench ...] [--stop-after S]
-        [--control] [--schedule rounds|pairs|bracket] [--case-seconds S]
+        [--control] [--schedule rounds|pairs|bracket] [--case-seconds S] [--ngram-k K ...] [--fixed-lengths]
 
 `--control` adds `off2` (speculation off again): its ratios are what two equal
 arms differ by on this host, the band an arm's ratio must be read against.
@@ -152,8 +152,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model) if args.model else ensure_model(args.preset)
     base = RuntimeConfig(model=str(model), max_batch=max(args.batch), prompt_cache_bytes=0, device_probe="off",
                          default_max_tokens=args.tokens, max_context=8192)
-    cores = {"off": EngineCore(base), "ngram": EngineCore(
-        RuntimeConfig(**{**_fields(base), "speculative": "ngram", "num_draft_tokens": args.k}))}
+    cores = {"off": EngineCore(base)}
+    for k in dict.fromkeys([args.k, *args.ngram_k]):  # n-gram arms: "ngram" at --k, "ngram k=K" at --ngram-k
+        config = RuntimeConfig(**{**_fields(base), "speculative": "ngram", "num_draft_tokens": k})
+        name = "ngram" if k == args.k else f"ngram k={k}"
+        cores[name] = EngineCore(config)
+        if args.fixed_lengths:  # every row drafts K at every try (issue 23's adaptive lengths off)
+            os.environ["MLXD_DRAFT_LENGTH"] = "fixed"  # read when the core is built
+            cores[f"{name} fixed"] = EngineCore(config)
+            del os.environ["MLXD_DRAFT_LENGTH"]
     if args.control:  # speculation off again, with weights of its own: what two equal arms differ by here
         cores["off2"] = EngineCore(base)
     for draft in args.draft:  # --speculative draft arms, named by the draft's directory
@@ -232,7 +239,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "ratios": ratio["values"], "cpu_ms_per_token": statistics.median(cpu[arm]),
                 "cpu_ratio_median": cpu_ratio["median"], "cpu_ratio_iqr": cpu_ratio["iqr"],
                 "identical": same[arm]}
-            line = (f"{label:>20} batch {batch} {arm:>12}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
+            line = (f"{label:>20} batch {batch} {arm:>14}: off {case['off_tok_s']:.1f} tok/s, {c['tok_s']:.1f} tok/s, "
                     f"ratio {ratio['median']:.3f} IQR {ratio['iqr']}, CPU/token {c['cpu_ms_per_token']:.2f} ms "
                     f"(off {case['off_cpu_ms_per_token']:.2f}) ratio {cpu_ratio['median']:.3f} IQR {cpu_ratio['iqr']}")
             if "off2" in ratios and arm != "off2":  # ÷ the control's ratio of the same round: its schedule's bias out
@@ -247,6 +254,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             c.update({
                 "acceptance": accepted / proposed if proposed else 0.0,
                 "tokens_per_forward": (rows + accepted) / rows if rows else 0.0,
+                "drafts_per_try": proposed / rows if rows else 0.0,  # the rows' draft lengths, on average
                 "proposed": proposed, "accepted": accepted,
                 "verify_steps": a.verify_steps - b.verify_steps, "gate_pauses": a.gate_pauses,
                 # The gate's decisions in the timed rounds: decode steps, those it kept from verifying
@@ -259,7 +267,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "gate_probes": a.gate_probes - b.gate_probes,
                 "gate_probe_accepted": a.gate_probe_accepted - b.gate_probe_accepted,
             })
-            print(f"{line}, acceptance {c['acceptance']:.2f}, tokens/forward {c['tokens_per_forward']:.2f}, verify "
+            print(f"{line}, acceptance {c['acceptance']:.2f}, tokens/forward {c['tokens_per_forward']:.2f}, drafts/try "
+                  f"{c['drafts_per_try']:.2f}, verify "
                   f"steps {c['verify_steps']} of {c['steps']} (gate withheld {c['withheld']}, pauses "
                   f"{c['gate_pauses']}, probes {c['gate_probes']}), draft rows/step {c['draft_rows_per_step']:.1f}, "
                   f"identical {c['identical']} (off vs off: {repeatable}), {len(ratios[arm])} pairs "
@@ -330,6 +339,11 @@ if __name__ == "__main__":
     p.add_argument("--span", type=int, default=256, help="tokens of the quoted span (repetitive) / half the prompt")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=4, help="--num-draft-tokens")
+    p.add_argument("--ngram-k", type=int, nargs="*", default=[], metavar="K",
+                   help="more n-gram arms, `ngram k=K`, at these --num-draft-tokens (the most a row drafts)")
+    p.add_argument("--fixed-lengths", action="store_true",
+                   help="beside each n-gram arm, `... fixed`: every row drafts K at every try "
+                        "(MLXD_DRAFT_LENGTH=fixed: no per-row length from what verifying costs)")
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
                    help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
                         "the upper bound)")

@@ -260,6 +260,121 @@ def test_one_row_greedy_and_seeded_are_identical(tiny_model_dir):
         assert off[3].speculation is None, "off: no speculation figures"
 
 
+def test_a_row_s_draft_length_follows_what_verifying_costs():
+    """`DraftLength` (issue 23): the length among 1, 2, 4 ... K with the most tokens per second, from the
+    row's acceptance and the verifying step's seconds by width (`StepCosts`, as the gate times them)."""
+    from mlxd.kv.ngram import DraftLength, StepCosts, draft_lengths
+
+    assert draft_lengths(16) == [1, 2, 4, 8, 16] and draft_lengths(6) == [1, 2, 4, 6] and draft_lengths(1) == [1]
+    assert draft_lengths(0) == []
+    costs = StepCosts()
+    rejected, accepted = DraftLength(16), DraftLength(16)
+    for _ in range(10):
+        rejected.verified(4, 0)
+        accepted.verified(4, 4)
+    assert rejected.acceptance < 0.1 < 0.95 < accepted.acceptance
+    assert rejected.choose(lambda w: costs.seconds(1, w)) == 16, "no verifying step timed: the most"
+    # The H200 at batch 1 (verify_shapes.py, 21:09): verifying costs about the same at any width.
+    for width, ms in ((1, 6.9), (2, 12.2), (3, 12.2), (5, 12.2), (9, 11.8), (17, 11.1)):
+        costs.record(1, width, ms / 1e3)
+    for row in (rejected, accepted):
+        assert row.choose(lambda w: costs.seconds(1, w)) == 16, "a longer draft costs nothing more"
+    # A CPU-like step: 10 ms, and 3 ms more per position verified.
+    for width in (1, 2, 3, 5, 9, 17):
+        costs.record(8, width, (10 + 3 * (width - 1)) / 1e3)
+    at_8 = lambda w: costs.seconds(8, w)  # noqa: E731
+    assert rejected.choose(at_8) == 1 and accepted.choose(at_8) == 16
+    half = DraftLength(16)
+    for _ in range(10):
+        half.verified(4, 2)  # acceptance 0.66: 2 drafts
+    assert half.choose(at_8) == 2
+    # Widths not timed: between two timed ones linearly (a plain step is width 1), past the widest as it.
+    partial = StepCosts()
+    partial.record(1, 1, 0.010)
+    assert partial.seconds(1, 5) is None, "no verifying step timed"
+    partial.record(1, 5, 0.020)
+    assert partial.seconds(1, 3) == pytest.approx(0.015) and partial.seconds(1, 17) == pytest.approx(0.020)
+    for ms in (20, 20, 40, 20, 20, 40):  # the median of the last 5
+        partial.record(1, 9, ms / 1e3)
+    assert partial.seconds(1, 9) == pytest.approx(0.020) and partial.seconds(2, 9) is None
+    # The gate times steps that follow a step of their kind into its StepCosts, with their width.
+    gate, now = SpeculationGate(), 0.0
+    for verifying, width, seconds in ((False, 1, 0.01), (False, 1, 0.01), (True, 9, 0.02), (True, 9, 0.03)):
+        gate.started(now)
+        gate.ran(rows=1, verifying=verifying, tokens=3 if verifying else 1, start=now, width=width)
+        now += seconds
+    gate.started(now)
+    assert gate.costs.seconds(1, 1) == pytest.approx(0.01) and gate.costs.seconds(1, 9) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+@pytest.mark.parametrize("cuda_widths", [False, True], ids=["exact", "cuda-padded"])
+def test_rows_whose_draft_length_changes_at_every_try_stay_identical(tiny_model_dir, monkeypatch, speculative,
+                                                                     cuda_widths):
+    """Each try of each row drafts another length (4, 1, 3, 2 in turn, at K = 4): greedy and seeded rows,
+    alone and in a mixed batch, give speculation off's tokens and logprobs, and /stats counts what was
+    proposed and accepted. With CUDA's whole-buffer verify forced on, its widths are 1 + a length rows
+    choose from (1, 2, 4: a try of 3 padded to 4), never another."""
+    import itertools
+
+    from mlxd.engine import spec_batch
+    from mlxd.engine.speculative import Drafts
+    from mlxd.kv.ngram import DraftLength
+
+    monkeypatch.setattr(spec_batch, "WHOLE_BUFFER", cuda_widths)
+    lengths = itertools.cycle([4, 1, 3, 2])
+    monkeypatch.setattr(DraftLength, "choose", lambda self, cost: next(lengths))
+    tries: list[tuple[int, int]] = []
+    verified = Drafts.verified
+
+    def spy(self, uid, proposed, accepted):
+        tries.append((proposed, accepted))
+        return verified(self, uid, proposed, accepted)
+
+    monkeypatch.setattr(Drafts, "verified", spy)
+    widths: list[int] = []
+    width_of = spec_batch.verify_width
+
+    def width(fed: int, k: int) -> int:
+        widths.append(width_of(fed, k))
+        return widths[-1]
+
+    monkeypatch.setattr(spec_batch, "verify_width", width)
+    config = {"draft_model": str(tiny_model_dir)} if speculative == "draft" else {}
+    requests = [
+        _request("greedy", BASE + BASE[:20], max_tokens=60, logit_bias=NO_EOS),
+        _request("seeded", BASE[5:] + BASE[5:25], max_tokens=50, temperature=1.5, seed=3, top_logprobs=2,
+                 logit_bias=NO_EOS),
+        _request("penalty", BASE[3:30], max_tokens=40, repetition_penalty=1.3),
+    ]
+    for batch in ([requests[0]], [requests[1]], requests):
+        tries.clear()
+        off = _run(tiny_model_dir, "off", batch)
+        on = _run(tiny_model_dir, speculative, batch, **config)
+        assert on[0] == off[0] and on[2] == off[2]
+        for r in batch:
+            _same_logprobs(off[1][r.request_id], on[1][r.request_id])
+        spec = on[3].speculation
+        assert spec is not None and spec.accepted > 0, spec
+        assert spec.proposed == sum(p for p, _ in tries) and spec.accepted == sum(a for _, a in tries), spec
+        assert {1, 2, 3} <= {p for p, _ in tries}, f"the lengths changed from try to try: {tries}"
+    if cuda_widths:
+        assert set(widths) <= {2, 3, 5}, sorted(set(widths))
+    else:
+        assert 4 in widths, "a try of 3 drafts verified at its own width on the CPU"
+
+
+def test_draft_lengths_are_fixed_with_mlxd_draft_length_fixed(monkeypatch):
+    from mlxd.engine.speculative import engine_drafts
+
+    assert engine_drafts({}, draft_model=False).lengths
+    monkeypatch.setenv("MLXD_DRAFT_LENGTH", "fixed")
+    assert not engine_drafts({}, draft_model=False).lengths
+    monkeypatch.setenv("MLXD_DRAFT_LENGTH", "short")
+    with pytest.raises(ValueError, match="MLXD_DRAFT_LENGTH='short': adaptive or fixed"):
+        engine_drafts({}, draft_model=False)
+
+
 def test_a_mixed_batch_is_identical_row_for_row(tiny_model_dir):
     """Greedy, seeded (high temperature: drafts get rejected), penalized and constrained rows in one batch."""
     grammar = constraint_from_request(JSON_LETTERS)

@@ -645,7 +645,8 @@ class EngineCore:
             return Speculation(config.num_draft_tokens, NgramDrafts())
         from mlxd.engine.draft import ModelDrafts
 
-        source = ModelDrafts(self._draft, self._drafts.prefix, prefix_tokens=len(req.prompt))
+        source = ModelDrafts(self._draft, self._drafts.prefix, prefix_tokens=len(req.prompt),
+                             most=config.num_draft_tokens)
         checkpoints = None
         if config.prompt_cache_bytes > 0:  # the same boundary rule as the target's PromptCheckpoints
             threshold = 1 if req.session is not None else max(1, config.snapshot_min_tokens)

@@ -130,6 +130,10 @@ class ModelDrafts:
     # The row's prefix: the tokens its draft's cache lookup was made with (the prompt, or a resumed
     # generation's prompt and emitted tokens); 0: all the row holds at its first step.
     prefix_tokens: int = 0
+    # The most drafts a step asks for (--num-draft-tokens): a step's first draft forward feeds up to 1 + this
+    # many new ids (the last step's accepted run) even when it drafts fewer (the row's chosen length), so a
+    # shorter draft costs no forward alone on top; 0: the k asked.
+    most: int = 0
 
     def start(self, caches: list[Any] | None, tokens: Sequence[int]) -> None:
         """Begin from a cached prefix of the draft's KV (lent caches holding exactly `tokens`)."""
@@ -145,7 +149,7 @@ class ModelDrafts:
         if k <= 0:
             return []
         seq = [*tokens, pending]
-        feed = self._catch_up(seq, 1 + k)  # a long prefix (a row's first step) fed alone first, timed (the gate)
+        feed = self._catch_up(seq, 1 + max(k, self.most))  # a long prefix (a row's first step) fed alone first, timed (the gate)
         model = self.draft.model
         self._own()
         assert self.caches is not None
@@ -289,12 +293,13 @@ def propose_rows(asks: Sequence[tuple[ModelDrafts, Sequence[int], int, int]]) ->
     if any(a[0].draft is not draft for a in asks):
         raise ValueError("rows of different draft models cannot propose together")
     k = max(a[3] for a in asks)
+    reach = max(k, *(a[0].most for a in asks))  # new ids a row feeds in the first forward (ModelDrafts.most)
     seqs = [[*tokens, pending] for _, tokens, pending, _ in asks]
-    feeds = [row._catch_up(seq, 1 + k, feed=False) for (row, *_), seq in zip(asks, seqs, strict=True)]
+    feeds = [row._catch_up(seq, 1 + reach, feed=False) for (row, *_), seq in zip(asks, seqs, strict=True)]
     rows = [a[0] for a in asks]
     batch = DraftBatch.for_rows(draft, rows)
     slots = [batch.slot_of(row) for row in rows]
-    longer = [f[: max(0, len(f) - 1 - k)] for f in feeds]  # catch-ups (a row's prefix, steps it sat out)
+    longer = [f[: max(0, len(f) - 1 - reach)] for f in feeds]  # catch-ups (a row's prefix, steps it sat out)
     if any(longer):
         batch.catch_up(slots, longer, rows[0].prefix)
         feeds = [f[len(c):] for f, c in zip(feeds, longer, strict=True)]

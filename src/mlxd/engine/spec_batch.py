@@ -32,6 +32,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from mlxd.engine.speculative import Drafts
+from mlxd.kv.ngram import draft_lengths
 
 # Verifying forwards attend over the whole KV buffer (see the module docstring): on CUDA only, where
 # the attention's plan is keyed by the key length; elsewhere the exact length costs nothing to change.
@@ -53,6 +54,7 @@ class SpeculativeBatch(GenerationBatch):
     # the batch's rows at the probe); `_probed`: the rows that probed last (their draft KV is warm).
     _probes: dict[int, tuple[int, list[int], int]]
     _probed: tuple[int, ...] = ()
+    _width: int = 1  # positions each row fed at the last verifying step (1 + most drafts, padded on CUDA)
 
     @classmethod
     def build(cls, model: Any, fallback_sampler: Any, *, drafts: Drafts, k: int) -> SpeculativeBatch:
@@ -75,7 +77,8 @@ class SpeculativeBatch(GenerationBatch):
         else:
             responses = super().next()
         self._judge_probes()
-        gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start, probe=probed)
+        gate.ran(rows=rows, verifying=bool(proposals), tokens=len(responses), start=start, probe=probed,
+                 width=self._width if proposals else 1)
         if not self.uids:  # every row ended: the time until rows come again is no step's
             gate.idle(time.perf_counter(), charged=self._charged())
         return responses
@@ -136,13 +139,14 @@ class SpeculativeBatch(GenerationBatch):
             self.drafts.counters.pending_reads += 1
         asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i in wanting]
-        drafted = self.drafts.propose(asks)
+        drafted = self.drafts.propose(asks, rows=len(self.uids))
         return {i: [pending[i], *drafts] for i, drafts in zip(wanting, drafted, strict=True) if drafts}, pending
 
     def _verify(self, proposals: dict[int, list[int]], pending: list[int]) -> list[Any]:
         n_rows = len(self.uids)
         fed = [proposals.get(i) or [pending[i]] for i in range(n_rows)]
-        width = max(len(f) for f in fed)
+        width = verify_width(max(len(f) for f in fed), self.k)
+        self._width = width
         inputs = mx.array([f + [f[-1]] * (width - len(f)) for f in fed], dtype=self._next_tokens.dtype)
         self._current_tokens = self._next_tokens  # what a constrained row's matcher reads (gen_hook.step_inputs)
         self._current_logprobs = self._next_logprobs
@@ -268,6 +272,17 @@ class SpeculativeBatch(GenerationBatch):
         return responses
 
 
+def verify_width(fed: int, k: int) -> int:
+    """The width of a verifying forward whose longest row feeds `fed` positions (its pending token and
+    drafts), under `--num-draft-tokens k`. On CUDA (`WHOLE_BUFFER`), 1 + the next draft length rows choose
+    from (`draft_lengths`): a draft cut short (its grammar, `max_tokens`) is padded, so a buffer size meets
+    at most log2(k) + 2 widths, whatever lengths the rows choose. Elsewhere exactly `fed` (a CPU pays for
+    every padded position)."""
+    if not WHOLE_BUFFER or fed <= 1:
+        return fed
+    return 1 + next((n for n in draft_lengths(k) if n >= fed - 1), fed - 1)
+
+
 class WholeBuffer:
     """A `BatchKVCache` or `KVCache` as one forward of several positions sees it: attention over the
     whole buffer.
@@ -287,6 +302,7 @@ class WholeBuffer:
         return getattr(self.cache, name)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        _reserve(self.cache, _held(self.cache), keys.shape[2])  # every layer's buffer the size the mask has
         self.cache.update_and_fetch(keys, values)
         return self.cache.keys, self.cache.values
 
@@ -315,13 +331,15 @@ def _held(cache: Any) -> int:
 
 
 def _reserve(cache: Any, held: int, n: int) -> None:
-    """Grow the buffer as `update_and_fetch` would for `n` new positions (that call then keeps it)."""
+    """Grow the buffer for `n` new positions (`update_and_fetch` then keeps it) to a multiple of the cache's
+    step: a buffer copied at a row's exact length (a checkpoint lent back, a draft's KV out of its batch) would
+    otherwise grow to that length + 256, a size of its own (on CUDA, attention plans of their own)."""
     step = cache.step
     if held + n <= cache.keys.shape[2]:
         return
     b, heads, _, dk = cache.keys.shape
     dv = cache.values.shape[3]
-    grow = (step + n - 1) // step * step
+    grow = -(-(held + n) // step) * step - held
     if held % step != 0:
         cache.keys, cache.values = cache.keys[..., :held, :], cache.values[..., :held, :]
     cache.keys = mx.concatenate([cache.keys, mx.zeros((b, heads, grow, dk), cache.keys.dtype)], axis=2)

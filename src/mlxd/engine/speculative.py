@@ -24,7 +24,7 @@ import attrs
 from mlxd.engine.features import Constrained, Ending, Feature
 from mlxd.engine.ops import SpeculationStats
 from mlxd.kv.media import is_media_id
-from mlxd.kv.ngram import Backoff, DraftCounters, PromptLookup, SpeculationGate
+from mlxd.kv.ngram import Backoff, DraftCounters, DraftLength, PromptLookup, SpeculationGate
 from mlxd.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -126,13 +126,15 @@ class NgramDrafts:
 
 @attrs.define
 class Speculation(Feature):
-    """A row that drafts up to `k` tokens a step from its source (n-grams or a draft model) and backs off."""
+    """A row that drafts up to `k` tokens a step from its source (n-grams or a draft model) and backs off;
+    how many at a step, its `length` chooses (`Drafts.lengths`)."""
 
     k: int
     source: DraftSource = attrs.Factory(NgramDrafts)
     backoff: Backoff = attrs.Factory(Backoff)
     counters: DraftCounters = attrs.Factory(DraftCounters)
     checkpoints: DraftCheckpoints | None = None  # a draft model's KV in the prompt cache (with the target's)
+    length: DraftLength = attrs.field(default=attrs.Factory(lambda self: DraftLength(self.k), takes_self=True))
 
     def propose(self, tokens: Sequence[int], pending: int, limit: int) -> list[int]:
         return self.drafted(self.source.propose(tokens, pending, min(self.k, limit)))
@@ -150,6 +152,7 @@ class Speculation(Feature):
     def verified(self, proposed: int, accepted: int) -> None:
         self.counters.add(proposed, accepted)
         self.backoff.verified(proposed, accepted)
+        self.length.verified(proposed, accepted)
 
     def token(self, row: Row, token: int, core: EngineCore, out: StepOut) -> None:
         if self.checkpoints is not None:
@@ -169,6 +172,9 @@ class Drafts:
     gate: SpeculationGate = attrs.Factory(SpeculationGate)
     off_reason: str | None = None  # set at load when the model's caches cannot roll back
     prefix: DraftPrefixCounts = attrs.Factory(DraftPrefixCounts)  # --draft-model: each row's first step
+    # Each row's draft length chosen from what verifying costs (`DraftLength`); False: always `k` (as before
+    # issue 23's adaptive lengths; MLXD_DRAFT_LENGTH=fixed).
+    lengths: bool = True
 
     def stats(self) -> SpeculationStats:
         c = self.counters
@@ -206,17 +212,24 @@ class Drafts:
             return False
         return True
 
-    def propose(self, asks: Sequence[tuple[int, Sequence[int], int, int]]) -> list[list[int]]:
-        """Each row's drafts, for `(uid, tokens, pending, limit)` each. Rows drafting from the draft
-        model propose together (one draft forward per draft position for all of them)."""
+    def propose(self, asks: Sequence[tuple[int, Sequence[int], int, int]], *, rows: int = 0) -> list[list[int]]:
+        """Each row's drafts, for `(uid, tokens, pending, limit)` each, in a step of `rows` rows (default:
+        as many as asks): at most the row's chosen length (`lengths`) and `limit`. Rows drafting from
+        the draft model propose together (one draft forward per draft position for all of them)."""
         from mlxd.engine.draft import ModelDrafts, propose_rows
 
         out: list[list[int]] = [[] for _ in asks]
         together: list[tuple[int, Speculation]] = []
+        batch = rows or len(asks)
+        asks = list(asks)
         for n, (uid, tokens, pending, limit) in enumerate(asks):
             part = self._part(uid)
             if part is None or limit <= 0:
                 continue
+            if self.lengths:
+                chosen = part.length.choose(lambda width: self.gate.costs.seconds(batch, width))
+                asks[n] = (uid, tokens, pending, min(limit, chosen))
+                limit = asks[n][3]
             if isinstance(part.source, ModelDrafts):
                 together.append((n, part))
             else:
@@ -224,8 +237,8 @@ class Drafts:
         if together:
             self.counters.draft_steps += 1
             self.counters.draft_rows += len(together)
-            rows = [(p.source, asks[n][1], asks[n][2], min(p.k, asks[n][3])) for n, p in together]
-            for (n, part), drafts in zip(together, propose_rows(rows), strict=True):  # type: ignore[arg-type]
+            jobs = [(p.source, asks[n][1], asks[n][2], min(p.k, asks[n][3])) for n, p in together]
+            for (n, part), drafts in zip(together, propose_rows(jobs), strict=True):  # type: ignore[arg-type]
                 out[n] = part.drafted(drafts)
         for n, (uid, tokens, pending, _) in enumerate(asks):
             grammar = self._grammar(uid)
@@ -280,10 +293,14 @@ DRAFT_PROBE_ROWS = 1
 def engine_drafts(rows: Mapping[int, Row], *, draft_model: bool) -> Drafts:
     """The engine's `Drafts`: with a draft model its gate probes with `DRAFT_PROBE_ROWS` rows
     (`MLXD_DRAFT_PROBE_ROWS` instead; 0: the whole batch verifies at a probe, as with n-grams,
-    whose drafts cost nothing to make)."""
+    whose drafts cost nothing to make). Rows choose their draft lengths (`DraftLength`) unless
+    `MLXD_DRAFT_LENGTH=fixed` (every row drafts `--num-draft-tokens`)."""
     given = os.environ.get("MLXD_DRAFT_PROBE_ROWS")
     probe = (int(given) if given else DRAFT_PROBE_ROWS) if draft_model else 0
-    return Drafts(rows, gate=SpeculationGate(probe_rows=probe))
+    length = os.environ.get("MLXD_DRAFT_LENGTH", "adaptive")
+    if length not in ("adaptive", "fixed"):
+        raise ValueError(f"MLXD_DRAFT_LENGTH={length!r}: adaptive or fixed")
+    return Drafts(rows, gate=SpeculationGate(probe_rows=probe), lengths=length == "adaptive")
 
 
 def draft_ceiling(k: int, cost: float) -> float:

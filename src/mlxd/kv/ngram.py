@@ -13,7 +13,7 @@ not repeat costs (almost) nothing.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -138,6 +138,90 @@ class DraftCounters:
         return (self.verified_rows + self.accepted) / self.verified_rows if self.verified_rows else 0.0
 
 
+def draft_lengths(most: int) -> list[int]:
+    """The draft lengths a row chooses from under `--num-draft-tokens most`: the powers of two below it,
+    and it (1, 2, 4, 8, 16 at 16; 1, 2, 4, 6 at 6), so a verifying forward has few widths (1 + a length)."""
+    out, k = [], 1
+    while k < most:
+        out.append(k)
+        k *= 2
+    return [*out, most] if most > 0 else []
+
+
+@attrs.define
+class StepCosts:
+    """Seconds of a decode step, by batch size (rows) and width (positions a row feeds: 1 for a plain
+    step, 1 + drafts for a verifying one), as the gate times them: the median of each one's last `window`.
+
+    `seconds` answers for a width not timed yet at a batch size too: between two timed widths (a plain
+    step is width 1), linearly; past the widest timed one, as that one (optimistic: a longer draft is
+    then tried, and timed); None when no verifying step is timed there yet."""
+
+    window: int = 5
+    _timed: dict[tuple[int, int], list[float]] = attrs.Factory(dict)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        got = self._timed.setdefault((rows, width), [])
+        got.append(seconds)
+        del got[: -self.window]
+
+    def seconds(self, rows: int, width: int) -> float | None:
+        known = {w: statistics.median(s) for (r, w), s in self._timed.items() if r == rows and s}
+        if not any(w > 1 for w in known):
+            return None
+        if width in known:
+            return known[width]
+        below = max((w for w in known if w < width), default=None)
+        above = min((w for w in known if w > width), default=None)
+        if above is None:
+            return known[max(w for w in known if w > 1)]
+        if below is None:
+            return known[above]
+        return known[below] + (known[above] - known[below]) * (width - below) / (above - below)
+
+
+@attrs.define
+class DraftLength:
+    """A row's draft length, chosen at each try from what verifying costs (issue 23).
+
+    The row's per-token acceptance `a` is estimated from its tries (accepted drafts over accepted
+    drafts + tries cut by a rejection, each try's weight decaying by `decay`, a prior of one each);
+    a try of k drafts emits (1 - a^(k+1)) / (1 - a) tokens on average, and costs a verifying step of
+    width 1 + k (`cost`: seconds, the engine's `StepCosts` at this batch size, the draft model's
+    forwards included since they are in the step). The length among `draft_lengths(most)` with the
+    most tokens per second is chosen; with no verifying step timed yet, `most`. Where verifying costs
+    about the same at any width (a GPU at batch 1: the H200 verifies 5 positions in 12.2 ms, 17 in 11.1),
+    that is `most` whatever the acceptance; where a wider step costs more (a CPU, a wide batch, a draft
+    model's forward per draft), rows whose drafts are rejected draft fewer."""
+
+    most: int
+    decay: float = 0.8
+    hits: float = 1.0
+    misses: float = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def choose(self, cost: Callable[[int], float | None]) -> int:
+        a = self.acceptance
+        best, best_rate = self.most, 0.0
+        for k in draft_lengths(self.most):
+            seconds = cost(1 + k)
+            if seconds is None or seconds <= 0:
+                return self.most
+            rate = sum(a**i for i in range(k + 1)) / seconds
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.hits = self.decay * self.hits + accepted
+        self.misses = self.decay * self.misses + (accepted < proposed)
+
+
 Step = Literal["plain", "probe", "verify"]  # what a decode step does (SpeculationGate.decide)
 
 
@@ -260,7 +344,8 @@ class SpeculationGate:
     probe_rows: int = 0  # rows a probe drafts without verifying, at a batch of as many or more (0: no such probe)
     probe_drafts: int = 1  # drafts a probe row makes (one draft forward: no later draft is kept if the first is not)
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
-    _open: tuple[int, Step, int, float] | None = None  # the step in progress: (rows, kind, tokens, start)
+    _open: tuple[int, Step, int, float, int] | None = None  # the step in progress: (rows, kind, tokens, start, width)
+    costs: StepCosts = attrs.Factory(StepCosts)  # timed steps' seconds by batch size and width (DraftLength)
     _last: tuple[int, Step] | None = None  # the step before it: (rows, kind)
     steps: int = 0  # decode steps seen (any batch size, verifying or not)
     withheld: int = 0  # of those, steps the gate kept from verifying (paused, or a plain rate to measure)
@@ -325,7 +410,7 @@ class SpeculationGate:
         drafting paid once (see the class docstring)."""
         if self._open is None:
             return
-        rows, kind, tokens, start = self._open
+        rows, kind, tokens, start, width = self._open
         self._open = None
         follows = self._last == (rows, kind) and kind != "probe"  # a probe step is not timed
         self._last = (rows, kind)
@@ -345,6 +430,7 @@ class SpeculationGate:
                 return
         if not follows or now <= start or tokens <= 0:
             return
+        self.costs.record(rows, width if verifying else 1, now - start)
         rate = tokens / (now - start)
         if not verifying:
             r.plains = [*r.plains[1 - self.window:], rate]
@@ -380,10 +466,11 @@ class SpeculationGate:
         r.proven, r.probe_hits, r.probe_misses = False, 0, 0  # probed again after it
         r.charged_s, r.charged_tokens = 0.0, 0
 
-    def ran(self, *, rows: int, verifying: bool, tokens: int, start: float, probe: bool = False) -> None:
+    def ran(self, *, rows: int, verifying: bool, tokens: int, start: float, probe: bool = False,
+            width: int = 1) -> None:
         """A step of `rows` rows ran from `start` and emitted `tokens`: verifying drafts, or plain
-        (`probe`: rows drafted in it without verifying)."""
-        self._open = (rows, "verify" if verifying else "probe" if probe else "plain", tokens, start)
+        (`probe`: rows drafted in it without verifying); `width`: positions a row fed (1 + most drafts)."""
+        self._open = (rows, "verify" if verifying else "probe" if probe else "plain", tokens, start, width)
 
     def idle(self, now: float, *, charged: float = 0.0) -> None:
         """The batch ran empty: the last step ends here (not when rows arrive again), and the next
