@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
 #   bash benchmarks/gpu/wave3.sh struct1 struct8                   # structured decode paired with free, b1 then b8
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
+#   bash benchmarks/gpu/wave3.sh speck                             # n-gram draft lengths: K = 4 / 16, chosen vs fixed
 #   bash benchmarks/gpu/wave3.sh vshapes                           # a short forward's cost per new key length
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 #   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
@@ -43,6 +44,11 @@ for p in "$@"; do case $p in
   spec8) phase spec8 170 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 8 --rounds 40 --tokens 48 \
             --temperature 4 --draft-self --draft-preset default --no-repeat-check --control --schedule bracket \
             --budget $(( ${LIMIT_spec8:-170} - 14 )) ${SPEC8_ARGS:-} ;;
+  # Issue 23's draft lengths: n-gram at K = 4 and 16, each try's length chosen from what verifying costs vs every try
+  # K (`... fixed`), bracketed, repetitive (acceptance ~1), t = 2 (partial) and t = 4 (~0), batch 1 then 8.
+  speck) phase speck 280 python3 benchmarks/gpu/bench_speculative_gpu.py --batch 1 8 --rounds 40 --tokens 48 \
+            --temperature 2 4 --k 4 --ngram-k 16 --fixed-lengths --no-repeat-check --control --schedule bracket \
+            --budget $(( ${LIMIT_speck:-280} - 14 )) ${SPECK_ARGS:-} ;;
   # Issue 23: what a forward of 1 (decode), 5 (a verify), 17 and 64 (a draft's catch-ups) queries costs at 20
   # consecutive key lengths, first call vs second, over MLX's kernel (exact keys / whole buffer) and routed.
   vshapes) phase vshapes 90 python3 benchmarks/gpu/verify_shapes.py ${VSHAPES_ARGS:-} ;;
