@@ -275,31 +275,41 @@ def test_a_row_s_draft_length_follows_what_verifying_costs():
     assert rejected.acceptance < 0.1 < 0.95 < accepted.acceptance
     assert rejected.choose(lambda w: costs.seconds(1, w)) == 16, "no verifying step timed: the most"
     # The H200 at batch 1 (verify_shapes.py, 21:09): verifying costs about the same at any width.
-    for width, ms in ((1, 6.9), (2, 12.2), (3, 12.2), (5, 12.2), (9, 11.8), (17, 11.1)):
+    for width, ms in ((1, 6.9), (2, 12.2), (3, 12.2), (5, 12.2), (9, 11.8), (17, 11.1)) * 2:
         costs.record(1, width, ms / 1e3)
     for row in (rejected, accepted):
         assert row.choose(lambda w: costs.seconds(1, w)) == 16, "a longer draft costs nothing more"
     # A CPU-like step: 10 ms, and 3 ms more per position verified.
-    for width in (1, 2, 3, 5, 9, 17):
+    for width in (1, 2, 3, 5, 9, 17) * 2:
         costs.record(8, width, (10 + 3 * (width - 1)) / 1e3)
     at_8 = lambda w: costs.seconds(8, w)  # noqa: E731
     assert rejected.choose(at_8) == 1 and accepted.choose(at_8) == 16
     half = DraftLength(16)
     for _ in range(10):
-        half.verified(4, 2)  # acceptance 0.66: 2 drafts
+        half.verified(4, 2)  # acceptance 0.66: 2 drafts (1 is as fast within 10%: the longer one)
     assert half.choose(at_8) == 2
-    # Widths not timed: between two timed ones linearly (a plain step is width 1), past the widest as it.
+    # Widths not timed: between two timed ones linearly (a plain step is width 1), past the widest as it;
+    # a width counts once timed twice, by the median of its last 5.
     partial = StepCosts()
     partial.record(1, 1, 0.010)
-    assert partial.seconds(1, 5) is None, "no verifying step timed"
+    partial.record(1, 5, 0.020)
+    assert partial.seconds(1, 5) is None, "no verifying width timed twice"
     partial.record(1, 5, 0.020)
     assert partial.seconds(1, 3) == pytest.approx(0.015) and partial.seconds(1, 17) == pytest.approx(0.020)
-    for ms in (20, 20, 40, 20, 20, 40):  # the median of the last 5
+    for ms in (20, 20, 40, 20, 20, 40):
         partial.record(1, 9, ms / 1e3)
     assert partial.seconds(1, 9) == pytest.approx(0.020) and partial.seconds(2, 9) is None
+    # A width timed at a bad moment is timed again once the batch size's last 32 verifying steps are others.
+    for _ in range(2):
+        partial.record(1, 17, 0.200)
+    assert partial.seconds(1, 17) == pytest.approx(0.200)
+    for _ in range(32):
+        partial.record(1, 5, 0.020)
+    assert partial.seconds(1, 17) == pytest.approx(0.020), "not timed any more: as the widest timed width"
     # The gate times steps that follow a step of their kind into its StepCosts, with their width.
     gate, now = SpeculationGate(), 0.0
-    for verifying, width, seconds in ((False, 1, 0.01), (False, 1, 0.01), (True, 9, 0.02), (True, 9, 0.03)):
+    for verifying, width, seconds in ((False, 1, 0.01), (False, 1, 0.01), (True, 9, 0.02), (True, 9, 0.03),
+                                      (True, 9, 0.03)):
         gate.started(now)
         gate.ran(rows=1, verifying=verifying, tokens=3 if verifying else 1, start=now, width=width)
         now += seconds

@@ -151,30 +151,49 @@ def draft_lengths(most: int) -> list[int]:
 @attrs.define
 class StepCosts:
     """Seconds of a decode step, by batch size (rows) and width (positions a row feeds: 1 for a plain
-    step, 1 + drafts for a verifying one), as the gate times them: the median of each one's last `window`.
+    step, 1 + drafts for a verifying one), as the gate times them.
 
-    `seconds` answers for a width not timed yet at a batch size too: between two timed widths (a plain
-    step is width 1), linearly; past the widest timed one, as that one (optimistic: a longer draft is
-    then tried, and timed); None when no verifying step is timed there yet."""
+    A plain step's: the median of the last `window`. A verifying step's width: the median of its last
+    `window` among the batch size's last `recent` verifying steps, once `least` of them are there (one
+    step is noisy: a loaded host, a prefill beside it). A width no longer among the recent ones is not
+    timed any more, so a width measured at a bad moment is tried again later, not avoided for good.
+
+    `seconds` answers for a width not timed too: between two timed widths (a plain step is width 1),
+    linearly; past the widest timed one, as that one (optimistic: a longer draft is then tried, and
+    timed); None when no verifying width is timed at that batch size."""
 
     window: int = 5
-    _timed: dict[tuple[int, int], list[float]] = attrs.Factory(dict)
+    recent: int = 32
+    least: int = 2
+    _plain: dict[int, list[float]] = attrs.Factory(dict)
+    _verify: dict[int, list[tuple[int, float]]] = attrs.Factory(dict)
 
     def record(self, rows: int, width: int, seconds: float) -> None:
-        got = self._timed.setdefault((rows, width), [])
-        got.append(seconds)
-        del got[: -self.window]
+        if width <= 1:
+            plain = self._plain.setdefault(rows, [])
+            plain.append(seconds)
+            del plain[: -self.window]
+        else:
+            verify = self._verify.setdefault(rows, [])
+            verify.append((width, seconds))
+            del verify[: -self.recent]
 
     def seconds(self, rows: int, width: int) -> float | None:
-        known = {w: statistics.median(s) for (r, w), s in self._timed.items() if r == rows and s}
-        if not any(w > 1 for w in known):
+        by_width: dict[int, list[float]] = {}
+        for w, s in self._verify.get(rows, ()):
+            by_width.setdefault(w, []).append(s)
+        known = {w: statistics.median(s[-self.window:]) for w, s in by_width.items() if len(s) >= self.least}
+        if not known:
             return None
+        widest = known[max(known)]
+        if self._plain.get(rows):
+            known[1] = statistics.median(self._plain[rows])
         if width in known:
             return known[width]
         below = max((w for w in known if w < width), default=None)
         above = min((w for w in known if w > width), default=None)
         if above is None:
-            return known[max(w for w in known if w > 1)]
+            return widest
         if below is None:
             return known[above]
         return known[below] + (known[above] - known[below]) * (width - below) / (above - below)
@@ -188,8 +207,8 @@ class DraftLength:
     drafts + tries cut by a rejection, each try's weight decaying by `decay`, a prior of one each);
     a try of k drafts emits (1 - a^(k+1)) / (1 - a) tokens on average, and costs a verifying step of
     width 1 + k (`cost`: seconds, the engine's `StepCosts` at this batch size, the draft model's
-    forwards included since they are in the step). The length among `draft_lengths(most)` with the
-    most tokens per second is chosen; with no verifying step timed yet, `most`. Where verifying costs
+    forwards included since they are in the step). The longest length among `draft_lengths(most)`
+    within `tolerance` of the most tokens per second is chosen; with no verifying step timed yet, `most`. Where verifying costs
     about the same at any width (a GPU at batch 1: the H200 verifies 5 positions in 12.2 ms, 17 in 11.1),
     that is `most` whatever the acceptance; where a wider step costs more (a CPU, a wide batch, a draft
     model's forward per draft), rows whose drafts are rejected draft fewer."""
@@ -198,6 +217,7 @@ class DraftLength:
     decay: float = 0.8
     hits: float = 1.0
     misses: float = 1.0
+    tolerance: float = 1.1  # the longest length within this factor of the best rate (timed steps are noisy)
 
     @property
     def acceptance(self) -> float:
@@ -205,15 +225,14 @@ class DraftLength:
 
     def choose(self, cost: Callable[[int], float | None]) -> int:
         a = self.acceptance
-        best, best_rate = self.most, 0.0
+        rates: list[tuple[int, float]] = []
         for k in draft_lengths(self.most):
             seconds = cost(1 + k)
             if seconds is None or seconds <= 0:
                 return self.most
-            rate = sum(a**i for i in range(k + 1)) / seconds
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+            rates.append((k, sum(a**i for i in range(k + 1)) / seconds))
+        best = max(rate for _, rate in rates)
+        return max(k for k, rate in rates if rate * self.tolerance >= best)
 
     def verified(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
