@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import attrs
 
-from mlxd.kv.ngram import Backoff, SpeculationGate
+from mlxd.kv.ngram import Backoff, SpeculationGate, draft_lengths
 
 PLAIN_S, VERIFY_S, HOST_S, K = 0.0069, 0.0122, 0.0005, 4
 DRAFT_S = 0.0015  # one forward of a small draft model at batch 1 on the H200 (test_speculation_gate's figure)
@@ -118,8 +118,8 @@ class Doubling(Length):
 
 @attrs.define
 class Priced(Length):
-    """The length with the most tokens per second: per-token acceptance `a` estimated from the row's
-    tries (accepted drafts over accepted + rejections, decayed by `decay` a try, a prior of one each),
+    """The length with the most tokens per second (`next`): per-token acceptance `a` estimated from the
+    row's tries (accepted drafts over accepted + rejections, decayed by `decay` a try, a prior of one each),
     expected tokens (1 - a^(k+1)) / (1 - a) over the try's cost, `verify(1 + k) + k * draft_s`."""
 
     verify: Callable[[int], float]
@@ -130,13 +130,13 @@ class Priced(Length):
     misses: float = 1.0
 
     def next(self) -> int:
+        """As the engine's `DraftLength.choose` (kv/ngram.py): the longest of 1, 2, 4 ... `most` within 10%
+        of the best rate, with the model's own costs (the engine times its steps instead)."""
         a = self.hits / (self.hits + self.misses)
-        best, best_rate = 1, 0.0
-        for k in range(1, self.most + 1):
-            rate = sum(a ** i for i in range(k + 1)) / (self.verify(1 + k) + k * self.draft_s + HOST_S)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        rates = [(k, sum(a ** i for i in range(k + 1)) / (self.verify(1 + k) + k * self.draft_s + HOST_S))
+                 for k in draft_lengths(self.most)]
+        best = max(rate for _, rate in rates)
+        return max(k for k, rate in rates if rate * 1.1 >= best)
 
     def verified(self, proposed: int, accepted: int) -> None:
         self.hits = self.decay * self.hits + accepted
