@@ -44,6 +44,7 @@ class Probe:
 
     on: bool = False
     events: list[str] = attrs.Factory(list)
+    walls: list[float] = attrs.Factory(list)  # wall seconds inside each event
     inside_cpu: float = 0.0
     _depth: int = 0
 
@@ -61,30 +62,35 @@ class Probe:
             if not probe.on or probe._depth:
                 return inner(*args, **kwargs)
             probe._depth += 1
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 probe.inside_cpu += time.thread_time() - t0
+                probe.walls.append(time.perf_counter() - w0)
                 probe.events.append(name)
                 probe._depth -= 1
 
         return call
 
     def begin(self) -> None:
-        self.events, self.inside_cpu, self.on = [], 0.0, True
+        self.events, self.walls, self.inside_cpu, self.on = [], [], 0.0, True
 
     def end(self) -> dict[str, Any]:
         self.on = False
         syncs = [e for e in self.events if e != "async_eval"]
         first_sync = next((i for i, e in enumerate(self.events) if e != "async_eval"), len(self.events))
+        # after the step's tokens are read (mlx-lm's tolist): reads of its other outputs (logprobs), whose
+        # wait is the next step's forward when they queue behind it on the generation stream
+        tokens_read = self.events.index("tolist") + 1 if "tolist" in self.events else len(self.events)
         return {"syncs": len(syncs), "pipelined": "async_eval" in self.events[:first_sync],
+                "read_wait": sum(self.walls[tokens_read:]),
                 "inside_cpu": self.inside_cpu, "events": " ".join(self.events)}
 
 
 def measure(step: Any, probe: Probe, steps: int) -> dict[str, Any]:
     """`steps` calls of `step`, each timed on this thread; per-step medians."""
-    cpu, outside, syncs, piped, wall, kinds = [], [], [], 0, [], {}
+    cpu, outside, syncs, piped, wall, kinds, waits = [], [], [], 0, [], {}, []
     for _ in range(steps):
         probe.begin()
         w0, c0 = time.perf_counter(), time.thread_time()
@@ -95,10 +101,12 @@ def measure(step: Any, probe: Probe, steps: int) -> dict[str, Any]:
         outside.append(c1 - c0 - got["inside_cpu"])
         wall.append(w1 - w0)
         syncs.append(got["syncs"])
+        waits.append(got["read_wait"])
         piped += got["pipelined"]
         kinds[got["events"]] = kinds.get(got["events"], 0) + 1
     return {"cpu_us": 1e6 * statistics.median(cpu), "outside_sync_cpu_us": 1e6 * statistics.median(outside),
             "wall_us": 1e6 * statistics.median(wall), "syncs_per_step": statistics.median(syncs),
+            "read_wait_us": 1e6 * statistics.median(waits),
             "pipelined_share": piped / steps, "event_patterns": dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:3])}
 
 
@@ -132,7 +140,22 @@ def count(step: Any, steps: int) -> dict[str, float]:
     return {"py_calls": counted.calls / steps, "py_opcodes": counted.opcodes / steps}
 
 
-def arm_mlx_lm(model: Any, probe: Probe, rows: int, warm: int, steps: int) -> dict[str, Any]:
+def server_reads(gen: Any, top: int) -> Any:
+    """A step as mlx_lm.server takes it with logprobs asked for (`top` >= 0): each token's logprob read, and
+    its top `top` (server.py's `_format_top_logprobs`), row by row."""
+
+    def step() -> None:
+        for r in gen.next()[1]:
+            r.logprobs[r.token].item()
+            if top > 0:
+                idx = mx.argpartition(-r.logprobs, kth=top - 1)[:top]
+                idx.tolist()
+                r.logprobs[idx].tolist()
+
+    return step
+
+
+def arm_mlx_lm(model: Any, probe: Probe, rows: int, warm: int, steps: int, top: int = -1) -> dict[str, Any]:
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -144,20 +167,22 @@ def arm_mlx_lm(model: Any, probe: Probe, rows: int, warm: int, steps: int) -> di
     while decoded < warm:
         _, responses = gen.next()
         decoded += bool(responses)
-    out = measure(gen.next, probe, steps)
-    out.update(count(gen.next, TRACED))
+    step = gen.next if top < 0 else server_reads(gen, top)
+    out = measure(step, probe, steps)
+    out.update(count(step, TRACED))
     gen.close()
     return out
 
 
-def arm_core(core: Any, probe: Probe, rows: int, warm: int, steps: int, tag: int) -> dict[str, Any]:
+def arm_core(core: Any, probe: Probe, rows: int, warm: int, steps: int, tag: int, top: int = -1) -> dict[str, Any]:
     from mlxd.engine.ops import RowStart, StepOps
     from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams
 
     n = warm + steps + TRACED + 4
     starts = tuple(
         RowStart(request=GenerationRequest(request_id=f"r{tag}-{i}", prompt=(5 + i, 6, 7, 8),
-                                      sampling=SamplingParams(max_tokens=n, logit_bias=BAN)))
+                                      sampling=SamplingParams(max_tokens=n, logit_bias=BAN, logprobs=top >= 0,
+                                                              top_logprobs=max(top, 0))))
         for i in range(rows))
     core.step(StepOps(starts=starts))
     decoded = 0
@@ -182,6 +207,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=20, help="decode steps before measuring")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--logprobs", type=int, default=-1,
+                    help="rows ask for logprobs with this many top logprobs (-1: none; mlx_lm's arm reads them as "
+                         "mlx_lm.server does)")
     ap.add_argument("--label", default="", help="a name for this tree (kept in the JSON)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "step-host-work")
@@ -212,19 +240,19 @@ def main() -> int:
             order = ("mlx_lm", "core") if r % 2 == 0 else ("core", "mlx_lm")
             for arm in order:
                 tag += 1
-                got = (arm_mlx_lm(model, probe, n, args.warm, args.steps) if arm == "mlx_lm"
-                       else arm_core(core, probe, n, args.warm, args.steps, tag))
+                got = (arm_mlx_lm(model, probe, n, args.warm, args.steps, args.logprobs) if arm == "mlx_lm"
+                       else arm_core(core, probe, n, args.warm, args.steps, tag, args.logprobs))
                 raw[str(n)][arm].append(got)
         print(f"repeat {r + 1}/{args.repeats} load {os.getloadavg()[0]:.2f}", flush=True)
     core.close()
-    out: dict[str, Any] = {"label": args.label, "steps": args.steps, "repeats": args.repeats,
+    out: dict[str, Any] = {"label": args.label, "steps": args.steps, "logprobs": args.logprobs, "repeats": args.repeats,
                            "load_before": load_before, "load_after": os.getloadavg(), "rows": {}}
     for n in rows:
         per: dict[str, Any] = {}
         for arm in ("mlx_lm", "core"):
             runs = raw[str(n)][arm]
             per[arm] = {k: summary([x[k] for x in runs]) for k in
-                        ("cpu_us", "outside_sync_cpu_us", "wall_us", "syncs_per_step", "pipelined_share",
+                        ("cpu_us", "outside_sync_cpu_us", "wall_us", "syncs_per_step", "read_wait_us", "pipelined_share",
                          "py_calls", "py_opcodes")}
             per[arm]["event_patterns"] = runs[-1]["event_patterns"]
             per[arm]["runs"] = [{k: v for k, v in x.items() if k != "event_patterns"} for x in runs]
@@ -242,7 +270,8 @@ def main() -> int:
               f"{per['core_minus_mlx_lm_outside_sync_cpu_us']['q3']:.0f}], x{per['core_vs_mlx_lm_outside_sync_cpu']['median']:.3f}); "
               f"all CPU {m['cpu_us']['median']:.0f} / {c['cpu_us']['median']:.0f} us; syncs "
               f"{m['syncs_per_step']['median']:g} / {c['syncs_per_step']['median']:g}; pipelined "
-              f"{m['pipelined_share']['median']:.2f} / {c['pipelined_share']['median']:.2f}; Python calls "
+              f"{m['pipelined_share']['median']:.2f} / {c['pipelined_share']['median']:.2f}; wall in reads after the "
+              f"tokens' {m['read_wait_us']['median']:.0f} / {c['read_wait_us']['median']:.0f} us; Python calls "
               f"{m['py_calls']['median']:.0f} / {c['py_calls']['median']:.0f}, bytecodes "
               f"{m['py_opcodes']['median']:.0f} / {c['py_opcodes']['median']:.0f}; "
               f"events {next(iter(m['event_patterns']))!r} / {next(iter(c['event_patterns']))!r}", flush=True)

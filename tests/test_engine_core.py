@@ -144,6 +144,47 @@ def test_logprobs_come_with_tokens_when_asked():
     assert len(token.top_logprobs) == 2 and token.top_logprobs[0] == (15, pytest.approx(token.logprob))
 
 
+def test_logprobs_of_a_step_are_read_together_as_each_row_alone_reads_them():
+    """A step's logprobs are read in one evaluation on a side stream (not behind the next step's queued
+    forward): the same values as each token read alone, for rows asking for none, the chosen one only,
+    or a top k; a row with several tokens in one step (a verifying step) gets each token's own."""
+    import types
+
+    import mlx.core as mx
+
+    from mlxd.engine.features import read_logprobs
+
+    logits = mx.random.normal((4, 50), key=mx.random.key(7))
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(rows)
+    responses = [types.SimpleNamespace(token=t, logprobs=rows[i]) for i, t in enumerate((3, 9, 40, 0))]
+    asks = [(responses[0], 0), (responses[1], 2), (responses[2], 5), (responses[3], 60), (responses[1], 0)]
+    side = mx.new_stream(mx.default_device())
+    slow = mx.random.normal((512, 512))
+    for _ in range(6):
+        slow = slow @ slow  # queued on the default stream, not waited for by the reads
+    mx.async_eval(slow)
+    got = read_logprobs(asks, side)
+    for (r, k), (chosen, top) in zip(asks, got, strict=True):
+        lp = r.logprobs
+        assert chosen == pytest.approx(float(lp[r.token].item()))
+        want = sorted(((int(t), float(lp[t].item())) for t in range(lp.shape[-1])), key=lambda p: -p[1])[: max(k, 0)]
+        assert [t for t, _ in top] == [t for t, _ in want] and [v for _, v in top] == pytest.approx([v for _, v in want])
+    mx.eval(slow)
+
+
+def test_rows_asking_for_logprobs_or_not_share_a_step():
+    core, _ = make()
+    results = run(core, StepOps(starts=(start("a", max_tokens=2, logprobs=True, top_logprobs=2),
+                                         start("b", (20, 21, 22), max_tokens=2),
+                                         start("c", (30, 31), max_tokens=2, logprobs=True))))
+    a, b, c = ([e for e in events(results, rid) if isinstance(e, TokenGenerated)] for rid in "abc")
+    assert [t.token for t in a] == [15, 16] and all(t.logprob is not None and len(t.top_logprobs) == 2 for t in a)
+    assert all(t.top_logprobs[0][0] == t.token for t in a)
+    assert [t.token for t in b] == [23, 24] and all(t.logprob is None and t.top_logprobs == () for t in b)
+    assert [t.token for t in c] == [32, 33] and all(t.logprob is not None and t.top_logprobs == () for t in c)
+
+
 # --- rows a client ends --------------------------------------------------------------------
 
 

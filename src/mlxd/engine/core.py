@@ -31,11 +31,13 @@ from mlxd.engine.features import (
     Feature,
     GenerationCheckpoints,
     Joining,
+    LogprobRead,
     PromptCheckpoints,
     Sampling,
     StepMasks,
     StopTokens,
     gil_switch_ms,
+    read_logprobs,
 )
 from mlxd.engine.ops import (
     Emit,
@@ -171,6 +173,7 @@ class EngineCore:
         self._steps_unmeasured = 0
         # Set by load():
         self._stream: Any = None
+        self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
         self.model: Any = None
         self.tokenizer: Any = None
         self.generator: Any = None
@@ -235,6 +238,7 @@ class EngineCore:
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
+        self._reads = mx.new_stream(mx.default_device())  # logprob reads, beside the queued next step
         before = memory_costs.active_bytes() if self._config.kv_admission else 0  # this runtime's own memory
         with mx.stream(self._stream):
             loaded = loading.load(self._config, self._stream)
@@ -898,13 +902,14 @@ class EngineCore:
                 for part in row.parts():
                     part.segment(row, self, out)
         rows, emit, tokens = self._rows, out.emits.append, 0
-        for r in gen_responses:
+        reads = self._read_logprobs(gen_responses)
+        for i, r in enumerate(gen_responses):
             row = rows.get(r.uid)
             if row is None:
                 continue
             row.generated += 1
             tokens += 1
-            event = row.sampling.event(r)
+            event = row.sampling.event(r, reads.get(i))
             if row.generated == 1:
                 self._prefill_whole(row, out)
                 event = attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic())))
@@ -925,6 +930,20 @@ class EngineCore:
                 out.notes.append(self.measure_memory("prefill"))
             elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
+
+    def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
+        """The logprobs of this step's tokens that their rows asked for, by index in `responses` (a verifying
+        step gives a row several), read together on the side stream."""
+        at, asks = [], []
+        for i, r in enumerate(responses):
+            row = self._rows.get(r.uid)
+            k = row.sampling.top_k if row is not None else None
+            if k is not None:
+                at.append(i)
+                asks.append((r, k))
+        if not asks:
+            return {}
+        return dict(zip(at, read_logprobs(asks, self._reads), strict=True))
 
     def _prefill_progress(self, responses: list[Any], seconds: float | None, out: StepOut) -> None:
         """Move each prefilling row's progress; time the chunk when it ran alone (`seconds`)."""

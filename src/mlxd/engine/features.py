@@ -20,6 +20,7 @@ prompt-boundary and final checkpoints) and `GenerationCheckpoints`
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -121,24 +122,54 @@ class Sampling(Feature):
     def rng_state(self) -> tuple[int, ...] | None:
         return self.sampler.state() if self.sampler is not None else None
 
-    def event(self, response: Any) -> TokenGenerated:
-        """The token event, with its logprobs when the request asked for them."""
+    @property
+    def top_k(self) -> int | None:
+        """How many top logprobs its tokens carry (0: the chosen token's only; None: no logprobs)."""
         s = self.params
-        if not s.logprobs and s.top_logprobs == 0:
-            return TokenGenerated(response.token)
-        import mlx.core as mx
+        return s.top_logprobs if s.logprobs or s.top_logprobs != 0 else None
 
-        lp = response.logprobs
-        chosen = float(lp[response.token].item())
-        top: tuple[tuple[int, float], ...] = ()
-        if s.top_logprobs > 0:
-            k = min(s.top_logprobs, lp.shape[-1])
-            idx = mx.argpartition(-lp, kth=k - 1)[:k]
-            ids: list[Any] = idx.tolist()  # type: ignore[assignment]
-            vals: list[Any] = lp[idx].tolist()  # type: ignore[assignment]
-            pairs = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])
-            top = tuple((int(t), float(v)) for t, v in pairs)
+    def event(self, response: Any, read: LogprobRead | None = None) -> TokenGenerated:
+        """The token event, with its logprobs when the request asked for them (`read`: already read)."""
+        k = self.top_k
+        if k is None:
+            return TokenGenerated(response.token)
+        chosen, top = read if read is not None else read_logprobs([(response, k)])[0]
         return TokenGenerated(response.token, chosen, top)
+
+
+LogprobRead = tuple[float, tuple[tuple[int, float], ...]]  # the chosen token's logprob, the top (token, logprob)s
+
+
+def read_logprobs(asks: list[tuple[Any, int]], stream: Any = None) -> list[LogprobRead]:
+    """Each (response, top k)'s chosen-token logprob and top k (by logprob, highest first), in one evaluation.
+
+    Built on `stream` (the core's side stream) rather than the generation stream: there mlx-lm has
+    already queued the next step's forward (`async_eval`) and a read would wait for it to finish, so
+    the host could not build the step after it meanwhile. The logprobs themselves are evaluated.
+    """
+    import mlx.core as mx
+
+    with contextlib.nullcontext() if stream is None else mx.stream(stream):
+        built: list[tuple[Any, Any, Any]] = []
+        for response, k in asks:
+            lp = response.logprobs
+            chosen = lp[response.token]
+            if k > 0:
+                idx = mx.argpartition(-lp, kth=min(k, lp.shape[-1]) - 1)[: min(k, lp.shape[-1])]
+                built.append((chosen, idx, lp[idx]))
+            else:
+                built.append((chosen, None, None))
+        mx.eval([a for b in built for a in b if a is not None])
+    reads: list[LogprobRead] = []
+    for chosen, idx, vals in built:
+        top: tuple[tuple[int, float], ...] = ()
+        if idx is not None:
+            ids: list[Any] = idx.tolist()  # type: ignore[assignment]
+            values: list[Any] = vals.tolist()  # type: ignore[assignment]
+            pairs = sorted(zip(ids, values, strict=True), key=lambda p: -p[1])
+            top = tuple((int(t), float(v)) for t, v in pairs)
+        reads.append((float(chosen.item()), top))
+    return reads
 
 
 @attrs.frozen
