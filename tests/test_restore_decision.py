@@ -349,3 +349,29 @@ def test_a_calibration_file_with_a_figure_that_is_not_finite_is_no_calibration(t
             path.write_text(json.dumps({"version": advisor_file.VERSION, "device": "Device(gpu, 0)",
                                         "calibration": {**good, "restore_samples": 3, name: bad}}))
             assert advisor_file.load(path, "Device(gpu, 0)") == {}, (name, bad)
+
+
+def test_a_mostly_resident_restore_calibrates_the_page_cache_net_of_its_cold_part():
+    # CPU 23:01 (reads throttled to 8 MB/s): a restore found 71% of its 13.7 MB in the page cache and took 0.587 s,
+    # nearly all of it the cold 29% from the disk; charged whole to the page cache it set that rate to 23 MB/s
+    # against the probe's 630. On the H200's figures (1.88 GB record, recompute 1.0 s, disk 1.0 GB/s, page cache
+    # 5 GB/s) a half-resident restore charged whole priced a record all in the page cache at 1.13 s: recomputed,
+    # and as resident restores were no longer chosen, the figure was never corrected.
+    from mlxd.kv.restore_decision import RESTORE, RestoreCut
+
+    n, tokens = 1_887_535_104, 16_453
+    base = attrs.evolve(DEFAULT, restore_bytes_per_s=1e9, page_cache_bytes_per_s=5e9)
+    advisor = RestoreAdvisor(base=base, prefill_scale=1.0 / DEFAULT.prefill_seconds(tokens + 1, 0))
+    advisor.observe_restore(nbytes=n, seconds=n / 1e9)  # a cold restore: the disk's rate, measured
+    assert advisor.restore_samples == 1 and advisor.restore_bytes_per_s == pytest.approx(1e9)
+    advisor.observe_restore(nbytes=n, seconds=(n / 2) / 1e9 + (n / 2) / 5e9, resident=0.5)
+    assert advisor.resident_samples == 1 and advisor.resident_bytes_per_s == pytest.approx(5e9)
+    assert advisor.restore_bytes_per_s == pytest.approx(1e9) and advisor.restore_samples == 1
+    warm = advisor.plan(cuts=[RestoreCut(tokens, n, n)], warm_tokens=0, prompt_tokens=tokens + 1)
+    assert warm.arm == RESTORE and warm.seconds < 0.5 < warm.recompute_seconds
+    cold = advisor.plan(cuts=[RestoreCut(tokens, n, 0)], warm_tokens=0, prompt_tokens=tokens + 1)
+    assert cold.arm == "recompute"  # from the disk it still loses
+    # A mostly resident restore whose cold part alone, at the disk's rate, takes all its time says nothing
+    # about the page cache: no sample.
+    advisor.observe_restore(nbytes=n, seconds=0.3 * n / 1e9, resident=0.6)
+    assert advisor.resident_samples == 1 and advisor.resident_bytes_per_s == pytest.approx(5e9)
