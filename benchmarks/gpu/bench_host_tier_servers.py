@@ -22,7 +22,7 @@ is the old order (each server's levels in its own turn). mlx_lm.server keeps eve
 SSD server is then restarted on its SSD tier and A's third turn sent again (restore
 or recompute, as its advisor chooses), then restarted twice more with
 `--restore-choice always` and `never` (the two arms) for the ratio to min(restore,
-recompute). Each restart reports its advisor's choice, the arms it predicted, the
+recompute); `--restart-cycles N` runs the three N times in turn (the host's drift on every arm). Each restart reports its advisor's choice, the arms it predicted, the
 startup probe's restore bandwidth and the served one (`restarts` in the summary).
 `--streams ""` skips decode; `--rounds 0` is decode only (no TTFT rounds, no restarts); `--servers mlxd_host_ssd` alone measures the restarts' goal.
 
@@ -348,6 +348,11 @@ def main() -> int:
     ap.add_argument("--restart-arms", default=",".join(DEFAULT_ARMS),
                     help=f"which restarts, in order (from {', '.join(RESTARTS)}; restart_always_probe: every "
                          "restore forced, the startup probe on: the probe's effect on serving's restores)")
+    ap.add_argument("--restart-cycles", type=int, default=1,
+                    help="the restart arms this many times over, in turn (restart, never, always, restart, ...): "
+                         "the host's drift falls on every arm alike; each arm's median is over all its turns. A "
+                         "forced arm leaves the advisor's file as it found it, so each `restart` resumes what the "
+                         "advisor arm's own processes measured (a server restarted again and again)")
     ap.add_argument("--restart-page-cache", choices=("keep", "drop"), default="keep",
                     help="before each restart: keep the page cache as the previous server left it (a later arm "
                          "reads what an earlier one read), or drop the SSD files' pages (every arm starts alike; "
@@ -530,39 +535,11 @@ def main() -> int:
 
     rows_ssd = out.get("mlxd_host_ssd", {}).get("rows") or []
     if rows_ssd and not args.no_restart:
-        import httpx
-
         cmd = cmds["mlxd_host_ssd"][0]
-        for label in arms:
-            extra = RESTARTS[label]
-            if args.restart_page_cache == "drop":
-                drop_page_cache(ssd_dir)
-            again = Proc(label, cmd + extra, cmds["mlxd_host_ssd"][1], "/health", logs[label])
-            entry = out.setdefault(label, {})
-            try:
-                # what of the tier's files the page cache held as this server started (GB): the arms alike?
-                entry["page_cache_gb_at_start"] = page_cache_gb(ssd_dir)
-                entry["start_s"] = again.start(timeout=args.start_timeout)
-                entry["page_cache_gb_at_first_turn"] = page_cache_gb(ssd_dir)
-                entry["returning"], entry["turns"] = [], []
-                for r in rows_ssd:
-                    entry["returning"].append(asyncio.run(ttft(again.base, model_dir.name, r["history"])))
-                    entry["turns"].append(turn_report(httpx.get(again.base + "/stats", timeout=30).json()))
-                    save()
-                stats = httpx.get(again.base + "/stats", timeout=30).json()
-                entry["stats"] = stats.get("ssd_cache")
-                entry["device_probe"] = stats.get("device_probe")
-                entry["advisor"] = advisor_report(stats)
-                log(label, [round(x["ttft_s"], 3) for x in entry["returning"]],
-                    "restore ms", [t["restore_ms_last"] for t in entry["turns"]],
-                    "page cache GB at start / first turn", entry["page_cache_gb_at_start"],
-                    entry["page_cache_gb_at_first_turn"], json.dumps(entry["advisor"]))
-            except Exception as exc:
-                out[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
-            finally:
-                entry["exit_code"] = again.stop()
-                entry["log"] = done_lines(logs[label])
-                save()
+        for cycle in range(args.restart_cycles):
+            for label in arms:
+                restart_once(label, cycle, cmd + RESTARTS[label], cmds["mlxd_host_ssd"][1], logs[label], rows_ssd,
+                             model_dir, ssd_dir, args, out, save)
 
     out["summary"] = summarize(out, wanted)
     for name in wanted:
@@ -573,6 +550,70 @@ def main() -> int:
     print_stages(out["summary"])
     log("->", res, f"({out['elapsed_s']} s)")
     return 0
+
+
+def restart_once(label: str, cycle: int, cmd: list[str], port: int, logpath: Path, rows_ssd: list[dict[str, Any]],
+                 model_dir: Path, ssd_dir: Path, args: argparse.Namespace, out: dict[str, Any], save: Any) -> None:
+    """One restart of the host + SSD server on its files (arm `label`, `cycle` of --restart-cycles): every
+    round's returning turn, what the advisor chose and predicted after each. A forced arm leaves the advisor's
+    file as it found it: the advisor arm's processes resume only what the advisor arm measured."""
+    import httpx
+
+    if args.restart_page_cache == "drop":
+        drop_page_cache(ssd_dir)
+    kept = {} if label == "restart" else advisor_files(ssd_dir)
+    again = Proc(label, cmd, port, "/health", logpath)
+    entry = out.setdefault(label, {})
+    proc: dict[str, Any] = {"cycle": cycle}
+    entry.setdefault("processes", []).append(proc)
+    try:
+        # what of the tier's files the page cache held as this server started (GB): the arms alike?
+        proc["page_cache_gb_at_start"] = page_cache_gb(ssd_dir)
+        proc["start_s"] = again.start(timeout=args.start_timeout)
+        proc["page_cache_gb_at_first_turn"] = page_cache_gb(ssd_dir)
+        if cycle == 0:  # the first process's, under the keys before --restart-cycles
+            entry.update({k: proc[k] for k in ("page_cache_gb_at_start", "start_s", "page_cache_gb_at_first_turn")})
+            entry["returning"], entry["turns"] = [], []
+        for r in rows_ssd:
+            entry["returning"].append(asyncio.run(ttft(again.base, model_dir.name, r["history"])))
+            entry["turns"].append({**turn_report(httpx.get(again.base + "/stats", timeout=30).json()),
+                                   "cycle": cycle})
+            save()
+        stats = httpx.get(again.base + "/stats", timeout=30).json()
+        entry["stats"] = stats.get("ssd_cache")  # the last process's
+        entry["device_probe"] = stats.get("device_probe")
+        entry["advisor"] = proc["advisor"] = advisor_report(stats)
+        mine = [t for t in entry["turns"] if t.get("cycle") == cycle]
+        log(label, f"cycle {cycle}", [round(x["ttft_s"], 3) for x in entry["returning"][-len(mine):]],
+            "restore ms", [t["restore_ms_last"] for t in mine],
+            "page cache GB at start / first turn", proc["page_cache_gb_at_start"],
+            proc["page_cache_gb_at_first_turn"], json.dumps(entry["advisor"]))
+    except Exception as exc:
+        out[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        entry["exit_code"] = proc["exit_code"] = again.stop()
+        entry["log"] = done_lines(logpath)  # every process of this arm so far (the log file is appended to)
+        if label != "restart":
+            put_back_advisor_files(ssd_dir, kept)
+        save()
+
+
+def advisor_files(root: Path) -> dict[Path, bytes]:
+    """The restore advisor's calibration files under the SSD tier (kv/advisor_file.py), as they are now."""
+    from mlxd.kv.advisor_file import FILE_NAME
+
+    return {p: p.read_bytes() for p in root.rglob(FILE_NAME)}
+
+
+def put_back_advisor_files(root: Path, kept: dict[Path, bytes]) -> None:
+    """The advisor's files as `advisor_files` saw them: what a forced arm's process saved is undone."""
+    from mlxd.kv.advisor_file import FILE_NAME
+
+    for p in root.rglob(FILE_NAME):
+        if p not in kept:
+            p.unlink()
+    for p, data in kept.items():
+        p.write_bytes(data)
 
 
 # The restarts of the host + SSD server on its files: as its advisor decides, then each arm forced. The forced
@@ -884,6 +925,8 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     prev: dict[str, Any] = {}
     for i, (turn, after) in enumerate(zip(entry.get("returning") or [], entry.get("turns") or [], strict=False)):
+        if after.get("cycle") != prev.get("cycle"):  # a new process (--restart-cycles): its counts start at 0
+            prev = {"cycle": after.get("cycle")}
         restored = (after.get("restores") or 0) > (prev.get("restores") or 0)
         explored = (after.get("explorations") or 0) > (prev.get("explorations") or 0)
         prev = after
@@ -894,11 +937,14 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
         restore_s = after["restore_ms_last"] / 1000 if restored and after.get("restore_ms_last") else None
         predicted = after.get("last_restore_s") if restored else after.get("last_recompute_s")
         out.append({
-            "client_s": turn.get("ttft_s"), "server_ttft_s": ttft_s,
+            "cycle": after.get("cycle", 0), "client_s": turn.get("ttft_s"), "server_ttft_s": ttft_s,
             "arm": "explore" if explored else "restore" if restored else "recompute",
             "predicted_s": predicted,
             "predicted_other_s": after.get("last_recompute_s") if restored else after.get("last_restore_s"),
             "predicted_vs_server": ratio(predicted, ttft_s),
+            # after this turn: what recomputes chosen over an unmeasured restore forwent (the ski-rental sum), and
+            # what of the record the page cache held at the choice
+            "forgone_s": after.get("forgone_s"), "resident_bytes": after.get("last_resident_bytes"),
             "restore_s": restore_s,
             "beyond_restore_ms": round((ttft_s - restore_s) * 1000, 2) if ttft_s and restore_s else None,
             "render_ms": _span(ms, "images", "rendered"), "http_before_submit_ms": ms.get("submitted"),
