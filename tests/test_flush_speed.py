@@ -25,12 +25,15 @@ MB = 1 << 20
 IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
 
 
-def _plan(n: int, heads: int = 4, dim: int = 16):
-    c = mlc.KVCache()
-    pos = mx.arange(n, dtype=mx.float32)[None, None, :, None]
-    k = pos * 1000 + mx.arange(heads, dtype=mx.float32)[None, :, None, None] * 16 + mx.arange(dim, dtype=mx.float32)
-    c.update_and_fetch(k, -k)
-    return kinds.plan_snapshot([c], meta=IDENTITY.meta(tuple(range(n)), ""))
+def _plan(n: int, heads: int = 4, dim: int = 16, layers: int = 1):
+    caches = []
+    for layer in range(layers):
+        c = mlc.KVCache()
+        pos = mx.arange(n, dtype=mx.float32)[None, None, :, None]
+        k = pos * 1000 + mx.arange(heads, dtype=mx.float32)[None, :, None, None] * 16 + mx.arange(dim, dtype=mx.float32)
+        c.update_and_fetch(k + layer, -k - layer)
+        caches.append(c)
+    return kinds.plan_snapshot(caches, meta=IDENTITY.meta(tuple(range(n)), ""))
 
 
 def test_a_write_begun_beside_decode_goes_four_blocks_at_a_time_once_a_flush_waits(tmp_path: Path, monkeypatch):
@@ -232,3 +235,138 @@ def test_a_write_back_error_fails_the_write_and_leaves_no_file(tmp_path: Path, m
     outcome = store.write(plan, Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=1 * MB))
     assert isinstance(outcome, Failed) and "Input/output error" in outcome.error
     assert not [p for p in (tmp_path / "store").rglob("*") if p.suffix in (".mlxmf", ".tmp")]
+
+
+def _spans(plan, store_dir: Path, writers: int):
+    """The block files a store with `writers` threads writes for `plan` (unpaced), name -> bytes."""
+    store = SsdStore(store_dir, IDENTITY, layout="blocks", block_tokens=16)
+    store.blocks.writers = writers
+    stored = store.write(plan, Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=64 * 1024))
+    assert isinstance(stored, Stored), stored
+    return store, stored, {p.name: p.read_bytes() for p in store.blocks.blocks_dir.iterdir()}
+
+
+def test_the_last_blocks_of_an_unpaced_write_are_split_between_the_writers_and_are_fsynced_before_renamed(
+        tmp_path: Path, monkeypatch):
+    """Six blocks on four threads: four whole, and the last two each written by several threads in parts (no
+    thread finishes a block alone while the others idle); every block file is byte for byte what one thread
+    writes, fsynced before its rename; the blocks directory is fsynced before the manifest; the checkpoint
+    loads back as the source."""
+    from mlxd.kv import block_store
+
+    monkeypatch.setattr(block_store, "SPLIT_MIN_PART", 16 * 1024)
+    plan = _plan(16 * 6, heads=8, dim=32, layers=2)  # 4 tensors of 16 KiB a block: four parts
+    _, _, single = _spans(plan, tmp_path / "one", writers=1)
+
+    lock = threading.Lock()
+    parts: list[tuple[str, str]] = []  # (file, thread) of every part written
+    real_part = ffw.SplitWrite.write_part
+
+    def write_part(self, i, prepare=None):
+        with lock:
+            parts.append((self.path.name, threading.current_thread().name))
+        return real_part(self, i, prepare)
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    def replace(a, b):
+        real_replace(a, b)
+        with lock:
+            events.append(("rename", str(a)))
+
+    monkeypatch.setattr(ffw.SplitWrite, "write_part", write_part)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store, stored, split = _spans(plan, tmp_path / "four", writers=4)
+    monkeypatch.undo()
+
+    assert split == single  # the same names, the same bytes
+    files = {name for name, _ in parts}
+    assert len(files) == 2 and len(parts) == 8  # the last two blocks, four parts each
+    assert all(t.startswith("mlxd-block-write") for _, t in parts)
+    for name in files:
+        tmp = str(store.blocks.blocks_dir / (name + ".tmp"))
+        synced = next(i for i, e in enumerate(events) if e == ("fsync", tmp))
+        renamed = next(i for i, e in enumerate(events) if e == ("rename", tmp))
+        assert synced < renamed, (name, events)
+    dir_sync = max(i for i, e in enumerate(events) if e == ("fsync", str(store.blocks.blocks_dir)))
+    block_renames = [i for i, e in enumerate(events) if e[0] == "rename" and e[1].endswith(".mlxblk.tmp")]
+    manifest = next(i for i, e in enumerate(events) if e[0] == "rename" and e[1].endswith(".mlxmf.tmp"))
+    assert max(block_renames) < dir_sync < manifest
+    loaded = store.load(stored.record)
+    assert loaded is not None
+    assert all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+
+
+def test_a_failed_part_fails_the_checkpoint_and_leaves_no_file(tmp_path: Path, monkeypatch):
+    """EIO in one part of a split block: the write fails as a storage error naming it (the checkpoint is not
+    stored, a miss later), no tmp file, no manifest and no half-written block is left."""
+    import errno
+
+    from mlxd.kv import block_store
+    from mlxd.kv.ssd_store import Failed
+
+    monkeypatch.setattr(block_store, "SPLIT_MIN_PART", 16 * 1024)
+    real = ffw._write_range
+    calls = [0]
+    lock = threading.Lock()
+
+    def failing(fd, start, descs, buffers, pacer, direct):
+        with lock:
+            calls[0] += 1
+            fail = calls[0] == 2
+        if fail:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, start, descs, buffers, pacer, direct)
+
+    monkeypatch.setattr(ffw, "_write_range", failing)
+    plan = _plan(16 * 1, heads=8, dim=32, layers=2)  # one block of 4 tensors of 16 KiB: four parts
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    outcome = store.write(plan, Pacer(WriteGovernor(busy_rate_bytes_per_s=None), slice_bytes=64 * 1024))
+    assert isinstance(outcome, Failed) and "Input/output error" in outcome.error, outcome
+    left = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "blocks.lock"]
+    assert left == [], left
+
+
+def test_the_flush_hands_the_unstarted_blocks_off_while_the_block_in_flight_is_still_being_written(
+        tmp_path: Path, monkeypatch):
+    """A write begun beside decode (one block at a time); the flush comes during its first block: the blocks not
+    started go to the writing threads at its next slice, before that block ends (it does not finish alone while
+    they wait); all blocks are the source's."""
+    g = WriteGovernor(busy_rate_bytes_per_s=1024 * MB)
+    g.set_busy(True)
+    pacer = Pacer(g, slice_bytes=4096)
+    assert pacer.serial()
+    others = threading.Event()
+    lock = threading.Lock()
+    order: list[str] = []
+    real = ff.write_snapshot
+
+    def write(plan, path, **kw):
+        with lock:
+            order.append(threading.current_thread().name)
+            first = len(order) == 1
+        if not first:
+            others.set()
+            return real(plan, path, **kw)
+        g.set_urgent("flush", True)  # the flush arrives as the first block starts
+        written = real(plan, path, **kw)  # 64 KiB in 4 KiB slices: the hand-off comes after the first
+        assert others.wait(60), "the other blocks waited for the block in flight"
+        return written
+
+    monkeypatch.setattr(ff, "write_snapshot", write)
+    plan = _plan(16 * 6, heads=8, dim=64)
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    stored = store.write(plan, pacer)
+    assert isinstance(stored, Stored), stored
+    assert order[0] == threading.current_thread().name
+    assert all(t.startswith("mlxd-block-write") for t in order[1:])
+    loaded = store.load(stored.record)
+    assert loaded is not None
+    assert all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))

@@ -49,7 +49,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,7 @@ from mlxd.kv import file_format as ff
 from mlxd.kv.file_format.header import NP_DTYPES as _NP_DTYPES
 from mlxd.kv.file_format.header import cache_doc as _cache_doc
 from mlxd.kv.file_format.header import parse_cache as _parse_cache
+from mlxd.kv.file_format import write as ffw
 from mlxd.kv.file_format.read import read_open_header as _read_header
 from mlxd.kv.listing import is_link, listdir, real_dir
 from mlxd.kv.pacing import Pacer
@@ -84,6 +85,9 @@ MANIFEST_MAGIC = b"MLXDMF\r\n"
 MANIFEST_VERSION = 1
 _PREAMBLE = struct.Struct("<8sIIQ32s8x")  # magic, version, flags, body_len, sha256, reserved
 _MAX_MANIFEST = 64 << 20
+SPLIT_MIN_PART = 2 << 20
+"""A block written by several threads at once (the tail of an unpaced write) gets parts of at least this
+many bytes: smaller ones would cost an open and a write-back each for little overlap."""
 WRITERS = 4
 """New block files one write commits at once while nothing paces the writer (a flush, an idle
 engine): each file's write and fsync overlap the others'. Paced write-behind writes one at a time."""
@@ -389,23 +393,73 @@ class BlockStore:
         engine idle) and finds it serial at a block's start (rows decode now, or a prompt waits for its
         first token) writes that block and the rest one at a time: four writing threads beside decode
         stage, hash and write four blocks at once (issue 28). The other way round too: a write begun one
-        block at a time (rows decoding) hands the blocks it has not started to the `writers` threads once it
-        may (a flush waits, the engine went idle), so a SIGTERM flush never finishes a checkpoint begun
-        beside decode one block at a time (issue 28: a 1.9 GB checkpoint's last 0.9 GB flushed at 0.44x the
-        disk on the H200)."""
+        block at a time (rows decoding) hands the blocks it has not started to the `writers` threads the
+        moment it may (a flush waits, the engine went idle: checked after every slice of the block in
+        flight, which then finishes beside them, not alone before them), so a SIGTERM flush never finishes
+        a checkpoint begun beside decode one block at a time (issue 28: a 1.9 GB checkpoint's last 0.9 GB
+        flushed at 0.44x the disk on the H200). Unpaced, the last blocks are split between the writing
+        threads (`_start_at_once`)."""
         made: dict[str, int] = {}
         left = list(jobs)
-        while left and (len(left) == 1 or self.writers <= 1 or (pacer is not None and pacer.serial())):
+        while left and (self.writers <= 1 or (pacer is not None and pacer.serial())):
             name, plan = left.pop(0)
-            made[name] = self._write_block(name, plan, pacer, prepare)
+            if pacer is None or not left or self.writers <= 1:
+                made[name] = self._write_block(name, plan, pacer, prepare)
+            else:
+                made.update(self._write_block_handing_off(name, plan, left, pacer, prepare))
         if left:
-            made.update(self._write_blocks_at_once(left, pacer, prepare))
+            made.update(self._start_at_once(left, pacer, prepare).result())
         return made
 
-    def _write_blocks_at_once(
-        self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None
+    def _write_block_handing_off(
+        self, name: str, plan: ff.SnapshotPlan, left: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer,
+        prepare: Prepare | None,
     ) -> dict[str, int]:
-        """`writers` blocks in flight; one at a time again for the blocks started while the pacer says so."""
+        """Write one block on this thread while the pacer says serial; if it stops saying so between two of
+        the block's slices, every block in `left` (emptied) starts on the writing threads at once, beside it."""
+        handed: list[_Batch] = []
+        lock = threading.Lock()
+
+        def hand_off() -> None:
+            if handed or not left or pacer.serial():
+                return
+            with lock:
+                if not handed and left:
+                    jobs = list(left)
+                    left.clear()
+                    handed.append(self._start_at_once(jobs, pacer, prepare))
+
+        def stop() -> _Batch | None:
+            with lock:
+                batch = handed[0] if handed else None
+                handed.append(_Batch([], []))  # no hand-off from here on
+            return batch
+
+        made: dict[str, int] = {}
+        try:
+            with pacer.watching(hand_off):
+                made[name] = self._write_block(name, plan, pacer, prepare)
+        except BaseException:
+            batch = stop()
+            if batch is not None:
+                try:
+                    batch.result()  # waited for: nothing is still writing when this write fails
+                except BaseException:  # noqa: S110 - the block in flight's failure is the one reported
+                    pass
+            raise
+        batch = stop()
+        if batch is not None:
+            made.update(batch.result())
+        return made
+
+    def _start_at_once(
+        self, jobs: list[tuple[str, ff.SnapshotPlan]], pacer: Pacer | None, prepare: Prepare | None
+    ) -> _Batch:
+        """Start `jobs` on the `writers` threads; one at a time again for the blocks started while the pacer
+        says so. Unpaced, the last `len(jobs) % writers` blocks are written `writers` parts at a time
+        (`ff.SplitWrite`: each thread takes a part, the last one to end fsyncs and renames the file), so the
+        last wave keeps every thread writing instead of one or two finishing whole blocks alone (issue 28:
+        a small flush's tail)."""
         pool = _thread_pool(self.writers, "mlxd-block-write")
         one = threading.Lock()
 
@@ -415,13 +469,41 @@ class BlockStore:
                     return self._write_block(name, plan, pacer, prepare)
             return self._write_block(name, plan, pacer, prepare)
 
-        futures = [pool.submit(block, name, plan) for name, plan in jobs]
-        try:
-            return {name: f.result() for (name, _), f in zip(jobs, futures, strict=True)}
-        finally:  # after a failure: blocks not started are not written, and none is still writing
-            for f in futures:
-                f.cancel()
-            wait(futures)
+        def part(split: ffw.SplitWrite, i: int) -> int | None:
+            if pacer is not None and pacer.serial():
+                with one:
+                    return self._write_part(split, i, prepare)
+            return self._write_part(split, i, prepare)
+
+        whole, splits = list(jobs), []
+        tail = len(jobs) % self.writers
+        if tail and (pacer is None or not pacer.serial()):
+            whole, last = jobs[: len(jobs) - tail], jobs[len(jobs) - tail :]
+            for name, plan in last:
+                parts = min(self.writers, plan.nbytes // max(1, SPLIT_MIN_PART))
+                split = None
+                if parts >= 2:
+                    try:
+                        split = ffw.SplitWrite(plan, self.block_path(name), parts, pacer=pacer, sync_dir=False)
+                    except ff.StorageError as exc:
+                        if exc.errno != errno.EEXIST:  # EEXIST: another process writes it: whole, as ever
+                            for s in splits:
+                                s.abort()
+                            raise
+                if split is None or split.parts < 2:
+                    if split is not None:
+                        split.abort()
+                    whole.append((name, plan))
+                else:
+                    splits.append(split)
+        futures = [(name, pool.submit(block, name, plan)) for name, plan in whole]
+        by_path = {self.block_path(name): name for name, _ in jobs}
+        futures += [(by_path[s.path], pool.submit(part, s, i)) for s in splits for i in range(s.parts)]
+        return _Batch(futures, splits)
+
+    def _write_part(self, split: ffw.SplitWrite, i: int, prepare: Prepare | None) -> int | None:
+        written = split.write_part(i, prepare)
+        return None if written is None else written.nbytes
 
     def _write_block(self, name: str, plan: ff.SnapshotPlan, pacer: Pacer | None, prepare: Prepare | None = None) -> int:
         path = self.block_path(name)
@@ -662,6 +744,31 @@ class BlockStore:
             if path.suffix == BLOCK_EXT:
                 total += path.stat().st_size
         return total
+
+
+class _Batch:
+    """Blocks (and parts of blocks) in flight on the writing threads: `result()` waits for them all."""
+
+    def __init__(self, futures: list[tuple[str, Future[int | None]]], splits: list[ffw.SplitWrite]) -> None:
+        self._futures = futures
+        self._splits = splits
+
+    def result(self) -> dict[str, int]:
+        """name -> file size of every block; raises the first failure, after every block still writing
+        ended and no block not yet started will be (and no split block's tmp file is left)."""
+        try:
+            made: dict[str, int] = {}
+            for name, future in self._futures:
+                size = future.result()
+                if size is not None:  # a split block's size comes from the part that finished it
+                    made[name] = size
+            return made
+        finally:  # after a failure: blocks not started are not written, and none is still writing
+            for _, future in self._futures:
+                future.cancel()
+            wait([f for _, f in self._futures])
+            for split in self._splits:
+                split.abort()  # parts never run: the tmp file goes (a no-op for a finished file)
 
 
 # ----------------------------------------------------- splitting a plan

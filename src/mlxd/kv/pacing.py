@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # Bytes per paced slice: each slice wakes the writer once, and every wake-up
 # stalls decode's BLAS threads; large slices at a low rate cost the least
@@ -218,6 +219,7 @@ class Pacer:
         self.step_waits = 0  # staged pieces that waited for the engine's next step
         self.times = WriteTimes()  # where the write's seconds went (the writer's threads add to it)
         self._piece_step: int | None = None  # the engine's step count when the last staged piece went
+        self._watchers: tuple[Callable[[], None], ...] = ()  # called after every slice (`watching`)
         # The block store's writing threads share one write's pacer: its sums and schedule change under this.
         self._lock = threading.Lock()
 
@@ -279,8 +281,31 @@ class Pacer:
             self.check()
         self._piece_step = g.steps
 
+    @contextmanager
+    def watching(self, fn: Callable[[], None]) -> Iterator[None]:
+        """Call `fn` after every slice and tensor written with this pacer (by any of its threads) while in the block: the
+        block store hands a write's unstarted blocks to its writing threads the moment a flush makes the write
+        parallel, not when the block in flight ends."""
+        with self._lock:
+            self._watchers = (*self._watchers, fn)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watchers = tuple(w for w in self._watchers if w is not fn)
+
     def done(self, nbytes: int) -> None:
-        """Account for `nbytes` just written; wait until the rate allows more."""
+        """Account for `nbytes` just written; wait until the rate allows more; then the watchers."""
+        self._pace(nbytes)
+        self.poll()
+
+    def poll(self) -> None:
+        """Run the watchers (`watching`): after every slice, and between two tensors of a file (a block's
+        slice can hold most of it: a flush's hand-off should not wait for the block's end)."""
+        for fn in self._watchers:
+            fn()
+
+    def _pace(self, nbytes: int) -> None:
         self.governor.count(bytes_out=nbytes)
         self.hold()
         rate = self.governor.rate()

@@ -28,6 +28,7 @@ from mlxd.kv.file_format.header import (
     CacheDesc,
     FileHeader,
     SnapshotMeta,
+    TensorDesc,
     align,
     encode_header,
     header_json,
@@ -166,37 +167,197 @@ def _write_tmp(
     plan: SnapshotPlan, layout: FileHeader, fd: int, pacer: Pacer | None, direct: bool | None
 ) -> FileHeader:
     """Fill the tmp file open at `fd` (and close it)."""
+    try:
+        descs = [desc for _, desc in layout.tensors()]
+        digests = _write_range(fd, layout.data_offset, descs, plan.buffers, pacer, direct)
+        return _finish_tmp(layout, digests, fd, pacer)
+    finally:
+        os.close(fd)
+
+
+def _write_range(
+    fd: int, start: int, descs: Sequence[TensorDesc], buffers: Sequence[memoryview], pacer: Pacer | None,
+    direct: bool | None,
+) -> list[str]:
+    """Write `descs`' tensors (with the zero padding before each) from file offset `start` (page-aligned) on,
+    the last page zero-padded; their CRC-32s."""
     if direct is not None:
         want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
     else:
         want_direct = pacer.pacing if pacer is not None else (lambda: False)
-    try:
-        size = pacer.slice_bytes if pacer is not None else _CHUNK
-        sink = _Sink(fd, start=layout.data_offset, size=size, want_direct=want_direct,
-                     release_gil=pacer is not None and pacer.release_gil)
-        digests = []
-        for (_, desc), buf in zip(layout.tensors(), plan.buffers, strict=True):
-            sink.zeros(desc.offset - sink.position)  # padding up to the tensor's page
-            crc = 0
-            for piece in _byte_pieces(buf, _CHUNK):
-                crc = zlib.crc32(piece, crc)
-                sink.write(piece, pacer)
-            digests.append(f"{crc:08x}")
-        sink.finish(pacer)
-        caches = _with_digests(layout.caches, iter(digests))
-        header = attrs.evolve(layout, caches=caches)
-        blob, digest = encode_header(header)
-        head = _Sink(fd, start=0, size=header.data_offset, want_direct=lambda: False)
-        head.write(memoryview(blob), None)
-        head.finish(None)  # zero-pads the header block up to data_offset
-        os.ftruncate(fd, header.file_size)  # the last block was padded to the page
-        t0 = time.perf_counter()
-        os.fsync(fd)
+    size = pacer.slice_bytes if pacer is not None else _CHUNK
+    sink = _Sink(fd, start=start, size=size, want_direct=want_direct,
+                 release_gil=pacer is not None and pacer.release_gil)
+    digests = []
+    for desc, buf in zip(descs, buffers, strict=True):
+        sink.zeros(desc.offset - sink.position)  # padding up to the tensor's page
+        crc = 0
+        for piece in _byte_pieces(buf, _CHUNK):
+            crc = zlib.crc32(piece, crc)
+            sink.write(piece, pacer)
+        digests.append(f"{crc:08x}")
         if pacer is not None:
-            pacer.times.add(sync_s=time.perf_counter() - t0)
-    finally:
-        os.close(fd)
+            pacer.poll()  # between tensors: a flush's hand-off (block_store) need not wait for the slice's end
+    sink.finish(pacer)
+    return digests
+
+
+def _finish_tmp(layout: FileHeader, digests: Sequence[str], fd: int, pacer: Pacer | None) -> FileHeader:
+    """The header (with the tensors' CRC-32s) at the file's start, the size, the fsync: the tmp file is durable."""
+    caches = _with_digests(layout.caches, iter(digests))
+    header = attrs.evolve(layout, caches=caches)
+    blob, digest = encode_header(header)
+    head = _Sink(fd, start=0, size=header.data_offset, want_direct=lambda: False)
+    head.write(memoryview(blob), None)
+    head.finish(None)  # zero-pads the header block up to data_offset
+    os.ftruncate(fd, header.file_size)  # the last block was padded to the page
+    t0 = time.perf_counter()
+    os.fsync(fd)
+    if pacer is not None:
+        pacer.times.add(sync_s=time.perf_counter() - t0)
     return attrs.evolve(header, digest=digest)
+
+
+def split_points(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """`sizes` (tensors, in file order) cut into at most `parts` contiguous non-empty runs of about equal bytes:
+    (start, end) index pairs covering them all (one run when there is at most one tensor)."""
+    n = len(sizes)
+    parts = max(1, min(parts, n))
+    total = sum(sizes)
+    runs: list[tuple[int, int]] = []
+    lo, acc = 0, 0
+    for i, size in enumerate(sizes):
+        acc += size
+        left_parts = parts - len(runs) - 1  # runs still to start after this one
+        if left_parts and n - (i + 1) >= left_parts and acc * parts >= total * (len(runs) + 1):
+            runs.append((lo, i + 1))
+            lo = i + 1
+    runs.append((lo, n))
+    return [r for r in runs if r[1] > r[0]] or [(0, n)]
+
+
+class SplitWrite:
+    """One file written by several threads at once: its tensors cut into parts (contiguous runs of whole
+    tensors, about equal bytes, each a page-aligned byte range of the file), each part written by whichever
+    thread takes it (`write_part`: its own descriptor, its own write-back window, a CRC-32 per tensor as
+    `write_snapshot` computes them). The thread that finishes the last part writes the header, fsyncs the
+    file and renames it (then fsyncs the directory, `sync_dir`): the file is durable under its name exactly
+    as `write_snapshot` leaves it, byte for byte the same. A failed part fails the file: the last part to end
+    removes the tmp file and raises the first failure; `abort()` removes it when parts were never run.
+
+    The block store splits the last blocks of an unpaced write this way, so that no writing thread idles
+    while one finishes a block alone (issue 28: a flush's tail)."""
+
+    def __init__(self, plan: SnapshotPlan, path: str | os.PathLike[str], parts: int, *, pacer: Pacer | None = None,
+                 sync_dir: bool = True) -> None:
+        self.path = Path(path)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._plan = plan
+        self._pacer = pacer
+        self._sync_dir = sync_dir
+        self._t0 = time.perf_counter()
+        self._layout = _layout(plan)
+        self._descs = [desc for _, desc in self._layout.tensors()]
+        self.runs = split_points([d.nbytes for d in self._descs], parts)
+        self._digests: list[str] = [""] * len(self._descs)
+        self._lock = threading.Lock()
+        self._left = len(self.runs)
+        self._error: BaseException | None = None
+        self.written: WrittenFile | None = None
+        try:  # the header's descriptor: the last part writes the header and fsyncs through it
+            self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # EEXIST: another writer's tmp, which is not ours to remove
+            raise storage_error(exc, f"writing {self.path}") from exc
+
+    @property
+    def parts(self) -> int:
+        return len(self.runs)
+
+    def part_plan(self, i: int) -> SnapshotPlan:
+        """Part i's tensors as a plan (its buffers only): what the SSD writer stages before writing them."""
+        lo, hi = self.runs[i]
+        return attrs.evolve(self._plan, buffers=self._plan.buffers[lo:hi])
+
+    def write_part(
+        self, i: int, prepare: Callable[[SnapshotPlan], SnapshotPlan] | None = None
+    ) -> WrittenFile | None:
+        """Write part i (`prepare`: applied to its plan first, e.g. the SSD writer's staging to host memory).
+        The `WrittenFile` when it was the last part to end (the file is durable under its name), else None.
+        Raises this part's failure; the last part raises the first failure of any (after removing the tmp file)."""
+        lo, hi = self.runs[i]
+        t0 = time.perf_counter()
+        failure: BaseException | None = None
+        try:
+            if self._error is None:  # after a failure the other parts write nothing more
+                plan = self.part_plan(i)
+                if prepare is not None:
+                    plan = prepare(plan)
+                fd = os.open(self._tmp, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    self._digests[lo:hi] = _write_range(fd, self._descs[lo].offset, self._descs[lo:hi],
+                                                        plan.buffers, self._pacer, None)
+                finally:
+                    os.close(fd)
+        except BaseException as exc:
+            failure = exc
+        if self._pacer is not None:
+            self._pacer.times.add(files_s=time.perf_counter() - t0)
+        with self._lock:
+            if failure is not None and self._error is None:
+                self._error = failure
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            return self._finish()
+        if failure is not None:
+            raise self._raised(failure)
+        return None
+
+    def _raised(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, OSError):
+            err = storage_error(exc, f"writing {self.path}")
+            err.__cause__ = exc
+            return err
+        return exc
+
+    def _finish(self) -> WrittenFile:
+        fd, self._fd = self._fd, None
+        assert fd is not None
+        t0 = time.perf_counter()
+        try:
+            if self._error is not None:  # a part failed: no rename, no tmp file left
+                os.close(fd)
+                _unlink_quietly(self._tmp)
+                raise self._raised(self._error)
+            try:
+                try:
+                    header = _finish_tmp(self._layout, self._digests, fd, self._pacer)
+                finally:
+                    os.close(fd)
+                os.replace(self._tmp, self.path)
+                if self._sync_dir:
+                    t1 = time.perf_counter()
+                    fsync_dir(self.path.parent)
+                    if self._pacer is not None:
+                        self._pacer.times.add(sync_s=time.perf_counter() - t1)
+            except OSError as exc:
+                _unlink_quietly(self._tmp)
+                raise self._raised(exc) from exc
+        finally:
+            if self._pacer is not None:
+                self._pacer.times.add(files_s=time.perf_counter() - t0)
+        self.written = WrittenFile(self.path, header.file_size, header, time.perf_counter() - self._t0)
+        return self.written
+
+    def abort(self) -> None:
+        """Parts that will never run (their writers gave up after another failure): remove the tmp file. Call
+        only when no part is running."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+            self._left = 0
+        if fd is not None:
+            os.close(fd)
+            _unlink_quietly(self._tmp)
 
 
 class _Sink:
