@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 

@@ -59,10 +59,10 @@ import numpy as np
 
 from mlxd.kv import blocks as bk
 from mlxd.kv import file_format as ff
+from mlxd.kv.file_format import write as ffw
 from mlxd.kv.file_format.header import NP_DTYPES as _NP_DTYPES
 from mlxd.kv.file_format.header import cache_doc as _cache_doc
 from mlxd.kv.file_format.header import parse_cache as _parse_cache
-from mlxd.kv.file_format import write as ffw
 from mlxd.kv.file_format.read import read_open_header as _read_header
 from mlxd.kv.listing import is_link, listdir, real_dir
 from mlxd.kv.pacing import Pacer
@@ -463,7 +463,7 @@ class BlockStore:
         pool = _thread_pool(self.writers, "mlxd-block-write")
         one = threading.Lock()
 
-        def block(name: str, plan: ff.SnapshotPlan) -> int:
+        def block(name: str, plan: ff.SnapshotPlan) -> int | None:
             if pacer is not None and pacer.serial():
                 with one:
                     return self._write_block(name, plan, pacer, prepare)
@@ -475,7 +475,7 @@ class BlockStore:
                     return self._write_part(split, i, prepare)
             return self._write_part(split, i, prepare)
 
-        whole, splits = list(jobs), []
+        whole, splits = list(jobs), list[ffw.SplitWrite]()
         tail = len(jobs) % self.writers
         if tail and (pacer is None or not pacer.serial()):
             whole, last = jobs[: len(jobs) - tail], jobs[len(jobs) - tail :]
@@ -496,7 +496,7 @@ class BlockStore:
                     whole.append((name, plan))
                 else:
                     splits.append(split)
-        futures = [(name, pool.submit(block, name, plan)) for name, plan in whole]
+        futures: list[tuple[str, Future[int | None]]] = [(name, pool.submit(block, name, plan)) for name, plan in whole]
         by_path = {self.block_path(name): name for name, _ in jobs}
         futures += [(by_path[s.path], pool.submit(part, s, i)) for s in splits for i in range(s.parts)]
         return _Batch(futures, splits)
