@@ -71,10 +71,12 @@ for p in "$@"; do case $p in
             --servers mlx_lm,mlxd_host,mlxd_ram --rounds ${HOST_ROUNDS:-2} ${HOST_ARGS:-} ;;
   flush) phase flush 150 python3 benchmarks/bench_flush.py --preset qwen3-1.7b --conversations 6 \
             --rounds 1 --work /tmp/host-servers-work --out "$OUT/flush" ${FLUSH_ARGS:-} ;;
-  # Issue 28, the flush path alone on this disk: one 8k checkpoint of the 1.7B shape written as a flush writes it, the old
-  # serial path vs the new, paired per round, staged through the real CUDA runtime; no model build (~30 s).
+  # Issue 28, the flush path alone on this disk: one 8k checkpoint of the 1.7B shape written as a flush writes it, staged
+  # through the real CUDA runtime, traced (first byte, blocks in flight, idle writer-seconds, final fsyncs, manifest);
+  # arms per round: a write begun beside decode with the flush arriving mid-block, the code before the 23:30 hand-off and
+  # split tail (beside/old) and now (beside); an idle-begun flush with 4 and 8 block writers; no model build (~40 s).
   flushtrace) phase flushtrace 60 python3 benchmarks/trace_flush.py --cuda real --tokens 8192 --block-tokens 256 \
-            --rounds 4 --arms serial,fdsync,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
+            --rounds 4 --arms beside/old,beside,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
             --stop-after $(( ${LIMIT_simttft:-150} - 12 )) ${SIMTTFT_ARGS:-} ;;
   restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
