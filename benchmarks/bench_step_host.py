@@ -12,7 +12,8 @@ an array: "syncs"), how many syncs, and whether the step queued the next step's 
 Also, traced (exact, the same on any host): the Python calls and bytecodes a step executes on this
 thread. Medians + IQR over repeats; the counts are exact, the CPU times are this host's.
 
-    PYTHONPATH=src python benchmarks/bench_step_host.py [--steps 200] [--repeats 8] [--rows 1,8]
+    PYTHONPATH=src python benchmarks/bench_step_host.py [--steps 200] [--repeats 8] [--rows 1,8] [--logprobs K]
+        [--model DIR]  (on an H200: the 1.7B shape, `wave3.sh stephost`)
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ def main() -> int:
     ap.add_argument("--logprobs", type=int, default=-1,
                     help="rows ask for logprobs with this many top logprobs (-1: none; mlx_lm's arm reads them as "
                          "mlx_lm.server does)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (default: the tiny `test` preset, built under --work)")
     ap.add_argument("--label", default="", help="a name for this tree (kept in the JSON)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "step-host-work")
@@ -220,10 +223,14 @@ def main() -> int:
     from mlxd.engine.core import EngineCore
     from mlxd.model.tiny import build_model
 
-    model_dir = args.work / "model-test"
-    if not (model_dir / "config.json").exists():
+    model_dir = args.model or args.work / "model-test"
+    if args.model is None and not (model_dir / "config.json").exists():
         build_model(model_dir, "test", seed=0)
     model, _ = load(str(model_dir))
+    if mx.default_device() == mx.cpu:
+        from mlxd.engine.loading import cast_float_weights
+
+        cast_float_weights(model, mx.float32)  # as the engine does on the CPU
     rows = [int(x) for x in args.rows.split(",") if x]
     config = RuntimeConfig(model=str(model_dir), model_name="test", prompt_cache_bytes=64 << 20, device_probe="off",
                            max_batch=max(8, *rows), prefill_batch=max(8, *rows),
@@ -245,7 +252,8 @@ def main() -> int:
                 raw[str(n)][arm].append(got)
         print(f"repeat {r + 1}/{args.repeats} load {os.getloadavg()[0]:.2f}", flush=True)
     core.close()
-    out: dict[str, Any] = {"label": args.label, "steps": args.steps, "logprobs": args.logprobs, "repeats": args.repeats,
+    out: dict[str, Any] = {"label": args.label, "model": str(model_dir), "device": str(mx.default_device()),
+                           "steps": args.steps, "logprobs": args.logprobs, "repeats": args.repeats,
                            "load_before": load_before, "load_after": os.getloadavg(), "rows": {}}
     for n in rows:
         per: dict[str, Any] = {}

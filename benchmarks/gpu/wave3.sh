@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 #   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
+#   bash benchmarks/gpu/wave3.sh stephost                          # decode's host cost per step, one process
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -102,6 +103,16 @@ for p in "$@"; do case $p in
   decodeil) phase decodeil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/decodeil" --rounds 0 \
             --servers mlx_lm,mlxd_ram,mlxd_host_ssd --streams 1,8 --prompt-tokens 8192 --decode-tokens 64 \
             --decode-rounds 40 --budget $(( ${LIMIT_decodeil:-240} - 35 )) ${DECODEIL_ARGS:-} ;;
+  # Issue 28, decode's host cost per step in one process: mlx_lm's BatchGenerator.next vs EngineCore.step on the
+  # 1.7B shape (built by decodeil/host if missing: the preset), 1 and 8 rows interleaved: the engine thread's CPU per
+  # step outside the device waits, syncs, pipelining, Python calls / bytecodes; then with logprobs (top 3), the wall
+  # the reads after the tokens wait (mlx_lm.server's per-row reads vs the core's one read on a side stream).
+  stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
+            [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
+from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
+            phase stephost 150 python3 benchmarks/bench_step_host.py --model $M --repeats 6 --steps 150 --out "$OUT" ${STEPHOST_ARGS:-}
+            phase stephostlp 100 python3 benchmarks/bench_step_host.py --model $M --repeats 3 --steps 100 --logprobs 3 \
+              --label logprobs --out "$OUT" ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done

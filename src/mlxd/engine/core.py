@@ -139,6 +139,14 @@ class Row:
         return (self.sampling, *self.features)
 
 
+@attrs.frozen
+class BatchParts:
+    """What the rows in the batch ask of every step (the core finds it again when a row joins or leaves)."""
+
+    constrained: tuple[tuple[int, Constrained], ...]  # (uid, part) of the rows with a grammar's masks
+    logprobs: bool  # a row asks for its tokens' logprobs
+
+
 @attrs.define
 class StepOut:
     """What a step produces, gathered as it runs."""
@@ -169,7 +177,7 @@ class EngineCore:
         self.counters = Counters()
         self._rows: dict[int, Row] = {}  # by generator uid
         self._uids: dict[str, int] = {}  # request id -> generator uid
-        self._masked_parts: tuple[tuple[int, Constrained], ...] | None = None  # constrained rows (None: to find)
+        self._batch: BatchParts | None = None  # what the batch's rows ask of every step (None: to find again)
         self._steps_unmeasured = 0
         # Set by load():
         self._stream: Any = None
@@ -409,7 +417,7 @@ class EngineCore:
         self.close()
         self._rows.clear()
         self._uids.clear()
-        self._masked_parts = None
+        self._batch = None
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
@@ -726,7 +734,7 @@ class EngineCore:
         row.prompt_new = ends[-1] - 1
         self._rows[uid] = row
         self._uids[row.request_id] = uid
-        self._masked_parts = None
+        self._batch = None
 
     def _insert(self, start: RowStart, out: StepOut) -> None:
         from mlxd.kv import page_pool
@@ -876,7 +884,7 @@ class EngineCore:
         out.finished.append(row.request_id)
         del self._rows[row.uid]
         del self._uids[row.request_id]
-        self._masked_parts = None
+        self._batch = None
 
     def _next(self, out: StepOut) -> None:
         waiting = [r for r in self._rows.values() if r.generated == 0]  # rows before their first token
@@ -934,6 +942,8 @@ class EngineCore:
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
         """The logprobs of this step's tokens that their rows asked for, by index in `responses` (a verifying
         step gives a row several), read together on the side stream."""
+        if not self._batch_parts().logprobs:
+            return {}
         at, asks = [], []
         for i, r in enumerate(responses):
             row = self._rows.get(r.uid)
@@ -990,12 +1000,18 @@ class EngineCore:
 
         return current_inputs(self.generator)
 
+    def _batch_parts(self) -> BatchParts:
+        """What the batch's rows ask of every step, found again only after a row joined or left."""
+        if self._batch is None:
+            self._batch = BatchParts(
+                constrained=tuple((uid, part) for uid, row in self._rows.items() for part in row.features
+                                  if isinstance(part, Constrained)),
+                logprobs=any(row.sampling.top_k is not None for row in self._rows.values()),
+            )
+        return self._batch
+
     def _constrained_rows(self) -> tuple[tuple[int, Constrained], ...]:
-        """The batch's constrained rows' parts, found again only after a row joined or left (read every step)."""
-        if self._masked_parts is None:
-            self._masked_parts = tuple((uid, part) for uid, row in self._rows.items() for part in row.features
-                                      if isinstance(part, Constrained))
-        return self._masked_parts
+        return self._batch_parts().constrained
 
     def extract(self, uid: int) -> tuple[list[Any], list[int]]:
         """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""

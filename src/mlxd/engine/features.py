@@ -95,6 +95,12 @@ class Sampling(Feature):
 
     params: SamplingParams
     sampler: Any = None  # gen_hook.SeededSampler, or None for greedy
+    # How many top logprobs its tokens carry (0: the chosen token's only; None: no logprobs; read per token)
+    top_k: int | None = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        s = self.params
+        self.top_k = s.top_logprobs if s.logprobs or s.top_logprobs != 0 else None
 
     @classmethod
     def of(cls, params: SamplingParams, rng_state: tuple[int, ...] | None = None) -> Sampling:
@@ -121,12 +127,6 @@ class Sampling(Feature):
 
     def rng_state(self) -> tuple[int, ...] | None:
         return self.sampler.state() if self.sampler is not None else None
-
-    @property
-    def top_k(self) -> int | None:
-        """How many top logprobs its tokens carry (0: the chosen token's only; None: no logprobs)."""
-        s = self.params
-        return s.top_logprobs if s.logprobs or s.top_logprobs != 0 else None
 
     def event(self, response: Any, read: LogprobRead | None = None) -> TokenGenerated:
         """The token event, with its logprobs when the request asked for them (`read`: already read)."""
