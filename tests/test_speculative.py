@@ -321,19 +321,24 @@ def test_a_row_s_draft_length_follows_what_verifying_costs():
 @pytest.mark.parametrize("cuda_widths", [False, True], ids=["exact", "cuda-padded"])
 def test_rows_whose_draft_length_changes_at_every_try_stay_identical(tiny_model_dir, monkeypatch, speculative,
                                                                      cuda_widths):
-    """Each try of each row drafts another length (4, 1, 3, 2 in turn, at K = 4): greedy and seeded rows,
+    """Each step's tries draft another length (4, 1, 3, 2 in turn, at K = 4): greedy and seeded rows,
     alone and in a mixed batch, give speculation off's tokens and logprobs, and /stats counts what was
     proposed and accepted. With CUDA's whole-buffer verify forced on, its widths are 1 + a length rows
     choose from (1, 2, 4: a try of 3 padded to 4), never another."""
-    import itertools
-
     from mlxd.engine import spec_batch
     from mlxd.engine.speculative import Drafts
     from mlxd.kv.ngram import DraftLength
 
     monkeypatch.setattr(spec_batch, "WHOLE_BUFFER", cuda_widths)
-    lengths = itertools.cycle([4, 1, 3, 2])
-    monkeypatch.setattr(DraftLength, "choose", lambda self, cost: next(lengths))
+    forwards = [0]  # verifying forwards so far: every row of a step is asked before its forward
+    forward = Drafts.forward
+
+    def counted(self):
+        forwards[0] += 1
+        return forward(self)
+
+    monkeypatch.setattr(Drafts, "forward", counted)
+    monkeypatch.setattr(DraftLength, "choose", lambda self, cost: (4, 1, 3, 2)[forwards[0] % 4])
     tries: list[tuple[int, int]] = []
     verified = Drafts.verified
 
@@ -372,6 +377,30 @@ def test_rows_whose_draft_length_changes_at_every_try_stay_identical(tiny_model_
         assert set(widths) <= {2, 3, 5}, sorted(set(widths))
     else:
         assert 4 in widths, "a try of 3 drafts verified at its own width on the CPU"
+
+
+def test_every_row_of_a_step_drafts_the_longest_length_any_of_them_chooses():
+    """At batch > 1 the step's forward is as wide as its longest row, and a row that fed fewer positions is
+    moved in the batch's KV to drop its padding: each row drafts the longest length chosen (or its limit)."""
+    from types import SimpleNamespace
+
+    from mlxd.engine.speculative import Drafts, Speculation
+    from mlxd.kv.ngram import StepCosts
+
+    rejected, accepted = Speculation(16), Speculation(16)
+    for _ in range(10):
+        rejected.length.verified(4, 0)
+        accepted.length.verified(4, 4)
+    costs = StepCosts()
+    for width in (1, 2, 3, 5, 9, 17) * 2:  # a CPU-like step: 10 ms, 3 ms more per position
+        costs.record(2, width, (10 + 3 * (width - 1)) / 1e3)
+        costs.record(1, width, (10 + 3 * (width - 1)) / 1e3)
+    drafts = Drafts({1: SimpleNamespace(features=[rejected]), 2: SimpleNamespace(features=[accepted])})
+    drafts.gate.costs = costs
+    assert rejected.length.choose(lambda w: costs.seconds(2, w)) == 1
+    asks = [(1, [5, 6], 7, 16), (2, [5, 6], 7, 3)]
+    assert [a[3] for a in drafts._lengths(asks, 2)] == [16, 3], "the longest chosen, cut at each row's limit"
+    assert [a[3] for a in drafts._lengths(asks[:1], 1)] == [1], "a row alone: its own choice"
 
 
 def test_draft_lengths_are_fixed_with_mlxd_draft_length_fixed(monkeypatch):

@@ -214,22 +214,17 @@ class Drafts:
 
     def propose(self, asks: Sequence[tuple[int, Sequence[int], int, int]], *, rows: int = 0) -> list[list[int]]:
         """Each row's drafts, for `(uid, tokens, pending, limit)` each, in a step of `rows` rows (default:
-        as many as asks): at most the row's chosen length (`lengths`) and `limit`. Rows drafting from
+        as many as asks): at most the step's draft length (`_lengths`) and `limit`. Rows drafting from
         the draft model propose together (one draft forward per draft position for all of them)."""
         from mlxd.engine.draft import ModelDrafts, propose_rows
 
         out: list[list[int]] = [[] for _ in asks]
         together: list[tuple[int, Speculation]] = []
-        batch = rows or len(asks)
-        asks = list(asks)
+        asks = self._lengths(asks, rows or len(asks)) if self.lengths else list(asks)
         for n, (uid, tokens, pending, limit) in enumerate(asks):
             part = self._part(uid)
             if part is None or limit <= 0:
                 continue
-            if self.lengths:
-                chosen = part.length.choose(lambda width: self.gate.costs.seconds(batch, width))
-                asks[n] = (uid, tokens, pending, min(limit, chosen))
-                limit = asks[n][3]
             if isinstance(part.source, ModelDrafts):
                 together.append((n, part))
             else:
@@ -247,6 +242,20 @@ class Drafts:
                 self.counters.grammar_refused += len(out[n]) - len(admitted)
                 out[n] = admitted
         return out
+
+    def _lengths(self, asks: Sequence[tuple[int, Sequence[int], int, int]], rows: int
+                 ) -> list[tuple[int, Sequence[int], int, int]]:
+        """`asks` with each limit cut to the step's draft length: the longest any drafting row chooses
+        (`DraftLength.choose`, at this batch size's step costs). The step's forward is as wide as its
+        longest row anyway (shorter rows are padded), and a row that fed fewer positions than the width
+        has more to drop after it, which moves the row in the batch's KV (`_shift_right`); so every row
+        drafts that many (a row alone: its own choice)."""
+        chosen = [part.length.choose(lambda width: self.gate.costs.seconds(rows, width))
+                  for uid, *_ in asks if (part := self._part(uid)) is not None]
+        if not chosen:
+            return list(asks)
+        step = max(chosen)
+        return [(uid, tokens, pending, min(limit, step)) for uid, tokens, pending, limit in asks]
 
     def probe(self, uid: int, tokens: Sequence[int], k: int) -> list[int]:
         """A gate probe's drafts for a row (not verified): what its source proposes after `tokens`
