@@ -642,7 +642,7 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
     d = ssd.get("restore_decisions") or {}
     return {"restores": ssd.get("restores"), "restore_ms_last": ssd.get("restore_ms_last"),
             "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
-            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s",
+            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s", "restore_retries",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
                                      "last_resident_bytes")}}
 

@@ -32,6 +32,13 @@ predicted 1.8x recompute on the first turn cost that turn 1.75x the recompute
 arm's); a guess too low costs at most about twice what trying at once would
 have (what was forgone, then the try); a restore that would lose even with
 its read `EXPLORE_RATIO` times faster is never tried (nothing is forgone).
+
+After a restore was measured the same holds with `RETRY_RATIO` (served restores of the same bytes run up to
+~1.6x apart: a restarted server's first restore shares the disk with the startup warm-up), and each try
+since a restore last won on its cost doubles what the next must cover (`retries`): one slow measurement no
+longer means recompute for good (nor across restarts: `forgone_s` and `retries` are carried), a restore that
+keeps losing is tried ever more rarely, and one measured slower than recompute by more than `RETRY_RATIO`
+is not tried again. A try's measurement replaces the estimate rather than joining its average.
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ _WEIGHT = 0.3  # weight of a new observation in the moving averages
 # (docs/benchmarks.md). A restore predicted slower than recomputing is tried once when, were its read this
 # much faster, recomputing would have forgone as much as trying it costs (`RestoreAdvisor.forgone_s`).
 EXPLORE_RATIO = 2.5
+# The same once a restore was served and measured: served restores of the same bytes ran up to ~1.6x apart (H200
+# 20:23: 1.13-1.85 s for 1.88 GB; CPU with capped reads: a restarted server's first restore, beside the startup
+# warm-up, at 0.55-0.67x the later ones). A restore measured slower than recomputing is tried again once the
+# recomputes have forgone its extra cost, were its read this much faster, times 2 for each try since a restore
+# last won on its cost (`RestoreAdvisor.retries`): one slow measurement no longer means recompute for good.
+RETRY_RATIO = 1.6
 
 RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
 
@@ -106,8 +119,13 @@ class RestoreAdvisor:
     # Seconds the recomputes chosen over an unmeasured restore may have forgone (RestorePlan.forgoes, summed;
     # carried across a restart until a restore is measured): an exploration is taken once it covers its cost.
     forgone_s: float = 0.0
+    # Restores tried against their predicted cost since one last won on it (each doubles what the next try
+    # waits for; carried across a restart)
+    retries: int = 0
     # The resident share of each restore chosen and not yet measured, oldest first (observe_restore)
     _chosen_resident: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=16))
+    _in_flight: bool = attrs.field(init=False, default=False)  # a restore chosen and not yet measured
+    _trying: bool = attrs.field(init=False, default=False)  # that restore a try: measured afresh, not averaged in
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
@@ -142,6 +160,7 @@ class RestoreAdvisor:
         """
         if resident is None:
             resident = self._chosen_resident.popleft() if self._chosen_resident else 0.0
+        self._in_flight, afresh, self._trying = False, self._trying, False
         if nbytes < 1 << 16 or seconds <= 0:
             return
         fast = self.resident_bytes_per_s > 0
@@ -165,7 +184,7 @@ class RestoreAdvisor:
             if took <= 0:
                 return
         rate = cold / took
-        first = self.restore_samples == 0
+        first = self.restore_samples == 0 or afresh  # a try measures the disk as it is now
         self.restore_bytes_per_s = rate if first else _ewma(self.restore_bytes_per_s, rate)
         self.restore_samples += 1
 
@@ -203,6 +222,10 @@ class RestoreAdvisor:
             self.last = plan
             self.explorations += int(plan.explore)
             self.forgone_s += plan.forgoes
+            if plan.arm != RECOMPUTE:
+                self._in_flight, self._trying = True, plan.explore
+                # a try spends what was forgone, and doubles the next one's wait; a win on cost resets both
+                self.forgone_s, self.retries = 0.0, self.retries + 1 if plan.explore else 0
             if plan.cut is not None and plan.cut.nbytes > 0:
                 self._chosen_resident.append(min(plan.cut.resident_nbytes, plan.cut.nbytes) / plan.cut.nbytes)
             if plan.arm == RECOMPUTE:
@@ -233,23 +256,23 @@ class RestoreAdvisor:
             if costs[i] >= recompute:
                 if not self._explorable(whole, warm_tokens, prompt_tokens):
                     return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1])
-                if 0 < costs[-1] - recompute <= self.forgone_s:
+                if 0 < (costs[-1] - recompute) * 2**self.retries <= self.forgone_s:
                     return RestorePlan(RESTORE, whole, costs[-1], recompute, costs[-1], explore=True)
                 read = self.restore_seconds(whole.nbytes, whole.resident_nbytes)
-                hopeful = costs[-1] - read + read / EXPLORE_RATIO  # the read EXPLORE_RATIO times faster
+                faster = EXPLORE_RATIO if self.restore_samples == 0 else RETRY_RATIO
+                hopeful = costs[-1] - read + read / faster  # the read that much faster
                 return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1],
                                    forgoes=max(0.0, recompute - hopeful))
         arm = RESTORE if i == len(usable) - 1 else SPLIT
         return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
 
     def _explorable(self, whole: RestoreCut, warm_tokens: int, prompt_tokens: int) -> bool:
-        """Could restoring `whole` be tried to measure it (`_plan` says when)? Only before any restore
-        was chosen or measured, and where it brings at least half the prompt (never a few tokens over a
+        """Could restoring `whole` be tried to measure it (`_plan` says when)? Not while a chosen restore
+        is not yet measured, and only where it brings at least half the prompt (never a few tokens over a
         long RAM hit)."""
-        if not self.explore:
+        if not self.explore or self._in_flight:
             return False
-        unmeasured = self.restore_samples == 0 and self.restores_chosen == 0 and self.splits_chosen == 0
-        return unmeasured and 2 * (whole.tokens - warm_tokens) >= prompt_tokens
+        return 2 * (whole.tokens - warm_tokens) >= prompt_tokens
 
     def _cut_seconds(self, cut: RestoreCut, prompt_tokens: int) -> float:
         """Restore `cut` (its read, then its pages moved to the device), then prefill the rest on it."""
@@ -271,14 +294,14 @@ class RestoreAdvisor:
             "prefill_scale": self.prefill_scale, "whole_prefill_samples": self.whole_prefill_samples,
             "restore_bytes_per_s": self.restore_bytes_per_s, "restore_samples": self.restore_samples,
             "page_cache_bytes_per_s": self.resident_bytes_per_s, "page_cache_samples": self.resident_samples,
-            "forgone_s": self.forgone_s,
+            "forgone_s": self.forgone_s, "restore_retries": self.retries,
         }
 
     def resume(self, calibration: dict[str, float]) -> None:
         """Start from a previous process's measurements on this machine: served whole-prompt prefills and
-        restores (only those: chunk timings and unmeasured guesses are not carried). A carried restore
-        is measured, so it is not explored again; what recomputes forgone before one was is carried
-        (a server restarted after each returning turn still tries a restore)."""
+        restores (only those: chunk timings and unmeasured guesses are not carried). What recomputes have
+        forgone since the last try, and the tries since a restore last won on its cost, are carried too
+        (a server restarted after each returning turn still tries a restore, as rarely as one never restarted)."""
         c = calibration
         if int(c.get("whole_prefill_samples", 0)) > 0 and float(c.get("prefill_scale", 0)) > 0:
             self.prefill_scale = float(c["prefill_scale"])
@@ -291,8 +314,11 @@ class RestoreAdvisor:
             self.resident_bytes_per_s = float(c["page_cache_bytes_per_s"])
             self.resident_samples = int(c["page_cache_samples"])
         forgone = float(c.get("forgone_s", 0))
-        if self.restore_samples == 0 and 0 < forgone < float("inf"):
+        if 0 < forgone < float("inf"):
             self.forgone_s = forgone
+        retries = int(c.get("restore_retries", 0))
+        if 0 < retries <= 64:
+            self.retries = retries
 
     def stats(self) -> dict[str, float]:
         return {
@@ -308,6 +334,7 @@ class RestoreAdvisor:
             "page_cache_samples": self.resident_samples,
             "explorations": self.explorations,
             "forgone_s": round(self.forgone_s, 6),
+            "restore_retries": self.retries,
             # The last choice's predicted seconds: its arm, recomputing, restoring the whole record.
             **({} if self.last is None else {
                 "last_predicted_s": round(self.last.seconds, 6),
