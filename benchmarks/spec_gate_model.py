@@ -131,7 +131,10 @@ class Priced(Length):
 
     def next(self) -> int:
         """As the engine's `DraftLength.choose` (kv/ngram.py): the longest of 1, 2, 4 ... `most` within 10%
-        of the best rate, with the model's own costs (the engine times its steps instead)."""
+        of the best rate, `most` at a row's first try, with the model's own costs (the engine times its
+        steps instead)."""
+        if self.hits == 1.0 and self.misses == 1.0:  # not verified yet
+            return self.most
         a = self.hits / (self.hits + self.misses)
         rates = [(k, sum(a ** i for i in range(k + 1)) / (self.verify(1 + k) + k * self.draft_s + HOST_S))
                  for k in draft_lengths(self.most)]

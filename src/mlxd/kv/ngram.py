@@ -208,7 +208,8 @@ class DraftLength:
     a try of k drafts emits (1 - a^(k+1)) / (1 - a) tokens on average, and costs a verifying step of
     width 1 + k (`cost`: seconds, the engine's `StepCosts` at this batch size, the draft model's
     forwards included since they are in the step). The longest length among `draft_lengths(most)`
-    within `tolerance` of the most tokens per second is chosen; with no verifying step timed yet, `most`. Where verifying costs
+    within `tolerance` of the most tokens per second is chosen; at the row's first try, or with no
+    verifying step timed yet, `most`. Where verifying costs
     about the same at any width (a GPU at batch 1: the H200 verifies 5 positions in 12.2 ms, 17 in 11.1),
     that is `most` whatever the acceptance; where a wider step costs more (a CPU, a wide batch, a draft
     model's forward per draft), rows whose drafts are rejected draft fewer."""
@@ -218,12 +219,15 @@ class DraftLength:
     hits: float = 1.0
     misses: float = 1.0
     tolerance: float = 1.1  # the longest length within this factor of the best rate (timed steps are noisy)
+    tried: bool = False  # verified once: until then the row drafts `most`
 
     @property
     def acceptance(self) -> float:
         return self.hits / (self.hits + self.misses)
 
     def choose(self, cost: Callable[[int], float | None]) -> int:
+        if not self.tried:  # a row's first try: `most`, as before (a new row knows nothing of its drafts)
+            return self.most
         a = self.acceptance
         rates: list[tuple[int, float]] = []
         for k in draft_lengths(self.most):
@@ -237,6 +241,7 @@ class DraftLength:
     def verified(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
+        self.tried = True
         self.hits = self.decay * self.hits + accepted
         self.misses = self.decay * self.misses + (accepted < proposed)
 
