@@ -150,25 +150,28 @@ def read_logprobs(asks: list[tuple[Any, int]], stream: Any = None) -> list[Logpr
     import mlx.core as mx
 
     with contextlib.nullcontext() if stream is None else mx.stream(stream):
-        built: list[tuple[Any, Any, Any]] = []
+        chosen, ids, values, ks = [], [], [], []
         for response, k in asks:
             lp = response.logprobs
-            chosen = lp[response.token]
-            if k > 0:
-                idx = mx.argpartition(-lp, kth=min(k, lp.shape[-1]) - 1)[: min(k, lp.shape[-1])]
-                built.append((chosen, idx, lp[idx]))
-            else:
-                built.append((chosen, None, None))
-        mx.eval([a for b in built for a in b if a is not None])
+            chosen.append(lp[response.token])
+            k = min(k, lp.shape[-1]) if k > 0 else 0
+            if k:
+                idx = mx.argpartition(-lp, kth=k - 1)[:k]
+                ids.append(idx)
+                values.append(lp[idx])
+            ks.append(k)
+        together = [mx.stack(chosen), *([mx.concatenate(ids), mx.concatenate(values)] if ids else [])]
+        mx.eval(together)
+    # three reads of evaluated arrays, whatever the number of rows
+    got: list[Any] = together[0].tolist()  # type: ignore[assignment]
+    all_ids: list[Any] = together[1].tolist() if ids else []  # type: ignore[assignment]
+    all_values: list[Any] = together[2].tolist() if ids else []  # type: ignore[assignment]
     reads: list[LogprobRead] = []
-    for chosen, idx, vals in built:
-        top: tuple[tuple[int, float], ...] = ()
-        if idx is not None:
-            ids: list[Any] = idx.tolist()  # type: ignore[assignment]
-            values: list[Any] = vals.tolist()  # type: ignore[assignment]
-            pairs = sorted(zip(ids, values, strict=True), key=lambda p: -p[1])
-            top = tuple((int(t), float(v)) for t, v in pairs)
-        reads.append((float(chosen.item()), top))
+    at = 0
+    for value, k in zip(got, ks, strict=True):
+        pairs = sorted(zip(all_ids[at:at + k], all_values[at:at + k], strict=True), key=lambda p: -p[1])
+        at += k
+        reads.append((float(value), tuple((int(t), float(v)) for t, v in pairs)))
     return reads
 
 
