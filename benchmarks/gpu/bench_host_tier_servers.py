@@ -295,12 +295,20 @@ def settle(bases: list[str], limit_s: float) -> float | None:
     return round(time.perf_counter() - t0, 3)
 
 
+
+def _moved(cmd: list[str], port: int, offset: int) -> tuple[list[str], int]:
+    """A server's command and port with its `--port` moved by `offset`."""
+    moved = [str(port + offset) if i and cmd[i - 1] == "--port" and a == str(port) else a for i, a in enumerate(cmd)]
+    return moved, port + offset
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
     ap.add_argument("--preset", default=None,
                     help="model preset (default: the 1.7B shape; --small: bench); `test` makes decode host-bound on the CPU")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-servers")))
+    ap.add_argument("--port-offset", type=int, default=0,
+                    help="added to every server's port (another run of this script on the same host)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
                     help="scratch dir; a model built there is reused (default /tmp/host-servers-work)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -426,6 +434,8 @@ def main() -> int:
         "mlx_lm": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", "18193",
                     "--log-level", "WARNING"], 18193),
     }
+    if args.port_offset:  # beside another run of this script on the same host (their fixed ports would collide)
+        cmds = {k: _moved(cmd, port, args.port_offset) for k, (cmd, port) in cmds.items()}
     wanted = [w for w in args.servers.split(",") if w]
     unknown = [w for w in wanted if w not in cmds]
     if unknown:
