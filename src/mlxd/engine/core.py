@@ -942,7 +942,7 @@ class EngineCore:
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
         """The logprobs of this step's tokens that their rows asked for, by index in `responses` (a verifying
         step gives a row several), read together on the side stream."""
-        if not self._batch_parts().logprobs:
+        if not (self._batch or self._batch_parts()).logprobs:
             return {}
         at, asks = [], []
         for i, r in enumerate(responses):
@@ -1011,7 +1011,7 @@ class EngineCore:
         return self._batch
 
     def _constrained_rows(self) -> tuple[tuple[int, Constrained], ...]:
-        return self._batch_parts().constrained
+        return (self._batch or self._batch_parts()).constrained
 
     def extract(self, uid: int) -> tuple[list[Any], list[int]]:
         """A row's caches (new arrays: the row keeps decoding in place) and the tokens they hold."""

@@ -25,6 +25,9 @@ from mlxd.engine.ops import StepOps, StepResult
 from mlxd.runtime.distributed import MAX_DROPS_PER_STEP
 
 
+NO_OPS = StepOps()  # a step with nothing to do but decode (a value: shared)
+
+
 def merge(queued: list[StepOps]) -> tuple[StepOps, list[StepOps]]:
     """One step's ops from what was queued, in order; drops past `MAX_DROPS_PER_STEP` stay queued."""
     starts = tuple(s for o in queued for s in o.starts)
@@ -102,7 +105,7 @@ class StepLoop:
                     if self._stopping:
                         self._open = False
                         return self.steps
-                    ops, self._queued = merge(self._queued) if self._queued else (StepOps(), [])
+                    ops, self._queued = merge(self._queued) if self._queued else (NO_OPS, [])
         finally:
             with self._lock:
                 self._open = False
