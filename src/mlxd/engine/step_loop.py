@@ -24,7 +24,6 @@ import attrs
 from mlxd.engine.ops import StepOps, StepResult
 from mlxd.runtime.distributed import MAX_DROPS_PER_STEP
 
-
 NO_OPS = StepOps()  # a step with nothing to do but decode (a value: shared)
 
 
