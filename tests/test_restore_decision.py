@@ -451,3 +451,21 @@ def test_what_was_forgone_after_a_measured_restore_and_the_retries_are_carried_a
     again, _ = _measured_slow_advisor(n / 0.8, 1.0)
     again.resume(saved)
     assert again.retries == 1
+
+
+def test_a_try_never_measured_does_not_stop_every_later_try():
+    # A chosen restore may never be measured: its request cancelled before it joined, or the record lost on
+    # its read (a miss, recomputed). It counted as in flight for good: no restore was tried again in that
+    # process, and nothing was forgone meanwhile, so not after a restart either.
+    n = 16_000 * KV_PER_TOKEN
+    advisor, ask = _measured_slow_advisor(n / 0.8, 1.0)
+    turns = 0
+    while not advisor.should_restore(**ask):
+        turns += 1
+        assert turns < 20
+    assert advisor.last.explore  # tried, and never measured
+    turns = 0
+    while not advisor.should_restore(**ask):
+        turns += 1
+        assert turns < 200
+    assert advisor.last.explore and advisor.explorations == 2

@@ -63,6 +63,9 @@ EXPLORE_RATIO = 2.5
 # recomputes have forgone its extra cost, were its read this much faster, times 2 for each try since a restore
 # last won on its cost (`RestoreAdvisor.retries`): one slow measurement no longer means recompute for good.
 RETRY_RATIO = 1.6
+# Decisions after which a chosen restore that was never measured (its request cancelled before it joined, its
+# record lost on the read) no longer counts as in flight: as many as the unmeasured restores kept (_chosen_resident).
+IN_FLIGHT_PLANS = 16
 
 RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
 
@@ -124,7 +127,8 @@ class RestoreAdvisor:
     retries: int = 0
     # The resident share of each restore chosen and not yet measured, oldest first (observe_restore)
     _chosen_resident: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=16))
-    _in_flight: bool = attrs.field(init=False, default=False)  # a restore chosen and not yet measured
+    # Decisions left while a chosen restore, not yet measured, is in flight (0: none; IN_FLIGHT_PLANS)
+    _in_flight: int = attrs.field(init=False, default=0)
     _trying: bool = attrs.field(init=False, default=False)  # that restore a try: measured afresh, not averaged in
 
     def __attrs_post_init__(self) -> None:
@@ -160,7 +164,7 @@ class RestoreAdvisor:
         """
         if resident is None:
             resident = self._chosen_resident.popleft() if self._chosen_resident else 0.0
-        self._in_flight, afresh, self._trying = False, self._trying, False
+        self._in_flight, afresh, self._trying = 0, self._trying, False
         if nbytes < 1 << 16 or seconds <= 0:
             return
         fast = self.resident_bytes_per_s > 0
@@ -222,8 +226,9 @@ class RestoreAdvisor:
             self.last = plan
             self.explorations += int(plan.explore)
             self.forgone_s += plan.forgoes
+            self._in_flight = max(0, self._in_flight - 1)
             if plan.arm != RECOMPUTE:
-                self._in_flight, self._trying = True, plan.explore
+                self._in_flight, self._trying = IN_FLIGHT_PLANS, plan.explore
                 # a try spends what was forgone, and doubles the next one's wait; a win on cost resets both
                 self.forgone_s, self.retries = 0.0, self.retries + 1 if plan.explore else 0
             if plan.cut is not None and plan.cut.nbytes > 0:
@@ -268,9 +273,9 @@ class RestoreAdvisor:
 
     def _explorable(self, whole: RestoreCut, warm_tokens: int, prompt_tokens: int) -> bool:
         """Could restoring `whole` be tried to measure it (`_plan` says when)? Not while a chosen restore
-        is not yet measured, and only where it brings at least half the prompt (never a few tokens over a
+        is not yet measured (for `IN_FLIGHT_PLANS` decisions: it may never be), and only where it brings at least half the prompt (never a few tokens over a
         long RAM hit)."""
-        if not self.explore or self._in_flight:
+        if not self.explore or self._in_flight > 0:
             return False
         return 2 * (whole.tokens - warm_tokens) >= prompt_tokens
 
