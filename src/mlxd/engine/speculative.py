@@ -250,8 +250,14 @@ class Drafts:
         longest row anyway (shorter rows are padded), and a row that fed fewer positions than the width
         has more to drop after it, which moves the row in the batch's KV (`_shift_right`); so every row
         drafts that many (a row alone: its own choice)."""
-        chosen = [part.length.choose(lambda width: self.gate.costs.seconds(rows, width))
-                  for uid, *_ in asks if (part := self._part(uid)) is not None]
+        widths: dict[int, float | None] = {}  # the step's costs by width, found once for every row
+
+        def cost(width: int) -> float | None:
+            if width not in widths:
+                widths[width] = self.gate.costs.seconds(rows, width)
+            return widths[width]
+
+        chosen = [part.length.choose(cost) for uid, *_ in asks if (part := self._part(uid)) is not None]
         if not chosen:
             return list(asks)
         step = max(chosen)
