@@ -345,3 +345,67 @@ def test_a_prompt_s_lookup_reuses_its_prefetch_hint_s_page_cache_check():
     clock[0] += 5.0  # a lookup long after its hint: the page cache may have changed
     tiers.lookup(prompt)
     assert len(checks) == 4
+
+
+# --- the advisor's restore hands the engine what a forced one does ------------------------------------
+
+
+def _admitted(caches) -> list[dict]:
+    """What a row starts from at `EngineCore._admit`: per layer its class and offset; per array its dtype,
+    shape, strides, the MLX graph still pending behind it (0 once evaluated) and its bytes."""
+    import io
+
+    out = []
+    for c in caches or []:
+        arrays = {k: v for k, v in vars(c).items() if isinstance(v, mx.array)}
+        dot = io.StringIO()
+        if arrays:
+            mx.export_to_dot(dot, *arrays.values())  # before anything here evaluates them
+        row = {"class": type(c).__name__, "offset": c.offset, "pending_ops": dot.getvalue().count("shape=rectangle")}
+        for name, a in arrays.items():
+            mv = memoryview(a)
+            row[name] = (str(a.dtype), a.shape, mv.strides, mv.c_contiguous, np.asarray(a).tobytes())
+        out.append(row)
+    return out
+
+
+def test_the_advisor_s_restore_hands_the_engine_what_a_forced_one_does(tiny_model_dir, tmp_path, monkeypatch):
+    # On the CPU the advisor's restored turns ran slower in the forward after the restore than a forced
+    # restore's (docs/benchmarks.md, "After a restart on the CPU, end to end"): the same record restored
+    # by either branch must start its row from the same evaluated, contiguous arrays of the same bytes.
+    import shutil
+
+    from mlxd.engine.core import EngineCore
+    from mlxd.kv.advisor_file import FILE_NAME, VERSION
+
+    seen: list[dict] = []
+    admit = EngineCore._admit
+
+    def spy(self, row, prompt, max_tokens, caches, history, cuts=()):
+        seen.append({"prompt": len(prompt), "history": len(history), "cuts": cuts, "caches": _admitted(caches)})
+        admit(self, row, prompt, max_tokens, caches, history, cuts)
+
+    base = config_for(tiny_model_dir, host_cache_bytes=1 << 30, ssd_block_tokens=32)
+    with ServerThread(attrs.evolve(base, ssd_cache_dir=tmp_path / "ssd", restore_choice="always")) as s:
+        complete(s, PREFIX)
+        flush(s)
+    # the advisor's file as a restarted server reads it: restores measured fast, so it chooses them
+    (saved,) = (tmp_path / "ssd").rglob(FILE_NAME)
+    saved.write_text(json.dumps({"version": VERSION, "device": "", "calibration": {
+        "restore_bytes_per_s": 1e12, "restore_samples": 5, "page_cache_bytes_per_s": 1e12, "page_cache_samples": 5}}))
+    monkeypatch.setattr(EngineCore, "_admit", spy)
+    runs = {}
+    for choice in ("measured", "always"):
+        shutil.copytree(tmp_path / "ssd", tmp_path / choice)
+        seen.clear()
+        with ServerThread(attrs.evolve(base, ssd_cache_dir=tmp_path / choice, restore_choice=choice)) as s:
+            reply = complete(s, PREFIX)
+            decisions = stats(s)["ssd_cache"]["restore_decisions"]
+        assert decisions["restores_chosen"] == 1 and decisions["explorations"] == 0, (choice, decisions)
+        (admitted,) = seen
+        runs[choice] = (admitted, reply["choices"][0]["logprobs"])
+    (advised, advised_lp), (forced, forced_lp) = runs["measured"], runs["always"]
+    assert advised["history"] == len(PREFIX) - 1 and advised["prompt"] == 1  # the record's usable tokens restored
+    assert all(layer["pending_ops"] == 0 for layer in advised["caches"]), advised["caches"]
+    assert advised == forced
+    assert advised_lp == forced_lp
