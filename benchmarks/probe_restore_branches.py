@@ -8,7 +8,8 @@ each, `measured` (the advisor, calibrated to choose the restore) and `always`; b
 returning prompt. For each, at `EngineCore._admit`: every cache layer's class, offset, arrays' dtype, shape,
 strides and contiguity, the MLX graph still pending behind them (primitives: 0 = evaluated), their bytes'
 digest; then the first `generator.next()` after it: Python calls traced (by function), MLX peak memory over
-the active memory before it (a copy inside the forward would show), the token. `--timed N`: N more restarts
+the active memory before it (a copy inside the forward would show), the token; and the same prompt sent again
+to that server (a RAM hit's first forward, for comparison). `--timed N`: N more restarts
 of each, alternated, each's first forward timed (medians; `uptime`).
 
     PYTHONPATH=src python benchmarks/probe_restore_branches.py [--preset bench --prompt-tokens 512] [--timed 6]
@@ -139,6 +140,17 @@ def served(config: Any, prompt: list[int], *, trace: bool, max_tokens: int = 1, 
         finally:
             _ARMED.clear()
         st = get(s, "/stats").get("ssd_cache") or {}
+        restored = dict(CAPTURE)
+        if trace and profile:  # the same prompt again: a RAM hit's first forward, for comparison
+            CAPTURE.clear()
+            _ARMED.set()
+            try:
+                complete(s, prompt, max_tokens)
+            finally:
+                _ARMED.clear()
+            restored["ram_hit"] = {k: v for k, v in CAPTURE.get("first_next", {}).items() if k != "by_function"}
+        CAPTURE.clear()
+        CAPTURE.update(restored)
     d = st.get("restore_decisions") or {}
     return {"capture": dict(CAPTURE), "cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
             "tokens": reply["choices"][0]["logprobs"]["tokens"], "logprobs": reply["choices"][0]["logprobs"]["token_logprobs"],
@@ -184,6 +196,8 @@ def main() -> int:
             "python_calls": (fa.get("python_calls"), fb.get("python_calls")),
             "calls_by_function_equal": fa.get("by_function") == fb.get("by_function"),
             "peak_over_active_bytes": (fa.get("peak_over_active_bytes"), fb.get("peak_over_active_bytes")),
+            "ram_hit_python_calls": a["capture"].get("ram_hit", {}).get("python_calls"),
+            "ram_hit_peak_over_active_bytes": a["capture"].get("ram_hit", {}).get("peak_over_active_bytes"),
         }
         if fa.get("by_function") != fb.get("by_function"):
             ka, kb = fa.get("by_function", {}), fb.get("by_function", {})
