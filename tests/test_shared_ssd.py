@@ -139,6 +139,32 @@ def test_two_replicas_saving_the_grammar_list_at_once_leave_one_whole_list(tmp_p
                                                                          [f"b{i}" for i in range(8)])
     assert sorted(p.name for p in path.parent.iterdir()) == ["grammars.json"]  # no tmp left behind
 
+def test_replicas_on_two_hosts_with_the_same_pid_and_thread_id_leave_one_whole_list(tmp_path):
+    # A shared directory in production is on a shared filesystem: replicas in containers on two hosts are both
+    # PID 1, and a thread id is an address, equal in two such processes without ASLR. A tmp named by pid and
+    # thread was then one tmp for both, as the fixed name was.
+    path = tmp_path / "grammars.json"
+    same = ("import os, types\nfrom mlxd.kv import small_files\n"
+            "class Host:\n    def __getattr__(self, name):\n        return getattr(os, name)\n"
+            "    getpid = staticmethod(lambda: 1)\n"
+            "small_files.os = Host()\nsmall_files.threading = types.SimpleNamespace(get_ident=lambda: 1 << 40)\n")
+    writers = [subprocess.Popen([sys.executable, "-c", same + SAVE_GRAMMARS, str(path), tag, "60"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ})
+               for tag in "ab"]
+    try:
+        assert [w.stdout.readline().strip() for w in writers] == ["ready", "ready"]
+        for w in writers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        outcomes = [w.communicate(timeout=300)[0].split() for w in writers]
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait()
+    assert outcomes == [["0", "0"], ["0", "0"]]  # every save whole: no failed rename, no mixed list read
+    assert sorted(p.name for p in path.parent.iterdir()) == ["grammars.json"]  # no tmp left behind
+
+
 SYSTEM = "You are a meticulous assistant who keeps notes on every conversation. " * 8
 
 

@@ -7,16 +7,17 @@ rewritten whole when a server stops, a stored response (http/response_store.py) 
 from __future__ import annotations
 
 import os
-import threading
+import uuid
 from pathlib import Path
 
 
 def write_durably(path: Path, body: bytes) -> None:
     """(worker thread) Replace `path` with `body` atomically and durably; OSError on failure.
 
-    The tmp is this writer's own (process and thread): replicas on one --ssd-shared directory save the
-    same file (the grammar list, the probe), and through one tmp name two saves wrote into each other's."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    The tmp is this save's own (random): replicas on one --ssd-shared directory save the same file (the
+    grammar list, the probe), and through one tmp name two saves wrote into each other's; a pid and thread
+    id repeat across the hosts sharing it (containers: PID 1 on each)."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         try:
