@@ -925,3 +925,27 @@ def test_rows_moved_one_by_one_equal_the_batch_roll():
     for i, lo in enumerate(rolled.left_padding.tolist()):
         for a, b in ((moved.keys, rolled.keys), (moved.values, rolled.values)):
             assert mx.array_equal(a[i, :, lo:21], b[i, :, lo:21]).item(), i
+
+
+def test_a_buffer_copied_at_its_exact_length_then_trimmed_to_a_multiple_of_the_step_grows_to_a_multiple():
+    """A row's KV copied at its exact length (260: a checkpoint lent back, a draft's KV out of its batch), then
+    its rejected drafts trimmed to 256: a whole-buffer forward grows it to 512, as every other buffer of that
+    size, not to 260 + 256 (a size of its own: on CUDA, attention plans of their own)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from mlxd.engine.spec_batch import _held, _reserve
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, 260, 4)), mx.zeros((1, 2, 260, 4)))
+    c.keys, c.values = c.keys[..., :260, :], c.values[..., :260, :]
+    c.trim(4)
+    _reserve(c, _held(c), 5)
+    assert c.keys.shape[2] == c.values.shape[2] == 512
+    b = BatchKVCache([0, 0])
+    b.update_and_fetch(mx.ones((2, 2, 260, 4)), mx.ones((2, 2, 260, 4)))
+    b.keys, b.values = b.keys[..., :260, :], b.values[..., :260, :]
+    b.trim(4)
+    _reserve(b, _held(b), 5)
+    assert b.keys.shape[2] == b.values.shape[2] == 512
+    assert mx.all(b.keys[..., :256, :] == 1).item()  # the held positions kept

@@ -340,7 +340,7 @@ def _reserve(cache: Any, held: int, n: int) -> None:
     b, heads, _, dk = cache.keys.shape
     dv = cache.values.shape[3]
     grow = -(-(held + n) // step) * step - held
-    if held % step != 0:
+    if cache.keys.shape[2] != held:  # past `held` nothing is kept (a buffer copied at a length, then trimmed)
         cache.keys, cache.values = cache.keys[..., :held, :], cache.values[..., :held, :]
     cache.keys = mx.concatenate([cache.keys, mx.zeros((b, heads, grow, dk), cache.keys.dtype)], axis=2)
     cache.values = mx.concatenate([cache.values, mx.zeros((b, heads, grow, dv), cache.values.dtype)], axis=2)
