@@ -390,16 +390,22 @@ def _measured_slow_advisor(true_rate: float, recompute: float) -> tuple[RestoreA
     return advisor, {"restore_bytes": n, "cold_tokens": 16_000, "warm_tokens": 0, "prompt_tokens": 16_140}
 
 
+def _turns_until_restore(advisor, ask, limit):
+    """How many turns `advisor` recomputes `ask` before it restores (fewer than `limit`)."""
+    turns = 0
+    while not advisor.should_restore(**ask):
+        turns += 1
+        assert turns < limit
+    return turns
+
+
 def test_a_restore_measured_slow_once_is_tried_again_when_recomputes_forgo_its_cost_and_then_wins():
     # The disk really restores the prompt in 0.8 s against a 1.0 s recompute; its one measurement, taken beside
     # the startup warm-up, put it at 1.33 s. Measured restores were never tried again: recompute for good,
     # carried across restarts in the advisor's file.
     n = 16_000 * KV_PER_TOKEN
     advisor, ask = _measured_slow_advisor(n / 0.8, 1.0)
-    turns = 0
-    while not advisor.should_restore(**ask):
-        turns += 1
-        assert turns < 20
+    turns = _turns_until_restore(advisor, ask, 20)
     assert advisor.last.explore and advisor.explorations == 1 and turns >= 2
     assert advisor.forgone_s == 0  # a try spends what was forgone
     assert not advisor.should_restore(**ask)  # in flight: nothing more tried until it is measured
@@ -459,13 +465,7 @@ def test_a_try_never_measured_does_not_stop_every_later_try():
     # process, and nothing was forgone meanwhile, so not after a restart either.
     n = 16_000 * KV_PER_TOKEN
     advisor, ask = _measured_slow_advisor(n / 0.8, 1.0)
-    turns = 0
-    while not advisor.should_restore(**ask):
-        turns += 1
-        assert turns < 20
+    _turns_until_restore(advisor, ask, 20)
     assert advisor.last.explore  # tried, and never measured
-    turns = 0
-    while not advisor.should_restore(**ask):
-        turns += 1
-        assert turns < 200
+    _turns_until_restore(advisor, ask, 200)
     assert advisor.last.explore and advisor.explorations == 2

@@ -117,23 +117,28 @@ print(failed, other, flush=True)
 """
 
 
-def test_two_replicas_saving_the_grammar_list_at_once_leave_one_whole_list(tmp_path):
-    # --ssd-shared: every replica saves its recent constraints to one file in the shared directory. Through one
-    # fixed tmp name two saves at once wrote into the same tmp file: the second rename found no tmp (that list
-    # unsaved, logged: 57 and 59 of 150 saves here), and a tmp both wrote into could be renamed in mixed.
-    path = tmp_path / "fp" / "grammars.json"
-    writers = [subprocess.Popen([sys.executable, "-c", SAVE_GRAMMARS, str(path), tag, "150"], stdin=subprocess.PIPE,
+def _race_saves(path, script, saves):
+    """Two processes ("a", "b") running `script` each save `saves` times to `path`, released at once; their outputs."""
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), tag, str(saves)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env={**os.environ}) for tag in "ab"]
     try:
         assert [w.stdout.readline().strip() for w in writers] == ["ready", "ready"]
         for w in writers:
             w.stdin.write("go\n")
             w.stdin.flush()
-        outcomes = [w.communicate(timeout=300)[0].split() for w in writers]
+        return [w.communicate(timeout=300)[0].split() for w in writers]
     finally:
         for w in writers:
             w.kill()
             w.wait()
+
+
+def test_two_replicas_saving_the_grammar_list_at_once_leave_one_whole_list(tmp_path):
+    # --ssd-shared: every replica saves its recent constraints to one file in the shared directory. Through one
+    # fixed tmp name two saves at once wrote into the same tmp file: the second rename found no tmp (that list
+    # unsaved, logged: 57 and 59 of 150 saves here), and a tmp both wrote into could be renamed in mixed.
+    path = tmp_path / "fp" / "grammars.json"
+    outcomes = _race_saves(path, SAVE_GRAMMARS, 150)
     assert outcomes == [["0", "0"], ["0", "0"]]  # every save whole: no failed rename, no mixed list read
     assert [c.source[:2] for c in grammar_list.load(path, "vocab")] in ([f"a{i}" for i in range(8)],
                                                                          [f"b{i}" for i in range(8)])
@@ -148,19 +153,7 @@ def test_replicas_on_two_hosts_with_the_same_pid_and_thread_id_leave_one_whole_l
             "class Host:\n    def __getattr__(self, name):\n        return getattr(os, name)\n"
             "    getpid = staticmethod(lambda: 1)\n"
             "small_files.os = Host()\nsmall_files.threading = types.SimpleNamespace(get_ident=lambda: 1 << 40)\n")
-    writers = [subprocess.Popen([sys.executable, "-c", same + SAVE_GRAMMARS, str(path), tag, "60"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ})
-               for tag in "ab"]
-    try:
-        assert [w.stdout.readline().strip() for w in writers] == ["ready", "ready"]
-        for w in writers:
-            w.stdin.write("go\n")
-            w.stdin.flush()
-        outcomes = [w.communicate(timeout=300)[0].split() for w in writers]
-    finally:
-        for w in writers:
-            w.kill()
-            w.wait()
+    outcomes = _race_saves(path, same + SAVE_GRAMMARS, 60)
     assert outcomes == [["0", "0"], ["0", "0"]]  # every save whole: no failed rename, no mixed list read
     assert sorted(p.name for p in path.parent.iterdir()) == ["grammars.json"]  # no tmp left behind
 
