@@ -8,7 +8,8 @@ conversation. With an SSD tier the records are written to
 kv/small_files.py), so they survive a restart or a power loss; a record that
 cannot be read back is a miss (404), never a 500. Without an SSD tier they
 live in this process only. Synchronous file I/O: callers run it on a worker
-thread.
+thread; building the store sweeps the tmps of saves a kill cut short
+(kv/small_files.sweep_tmps), once, before the server serves.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from mlxd.kv.small_files import write_durably
+from mlxd.kv.small_files import sweep_tmps, write_durably
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.http.responses")
 
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
+_FILE = re.compile(r"resp_[0-9a-f]{32}\.json")  # a record's file; its save's tmp is swept when left
 MAX_IN_MEMORY = 4096  # records kept in RAM; older ones are read back from their files
 
 
@@ -35,6 +37,8 @@ class ResponseStore:
         self.directory = directory
         self._max = max_in_memory
         self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        if directory is not None:  # (once, before serving) the tmps of saves a kill cut short
+            sweep_tmps(directory, _FILE)
 
     def _path(self, rid: str) -> Path | None:
         if self.directory is None or not _ID.match(rid):

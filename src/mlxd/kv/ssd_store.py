@@ -50,6 +50,7 @@ from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
 from mlxd.kv.shared_dir import fresh_stem, new_writer_id
+from mlxd.kv.small_files import STORE_FILES, sweep_tmps
 from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.logging import get_logger
 from mlxd.vision.tensor_store import (
@@ -197,6 +198,7 @@ class SsdStore:
         Raises `DirLocked` when another server uses the directory and not both share it.
         """
         self._lock_directory()
+        sweep_tmps(self.directory, STORE_FILES)  # the pins, advisor, probe and grammar saves a kill cut short
         counts = {"indexed": 0, "corrupt": 0, "orphans": 0, "duplicates": 0, "other": 0}
         found: dict[tuple[str, tuple[int, ...]], SsdRecord] = {}
         seen = 0
