@@ -412,6 +412,11 @@ def test_draft_lengths_are_fixed_with_mlxd_draft_length_fixed(monkeypatch):
     monkeypatch.setenv("MLXD_DRAFT_LENGTH", "short")
     with pytest.raises(ValueError, match="MLXD_DRAFT_LENGTH='short': adaptive or fixed"):
         engine_drafts({}, draft_model=False)
+    for empty in ("", " "):  # set but empty is the default, as for every other MLXD_ arm (env_switch)
+        monkeypatch.setenv("MLXD_DRAFT_LENGTH", empty)
+        assert engine_drafts({}, draft_model=False).lengths
+    monkeypatch.setenv("MLXD_DRAFT_LENGTH", "Fixed")  # any case, as env_switch reads
+    assert not engine_drafts({}, draft_model=False).lengths
 
 
 def test_a_mixed_batch_is_identical_row_for_row(tiny_model_dir):

@@ -312,7 +312,7 @@ def engine_drafts(rows: Mapping[int, Row], *, draft_model: bool) -> Drafts:
     `MLXD_DRAFT_LENGTH=fixed` (every row drafts `--num-draft-tokens`)."""
     given = os.environ.get("MLXD_DRAFT_PROBE_ROWS")
     probe = (int(given) if given else DRAFT_PROBE_ROWS) if draft_model else 0
-    length = os.environ.get("MLXD_DRAFT_LENGTH", "adaptive")
+    length = os.environ.get("MLXD_DRAFT_LENGTH", "").strip().lower() or "adaptive"  # set but empty: the default
     if length not in ("adaptive", "fixed"):
         raise ValueError(f"MLXD_DRAFT_LENGTH={length!r}: adaptive or fixed")
     return Drafts(rows, gate=SpeculationGate(probe_rows=probe), lengths=length == "adaptive")
