@@ -183,7 +183,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", metavar="DIR",
                    help="with --speculative draft: a local model directory with the model's tokenizer (checked)")
     p.add_argument("--num-draft-tokens", type=_positive_int, default=4, metavar="K",
-                   help="with --speculative: most draft tokens a row proposes per step (default 4)")
+                   help="with --speculative: the most draft tokens a row proposes at a try; each try's length, "
+                        "K or fewer, is chosen from what verifying costs (MLXD_DRAFT_LENGTH=fixed: always K; "
+                        "default 4; docs/speculative.md)")
     p.add_argument("--ssd-layout", choices=("whole", "blocks"), default=None,
                    help="store new checkpoints as shared content-addressed blocks plus a manifest (default: a "
                    "shared prefix is stored once) or as whole files; both are always read")
