@@ -16,14 +16,7 @@ from mlxd.http.response_store import ResponseStore
 from mlxd.kv.small_files import STORE_FILES, sweep_tmps, write_durably
 from mlxd.kv.ssd_store import SsdStore
 
-
-def _mount_tmpfs(where: Path, options: str) -> None:
-    where.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
+from serving import mount_tmpfs
 
 
 def _umount(where: Path) -> None:
@@ -34,7 +27,7 @@ def test_a_body_the_disk_takes_only_part_of_is_an_error_and_the_old_file_stays(t
     # A 64 KiB tmpfs: write(2) of a 96 KiB body returns short (the bytes that fit), and only the next
     # write says ENOSPC. Written as one os.write, the short part was renamed over the old file.
     mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=64k,mode=0700")
+    mount_tmpfs(mnt, "size=64k,mode=0700")
     try:
         path = mnt / "restore-advisor.json"
         old = json.dumps({"calibration": {"restore_bytes_per_s": 1e9}}).encode()
@@ -49,7 +42,7 @@ def test_a_body_the_disk_takes_only_part_of_is_an_error_and_the_old_file_stays(t
 
 def test_a_response_that_does_not_fit_is_not_left_truncated_on_disk(tmp_path):
     mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=64k,mode=0700")
+    mount_tmpfs(mnt, "size=64k,mode=0700")
     try:
         store = ResponseStore(mnt / "responses")
         rid = "resp_" + "ab" * 16
