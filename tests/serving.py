@@ -92,6 +92,11 @@ def mount_tmpfs(where: Path, options: str) -> None:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
 
 
+
+def umount(where: Path) -> None:
+    """Undo `mount_tmpfs` (quietly: a test's own failure is the one to report)."""
+    subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+
 async def drop_after(rt: Runtime, request: GenerationRequest, n: int) -> list[int]:
     """The first `n` tokens of `request`; then the client goes away (its generation checkpoint stays)."""
     seen: list[int] = []

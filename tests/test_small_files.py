@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -16,11 +15,7 @@ from mlxd.http.response_store import ResponseStore
 from mlxd.kv.small_files import STORE_FILES, sweep_tmps, write_durably
 from mlxd.kv.ssd_store import SsdStore
 
-from serving import mount_tmpfs
-
-
-def _umount(where: Path) -> None:
-    subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+from serving import mount_tmpfs, umount
 
 
 def test_a_body_the_disk_takes_only_part_of_is_an_error_and_the_old_file_stays(tmp_path):
@@ -37,7 +32,7 @@ def test_a_body_the_disk_takes_only_part_of_is_an_error_and_the_old_file_stays(t
         assert path.read_bytes() == old
         assert not list(mnt.glob("*.tmp"))  # a full disk is not left fuller
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_a_response_that_does_not_fit_is_not_left_truncated_on_disk(tmp_path):
@@ -51,7 +46,7 @@ def test_a_response_that_does_not_fit_is_not_left_truncated_on_disk(tmp_path):
         assert store.get(rid) == record
         assert not list((mnt / "responses").iterdir())
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 # ---------------------------------------------------------------- leftover tmps

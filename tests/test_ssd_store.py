@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from mlxd.kv.ssd_store import (
     resident_pages,
 )
 from mlxd.kv.tiers import CacheTiers, Effect, SsdRecord, Unlink
+
+from serving import mount_tmpfs, umount
 
 FP = compute_fingerprint({"config": "c1", "weights": "w1", "tokenizer": "t", "mlx": "0.32"})
 IDENTITY = StoreIdentity(model_id="tiny", fingerprint=FP, tokenizer_hash="tok")
@@ -236,26 +237,9 @@ def test_write_enforces_the_configured_cap(tmp_path):
     assert len(files(tmp_path)) == 2
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    where.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
-
-
-def _umount(where: Path) -> None:
-    subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
-
-
 def test_disk_full_on_a_real_small_filesystem_is_a_failed_write_with_its_cause(tmp_path):
     mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=64k,mode=0700")
+    mount_tmpfs(mnt, "size=64k,mode=0700")
     try:
         store = make_store(mnt)
         put(store, [1])  # a small file fits
@@ -268,12 +252,12 @@ def test_disk_full_on_a_real_small_filesystem_is_a_failed_write_with_its_cause(t
         assert len(store.records()) == 1
         assert not [p for p in mnt.rglob("*.tmp")]
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_read_only_dir_is_a_storage_error(tmp_path):
     mnt = tmp_path / "ro"
-    _mount_tmpfs(mnt, "size=64k,ro")
+    mount_tmpfs(mnt, "size=64k,ro")
     try:
         store = make_store(mnt)
         with pytest.raises(ff.StorageError) as info:
@@ -285,7 +269,7 @@ def test_read_only_dir_is_a_storage_error(tmp_path):
         assert "Read-only file system" in outcome.error
         assert store.scan().indexed == 0
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_restart_warms_the_page_cache_with_the_newest_files(tmp_path):
