@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import pytest
@@ -151,6 +152,21 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         nursery.cancel_scope.cancel()
 
 
+def _hammer(threads: int, calls: int, call: Callable[[], object]) -> None:
+    """`threads` threads each making `call()` `calls` times, all at once; every one ends."""
+
+    def run() -> None:
+        for _ in range(calls):
+            call()
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers)
+
+
 def test_one_pacer_shared_by_several_block_writing_threads_keeps_exact_totals():
     """The block store's writing threads share one write's pacer (and every writer the governor): its sums
     are read-modify-writes, and a thread switch inside one lost the other threads' additions. Each thread's
@@ -174,17 +190,7 @@ def test_one_pacer_shared_by_several_block_writing_threads_keeps_exact_totals():
 
     pacer = Pacer(governor, slice_bytes=4096, stop=stop, clock=clock)
     threads, calls = 4, 400
-
-    def hammer() -> None:
-        for _ in range(calls):
-            pacer.done(1)
-
-    workers = [threading.Thread(target=hammer) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in workers)
+    _hammer(threads, calls, lambda: pacer.done(1))
     waits = len(stops) - threads * calls
     assert waits > 0
     assert governor.bytes_out == threads * calls
@@ -206,17 +212,7 @@ def test_holds_of_several_threads_keep_exact_totals():
     governor.set_prefilling(True)
     pacer = Pacer(governor, clock=clock)
     threads, calls = 4, 400
-
-    def hammer() -> None:
-        for _ in range(calls):
-            pacer.hold()
-
-    workers = [threading.Thread(target=hammer) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in workers)
+    _hammer(threads, calls, pacer.hold)
     n = threads * calls
     assert governor.holds == n and governor.holds_expired == n
     assert pacer.held_s == governor.held_s == 2 * n * tick
