@@ -137,6 +137,14 @@ async def start_coordinator(nursery):
     return inbox_send, writer, cache
 
 
+async def mark_two_dirty(inbox) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two unwritten checkpoints (tokens 0..9, then 20..29) told to the coordinator, oldest first."""
+    a, b = tuple(range(10)), tuple(range(20, 30))
+    await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
+    await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+    return a, b
+
+
 async def answer_stats(cache, entries: int = 1) -> None:
     """Play the cache owner's part of a flush: report what the SSD holds."""
     msg = await cache.receive()
@@ -148,9 +156,7 @@ async def answer_stats(cache, entries: int = 1) -> None:
 async def test_flush_waits_for_writes_and_carries_the_cause_of_a_failure(autojump_clock):
     async with trio.open_nursery() as nursery:
         inbox, writer, cache = await start_coordinator(nursery)
-        a, b = tuple(range(10)), tuple(range(20, 30))
-        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
-        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        a, b = await mark_two_dirty(inbox)
         job_a = await writer.receive()
         assert job_a.job.record.tokens == a  # oldest first, one at a time
         flush: Reply[FlushReport] = Reply()
@@ -183,9 +189,7 @@ async def test_flush_waits_for_writes_and_carries_the_cause_of_a_failure(autojum
 async def test_flush_reports_dropped_and_never_stored_checkpoints(autojump_clock):
     async with trio.open_nursery() as nursery:
         inbox, writer, cache = await start_coordinator(nursery)
-        a, b = tuple(range(10)), tuple(range(20, 30))
-        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
-        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        a, b = await mark_two_dirty(inbox)
         job_a = await writer.receive()
         await inbox.send(ForgetDirty("", b))  # b left RAM before its write
         await inbox.send(MarkNotStored("", (7,), "9 bytes exceed the SSD cap of 8"))
@@ -479,9 +483,7 @@ async def test_a_failure_handling_a_write_s_outcome_answers_the_waiting_flush_no
 async def _flush_after_a_failing_outcome_handler() -> None:
     async with trio.open_nursery() as nursery:
         inbox, writer, cache = await start_coordinator(nursery)
-        a, b = tuple(range(10)), tuple(range(20, 30))
-        await inbox.send(MarkDirty("", a, plan_for(a), True, 320))
-        await inbox.send(MarkDirty("", b, plan_for(b), True, 320))
+        a, b = await mark_two_dirty(inbox)
         job_a = await writer.receive()
         flush: Reply[FlushReport] = Reply()
         await inbox.send(FlushRequest(flush))
