@@ -266,11 +266,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 # for them, and of those, the ones the rows then emitted.
                 "gate_probes": a.gate_probes - b.gate_probes,
                 "gate_probe_accepted": a.gate_probe_accepted - b.gate_probe_accepted,
+                # Steps whose drafts could not pay even if all accepted (no read, no verify), and steps that read
+                # the rows' pending tokens back (each waits for the forward in flight).
+                "cannot_pay": a.gate_cannot_pay_steps - b.gate_cannot_pay_steps,
+                "pending_reads": a.pending_reads - b.pending_reads,
             })
             print(f"{line}, acceptance {c['acceptance']:.2f}, tokens/forward {c['tokens_per_forward']:.2f}, drafts/try "
                   f"{c['drafts_per_try']:.2f}, verify "
                   f"steps {c['verify_steps']} of {c['steps']} (gate withheld {c['withheld']}, pauses "
-                  f"{c['gate_pauses']}, probes {c['gate_probes']}), draft rows/step {c['draft_rows_per_step']:.1f}, "
+                  f"{c['gate_pauses']}, probes {c['gate_probes']}, cannot pay {c['cannot_pay']}, reads {c['pending_reads']}), draft rows/step {c['draft_rows_per_step']:.1f}, "
                   f"identical {c['identical']} (off vs off: {repeatable}), {len(ratios[arm])} pairs "
                   f"{ratio['values']}", flush=True)
         out["cases"][f"{label}/batch{batch}"] = case

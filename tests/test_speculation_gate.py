@@ -444,3 +444,92 @@ def test_a_good_draft_is_not_given_up_by_one_unlucky_try_after_a_pause():
         first = drive_acceptance(SpeculationGate(), 0.0, seed, rounds=1)
         assert first.verifying <= 3, (seed, first)
     assert share(SpeculationGate, 0.0) <= 0.01
+
+
+def drive_wanting(gate: SpeculationGate, *, rows: int, wanting: Callable[[random.Random], int], accepted: int,
+                  verify_s: Callable[[int], float], plain_s: float, runs: int = 3, tokens: int = 192, k: int = 4,
+                  can_pay: bool = True, seed: int = 0) -> Tally:
+    """`runs` runs of `rows` rows, `wanting(rng)` of them wanting to draft k tokens at a step (their lookups
+    found something), each verifying row keeping `accepted`; a verifying step of width w costs `verify_s(w)`.
+    As `SpeculativeBatch._proposals` asks: the gate (`decide`), then, where rows want to draft, `can_pay`
+    over the draft lengths 1, 2, 4 (unless `can_pay` is False: the engine before it). Plain steps are
+    pipelined (a verifying step after one first waits for its forward)."""
+    from mlxd.kv.ngram import draft_lengths
+
+    rng, now, tally, host = random.Random(seed), 0.0, Tally(), 0.0005
+    for _ in range(runs):
+        left, carry = tokens, 0.0
+        while left > 0:
+            gate.started(now)
+            start, n = now, wanting(rng)
+            tries = [(1 + j, rows + n * j) for j in draft_lengths(k)]
+            verifying = gate.decide(rows) == "verify" and n > 0 and (not can_pay or gate.can_pay(rows, tries))
+            if verifying:
+                emitted, cost, carry = 1 + accepted, carry + verify_s(1 + k) + host, 0.0
+                tokens_out = rows + n * accepted
+            else:
+                emitted, cost, carry, tokens_out = 1, carry + host, plain_s, rows
+            gate.ran(rows=rows, verifying=verifying, tokens=tokens_out, start=start, width=1 + k if verifying else 1)
+            now += cost
+            left -= emitted if n == rows else 1
+            tally.steps += 1
+            tally.verifying += verifying
+            tally.tokens += tokens_out
+            tally.seconds += cost
+        now += carry
+        tally.seconds += carry
+        gate.idle(now)
+        now += 1.0
+    return tally
+
+
+def test_a_verifying_step_that_could_not_pay_even_if_every_draft_were_accepted_is_not_tried():
+    """A CPU at batch 8 (a verifying forward costs about its width in plain ones), text that does not
+    repeat: now and then one row's lookup finds something (its drafts all rejected). One row of eight
+    drafting 4 tokens emits at most 12 tokens for 5 plain steps' time: it cannot pay at any acceptance.
+    The gate times its first tries (a try after a plain step, less the plain step's forward it waited
+    for) and refuses such steps from then on (`can_pay`: no pending-token read, no wide forward); the
+    gate alone (pauses after failed tries: 16, 64, 256 steps) tries again after each pause. On a GPU at
+    batch 1 (5 positions cost about 1.8 plain steps) the same drafts could pay: nothing is refused."""
+    cpu = {"rows": 8, "plain_s": 0.030, "verify_s": lambda w: 0.030 * w, "accepted": 0, "runs": 6}
+
+    def one_in_eight(rng: random.Random) -> int:
+        return 1 if rng.random() < 0.3 else 0
+
+    alone = drive_wanting(SpeculationGate(), wanting=one_in_eight, can_pay=False, **cpu)  # type: ignore[arg-type]
+    gate = SpeculationGate()
+    bounded = drive_wanting(gate, wanting=one_in_eight, **cpu)  # type: ignore[arg-type]
+    assert alone.verifying >= 6, alone
+    assert bounded.verifying <= 3, "tries until two are timed (the first, before a plain step is, is not); none after"
+    assert gate.cannot_pay > 0 and gate.withheld >= gate.cannot_pay and gate.costs.seconds(8, 5) == pytest.approx(0.15)
+    assert bounded.seconds < alone.seconds
+    # Every row drafting, every draft accepted, at batch 8 on the CPU: 40 tokens for 5 plain steps' time
+    # against 8 for one: it could pay, so it is tried (the gate's clock judges it).
+    gate = SpeculationGate()
+    drive_wanting(gate, wanting=lambda rng: 8, **{**cpu, "accepted": 4})  # type: ignore[arg-type]
+    assert gate.cannot_pay == 0
+    # A GPU at batch 1, every draft accepted: never refused, verifying nearly every step.
+    gate = SpeculationGate()
+    gpu = drive_wanting(gate, rows=1, wanting=lambda rng: 1, accepted=4, plain_s=0.0069,
+                        verify_s=lambda w: 0.0122, runs=3)
+    assert gate.cannot_pay == 0 and gpu.verifying >= 0.8 * gpu.steps, gpu
+
+
+def test_steps_refused_as_unable_to_pay_let_one_through_now_and_then_to_time_it_again():
+    """A width timed at a bad moment (a loaded host: 10 plain steps' time) would refuse drafts that
+    could pay for good: after `explore_every` refusals at a batch size one step verifies anyway; once
+    enough such steps time the width afresh (the median of the last 5 at it), drafts are tried again."""
+    gate = SpeculationGate(explore_every=8)
+    for _ in range(3):
+        gate.costs.record(4, 1, 0.010)
+    for _ in range(5):
+        gate.costs.record(4, 5, 0.100)
+    tries = [(5, 4 + 4 * 4)]  # 4 rows drafting 4 each, all accepted: 20 tokens
+    allowed = [gate.can_pay(4, tries) for _ in range(32)]
+    assert allowed.count(True) == 4 and allowed[7] and allowed[15], allowed
+    assert gate.cannot_pay == 28
+    for _ in range(3):  # the width timed again on a quiet host: 2 plain steps' time
+        gate.costs.record(4, 5, 0.020)
+    assert gate.can_pay(4, tries)
+    # Nothing timed at a batch size yet: a step may verify (it is how the costs get timed).
+    assert gate.can_pay(2, [(5, 2)]) and SpeculationGate().can_pay(4, tries)

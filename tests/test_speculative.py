@@ -403,6 +403,44 @@ def test_every_row_of_a_step_drafts_the_longest_length_any_of_them_chooses():
     assert [a[3] for a in drafts._lengths(asks[:1], 1)] == [1], "a row alone: its own choice"
 
 
+def test_a_step_whose_drafts_could_not_pay_reads_nothing_verifies_nothing_and_stays_identical(tiny_model_dir):
+    """Verifying timed at 50 plain steps' time at every batch size (`StepCosts`): no try can pay even with
+    every draft accepted (`SpeculationGate.can_pay`), so a batch whose rows' lookups find drafts makes plain
+    steps: no pending-token read, no verifying forward, tokens and logprobs equal to off's; /stats counts
+    the refused steps. The same rows with nothing timed verify (the first tries are how costs get timed)."""
+    requests = [
+        _request("greedy", BASE + BASE[:20], max_tokens=40, logit_bias=NO_EOS),
+        _request("seeded", BASE[5:] + BASE[5:25], max_tokens=36, temperature=1.5, seed=3, top_logprobs=2,
+                 logit_bias=NO_EOS),
+        _request("hot", BASE[7:] + BASE, max_tokens=30, temperature=3.0, seed=11, logit_bias=NO_EOS),
+    ]
+    off = _run(tiny_model_dir, "off", requests)
+    for timed in (True, False):
+        core = EngineCore(config_for(tiny_model_dir, speculative="ngram", prompt_cache_bytes=0))
+        core.load()
+        core._drafts.gate = SpeculationGate(min_samples=1 << 30, explore_every=1 << 30)
+        if timed:
+            for rows in (1, 2, 3):
+                for _ in range(3):
+                    core._drafts.gate.costs.record(rows, 1, 0.001)
+                for width in (2, 3, 5):
+                    for _ in range(2):
+                        core._drafts.gate.costs.record(rows, width, 0.050)
+        run = run_rows(core, requests)
+        spec = core.stats().speculation
+        core.close()
+        assert run.tokens == off[0] and run.reasons == off[2]
+        for r in requests:
+            _same_logprobs(off[1][r.request_id], list(zip(run.logprobs[r.request_id], run.top_logprobs[r.request_id],
+                                                          strict=True)))
+        assert spec is not None
+        if timed:
+            assert (spec.verify_steps, spec.pending_reads, spec.proposed) == (0, 0, 0), spec
+            assert spec.gate_cannot_pay_steps > 10 and spec.gate_withheld_steps >= spec.gate_cannot_pay_steps, spec
+        else:
+            assert spec.verify_steps > 0 and spec.pending_reads > 0 and spec.gate_cannot_pay_steps == 0, spec
+
+
 def test_draft_lengths_are_fixed_with_mlxd_draft_length_fixed(monkeypatch):
     from mlxd.engine.speculative import engine_drafts
 

@@ -154,6 +154,8 @@ class SpeculationStats:
     draft_rows: int = 0  # --draft-model: rows' proposals made in those steps (÷ draft_steps: rows per forward)
     gate_probes: int = 0  # --draft-model: rows' drafts made for the gate's probes (not verified)
     gate_probe_accepted: int = 0  # of those drafts, the ones the rows then emitted (what verifying would keep)
+    gate_cannot_pay_steps: int = 0  # withheld steps whose drafts could not beat a plain step even if all accepted
+    pending_reads: int = 0  # steps that read the rows' pending tokens back to the host (waiting for the forward)
 
 
 @attrs.frozen(kw_only=True)

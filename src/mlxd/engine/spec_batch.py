@@ -131,16 +131,27 @@ class SpeculativeBatch(GenerationBatch):
         wanting = [i for i, uid in enumerate(self.uids) if self.drafts.wants(uid, self.tokens[i])]
         if not wanting:
             return {}, []
+        limits = [min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1) for i in wanting]
+        if not self._can_pay(limits):
+            return {}, []
         known = self._host_next
         if known is not None and known[0] is self._next_tokens:  # a verifying step's samples: on the host already
             pending = known[1]
         else:  # after a plain step: waits for its forward (mlx-lm's pipelined step left it in flight)
             pending = self._next_tokens.tolist()  # type: ignore[assignment]
             self.drafts.counters.pending_reads += 1
-        asks = [(self.uids[i], self.tokens[i], pending[i], min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1))
-                for i in wanting]
+        asks = [(self.uids[i], self.tokens[i], pending[i], limit) for i, limit in zip(wanting, limits, strict=True)]
         drafted = self.drafts.propose(asks, rows=len(self.uids))
         return {i: [pending[i], *drafts] for i, drafts in zip(wanting, drafted, strict=True) if drafts}, pending
+
+    def _can_pay(self, limits: list[int]) -> bool:
+        """Whether the step's drafts could pay if every one were accepted (`SpeculationGate.can_pay`):
+        the rows that want to draft, `limits` at most each, at every draft length the step could take."""
+        rows = len(self.uids)
+        lengths = draft_lengths(self.k) if self.drafts.lengths else [self.k]
+        tries = [(verify_width(1 + n, self.k), rows + sum(min(n, max(limit, 0)) for limit in limits))
+                 for n in lengths]
+        return self.drafts.gate.can_pay(rows, tries)
 
     def _verify(self, proposals: dict[int, list[int]], pending: list[int]) -> list[Any]:
         n_rows = len(self.uids)

@@ -186,7 +186,8 @@ class Drafts:
             gate_pauses=self.gate.pauses, decode_steps=self.gate.steps, gate_withheld_steps=self.gate.withheld,
             draft_prefix_reused=self.prefix.reused, draft_prefix_recomputed=self.prefix.recomputed,
             draft_steps=c.draft_steps, draft_rows=c.draft_rows, gate_probes=c.probes,
-            gate_probe_accepted=c.probe_accepted,
+            gate_probe_accepted=c.probe_accepted, gate_cannot_pay_steps=self.gate.cannot_pay,
+            pending_reads=c.pending_reads,
         )
 
     def _part(self, uid: int) -> Speculation | None:

@@ -153,7 +153,9 @@ class StepCosts:
     """Seconds of a decode step, by batch size (rows) and width (positions a row feeds: 1 for a plain
     step, 1 + drafts for a verifying one), as the gate times them.
 
-    A plain step's: the median of the last `window`. A verifying step's width: the median of its last
+    A plain step's: the median of the last `window`. A verifying step that follows a plain one first
+    waits for that step's forward (mlx-lm pipelines it), so the gate records it less a plain step's
+    median. A verifying step's width: the median of its last
     `window` among the batch size's last `recent` verifying steps, once `least` of them are there (one
     step is noisy: a loaded host, a prefill beside it). A width no longer among the recent ones is not
     timed any more, so a width measured at a bad moment is tried again later, not avoided for good.
@@ -177,6 +179,11 @@ class StepCosts:
             verify = self._verify.setdefault(rows, [])
             verify.append((width, seconds))
             del verify[: -self.recent]
+
+    def plain(self, rows: int) -> float | None:
+        """A plain step's seconds at this batch size (None: none timed yet)."""
+        plain = self._plain.get(rows)
+        return statistics.median(plain) if plain else None
 
     def seconds(self, rows: int, width: int) -> float | None:
         by_width: dict[int, list[float]] = {}
@@ -259,6 +266,7 @@ class _Rates:
     gain: float = 0.0  # tokens per row of those steps, a moving average (1.0: drafts bought nothing)
     since_plain: int = 0  # verifying steps since a plain step was last measured
     pause: int = 0  # steps left in the current pause
+    refused: int = 0  # steps `can_pay` refused since a step last verified past it (SpeculationGate.explore_every)
     pauses: int = 0  # pauses in a row (the next one is 4 times longer)
     suspect: bool = False  # verifying measured slower once: plain is measured afresh before a pause
     charged_s: float = 0.0  # drafting's one-off seconds since the last pause (a draft model's catch-ups)
@@ -349,6 +357,9 @@ class SpeculationGate:
     A draft model that costs too much to pay whatever its acceptance never gets a step (`ceiling`:
     the most a verifying step can gain over a plain one, from what the draft's forwards cost,
     `draft_ceiling`; under `min_speedup` no step verifies, so no probe pays a draft prefill).
+
+    Nor does a step whose drafting rows could not beat a plain step even if every draft were
+    accepted, by the widths timed at its batch size (`can_pay`: one row of eight on a CPU).
     """
 
     window: int = 5  # steps of each kind whose median rate is compared
@@ -365,6 +376,7 @@ class SpeculationGate:
     # draft model's catch-up after plain steps, its prefill at a row's first draft) is paid too.
     min_speedup: float = 1.1
     ceiling: float = float("inf")  # the most verifying can gain (set at load for a draft model)
+    explore_every: int = 256  # steps `can_pay` refused at a batch size before one verifies anyway (timed afresh)
     probe_rows: int = 0  # rows a probe drafts without verifying, at a batch of as many or more (0: no such probe)
     probe_drafts: int = 1  # drafts a probe row makes (one draft forward: no later draft is kept if the first is not)
     _by_rows: dict[int, _Rates] = attrs.Factory(dict)
@@ -373,6 +385,7 @@ class SpeculationGate:
     _last: tuple[int, Step] | None = None  # the step before it: (rows, kind)
     steps: int = 0  # decode steps seen (any batch size, verifying or not)
     withheld: int = 0  # of those, steps the gate kept from verifying (paused, or a plain rate to measure)
+    cannot_pay: int = 0  # of those, steps whose drafts could not pay even if all were accepted (`can_pay`)
 
     @property
     def pauses(self) -> int:
@@ -408,6 +421,32 @@ class SpeculationGate:
         self.withheld += not allowed
         return "verify" if allowed else "plain"
 
+    def can_pay(self, rows: int, tries: Sequence[tuple[int, int]]) -> bool:
+        """Whether a verifying step of `rows` rows could emit tokens faster than a plain step even at
+        best: `tries` lists, for each width the step could have (1 + a draft length), the tokens it
+        would emit if every draft were accepted. No by the timed costs (`StepCosts`) only: a batch
+        size with no plain or no verifying step timed yet may verify (that step is how it gets
+        timed), and after `explore_every` refusals at a batch size one step verifies anyway (a cost
+        timed at a bad moment is timed again). A CPU at batch 8 pays about the width for a verifying
+        forward, so one row of eight drafting 4 tokens (12 tokens for 5 plain steps' time) cannot
+        pay; on a GPU at batch 1 (5 tokens for 1.8 plain steps' time) it can. A refusal is a
+        withheld step, and no row's pending token is read for it."""
+        plain = self.costs.plain(rows)
+        if plain is None:
+            return True
+        for width, tokens in tries:
+            seconds = self.costs.seconds(rows, width)
+            if seconds is None or tokens / seconds >= rows / plain:
+                return True
+        r = self._by_rows.setdefault(rows, _Rates())
+        r.refused += 1
+        if r.refused >= self.explore_every:
+            r.refused = 0
+            return True
+        self.cannot_pay += 1
+        self.withheld += 1
+        return False
+
     def unprobed(self, rows: int) -> None:
         """No row of a step of `rows` rows can probe (each one's grammar checks its drafts): the
         batch verifies, judged as a batch without probes is."""
@@ -436,6 +475,7 @@ class SpeculationGate:
             return
         rows, kind, tokens, start, width = self._open
         self._open = None
+        after_plain = self._last in ((rows, "plain"), (rows, "probe"))
         follows = self._last == (rows, kind) and kind != "probe"  # a probe step is not timed
         self._last = (rows, kind)
         verifying = kind == "verify"
@@ -443,6 +483,11 @@ class SpeculationGate:
         if charged > 0:
             r.charged_s += charged
             start = min(now, start + charged)  # the step's own time, without it
+        if verifying and tokens > 0 and now > start:  # its seconds by width, whatever the verdict below
+            if follows:
+                self.costs.record(rows, width, now - start)
+            elif after_plain and (plain := self.costs.plain(rows)) is not None and now - start > plain:
+                self.costs.record(rows, width, now - start - plain)  # it first waited for the plain step's forward
         if verifying:
             r.charged_tokens += tokens
             r.since_plain += 1
@@ -454,9 +499,9 @@ class SpeculationGate:
                 return
         if not follows or now <= start or tokens <= 0:
             return
-        self.costs.record(rows, width if verifying else 1, now - start)
         rate = tokens / (now - start)
         if not verifying:
+            self.costs.record(rows, 1, now - start)
             r.plains = [*r.plains[1 - self.window:], rate]
             r.since_plain = 0
             return
