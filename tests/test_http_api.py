@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -246,3 +249,29 @@ def test_client_disconnect_cancels_generation_and_frees_slot(tiny_model_dir):
         # The only slot is free again.
         done = chat(s, [{"role": "user", "content": "next"}], max_tokens=2)
         assert done.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_client_gone_during_prefill_cancels_it_before_its_first_token(tiny_model_dir):
+    """A non-streamed request sends nothing while its prompt is prefilled, so no failed send tells the
+    server its client left: closing the connection mid-prefill still cancels the row there."""
+    # 8-token prefill steps: a ~3,000-token prompt takes hundreds of steps, so it is still prefilling.
+    with ServerThread(config_for(tiny_model_dir, max_batch=1, prefill_step_size=8)) as s:
+        url = urlsplit(s.base_url)
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 1500}],
+                           "max_tokens": 4, "temperature": 0}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+            sock.sendall(head + body)
+            deadline = time.monotonic() + 60
+            while s.call(s.runtime.stats).engine.steps == 0:  # the row is in the engine, prefilling
+                assert time.monotonic() < deadline, s.call(s.runtime.stats)
+                time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while True:
+            sched = s.call(s.runtime.stats).scheduler
+            if sched.running == 0:
+                break
+            assert time.monotonic() < deadline, sched
+            time.sleep(0.05)
+        assert (sched.cancelled, sched.completed, sched.generated_tokens) == (1, 0, 0)

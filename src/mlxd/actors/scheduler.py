@@ -288,9 +288,22 @@ class SchedulerActor:
             StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
                             draft=draft, checkpoint_at=cuts)
         )
-        client_gone = False
+        client_gone = answered = False
         first_token_at: float | None = None
-        async with receive:
+
+        async def cancel_when_left() -> None:
+            # A client that leaves mid-prefill is told by its stream's close: no event fails to send then.
+            nonlocal client_gone
+            await submit.client_left.wait()
+            if not client_gone and not answered:
+                client_gone = True
+                record.reason = "client_gone"
+                log.info("request.client_gone", why="closed")
+                with trio.CancelScope(shield=True):
+                    await self._engine.send(CancelGeneration(request.request_id))
+
+        async with receive, trio.open_nursery() as watch:
+            watch.start_soon(cancel_when_left)
             async for event in receive:
                 if isinstance(event, TokenGenerated) and first_token_at is None:
                     first_token_at = record.first_token_at = time.monotonic()
@@ -304,6 +317,7 @@ class SchedulerActor:
                     self.backlog.accepted(request.request_id, event.cached_tokens)
                 self._count(event)
                 _note(record, event)
+                answered = answered or isinstance(event, (GenerationFinished, GenerationFailed))
                 if client_gone:
                     continue
                 try:
@@ -314,6 +328,7 @@ class SchedulerActor:
                     log.info("request.client_gone", why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
+            watch.cancel_scope.cancel()
 
     def _checkpoint_key(self, request: GenerationRequest) -> str | None:
         """The request key when this request is checkpointed (kv/gen_checkpoint.py), else None."""

@@ -133,8 +133,12 @@ class GenerationError(RuntimeError):
 class GenerationStream:
     """The events of one generation; leaving early cancels it and frees its slot."""
 
-    def __init__(self, receive: trio.MemoryReceiveChannel[GenerationEvent], request: GenerationRequest) -> None:
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[GenerationEvent], request: GenerationRequest,
+        left: trio.Event | None = None,
+    ) -> None:
         self._receive = receive
+        self._left = left if left is not None else trio.Event()
         self.request = request
         self.accepted: PromptAccepted | None = None
         self.finished: GenerationFinished | None = None
@@ -160,6 +164,7 @@ class GenerationStream:
 
     async def aclose(self) -> None:
         await self._receive.aclose()
+        self._left.set()
 
     async def __aenter__(self) -> GenerationStream:
         return self
@@ -411,8 +416,9 @@ class Runtime:
         if within_queue_timeout and not follows:
             self._check_backlog(len(request.prompt))
         send, receive = trio.open_memory_channel[GenerationEvent](request.sampling.max_tokens + 8)
+        submission = SubmitGeneration(request, send, time.monotonic())
         try:
-            self._submit.send_nowait(SubmitGeneration(request, send, time.monotonic()))
+            self._submit.send_nowait(submission)
         except trio.WouldBlock:
             self._rejected += 1
             send.close()
@@ -432,7 +438,7 @@ class Runtime:
                     )
             except trio.WouldBlock:
                 pass
-        return GenerationStream(receive, request)
+        return GenerationStream(receive, request, submission.client_left)
 
     async def stop_generation(self, request_id: str) -> None:
         """End a decoding generation as a normal stop (its client matched a stop string).

@@ -125,6 +125,8 @@ class SubmitGeneration:
     request: GenerationRequest
     events: trio.MemorySendChannel[GenerationEvent]
     submitted_at: float
+    # Set when the client closes its stream: a prefill sends no event to fail on, so this tells it.
+    client_left: trio.Event = attrs.field(factory=trio.Event)
 
 
 SchedulerInbox = SubmitGeneration  # the admission queue carries only submissions
