@@ -203,11 +203,16 @@ def test_reasoning_stays_in_its_own_turn():
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "store": "yes"}, "store"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "text": "json"}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": "nope"}}}, "text"),
 ])
 def test_bad_requests_name_the_field(server, body, param):
     r = httpx.post(f"{server.base_url}/responses", json={"model": "tiny", **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert "response_format" not in r.json()["error"]["message"]  # the chat route's name, not this body's
 
 
 def test_stored_responses_survive_a_restart(model, tmp_path):

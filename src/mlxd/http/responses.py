@@ -216,7 +216,9 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     text = body.get("text")
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise _bad("'text' must be an object, e.g. {'format': {'type': 'json_object'}}", "text")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
@@ -241,9 +243,13 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
     try:
         parsed = parse_common(chat_body, default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit,
                               chat=True)
-    except ApiError as err:
+    except ApiError as err:  # named as this route's body names them
         if err.param == "max_tokens":
             err.param, err.message = "max_output_tokens", err.message.replace("max_tokens", "max_output_tokens")
+        elif err.param == "response_format":
+            err.param = "text"
+            err.message = err.message.replace("response_format.json_schema", "text.format").replace(
+                "response_format", "text.format")
         raise
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
     options = parse_chat_options({
