@@ -161,6 +161,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             os.environ["MLXD_DRAFT_LENGTH"] = "fixed"  # read when the core is built
             cores[f"{name} fixed"] = EngineCore(config)
             del os.environ["MLXD_DRAFT_LENGTH"]
+        if args.unbounded:  # a step whose drafts cannot pay verifies anyway (before SpeculationGate.can_pay)
+            cores[f"{name} unbounded"] = EngineCore(config)
     if args.control:  # speculation off again, with weights of its own: what two equal arms differ by here
         cores["off2"] = EngineCore(base)
     for draft in args.draft:  # --speculative draft arms, named by the draft's directory
@@ -174,6 +176,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             del os.environ["MLXD_DRAFT_PROBE_ROWS"]
     began = time.perf_counter()
     infos = {arm: core.load() for arm, core in cores.items()}
+    for arm, core in cores.items():
+        if arm.endswith(" unbounded"):
+            core._drafts.gate.explore_every = 1  # every refusal lets its step through: can_pay never refuses
     print(f"[{time.perf_counter() - began:.0f} s] loaded {', '.join(cores)}", flush=True)
     vocab = infos["off"].vocab_size
     out: dict[str, Any] = {
@@ -348,6 +353,9 @@ if __name__ == "__main__":
     p.add_argument("--fixed-lengths", action="store_true",
                    help="beside each n-gram arm, `... fixed`: every row drafts K at every try "
                         "(MLXD_DRAFT_LENGTH=fixed: no per-row length from what verifying costs)")
+    p.add_argument("--unbounded", action="store_true",
+                   help="beside each n-gram arm, `... unbounded`: a step whose drafts could not pay even if all "
+                        "were accepted verifies anyway (SpeculationGate.can_pay off: the engine before 2026-12-05)")
     p.add_argument("--draft", action="append", default=[], metavar="DIR",
                    help="also an arm with --speculative draft --draft-model DIR (repeatable; the model itself = "
                         "the upper bound)")
