@@ -427,10 +427,9 @@ class SpeculationGate:
         would emit if every draft were accepted. No by the timed costs (`StepCosts`) only: a batch
         size with no plain or no verifying step timed yet may verify (that step is how it gets
         timed), and after `explore_every` refusals at a batch size one step verifies anyway (a cost
-        timed at a bad moment is timed again). A CPU at batch 8 pays about the width for a verifying
-        forward, so one row of eight drafting 4 tokens (12 tokens for 5 plain steps' time) cannot
-        pay; on a GPU at batch 1 (5 tokens for 1.8 plain steps' time) it can. A refusal is a
-        withheld step, and no row's pending token is read for it."""
+        timed at a bad moment is timed again). Where a verifying forward costs about its width (a CPU
+        at batch 8) a few rows of many drafting cannot pay; where it costs about a plain one (a GPU at
+        batch 1) one row can. A refusal is a withheld step, and no row's pending token is read for it."""
         plain = self.costs.plain(rows)
         if plain is None:
             return True
