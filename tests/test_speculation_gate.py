@@ -40,6 +40,21 @@ class Tally:
     seconds: float = 0.0
 
 
+def count_step(tally: Tally, *, verifying: bool, tokens: int, seconds: float) -> None:
+    tally.steps += 1
+    tally.verifying += verifying
+    tally.tokens += tokens
+    tally.seconds += seconds
+
+
+def end_run(gate: SpeculationGate, tally: Tally, now: float, carry: float, gap_s: float) -> float:
+    """A run's last forward (`carry`), the batch running empty, then a wait no step caused: the next run's start."""
+    now += carry
+    tally.seconds += carry
+    gate.idle(now)
+    return now + gap_s
+
+
 def drive(
     gate: SpeculationGate,
     device: Device,
@@ -76,14 +91,8 @@ def drive(
             gate.ran(rows=rows, verifying=verifying, tokens=emitted * rows, start=start)
             now += cost
             left -= emitted
-            tally.steps += 1
-            tally.verifying += verifying
-            tally.tokens += emitted * rows
-            tally.seconds += cost
-        now += carry  # the last forward
-        tally.seconds += carry
-        gate.idle(now)
-        now += gap_s  # the next run comes after a wait no step caused
+            count_step(tally, verifying=verifying, tokens=emitted * rows, seconds=cost)
+        now = end_run(gate, tally, now, carry, gap_s)
     return tally
 
 
@@ -412,14 +421,8 @@ def drive_acceptance(gate: SpeculationGate, p: float, seed: int, *, rounds: int,
             gate.ran(rows=1, verifying=verifying, tokens=emitted, start=start)
             now += cost
             left -= emitted
-            tally.steps += 1
-            tally.verifying += verifying
-            tally.tokens += emitted
-            tally.seconds += cost
-        now += carry
-        tally.seconds += carry
-        gate.idle(now)
-        now += 1.0
+            count_step(tally, verifying=verifying, tokens=emitted, seconds=cost)
+        now = end_run(gate, tally, now, carry, 1.0)
     return tally
 
 
@@ -472,14 +475,8 @@ def drive_wanting(gate: SpeculationGate, *, rows: int, wanting: Callable[[random
             gate.ran(rows=rows, verifying=verifying, tokens=tokens_out, start=start, width=1 + k if verifying else 1)
             now += cost
             left -= emitted if n == rows else 1
-            tally.steps += 1
-            tally.verifying += verifying
-            tally.tokens += tokens_out
-            tally.seconds += cost
-        now += carry
-        tally.seconds += carry
-        gate.idle(now)
-        now += 1.0
+            count_step(tally, verifying=verifying, tokens=tokens_out, seconds=cost)
+        now = end_run(gate, tally, now, carry, 1.0)
     return tally
 
 
