@@ -100,6 +100,22 @@ def test_a_nested_json_schema_reply_parses_and_validates(server, stream):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_the_docs_example_runs_and_its_replies_end(server):
+    """docs/structured-output.md's example as written (sampled, on a random-weight model like the built-in
+    one): its schema and regex are bounded, so both replies end by "stop" and parse, every time."""
+    doc = (Path(__file__).parent.parent / "docs" / "structured-output.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1).replace('"mlxd-default"', '"tiny"')
+    code = code.replace("client.completions.create(", "email = client.completions.create(")
+    for _ in range(3):
+        scope = {"client": client(server), "json": json}
+        exec(code, scope)
+        reply, email = scope["reply"].choices[0], scope["email"].choices[0]
+        assert reply.finish_reason == "stop", reply.message.content
+        assert set(json.loads(reply.message.content)) == {"name", "age"}
+        assert email.finish_reason == "stop", email.text
+        assert re.fullmatch(r"[a-z]{1,8}@[a-z]{1,8}\.com", email.text)
+
+
 def test_free_output_of_the_same_request_is_not_json(server):
     """The control: without the constraint the model's reply does not parse (so the constraint does the work)."""
     text = chat(server).choices[0].message.content
