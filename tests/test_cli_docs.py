@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gen_cli_docs.py"
 
 
@@ -29,3 +31,20 @@ def test_every_subcommand_and_flag_is_documented():
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}" in text or f", {flag}" in text, flag
+
+
+def test_every_preset_is_named_and_a_typo_is_a_usage_error(capsys):
+    """`--preset` of serve and build-model accepts each built-in model (test-vlm too) and refuses another
+    name as argparse does (exit 2, the names listed), not with a traceback from the model builder."""
+    from mlxd.cli import build_parser
+    from mlxd.model.presets import PRESETS
+
+    parser = build_parser()
+    for command in ("serve", "build-model"):
+        for name in PRESETS:
+            assert parser.parse_args([command, "--preset", name]).preset == name
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([command, "--preset", "test-vml"])
+        assert exited.value.code == 2
+        assert "invalid choice: 'test-vml'" in capsys.readouterr().err
+    assert "test-vlm" in load_generator().render().split("## mlxd build-model")[1]

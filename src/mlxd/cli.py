@@ -74,12 +74,19 @@ def _adapter_spec(text: str) -> tuple[str, str]:
     return name, directory
 
 
+def _preset_names() -> list[str]:
+    from mlxd.model.presets import PRESETS
+
+    return sorted(PRESETS)
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", help="local model directory or Hugging Face repo id (default: a built-in model)")
-    p.add_argument("--preset", default="default",
+    p.add_argument("--preset", default="default", choices=_preset_names(), metavar="PRESET",
                    help="built-in random-weight model when --model is not given: default, bench, test, test-wide, "
-                   "test-gemma3 (sliding window), test-qwen3next (hybrid), test-mamba2 (recurrent)")
+                   "test-gemma3 (sliding window), test-qwen3next (hybrid), test-mamba2 (recurrent), "
+                   "test-vlm and bench-vlm (vision)")
     p.add_argument("--model-name", help="name to serve the model under (default: --model)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template file used instead of the model's own (its tool-call format "
@@ -552,7 +559,8 @@ async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
 
 def add_build_model_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build-model", help="build a built-in random-weight model directory")
-    p.add_argument("--preset", default="default", help="test, default or bench")
+    p.add_argument("--preset", default="default", choices=_preset_names(), metavar="PRESET",
+                   help="the built-in random-weight model to build")
     p.add_argument("--out", type=Path, help="directory to write (default: the user cache dir)")
     p.add_argument("--seed", type=int, default=0)
 
