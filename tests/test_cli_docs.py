@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,10 @@ def test_every_preset_is_named_and_a_typo_is_a_usage_error(capsys):
         assert exited.value.code == 2
         assert "invalid choice: 'test-vml'" in capsys.readouterr().err
     assert "test-vlm" in load_generator().render().split("## mlxd build-model")[1]
+
+
+def test_python_dash_m_mlxd_is_the_mlxd_command():
+    done = subprocess.run([sys.executable, "-m", "mlxd", "build-model", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: mlxd build-model")
