@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import select
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -158,3 +160,19 @@ def test_the_default_cap_stays_well_below_the_file_handle_limit():
     assert default_max_connections(1024) == 512
     assert default_max_connections(1 << 20) == 4096
     assert default_max_connections(64) == 32 and default_max_connections(8) == 16
+
+
+def test_a_port_in_use_stops_serve_with_exit_2_and_one_line_not_a_traceback(tiny_model_dir):
+    """The default port is often taken: `mlxd serve` says which address it could not bind, as for a
+    locked SSD directory, instead of three nested exception groups."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+             "--device-probe", "off", "--log-format", "json"],
+            capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"mlxd serve: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -347,6 +347,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
     from mlxd.engine.ops import ModelRefused
+    from mlxd.http.connections import CannotListen
     from mlxd.kv.dir_lock import DirLocked
     from mlxd.runtime.distributed import world_rank
 
@@ -355,13 +356,18 @@ def run_serve(args: argparse.Namespace) -> int:
     refused: list[BaseException] = []
     try:
         trio.run(_serve_main, config, args)
-    except* (ModelRefused, DirLocked) as group:  # refused at startup: exit 2 with the reason
-        refused = list(group.exceptions)
+    except* (ModelRefused, DirLocked, CannotListen) as group:  # refused at startup: exit 2 with the reason
+        refused = _leaves(group)
     else:  # the runtime is closed (a flush's exit path: from `serve.flushed` to here, then the interpreter's)
         get_logger("mlxd.serve").info("serve.stopped")
     for error in refused:
         print(f"mlxd serve: {error}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions a group holds, nested groups opened (a failed bind comes up through three nurseries)."""
+    return [leaf for e in group.exceptions for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 def _follow(config) -> int:

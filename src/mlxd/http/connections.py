@@ -173,6 +173,10 @@ def _handler(
     return handle
 
 
+class CannotListen(Exception):
+    """The address to serve on cannot be bound (in use, not this host's, a privileged port)."""
+
+
 async def serve(
     app: Any,
     config: Config,
@@ -191,7 +195,10 @@ async def serve(
         await lifespan_nursery.start(lifespan.handle_lifespan)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
-            sockets = config.create_sockets()
+            try:
+                sockets = config.create_sockets()
+            except OSError as exc:
+                raise CannotListen(f"cannot listen on {', '.join(config.bind)}: {exc.strerror or exc}") from exc
             listeners = []
             binds = []
             for sock in sockets.insecure_sockets:
