@@ -162,6 +162,7 @@ def test_prefill_continues_the_assistant_turn(server):
 @pytest.mark.parametrize(("body", "needle"), [
     ({"messages": [{"role": "user", "content": "hi"}]}, "'max_tokens' is required"),
     ({"max_tokens": 5, "messages": []}, "'messages' must be a non-empty list"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": "Sure"}]}, "'messages' needs a user turn"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0].source must be"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {

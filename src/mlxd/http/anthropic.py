@@ -363,6 +363,8 @@ def parse_request(body: Any, *, max_tokens_limit: int) -> MessagesRequest:
             else:
                 messages.append(message)
         marks += more
+    if not any(m["role"] != "system" for m in messages):  # a prefill alone: no turn to reply to
+        raise _bad("'messages' needs a user turn: a final assistant turn (a prefill) continues the reply to one")
     if marks > MAX_BREAKPOINTS:
         raise _bad(f"a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, got {marks}")
     tools, more = _tools(body)
