@@ -127,6 +127,8 @@ def test_a_session_follow_up_hits_its_checkpoint_and_delete_drops_only_the_refer
         again = _delete(server, "s-1")
         assert again.status_code == 404 and again.json()["error"]["type"] == "not_found_error"
         assert _delete(server, "never-seen").status_code == 404
+        too_long = _delete(server, "x" * 257)  # no request could have named it: 400, as export and import say
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "session_id", too_long.text
         assert _stats(server)["cache"]["sessions"]["sessions"] == 0
         # The cached state stays: the same conversation, now anonymous, still hits.
         r4 = _chat(server, turn2)

@@ -166,6 +166,7 @@ def install_sessions(app: Any, rt: Any, json_response: Any) -> None:
 
     @app.delete("/v1/sessions/<path:sid>")
     async def delete_session(sid: str) -> Response:
+        _check_id(sid)
         if not await rt.close_session(sid):
             raise ApiError(404, f"no session '{sid}' is known to this server", type="not_found_error",
                            param="session_id", code="session_not_found")
