@@ -204,6 +204,7 @@ def test_reasoning_stays_in_its_own_turn():
     ({"input": "hi", "store": "yes"}, "store"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "text": "json"}, "text"),
+    ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": "nope"}}}, "text"),
@@ -212,7 +213,8 @@ def test_bad_requests_name_the_field(server, body, param):
     r = httpx.post(f"{server.base_url}/responses", json={"model": "tiny", **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
-    assert "response_format" not in r.json()["error"]["message"]  # the chat route's name, not this body's
+    # the chat route's names, not this body's
+    assert "response_format" not in r.json()["error"]["message"] and "reasoning_effort" not in r.text
 
 
 def test_stored_responses_survive_a_restart(model, tmp_path):

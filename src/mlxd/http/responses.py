@@ -252,11 +252,16 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
                 "response_format", "text.format")
         raise
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-    options = parse_chat_options({
-        "tools": _tools(body), "tool_choice": _tool_choice(body),
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        **({"reasoning_effort": effort} if effort is not None else {}),
-    })
+    try:
+        options = parse_chat_options({
+            "tools": _tools(body), "tool_choice": _tool_choice(body),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            **({"reasoning_effort": effort} if effort is not None else {}),
+        })
+    except ApiError as err:
+        if err.param == "reasoning_effort":  # named as this body names it
+            err.param, err.message = "reasoning", err.message.replace("'reasoning_effort'", "'reasoning.effort'")
+        raise
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string", "instructions")
