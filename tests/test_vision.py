@@ -111,6 +111,7 @@ def test_file_urls_only_under_the_allowed_dir(server: ServerThread, tmp_path: Pa
         ("https://example.com/cat.png", "not fetched"),
         ("data:image/png;base64,not-base64!!", "base64"),
         (data_url(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20), "could not be decoded"),
+        (data_url(b"hello, world"), "not an image format Pillow reads"),
         (data_url(png(5)[:200]), "could not be decoded"),  # truncated
         ("ftp://host/x.png", "unsupported"),
     ],
@@ -119,6 +120,7 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server: ServerThread, 
     r = post(server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+    assert " at 0x" not in r.json()["error"]["message"]  # no object's memory address
     assert chat(server, [user("still there?", png(1))]).choices[0].finish_reason in ("length", "stop")
 
 

@@ -111,6 +111,9 @@ def decode(data: bytes, limits: ImageLimits) -> Any:
             return img.convert("RGB")
     except ImageRejected:
         raise
+    except Image.UnidentifiedImageError:  # its message names a BytesIO object at a memory address
+        raise ImageRejected("the image could not be decoded: not an image format Pillow reads "
+                            "(PNG, JPEG, WebP, GIF, BMP, ...)") from None
     except Exception as exc:  # Pillow raises many types for bad input
         raise ImageRejected(f"the image could not be decoded: {type(exc).__name__}: {exc}") from None
 
