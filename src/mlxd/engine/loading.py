@@ -41,9 +41,15 @@ def resolve_model_path(config: RuntimeConfig) -> Path:
     local = Path(config.model).expanduser()
     if local.exists():
         return local
+    if config.model.startswith(("/", "~", ".")):  # a path, never a repo id
+        raise ModelRefused(f"--model {config.model}: no such directory")
     from mlx_lm.utils import _download  # hub repo id, where a network exists
 
-    return Path(_download(config.model))
+    try:
+        return Path(_download(config.model))
+    except Exception as exc:  # a malformed id, no such repo, no network: the reason, not a traceback
+        raise ModelRefused(f"--model {config.model}: not a local directory, and not fetched as a Hugging Face "
+                           f"repo id ({type(exc).__name__}: {exc})") from exc
 
 
 def load(config: RuntimeConfig, stream: Any) -> Loaded:

@@ -1,0 +1,28 @@
+"""`mlxd serve` refuses what it cannot serve with exit status 2 and one line that says why, as for a
+locked SSD directory (test_ssd_lock) or a port in use (test_connections): never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mlxd.cli", "serve", "--port", "0", "--device-probe", "off",
+                           "--log-format", "json", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("model", "says"), [
+    ("/no/such/model/dir", "--model /no/such/model/dir: no such directory"),
+    ("~/no-such-model-dir", "--model ~/no-such-model-dir: no such directory"),
+    # no network is tried: the hub client refuses the id's form first
+    ("not/a/valid//id", "--model not/a/valid//id: not a local directory, and not fetched as a Hugging Face repo id"),
+])
+def test_a_model_that_is_not_there(model: str, says: str) -> None:
+    out = serve("--model", model)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"mlxd serve: {says}" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
