@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +27,12 @@ def test_a_model_that_is_not_there(model: str, says: str) -> None:
     assert f"mlxd serve: {says}" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
+
+def test_an_ssd_cache_path_that_is_a_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    taken = tmp_path / "kv"
+    taken.write_text("not a directory")
+    out = serve("--model", str(tiny_model_dir), "--ssd-cache", str(taken))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"mlxd serve: --ssd-cache {taken}: " in out.stderr and "File exists" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert taken.read_text() == "not a directory"

@@ -349,15 +349,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from mlxd.engine.ops import ModelRefused
     from mlxd.http.connections import CannotListen
     from mlxd.kv.dir_lock import DirLocked
+    from mlxd.kv.file_format import StorageError
     from mlxd.runtime.distributed import world_rank
 
     if config.distributed and world_rank() > 0:
         return _follow(config)
-    refused: list[BaseException] = []
+    refused: list[object] = []
     try:
         trio.run(_serve_main, config, args)
     except* (ModelRefused, DirLocked, CannotListen) as group:  # refused at startup: exit 2 with the reason
-        refused = _leaves(group)
+        refused += _leaves(group)
+    except* StorageError as group:  # the SSD tier's directory cannot be made or used (a file there, no access)
+        refused += [f"--ssd-cache {args.ssd_cache}: {error}" for error in _leaves(group)]
     else:  # the runtime is closed (a flush's exit path: from `serve.flushed` to here, then the interpreter's)
         get_logger("mlxd.serve").info("serve.stopped")
     for error in refused:
