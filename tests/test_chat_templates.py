@@ -124,3 +124,16 @@ def test_an_unreadable_template_file_is_refused_at_start(tiny_model_dir, tmp_pat
         pass
     assert failed.group_contains(ModelRefused) if isinstance(failed.value, BaseExceptionGroup) else isinstance(
         failed.value, ModelRefused)
+
+
+def test_a_template_file_with_a_syntax_error_is_refused_at_start(tiny_model_dir, tmp_path):
+    """It used to start, then answer every chat request 400 'could not apply the chat template'."""
+    from mlxd.engine.ops import ModelRefused
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }\n")
+    with pytest.raises(BaseException) as failed, ServerThread(config_for(tiny_model_dir, chat_template=str(broken))):
+        pass
+    refusals = failed.value.exceptions if isinstance(failed.value, BaseExceptionGroup) else (failed.value,)
+    flat = [e for r in refusals for e in (r.exceptions if isinstance(r, BaseExceptionGroup) else (r,))]
+    assert any(isinstance(e, ModelRefused) and "not a valid Jinja template (line 1" in str(e) for e in flat), flat

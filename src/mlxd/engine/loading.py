@@ -74,6 +74,8 @@ def load(config: RuntimeConfig, stream: Any) -> Loaded:
         )
     else:
         model, tokenizer = load_model(path, **extra)
+    if config.chat_template:
+        _check_template(tokenizer, config.chat_template)
     if mx.default_device() == mx.cpu:
         cast_float_weights(model, mx.float32)  # bf16/fp16 matmuls are far slower than fp32 on CPU
     if channel is not None:
@@ -89,6 +91,19 @@ def _chat_template(config: RuntimeConfig) -> str:
         return Path(config.chat_template).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelRefused(f"--chat-template {config.chat_template}: cannot read it ({exc})") from exc
+
+
+def _check_template(tokenizer: Any, path: str) -> None:
+    """--chat-template FILE must be valid Jinja: with a syntax error every chat request would fail (400)."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError as exc:
+        raise ModelRefused(f"--chat-template {path}: not a valid Jinja template (line {exc.lineno}: {exc.message})") \
+            from exc
+    except Exception:  # noqa: S110 - a template may refuse this conversation; each request then says why
+        pass
 
 
 def _distributed_group() -> Any:
