@@ -203,6 +203,8 @@ def test_x_api_key_is_the_api_key(tiny_model_dir):
         with pytest.raises(anthropic.AuthenticationError) as denied:
             bad.messages.create(model="tiny", max_tokens=1, messages=ask("hi"))
         assert json.loads(denied.value.response.text)["error"]["type"] == "authentication_error"
+        # the hint names the header an Anthropic client sends, not only the bearer token
+        assert "'x-api-key: <key>'" in json.loads(denied.value.response.text)["error"]["message"]
 
 
 def test_an_image_is_the_same_prompt_on_every_route(tmp_path_factory):

@@ -71,7 +71,7 @@ class AccessPolicy:
             self._check_admin(token)
         elif self.api_key is not None and not same_token(token, self.api_key):
             what = "is missing" if token is None else "is not valid"
-            raise _unauthorized(f"the API key {what}: send 'Authorization: Bearer <key>'")
+            raise _unauthorized(f"the API key {what}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
 
     def _check_admin(self, token: str | None) -> None:
         if self.admin_key is None:
