@@ -55,3 +55,22 @@ def test_recorder_appends_and_flushes_each_line(tmp_path):
     reqs = load_trace(tmp_path / "live.jsonl")
     assert [r.tokens for r in reqs] == [(5, 6), (5, 6, 7)]
     assert reqs[0].session == "s" and reqs[1].output_ids == (9,)
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "cannot read {path}: No such file or directory"),
+    ('{"timestamp": 0, "hash_ids": [1]\n', "{path}: trace line 1: not JSON (Expecting ',' delimiter"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n[1, 2]\n',
+     "{path}: trace line 2: not a JSON object"),
+    ("{}\n", "{path}: trace line 1: needs hash_ids, tokens or text"),
+])
+def test_a_trace_that_cannot_be_read_ends_with_one_line_that_says_why(tmp_path, content, says):
+    """`mlxd simulate` on a wrong path or a broken line says so (exit 1), not with a traceback."""
+    from mlxd.sim.cli import main
+
+    path = tmp_path / "trace.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stopped:
+        main([str(path)])
+    assert str(stopped.value.code).startswith("mlxd simulate: " + says.format(path=path)), stopped.value.code

@@ -370,7 +370,12 @@ def run_simulate(args) -> int:
     if args.ttft_warmup < 0:
         raise SystemExit(f"mlxd simulate: --ttft-warmup must be >= 0, not {args.ttft_warmup}")
     cost = CostModel.load(args.cost_model) if args.cost_model else DEFAULT
-    recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
+    try:
+        recording = load_recording(args.trace, limit=args.limit, tokenize=_tokenizer(args.model))
+    except OSError as exc:  # no such file, a directory, no access
+        raise SystemExit(f"mlxd simulate: cannot read {args.trace}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a line that is not JSON, or not a request of a known trace format
+        raise SystemExit(f"mlxd simulate: {args.trace}: {exc}") from None
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
     if args.fit_ttft_out is not None:

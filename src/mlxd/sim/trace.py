@@ -116,10 +116,15 @@ def load_recording(
     server = None
     flushes: list[tuple[float, dict | None]] = []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"trace line {n}: not JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"trace line {n}: not a JSON object")
             event = obj.get("event")
             if event == "server":
                 server = obj
