@@ -292,7 +292,8 @@ def _paths(max_tokens_limit: int) -> dict[str, Any]:
         "/v1/sessions/{session_id}": {"delete": {
             "summary": "Drop a session's cache references (X-Session-Id); its cached state stays",
             "parameters": [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "responses": {"200": _json_ok("the session was known: its references are gone"), **_errors(401, 404)},
+            "responses": {"200": _json_ok("the session was known: its references are gone"),
+                          **_errors(400, 401, 404)},
         }},
         "/admin/cache/flush": {"post": {
             "summary": "Make every RAM checkpoint durable on SSD (needs the admin key when one is set)",
