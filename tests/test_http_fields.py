@@ -164,3 +164,25 @@ def test_deeply_nested_json_is_a_400(server):
     r = post(server, "/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     assert "nested" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/chat/completions", {"messages": ASK}),
+    ("/completions", {"prompt": "Hi"}),
+    ("/messages", {"messages": ASK}),
+    ("/responses", {"input": "Hi"}),
+])
+def test_null_is_an_unset_field_for_the_boolean_ones_too(server, route, body):
+    """Clients send null for fields they leave unset; the boolean fields (stream, logprobs, store,
+    parallel_tool_calls) refused it with 400 while every other field took it as its default."""
+    nulls = {"stream": None, "logprobs": None, "parallel_tool_calls": None, "store": None}
+    if route == "/completions":
+        nulls.pop("logprobs")  # an integer there, null already its default
+    r = httpx.post(f"{server.base_url}{route}", json={"model": "tiny", "max_tokens": 2, "max_output_tokens": 2,
+                                                      **body, **nulls}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")  # not streamed
+    for name in ("stream", "logprobs", "parallel_tool_calls"):
+        wrong = httpx.post(f"{server.base_url}/chat/completions",
+                           json={"model": "tiny", "messages": ASK, "max_tokens": 2, name: "yes"}, timeout=60)
+        refused(wrong, name)

@@ -268,7 +268,7 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _bad("'previous_response_id' must be a string", "previous_response_id")
-    store = body.get("store", True)
+    store = True if body.get("store") is None else body["store"]
     if not isinstance(store, bool):
         raise _bad("'store' must be a boolean", "store")
     if "input" not in body:

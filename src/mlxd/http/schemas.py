@@ -88,6 +88,16 @@ def _int(body: dict[str, Any], name: str, default: int | None, *, lo: int, hi: i
     return value
 
 
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field; null is unset, as for every other field (OpenAI's API takes null for them)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean", param=name)
+    return value
+
+
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -135,17 +145,13 @@ def parse_common(
             f"'{max_name}' is {max_tokens}, above this server's limit of {max_tokens_limit}",
             param=max_name,
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    stream = _bool(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage", False))
     if chat:
-        logprobs = body.get("logprobs", False)
-        if not isinstance(logprobs, bool):
-            raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+        logprobs = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", 0, lo=0, hi=20) or 0
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
@@ -223,9 +229,7 @@ def parse_chat_options(body: dict[str, Any]) -> ChatOptions:
             raise ApiError(400, f"tools[{i}].function.parameters must be an object", param="tools")
     if choice is None:
         choice = "auto"
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    parallel = _bool(body, "parallel_tool_calls", True)
     try:  # "required" or a named function: the reply is a call, by a grammar over the call format
         forced = tool_call_constraint(tools, choice, parallel_tool_calls=parallel)
     except ConstraintError as exc:
