@@ -275,3 +275,15 @@ def test_a_client_gone_during_prefill_cancels_it_before_its_first_token(tiny_mod
             assert time.monotonic() < deadline, sched
             time.sleep(0.05)
         assert (sched.cancelled, sched.completed, sched.generated_tokens) == (1, 0, 0)
+
+
+def test_a_tokenized_prompt_past_the_context_is_a_400_with_openai_s_code(server):
+    """Token ids pass the characters' early bound (none to count); the runtime's check after tokenizing
+    refuses with the code OpenAI clients look for (`context_length_exceeded`), and the server goes on."""
+    base = server.base_url.removesuffix("/v1")
+    r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": [5] * 4090, "max_tokens": 10})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error", err
+    assert "4090 tokens" in err["message"] and "4096" in err["message"], err
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"

@@ -600,7 +600,7 @@ def create_app(
                                  checkpoint_at=checkpoint_at)
             return rt.submit(request, follows=follows, within_queue_timeout=True)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except QueueFull as exc:
             raise ApiError(503, str(exc), type="server_overloaded", headers={"Retry-After": "1"}) from None
         except ShuttingDown as exc:

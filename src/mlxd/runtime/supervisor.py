@@ -119,11 +119,13 @@ class ShuttingDown(Exception):
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as given (HTTP 400); `param` names the bad field."""
+    """The request cannot be served as given (HTTP 400); `param` names the bad field, `code` the
+    OpenAI error code where one fits (`context_length_exceeded`)."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class GenerationError(RuntimeError):
@@ -348,7 +350,7 @@ class Runtime:
         if len(prompt) + sampling.max_tokens > limit:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"model's context length of {limit} tokens"
+                f"model's context length of {limit} tokens", code="context_length_exceeded"
             )
         kv = self.scheduler.kv_admission  # --kv-admission: a request whose KV never fits is refused now
         why = kv.never_fits(len(prompt), sampling.max_tokens) if kv is not None else None
