@@ -62,12 +62,18 @@ def test_paced_write_holds_the_rate_and_reads_back_equal(tmp_path):
 
 def test_urgency_ends_the_pacing_of_a_write_in_progress(tmp_path):
     plan = _plan()
-    governor = WriteGovernor(busy_rate_bytes_per_s=64 * 1024)  # 1 MiB would take 16 s
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)  # 1 MiB would take 1,000 s
     governor.set_busy(True)
-    threading.Timer(0.3, governor.set_urgent, args=("flush", True)).start()
-    t0 = time.monotonic()
-    file_format.write_snapshot(plan, tmp_path / "a.mlxkv", pacer=Pacer(governor, slice_bytes=64 * 1024))
-    assert time.monotonic() - t0 < 3.0
+    pacer = Pacer(governor, slice_bytes=64 * 1024)
+    writing = threading.Thread(target=file_format.write_snapshot, args=(plan, tmp_path / "a.mlxkv"),
+                               kwargs={"pacer": pacer}, daemon=True)
+    writing.start()
+    while governor.bytes_out == 0 and writing.is_alive():  # the first slice is out: the write is paced now
+        time.sleep(0.01)
+    governor.set_urgent("flush", True)
+    writing.join(timeout=60)  # generous for a loaded host, and far below the paced 1,000 s
+    assert not writing.is_alive(), "the flush's urgency did not end the pacing"
+    assert pacer.paced_s > 0 and (tmp_path / "a.mlxkv").exists()
 
 
 def test_a_flush_reaches_a_paced_writer_whose_wake_was_swallowed():
@@ -98,7 +104,7 @@ def test_a_flush_reaches_a_paced_writer_whose_wake_was_swallowed():
 
 def test_an_interrupted_write_leaves_no_file(tmp_path):
     plan = _plan()
-    governor = WriteGovernor(busy_rate_bytes_per_s=64 * 1024)
+    governor = WriteGovernor(busy_rate_bytes_per_s=1024)  # 1,000 s: no stalled host lets it finish before the stop
     governor.set_busy(True)
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
@@ -132,10 +138,11 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         prompt = await rt.render_chat([{"role": "user", "content": "Tell me about prefix caches. " * 20}])
         async with rt.submit(rt.request(prompt, sampling=SamplingParams(max_tokens=2))) as stream:
             await stream.tokens()
-        await trio.sleep(1.0)  # paced a while (writer.paced_s below)
-        with trio.fail_after(30):  # the first slice went out (its writer thread may start late when loaded)...
+        with trio.fail_after(60):  # the first slice went out (its writer thread may start late when loaded)...
             while (stats := await rt.ssd_stats()).pacing["bytes_out"] == 0:  # noqa: ASYNC110 - polling an actor from a test
                 await trio.sleep(0.05)
+        await trio.sleep(1.0)  # ...and the write has been paced since, a while (writer.paced_s below)
+        stats = await rt.ssd_stats()
         assert stats.pending_spills >= 1, "the paced write is still in flight"
         pacing = stats.pacing
         skip = ("bytes_out", "holds", "holds_expired", "held_s", "engine_steps")
@@ -143,7 +150,7 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
             "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True,
             "prefilling": False, "held_now": False, "hold_while_decoding": False}
         assert pacing["engine_steps"] > 0  # the engine ticks the governor every step
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             report = await rt.flush()
         assert report["durable"] and report["entries"] >= 1, report
         assert governor.busy, "the decode was still running during the flush"
