@@ -49,6 +49,14 @@ def _thread(fn, *args, **kwargs):
     return t, box
 
 
+def _until(predicate, timeout: float = 60) -> None:
+    """Until `predicate()` holds (a state another thread reaches); `timeout` only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_a_promotion_is_one_call_per_contiguous_range_in_layer_order_on_its_own_stream(fake):
     payload = _kv(layers=3)
     p = host_memory.promote(payload)
@@ -72,11 +80,11 @@ def test_a_promotion_never_waits_behind_a_demotion_in_flight(fake):
     other, back = _kv(), _kv()
     fake.gate = threading.Event()
     t, box = _thread(host_memory.demote, other)
-    assert fake.entered.wait(10)
+    assert fake.entered.wait(60)
     p = host_memory.promote(back)  # returns while the demotion is still inside its first piece
     assert t.is_alive() and p.nbytes == _bytes(back)
     fake.gate.set()
-    t.join(10)
+    t.join(60)
     assert box["out"].nbytes == _bytes(other) and not box["out"].cancelled
     device = [c for c in fake.calls if c.op == "prefetch_device"]
     host = [c for c in fake.calls if c.op == "prefetch_host"]
@@ -89,13 +97,14 @@ def test_a_promotion_stops_its_own_entry_s_demotion_between_pieces(fake):
     fake.gate = threading.Event()
     piece = payload[0].keys.nbytes // 2
     t, box = _thread(host_memory.demote, payload, piece=piece)
-    assert fake.entered.wait(10)
+    assert fake.entered.wait(60)
+    job = host_memory._demoting[id(payload)]
     pt, pbox = _thread(host_memory.promote, payload)
-    time.sleep(0.05)
+    _until(lambda: job.cancelled)  # the promotion asked the demotion to stop (and then waits for its lock)
     assert pt.is_alive()  # waits for the piece in flight (its pages then come back with the rest)
     fake.gate.set()
-    t.join(10)
-    pt.join(10)
+    t.join(60)
+    pt.join(60)
     d, p = box["out"], pbox["out"]
     assert d.cancelled and d.pieces == 1 and d.nbytes == piece < _bytes(payload)
     assert p.cancelled_demotion and p.nbytes == _bytes(payload)
@@ -117,14 +126,20 @@ def test_a_demotion_holds_while_asked_then_goes_and_never_holds_past_its_limit(f
     read = []  # the first host read of an array converts it on MLX's CUDA backend: that waits too
     ranges = host_memory._ranges
     monkeypatch.setattr(host_memory, "_ranges", lambda p: read.append(p) or ranges(p))
-    waiting = threading.Event()
+    waiting, asked = threading.Event(), threading.Event()
     waiting.set()
-    t, box = _thread(host_memory.demote, payload, hold=waiting.is_set, hold_max_s=60)
+
+    def hold() -> bool:
+        asked.set()
+        return waiting.is_set()
+
+    t, box = _thread(host_memory.demote, payload, hold=hold, hold_max_s=60)
+    assert asked.wait(60)  # the demotion is holding still (the thread may start late on a loaded host)
     time.sleep(0.1)
     assert t.is_alive() and not [c for c in fake.calls if c.op == "prefetch_host"]  # held: nothing moved
     assert not read
     waiting.clear()  # the request got its first token
-    t.join(10)
+    t.join(60)
     d = box["out"]
     assert d.nbytes == _bytes(payload) and d.holds == 1 and d.held_s > 0
     capped = host_memory.demote(_kv(), hold=lambda: True, hold_max_s=0.05)
@@ -169,6 +184,13 @@ def test_admission_moves_are_urgent_and_the_budget_s_are_not():
     assert all(not e.urgent for e in tiers.idle_moves() if isinstance(e, Demote))
 
 
+def _settled(host: dict) -> bool:
+    """/stats `cache.host`: every move decided is carried out and the last promotion has landed."""
+    copies = host["copies"]
+    return (host["device_entries"] == 0 and copies["demotions"] + copies["move_failures"] >= host["moves"]
+            and (copies["promotions"] == 0 or copies["promote_landed_ms_last"] is not None))
+
+
 def test_a_served_promotion_reports_its_cost_and_its_copies(tiny_model_dir: Path, monkeypatch):
     """A live runtime on the fake: a conversation pushed out of RAM and off the device comes back by a
     promotion issued on the trio thread on its own stream; its request record carries the promotion
@@ -186,11 +208,14 @@ def test_a_served_promotion_reports_its_cost_and_its_copies(tiny_model_dir: Path
         assert s.runtime is not None
         records = []
         s.runtime.scheduler.observers.append(records.append)
+        def host_stats() -> dict:
+            return httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()["cache"]["host"]
+
         for p in (*prompts, prompts[0] + " again"):
             body = {"model": "tiny", "prompt": p, "max_tokens": 2, "temperature": 0.0}
             httpx.post(s.base_url + "/completions", json=body, timeout=60).raise_for_status()
-            time.sleep(0.2)  # idle: the moves go
-        stats = httpx.get(s.base_url.removesuffix("/v1") + "/stats", timeout=60).json()["cache"]["host"]
+            _until(lambda: _settled(host_stats()))  # idle: the moves go, and a promotion lands
+        stats = host_stats()
         trio_thread = s._thread.name
     returning = records[-1]
     promotion = returning.promotion
