@@ -251,12 +251,13 @@ async def test_a_paced_write_stops_when_the_runtime_is_cancelled(tmp_path):
     queue = WriteQueue()
     queue.mark("", tokens, plan=plan_for(tokens, n_heads=8), trimmable=True, nbytes=0)
     job = queue.next_job()
-    with trio.fail_after(20):  # before the fix: the thread crawls on and this times out
+    with trio.fail_after(60):  # before the fix: the thread crawls on (minutes) and this times out
         async with trio.open_nursery() as nursery:
             await nursery.start(writer.run)
             await inbox_send.send(WriteSnapshot(job))
-            await trio.sleep(0.5)  # the first slice is out; the pacer is now waiting
-            nursery.cancel_scope.cancel()
+            while governor.bytes_out == 0:  # noqa: ASYNC110 - a writer thread's state (it cannot set a trio.Event)
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()  # the first slice is out; the pacer is now waiting
     assert writer.stopping.is_set()
     assert not list(tmp_path.rglob("*.mlxkv")) and not list(tmp_path.rglob("*.tmp"))
 
@@ -331,12 +332,12 @@ async def test_the_writer_writes_several_files_at_once_on_its_workers(tmp_path):
     for i in range(3):
         tokens = tuple(range(i * 1000, i * 1000 + 256))
         queue.mark("", tokens, plan=plan_for(tokens, n_heads=8), trimmable=True, nbytes=0)
-    with trio.fail_after(30):
+    with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await nursery.start(writer.run)
             for _ in range(3):
                 await inbox_send.send(WriteSnapshot(queue.next_job(limit=3)))
-            for _ in range(600):  # one worker would hold the second job back
+            for _ in range(1200):  # one worker would hold the second job back (for minutes)
                 if len(list(tmp_path.rglob("*.tmp"))) == 3:
                     break
                 await trio.sleep(0.05)
