@@ -65,7 +65,7 @@ async def test_a_request_mlx_lm_refuses_fails_alone_and_at_once(tiny_model_dir):
     async with open_runtime(config(tiny_model_dir)) as rt:
         good = rt.submit(rt.request(rt.encode("once upon a time"), sampling=endless(rt, 40)))
         bad = rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(repetition_penalty=-1.0)))
-        with trio.fail_after(30):  # before the fix: no answer until the client's own timeout
+        with trio.fail_after(60):  # before the fix: no answer at all
             with pytest.raises(GenerationError, match="penalty"):
                 await bad.tokens()
             assert len(await good.tokens()) == 40  # the batch it would have joined is untouched
@@ -86,7 +86,7 @@ async def test_a_failing_forward_answers_every_row_and_keeps_serving(tiny_model_
         # Two rows join in one step: a healthy one and the poisoned one.
         healthy = rt.submit(rt.request(rt.encode("a healthy prompt"), sampling=endless(rt)))
         poisoned = rt.submit(rt.request([5, 6, POISON, 8], sampling=SamplingParams(max_tokens=4)))
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             for stream in (running, healthy, poisoned):
                 with pytest.raises(GenerationError, match="poisoned forward"):
                     await stream.tokens()
@@ -162,7 +162,7 @@ async def test_an_exception_in_one_lifecycle_fails_that_request_only():
         nursery.start_soon(cache_owner)
         nursery.start_soon(engine)
         await nursery.start(scheduler.run)
-        with trio.fail_after(10):
+        with trio.fail_after(60):  # only a hang: the fakes answer at once
             failed = await ask((POISON, 1, 2))
             served = await ask((1, 2, 3))
         assert isinstance(failed[-1], GenerationFailed) and "Input/output error" in failed[-1].message

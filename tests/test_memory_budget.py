@@ -39,7 +39,7 @@ async def test_over_the_budget_durable_entries_demote_and_come_back_from_ssd(tin
         prompts = await conversations(rt, 3)
         first = [await answer(rt, p) for p in prompts]
         assert (await rt.flush())["durable"]
-        with trio.fail_after(10):  # each commit is followed by a budget check in the cache owner
+        with trio.fail_after(60):  # each commit is followed by a budget check in the cache owner
             while len(rt.cache_owner.cache):  # noqa: ASYNC110 - polling an actor from a test
                 await trio.sleep(0.05)
         stats = await rt.stats()
