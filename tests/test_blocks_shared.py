@@ -57,7 +57,7 @@ def test_replicas_share_one_block_directory(tmp_path, tiny_model_dir):
         blocks = consistent(cache)
         assert manifests and blocks
         with b.client() as http:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while (shared := http.get("/stats").json()["ssd_cache"]["shared"])["discovered"] < len(manifests):
                 assert time.monotonic() < deadline, shared
                 time.sleep(0.1)

@@ -106,7 +106,7 @@ def test_two_ranks_serve_the_single_process_tokens(tiny_model_dir, tmp_path):
         sharded = run_requests(ranks.url + "/v1")
         sharded_chat = run_conversations(ranks.url + "/v1")
         with ranks.client() as http:  # the evictions' drops have reached the follower (an idle step)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while (now := http.get("/stats").json())["engine"]["mirrored_prefixes"] != now["cache"]["ram"]["entries"]:
                 assert time.monotonic() < deadline, now
                 time.sleep(0.05)

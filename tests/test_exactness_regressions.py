@@ -64,7 +64,7 @@ async def test_a_sharing_replica_keeps_the_block_manifests_it_restores(tiny_mode
         other_prompt = await other.render_chat([{"role": "user", "content": "Another conversation. " * 8}])
         await _serve(other, other_prompt)
         assert (await other.flush())["durable"]
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             while (await replica.ssd_stats()).shared["discovered"] < 1:  # noqa: ASYNC110
                 await trio.sleep(0.02)
         assert (await replica.ssd_stats()).shared["vanished"] == 0

@@ -224,14 +224,14 @@ class Subscriber:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.events: list[list] = []
 
-    def wait_connected(self, timeout: float = 30.0) -> None:
+    def wait_connected(self, timeout: float = 60.0) -> None:
         assert self.monitor.poll(int(timeout * 1000)), "the server's publisher never connected"
         self.monitor.recv_multipart()
         # The subscription reaches the new peer only while the socket is being called.
         end = time.monotonic() + 0.5
         self.drain(lambda: time.monotonic() > end)
 
-    def drain(self, until: Callable[[], bool], timeout: float = 30.0) -> None:
+    def drain(self, until: Callable[[], bool], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not until():
             assert time.monotonic() < deadline, f"events so far: {self.events}"

@@ -52,7 +52,7 @@ def test_stopping_a_replica_moves_its_conversations_with_their_cache(tmp_path, t
             # flush) indexed by the survivor: waiting for the first one alone raced the rescan for the second.
             left = max(1, len(list(cache.rglob("*" + bs.MANIFEST_EXT))))
             with other.client() as direct:
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 60
                 while direct.get("/stats").json()["ssd_cache"]["shared"]["discovered"] < left:
                     assert time.monotonic() < deadline
                     time.sleep(0.1)

@@ -135,6 +135,6 @@ async def _settled(ckpt) -> None:
         s = ckpt.snapshot_stats()
         return bool(s["pending"] or s["owned"] or s["writing"])
 
-    with trio.fail_after(30):
+    with trio.fail_after(60):
         while busy():  # noqa: ASYNC110
             await trio.sleep(0.02)

@@ -93,7 +93,7 @@ class Subscriber:
         self.seqs: list[int] = []
         self.events: list[list] = []
 
-    def wait_connected(self, timeout: float = 30.0) -> None:
+    def wait_connected(self, timeout: float = 60.0) -> None:
         """Until a publisher has connected (ZMQ drops what a PUB sends before that: the slow joiner)."""
         assert self.monitor.poll(int(timeout * 1000)), "no publisher connected"
         self.monitor.recv_multipart()
@@ -102,7 +102,7 @@ class Subscriber:
         end = time.monotonic() + 0.5
         self.drain(lambda: time.monotonic() > end)
 
-    def drain(self, until, timeout: float = 30.0) -> None:
+    def drain(self, until, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not until():
             assert time.monotonic() < deadline, f"events so far: {self.events}"
@@ -160,7 +160,7 @@ def test_live_server_publishes_ram_ssd_and_removal_events(tiny_model_dir, tmp_pa
             assert len(ssd_blocks) >= 4 and ssd_blocks <= on_disk
 
             # Idle demotion drops the RAM copy (the SSD copy stays): BlockRemoved on RAM only.
-            sub.drain(lambda: sub.of("BlockRemoved", RAM), timeout=30)
+            sub.drain(lambda: sub.of("BlockRemoved", RAM), timeout=60)
             removed = {h for e in sub.of("BlockRemoved", RAM) for h in e[1]}
             assert hashes[0] in removed
             assert not sub.of("BlockRemoved", SSD)

@@ -93,7 +93,7 @@ async def publish_and_receive(config: RuntimeConfig, port: int) -> tuple[list, b
             outward = outward_address()
             exposed = None if outward is None else await trio.to_thread.run_sync(reachable, outward, port)
             sub.connect(f"tcp://127.0.0.1:{port}")
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while True:  # until the subscription reaches the PUB (ZMQ's slow joiner)
                 assert time.monotonic() < deadline, "no event arrived"
                 await send.send(PublishKvEvents(time.time(), (STORED,)))
@@ -149,12 +149,12 @@ def test_a_live_server_announces_blocks_without_the_prompt(tiny_model_dir):
 
     try:
         with ServerThread(config_for(tiny_model_dir, kv_events_endpoint=f"tcp://127.0.0.1:{port}")) as server:
-            assert monitor.poll(30_000), "the server never connected"
+            assert monitor.poll(60_000), "the server never connected"
             receive(0.5)  # our subscription reaches the server's PUB while we receive (ZMQ's slow joiner)
             r = httpx.post(f"{server.base_url}/completions", timeout=120,
                            json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
             assert r.status_code == 200, r.text
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not stored and time.monotonic() < deadline:
                 receive(0.2)
             fingerprint = server.runtime.info.store_identity.fingerprint

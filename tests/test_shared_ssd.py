@@ -191,7 +191,7 @@ def test_failover_a_conversation_flushed_by_one_replica_hits_on_another(tmp_path
         written = set(checkpoint_files(cache))
         assert written
         with b.client() as http:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while (shared := http.get("/stats").json()["ssd_cache"]["shared"])["discovered"] < len(written):
                 assert time.monotonic() < deadline, shared
                 time.sleep(0.1)

@@ -26,7 +26,7 @@ def logprobs(response) -> list[float]:
     return [c["logprob"] for c in response["choices"][0]["logprobs"]["content"]]
 
 
-def wait_until_running(http, timeout: float = 30) -> None:
+def wait_until_running(http, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while http.get("/stats").json()["scheduler"]["running"] == 0:
         assert time.monotonic() < deadline
@@ -93,7 +93,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, tiny_m
         with proc.client() as http:
             wait_until_running(http)
             proc.signal(signal.SIGTERM)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while http.get("/health").status_code != 503:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)

@@ -36,7 +36,7 @@ async def test_a_dropped_image_generation_resumes_from_its_checkpoint(tmp_path: 
         ckpt = rt.cold.checkpointer
 
         async def settle() -> None:
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 while ckpt.snapshot_stats()["pending"] or ckpt.snapshot_stats()["owned"]:  # noqa: ASYNC110
                     await trio.sleep(0.02)
                 await trio.sleep(0.05)
