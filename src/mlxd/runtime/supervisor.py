@@ -136,11 +136,10 @@ class GenerationStream:
     """The events of one generation; leaving early cancels it and frees its slot."""
 
     def __init__(
-        self, receive: trio.MemoryReceiveChannel[GenerationEvent], request: GenerationRequest,
-        left: trio.Event | None = None,
+        self, receive: trio.MemoryReceiveChannel[GenerationEvent], request: GenerationRequest, left: trio.Event,
     ) -> None:
         self._receive = receive
-        self._left = left if left is not None else trio.Event()
+        self._left = left  # SubmitGeneration.client_left: set on close, so the scheduler knows mid-prefill
         self.request = request
         self.accepted: PromptAccepted | None = None
         self.finished: GenerationFinished | None = None
