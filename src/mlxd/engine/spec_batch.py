@@ -132,7 +132,7 @@ class SpeculativeBatch(GenerationBatch):
         if not wanting:
             return {}, []
         limits = [min(self.k, self.max_tokens[i] - self._num_tokens[i] - 1) for i in wanting]
-        if not self._can_pay(limits):
+        if self.drafts.bounded and not self._can_pay(limits):
             return {}, []
         known = self._host_next
         if known is not None and known[0] is self._next_tokens:  # a verifying step's samples: on the host already

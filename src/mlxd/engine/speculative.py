@@ -175,6 +175,10 @@ class Drafts:
     # Each row's draft length chosen from what verifying costs (`DraftLength`); False: always `k` (as before
     # issue 23's adaptive lengths; MLXD_DRAFT_LENGTH=fixed).
     lengths: bool = True
+    # Whether a verifying step first asks `SpeculationGate.can_pay` (n-gram, whose drafts cost nothing to make). Not
+    # with a draft model: its forwards in the timed step vary with the host's load, and its price is checked at load
+    # (`ceiling`) and its drafts by probes; a loaded CI host refused drafts accepted at 1.0 there.
+    bounded: bool = True
 
     def stats(self) -> SpeculationStats:
         c = self.counters
@@ -316,7 +320,7 @@ def engine_drafts(rows: Mapping[int, Row], *, draft_model: bool) -> Drafts:
     length = os.environ.get("MLXD_DRAFT_LENGTH", "").strip().lower() or "adaptive"  # set but empty: the default
     if length not in ("adaptive", "fixed"):
         raise ValueError(f"MLXD_DRAFT_LENGTH={length!r}: adaptive or fixed")
-    return Drafts(rows, gate=SpeculationGate(probe_rows=probe), lengths=length == "adaptive")
+    return Drafts(rows, gate=SpeculationGate(probe_rows=probe), lengths=length == "adaptive", bounded=not draft_model)
 
 
 def draft_ceiling(k: int, cost: float) -> float:
