@@ -530,3 +530,22 @@ def test_steps_refused_as_unable_to_pay_let_one_through_now_and_then_to_time_it_
     assert gate.can_pay(4, tries)
     # Nothing timed at a batch size yet: a step may verify (it is how the costs get timed).
     assert gate.can_pay(2, [(5, 2)]) and SpeculationGate().can_pay(4, tries)
+
+
+def test_a_width_s_first_slow_step_does_not_refuse_drafts_that_pay():
+    """The H200 at batch 1 (2026-12-05): a width's first verifying forward compiles its kernels (half a
+    second), its second takes about a plain step. By the median of the two (0.256 s) one row's four
+    drafts, all accepted, could not beat 12 ms plain steps, and every n-gram step of a repetitive
+    workload was refused. `can_pay` asks what a step could cost at best: the fastest recent one."""
+    gate = SpeculationGate()
+    for _ in range(3):
+        gate.costs.record(1, 1, 0.012)
+    gate.costs.record(1, 5, 0.500)  # first forward of width 5: compiles
+    gate.costs.record(1, 5, 0.013)
+    assert gate.costs.seconds(1, 5) == pytest.approx(0.2565)  # the median DraftLength chooses by
+    assert gate.costs.seconds(1, 5, best=True) == pytest.approx(0.013)
+    assert gate.can_pay(1, [(5, 5)]) and gate.cannot_pay == 0
+    # What cannot pay at its best still cannot: every step at width 5 timed at 10 plain steps.
+    for _ in range(5):
+        gate.costs.record(1, 5, 0.120)
+    assert not gate.can_pay(1, [(5, 5)]) and gate.cannot_pay == 1

@@ -162,7 +162,11 @@ class StepCosts:
 
     `seconds` answers for a width not timed too: between two timed widths (a plain step is width 1),
     linearly; past the widest timed one, as that one (optimistic: a longer draft is then tried, and
-    timed); None when no verifying width is timed at that batch size."""
+    timed); None when no verifying width is timed at that batch size. `best=True` takes each width's
+    fastest recent step instead of the median: what a step could cost at best (`SpeculationGate.can_pay`
+    refuses by it, so one slow step, a GPU's first forward of a new width compiling its kernels, cannot
+    refuse drafts that pay: the H200 at batch 1, 2026-12-05, refused every n-gram step of a repetitive
+    workload by a median of two timed steps, one of them the first)."""
 
     window: int = 5
     recent: int = 32
@@ -185,11 +189,12 @@ class StepCosts:
         plain = self._plain.get(rows)
         return statistics.median(plain) if plain else None
 
-    def seconds(self, rows: int, width: int) -> float | None:
+    def seconds(self, rows: int, width: int, *, best: bool = False) -> float | None:
         by_width: dict[int, list[float]] = {}
         for w, s in self._verify.get(rows, ()):
             by_width.setdefault(w, []).append(s)
-        known = {w: statistics.median(s[-self.window:]) for w, s in by_width.items() if len(s) >= self.least}
+        pick = min if best else statistics.median
+        known = {w: pick(s[-self.window:]) for w, s in by_width.items() if len(s) >= self.least}
         if not known:
             return None
         widest = known[max(known)]
@@ -424,7 +429,8 @@ class SpeculationGate:
     def can_pay(self, rows: int, tries: Sequence[tuple[int, int]]) -> bool:
         """Whether a verifying step of `rows` rows could emit tokens faster than a plain step even at
         best: `tries` lists, for each width the step could have (1 + a draft length), the tokens it
-        would emit if every draft were accepted. No by the timed costs (`StepCosts`) only: a batch
+        would emit if every draft were accepted, at the fastest recent step timed at that width. No
+        by the timed costs (`StepCosts`) only: a batch
         size with no plain or no verifying step timed yet may verify (that step is how it gets
         timed), and after `explore_every` refusals at a batch size one step verifies anyway (a cost
         timed at a bad moment is timed again). Where a verifying forward costs about its width (a CPU
@@ -434,7 +440,7 @@ class SpeculationGate:
         if plain is None:
             return True
         for width, tokens in tries:
-            seconds = self.costs.seconds(rows, width)
+            seconds = self.costs.seconds(rows, width, best=True)
             if seconds is None or tokens / seconds >= rows / plain:
                 return True
         r = self._by_rows.setdefault(rows, _Rates())
