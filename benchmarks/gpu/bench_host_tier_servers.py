@@ -357,7 +357,8 @@ def main() -> int:
                     help=f"which restarts, in order (from {', '.join(RESTARTS)}; restart_always_probe: every "
                          "restore forced, the startup probe on: the probe's effect on serving's restores)")
     ap.add_argument("--restart-cycles", type=int, default=1,
-                    help="the restart arms this many times over, in turn (restart, never, always, restart, ...): "
+                    help="the restart arms this many times over, in turn, odd cycles in reverse order (restart, "
+                         "never, always, always, never, restart, ...): "
                          "the host's drift falls on every arm alike; each arm's median is over all its turns. A "
                          "forced arm leaves the advisor's file as it found it, so each `restart` resumes what the "
                          "advisor arm's own processes measured (a server restarted again and again)")
@@ -547,7 +548,10 @@ def main() -> int:
     if rows_ssd and not args.no_restart:
         cmd = cmds["mlxd_host_ssd"][0]
         for cycle in range(args.restart_cycles):
-            for label in arms:
+            # Odd cycles run the arms in reverse: over two cycles each arm is first once and last once (the
+            # H200 at 04:53 UTC 2026-12-05, `restart` first in both cycles: its recomputes 1.08x `never`'s
+            # same recomputes turn by turn, the advisor having chosen as `never` does on every turn).
+            for label in (arms if cycle % 2 == 0 else arms[::-1]):
                 restart_once(label, cycle, cmd + RESTARTS[label], cmds["mlxd_host_ssd"][1], logs[label], rows_ssd,
                              model_dir, ssd_dir, args, out, save)
 
