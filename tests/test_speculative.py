@@ -946,6 +946,36 @@ def test_a_withheld_draft_s_steps_make_the_mlx_calls_of_speculation_off(tiny_mod
     assert withheld == off and off["target forwards"] > 0, (withheld, off)
 
 
+def test_a_draft_that_never_ran_for_a_row_publishes_no_checkpoint_and_computes_nothing_at_its_end(
+        tiny_model_dir, monkeypatch):
+    """With the prompt cache on (serving's default) a row's draft KV is published with the target's
+    checkpoints. A draft that never ran for the row (one priced out by the gate's ceiling, or paused
+    the whole row) holds no KV: publishing it at the row's end would first compute the draft over the
+    whole prompt and generation, a second prefill on the engine thread that no step ever asked for
+    (and, for a draft the ceiling refuses, that no later turn can use). Nothing is published, nothing
+    computed; the target's checkpoints are as with speculation off."""
+    requests = [_request("a", BASE, max_tokens=20, logit_bias=NO_EOS),
+                _request("b", BASE[3:], max_tokens=12, temperature=1.2, seed=5, logit_bias=NO_EOS)]
+    monkeypatch.delenv("MLXD_DRAFT_COST")  # the target as its own draft: priced out
+    runs = {}
+    for speculative in ("off", "draft"):
+        config = {"draft_model": str(tiny_model_dir)} if speculative == "draft" else {}
+        core = EngineCore(config_for(tiny_model_dir, speculative=speculative, **config))
+        core.load()
+        runs[speculative] = run_rows(core, requests)
+        if speculative == "draft":
+            assert core._drafts.gate.ceiling < core._drafts.gate.min_speedup
+            prefix, spec = core._drafts.prefix, core.stats().speculation
+            assert spec is not None and spec.verify_steps == 0
+            assert (prefix.alone_s, prefix.recomputed) == (0.0, 0), "no draft prefill at the rows' ends"
+        core.close()
+    off, on = runs["off"], runs["draft"]
+    assert on.tokens == off.tokens
+    assert not [n for n in on.notes if "#draft-" in n.namespace], "no draft checkpoint"
+    assert sorted((n.namespace, n.reason, n.tokens) for n in on.notes) == sorted(
+        (n.namespace, n.reason, n.tokens) for n in off.notes)
+
+
 def test_rows_moved_one_by_one_equal_the_batch_roll():
     """The target's rollback on the CPU moves only the rows that drop more than the others, each over
     its own span (`_shift_right` with the rows' left padding): the same KV, padding and offsets as
