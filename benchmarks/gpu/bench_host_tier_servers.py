@@ -122,6 +122,10 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
             asyncio.run(ttft(s.base, model, p)) for p in (b, c)]
         if not args.next_only:
             row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
+        if s.name.startswith("mlxd"):  # the event loop's stalls so far (MLXD_STALL_WATCH_MS), the last 8 with frames
+            import httpx
+
+            row["event_loop"] = httpx.get(s.base + "/stats", timeout=30).json().get("event_loop")
         row["history"] = hist
         save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
@@ -140,7 +144,7 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         import httpx
 
         stats = httpx.get(s.base + "/stats", timeout=30).json()
-        out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache") if k in stats}
+        out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache", "event_loop") if k in stats}
 
 
 def model_of(name: str, model_dir: Path) -> str:
@@ -302,6 +306,9 @@ def _moved(cmd: list[str], port: int, offset: int) -> tuple[list[str], int]:
     return moved, port + offset
 
 def main() -> int:
+    # mlxd's event-loop stalls of 20 ms or more, with what each thread ran then, in every turn's report
+    # (a request that waits before the server reads it shows on no server-side clock: runtime/stall_watch.py)
+    os.environ.setdefault("MLXD_STALL_WATCH_MS", "20")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
     ap.add_argument("--preset", default=None,
@@ -658,7 +665,8 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
             "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
             **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s", "restore_retries",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
-                                     "last_resident_bytes")}}
+                                     "last_resident_bytes")},
+            "event_loop": stats.get("event_loop")}
 
 
 def _tier_files(root: Path) -> list[Path]:
