@@ -71,8 +71,10 @@ class StallWatch:
                 await trio.sleep(self.period_s)
                 late = time.monotonic() - beat - self.period_s
                 if late >= self.threshold_s:
-                    self._record(late, self._seen.pop(beat, None))
-                self._seen.pop(beat, None)
+                    self._record(late, self._seen.get(beat))
+                if self._seen:  # this beat's frames, and any the watcher took just after an earlier stall ended
+                    for k in [k for k in list(self._seen) if k <= beat]:
+                        self._seen.pop(k, None)
         finally:
             self._stop.set()
 
