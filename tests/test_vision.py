@@ -124,6 +124,30 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server: ServerThread, 
     assert chat(server, [user("still there?", png(1))]).choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_bad_image_names_the_field_of_the_route_it_came_by(server: ServerThread) -> None:
+    """The chat route names `messages[i].content[j]`; /v1/responses its own `input[i].content[j]` (the
+    item's index in `input`, whatever instructions or merged assistant items come before it)."""
+    bad = data_url(b"hello, world")
+    chat_reply = post(server, [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                            {"type": "image_url", "image_url": {"url": bad}}]}])
+    assert chat_reply.json()["error"]["message"].startswith("messages[0].content[1]: "), chat_reply.text
+    base = server.base_url
+    r = httpx.post(f"{base}/responses", timeout=120, json={
+        "model": "tiny", "max_output_tokens": 2, "instructions": "Be brief.", "input": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},  # one assistant turn
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+            {"type": "function_call_output", "call_id": "c2", "output": "ok"},
+            {"role": "user", "content": [{"type": "input_text", "text": "look"},
+                                         {"type": "input_image", "image_url": bad}]}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]  # the chat messages' index would be 5 (instructions first, three items merged)
+    assert error["param"] == "input" and error["message"].startswith("input[6].content[1]: "), error
+    assert "not an image format Pillow reads" in error["message"]
+
+
 def test_limits_are_400s(server: ServerThread) -> None:
     many = post(server, [user("many", *[png(1)] * 17)])
     assert many.status_code == 400 and "limit of 16" in many.json()["error"]["message"]

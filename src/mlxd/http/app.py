@@ -771,9 +771,11 @@ def create_app(
     from mlxd.http.status import install_status_page
 
     async def kit_prompt(
-        parsed: ParsedRequest, messages: list[dict[str, Any]], options: ChatOptions, param: str
+        parsed: ParsedRequest, messages: list[dict[str, Any]], options: ChatOptions, param: str,
+        names: list[str] | None = None,
     ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
-        """The chat route's prompt steps for another protocol's messages: (prompt, media, checkpoint cuts)."""
+        """The chat route's prompt steps for another protocol's messages: (prompt, media, checkpoint cuts);
+        `names`: each message's field in that protocol's body, for an image's error (default `messages[i]`)."""
         refuse_early(parsed, chat_chars(messages), param)
 
         async def render(realign: bool) -> tuple[tuple[int, ...], int | None]:
@@ -785,7 +787,7 @@ def create_app(
                 raise ApiError(400, str(exc), param=param) from None
 
         try:
-            return await chat_prompt(rt, media_preparer, messages, parsed.sampling, render)
+            return await chat_prompt(rt, media_preparer, messages, parsed.sampling, render, names=names)
         except ApiError as err:
             err.param = param if err.param == "messages" else err.param  # the protocol's own field
             raise

@@ -62,6 +62,7 @@ class ResponsesRequest:
     store: bool
     echo: dict[str, Any]  # request fields the response object repeats
     items: list[dict[str, Any]] = attrs.Factory(list)  # the input as items with ids (GET .../input_items)
+    origins: list[str] = attrs.Factory(list)  # each of `input`'s messages: the item it came from (`input[i]`)
 
 
 def input_items(raw: Any) -> list[dict[str, Any]]:
@@ -120,14 +121,18 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def input_messages(items: Any) -> list[dict[str, Any]]:
+def input_messages(items: Any, origins: list[str] | None = None) -> list[dict[str, Any]]:
     """Responses input items as chat messages (consecutive assistant items merge into one turn).
 
     A reasoning item belongs to the assistant turn it is in: the one its message or function call
     opens, or the one it ends; with neither (a reply cut off inside its thinking), it is a turn of
     its own with empty content, as the chat route replies and a chat client sends it back.
+    `origins`, when given, gets each message's item (`input[i]`: the one that opened it), so an error
+    found later in a message (an image that does not decode) names the request's own field.
     """
     if isinstance(items, str):
+        if origins is not None:
+            origins.append("input")
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
         raise _bad("'input' must be a string or a list of items", "input")
@@ -182,8 +187,12 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                                  and isinstance(p.get("text"), str))
         else:
             raise _bad(f"{where}: input items of type {kind!r} are not supported", "input")
+        if origins is not None:
+            origins.extend([where] * (len(out) - len(origins)))
     if reasoning:  # the last turn's, or a reply that is reasoning only
         assistant()
+    if origins is not None and items:
+        origins.extend([f"input[{len(items) - 1}]"] * (len(out) - len(origins)))
     return out
 
 
@@ -273,7 +282,8 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
         raise _bad("'store' must be a boolean", "store")
     if "input" not in body:
         raise _bad("'input' is required", "input")
-    items = input_messages(body["input"])
+    origins: list[str] = []
+    items = input_messages(body["input"], origins)
     if items:
         parse_messages({"messages": items})  # the chat route's checks on what we built
     metadata = body.get("metadata") or {}
@@ -290,7 +300,8 @@ def parse_request(body: Any, *, default_max_tokens: int, max_tokens_limit: int) 
         "store": store, "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
         "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None,
     }
-    return ResponsesRequest(parsed, options, instructions, items, previous, store, echo, input_items(body["input"]))
+    return ResponsesRequest(parsed, options, instructions, items, previous, store, echo, input_items(body["input"]),
+                            origins)
 
 
 # --- the reply ------------------------------------------------------------------------
@@ -489,11 +500,15 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
             conversation = list(record.get("conversation") or [])
             if session is None and isinstance(record.get("session"), str):
                 session = record["session"]
+        # each message's field in this body (or the stored conversation's), for an error found in it later
+        names = [f"the stored conversation's messages[{k}]" for k in range(len(conversation))] + req.origins
         conversation += req.input
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+        if req.instructions:
+            names.insert(0, "instructions")
         if not messages:
             raise _bad("'input' is empty and there is no previous response to continue", "input")
-        prompt, media, cuts = await kit.chat_prompt(req.parsed, messages, req.options, "input")
+        prompt, media, cuts = await kit.chat_prompt(req.parsed, messages, req.options, "input", names=names)
         rid = _new_id("resp")
         if session is None and req.store:  # a stored conversation's first response names its cache session
             session = rid

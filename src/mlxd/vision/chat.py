@@ -33,11 +33,14 @@ async def chat_prompt(
     messages: Sequence[dict[str, Any]],
     sampling: SamplingParams,
     render: Any,
+    *,
+    names: Sequence[str] | None = None,
 ) -> tuple[tuple[int, ...], tuple[Any, ...], tuple[int, ...]]:
     """(prompt key, media, checkpoint cuts) of a chat: `render(realign)` renders it, (ids, template cut or
-    None); with no image, media is (); with images, no cut (their rows prefill whole)."""
+    None); with no image, media is (); with images, no cut (their rows prefill whole). `names`: each
+    message's field in the request's body, for an image's error (`image_refs`)."""
     try:
-        refs = image_refs(messages)
+        refs = image_refs(messages, names)
     except ImageRejected as exc:
         raise ApiError(400, str(exc), param="messages") from None
     if not refs:

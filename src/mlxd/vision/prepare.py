@@ -35,15 +35,18 @@ from mlxd.vision.images import (
 from mlxd.vision.tensor_store import find_tensor
 
 
-def image_refs(messages: Sequence[dict[str, Any]]) -> list[tuple[Any, str, str]]:
-    """(url, detail, where) of every image part, in prompt order."""
+def image_refs(messages: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> list[tuple[Any, str, str]]:
+    """(url, detail, where) of every image part, in prompt order; `where` names the part as the request
+    did: `messages[i].content[j]`, or with `names` (each message's field in another protocol's body,
+    e.g. /v1/responses' `input[3]`) `names[i].content[j]`."""
     refs = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.get("type") == "image_url":
-                    where = f"messages[{i}].content[{j}]"
+                    named = names[i] if names is not None and i < len(names) else f"messages[{i}]"
+                    where = f"{named}.content[{j}]"
                     url, detail = image_part(part, where)
                     refs.append((url, detail, where))
     return refs
