@@ -31,10 +31,10 @@ def test_a_stall_of_the_trio_thread_is_counted_with_what_it_was_running():
     trio.run(main)
     stats = watch.stats()["event_loop"]
     assert stats["stalls"] >= 1 and stats["max_ms"] >= 290, stats
-    longest = max(watch.recent, key=lambda s: s["ms"])
-    main_thread = longest["frames"]["MainThread"]
-    assert any("busy_on_the_loop" in f for f in main_thread), main_thread
-    assert "mlxd-stall-watch" not in longest["frames"], "the watcher leaves itself out"
+    # A loaded host may stall the loop elsewhere too: the block is the stall whose frames show it.
+    blocked = [s for s in watch.recent if any("busy_on_the_loop" in f for f in s["frames"].get("MainThread", ()))]
+    assert blocked and blocked[0]["ms"] >= 290, watch.recent
+    assert "mlxd-stall-watch" not in blocked[0]["frames"], "the watcher leaves itself out"
 
 
 def test_stats_carry_the_event_loop_when_asked(tiny_model_dir, monkeypatch):
@@ -46,7 +46,5 @@ def test_stats_carry_the_event_loop_when_asked(tiny_model_dir, monkeypatch):
 
 @pytest.mark.parametrize("given", ["fast", "0", "-5"])
 def test_a_bad_value_leaves_the_watch_off(monkeypatch, given):
-    from mlxd.http.app import stall_watch
-
     monkeypatch.setenv("MLXD_STALL_WATCH_MS", given)
-    assert stall_watch() is None
+    assert StallWatch.from_env() is None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -827,25 +826,10 @@ async def serve_http(
     config.accesslog = None
     config.errorlog = None
     gate = ConnectionGate(limit=rt.config.max_connections or default_max_connections())
-    watch = stall_watch()
+    watch = StallWatch.from_env()
     app = create_app(rt, host=host, extra_stats=gate.stats if watch is None else lambda: {**gate.stats(), **watch.stats()})
     async with trio.open_nursery() as nursery:
         if watch is not None:
             nursery.start_soon(watch.run)
         await serve(app, config, gate=gate, shutdown_trigger=shutdown_trigger, task_status=task_status)
         nursery.cancel_scope.cancel()
-
-
-def stall_watch() -> StallWatch | None:
-    """`MLXD_STALL_WATCH_MS=N`: the event loop's stalls of N ms or more in `/stats` (runtime/stall_watch.py)."""
-    given = os.environ.get("MLXD_STALL_WATCH_MS", "").strip()
-    if not given:
-        return None
-    try:
-        ms = float(given)
-    except ValueError:
-        ms = 0.0
-    if not ms > 0:
-        log.warning("stall_watch.off", reason=f"MLXD_STALL_WATCH_MS={given!r} is not a positive number of ms")
-        return None
-    return StallWatch(ms / 1e3)

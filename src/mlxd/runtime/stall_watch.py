@@ -13,6 +13,7 @@ watcher waits for the GIL too, so it sees the holder between two of its bytecode
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -21,6 +22,10 @@ from typing import Any
 
 import attrs
 import trio
+
+from mlxd.runtime.logging import get_logger
+
+log = get_logger("mlxd.stall_watch")
 
 FRAMES = 4  # innermost frames kept per thread
 
@@ -59,6 +64,22 @@ class StallWatch:
     _seen: dict[float, dict[str, list[str]]] = attrs.Factory(dict)  # frames taken during the stall after a beat
     _started: float = attrs.Factory(time.monotonic)
     _stop: threading.Event = attrs.Factory(threading.Event)
+
+    @classmethod
+    def from_env(cls) -> StallWatch | None:
+        """`MLXD_STALL_WATCH_MS=N`: a watch of stalls of N ms or more; unset: none; not a positive number:
+        none, with a warning."""
+        given = os.environ.get("MLXD_STALL_WATCH_MS", "").strip()
+        if not given:
+            return None
+        try:
+            ms = float(given)
+        except ValueError:
+            ms = 0.0
+        if not ms > 0:
+            log.warning("stall_watch.off", reason=f"MLXD_STALL_WATCH_MS={given!r} is not a positive number of ms")
+            return None
+        return cls(ms / 1e3)
 
     async def run(self) -> None:
         """The beat (a trio task, until cancelled), with the watcher thread beside it."""
