@@ -500,12 +500,12 @@ def install_responses(app: Any, rt: Any, kit: RouteKit) -> None:
             conversation = list(record.get("conversation") or [])
             if session is None and isinstance(record.get("session"), str):
                 session = record["session"]
-        # each message's field in this body (or the stored conversation's), for an error found in it later
-        names = [f"the stored conversation's messages[{k}]" for k in range(len(conversation))] + req.origins
+        stored = len(conversation)
         conversation += req.input
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
-        if req.instructions:
-            names.insert(0, "instructions")
+        # each message's field in this body (or the stored conversation's), for an error found in it later
+        names = (["instructions"] if req.instructions else []) + [
+            f"the stored conversation's messages[{k}]" for k in range(stored)] + req.origins
         if not messages:
             raise _bad("'input' is empty and there is no previous response to continue", "input")
         prompt, media, cuts = await kit.chat_prompt(req.parsed, messages, req.options, "input", names=names)
