@@ -338,11 +338,13 @@ def serve_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import trio
 
+    from mlxd.runtime import gc_pauses
     from mlxd.runtime.logging import configure_logging, get_logger
 
     configure_logging(args.log_format, level=args.log_level)
     try:
         config = serve_config(args)
+        gc_pauses.freeze_wanted()  # MLXD_GC_FREEZE: a typo is refused before anything loads
     except ValueError as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
@@ -401,6 +403,7 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
     import trio
 
     from mlxd.http.app import serve_http
+    from mlxd.runtime import gc_pauses
     from mlxd.runtime.logging import get_logger
     from mlxd.runtime.supervisor import open_runtime
 
@@ -418,8 +421,17 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
         log.info("serve.listening", binds=binds, model=rt.info.model_name,
                  api_key=config.api_key is not None, admin_key=config.admin_key is not None)
         _warn_if_exposed(args.host, config)
+        # Everything start-up made (the model, the imports, the probe's leftovers collected first): no full
+        # collection walks it again while serving (runtime/gc_pauses.py; MLXD_GC_FREEZE=0 leaves it).
+        frozen = gc_pauses.freeze_heap() if gc_pauses.freeze_wanted() else None
+        if frozen is not None:
+            log.info("serve.gc_frozen", **frozen)
         print(f"mlxd: serving {rt.info.model_name} on {' '.join(binds)}", file=sys.stderr, flush=True)
-        await stopped.wait()
+        try:
+            await stopped.wait()
+        finally:
+            if frozen is not None:
+                gc_pauses.thaw()  # a process that goes on (an in-process server) collects as before
         nursery.cancel_scope.cancel()
 
 

@@ -20,6 +20,7 @@ from mlxd.kv.shard_mirror import (
     ShardRef,
     shard_key,
 )
+from mlxd.runtime import gc_pauses
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.distributed import StepChannel, pin_seed
 from mlxd.runtime.kernel.messages import PublishPrefix
@@ -133,6 +134,8 @@ def follow(config: RuntimeConfig) -> None:
     """
     core = EngineCore(config)
     core.load()
+    if gc_pauses.freeze_wanted():  # the heap start-up made: no full collection walks it again (as rank 0)
+        log.info("engine.gc_frozen", **gc_pauses.freeze_heap())
     channel = core.channel
     assert channel is not None and channel.rank > 0
     shards = FollowerShards()

@@ -32,6 +32,7 @@ from mlxd.http.schemas import (
 from mlxd.http.security import AccessPolicy, is_loopback
 from mlxd.http.sessions import install_sessions, request_session
 from mlxd.http.stages import Stages
+from mlxd.runtime import gc_pauses
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars, encode_off_loop
 from mlxd.runtime.chat.text import TextAssembler
 from mlxd.runtime.kernel.messages import (
@@ -826,8 +827,10 @@ async def serve_http(
     config.accesslog = None
     config.errorlog = None
     gate = ConnectionGate(limit=rt.config.max_connections or default_max_connections())
-    watch = StallWatch.from_env()
-    app = create_app(rt, host=host, extra_stats=gate.stats if watch is None else lambda: {**gate.stats(), **watch.stats()})
+    pauses = gc_pauses.process_pauses()
+    watch = StallWatch.from_env(gc=pauses)
+    app = create_app(rt, host=host, extra_stats=lambda: {
+        **gate.stats(), **pauses.stats(), **(watch.stats() if watch is not None else {})})
     async with trio.open_nursery() as nursery:
         if watch is not None:
             nursery.start_soon(watch.run)

@@ -12,6 +12,7 @@ several servers can share a process):
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from quart import Response
 
+from mlxd.runtime.gc_pauses import GcPauses, process_pauses
 from mlxd.runtime.kernel.channels import ChannelStats
 from mlxd.runtime.kernel.messages import CacheStatsSnapshot, RequestRecord
 from mlxd.runtime.stats import RuntimeStats, SsdTierStats
@@ -284,8 +286,26 @@ def _channel_families(channels: Mapping[str, ChannelStats]) -> Iterator[Metric]:
     )
 
 
+class GcCollector:
+    """The process's garbage collections (runtime/gc_pauses.py), by generation, at scrape time."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.pauses
+        gens = {str(g): g for g in range(3)}
+        yield _labelled(CounterMetricFamily, "mlxd_gc_collections", "Python garbage collections, by generation.",
+                        "generation", {k: p.collections[g] for k, g in gens.items()})
+        yield _labelled(CounterMetricFamily, "mlxd_gc_pause_seconds",
+                        "Time in Python garbage collections (every thread stopped), by generation.", "generation",
+                        {k: p.paused_s[g] for k, g in gens.items()})
+        yield _gauge("mlxd_gc_frozen_objects", "Objects frozen after start-up (no collection walks them).",
+                     gc.get_freeze_count())
+
+
 class Metrics:
-    """One runtime's registry: observers plus the scrape-time collector."""
+    """One runtime's registry: observers plus the scrape-time collectors."""
 
     def __init__(self, rt: Any) -> None:
         self.rt = rt
@@ -293,6 +313,7 @@ class Metrics:
         self.requests = RequestMetrics(self.registry)
         self.stats = StatsCollector()
         self.registry.register(self.stats)
+        self.registry.register(GcCollector(process_pauses()))
         rt.scheduler.observers.append(self.requests.observe)
         flush_observers = getattr(rt, "flush_observers", None)
         if flush_observers is not None:

@@ -9,6 +9,8 @@ late by `threshold_s` takes every thread's top frames then, and the trio task, o
 records the stall with them (`stats()`, under `/stats` `event_loop`). If the trio thread's own frame
 is in the server's code, it was busy; if it is in trio's wait, another thread held the GIL (the
 watcher waits for the GIL too, so it sees the holder between two of its bytecodes, or just after).
+A garbage collection holds the GIL without a bytecode between: each stall also says how many of its
+ms were collections (`gc_ms`, runtime/gc_pauses.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxd.runtime.gc_pauses import GcPauses
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.stall_watch")
@@ -64,11 +67,12 @@ class StallWatch:
     _seen: dict[float, dict[str, list[str]]] = attrs.Factory(dict)  # frames taken during the stall after a beat
     _started: float = attrs.Factory(time.monotonic)
     _stop: threading.Event = attrs.Factory(threading.Event)
+    gc: GcPauses | None = None  # where given: each stall says how much of it was garbage collection
 
     @classmethod
-    def from_env(cls) -> StallWatch | None:
+    def from_env(cls, *, gc: GcPauses | None = None) -> StallWatch | None:
         """`MLXD_STALL_WATCH_MS=N`: a watch of stalls of N ms or more; unset: none; not a positive number:
-        none, with a warning."""
+        none, with a warning. `gc`: the process's collections, to tell each stall how much was theirs."""
         given = os.environ.get("MLXD_STALL_WATCH_MS", "").strip()
         if not given:
             return None
@@ -79,7 +83,7 @@ class StallWatch:
         if not ms > 0:
             log.warning("stall_watch.off", reason=f"MLXD_STALL_WATCH_MS={given!r} is not a positive number of ms")
             return None
-        return cls(ms / 1e3)
+        return cls(ms / 1e3, gc=gc)
 
     async def run(self) -> None:
         """The beat (a trio task, until cancelled), with the watcher thread beside it."""
@@ -90,9 +94,11 @@ class StallWatch:
             while True:
                 beat = self._beat = time.monotonic()
                 await trio.sleep(self.period_s)
-                late = time.monotonic() - beat - self.period_s
+                now = time.monotonic()
+                late = now - beat - self.period_s
                 if late >= self.threshold_s:
-                    self._record(late, self._seen.get(beat))
+                    gc_s = self.gc.paused_between(beat, now) if self.gc is not None else None
+                    self._record(late, self._seen.get(beat), gc_s)
                 if self._seen:  # this beat's frames, and any the watcher took just after an earlier stall ended
                     for k in [k for k in list(self._seen) if k <= beat]:
                         self._seen.pop(k, None)
@@ -106,12 +112,14 @@ class StallWatch:
             if time.monotonic() - beat - self.period_s >= self.threshold_s and beat not in self._seen:
                 self._seen[beat] = _frames(skip=me)
 
-    def _record(self, late: float, frames: dict[str, list[str]] | None) -> None:
+    def _record(self, late: float, frames: dict[str, list[str]] | None, gc_s: float | None = None) -> None:
         self.stalls += 1
         self.stalled_s += late
         self.max_s = max(self.max_s, late)
-        self.recent.append({"ms": round(late * 1e3, 1), "at_s": round(time.monotonic() - self._started, 3),
-                            "frames": frames or {}})
+        stall = {"ms": round(late * 1e3, 1), "at_s": round(time.monotonic() - self._started, 3), "frames": frames or {}}
+        if gc_s is not None:  # a collection stops the watcher too: its frames cannot show one, this can
+            stall["gc_ms"] = round(gc_s * 1e3, 1)
+        self.recent.append(stall)
         del self.recent[: -self.keep]
 
     def stats(self) -> dict[str, Any]:
