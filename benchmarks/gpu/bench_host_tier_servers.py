@@ -123,9 +123,10 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         if not args.next_only:
             row["returning"] = asyncio.run(ttft(s.base, model, hist))  # A returns after B and C
         if s.name.startswith("mlxd"):  # the event loop's stalls so far (MLXD_STALL_WATCH_MS), the last 8 with frames
-            import httpx
+            import httpx  # and the garbage collections so far (each long one with the thread it stopped)
 
-            row["event_loop"] = httpx.get(s.base + "/stats", timeout=30).json().get("event_loop")
+            stats = httpx.get(s.base + "/stats", timeout=30).json()
+            row["event_loop"], row["gc"] = stats.get("event_loop"), stats.get("gc")
         row["history"] = hist
         save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
@@ -144,7 +145,7 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
         import httpx
 
         stats = httpx.get(s.base + "/stats", timeout=30).json()
-        out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache", "event_loop") if k in stats}
+        out["stats"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache", "event_loop", "gc") if k in stats}
 
 
 def model_of(name: str, model_dir: Path) -> str:
@@ -200,7 +201,12 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                 try:
                     run["prompt_ttft_s"] = asyncio.run(ttft(base, model, text))["ttft_s"]
                     before = writer_bytes(base) if base in ssd else None
+                    gc_before = gc_so_far(base) if name.startswith("mlxd") else None
                     d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
+                    gc_after = gc_so_far(base) if gc_before is not None else None
+                    if gc_before is not None and gc_after is not None:  # collections inside this decode
+                        run.update(gc_ms=round((gc_after[0] - gc_before[0]) * 1e3, 2),
+                                   gc_full=gc_after[1] - gc_before[1])
                     if before is not None:  # what write-behind wrote beside this decode (the goal's condition),
                         # and after it (a write the server deferred past the decode: held or paced while rows ran)
                         run.update(written_mb(before, writer_bytes(base), "beside"))
@@ -276,6 +282,17 @@ def writer_bytes(base: str) -> int | None:
     except (httpx.HTTPError, ValueError):
         return None
     return writer.get("bytes_written")
+
+
+def gc_so_far(base: str) -> tuple[float, int] | None:
+    """The server's garbage collections so far: (seconds paused, full collections), from `/stats` gc."""
+    import httpx
+
+    try:
+        gc = httpx.get(base + "/stats", timeout=30).json().get("gc") or {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return (sum(gc["paused_s"]), gc["collections"][2]) if gc.get("paused_s") else None
 
 
 def settle(bases: list[str], limit_s: float) -> float | None:
@@ -671,7 +688,7 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
             **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s", "restore_retries",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
                                      "last_resident_bytes")},
-            "event_loop": stats.get("event_loop")}
+            "event_loop": stats.get("event_loop"), "gc": stats.get("gc")}
 
 
 def _tier_files(root: Path) -> list[Path]:
