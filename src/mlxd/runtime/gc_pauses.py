@@ -2,13 +2,14 @@
 
 A full collection (generation 2) walks every container object the process holds, with the GIL held
 all along: every thread stops, the engine between two steps and the event loop before it reads a
-request. A started server holds about 136,000 of them, nearly all from start-up (mlx-lm, the
+request. A started server holds about 133,000 of them, nearly all from start-up (mlx-lm, the
 tokenizer, Quart, the model's modules); on this project's 2-core CPU machines one full collection
-took 60-88 ms, most of them on the engine thread in the middle of serving (docs/benchmarks.md,
-"Garbage-collector pauses"). `freeze_heap` moves everything alive after start-up into the permanent
-generation (`gc.freeze`), which collections skip: a full collection then walks only what serving
-created since. vLLM freezes its heap the same way at the end of its warm-up; SGLang offers it as an
-API beside a warning for long collections.
+took 58-88 ms, and while serving one came about once per thousand requests, on whichever thread
+allocated last (docs/benchmarks.md, "Garbage-collector pauses"). `freeze_heap` moves everything
+alive after start-up into the permanent generation (`gc.freeze`), which collections skip: a full
+collection then walks only what serving created since (3.5 ms against 73 ms in that run). vLLM
+freezes its heap the same way at the end of its warm-up; SGLang offers it as an API beside a
+warning for long collections.
 
 A frozen object is never collected as part of a reference cycle: what start-up made and serving later
 drops in a cycle would stay. What serving drops of start-up's making is freed by its reference count:
@@ -32,9 +33,6 @@ from typing import Any
 import attrs
 
 from mlxd.runtime.config import env_switch
-from mlxd.runtime.logging import get_logger
-
-log = get_logger("mlxd.gc")
 
 LONG_S = 0.02  # a collection this long or longer is kept in `recent` (a stall the stall watch would see)
 KEEP = 8  # long collections kept
