@@ -169,7 +169,7 @@ def test_on_this_cpu_the_moves_are_no_ops():
     assert host_memory.demote(_kv()).nbytes == 0 and host_memory.begin_demotion(_kv()) is None
 
 
-def test_admission_moves_are_urgent_and_the_budget_s_are_not():
+def test_admission_moves_are_urgent_the_budget_s_are_not_and_only_the_idle_ones_wait_for_decode():
     clock = iter(range(10**6)).__next__
     tiers = CacheTiers(PromptCache(max_bytes=200, policy=make_policy("lru"), clock=clock),
                        host=HostTier(max_bytes=10_000, clock=clock), memory_budget=10_000)
@@ -177,11 +177,16 @@ def test_admission_moves_are_urgent_and_the_budget_s_are_not():
         tiers.publish(tuple(range(i * 100, i * 100 + 10)), payload=f"p{i}", nbytes=100, trimmable=True)
     assert tiers.host is not None and tiers.host.device_bytes == 400
     urgent = tiers.free_for_rows(150)
-    assert urgent and all(isinstance(e, Demote) and e.urgent for e in urgent)
+    assert urgent and all(isinstance(e, Demote) and e.urgent and not e.idle for e in urgent)
     relief = [e for e in tiers.observe_memory(20_000) if isinstance(e, Demote)]  # far over the budget
-    assert relief and not any(e.urgent for e in relief)
-    tiers.publish(tuple(range(900, 910)), payload="q", nbytes=100, trimmable=True)
-    assert all(not e.urgent for e in tiers.idle_moves() if isinstance(e, Demote))
+    assert relief and not any(e.urgent or e.idle for e in relief)
+    # (over the budget, every victim is moved as it comes: the idle moves are a server's within its budget)
+    calm = CacheTiers(PromptCache(max_bytes=200, policy=make_policy("lru"), clock=clock),
+                      host=HostTier(max_bytes=10_000, clock=clock))
+    for i in range(4):
+        calm.publish(tuple(range(i * 100, i * 100 + 10)), payload=f"q{i}", nbytes=100, trimmable=True)
+    idle = [e for e in calm.idle_moves() if isinstance(e, Demote)]
+    assert len(idle) == 2 and all(e.idle and not e.urgent for e in idle)
 
 
 def _settled(host: dict) -> bool:
@@ -405,3 +410,57 @@ async def test_a_move_that_raises_is_counted_and_the_cache_owner_serves_on(fake,
         assert copies["move_failures"] == 2 and copies["demotions"] == 0
         nursery.cancel_scope.cancel()
     assert not host_memory._demoting
+
+
+async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, monkeypatch):
+    """Idle moves go while no row decodes, but a returning conversation's decode often starts before they end
+    (decodeil on the H200: the fresh prompt's victims moved right after it, the decode came right after): the
+    rest of the move waits until the engine is idle again (up to the hold limit, here made long so that a
+    slow host cannot end the hold first), not beside the decode."""
+    import trio
+
+    from mlxd.actors.cache_owner import CacheOwnerActor
+    from mlxd.runtime.config import RuntimeConfig
+    from mlxd.runtime.kernel.channels import Reply
+    from mlxd.runtime.kernel.messages import CacheOwnerMessage, EngineBusy, PublishPrefix, QueryCacheStats
+
+    monkeypatch.setattr(host_memory, "DEMOTE_HOLD_S", 60.0)
+    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
+    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
+    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
+    victim = _kv(layers=4, n=8)  # 8 arrays: 8 pieces
+
+    async def copies() -> dict:
+        reply: Reply = Reply()
+        await inbox_send.send(QueryCacheStats(reply))
+        return (await reply.wait()).as_dict()["host"]["copies"]
+
+    def moved() -> int:
+        return sum(1 for c in fake.calls if c.op == "prefetch_host")
+
+    fake.gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(owner.run)
+        try:
+            await inbox_send.send(EngineBusy(True))
+            for i, payload in enumerate((victim, _kv(layers=1, n=8))):  # the second pushes the first out of RAM
+                await inbox_send.send(PublishPrefix(tuple(range(i * 100, i * 100 + 8)), "", payload=payload,
+                                                    nbytes=512, trimmable=True, reason="final"))
+            await inbox_send.send(EngineBusy(False))  # idle: the victim's move is issued
+            with trio.fail_after(60):
+                while not fake.entered.is_set():  # its first piece is in flight
+                    await trio.sleep(0.01)
+            await inbox_send.send(EngineBusy(True))  # a decode starts before the move ends
+            await copies()  # (the owner has taken the message)
+            fake.gate.set()
+            await trio.sleep(0.3)
+            assert moved() == 1, "the move went on beside the decode"
+            await inbox_send.send(EngineBusy(False))
+            with trio.fail_after(60):
+                while (await copies())["demotions"] < 1:
+                    await trio.sleep(0.01)
+            done = await copies()
+            assert moved() == 2 * 4 and done["demote_holds"] == 1 and done["demote_held_s"] >= 0.3
+        finally:
+            fake.gate.set()
+        nursery.cancel_scope.cancel()

@@ -444,9 +444,9 @@ class CacheOwnerActor:
         nothing moves. A promotion is issued right here, on its own stream, before the lookup's reply lets
         the engine read the prefix (a first forward pass that faults the pages back instead took 0.28 s on
         an H200, docs/benchmarks.md); a worker thread then times its landing. A demotion runs on a worker
-        thread in pieces; unless device memory is needed now (`urgent`: admission) it holds still while a
-        request waits for its first token or a promotion lands, so a returning conversation's promotion and
-        prefill do not share the link with it. The core asks for a demotion only under memory pressure or
+        thread in pieces; unless device memory is needed now (`urgent`: admission) it holds still while rows
+        decode, a request waits for its first token or a promotion lands, so a returning conversation's
+        promotion, prefill and decode do not share the link with it. The core asks for a demotion only under memory pressure or
         while no row decodes (a migration beside decode cost that row 71-77% of its speed)."""
         if not host_memory.separate_host_memory():
             return
@@ -467,16 +467,25 @@ class CacheOwnerActor:
                 self._nursery.start_soon(self._promotion_landed, promotion)
         elif self._nursery is not None:
             ticket = host_memory.begin_demotion(payload)
-            hold = None if effect.urgent else self._demotion_holds
+            hold = None if effect.urgent else self._idle_demotion_holds if effect.idle else self._demotion_holds
             self._nursery.start_soon(self._demote, payload, hold, ticket)
 
     def _demotion_holds(self) -> bool:
         """(any thread) A request waits for its first token: a demotion not urgent holds still."""
         return self._governor is not None and self._governor.prefilling
 
+    def _idle_demotion_holds(self) -> bool:
+        """(any thread) An idle move also holds still while rows decode. It was issued while the engine was
+        idle, but the next request often comes before it ends (the next decode right after a prompt): the
+        rest of the move waits, as its issue would have, up to the demotion's hold limit (H200: 7.5 GB/s to
+        the host, so one 8k-token checkpoint of the 1.7B shape is 125 ms of migration, and a migration beside
+        decode cost that row 71-77% of its speed). The budget's moves do not wait for decode: it wants the room."""
+        return self._engine_busy or self._demotion_holds()
+
     async def _demote(self, payload: Any, hold: Callable[[], bool] | None, ticket: Any) -> None:
         try:
-            done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
+            done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket,
+                                                         hold_max_s=host_memory.DEMOTE_HOLD_S),
                                                  limiter=self._demote_threads)
         except Exception as exc:  # (e.g. out of memory converting an array) its pages stay where they are
             log.warning("host_cache.demote_failed", error=repr(exc))

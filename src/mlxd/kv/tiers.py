@@ -185,6 +185,9 @@ class Demote:
     # Device memory is needed now (KV admission for rows about to start): the move never holds still for a
     # request's prefill or a promotion, as the budget's and the idle moves do (runtime/host_memory.demote).
     urgent: bool = False
+    # Issued because the engine was idle (`idle_moves`), not for the budget: it also holds still while rows
+    # decode (the next request's decode often starts before it ends), where the budget's wants the room.
+    idle: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -940,12 +943,13 @@ class CacheTiers:
     def _host_device_bytes(self) -> int:
         return self.host.device_bytes if self.host is not None else 0
 
-    def move_to_host(self, nbytes: int | None = None, *, urgent: bool = False) -> list[Effect]:
+    def move_to_host(self, nbytes: int | None = None, *, urgent: bool = False, idle: bool = False) -> list[Effect]:
         """Issue host-tier moves not issued yet, coldest first: at least `nbytes` (None: all). The shell
-        calls it when no row decodes; the budget and admission (`urgent`) call it when device memory is needed."""
+        calls it when no row decodes (`idle_moves`: `idle`); the budget and admission (`urgent`) call it when
+        device memory is needed."""
         if self.host is None:
             return []
-        return [Demote(e, urgent=urgent) for e in self.host.take_moves(nbytes)]
+        return [Demote(e, urgent=urgent, idle=idle) for e in self.host.take_moves(nbytes)]
 
     def idle_moves(self) -> list[Effect]:
         """Host-tier moves worth issuing while no row decodes and none waits: with a measured memory budget,
@@ -958,9 +962,9 @@ class CacheTiers:
         if self.host is None:
             return []
         if self.memory_budget <= 0 or not self._memory.measurements:
-            return self.move_to_host()
+            return self.move_to_host(idle=True)
         need = self.over_budget_bytes + self.idle_headroom_bytes()
-        return self.move_to_host(need) if need > 0 else []
+        return self.move_to_host(need, idle=True) if need > 0 else []
 
     def idle_headroom_bytes(self) -> int:
         """Device memory an idle server keeps free of host-tier entries: the largest entry either tier holds
