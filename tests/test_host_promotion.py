@@ -461,6 +461,7 @@ async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, mo
                     await trio.sleep(0.01)
             done = await copies()
             assert moved() == 2 * 4 and done["demote_holds"] == 1 and done["demote_held_s"] >= 0.3
+            assert done["demote_ranges_ms_max"] > 0  # the first host read's time (on CUDA: GIL held), measured
         finally:
             fake.gate.set()
         nursery.cancel_scope.cancel()

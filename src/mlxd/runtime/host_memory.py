@@ -500,6 +500,9 @@ class Demotion:
     holds: int = 0
     cancelled: bool = False  # a lookup took the entry back before its last piece
     seconds: float = 0.0
+    # Taking the arrays' addresses (the first host read: on CUDA an array computed on the device is converted
+    # to managed memory then, an allocation and a synchronous copy with the GIL held: every thread waits).
+    ranges_s: float = 0.0
 
 
 def promote(payload: Any) -> Promotion:
@@ -597,7 +600,10 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
         # Before the first host read too: on MLX's CUDA backend (0.31+) it converts an array computed on the
         # GPU from device memory to managed memory (an allocation and a synchronous copy, the GIL held).
         hold_still()
-        for address, n in _pieces(_ranges(payload) if not job.cancelled else [], piece or DEMOTE_PIECE):
+        r0 = time.perf_counter()
+        ranges = _ranges(payload) if not job.cancelled else []
+        out.ranges_s = time.perf_counter() - r0
+        for address, n in _pieces(ranges, piece or DEMOTE_PIECE):
             hold_still()
             # One piece at a time across demotions (the lane), and only then this entry's lock: a promotion
             # of this entry waits for at most the piece in flight, never for other entries' pieces.
