@@ -127,6 +127,7 @@ def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Nam
 
             stats = httpx.get(s.base + "/stats", timeout=30).json()
             row["event_loop"], row["gc"] = stats.get("event_loop"), stats.get("gc")
+            row["host_copies"] = ((stats.get("cache") or {}).get("host") or {}).get("copies")  # the moves so far
         row["history"] = hist
         save()
         log(s.name, " ".join(f"{k} {row[k]['ttft_s']:.3f}s/{row[k]['cached_tokens']}" for k in
