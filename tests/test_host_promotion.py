@@ -422,7 +422,12 @@ async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, mo
     from mlxd.actors.cache_owner import CacheOwnerActor
     from mlxd.runtime.config import RuntimeConfig
     from mlxd.runtime.kernel.channels import Reply
-    from mlxd.runtime.kernel.messages import CacheOwnerMessage, EngineBusy, PublishPrefix, QueryCacheStats
+    from mlxd.runtime.kernel.messages import (
+        CacheOwnerMessage,
+        EngineBusy,
+        PublishPrefix,
+        QueryCacheStats,
+    )
 
     monkeypatch.setattr(host_memory, "DEMOTE_HOLD_S", 60.0)
     config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
@@ -447,18 +452,21 @@ async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, mo
                 await inbox_send.send(PublishPrefix(tuple(range(i * 100, i * 100 + 8)), "", payload=payload,
                                                     nbytes=512, trimmable=True, reason="final"))
             await inbox_send.send(EngineBusy(False))  # idle: the victim's move is issued
-            with trio.fail_after(60):
-                while not fake.entered.is_set():  # its first piece is in flight
-                    await trio.sleep(0.01)
+            for _ in range(6000):  # its first piece is in flight
+                if fake.entered.is_set():
+                    break
+                await trio.sleep(0.01)
+            assert fake.entered.is_set()
             await inbox_send.send(EngineBusy(True))  # a decode starts before the move ends
             await copies()  # (the owner has taken the message)
             fake.gate.set()
             await trio.sleep(0.3)
             assert moved() == 1, "the move went on beside the decode"
             await inbox_send.send(EngineBusy(False))
-            with trio.fail_after(60):
-                while (await copies())["demotions"] < 1:
-                    await trio.sleep(0.01)
+            for _ in range(6000):
+                if (await copies())["demotions"] >= 1:
+                    break
+                await trio.sleep(0.01)
             done = await copies()
             assert moved() == 2 * 4 and done["demote_holds"] == 1 and done["demote_held_s"] >= 0.3
             assert done["demote_ranges_ms_max"] > 0  # the first host read's time (on CUDA: GIL held), measured
