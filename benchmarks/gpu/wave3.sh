@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
 #   bash benchmarks/gpu/wave3.sh stephost                          # decode's host cost per step, one process
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
+#   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -113,6 +114,10 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
             phase stephost 150 python3 benchmarks/bench_step_host.py --model $M --repeats 6 --steps 150 --out "$OUT" ${STEPHOST_ARGS:-}
             phase stephostlp 100 python3 benchmarks/bench_step_host.py --model $M --repeats 3 --steps 100 --logprobs 3 \
               --label logprobs --out "$OUT" ;;
+  # Issue 28: the SSD server's prompt checkpoint took 46-152 ms of TTFT (RAM only: 2.5-6 ms): kinds.plan_snapshot
+  # on KV of the 1.7B shape, whole and by part (slice + eval; the memoryviews, first and again; DLPack), no model.
+  plansnap) phase plansnap 90 python3 benchmarks/gpu/time_plan_snapshot.py --tokens 8192 16384 --rounds 3 \
+            --json "$OUT/plan-snapshot-h200.json" ${PLANSNAP_ARGS:-} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
