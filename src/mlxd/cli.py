@@ -344,7 +344,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, level=args.log_level)
     try:
         config = serve_config(args)
-        gc_pauses.freeze_wanted()  # MLXD_GC_FREEZE: a typo is refused before anything loads
+        freeze = gc_pauses.freeze_wanted()  # MLXD_GC_FREEZE: a typo is refused before anything loads
     except ValueError as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +358,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _follow(config)
     refused: list[object] = []
     try:
-        trio.run(_serve_main, config, args)
+        trio.run(_serve_main, config, args, freeze)
     except* (ModelRefused, DirLocked, CannotListen) as group:  # refused at startup: exit 2 with the reason
         refused += _leaves(group)
     except* StorageError as group:  # the SSD tier's directory cannot be made or used (a file there, no access)
@@ -399,7 +399,7 @@ def _follow(config) -> int:
     return 0
 
 
-async def _serve_main(config, args: argparse.Namespace) -> None:
+async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> None:
     import trio
 
     from mlxd.http.app import serve_http
@@ -423,7 +423,7 @@ async def _serve_main(config, args: argparse.Namespace) -> None:
         _warn_if_exposed(args.host, config)
         # Everything start-up made (the model, the imports, the probe's leftovers collected first): no full
         # collection walks it again while serving (runtime/gc_pauses.py; MLXD_GC_FREEZE=0 leaves it).
-        frozen = gc_pauses.freeze_heap() if gc_pauses.freeze_wanted() else None
+        frozen = gc_pauses.freeze_heap() if freeze else None
         if frozen is not None:
             log.info("serve.gc_frozen", **frozen)
         print(f"mlxd: serving {rt.info.model_name} on {' '.join(binds)}", file=sys.stderr, flush=True)

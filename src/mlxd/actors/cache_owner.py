@@ -487,8 +487,7 @@ class CacheOwnerActor:
 
     async def _demote(self, payload: Any, hold: Callable[[], bool] | None, ticket: Any) -> None:
         try:
-            done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket,
-                                                         hold_max_s=host_memory.DEMOTE_HOLD_S),
+            done = await trio.to_thread.run_sync(partial(host_memory.demote, payload, hold=hold, ticket=ticket),
                                                  limiter=self._demote_threads)
         except Exception as exc:  # (e.g. out of memory converting an array) its pages stay where they are
             log.warning("host_cache.demote_failed", error=repr(exc))

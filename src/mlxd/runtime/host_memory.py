@@ -564,7 +564,7 @@ def end_demotion(payload: Any, job: _Demoting | None) -> None:
             del _demoting[id(payload)]
 
 
-def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: float = DEMOTE_HOLD_S,
+def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: float | None = None,
            piece: int | None = None, ticket: _Demoting | None = None) -> Demotion:
     """Move a host-tier entry's pages to host memory (a worker thread: each piece runs in this thread).
 
@@ -582,7 +582,9 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
     assert job is not None
     # A demotion decided earlier (`ticket`) waited for its worker meanwhile (one at a time, the cache owner):
     # that wait counts against its hold, so demotions queued together hold still about as long as one.
-    limit = hold_max_s - (max(0.0, t0 - job.decided) if ticket is not None else 0.0)
+    # (None: `DEMOTE_HOLD_S` as it is now, not as it was when this module was loaded)
+    limit = (DEMOTE_HOLD_S if hold_max_s is None else hold_max_s) - (
+        max(0.0, t0 - job.decided) if ticket is not None else 0.0)
 
     def hold_still() -> None:
         if hold is None or job.cancelled:
