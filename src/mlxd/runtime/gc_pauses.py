@@ -4,7 +4,7 @@ A full collection (generation 2) walks every container object the process holds,
 all along: every thread stops, the engine between two steps and the event loop before it reads a
 request. A started server holds about 133,000 of them, nearly all from start-up (mlx-lm, the
 tokenizer, Quart, the model's modules); on this project's 2-core CPU machines one full collection
-took 58-88 ms, and while serving one came about once per thousand requests, on whichever thread
+took 58-88 ms, and while serving one came after 570-640 requests (two runs), on whichever thread
 allocated last (docs/benchmarks.md, "Garbage-collector pauses"). `freeze_heap` moves everything
 alive after start-up into the permanent generation (`gc.freeze`), which collections skip: a full
 collection then walks only what serving created since (3.5 ms against 73 ms in that run). vLLM
