@@ -107,25 +107,58 @@ def test_a_promotion_stops_its_own_entry_s_demotion_between_pieces(fake):
     pt.join(60)
     d, p = box["out"], pbox["out"]
     assert d.cancelled and d.pieces == 1 and d.nbytes == piece < _bytes(payload)
-    assert p.cancelled_demotion and p.nbytes == _bytes(payload)
+    # Back: the one array it had converted (the rest never left the device, and are not converted now).
+    assert p.cancelled_demotion and p.nbytes == payload[0].keys.nbytes < _bytes(payload) and p.calls == 1
     first_piece = next(c for c in fake.calls if c.op == "prefetch_host")
     assert all(c.issued >= first_piece.ends for c in fake.calls if c.op == "prefetch_device")
     assert not host_memory._demoting  # nothing left registered
 
 
-def test_a_demotion_decided_before_its_thread_runs_is_stopped_by_a_promotion_in_between(fake):
+def _reads(monkeypatch) -> list:
+    """The arrays whose address is taken from now on (each one's first host read converts it on CUDA)."""
+    read: list = []
+    range_of = host_memory._range_of
+    monkeypatch.setattr(host_memory, "_range_of", lambda a: read.append(a) or range_of(a))
+    return read
+
+
+def test_a_demotion_decided_before_its_thread_runs_is_stopped_by_a_promotion_in_between(fake, monkeypatch):
     payload = _kv()
+    read = _reads(monkeypatch)
     ticket = host_memory.begin_demotion(payload)
-    host_memory.promote(payload)  # the lookup came first
+    p = host_memory.promote(payload)  # the lookup came first
+    # Nothing had left the device: the promotion neither converts the arrays nor calls CUDA at all.
+    assert p.nbytes == 0 and p.cancelled_demotion and not read and not fake.calls and not fake._events
     d = host_memory.demote(payload, ticket=ticket)
-    assert d.cancelled and d.nbytes == 0 and not [c for c in fake.calls if c.op == "prefetch_host"]
+    assert d.cancelled and d.nbytes == 0 and not [c for c in fake.calls if c.op == "prefetch_host"] and not read
+
+
+def test_a_demotion_converts_one_array_at_a_time_holding_still_between(fake, monkeypatch):
+    """Each array's first host read converts it with the GIL held (157-200 ms for a whole 16k-token entry of
+    the 1.7B shape at once on an H100): a request that comes mid-demotion waits for one array, not all."""
+    payload = _kv(layers=4)
+    read = _reads(monkeypatch)
+    waiting = threading.Event()
+    fake.gate = threading.Event()
+    t, box = _thread(host_memory.demote, payload, hold=waiting.is_set, hold_max_s=60)
+    assert fake.entered.wait(60)  # the first array converted, its first piece moving
+    waiting.set()  # a request now waits for its first token
+    fake.gate.set()
+    time.sleep(0.1)
+    assert t.is_alive() and read == [payload[0].keys]  # held still before converting the next array
+    p = host_memory.promote(payload)  # the request is this entry's: it stops the demotion
+    t.join(60)
+    d = box["out"]
+    assert d.cancelled and d.nbytes == payload[0].keys.nbytes and read == [payload[0].keys]
+    assert p.nbytes == payload[0].keys.nbytes and p.calls == 1
+    assert 0 < d.convert_max_s <= d.ranges_s
+    whole = host_memory.demote(_kv(layers=2))
+    assert whole.nbytes == _bytes(_kv(layers=2)) and len(read) == 1 + 4  # every array, once each
 
 
 def test_a_demotion_holds_while_asked_then_goes_and_never_holds_past_its_limit(fake, monkeypatch):
     payload = _kv()
-    read = []  # the first host read of an array converts it on MLX's CUDA backend: that waits too
-    ranges = host_memory._ranges
-    monkeypatch.setattr(host_memory, "_ranges", lambda p: read.append(p) or ranges(p))
+    read = _reads(monkeypatch)  # the first host read of an array converts it on MLX's CUDA backend: that waits too
     waiting, asked = threading.Event(), threading.Event()
     waiting.set()
 
@@ -396,7 +429,7 @@ async def test_a_move_that_raises_is_counted_and_the_cache_owner_serves_on(fake,
     a, b = tuple(range(8)), tuple(range(100, 108))
     async with trio.open_nursery() as nursery:
         await nursery.start(owner.run)
-        monkeypatch.setattr(host_memory, "_ranges", boom)
+        monkeypatch.setattr(host_memory, "_range_of", boom)
         for t in (a, b):  # a goes to the host tier and moves (idle): its demotion raises
             await inbox_send.send(PublishPrefix(t, "", payload=_kv(layers=1, n=8), nbytes=512, trimmable=True,
                                                 reason="final"))

@@ -110,9 +110,12 @@ class _Copies:
     demote_held_s: float = 0.0
     demotions_stopped: int = 0
     demote_gb_s_last: float | None = None
-    # The longest first host read of a demotion (runtime/host_memory.Demotion.ranges_s): on CUDA the arrays'
-    # conversion to managed memory, with the GIL held, so every thread (the event loop too) waits that long.
+    # The longest first host read of a demotion, all its arrays (runtime/host_memory.Demotion.ranges_s): on CUDA
+    # their conversion to managed memory, each with the GIL held, so every thread (the event loop too) waits.
     demote_ranges_ms_max: float = 0.0
+    # The longest one array's conversion (a demotion converts one array at a time, holding still between):
+    # the longest the GIL is held by a demotion's host reads.
+    demote_convert_ms_max: float = 0.0
     move_failures: int = 0  # a promotion or demotion that raised (logged; the cache owner serves on)
 
 
@@ -505,6 +508,7 @@ class CacheOwnerActor:
         if done.nbytes and done.seconds > 0:
             c.demote_gb_s_last = round(done.nbytes / done.seconds / 1e9, 3)
         c.demote_ranges_ms_max = max(c.demote_ranges_ms_max, round(done.ranges_s * 1e3, 3))
+        c.demote_convert_ms_max = max(c.demote_convert_ms_max, round(done.convert_max_s * 1e3, 3))
 
     async def _promotion_landed(self, promotion: host_memory.Promotion) -> None:
         await trio.to_thread.run_sync(promotion.wait)

@@ -414,22 +414,32 @@ def arrays_of(payload: Any) -> list[Any]:
     return found
 
 
+def _range_of(array: Any) -> tuple[int, int] | None:
+    """(address, nbytes) of one array's whole (contiguous) buffer; None for a strided view (its owner is
+    walked too) or an empty one. On MLX's CUDA backend (0.31+) the first host read of an array computed on
+    the GPU converts it from device memory to managed memory (`Buffer::raw_ptr`: an allocation and a
+    synchronous copy, with the GIL held: every thread waits); after that it costs nothing."""
+    try:
+        b = np.frombuffer(array, dtype=np.uint8)
+    except (ValueError, TypeError, BufferError):
+        return None
+    return (b.ctypes.data, b.nbytes) if b.nbytes else None
+
+
 def _ranges(payload: Any) -> list[tuple[int, int]]:
     """(address, nbytes) of a payload's arrays, in the order the forward pass reads them (layer by layer);
-    ranges that follow each other in memory are one range (one call)."""
+    ranges that follow each other in memory are one range (one call). Converts every array not yet
+    converted (`_range_of`): serving calls it only for a payload whose demotion already converted it."""
     out: list[tuple[int, int]] = []
     for a in arrays_of(payload):
-        try:
-            b = np.frombuffer(a, dtype=np.uint8)  # the whole (contiguous) buffer; no host access
-        except (ValueError, TypeError, BufferError):
-            continue  # a strided view: its owner is walked too, or it is left where it is
-        if not b.nbytes:
+        span = _range_of(a)
+        if span is None:
             continue
-        address = b.ctypes.data
+        address, n = span
         if out and out[-1][0] + out[-1][1] == address:
-            out[-1] = (out[-1][0], out[-1][1] + b.nbytes)
+            out[-1] = (out[-1][0], out[-1][1] + n)
         else:
-            out.append((address, b.nbytes))
+            out.append(span)
     return out
 
 
@@ -450,9 +460,12 @@ DEMOTE_HOLD_S = 2.0
 
 @attrs.define(eq=False)
 class _Demoting:
-    lock: threading.Lock = attrs.Factory(threading.Lock)  # held while a piece moves
+    lock: threading.Lock = attrs.Factory(threading.Lock)  # held while an array converts or a piece moves
     cancelled: bool = False
     decided: float = attrs.Factory(time.perf_counter)  # a queued demotion's hold counts from here
+    # The arrays converted so far (their ranges, under `lock`): only these can have left the device, so a
+    # promotion that stops this demotion moves back these and converts none of the rest.
+    moved: list[tuple[int, int]] = attrs.Factory(list)
 
 
 _demoting: dict[int, _Demoting] = {}  # id(payload) -> its demotion in progress
@@ -502,15 +515,18 @@ class Demotion:
     seconds: float = 0.0
     # Taking the arrays' addresses (the first host read: on CUDA an array computed on the device is converted
     # to managed memory then, an allocation and a synchronous copy with the GIL held: every thread waits).
-    ranges_s: float = 0.0
+    ranges_s: float = 0.0  # all of its arrays
+    convert_max_s: float = 0.0  # the longest one array's (one array at a time: the longest the GIL is held)
 
 
 def promote(payload: Any) -> Promotion:
     """Start a host-tier entry's pages back to the device: one prefetch per contiguous range, in layer order,
     on the promote lane (never behind a demotion or a staging copy), and return at once. Serving issues it
     in the lookup, before the reply lets the engine read the prefix; the first forward pass then runs while
-    the pages arrive. A demotion of the same entry still moving pieces stops first (at most one piece).
-    A no-op on unified memory (nbytes 0)."""
+    the pages arrive. A demotion of the same entry still under way stops first (after at most the array
+    converting or the piece in flight), and only the arrays it converted come back: the rest never left the
+    device, and converting them here, on the event loop with the GIL held, took 111-132 ms of a returning
+    turn's lookup on an H100 (docs/benchmarks.md). A no-op on unified memory (nbytes 0)."""
     t0 = time.perf_counter()
     cuda = _runtime()
     if cuda is None or payload is None:
@@ -519,17 +535,20 @@ def promote(payload: Any) -> Promotion:
         job = _demoting.get(id(payload))
     if job is not None:
         job.cancelled = True
-        with job.lock:  # the piece in flight lands first; its pages then come back with the rest
-            pass
-    ranges = _ranges(payload)
+        with job.lock:  # the array converting or the piece in flight lands first
+            ranges = list(job.moved)  # what it converted (the rest never left the device): no conversion here
+    else:
+        ranges = _ranges(payload)  # demoted whole: converted already, addresses only
     t1 = time.perf_counter()
+    if not ranges:  # its demotion had converted nothing yet: every page is still on the device
+        return Promotion(issue_s=t1 - t0, issued_at=t1, cancelled_demotion=job is not None)
     with cuda.promotions.lock:  # (the events bracket this promotion's prefetches only)
         start = cuda.mark(cuda.promotions)
         nbytes = cuda.prefetch(ranges, to_host=False, lane=cuda.promotions)
         end = cuda.mark(cuda.promotions) if start is not None else None
     t2 = time.perf_counter()
     events = (start, end) if start is not None and end is not None and nbytes else None
-    if events is None:  # nothing to time (no pages, or every prefetch failed): no one waits to free them
+    if events is None:  # nothing to time (every prefetch failed): no one waits to free them
         for event in (start, end):
             if event is not None:
                 cuda._lib.cudaEventDestroy(event)
@@ -568,10 +587,12 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
            piece: int | None = None, ticket: _Demoting | None = None) -> Demotion:
     """Move a host-tier entry's pages to host memory (a worker thread: each piece runs in this thread).
 
-    Pieces of `piece` bytes, each waited, on the demote lane. Before each piece the demotion holds still
-    while `hold()` says so or a promotion is landing (at most `hold_max_s` in all): a migration beside a
-    request's prefill or a promotion competes with them for the same link and driver (None: no hold, device
-    memory is needed now). A promotion of the same entry stops it between pieces (`cancelled`); `ticket`:
+    Array by array, in layer order: its address taken (on CUDA its conversion to managed memory), then its
+    pages in pieces of `piece` bytes, each waited, on the demote lane. Before each array and each piece the
+    demotion holds still while `hold()` says so or a promotion is landing (at most `hold_max_s` in all): a
+    migration beside a request's prefill or a promotion competes with them for the same link and driver
+    (None: no hold, device memory is needed now). A promotion of the same entry stops it between arrays or
+    pieces (`cancelled`; it then moves back only the arrays converted so far); `ticket`:
     from `begin_demotion`, when the demotion was decided on another thread. A no-op on unified memory."""
     out = Demotion()
     cuda = _runtime()
@@ -599,22 +620,32 @@ def demote(payload: Any, *, hold: Callable[[], bool] | None = None, hold_max_s: 
             out.held_s += time.perf_counter() - h0
 
     try:
-        # Before the first host read too: on MLX's CUDA backend (0.31+) it converts an array computed on the
-        # GPU from device memory to managed memory (an allocation and a synchronous copy, the GIL held).
-        hold_still()
-        r0 = time.perf_counter()
-        ranges = _ranges(payload) if not job.cancelled else []
-        out.ranges_s = time.perf_counter() - r0
-        for address, n in _pieces(ranges, piece or DEMOTE_PIECE):
+        # One array at a time, holding still before each: its first host read converts it (`_range_of`, the
+        # GIL held), so converting a whole 16k-token entry of the 1.7B shape at once held every thread for
+        # 157-200 ms (an H100, 2026-12-05), the event loop too, right when the next request came.
+        for array in arrays_of(payload):
             hold_still()
-            # One piece at a time across demotions (the lane), and only then this entry's lock: a promotion
-            # of this entry waits for at most the piece in flight, never for other entries' pieces.
-            with cuda.demotions.lock, job.lock:
+            with job.lock:
                 if job.cancelled:
                     break
-                out.nbytes += cuda.prefetch([(address, n)], to_host=True, lane=cuda.demotions)
-                cuda.sync(cuda.demotions)
-                out.pieces += 1
+                r0 = time.perf_counter()
+                span = _range_of(array)
+                took = time.perf_counter() - r0
+                out.ranges_s += took
+                out.convert_max_s = max(out.convert_max_s, took)
+                if span is None:
+                    continue
+                job.moved.append(span)
+            for address, n in _pieces([span], piece or DEMOTE_PIECE):
+                hold_still()
+                # One piece at a time across demotions (the lane), and only then this entry's lock: a promotion
+                # of this entry waits for at most the piece in flight, never for other entries' pieces.
+                with cuda.demotions.lock, job.lock:
+                    if job.cancelled:
+                        break
+                    out.nbytes += cuda.prefetch([(address, n)], to_host=True, lane=cuda.demotions)
+                    cuda.sync(cuda.demotions)
+                    out.pieces += 1
         out.cancelled = job.cancelled
     finally:
         end_demotion(payload, job)
