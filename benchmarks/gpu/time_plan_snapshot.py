@@ -64,7 +64,8 @@ def caches_of(tokens: int, dtype: Any) -> list[Any]:
         v = mx.random.normal((1, KV_HEADS, tokens, HEAD_DIM)).astype(dtype)
         c.update_and_fetch(k, v)
         # One more token, as a decoded or next-turn row's cache has: the buffer grows a step (256) past its
-        # length, so the plan's slice to `offset` is a real copy, as in serving.
+        # length, so the plan slices it to `offset`, as in serving. That slice is a view (`kinds._token_slice`),
+        # so its memoryview converts the whole shared buffer: the live cache's, in serving.
         c.update_and_fetch(k[:, :, :1], v[:, :, :1])
         out.append(c)
     mx.eval([c.state for c in out])
