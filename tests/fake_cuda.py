@@ -45,6 +45,9 @@ class FakeCudaLib:
         # one in flight would; `entered` says a thread is in it.
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
+        # While `device_gate` is clear, a migration to the device waits inside the call too, as one issued
+        # while the driver finishes another thread's migration does (an H100: 299 ms).
+        self.device_gate: threading.Event | None = None
         self._busy: dict[int, float] = {}  # stream -> when its queued work ends (perf_counter)
         self._events: dict[int, float] = {}  # event -> when its stream reaches it
         self._next = 1
@@ -75,6 +78,8 @@ class FakeCudaLib:
             _sleep_until(end)
             self._record("prefetch_host", stream, nbytes, start, end)
         else:
+            if self.device_gate is not None:
+                self.device_gate.wait()
             start, end = self._queue(stream, nbytes / self.to_device_Bps)
             self._record("prefetch_device", stream, nbytes, start, end)
         return 0

@@ -290,7 +290,7 @@ class CacheOwnerActor:
             task_status.started()
             async with self._inbox:
                 async for msg in self._inbox:
-                    self._handle_safely(msg)
+                    await self._handle_safely(msg)
                     if self._may_move_pages():
                         self._apply(self.tiers.idle_moves())
                     self._note_pins(msg)
@@ -298,30 +298,60 @@ class CacheOwnerActor:
                     self._report_shards()
             nursery.cancel_scope.cancel()
 
-    def _handle_safely(self, msg: CacheOwnerMessage) -> None:
+    async def _handle_safely(self, msg: CacheOwnerMessage) -> None:
         try:
-            self._handle(msg)
+            if isinstance(msg, LookupPrefix):
+                await self._lookup(msg)
+            else:
+                self._handle(msg)
         except Exception as exc:  # one bad message fails its own reply, not the runtime
             log.exception("cache.handler_failed", message=type(msg).__name__)
             reply = getattr(msg, "reply", None)
             if reply is not None:
                 reply.fail(exc)
 
+    async def _lookup(self, msg: LookupPrefix) -> None:
+        tiers = self.tiers
+        lookup = tiers.lookup(msg.tokens, msg.namespace, session=msg.session)
+        cuts = tiers.pinned_cuts(msg.tokens, msg.namespace, lookup)
+        if cuts:
+            lookup = attrs.evolve(lookup, checkpoint_at=cuts)
+        # A promotion's pages start back to the device before the reply lets the engine read them, and before
+        # the demotions it caused start; then the budget: after the lookup, its hit is the most recently used.
+        effects = tiers.take_effects()
+        for effect in effects:
+            if isinstance(effect, Promote) and host_memory.separate_host_memory():
+                await self._promote(effect.entry.payload)
+        self._apply([e for e in effects if not isinstance(e, Promote)])
+        if self._promotion is not None:
+            lookup, self._promotion = attrs.evolve(lookup, promotion=self._promotion), None
+        msg.reply.send(lookup)
+        self._apply(tiers.check_budget())
+
+    async def _promote(self, payload: Any) -> None:
+        """Issue a lookup's promotion on a worker thread: its runtime calls can wait in the driver for another
+        thread's migration (a promotion's prefetch waited 299 ms behind a demotion's on an H100, 2026-12-05),
+        and on the event loop that stopped every request's stream; the reply still waits for the issue."""
+        try:
+            promotion = await trio.to_thread.run_sync(host_memory.promote, payload)
+        except Exception as exc:  # (e.g. out of memory converting an array) its pages fault back instead
+            log.warning("host_cache.promote_failed", error=repr(exc))
+            self._copies.move_failures += 1
+            return
+        self._promoted(promotion)
+
+    def _promoted(self, promotion: host_memory.Promotion) -> None:
+        self._promotion = promotion
+        c = self._copies
+        c.promotions += 1
+        c.promote_issue_ms_last = round(promotion.issue_s * 1000, 3)
+        c.promoted_demotions_stopped += promotion.cancelled_demotion
+        if self._nursery is not None and promotion.nbytes:
+            self._nursery.start_soon(self._promotion_landed, promotion)
+
     def _handle(self, msg: CacheOwnerMessage) -> None:
         tiers = self.tiers
-        if isinstance(msg, LookupPrefix):
-            lookup = tiers.lookup(msg.tokens, msg.namespace, session=msg.session)
-            cuts = tiers.pinned_cuts(msg.tokens, msg.namespace, lookup)
-            if cuts:
-                lookup = attrs.evolve(lookup, checkpoint_at=cuts)
-            # A promotion's pages start back to the device before the reply lets the engine read them;
-            # then the budget: after the lookup, its hit is the most recently used.
-            self._apply(tiers.take_effects())
-            if self._promotion is not None:
-                lookup, self._promotion = attrs.evolve(lookup, promotion=self._promotion), None
-            msg.reply.send(lookup)
-            self._apply(tiers.check_budget())
-        elif isinstance(msg, PrefetchHint):
+        if isinstance(msg, PrefetchHint):
             match = tiers.prefetch_match(msg.tokens, msg.namespace)
             if match is not None and self._prefetcher is not None:
                 try:  # a hint: dropped when the prefetcher is busy
@@ -447,8 +477,8 @@ class CacheOwnerActor:
 
     def _move_pages(self, effect: Demote | Promote) -> None:
         """A host-tier move: on CUDA the entry's pages migrate in bulk (runtime/host_memory.py); elsewhere
-        nothing moves. A promotion is issued right here, on its own stream, before the lookup's reply lets
-        the engine read the prefix (a first forward pass that faults the pages back instead took 0.28 s on
+        nothing moves. A promotion is issued on its own stream before the lookup's reply lets the engine
+        read the prefix (`_lookup` issues it on a worker thread, before the demotions it caused start) (a first forward pass that faults the pages back instead took 0.28 s on
         an H200, docs/benchmarks.md); a worker thread then times its landing. A demotion runs on a worker
         thread in pieces; unless device memory is needed now (`urgent`: admission) it holds still while rows
         decode, a request waits for its first token or a promotion lands, so a returning conversation's
@@ -457,20 +487,14 @@ class CacheOwnerActor:
         if not host_memory.separate_host_memory():
             return
         payload = effect.entry.payload
-        if isinstance(effect, Promote):
+        if isinstance(effect, Promote):  # (a lookup issues its own on a worker thread: `_lookup`)
             try:
                 promotion = host_memory.promote(payload)
             except Exception as exc:  # (e.g. out of memory converting an array) its pages fault back instead
                 log.warning("host_cache.promote_failed", error=repr(exc))
                 self._copies.move_failures += 1
                 return
-            self._promotion = promotion
-            c = self._copies
-            c.promotions += 1
-            c.promote_issue_ms_last = round(promotion.issue_s * 1000, 3)
-            c.promoted_demotions_stopped += promotion.cancelled_demotion
-            if self._nursery is not None and promotion.nbytes:
-                self._nursery.start_soon(self._promotion_landed, promotion)
+            self._promoted(promotion)
         elif self._nursery is not None:
             ticket = host_memory.begin_demotion(payload)
             hold = None if effect.urgent else self._idle_demotion_holds if effect.idle else self._demotion_holds
