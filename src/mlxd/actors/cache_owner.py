@@ -446,8 +446,10 @@ class CacheOwnerActor:
                 log.warning("ssd.not_stored", tokens=len(effect.tokens), nbytes=effect.nbytes, reason=effect.reason)
                 if self._durability is not None:
                     self._durability.send_nowait(MarkNotStored(effect.namespace, tuple(effect.tokens), effect.reason))
-            elif isinstance(effect, Demote | Promote):
-                self._move_pages(effect)
+            elif isinstance(effect, Demote):
+                self._start_demotion(effect)
+            elif isinstance(effect, Promote):  # (only a lookup makes one, and issues it itself: `_lookup`)
+                raise AssertionError("a promotion is issued by its lookup")
             elif isinstance(effect, Unlink):
                 if self._store is None or self._nursery is None or effect.record.path is None:
                     continue
@@ -475,27 +477,19 @@ class CacheOwnerActor:
         if self._guard.unlink(effect.record.path) and effect.garbage:
             self._store.blocks.collect(effect.garbage)
 
-    def _move_pages(self, effect: Demote | Promote) -> None:
-        """A host-tier move: on CUDA the entry's pages migrate in bulk (runtime/host_memory.py); elsewhere
-        nothing moves. A promotion is issued on its own stream before the lookup's reply lets the engine
-        read the prefix (`_lookup` issues it on a worker thread, before the demotions it caused start) (a first forward pass that faults the pages back instead took 0.28 s on
-        an H200, docs/benchmarks.md); a worker thread then times its landing. A demotion runs on a worker
-        thread in pieces; unless device memory is needed now (`urgent`: admission) it holds still while rows
-        decode, a request waits for its first token or a promotion lands, so a returning conversation's
-        promotion, prefill and decode do not share the link with it. The core asks for a demotion only under memory pressure or
-        while no row decodes (a migration beside decode cost that row 71-77% of its speed)."""
+    def _start_demotion(self, effect: Demote) -> None:
+        """A demotion: on CUDA the entry's pages migrate to host memory in bulk (runtime/host_memory.py);
+        elsewhere nothing moves. (A promotion is issued by its lookup, `_lookup`, before the reply lets the
+        engine read the prefix: a first forward pass that faults the pages back instead took 0.28 s on an H200,
+        docs/benchmarks.md.) A demotion runs on a worker thread in pieces; unless device memory is needed now
+        (`urgent`: admission) it holds still while rows decode, a request waits for its first token or a
+        promotion lands, so a returning conversation's promotion, prefill and decode do not share the link
+        with it. The core asks for a demotion only under memory pressure or while no row decodes (a migration
+        beside decode cost that row 71-77% of its speed)."""
         if not host_memory.separate_host_memory():
             return
         payload = effect.entry.payload
-        if isinstance(effect, Promote):  # (a lookup issues its own on a worker thread: `_lookup`)
-            try:
-                promotion = host_memory.promote(payload)
-            except Exception as exc:  # (e.g. out of memory converting an array) its pages fault back instead
-                log.warning("host_cache.promote_failed", error=repr(exc))
-                self._copies.move_failures += 1
-                return
-            self._promoted(promotion)
-        elif self._nursery is not None:
+        if self._nursery is not None:
             ticket = host_memory.begin_demotion(payload)
             hold = None if effect.urgent else self._idle_demotion_holds if effect.idle else self._demotion_holds
             self._nursery.start_soon(self._demote, payload, hold, ticket)
