@@ -400,49 +400,57 @@ def test_a_promotion_with_nothing_to_move_keeps_no_cuda_events(fake):
     assert not fake._events
 
 
-async def test_a_move_that_raises_is_counted_and_the_cache_owner_serves_on(fake, monkeypatch):
-    """A promotion (trio thread) or demotion (worker) that raises, e.g. out of memory converting an array on
-    MLX's CUDA backend under the very pressure that demotes, must not take the cache owner down."""
+async def _with_the_first_on_the_host(copies_key: str, body) -> None:
+    """A cache owner (host tier on, its RAM tier room for one entry) given two entries: the first goes to the
+    host tier, its move issued once the owner is idle. Once `/stats`' host copies count `copies_key` >= 1,
+    `await body(ask, tokens of the first, nursery)`; then the owner stops, leaving no demotion registered."""
     import trio
 
     from mlxd.actors.cache_owner import CacheOwnerActor
     from mlxd.runtime.config import RuntimeConfig
     from mlxd.runtime.kernel.channels import Reply
-    from mlxd.runtime.kernel.messages import (
-        CacheOwnerMessage,
-        LookupPrefix,
-        PublishPrefix,
-        QueryCacheStats,
-    )
-
-    async def ask(channel, make):
-        reply: Reply = Reply()
-        await channel.send(make(reply))
-        return await reply.wait()
-
-    def boom(payload):
-        raise RuntimeError("[malloc] out of memory")
+    from mlxd.runtime.kernel.messages import CacheOwnerMessage, PublishPrefix, QueryCacheStats
 
     config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
     inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
     owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
+
+    async def ask(make):
+        reply: Reply = Reply()
+        await inbox_send.send(make(reply))
+        return await reply.wait()
+
     a, b = tuple(range(8)), tuple(range(100, 108))
     async with trio.open_nursery() as nursery:
         await nursery.start(owner.run)
-        monkeypatch.setattr(host_memory, "_range_of", boom)
-        for t in (a, b):  # a goes to the host tier and moves (idle): its demotion raises
+        for t in (a, b):
             await inbox_send.send(PublishPrefix(t, "", payload=_kv(layers=1, n=8), nbytes=512, trimmable=True,
                                                 reason="final"))
         for _ in range(3000):
-            if (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]["move_failures"] >= 1:
+            if (await ask(QueryCacheStats)).as_dict()["host"]["copies"][copies_key] >= 1:
                 break
             await trio.sleep(0.01)
-        lookup = await ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))  # its promotion raises
-        assert lookup.hit is not None and lookup.hit.usable == 8
-        copies = (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]
-        assert copies["move_failures"] == 2 and copies["demotions"] == 0
+        await body(ask, a, nursery)
         nursery.cancel_scope.cancel()
     assert not host_memory._demoting
+
+
+async def test_a_move_that_raises_is_counted_and_the_cache_owner_serves_on(fake, monkeypatch):
+    """A promotion or demotion (worker threads both) that raises, e.g. out of memory converting an array on
+    MLX's CUDA backend under the very pressure that demotes, must not take the cache owner down."""
+    from mlxd.runtime.kernel.messages import LookupPrefix, QueryCacheStats
+
+    def boom(payload):
+        raise RuntimeError("[malloc] out of memory")
+
+    async def body(ask, a, nursery) -> None:
+        lookup = await ask(lambda r: LookupPrefix(a + (1,), "", r))  # its promotion raises
+        assert lookup.hit is not None and lookup.hit.usable == 8
+        copies = (await ask(QueryCacheStats)).as_dict()["host"]["copies"]
+        assert copies["move_failures"] == 2 and copies["demotions"] == 0
+
+    monkeypatch.setattr(host_memory, "_range_of", boom)  # the first's demotion raises
+    await _with_the_first_on_the_host("move_failures", body)
 
 
 async def test_a_promotion_waiting_in_the_driver_leaves_the_event_loop_serving(fake):
@@ -451,34 +459,9 @@ async def test_a_promotion_waiting_in_the_driver_leaves_the_event_loop_serving(f
     rest of the server runs meanwhile."""
     import trio
 
-    from mlxd.actors.cache_owner import CacheOwnerActor
-    from mlxd.runtime.config import RuntimeConfig
-    from mlxd.runtime.kernel.channels import Reply
-    from mlxd.runtime.kernel.messages import (
-        CacheOwnerMessage,
-        LookupPrefix,
-        PublishPrefix,
-        QueryCacheStats,
-    )
+    from mlxd.runtime.kernel.messages import LookupPrefix, QueryCacheStats
 
-    async def ask(channel, make):
-        reply: Reply = Reply()
-        await channel.send(make(reply))
-        return await reply.wait()
-
-    config = RuntimeConfig(prompt_cache_bytes=600, host_cache_bytes=1 << 30)
-    inbox_send, inbox = trio.open_memory_channel[CacheOwnerMessage](16)
-    owner = CacheOwnerActor(config, inbox=inbox, host_tier=True)
-    a, b = tuple(range(8)), tuple(range(100, 108))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(owner.run)
-        for t in (a, b):  # a goes to the host tier and moves (idle)
-            await inbox_send.send(PublishPrefix(t, "", payload=_kv(layers=1, n=8), nbytes=512, trimmable=True,
-                                                reason="final"))
-        for _ in range(3000):
-            if (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]["demotions"] >= 1:
-                break
-            await trio.sleep(0.01)
+    async def body(ask, a, nursery) -> None:
         fake.device_gate = threading.Event()
         # (released by a timer: before, the event loop itself waited in the call, and nothing of ours could run)
         release = threading.Timer(1.0, fake.device_gate.set)
@@ -486,7 +469,7 @@ async def test_a_promotion_waiting_in_the_driver_leaves_the_event_loop_serving(f
         ticks, answered = 0, trio.Event()
 
         async def lookup() -> None:
-            hit = await ask(inbox_send, lambda r: LookupPrefix(a + (1,), "", r))
+            hit = await ask(lambda r: LookupPrefix(a + (1,), "", r))
             assert hit.hit is not None and hit.hit.usable == 8 and hit.promotion is not None
             answered.set()
 
@@ -497,10 +480,10 @@ async def test_a_promotion_waiting_in_the_driver_leaves_the_event_loop_serving(f
         release.join()
         assert ticks >= 20  # the event loop went on (~100 ticks of 10 ms in the second the call waited)
         assert [c for c in fake.calls if c.op == "prefetch_device"]
-        copies = (await ask(inbox_send, QueryCacheStats)).as_dict()["host"]["copies"]
+        copies = (await ask(QueryCacheStats)).as_dict()["host"]["copies"]
         assert copies["promotions"] == 1 and copies["promote_issue_ms_last"] >= 500
-        nursery.cancel_scope.cancel()
-    assert not host_memory._demoting
+
+    await _with_the_first_on_the_host("demotions", body)
 
 
 async def test_a_demotion_begun_while_idle_holds_still_once_rows_decode(fake, monkeypatch):
