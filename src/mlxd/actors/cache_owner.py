@@ -338,9 +338,6 @@ class CacheOwnerActor:
             log.warning("host_cache.promote_failed", error=repr(exc))
             self._copies.move_failures += 1
             return
-        self._promoted(promotion)
-
-    def _promoted(self, promotion: host_memory.Promotion) -> None:
         self._promotion = promotion
         c = self._copies
         c.promotions += 1
