@@ -48,6 +48,7 @@ class FakeCudaLib:
         # While `device_gate` is clear, a migration to the device waits inside the call too, as one issued
         # while the driver finishes another thread's migration does (an H100: 299 ms).
         self.device_gate: threading.Event | None = None
+        self.entered_device = threading.Event()  # a thread is in a migration to the device
         self._busy: dict[int, float] = {}  # stream -> when its queued work ends (perf_counter)
         self._events: dict[int, float] = {}  # event -> when its stream reaches it
         self._next = 1
@@ -78,6 +79,7 @@ class FakeCudaLib:
             _sleep_until(end)
             self._record("prefetch_host", stream, nbytes, start, end)
         else:
+            self.entered_device.set()
             if self.device_gate is not None:
                 self.device_gate.wait()
             start, end = self._queue(stream, nbytes / self.to_device_Bps)
