@@ -3,6 +3,7 @@ import mlxd  # preloads OpenBLAS before mlx  # noqa: F401, I001
 import os
 from pathlib import Path
 
+import httpx._transports.default as httpx_default
 import pytest
 
 from mlxd.model import build_model, load_model
@@ -16,6 +17,20 @@ os.environ.setdefault("MLXD_RESTORE_CHOICE", "always")
 # costly as the target) the gate would never let a step verify (engine/speculative.py's
 # draft_ceiling). Priced free here; tests of that ceiling set it themselves.
 os.environ.setdefault("MLXD_DRAFT_COST", "0")
+
+# Every httpx client (each `httpx.get`, each `openai.OpenAI()`) builds a default SSL context by
+# loading certifi's bundle: ~100 ms of CPU each on these machines, though every test talks plain
+# HTTP over loopback. The fuzz alone made ~1,900 of them. Built once per test process instead.
+_default_ssl_context = httpx_default.create_ssl_context()
+
+
+def _shared_ssl_context(verify=True, cert=None, trust_env=True):  # httpx's own signature
+    if verify is True and cert is None:
+        return _default_ssl_context
+    return _create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+_create_ssl_context, httpx_default.create_ssl_context = httpx_default.create_ssl_context, _shared_ssl_context
 
 
 @pytest.fixture(scope="session")
