@@ -77,7 +77,8 @@ async def test_a_burst_waits_for_room_and_none_fails(tiny_model_dir):
         assert kv.admitted == 4 and kv.waited >= 3 and kv.refused == 0
         # Never two prefills at once: a row's prefill working memory leaves at its first token, its KV stays.
         assert kv.peak_reserved_bytes <= config.memory_budget_bytes - kv.fixed_bytes  # type: ignore[operator]
-        assert kv.peak_running < 4
+        # (How many decode at once depends on how far the first rows got meanwhile: not asserted.)
+        assert kv.peak_prefilling == 1
         assert kv.reserved_bytes == 0
         # A request that can never fit is refused before it is queued, naming the numbers.
         with pytest.raises(InvalidRequest, match=r"need .* MiB of KV") as refused:

@@ -98,6 +98,7 @@ class KvAdmission:
     refused: int = 0
     peak_reserved_bytes: int = 0
     peak_running: int = 0  # the most requests holding reservations at once
+    peak_prefilling: int = 0  # the most requests holding prefill working memory at once
 
     @property
     def enabled(self) -> bool:
@@ -167,6 +168,7 @@ class KvAdmission:
         self.waited += int(waited)
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         self.peak_running = max(self.peak_running, self.running)
+        self.peak_prefilling = max(self.peak_prefilling, len(self._prefilling))
 
     def prefilled(self, request_id: str) -> bool:
         """The request has its first token: its prefill working memory is free again (True: some was)."""
