@@ -202,7 +202,6 @@ class CacheOwnerActor:
         self._shards_left: list[ShardRef] = []
         self._engine_busy = False  # rows decoding (EngineBusy): host-tier moves wait until none do
         self._copies = _Copies()
-        self._promotion: host_memory.Promotion | None = None  # issued by the lookup being answered
         # Demotions run one at a time on a worker thread of their own limiter: dozens decided at once (the
         # idle moves) would otherwise hold trio's shared threads, which requests' parsing and tokenization need
         # (they share one demote lane anyway; a queued one's wait counts against its hold).
@@ -319,16 +318,18 @@ class CacheOwnerActor:
         # A promotion's pages start back to the device before the reply lets the engine read them, and before
         # the demotions it caused start; then the budget: after the lookup, its hit is the most recently used.
         effects = tiers.take_effects()
+        promotion = None
         for effect in effects:
             if isinstance(effect, Promote) and host_memory.separate_host_memory():
-                await self._promote(effect.entry.payload)
+                issued = await self._promote(effect.entry.payload)
+                promotion = issued if issued is not None else promotion
         self._apply([e for e in effects if not isinstance(e, Promote)])
-        if self._promotion is not None:
-            lookup, self._promotion = attrs.evolve(lookup, promotion=self._promotion), None
+        if promotion is not None:
+            lookup = attrs.evolve(lookup, promotion=promotion)
         msg.reply.send(lookup)
         self._apply(tiers.check_budget())
 
-    async def _promote(self, payload: Any) -> None:
+    async def _promote(self, payload: Any) -> host_memory.Promotion | None:
         """Issue a lookup's promotion on a worker thread: its runtime calls can wait in the driver for another
         thread's migration (a promotion's prefetch waited 299 ms behind a demotion's on an H100, 2026-12-05),
         and on the event loop that stopped every request's stream; the reply still waits for the issue."""
@@ -337,14 +338,14 @@ class CacheOwnerActor:
         except Exception as exc:  # (e.g. out of memory converting an array) its pages fault back instead
             log.warning("host_cache.promote_failed", error=repr(exc))
             self._copies.move_failures += 1
-            return
-        self._promotion = promotion
+            return None
         c = self._copies
         c.promotions += 1
         c.promote_issue_ms_last = round(promotion.issue_s * 1000, 3)
         c.promoted_demotions_stopped += promotion.cancelled_demotion
         if self._nursery is not None and promotion.nbytes:
             self._nursery.start_soon(self._promotion_landed, promotion)
+        return promotion
 
     def _handle(self, msg: CacheOwnerMessage) -> None:
         tiers = self.tiers
