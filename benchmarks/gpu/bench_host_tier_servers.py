@@ -687,6 +687,7 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
     return {"restores": ssd.get("restores"), "restore_ms_last": ssd.get("restore_ms_last"),
             "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
             **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s", "restore_retries",
+                                     "recompute_tries", "recompute_forgone_s",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
                                      "last_resident_bytes")},
             "event_loop": stats.get("event_loop"), "gc": stats.get("gc")}
@@ -738,7 +739,7 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
     served_cached = d.get("page_cache_bytes_per_s") if d.get("page_cache_samples") else None
     return {
         "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations",
-                                             "forgone_s")},
+                                             "forgone_s", "recompute_tries", "recompute_forgone_s")},
         "chosen": ",".join(k.removesuffix("s_chosen") for k in chosen) or None,
         "predicted_s": {"chosen": d.get("last_predicted_s"), "recompute": d.get("last_recompute_s"),
                         "restore": d.get("last_restore_s"), "explored": d.get("last_explored")},
@@ -959,7 +960,7 @@ def interleaved_goals(out: dict[str, Any]) -> dict[str, Any]:
 
 def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
     """Each returning turn of a restart, in order: the client's time, the server's (request.done ttft_ms), the
-    arm taken (restore / explore / recompute, from the advisor's counts after the turn) and what the advisor
+    arm taken (restore / explore / recompute / recompute_try, from the advisor's counts after the turn) and what the advisor
     predicted for it and for the other arm, the restore as the engine timed it (read + adoption), what the
     turn cost beyond that restore (ttft - restore), and its parts: the HTTP side's template (`render_ms`,
     before submission: outside ttft), the engine's first forward over the restored pages or the whole prefill,
@@ -974,6 +975,7 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
             prev = {"cycle": after.get("cycle")}
         restored = (after.get("restores") or 0) > (prev.get("restores") or 0)
         explored = (after.get("explorations") or 0) > (prev.get("explorations") or 0)
+        tried = (after.get("recompute_tries") or 0) > (prev.get("recompute_tries") or 0)
         prev = after
         d = done[i] if i < len(done) else {}
         f = d.get("first_token_ms") or {}
@@ -983,7 +985,7 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
         predicted = after.get("last_restore_s") if restored else after.get("last_recompute_s")
         out.append({
             "cycle": after.get("cycle", 0), "client_s": turn.get("ttft_s"), "server_ttft_s": ttft_s,
-            "arm": "explore" if explored else "restore" if restored else "recompute",
+            "arm": "explore" if explored else "restore" if restored else "recompute_try" if tried else "recompute",
             "predicted_s": predicted,
             "predicted_other_s": after.get("last_recompute_s") if restored else after.get("last_restore_s"),
             "predicted_vs_server": ratio(predicted, ttft_s),

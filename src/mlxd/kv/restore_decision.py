@@ -39,6 +39,16 @@ since a restore last won on its cost doubles what the next must cover (`retries`
 longer means recompute for good (nor across restarts: `forgone_s` and `retries` are carried), a restore that
 keeps losing is tried ever more rarely, and one measured slower than recompute by more than `RETRY_RATIO`
 is not tried again. A try's measurement replaces the estimate rather than joining its average.
+
+The other way round too: a restore chosen on its cost stops the prefill scale from being measured on
+returning turns, and the scale that chose it may be stale (H100 15:10: learned from a process's first
+prefills, 1.54 s for 16k tokens, where warm ones took 0.51-1.22 s; the advisor then restored 11 turns at
+1.21-1.82 s that the recompute arm served in 0.51-1.90). So a restore that wins on its predicted cost
+forgoes, each turn, what it would lose to a recompute `RETRY_RATIO` times faster than predicted
+(`recompute_forgone_s`); once that covers what a recompute is predicted to cost over the restore, a
+recompute is tried (`recompute_tries`; a try's whole prefill timing replaces the scale), and each try since a
+recompute last won on its cost doubles the next wait (`recompute_retries`). Only over a restore that
+brings at least half the prompt (a recompute long enough to be timed whole), carried across restarts.
 """
 
 from __future__ import annotations
@@ -96,6 +106,10 @@ class RestorePlan:
     # A recompute chosen over an unmeasured restore it may have been slower than: recompute minus the
     # restore were its read EXPLORE_RATIO times faster than guessed (seconds, >= 0; added to forgone_s).
     forgoes: float = 0.0
+    recompute_try: bool = False  # a recompute the costs would not choose, taken to time the prefill afresh
+    # A restore chosen over a recompute it may have been slower than: the restore minus recompute were the
+    # prefill RETRY_RATIO times faster than the scale says (seconds, >= 0; added to recompute_forgone_s).
+    recompute_forgoes: float = 0.0
 
 
 @attrs.define
@@ -125,11 +139,19 @@ class RestoreAdvisor:
     # Restores tried against their predicted cost since one last won on it (each doubles what the next try
     # waits for; carried across a restart)
     retries: int = 0
+    # The same the other way round: seconds restores chosen on their cost may have forgone against a faster
+    # recompute (RestorePlan.recompute_forgoes, summed), recomputes tried to time the prefill afresh, and the
+    # tries since a recompute last won on its cost (each doubles the next one's wait; both sums carried)
+    recompute_forgone_s: float = 0.0
+    recompute_tries: int = 0
+    recompute_retries: int = 0
     # The resident share of each restore chosen and not yet measured, oldest first (observe_restore)
     _chosen_resident: deque[float] = attrs.field(init=False, factory=lambda: deque(maxlen=16))
     # Decisions left while a chosen restore, not yet measured, is in flight (0: none; IN_FLIGHT_PLANS)
     _in_flight: int = attrs.field(init=False, default=0)
     _trying: bool = attrs.field(init=False, default=False)  # that restore a try: measured afresh, not averaged in
+    # Decisions left while a recompute try's whole prefill is not yet timed (0: none; IN_FLIGHT_PLANS)
+    _recompute_in_flight: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
@@ -151,6 +173,8 @@ class RestoreAdvisor:
             return
         ratio = seconds / predicted
         first = self.prefill_samples == 0 or (whole and self.whole_prefill_samples == 0)
+        if whole and self._recompute_in_flight > 0:  # a recompute try's timing: the prefill as it is now
+            first, self._recompute_in_flight = True, 0
         self.prefill_scale = ratio if first else _ewma(self.prefill_scale, ratio)
         self.prefill_samples += 1
         self.whole_prefill_samples += int(whole)
@@ -227,6 +251,16 @@ class RestoreAdvisor:
             self.explorations += int(plan.explore)
             self.forgone_s += plan.forgoes
             self._in_flight = max(0, self._in_flight - 1)
+            self._recompute_in_flight = max(0, self._recompute_in_flight - 1)
+            self.recompute_forgone_s += plan.recompute_forgoes
+            if plan.recompute_try:
+                # as a restore's try: spends what was forgone and doubles the next one's wait
+                self.recompute_tries += 1
+                self.recompute_forgone_s, self.recompute_retries = 0.0, self.recompute_retries + 1
+                self._recompute_in_flight = IN_FLIGHT_PLANS
+            elif plan.arm == RECOMPUTE and plan.restore_seconds < float("inf") and not self.never:
+                # a recompute chosen on its cost over a restore it could have made: the scale holds
+                self.recompute_forgone_s, self.recompute_retries = 0.0, 0
             if plan.arm != RECOMPUTE:
                 self._in_flight, self._trying = IN_FLIGHT_PLANS, plan.explore
                 # a try spends what was forgone, and doubles the next one's wait; a win on cost resets both
@@ -269,13 +303,19 @@ class RestoreAdvisor:
                 return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1],
                                    forgoes=max(0.0, recompute - hopeful))
         arm = RESTORE if i == len(usable) - 1 else SPLIT
-        return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
+        if self.always or self.split or not self._explorable(whole, warm_tokens, prompt_tokens, recompute=True):
+            return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1])
+        if 0 < (recompute - costs[i]) * 2**self.recompute_retries <= self.recompute_forgone_s:
+            return RestorePlan(RECOMPUTE, None, recompute, recompute, costs[-1], recompute_try=True)
+        return RestorePlan(arm, usable[i], costs[i], recompute, costs[-1],
+                           recompute_forgoes=max(0.0, costs[i] - recompute / RETRY_RATIO))
 
-    def _explorable(self, whole: RestoreCut, warm_tokens: int, prompt_tokens: int) -> bool:
-        """Could restoring `whole` be tried to measure it (`_plan` says when)? Not while a chosen restore
-        is not yet measured (for `IN_FLIGHT_PLANS` decisions: it may never be), and only where it brings at least half the prompt (never a few tokens over a
-        long RAM hit)."""
-        if not self.explore or self._in_flight > 0:
+    def _explorable(self, whole: RestoreCut, warm_tokens: int, prompt_tokens: int, *, recompute: bool = False) -> bool:
+        """Could restoring `whole` be tried to measure it (`_plan` says when), or with `recompute`, recomputing
+        in its place? Not while such a try is not yet measured (for `IN_FLIGHT_PLANS` decisions: it may never
+        be), and only where the restore brings at least half the prompt (never a few tokens over a long RAM
+        hit; a recompute long enough to be timed whole)."""
+        if not self.explore or (self._recompute_in_flight if recompute else self._in_flight) > 0:
             return False
         return 2 * (whole.tokens - warm_tokens) >= prompt_tokens
 
@@ -300,6 +340,7 @@ class RestoreAdvisor:
             "restore_bytes_per_s": self.restore_bytes_per_s, "restore_samples": self.restore_samples,
             "page_cache_bytes_per_s": self.resident_bytes_per_s, "page_cache_samples": self.resident_samples,
             "forgone_s": self.forgone_s, "restore_retries": self.retries,
+            "recompute_forgone_s": self.recompute_forgone_s, "recompute_retries": self.recompute_retries,
         }
 
     def resume(self, calibration: dict[str, float]) -> None:
@@ -324,6 +365,12 @@ class RestoreAdvisor:
         retries = int(c.get("restore_retries", 0))
         if 0 < retries <= 64:
             self.retries = retries
+        forgone = float(c.get("recompute_forgone_s", 0))
+        if 0 < forgone < float("inf"):
+            self.recompute_forgone_s = forgone
+        retries = int(c.get("recompute_retries", 0))
+        if 0 < retries <= 64:
+            self.recompute_retries = retries
 
     def stats(self) -> dict[str, float]:
         return {
@@ -340,12 +387,16 @@ class RestoreAdvisor:
             "explorations": self.explorations,
             "forgone_s": round(self.forgone_s, 6),
             "restore_retries": self.retries,
+            "recompute_tries": self.recompute_tries,
+            "recompute_forgone_s": round(self.recompute_forgone_s, 6),
+            "recompute_retries": self.recompute_retries,
             # The last choice's predicted seconds: its arm, recomputing, restoring the whole record.
             **({} if self.last is None else {
                 "last_predicted_s": round(self.last.seconds, 6),
                 "last_recompute_s": round(self.last.recompute_seconds, 6),
                 "last_restore_s": round(self.last.restore_seconds, 6) if self.last.restore_seconds < float("inf") else -1.0,
                 "last_explored": int(self.last.explore),
+                "last_recompute_try": int(self.last.recompute_try),
                 "last_resident_bytes": self.last.cut.resident_nbytes if self.last.cut is not None else 0,
             }),
         }

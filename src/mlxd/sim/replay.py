@@ -613,7 +613,7 @@ class _Restart:
 def _decisions(advisors: Sequence[RestoreAdvisor]) -> dict[str, float]:
     """The restore advisors' stats over every process of a replay: choices summed, the rest the last one's."""
     out = dict(advisors[-1].stats())
-    for key in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations"):
+    for key in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations", "recompute_tries"):
         out[key] = sum(a.stats()[key] for a in advisors)
     return out
 
