@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
 #   bash benchmarks/gpu/wave3.sh stephost                          # decode's host cost per step, one process
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
+#   bash benchmarks/gpu/wave3.sh firstprefill                      # a fresh process's first 16k prefills, chunk by chunk
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -77,6 +78,9 @@ for p in "$@"; do case $p in
   # through the real CUDA runtime, traced (first byte, blocks in flight, idle writer-seconds, final fsyncs, manifest);
   # arms per round: a write begun beside decode with the flush arriving mid-block, the code before the 23:30 hand-off and
   # split tail (beside/old) and now (beside); an idle-begun flush with 4 and 8 block writers; no model build (~40 s).
+  # Issue 28: a restarted server's first recomputes, chunk by chunk in fresh processes (none / a warm-up first).
+  firstprefill) phase firstprefill 90 python3 benchmarks/gpu/probe_first_prefill.py --json "$OUT/first-prefill.json" \
+            ${FIRSTPREFILL_ARGS:-} ;;
   flushtrace) phase flushtrace 60 python3 benchmarks/trace_flush.py --cuda real --tokens 8192 --block-tokens 256 \
             --rounds 4 --arms beside/old,beside,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \
