@@ -281,6 +281,54 @@ def test_a_session_takes_a_prompt_boundary_checkpoint_below_the_threshold():
     assert boundary.tokens == (10, 11) and boundary.session == "s"
 
 
+def _first_token_step(results: list[StepResult], rid: str = "a") -> int:
+    return min(i for i, r in enumerate(results) for e in r.emits
+               if e.request_id == rid and isinstance(e.event, TokenGenerated))
+
+
+def test_with_the_ssd_tier_a_boundary_checkpoint_is_published_after_its_rows_first_token_went_out(tmp_path):
+    # Its write plan's host reads (on CUDA a conversion to managed memory, 80-258 ms at 16k tokens) waited
+    # for the first token; the caches are copied at the boundary, the plan made in the step after the token's.
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    prompt = tuple(range(10, 19))
+    results = run(core, StepOps(starts=(start("a", prompt, max_tokens=4),)))
+    (boundary,) = published(results, "boundary")
+    first = _first_token_step(results)
+    assert boundary in results[first + 1].notes  # not before: not in the first token's step
+    # what the prompt's KV held at the boundary, not the token decoded since
+    assert boundary.tokens == prompt[:-1] and tokens_in(boundary.payload) == list(prompt[:-1])
+    assert boundary.plan is not None and [c.offset for c in boundary.plan.caches] == [8, 8]
+    (final,) = published(results, "final")
+    assert [n.reason for n in notes(results, PublishPrefix)] == ["boundary", "final"]
+    assert final.tokens[: len(prompt)] == prompt
+
+
+def test_a_deferred_boundary_checkpoint_is_published_when_its_row_ends_before_the_next_step(tmp_path):
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    for ending in ("finish", "cancel"):
+        core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+        prompt = tuple(range(10, 19))
+        if ending == "finish":  # max_tokens 1: its first token is its last
+            results = run(core, StepOps(starts=(start("a", prompt, max_tokens=1),)))
+        else:  # cancelled right after the boundary, before any token
+            results = steps(core, 2, StepOps(starts=(start("a", prompt, max_tokens=4),)))
+            assert published(results, "boundary") == []  # deferred: no token out yet
+            results += run(core, StepOps(cancels=("a",)))
+        # (a row cancelled before its first token has no final checkpoint: nothing past the boundary)
+        expected = ["boundary", "final"] if ending == "finish" else ["boundary"]
+        assert [n.reason for n in notes(results, PublishPrefix)] == expected, ending
+        assert published(results, "boundary")[0].tokens == prompt[:-1]
+        assert core.stats().batch_rows == 0 and not core._deferred
+
+
+def test_without_the_ssd_tier_a_boundary_checkpoint_is_published_where_the_segment_ends():
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),)))
+    (boundary,) = published(results, "boundary")
+    assert boundary in results[1].notes and 1 < _first_token_step(results)
+
+
 # --- generation checkpoints ------------------------------------------------------------------
 
 

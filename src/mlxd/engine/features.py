@@ -733,10 +733,12 @@ class PromptCheckpoints(Feature):
             self.at_boundary = False
             req = row.start.request
             row.stamp("checkpoint")
-            core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session)
+            core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session,
+                            before_first_token=row)
             row.stamp("checkpointed")
 
     def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:
+        core.publish_deferred(out, lambda r: r is row)  # its boundary checkpoint first, if still deferred
         req = row.start.request
         if not ending.requested:
             if ending.caches is not None:
