@@ -232,6 +232,18 @@ def test_n_choices_share_one_prefill_and_seed_each(server):
     assert r.choices[1].message.content == again.choices[0].message.content
 
 
+def test_n_choices_share_one_prefill_with_the_ssd_tier_too(tiny_model_dir, tmp_path):
+    # With the SSD tier a boundary checkpoint is published after its row's first token (its write plan off
+    # that token's path), but not the first choice's: the others borrow it as soon as that token is out.
+    with ServerThread(config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd")) as ssd_server:
+        for i in range(3):  # a new prompt each time
+            before = ssd_server.call(ssd_server.runtime.stats).engine.prompt_tokens
+            r = chat(ssd_server, ask(f"Round {i}. " + "Say something random, " * 8), n=3, temperature=1.0, seed=99,
+                     max_tokens=4)
+            prefilled = ssd_server.call(ssd_server.runtime.stats).engine.prompt_tokens - before
+            assert len(r.choices) == 3 and prefilled < r.usage.prompt_tokens + 16, (prefilled, r.usage.prompt_tokens)
+
+
 def test_n_choices_stream_with_their_index(server):
     stream = client(server).chat.completions.create(
         model="tiny", messages=ask("Stream two."), temperature=1.0, seed=7, max_tokens=6, n=2, stream=True,

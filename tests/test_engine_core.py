@@ -9,6 +9,7 @@ each; the script counts up from the prompt's last token.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from tests.fake_generator import FakeGenerator, prefix_caches, tokens_in
 
@@ -320,6 +321,17 @@ def test_a_deferred_boundary_checkpoint_is_published_when_its_row_ends_before_th
         assert [n.reason for n in notes(results, PublishPrefix)] == expected, ending
         assert published(results, "boundary")[0].tokens == prompt[:-1]
         assert core.stats().batch_rows == 0 and not core._deferred
+
+
+def test_a_prompt_others_will_borrow_publishes_its_boundary_checkpoint_before_its_first_token(tmp_path):
+    # The first of n > 1 choices: the others are submitted once its first token is out, to borrow its prefill.
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    row = start("a", tuple(range(10, 19)), max_tokens=4)
+    row = attrs.evolve(row, request=attrs.evolve(row.request, prompt_shared=True))
+    results = run(core, StepOps(starts=(row,)))
+    (boundary,) = published(results, "boundary")
+    assert boundary in results[1].notes and 1 < _first_token_step(results) and boundary.plan is not None
 
 
 def test_without_the_ssd_tier_a_boundary_checkpoint_is_published_where_the_segment_ends():

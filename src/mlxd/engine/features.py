@@ -734,7 +734,7 @@ class PromptCheckpoints(Feature):
             req = row.start.request
             row.stamp("checkpoint")
             core.checkpoint(out, "boundary", lambda: core.extract(row.uid), req.namespace, req.session,
-                            before_first_token=row)
+                            before_first_token=None if req.prompt_shared else row)
             row.stamp("checkpointed")
 
     def leave(self, row: Row, ending: Ending, core: EngineCore, out: StepOut) -> None:

@@ -595,11 +595,13 @@ def create_app(
 
     def submit(
         prompt: tuple[int, ...], sampling: SamplingParams, session: str | None, media: tuple[Any, ...] = (),
-        namespace: str = "", *, follows: bool = False, checkpoint_at: tuple[int, ...] = (),
+        namespace: str = "", *, follows: bool = False, leads: bool = False, checkpoint_at: tuple[int, ...] = (),
     ) -> GenerationStream:
         try:
             request = rt.request(prompt, sampling=sampling, session=session, media=media, namespace=namespace,
                                  checkpoint_at=checkpoint_at)
+            if leads:  # the others borrow its prompt's checkpoint once its first token is out
+                request = attrs.evolve(request, prompt_shared=True)
             return rt.submit(request, follows=follows, within_queue_timeout=True)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
@@ -632,7 +634,8 @@ def create_app(
             for i in range(parsed.n):
                 seed = None if sampling.seed is None else (sampling.seed + i) % 2**32
                 stream = submit(prompt, attrs.evolve(sampling, seed=seed), session, media, namespace_of(parsed.model),
-                                follows=i > 0, checkpoint_at=checkpoint_at)  # the first choice has its first token: its prompt is cached
+                                follows=i > 0, leads=i == 0 and parsed.n > 1,
+                                checkpoint_at=checkpoint_at)  # the first choice has its first token: its prompt is cached
                 if i == 0:
                     g.stages.mark("submitted")
                 choices.append(_Choice(rt, stream, parsed, index=i, chat=chat, options=options, deadline=g.deadline))

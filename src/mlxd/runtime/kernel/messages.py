@@ -76,6 +76,10 @@ class GenerationRequest:
     # Prompt lengths to checkpoint at besides the cache's own: where the chat template's rendering
     # stops being stable (runtime/chat/stable_prefix.py), for caches that cannot be cut back.
     checkpoint_at: tuple[int, ...] = ()
+    # Other requests will borrow this prompt's checkpoint as soon as its first token is out (the first of
+    # n > 1 choices): its prompt-boundary checkpoint is published before that token, never after it
+    # (engine/core.py `EngineCore.checkpoint`).
+    prompt_shared: bool = False
 
 
 # --- events for one request (engine -> scheduler -> client) -------------------
