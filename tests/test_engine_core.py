@@ -451,6 +451,23 @@ def test_memory_readings_at_prefill_boundaries_and_every_few_decode_steps(monkey
     assert results[0].notes[-1].active_bytes > 0
 
 
+def test_no_memory_reading_while_a_deferred_checkpoint_copy_waits_then_one_after_its_publication(tmp_path):
+    # The copy would be read as memory outside the cache, then counted again inside it once published (the
+    # cache owner's budget would relieve it twice over): the reading waits for the publication.
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, memory_budget_bytes=1 << 30, ssd_cache_dir=tmp_path,
+                   identity=identity)
+    core._memory_budget = loading.memory_budget(core._config)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=6),)))
+    (boundary,) = published(results, "boundary")
+    at = next(i for i, r in enumerate(results) if boundary in r.notes)
+    kinds_there = [type(n).__name__ for n in results[at].notes]
+    assert kinds_there[kinds_there.index("PublishPrefix") + 1] == "MemoryMeasured"
+    assert at > 1
+    for r in results[1:at]:  # from the step that took the boundary's copy (the second chunk's) to its publication
+        assert not [n for n in r.notes if isinstance(n, MemoryMeasured)]
+
+
 def test_a_second_start_with_a_request_id_already_generating_is_refused_alone():
     core, _ = make()
     first = steps(core, 1, StepOps(starts=(start("a", max_tokens=10),)))

@@ -943,7 +943,11 @@ class EngineCore:
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
-            if any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
+            if self._deferred:
+                # A checkpoint's copy not yet published would be counted as memory outside the cache, and
+                # counted again inside it once published: measured after its publication (publish_deferred).
+                pass
+            elif any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
                 out.notes.append(self.measure_memory("prefill"))
             elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
@@ -1057,17 +1061,20 @@ class EngineCore:
     def publish_deferred(self, out: StepOut, due: Callable[[Row], bool]) -> None:
         """Publish the deferred checkpoints (`checkpoint(before_first_token=...)`) of the rows `due` says, in
         the order they were taken (a row's boundary before its final checkpoint: `PromptCheckpoints.leave`)."""
-        kept = []
+        kept, published = [], False
         for row, reason, publish in self._deferred:
             if not due(row):
                 kept.append((row, reason, publish))
                 continue
             try:
                 out.notes.append(publish())
+                published = True
             except Exception:
                 log.exception("engine.checkpoint_skipped", kind=reason)
                 self.counters.checkpoints_skipped += 1
         self._deferred = kept
+        if published and not kept and self._memory_budget > 0:  # the reading held back while they waited
+            out.notes.append(self.measure_memory("prefill"))
 
     def _snapshot(
         self, tokens: list[int], namespace: str, caches: list[Any], reason: str, session: str | None
