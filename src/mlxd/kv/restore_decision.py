@@ -359,18 +359,17 @@ class RestoreAdvisor:
         if int(c.get("page_cache_samples", 0)) > 0 and float(c.get("page_cache_bytes_per_s", 0)) > 0:
             self.resident_bytes_per_s = float(c["page_cache_bytes_per_s"])
             self.resident_samples = int(c["page_cache_samples"])
-        forgone = float(c.get("forgone_s", 0))
-        if 0 < forgone < float("inf"):
-            self.forgone_s = forgone
-        retries = int(c.get("restore_retries", 0))
-        if 0 < retries <= 64:
-            self.retries = retries
-        forgone = float(c.get("recompute_forgone_s", 0))
-        if 0 < forgone < float("inf"):
-            self.recompute_forgone_s = forgone
-        retries = int(c.get("recompute_retries", 0))
-        if 0 < retries <= 64:
-            self.recompute_retries = retries
+        # the two ski-rental sums and their tries' doublings (either way round)
+        for forgone_key, retries_key, forgone_attr, retries_attr in (
+            ("forgone_s", "restore_retries", "forgone_s", "retries"),
+            ("recompute_forgone_s", "recompute_retries", "recompute_forgone_s", "recompute_retries"),
+        ):
+            forgone = float(c.get(forgone_key, 0))
+            if 0 < forgone < float("inf"):
+                setattr(self, forgone_attr, forgone)
+            retries = int(c.get(retries_key, 0))
+            if 0 < retries <= 64:
+                setattr(self, retries_attr, retries)
 
     def stats(self) -> dict[str, float]:
         return {
