@@ -9,7 +9,9 @@ allocations, the third's reuse buffers an evicted entry freed. Here, with no ser
 fresh process, in chunks as the engine's (mlx_lm's KV cache, `--chunk` tokens, each chunk evaluated and
 synchronized), each timed chunk by chunk, MLX's active / cache memory after each:
   p1: fresh process; p2: p1's cache kept (fresh memory again); p3: after p1's cache is dropped (its buffers in
-  MLX's cache); p4: after p2 and p3 are dropped.
+  MLX's cache); p4: after p2 and p3 are dropped; p5: chunks of 3/4 the size (new shapes in a warm process: if
+  slow as p1's later chunks, the first use of a shape is the cost).
+(H100 15:39: p1's first chunk 7,858 ms on a fresh machine, its other seven 63-119 ms; p2-p4 17-31 ms a chunk.)
 `--warm MODE` first runs a warm-up and drops it: `chunk` (one chunk's prefill), `whole` (a whole 16k prefill,
 what a startup warm-up to the longest prompt would be). Each mode in its own process (`--modes`).
 
@@ -82,6 +84,9 @@ def one_process(model_dir: Path, warm: str, tokens: int, chunk: int, seed: int) 
     c4, s = prefill(model, prompt(), chunk)
     record("p4 p2 p3 dropped", s)
     del c4
+    c5, s = prefill(model, prompt(), chunk * 3 // 4)
+    record("p5 new chunk shapes", s)
+    del c5
     return out
 
 
@@ -107,9 +112,9 @@ def main() -> int:
         print("\n".join(lines[:-1]), run.stderr[-2000:] if run.returncode else "", flush=True)
         results["processes"].append(json.loads(lines[-1]) if run.returncode == 0 and lines else
                                     {"warm": mode, "error": run.stderr[-2000:]})
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
-        print("->", args.json)
+        if args.json is not None:  # after each mode: a phase cut short keeps what ran
+            args.json.write_text(json.dumps(results, indent=1))
+            print("->", args.json, flush=True)
     return 0
 
 
