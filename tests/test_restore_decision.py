@@ -474,8 +474,8 @@ def test_a_try_never_measured_does_not_stop_every_later_try():
 
 
 # The H100 restart of 15:10 (docs/benchmarks.md): a 16,453-token record of 1.88 GB, restores served at ~1.5 GB/s,
-# and a prefill scale learned from a process's first prefills that put a 16k recompute at 1.74 s, where warm ones
-# took 0.51-1.22 s. The advisor restored 11 of 12 returning turns (1.21-1.82 s) and never timed a prefill again.
+# and a prefill scale learned from a process's first prefills that put a 16k recompute at 1.76 s (1.74 here), where
+# warm ones took 0.51-1.22 s. The advisor restored 11 of 12 returning turns (1.21-1.82 s) and never timed a prefill again.
 H100_RECORD = RestoreCut(16_453, 1_880_000_000)
 H100_ASK = {"cuts": [H100_RECORD], "warm_tokens": 0, "prompt_tokens": 16_454}
 

@@ -42,8 +42,8 @@ is not tried again. A try's measurement replaces the estimate rather than joinin
 
 The other way round too: a restore chosen on its cost stops the prefill scale from being measured on
 returning turns, and the scale that chose it may be stale (H100 15:10: learned from a process's first
-prefills, 1.54 s for 16k tokens, where warm ones took 0.51-1.22 s; the advisor then restored 11 turns at
-1.21-1.82 s that the recompute arm served in 0.51-1.90). So a restore that wins on its predicted cost
+prefills, it put a 16k-token recompute at 1.76 s, where warm ones took 0.51-1.22 s; the advisor then restored
+11 turns at 1.21-1.82 s that the recompute arm served in 0.51-1.90). So a restore that wins on its predicted cost
 forgoes, each turn, what it would lose to a recompute `RETRY_RATIO` times faster than predicted
 (`recompute_forgone_s`); once that covers what a recompute is predicted to cost over the restore, a
 recompute is tried (`recompute_tries`; a try's whole prefill timing replaces the scale), and each try since a
