@@ -287,16 +287,18 @@ def _first_token_step(results: list[StepResult], rid: str = "a") -> int:
                if e.request_id == rid and isinstance(e.event, TokenGenerated))
 
 
-def test_with_the_ssd_tier_a_boundary_checkpoint_is_published_after_its_rows_first_token_went_out(tmp_path):
+def test_with_the_ssd_tier_a_boundary_checkpoint_is_published_once_its_rows_first_token_was_delivered(tmp_path):
     # Its write plan's host reads (on CUDA a conversion to managed memory, 80-258 ms at 16k tokens) waited
-    # for the first token; the caches are copied at the boundary, the plan made in the step after the token's.
+    # for the first token; the caches are copied at the boundary, the plan made at the start of the step
+    # after the second token's (the step loop runs one step ahead of delivery: the first token is out).
     identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
     prompt = tuple(range(10, 19))
     results = run(core, StepOps(starts=(start("a", prompt, max_tokens=4),)))
     (boundary,) = published(results, "boundary")
     first = _first_token_step(results)
-    assert boundary in results[first + 1].notes  # not before: not in the first token's step
+    # not before: not with the first token, nor in the step run beside its delivery
+    assert boundary in results[first + engine_core.PUBLISH_AFTER_TOKENS].notes
     # what the prompt's KV held at the boundary, not the token decoded since
     assert boundary.tokens == prompt[:-1] and tokens_in(boundary.payload) == list(prompt[:-1])
     assert boundary.plan is not None and [c.offset for c in boundary.plan.caches] == [8, 8]

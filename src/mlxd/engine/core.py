@@ -90,6 +90,11 @@ log = get_logger("mlxd.engine")
 # boundary and at least every this many steps (a cheap counter read, no sync).
 MEASURE_MEMORY_EVERY = 256
 GRAMMAR_WARM_BUDGET_S = 3.0  # at load: the saved constraints compiled before serving, at most this long
+# A deferred prompt-boundary checkpoint (`EngineCore.checkpoint`) is published at the start of the first step
+# after its row has this many tokens: the step loop runs one step ahead of delivery (engine/step_loop.py), so
+# that step starts once the first token's step was delivered, and the plan's host reads (which hold the GIL on
+# CUDA) do not compete with that token's way out.
+PUBLISH_AFTER_TOKENS = 2
 WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
 # MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
 # is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
@@ -594,8 +599,8 @@ class EngineCore:
             return StepResult(stats=self.stats())
         out = StepOut()
         with mx.stream(self._stream):
-            if self._deferred:  # rows whose first token went out with an earlier step
-                self.publish_deferred(out, lambda r: r.generated > 0 or r.uid not in self._rows)
+            if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS)
+                self.publish_deferred(out, lambda r: r.generated >= PUBLISH_AFTER_TOKENS or r.uid not in self._rows)
             for start in ops.starts:
                 self._join(start, out)
             if ops.cancels:
@@ -1040,8 +1045,8 @@ class EngineCore:
         `before_first_token`: the row waits for its first token (a prompt-boundary checkpoint). With the SSD
         tier its caches are copied now, and its publication, with the write plan whose host read of every
         array is on CUDA a conversion to managed memory (79-258 ms of a 16k-token turn's TTFT on the H200,
-        80-218 ms on the H100: docs/benchmarks.md), waits until the row's first token has gone out with
-        its step (`publish_deferred`): it then takes that time from the second token, not the first."""
+        80-218 ms on the H100: docs/benchmarks.md), waits until the row's first token has been delivered
+        (`PUBLISH_AFTER_TOKENS`, `publish_deferred`): it then takes that time from a later token, not the first."""
         import mlx.core as mx
 
         try:
