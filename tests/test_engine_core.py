@@ -336,6 +336,20 @@ def test_a_prompt_others_will_borrow_publishes_its_boundary_checkpoint_before_it
     assert boundary in results[1].notes and 1 < _first_token_step(results) and boundary.plan is not None
 
 
+def test_a_deferred_checkpoint_that_cannot_be_planned_is_skipped_and_its_row_goes_on(tmp_path, monkeypatch):
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+
+    def broken(*args, **kwargs):
+        raise OSError("no plan today")
+
+    monkeypatch.setattr(core, "_snapshot", broken)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),)))
+    assert published(results, "boundary") == [] and core.counters.checkpoints_skipped == 2  # boundary and final
+    assert [e.token for e in events(results, "a") if isinstance(e, TokenGenerated)] == [19, 20, 21, 22]
+    assert finished(results).reason == "length" and not core._deferred
+
+
 def test_without_the_ssd_tier_a_boundary_checkpoint_is_published_where_the_segment_ends():
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
     results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),)))
