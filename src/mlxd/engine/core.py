@@ -599,7 +599,8 @@ class EngineCore:
             return StepResult(stats=self.stats())
         out = StepOut()
         with mx.stream(self._stream):
-            if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS)
+            if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS); a row that ends
+                # first publishes its own as it leaves (PromptCheckpoints.leave)
                 self.publish_deferred(out, lambda r: r.generated >= PUBLISH_AFTER_TOKENS or r.uid not in self._rows)
             for start in ops.starts:
                 self._join(start, out)
@@ -609,8 +610,6 @@ class EngineCore:
                 self._end(ops.stops, "stop", out)
             if self._rows:
                 self._next(out)
-            if self._deferred:  # rows gone (none may step again to publish theirs)
-                self.publish_deferred(out, lambda r: r.uid not in self._rows)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
             out.notes.extend(self.vision.notes())
         return StepResult(tuple(out.emits), tuple(out.notes), tuple(out.finished), tuple(out.rejected), self.stats())
@@ -948,13 +947,11 @@ class EngineCore:
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
-            if self._deferred:
-                # A checkpoint's copy not yet published would be counted as memory outside the cache, and
-                # counted again inside it once published: measured after its publication (publish_deferred).
-                pass
-            elif any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
+            # (not while a deferred checkpoint's copy waits: it would be counted as memory outside the cache,
+            # then again inside it once published; measured after its publication, publish_deferred)
+            if not self._deferred and any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
                 out.notes.append(self.measure_memory("prefill"))
-            elif self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
+            elif not self._deferred and self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
 
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
