@@ -431,6 +431,34 @@ def test_a_lone_prefill_chunk_is_measured_from_its_context():
     assert measured == [(4, 8), (1, 12)]  # 5 new tokens before the last: a chunk of 4, then 1
 
 
+def test_a_lone_prefill_after_an_unaligned_prefix_ends_its_chunks_on_multiples_of_the_chunk():
+    # A 3-token cached prefix (a chat header): chunks counted from it had key lengths no prompt from 0 has
+    # (on CUDA a new cuDNN graph each, engine/prefill_slices.py); cut once, the rest end on multiples of 4.
+    core, _ = make()
+    hit = ram_hit(range(10, 13), 3)
+    results = run(core, StepOps(starts=(start("a", range(10, 24), hit=hit, max_tokens=1),)))
+    measured = [(m.new_tokens, m.context) for m in notes(results, PrefillMeasured)]
+    assert measured == [(1, 3), (4, 4), (4, 8), (1, 12)]  # was (4, 3), (4, 7), (2, 11)
+    assert events(results, "a")[0] == PromptAccepted(14, 3, "ram", 0.0)
+
+
+def test_a_prompt_that_fits_one_chunk_is_not_cut_to_align_it():
+    core, _ = make()
+    hit = ram_hit(range(10, 13), 3)
+    results = run(core, StepOps(starts=(start("a", range(10, 17), hit=hit, max_tokens=1),)))
+    assert [(m.new_tokens, m.context) for m in notes(results, PrefillMeasured)] == [(3, 3)]  # one step, not 1 + 2
+
+
+def test_rows_prefilling_together_keep_their_whole_chunks():
+    core, generator = make(prefill_slice_s=0)
+    steps(core, 1, StepOps(starts=(start("a", range(10, 23), hit=ram_hit(range(10, 13), 3)),
+                                   start("b", range(30, 45)))))
+    assert generator.prefill_step_size == 4  # a whole chunk each: one alignment cannot suit both rows
+    alone, generator = make(prefill_slice_s=0)
+    steps(alone, 1, StepOps(starts=(start("a", range(10, 23), hit=ram_hit(range(10, 13), 3)),)))
+    assert generator.prefill_step_size == 1  # alone, cut to end at 4
+
+
 def test_a_prefill_measure_counts_only_the_chunk_it_timed():
     core, _ = make(prefill_slice_s=0)  # whole chunks (slices would shrink them once b waits for its token)
     results = steps(core, 3, StepOps(starts=(start("a", range(10, 23)), start("b"))))

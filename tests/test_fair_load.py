@@ -15,7 +15,7 @@ from tests.serving import ServerThread, config_for
 
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
-from mlxd.engine.prefill_slices import APART_MIN, MIN_CHUNK, PrefillSlicer
+from mlxd.engine.prefill_slices import APART_MIN, MIN_CHUNK, PrefillSlicer, aligned
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
 from mlxd.runtime.kernel.messages import (
     GenerationRequest,
@@ -343,6 +343,17 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert not slicer.apart(500, others_prefilling=True)
     assert not slicer.apart(20, others_prefilling=False)
     assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
+
+
+def test_an_aligned_chunk_ends_on_a_multiple_of_its_size_unless_the_prompt_ends_first():
+    assert aligned(2048, 0, 16_000) == 2048
+    assert aligned(2048, 3, 16_000) == 2045  # after a 3-token cached prefix: to 2048, then whole chunks
+    assert aligned(2048, 4096, 16_000) == 2048
+    assert aligned(4096, 2048, 16_000) == 2048  # a chunk grown part way: to 4096, not 6144
+    assert aligned(2048, 2047, 16_000) == 1
+    assert aligned(2048, 16_400, 30) == 30  # a last chunk is not cut: its key length is new wherever it starts
+    assert aligned(2048, 3, 2048) == 2048 and aligned(2048, 3, 2049) == 2045  # fits one chunk: whole
+    assert aligned(1, 12_345, 900) == 1  # the steps that hold a waiting row's first token stay one token
 
 
 def test_a_fit_is_kept_until_a_chunk_is_measured_and_agrees_with_a_fresh_one():

@@ -10,8 +10,10 @@ fresh process, in chunks as the engine's (mlx_lm's KV cache, `--chunk` tokens, e
 synchronized), each timed chunk by chunk, MLX's active / cache memory after each:
   p1: fresh process; p2: p1's cache kept (fresh memory again); p3: after p1's cache is dropped (its buffers in
   MLX's cache); p4: after p2 and p3 are dropped; p5: chunks of 3/4 the size (new shapes in a warm process: if
-  slow as p1's later chunks, the first use of a shape is the cost).
-(H100 15:39: p1's first chunk 7,858 ms on a fresh machine, its other seven 63-119 ms; p2-p4 17-31 ms a chunk.)
+  slow as p1's later chunks, the first use of a shape is the cost); p6-p9: after a 3- and a 5-token prefix,
+  chunks counted from the prefix (new key lengths) against chunks aligned to multiples of the chunk size.
+(H100 15:39: p1's first chunk 7,858 ms on a fresh machine, its other seven 63-119 ms; p2-p4 17-31 ms a chunk.
+H100 17:43: p5 85-176 ms a chunk after any warm-up; `--warm whole` made p1 203 ms.)
 `--warm MODE` first runs a warm-up and drops it: `chunk` (one chunk's prefill), `whole` (a whole 16k prefill,
 what a startup warm-up to the longest prompt would be). Each mode in its own process (`--modes`).
 
@@ -37,17 +39,24 @@ import mlx.core as mx  # noqa: E402
 from bench_gpu import QWEN3_1_7B, built, load  # noqa: E402
 
 
-def prefill(model: Any, tokens: list[int], chunk: int) -> tuple[Any, list[float]]:
+def prefill(model: Any, tokens: list[int], chunk: int, *, prefix: int = 0, align: bool = False
+            ) -> tuple[Any, list[float]]:
+    """Chunks of `chunk` tokens, each timed; `prefix` tokens first as a step of their own (a cached prefix:
+    the chunks start after it), `align`: the chunks end on multiples of `chunk` (mlxd's prefill_slices.aligned)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxd.engine.prefill_slices import aligned
+
     cache = make_prompt_cache(model)
-    steps = []
-    for at in range(0, len(tokens), chunk):
+    steps, at = [], 0
+    while at < len(tokens):
+        n = prefix if at == 0 and prefix else aligned(chunk, at, len(tokens) - at) if align else chunk
         t0 = time.perf_counter()
-        out = model(mx.array([tokens[at:at + chunk]]), cache=cache)
+        out = model(mx.array([tokens[at:at + n]]), cache=cache)
         mx.eval(out, [c.state for c in cache])
         mx.synchronize()
         steps.append(round((time.perf_counter() - t0) * 1000, 2))
+        at += n
     return cache, steps
 
 
@@ -87,6 +96,14 @@ def one_process(model_dir: Path, warm: str, tokens: int, chunk: int, seed: int) 
     c5, s = prefill(model, prompt(), chunk * 3 // 4)
     record("p5 new chunk shapes", s)
     del c5
+    # A prompt after a 3-token cached prefix (a chat header), as the server chunked it before 2026-12-05 18:30
+    # (from the prefix: every key length new) and as it does now (aligned: the shapes p1-p4 built); then a
+    # 5-token prefix unaligned (new shapes again) and aligned (none).
+    for name, pre, align in (("p6 prefix 3 unaligned", 3, False), ("p7 prefix 3 aligned", 3, True),
+                             ("p8 prefix 5 unaligned", 5, False), ("p9 prefix 5 aligned", 5, True)):
+        c, s = prefill(model, prompt(), chunk, prefix=pre, align=align)
+        record(name, s)
+        del c
     return out
 
 

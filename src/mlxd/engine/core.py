@@ -50,7 +50,7 @@ from mlxd.engine.ops import (
     StepOps,
     StepResult,
 )
-from mlxd.engine.prefill_slices import PrefillSlicer
+from mlxd.engine.prefill_slices import PrefillSlicer, aligned
 from mlxd.engine.speculative import (
     DraftCheckpoints,
     NgramDrafts,
@@ -125,6 +125,7 @@ class Row:
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
     prompt_new: int = 0  # prompt tokens this insert prefills (the last one goes with the first decode)
+    joined_at: int = 0  # the prompt position of this insert's first token (its caches hold what is before)
     prefill_began: float = 0.0  # perf_counter when its prefill began (after a restore's adoption)
     prefill_shared: bool = False  # another row was in the batch during its prefill: its wall time is not its own
     stages: list[tuple[str, float]] = attrs.Factory(list)  # until its first token: (stage, time.monotonic())
@@ -782,7 +783,7 @@ class EngineCore:
         if apart:  # its prompt ends now: the parts see the boundary a batch prefill would have shown them
             for part in row.parts():
                 part.segment(row, self, out)
-        row.cached_tokens = usable
+        row.cached_tokens, row.joined_at = usable, joins_at
         row.stamp("admitted")
         row.prefill_began, row.prefill_shared = began, bool(req.media)
         if len(self._rows) > 1:  # rows share the batch now: no prefill still running is timed alone
@@ -804,10 +805,12 @@ class EngineCore:
         import mlx.core as mx
 
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
-        end, step = len(prompt) - 1, self._prefill_step_size
-        for at in range(usable, end, step):
-            self.model(mx.array([list(prompt[at:min(at + step, end)])]), cache=caches)
+        end, step, at = len(prompt) - 1, self._prefill_step_size, usable
+        while at < end:  # chunks end on multiples of the step: the same shapes as every other prompt's
+            upto = at + aligned(step, at, end - at)
+            self.model(mx.array([list(prompt[at:upto])]), cache=caches)
             mx.eval([c.state for c in caches])
+            at = upto
         return caches, end
 
     def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:
@@ -992,11 +995,17 @@ class EngineCore:
         out.notes.append(PrefillMeasured(new, row.cached_tokens, time.perf_counter() - row.prefill_began, whole=True))
 
     def _prefill_chunk(self) -> int:
-        """This step's prefill chunk: a time slice, cut so rows that just joined finish their prompt."""
+        """This step's prefill chunk: a time slice, cut so rows that just joined finish their prompt, and,
+        for a row prefilling alone, so it ends on a multiple of its size (prefill_slices.aligned)."""
         newcomers = [r.prompt_new for r in self._rows.values() if r.prefilled == 0 and r.generated == 0]
         awaiting = any(0 < r.prompt_new <= r.prefilled and r.generated == 0 for r in self._rows.values())
         shared = len(newcomers) < len(self._rows)
-        return self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared, awaiting=awaiting)
+        size = self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared, awaiting=awaiting)
+        prefilling = [r for r in self._rows.values() if r.generated == 0 and r.prefilled < r.prompt_new]
+        if len(prefilling) == 1:
+            (row,) = prefilling
+            size = aligned(size, row.joined_at + row.prefilled, row.prompt_new - row.prefilled)
+        return size
 
     # --- what features call --------------------------------------------------------------
 

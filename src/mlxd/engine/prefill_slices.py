@@ -48,6 +48,17 @@ the other. A short prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. Pure and
 deterministic given its inputs (the engine core calls it).
+
+A row prefilling alone takes its chunk cut to end on a multiple of the
+chunk's size (`aligned`): on CUDA a chunk's attention runs a cuDNN graph
+built per exact (queries, keys) shape, ~60-150 ms for each new one on the
+H100 against a 17-31 ms chunk (benchmarks/gpu/probe_first_prefill.py,
+2026-12-05 17:43). Chunks counted from wherever a prompt's cached prefix
+ended (3 tokens of a chat template's header), or resized part way through a
+prompt, had key lengths no earlier prompt had: the same 16k prompt took
+271-1,077 ms to recompute on the server where the same model's warm plain
+prefill takes ~200. Aligned, every chunk but a prompt's first and last has
+a shape every other prompt had too.
 """
 
 from __future__ import annotations
@@ -146,6 +157,14 @@ class PrefillSlicer:
                 size, _power_of_two_above(max(newcomers))
             )  # newcomers finish their prompt in this step
         return min(step_size, max(MIN_CHUNK, size))
+
+
+def aligned(chunk: int, position: int, left: int) -> int:
+    """The next chunk of a prompt at `position` with `left` tokens to prefill: `chunk` cut to end on a multiple
+    of itself, so its key length (the context after it) is one every prompt chunked at this size has too;
+    what is left when it fits in `chunk` (a prompt's last chunk ends where the prompt does, a new key length
+    wherever it starts: cutting it would only add a step). Never 0 while tokens are left."""
+    return left if left <= chunk else chunk - position % chunk
 
 
 def seconds_per_token(samples: list[tuple[int, float]], slope: float | None) -> float:
