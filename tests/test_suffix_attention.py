@@ -61,6 +61,32 @@ def test_the_wrapper_routes_short_chunks_over_long_contexts_and_very_short_ones_
     assert calls == [(30, 2048, "causal"), (5, 300, "causal"), (short, 40, "none")]
 
 
+def test_a_chunk_reaches_mlx_attention_with_contiguous_keys_and_a_decode_step_with_its_slice(monkeypatch):
+    """cuDNN's graph is cached by the keys' strides too: a cache's keys are a slice of a buffer whose size
+    depends on the chunks before, so a chunk's keys and values go as a contiguous copy (same values); a decode
+    step's stay the slice (MLX's decode kernel reads the buffer behind it)."""
+    seen: list[tuple[int, bool, bool]] = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def kernel(q, k, v, *, scale, mask=None, sinks=None, **kwargs):
+        seen.append((q.shape[2], k is given[0], v is given[1]))
+        return real(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", kernel)
+    buffer = mx.random.normal((1, 2, 512, 64))
+    try:
+        assert suffix_attention.install(force=True)
+        for n, mask in [(1, None), (300, "causal"), (40, mx.ones((40, 300), dtype=mx.bool_))]:
+            given = (buffer[..., :300, :], buffer[..., 1:301, :])  # slices, as a KV cache hands them out
+            q = mx.random.normal((1, 4, n, 64))
+            got = mx.fast.scaled_dot_product_attention(q, *given, scale=0.125, mask=mask)
+            want = real(q, *given, scale=0.125, mask=mask)
+            assert mx.allclose(got, want).item()
+    finally:
+        suffix_attention.uninstall()
+    assert seen == [(1, True, True), (300, False, False), (40, False, False)]
+
+
 @pytest.mark.parametrize("mask_shape", [(1, 1, 5, 300), (2, 1, 5, 300), (5, 300), (2, 8, 5, 300)])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_unfused_under_an_array_mask_matches_mlx_attention(mask_shape, kind):

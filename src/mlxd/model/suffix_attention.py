@@ -1,4 +1,5 @@
-"""Short prefill chunks over a long cached context, attended without cuDNN (CUDA; `MLXD_SUFFIX_ATTENTION`).
+"""Short prefill chunks over a long cached context attended without cuDNN, longer ones with contiguous keys
+(CUDA; `MLXD_SUFFIX_ATTENTION`).
 
 On CUDA, MLX runs a multi-token attention through a cuDNN graph built and cached per exact
 query/key shape (mlx/backend/cuda/scaled_dot_product_attention.cpp, `sdpa_cache`): a next turn
@@ -19,6 +20,19 @@ they keep MLX's kernel: the speculative forwards that have one attend over the w
 (spec_batch.WholeBuffer, draft._LayerView), one shape per 256 positions, no build after the first (+0.05 ms),
 and there the fused kernel is the cheaper (a 5-query verify 12.2 ms, plain operations 13.4 ms). `unfused`
 takes an array mask too (MLXD_SHORT_QUERY does not route one; kept for measuring).
+
+Every other chunk of more than one query reaches MLX's kernel with its keys and values made contiguous
+(`mx.contiguous`: a copy when they are a slice of a larger cache buffer, nothing when they are not). The
+graph's cache key holds the keys' strides as well as their shape, and a KV cache's keys are a slice
+`[..., :offset, :]` of a buffer grown 256 positions at a time: its strides carry the buffer's size, which
+depends on every chunk the cache took before (a 3-token cached prefix first: 256, 2,304, 4,352...), so a
+prompt that started from a cached prefix, a restored one or a lent page built a graph for every chunk even
+where the key lengths repeated. On the H100 (2026-12-05 18:36, benchmarks/gpu/probe_contiguous_kv.py, a 16k
+prompt in 2,048-token chunks after a 3-token prefix, the chunks aligned to multiples of 2,048 as the engine
+cuts them, engine/prefill_slices.aligned): 793 ms with the slices as they are (every chunk ~85 ms, each a new
+graph), 481 ms contiguous the first time (two new shapes), 217 ms the next, against 193 ms for a warm prompt
+from 0; the copy costs ~1 ms a chunk. A decode step (one query) keeps its slice: MLX's decode kernel reads the
+buffer past the slice on purpose (`use_cudnn_for_decoding`).
 """
 
 from __future__ import annotations
@@ -70,6 +84,8 @@ def install(*, force: bool = False) -> bool:
             if isinstance(mask, str):
                 return unfused(q, k, v, scale=scale, causal=True)
             return unfused(q, k, v, scale=scale, causal=False, mask=mask)
+        if q.shape[2] > 1:  # a chunk: its graph keyed by the keys' shape alone, not their buffer's size
+            k, v = mx.contiguous(k), mx.contiguous(v)
         return original(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
