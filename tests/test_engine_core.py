@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from tests.fake_generator import FakeGenerator, prefix_caches, tokens_in
+from tests.fake_generator import FakeGenerator, feed, prefix_caches, tokens_in
 
 from mlxd.engine import core as engine_core
 from mlxd.engine import loading
@@ -457,6 +457,24 @@ def test_rows_prefilling_together_keep_their_whole_chunks():
     alone, generator = make(prefill_slice_s=0)
     steps(alone, 1, StepOps(starts=(start("a", range(10, 23), hit=ram_hit(range(10, 13), 3)),)))
     assert generator.prefill_step_size == 1  # alone, cut to end at 4
+
+
+def test_a_suffix_prefilled_apart_ends_its_chunks_on_multiples_of_the_step(monkeypatch):
+    """MLXD_SUFFIX_APART: a suffix joining an idle engine is prefilled outside the batch, cut as the batch cuts
+    a lone row's chunks; the row then decodes from every token."""
+    core, _ = make()
+    monkeypatch.setattr(engine_core, "SUFFIX_APART", 64)
+    chunks: list[tuple[int, int]] = []
+
+    def model(tokens, cache):
+        chunks.append((cache[0].offset, tokens.shape[1]))
+        feed(cache, [int(t) for t in tokens[0].tolist()])
+
+    core.model = model
+    results = run(core, StepOps(starts=(start("a", range(10, 24), hit=ram_hit(range(10, 13), 3), max_tokens=2),)))
+    assert chunks == [(3, 1), (4, 4), (8, 4), (12, 1)]  # to 4, then whole steps, then what is left
+    assert finished(results).completion_tokens == 2
+    assert [e.token for e in events(results, "a") if isinstance(e, TokenGenerated)] == [24, 25]
 
 
 def test_a_prefill_measure_counts_only_the_chunk_it_timed():
