@@ -163,6 +163,36 @@ def test_a_short_suffix_prefilled_apart_on_an_idle_engine_decodes_the_same(tiny_
     assert routed_apart == [False, True, True]  # the first turn has no cached prefix
 
 
+def test_the_area_routing_is_off_by_default_and_set_by_its_variable(monkeypatch):
+    """MLXD_UNFUSED_AREA: chunks of 2+ queries whose queries x keys is at most it (causal or no mask) go the
+    plain way whatever their length (a short prompt's whole prefill, a mid-size suffix); not a decode step or
+    an array mask; unset, nothing changes; a bad value is refused when the routing is installed."""
+    monkeypatch.setattr(suffix_attention, "AREA", suffix_attention.AREA)
+    monkeypatch.delenv(suffix_attention.AREA_ENV, raising=False)
+    try:
+        assert suffix_attention.install(force=True)
+        assert not suffix_attention.routed(1000, 1000, "causal")  # off by default
+    finally:
+        suffix_attention.uninstall()
+    monkeypatch.setenv(suffix_attention.AREA_ENV, str(1 << 20))
+    try:
+        assert suffix_attention.install(force=True)
+        assert suffix_attention.routed(1000, 1000, "causal") and suffix_attention.routed(512, 2048, None)
+        assert not suffix_attention.routed(1024, 1025, "causal")  # over the area
+        assert not suffix_attention.routed(1, 4096, None)  # a decode step keeps MLX's decode kernel
+        assert not suffix_attention.routed(300, 600, mx.ones((300, 600), dtype=mx.bool_))
+        q, k, v = (mx.random.normal((1, 4, 300, 64)), mx.random.normal((1, 2, 300, 64)),
+                   mx.random.normal((1, 2, 300, 64)))
+        got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+        assert mx.allclose(got, suffix_attention._ORIGINAL(q, k, v, scale=0.125, mask="causal"),
+                           atol=1e-5, rtol=1e-4).item()
+    finally:
+        suffix_attention.uninstall()
+    monkeypatch.setenv(suffix_attention.AREA_ENV, "4M")
+    with pytest.raises(ValueError, match=suffix_attention.AREA_ENV):
+        suffix_attention.install(force=True)
+
+
 def test_the_short_routing_is_set_by_its_variable(monkeypatch):
     """MLXD_SHORT_QUERY=1: only the long-context rule (a 5-query verify over 512 keys keeps MLX's); a
     bad value is refused when the routing is installed."""

@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
 #   bash benchmarks/gpu/wave3.sh firstprefill                      # a fresh process's first 16k prefills, chunk by chunk
 #   bash benchmarks/gpu/wave3.sh contigkv                          # after a short prefix: aligned chunks, sliced vs contiguous keys
+#   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -84,6 +85,9 @@ for p in "$@"; do case $p in
             ${FIRSTPREFILL_ARGS:-} ;;
   # Issue 28: a prefill after a short cached prefix, aligned chunks, keys as slices vs contiguous (~60 s).
   contigkv) phase contigkv 90 python3 benchmarks/gpu/probe_contiguous_kv.py ${CONTIGKV_ARGS:-} ;;
+  # Issue 28: prompts and suffixes of new lengths, cuDNN's graph per shape vs plain-op attention (MLXD_UNFUSED_AREA).
+  unfusedarea) phase unfusedarea 120 python3 benchmarks/gpu/probe_unfused_area.py --json "$OUT/unfused-area.json" \
+            ${UNFUSEDAREA_ARGS:-} ;;
   flushtrace) phase flushtrace 60 python3 benchmarks/trace_flush.py --cuda real --tokens 8192 --block-tokens 256 \
             --rounds 4 --arms beside/old,beside,new,new:8 --dir /tmp --out "$OUT/flushtrace" ${FLUSHTRACE_ARGS:-} ;;
   simttft) phase simttft 150 python3 benchmarks/gpu/bench_sim_ttft_gpu.py \

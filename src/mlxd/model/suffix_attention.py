@@ -48,6 +48,12 @@ MIN_KEYS = 1024  # over a context this long: a short context's graph build is ra
 # (1: none, only the long-context rule above).
 SHORT_QUERY = 16
 SHORT_ENV = "MLXD_SHORT_QUERY"
+# Chunks of 2+ queries whose queries x keys is at most this (no mask or a causal one) go the plain way too: a
+# short prompt's or a mid-size suffix's chunk ends where its prompt does, a key length of its own, so each builds
+# a graph (~80-200 ms on the H100 against a few ms of attention). MLXD_UNFUSED_AREA sets it when the routing is
+# installed; 0, the default, is off until a GPU run measures it (benchmarks/gpu/probe_unfused_area.py).
+AREA = 0
+AREA_ENV = "MLXD_UNFUSED_AREA"
 
 _ORIGINAL: Any = None
 
@@ -64,7 +70,7 @@ def wanted() -> bool:
 def install(*, force: bool = False) -> bool:
     """Wrap `mx.fast.scaled_dot_product_attention` once per process on a GPU unless turned off (`force`:
     on any device, for tests); returns whether it is installed."""
-    global _ORIGINAL, SHORT_QUERY
+    global _ORIGINAL, SHORT_QUERY, AREA
     import mlx.core as mx
 
     if _ORIGINAL is not None:
@@ -76,6 +82,11 @@ def install(*, force: bool = False) -> bool:
         if not given.isdigit() or int(given) < 1:
             raise ValueError(f"{SHORT_ENV} must be a whole number of queries, 1 or more, not {given!r}")
         SHORT_QUERY = int(given)
+    given = os.environ.get(AREA_ENV, "").strip()
+    if given:
+        if not given.isdigit():
+            raise ValueError(f"{AREA_ENV} must be a whole number of query x key pairs (0: off), not {given!r}")
+        AREA = int(given)
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
@@ -95,14 +106,16 @@ def install(*, force: bool = False) -> bool:
 
 def routed(queries: int, keys: int, mask: Any) -> bool:
     """Whether a chunk of `queries` over `keys` under `mask` (None, "causal" or an array) goes the plain way:
-    2..SHORT_QUERY queries over any keys, or up to MAX_QUERY over MIN_KEYS or more, with no mask or a causal
-    one. An array mask keeps MLX's (the whole-buffer views: stable shapes, the fused kernel the cheaper);
-    so does a causal chunk longer than its keys (MLX aligns it to the end)."""
+    2..SHORT_QUERY queries over any keys, up to MAX_QUERY over MIN_KEYS or more, or (MLXD_UNFUSED_AREA) 2+
+    whose queries x keys is at most AREA, with no mask or a causal one. An array mask keeps MLX's (the
+    whole-buffer views: stable shapes, the fused kernel the cheaper); so does a causal chunk longer than its
+    keys (MLX aligns it to the end)."""
     if mask is not None and not isinstance(mask, str) or queries > keys:
         return False
     if isinstance(mask, str) and mask != "causal":
         return False
-    return 1 < queries <= SHORT_QUERY or (1 < queries <= MAX_QUERY and keys >= MIN_KEYS)
+    return 1 < queries and (queries <= SHORT_QUERY or (queries <= MAX_QUERY and keys >= MIN_KEYS)
+                            or queries * keys <= AREA)
 
 
 def uninstall() -> None:
