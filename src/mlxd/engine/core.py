@@ -772,7 +772,7 @@ class EngineCore:
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=self._prefilling())
+            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=bool(self._prefilling()))
                                or (usable > 0 and not self._rows and 0 < len(req.prompt) - usable - 1 <= SUFFIX_APART)):
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
@@ -792,9 +792,9 @@ class EngineCore:
         self.counters.prompt_tokens += len(req.prompt) - usable
         out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
 
-    def _prefilling(self) -> bool:
-        """Whether a row in the batch is part way through its prompt."""
-        return any(r.generated == 0 and r.prefilled < r.prompt_new for r in self._rows.values())
+    def _prefilling(self) -> list[Row]:
+        """The rows in the batch part way through their prompt."""
+        return [r for r in self._rows.values() if r.generated == 0 and r.prefilled < r.prompt_new]
 
     def _prefill_apart(self, prompt: tuple[int, ...], lent: list[Any] | None, usable: int) -> tuple[list[Any], int]:
         """Prefill a short prompt on its own caches, outside the batch, up to its last token.
@@ -1001,7 +1001,7 @@ class EngineCore:
         awaiting = any(0 < r.prompt_new <= r.prefilled and r.generated == 0 for r in self._rows.values())
         shared = len(newcomers) < len(self._rows)
         size = self._slicer.chunk(self._prefill_step_size, newcomers=newcomers, shared=shared, awaiting=awaiting)
-        prefilling = [r for r in self._rows.values() if r.generated == 0 and r.prefilled < r.prompt_new]
+        prefilling = self._prefilling()
         if len(prefilling) == 1:
             (row,) = prefilling
             size = aligned(size, row.joined_at + row.prefilled, row.prompt_new - row.prefilled)

@@ -77,16 +77,8 @@ def install(*, force: bool = False) -> bool:
         return True
     if not force and (not wanted() or mx.default_device() == mx.cpu):
         return False
-    given = os.environ.get(SHORT_ENV, "").strip()
-    if given:
-        if not given.isdigit() or int(given) < 1:
-            raise ValueError(f"{SHORT_ENV} must be a whole number of queries, 1 or more, not {given!r}")
-        SHORT_QUERY = int(given)
-    given = os.environ.get(AREA_ENV, "").strip()
-    if given:
-        if not given.isdigit():
-            raise ValueError(f"{AREA_ENV} must be a whole number of query x key pairs (0: off), not {given!r}")
-        AREA = int(given)
+    SHORT_QUERY = _whole(SHORT_ENV, SHORT_QUERY, least=1, what="queries, 1 or more")
+    AREA = _whole(AREA_ENV, AREA, least=0, what="query x key pairs (0: off)")
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
@@ -102,6 +94,17 @@ def install(*, force: bool = False) -> bool:
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
     _ORIGINAL = original
     return True
+
+
+def _whole(name: str, default: int, *, least: int, what: str) -> int:
+    """Environment variable `name` as a whole number of at least `least` (unset or "": `default`); else a
+    ValueError naming it."""
+    given = os.environ.get(name, "").strip()
+    if not given:
+        return default
+    if not given.isdigit() or int(given) < least:
+        raise ValueError(f"{name} must be a whole number of {what}, not {given!r}")
+    return int(given)
 
 
 def routed(queries: int, keys: int, mask: Any) -> bool:
