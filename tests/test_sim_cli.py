@@ -1,6 +1,8 @@
 """`mlxd simulate` end to end on small slices of the real traces."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from mlxd.sim.cli import main
@@ -98,3 +100,12 @@ def test_without_a_recording_the_ssd_layout_is_the_server_default(capsys):
     (whole,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert whole["ssd_layout"] == "whole"
     assert run["ssd_bytes_retained"] <= whole["ssd_bytes_retained"]  # shared prefixes stored once
+
+
+def test_the_command_line_leaves_the_replay_engine_to_simulate():
+    """`mlxd serve` builds the parser of every subcommand: simulate's flags come without its replay
+    engine (sim/flags.py), so a server does not import it, nor pytest through trio.testing."""
+    code = ("import sys, mlxd.cli; mlxd.cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('mlxd.sim.', 'trio.testing', 'pytest'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['mlxd.sim.flags']"

@@ -624,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_build_model_parser(sub)
     add_build_adapter_parser(sub)
-    from mlxd.sim.cli import add_simulate_parser
+    from mlxd.sim.flags import add_simulate_parser
 
     add_simulate_parser(sub)
     return parser
