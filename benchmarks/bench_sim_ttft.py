@@ -365,6 +365,14 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
     print("TTFT parts, median ms per tier (queue = submission to slot; lookup; fetch = SSD read wait; engine = "
           "the rest; read = of the fetch, the read itself):\n" + "\n".join(f"  {name} {tier}: " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in p.items())
                                      for name, by in result["parts"].items() for tier, p in by.items()))
+    # The SSD tier's p95 follows a few reads 3-6x slower than the rest (docs/benchmarks.md, 2026-12-05 CPU
+    # section): each one's parts, so a run shows whether the landing, the checks or the reads were slow.
+    result["slow_reads"] = {name: slow_reads(path) for name, path in traces.items()}
+    for name, slow in result["slow_reads"].items():
+        print(f"{name}: {slow['slow']} of {slow['reads']} SSD reads above {SLOW_READ}x their median "
+              f"{slow['median_read_s'] * 1000:.1f} ms" + "".join(
+                  f"\n  read {r['read_s'] * 1000:.0f} ms: land {r['land_s'] * 1000:.0f}, verify {r['verify_s'] * 1000:.0f}, "
+                  f"rest {r['rest_s'] * 1000:.0f}, at {r['t']:.1f} s" for r in slow["rows"]))
     result["drift"] = drift(calibration, recorded)
     result["noise"] = noise(rows["fit"], result["drift"], recorded)
     print(noise_table(result["noise"]))
@@ -373,7 +381,8 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
 def ttft_parts(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
     """Per tier, the median of each part of the recorded TTFT (each tier's first `warmup` left out):
     queue (submission to a slot), lookup, fetch (waiting for an SSD hit's file; `read`: of it, the read
-    itself on its thread, landing included, in recordings that have it) and engine (the rest: restore
+    itself on its thread, landing included, in recordings that have it; `land` and `verify`: of the read,
+    making its memory and the CRC checks, in recordings since 2026-12-05) and engine (the rest: restore
     adoption, prefill, first token, the trip back)."""
     from mlxd.sim.trace import load_recording
     from mlxd.sim.ttft_fit import tier_warmup_indices
@@ -389,9 +398,32 @@ def ttft_parts(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
         row = {"queue": r.get("queued_s") or 0.0, "lookup": parts.get("lookup_s", 0.0), "fetch": parts.get("fetch_s", 0.0)}
         row["engine"] = r["ttft_s"] - sum(row.values())
         row["read"] = parts.get("read_s", 0.0)  # of the fetch, the read itself (landing included)
+        row["land"] = parts.get("land_s", 0.0)  # of the read, making the memory it lands in
+        row["verify"] = parts.get("verify_s", 0.0)  # of the read, the CRC checks (reader threads summed)
         row["ttft"] = r["ttft_s"]
         by.setdefault(TIERS.get(r.get("cache_tier") or "none", "miss"), []).append(row)
     return {t: {k: round(float(np.median([x[k] for x in rows])), 5) for k in rows[0]} for t, rows in sorted(by.items())}
+
+
+SLOW_READ = 2.0  # an SSD read this many times its run's median is listed with its parts
+
+
+def slow_reads(trace: Path) -> dict[str, Any]:
+    """The SSD hits' reads above `SLOW_READ` x their median, each with its parts (land, verify, the rest:
+    the reads and opens); land and verify are 0 in recordings before 2026-12-05 21:50 UTC."""
+    lines = [json.loads(x) for x in Path(trace).read_text().splitlines() if x.strip()]
+    hits = [r for r in lines if "event" not in r and r.get("cache_tier") == "ssd" and (r.get("parts") or {}).get("read_s")]
+    if not hits:
+        return {"reads": 0, "slow": 0, "median_read_s": 0.0, "rows": []}
+    median = float(np.median([r["parts"]["read_s"] for r in hits]))
+    rows = []
+    for r in sorted(hits, key=lambda r: r["t"]):
+        p = r["parts"]
+        if p["read_s"] > SLOW_READ * median:
+            land, verify = p.get("land_s", 0.0), p.get("verify_s", 0.0)
+            rows.append({"t": r["t"], "read_s": p["read_s"], "land_s": land, "verify_s": verify,
+                         "rest_s": p["read_s"] - land - verify})
+    return {"reads": len(hits), "slow": len(rows), "median_read_s": median, "rows": rows}
 
 
 TOLERANCE = 0.10  # the goal: predicted / recorded within 1 +- this

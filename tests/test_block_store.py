@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -318,6 +319,14 @@ def test_blocks_land_straight_in_mlx_arrays_that_adopt_takes_without_a_copy(tmp_
         assert {np.frombuffer(v.cast("B"), dtype=np.uint8).ctypes.data for v in seen} == landed_at
         assert adopted[0].keys.dtype == dtype
         assert_same_caches(adopted, caches)
+    # The read reports the seconds of its landing (here 50 ms) and of its checks (summed over reader threads).
+    def slow_landing(header):
+        time.sleep(0.05)
+        return kinds.landing(header)
+
+    for verify in (False, True):
+        loaded = store.load(rec, verify=verify, land=slow_landing)
+        assert loaded is not None and 0.05 <= loaded.land_s <= loaded.seconds and (loaded.verify_s > 0) == verify
     # A landing that does not fit the checkpoint is refused before any byte is read into it.
     with pytest.raises(ValueError, match="landing"):
         store.load(rec, land=lambda h: ff.Landing((memoryview(bytearray(4)),), None))

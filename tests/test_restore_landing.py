@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import mlx.core as mx
 import numpy as np
@@ -42,6 +44,23 @@ def test_landed_tensors_are_the_files_and_adopt_takes_them_without_a_copy(tmp_pa
             assert a.keys.dtype == dtype and a.offset == c.offset == 37
             assert mx.array_equal(a.keys, h.keys) and mx.array_equal(a.values, h.values)
             assert mx.array_equal(a.keys, c.keys[..., :37, :]) and mx.array_equal(a.values, c.values[..., :37, :])
+
+
+def test_a_read_reports_the_seconds_its_landing_and_its_checks_took(tmp_path):
+    """`LoadedSnapshot.land_s` / `verify_s` (recorded per SSD hit, `parts` of a trace line): a landing that takes
+    50 ms shows as such, and the CRC checks take time only when they run."""
+    _, path = snapshot(tmp_path, mx.float32)
+
+    def slow_landing(header):
+        time.sleep(0.05)
+        return kinds.landing(header)
+
+    for verify in (False, True):
+        loaded = file_format.read_snapshot(path, verify=verify, land=slow_landing)
+        assert 0.05 <= loaded.land_s <= loaded.seconds
+        assert (loaded.verify_s > 0) == verify and loaded.land_s + loaded.verify_s <= loaded.seconds
+        host = file_format.read_snapshot(path, verify=verify)  # into a host buffer: no landing
+        assert host.land_s == 0 and (host.verify_s > 0) == verify and host.verify_s <= host.seconds
 
 
 def device_addr(a: mx.array) -> int:

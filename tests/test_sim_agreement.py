@@ -97,6 +97,11 @@ async def test_live_server_and_its_replay_agree_per_tier(tiny_model_dir, tmp_pat
     assert recording.server["prompt_cache_bytes"] == 2_400_000
     live = tiers_of(recording.reqs)
     prompt_tokens = sum(r.input_length for r in recording.reqs)
+    # Each SSD hit's line says where its read went: making the memory it landed in, the CRC checks.
+    ssd_parts = [line["parts"] for line in map(json.loads, trace.read_text().splitlines())
+                 if line.get("cache_tier") == "ssd"]
+    assert ssd_parts and all(0 <= p["land_s"] <= p["read_s"] and p["verify_s"] >= 0 for p in ssd_parts), ssd_parts
+    assert any(p["verify_s"] > 0 for p in ssd_parts), ssd_parts  # verified by default
     # Both caps bind: RAM demoted entries to SSD, and the SSD cap deleted files.
     assert stats.ssd.demotions > 0
     assert stats.cache.tiers.ssd_evictions > 0

@@ -474,7 +474,8 @@ def record_trace(rt, path: Path) -> None:
             ttft_s=record.ttft_s,
             queued_s=record.queued_s,
             kv_waited=record.kv_waited,
-            parts={"lookup_s": record.lookup_s, "fetch_s": record.fetch_s, "read_s": record.read_s},
+            parts={"lookup_s": record.lookup_s, "fetch_s": record.fetch_s, "read_s": record.read_s,
+                   "land_s": record.land_s, "verify_s": record.verify_s},
         )
 
     def flushed(report: dict) -> None:

@@ -276,7 +276,9 @@ class SchedulerActor:
                 asked = time.monotonic()
                 restore = await self._fetch(lookup.restore)
                 record.fetch_s = time.monotonic() - asked
-                record.read_s = restore.loaded.seconds if restore is not None else 0.0
+                if restore is not None:
+                    loaded = restore.loaded
+                    record.read_s, record.land_s, record.verify_s = loaded.seconds, loaded.land_s, loaded.verify_s
         if self._draft_tag is not None:  # a resumed generation's draft looks up the checkpoint's tokens
             draft = await self._draft_prefix(
                 request, request.prompt + tuple(resume.record.emitted) if resume is not None else request.prompt

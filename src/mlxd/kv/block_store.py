@@ -559,8 +559,10 @@ class BlockStore:
             if upto:
                 manifest = bk.leading(manifest, upto) or manifest
             header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
+            t_land = time.perf_counter()
             landing = land(header) if land is not None else None
-            buffers = _read_blocks(self, manifest, verify=verify, landing=landing)
+            land_s = time.perf_counter() - t_land if land is not None else 0.0
+            buffers, verify_s = _read_blocks(self, manifest, verify=verify, landing=landing)
         except _BadBlock as bad:
             log.warning("ssd_corrupt_block_removed", block=bad.name, manifest=str(record.path), reason=str(bad))
             _unlink_quietly(self.block_path(bad.name))
@@ -574,7 +576,8 @@ class BlockStore:
             log.warning("ssd_read_failed", path=str(record.path), error=str(exc))
             return None
         _touch(record)
-        return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0, None if landing is None else landing.owner)
+        return ff.LoadedSnapshot(header, buffers, time.perf_counter() - t0, None if landing is None else landing.owner,
+                                 land_s, verify_s)
 
     def read_record(self, path: Path) -> SsdRecord | None:
         """The record of one published manifest (e.g. another replica's); deletes nothing.
@@ -819,9 +822,10 @@ class _BadBlock(Exception):
 
 def _read_blocks(
     store: BlockStore, manifest: bk.Manifest, *, verify: bool, landing: ff.Landing | None = None
-) -> tuple[np.ndarray, ...]:
+) -> tuple[tuple[np.ndarray, ...], float]:
     """Read every block of a manifest straight into the checkpoint's full tensors, `store.readers`
-    block files at a time (their destinations are disjoint), one scatter read per block."""
+    block files at a time (their destinations are disjoint), one scatter read per block. Returns the
+    tensors and the seconds spent checking the blocks (summed over the reader threads)."""
     n = len(manifest.tokens)
     descs = [(leaf, t) for leaf in bk.leaves(manifest.caches) for t in leaf.tensors if t is not None]
     full = _allocate([t for _, t in descs]) if landing is None else _landed([t for _, t in descs], landing)
@@ -837,23 +841,20 @@ def _read_blocks(
             runs = [_runs(a, b.start, b.end) for a in spanned_dest]
             jobs.append((b, meta.tokens[b.start : b.end], bk.span_descs(manifest.caches, n, b.start, b.end), runs))
 
-    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]) -> None:
-        _read_block(store, meta.namespace, *job, verify=verify)
+    def read(job: tuple[bk.BlockRef, Sequence[int], tuple[ff.CacheDesc, ...], list[list[memoryview]]]) -> float:
+        return _read_block(store, meta.namespace, *job, verify=verify)
 
     if store.readers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            read(job)
-        return tuple(full)
+        return tuple(full), sum(read(job) for job in jobs)
     pool = _thread_pool(store.readers, "mlxd-block-read")
     futures = [pool.submit(read, job) for job in jobs]  # several files in flight (see READERS)
     try:
-        for future in futures:
-            future.result()
+        verify_s = sum(future.result() for future in futures)
     finally:  # after a failure: blocks not started yet are not read, and none is still landing
         for future in futures:
             future.cancel()
         wait(futures)
-    return tuple(full)
+    return tuple(full), verify_s
 
 
 _pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
@@ -930,8 +931,9 @@ def _read_block(
     runs: list[list[memoryview]],
     *,
     verify: bool,
-) -> None:
-    """Read one block (same checks as a whole file) with its tensor rows going straight into place.
+) -> float:
+    """Read one block (same checks as a whole file) with its tensor rows going straight into place;
+    returns the seconds its checks took.
 
     After the header, the rest of the block (padding, then every tensor's
     rows) is one scatter read (`preadv`) into the destination rows: the
@@ -976,15 +978,18 @@ def _read_block(
         raise _BadBlock(ref.name, "block file is missing") from exc
     except OSError as exc:
         raise ff.storage_error(exc, f"reading {path}") from exc
-    if verify:
-        if pad.tobytes().count(0) != pad.nbytes:
-            raise _BadBlock(ref.name, "nonzero padding between tensors")
-        for t, rows in zip(tensors, runs, strict=True):
-            crc = 0
-            for row in rows:
-                crc = zlib.crc32(row, crc)
-            if f"{crc:08x}" != t.crc32:
-                raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
+    if not verify:
+        return 0.0
+    t0 = time.perf_counter()
+    if pad.tobytes().count(0) != pad.nbytes:
+        raise _BadBlock(ref.name, "nonzero padding between tensors")
+    for t, rows in zip(tensors, runs, strict=True):
+        crc = 0
+        for row in rows:
+            crc = zlib.crc32(row, crc)
+        if f"{crc:08x}" != t.crc32:
+            raise _BadBlock(ref.name, f"tensor at offset {t.offset} fails its CRC-32")
+    return time.perf_counter() - t0
 
 
 _IOV_MAX = 1024  # Linux's UIO_MAXIOV: buffers per preadv call

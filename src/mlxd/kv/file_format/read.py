@@ -50,6 +50,11 @@ class LoadedSnapshot:
     # The memory the tensors were read into when a `Landing` was given (e.g. MLX
     # arrays: `adopt()` then takes them as they are, without a copy).
     landed: Any = None
+    # Of `seconds`: making that memory (the `land` call: on CUDA, allocating the MLX arrays), and
+    # checking CRC-32s and padding (summed over reader threads, so with blocks read in parallel it
+    # can exceed their share of `seconds`). The rest is the reads themselves and the file opens.
+    land_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -139,8 +144,10 @@ def read_snapshot(
             header = read_open_header(f)
             header_end = f.tell()
             if land is not None and header.file_size:
+                t_land = time.perf_counter()
                 landing = land(header)
-                _read_landed(f, header, header_end, landing, verify=verify)
+                land_s = time.perf_counter() - t_land
+                verify_s = _read_landed(f, header, header_end, landing, verify=verify)
                 buffer = None
             else:
                 buffer = _aligned_buffer(header.file_size) if header.file_size else None
@@ -151,28 +158,38 @@ def read_snapshot(
         raise storage_error(exc, f"reading {path}") from exc
     if landing is not None:
         buffers = tuple(_view(v, t, 0) for v, (_, t) in zip(landing.views, header.tensors(), strict=True))
-        return LoadedSnapshot(header, buffers, time.perf_counter() - t0, landing.owner)
+        return LoadedSnapshot(header, buffers, time.perf_counter() - t0, landing.owner, land_s, verify_s)
+    verify_s = 0.0
     if verify and buffer is not None:
+        t_verify = time.perf_counter()
         _verify(memoryview(buffer), header, header_end)
+        verify_s = time.perf_counter() - t_verify
     buffers = tuple(_view(buffer, t, t.offset) for _, t in header.tensors())
-    return LoadedSnapshot(header, buffers, time.perf_counter() - t0)
+    return LoadedSnapshot(header, buffers, time.perf_counter() - t0, verify_s=verify_s)
 
 
-def _read_landed(f: Any, header: FileHeader, pos: int, landing: Landing, *, verify: bool) -> None:
-    """The tensors into their landing views, in file order; padding read past (checked when `verify`)."""
+def _read_landed(f: Any, header: FileHeader, pos: int, landing: Landing, *, verify: bool) -> float:
+    """The tensors into their landing views, in file order; padding read past (checked when `verify`).
+    Returns the seconds spent checking CRC-32s."""
     tensors = [t for _, t in header.tensors()]
     if len(landing.views) != len(tensors):
         raise ValueError(f"landing has {len(landing.views)} views for {len(tensors)} tensors")
+    verify_s = 0.0
     for view, t in zip(landing.views, tensors, strict=True):
         dest = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         if dest.nbytes != t.nbytes or dest.readonly:
             raise ValueError(f"landing view of {dest.nbytes} bytes (writable: {not dest.readonly}) for a {t.nbytes}-byte tensor")
         _skip_padding(f, t.offset - pos, verify=verify)
         _readinto_chunks(f, dest)
-        if verify and f"{zlib.crc32(dest):08x}" != t.crc32:
-            raise CorruptFile(f"tensor at offset {t.offset} fails its CRC-32")
+        if verify:
+            t_crc = time.perf_counter()
+            crc = zlib.crc32(dest)
+            verify_s += time.perf_counter() - t_crc
+            if f"{crc:08x}" != t.crc32:
+                raise CorruptFile(f"tensor at offset {t.offset} fails its CRC-32")
         pos = t.offset + t.nbytes
     _skip_padding(f, header.file_size - pos, verify=verify)
+    return verify_s
 
 
 def _skip_padding(f: Any, n: int, *, verify: bool) -> None:

@@ -158,6 +158,8 @@ class RequestRecord:
     promoted_bytes: int = 0  # its hit came back from the host tier: the bytes whose pages were moved back
     fetch_s: float = 0.0  # an SSD hit: waiting for the cold file's bytes (the prefetcher's read) before the engine
     read_s: float = 0.0  # of which the read itself on its thread (landing included): the rest waited for it to start
+    land_s: float = 0.0  # of the read, making the memory it lands in (on CUDA: allocating the MLX arrays)
+    verify_s: float = 0.0  # of the read, checking CRC-32s (reader threads' seconds summed)
     promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
     engine_sent_at: float | None = None  # time.monotonic() when the scheduler handed it to the engine
     engine_stages: tuple[tuple[str, float], ...] = ()  # the engine's stamps to its first token (TokenGenerated.stages)
