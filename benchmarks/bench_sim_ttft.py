@@ -410,7 +410,7 @@ SLOW_READ = 2.0  # an SSD read this many times its run's median is listed with i
 
 def slow_reads(trace: Path) -> dict[str, Any]:
     """The SSD hits' reads above `SLOW_READ` x their median, each with its parts (land, verify, the rest:
-    the reads and opens); land and verify are 0 in recordings before 2026-12-05 21:50 UTC."""
+    the reads and opens); land and verify are 0 in recordings before 3ab129d (2026-12-05)."""
     lines = [json.loads(x) for x in Path(trace).read_text().splitlines() if x.strip()]
     hits = [r for r in lines if "event" not in r and r.get("cache_tier") == "ssd" and (r.get("parts") or {}).get("read_s")]
     if not hits:

@@ -9,7 +9,7 @@ mlxd lines (docs/simulate.md) carry explicit tokens or text:
 "output_tokens": m, "cached_tokens": k | null, "cache_tier": "ram" | "ssd" | "none",
 "output_ids": [...] (optional), "ttft_s": s, "queued_s": s (measured, when recorded),
 "parts": {"lookup_s": s, "fetch_s": s, "read_s": s, "land_s": s, "verify_s": s} (where the server's TTFT went;
-read by no replay; land_s and verify_s are parts of read_s, recordings since 2026-12-05 21:50 UTC)}`.
+read by no replay; land_s and verify_s are parts of read_s, recordings since 3ab129d, 2026-12-05)}`.
 `TraceRecorder` writes this format from live traffic (`mlxd serve --record-trace`),
 plus event lines: `{"event": "server", ...}` (the server's cache configuration,
 first) and `{"event": "flush", "t": seconds}` (an `/admin/cache/flush`), so a
