@@ -365,7 +365,7 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
     print("TTFT parts, median ms per tier (queue = submission to slot; lookup; fetch = SSD read wait; engine = "
           "the rest; read = of the fetch, the read itself):\n" + "\n".join(f"  {name} {tier}: " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in p.items())
                                      for name, by in result["parts"].items() for tier, p in by.items()))
-    # The SSD tier's p95 follows a few reads 3-6x slower than the rest (docs/benchmarks.md, 2026-12-05 CPU
+    # The SSD tier's p95 follows a few reads 2.5-5.5x slower than the rest (docs/benchmarks.md, 2026-12-05 CPU
     # section): each one's parts, so a run shows whether the landing, the checks or the reads were slow.
     result["slow_reads"] = {name: slow_reads(path) for name, path in traces.items()}
     for name, slow in result["slow_reads"].items():

@@ -5,7 +5,8 @@ held-out run). This replays them offline with `--fit-outlier-fence` set to each 
 change to the fit is judged on every run already recorded (GPU ones included) without a device:
 per file and fence, the tiers' predicted / recorded p50 and p95 for the held-out run (`fit`) and for
 the calibration run itself (`fit_own`: what the model gets wrong with no live drift), and how many
-ratios each tier's spread left out.
+ratios each tier's spread left out; per file, each recording's SSD reads above 2x its median
+(`bench_sim_ttft.slow_reads`: the reads that decide the SSD p95).
 
     python benchmarks/refit_sim_ttft.py benchmarks/results/sim_ttft-h*.json --fences 3 0
 """
@@ -49,6 +50,18 @@ def refit(path: Path, fence: float) -> dict[str, Any]:
     }
 
 
+def slow_reads(path: Path) -> dict[str, Any]:
+    """Both recordings' SSD reads above `bench_sim_ttft.SLOW_READ` x their median, with their times."""
+    recorded = json.loads(path.read_text())
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="refit-sim-ttft-") as tmp:
+        for name in ("calibration", "predicted"):
+            trace = Path(tmp) / f"{name}.jsonl"
+            trace.write_text("\n".join(recorded["traces"][name]) + "\n")
+            out[name] = bench.slow_reads(trace)
+    return out
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path, help="bench_sim_ttft.py result JSON files")
@@ -58,6 +71,12 @@ def main(argv: list[str] | None = None) -> Path:
     out: dict[str, Any] = {"fences": args.fences, "files": {}}
     for path in args.files:
         out["files"][path.name] = by_fence = {}
+        reads = slow_reads(path)
+        out.setdefault("slow_reads", {})[path.name] = reads
+        print(f"{path.name} slow SSD reads: " + ", ".join(
+            f"{name} {r['slow']} of {r['reads']} (median {r['median_read_s'] * 1000:.0f} ms"
+            + (f", slow {min(x['read_s'] for x in r['rows']) * 1000:.0f}-{max(x['read_s'] for x in r['rows']) * 1000:.0f} ms"
+               if r["rows"] else "") + ")" for name, r in reads.items()), flush=True)
         for fence in args.fences:
             try:
                 by_fence[str(fence)] = r = refit(path, fence)
