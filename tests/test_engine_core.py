@@ -9,6 +9,8 @@ each; the script counts up from the prompt's last token.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import pytest
 from tests.fake_generator import FakeGenerator, feed, prefix_caches, tokens_in
@@ -348,6 +350,33 @@ def test_a_deferred_checkpoint_that_cannot_be_planned_is_skipped_and_its_row_goe
     assert published(results, "boundary") == [] and core.counters.checkpoints_skipped == 2  # boundary and final
     assert [e.token for e in events(results, "a") if isinstance(e, TokenGenerated)] == [19, 20, 21, 22]
     assert finished(results).reason == "length" and not core._deferred
+
+
+def test_a_finished_row_carries_the_time_its_final_checkpoint_held_its_last_step(tmp_path, monkeypatch):
+    """`GenerationFinished.leave_s`: the engine's time leaving each row in the step of its last token (its final
+    checkpoint's write plan with the SSD tier), which every token of that step waited for; a client stop too."""
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    planned = kinds.plan_snapshot
+
+    def slow_plan(caches, *, meta):
+        time.sleep(0.03)
+        return planned(caches, meta=meta)
+
+    monkeypatch.setattr(kinds, "plan_snapshot", slow_plan)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),
+                                        start("b", (20, 21, 22), max_tokens=2))))
+    done = {e.request_id: e.event for r in results for e in r.emits if isinstance(e.event, GenerationFinished)}
+    assert done["a"].leave_s >= 0.03 and done["b"].leave_s >= 0.03  # each its own final plan
+    assert done["a"] == GenerationFinished("length", 9, 0, 4)  # a timing: not part of the value
+    # without the SSD tier there is no plan: the final checkpoint is a RAM entry only
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),)))
+    assert published(results, "final") and finished(results).leave_s < 0.03
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    results = steps(core, 4, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=8),)))
+    results += run(core, StepOps(stops=("a",)))
+    assert finished(results).reason == "stop" and finished(results).leave_s >= 0.03
 
 
 def test_without_the_ssd_tier_a_boundary_checkpoint_is_published_where_the_segment_ends():

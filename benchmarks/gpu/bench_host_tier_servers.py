@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -955,7 +956,35 @@ def interleaved_goals(out: dict[str, Any]) -> dict[str, Any]:
             if name in out:  # the servers, not the control slot
                 goals[f"decode_{n}_paired_{name}_vs_mlx_lm"] = entry["values"]
                 goals[f"decode_{n}_iqr_{name}_vs_mlx_lm"] = entry["iqr"]
+    goals["decode_server_clock"] = {name: server_clock(out[name].get("log") or [], rec.get("decode_tokens"))
+                                    for name in out if name.startswith("mlxd") and isinstance(out[name], dict)}
     return goals
+
+
+def server_clock(log_lines: list[dict[str, Any]], tokens: int | None) -> dict[str, Any]:
+    """A server's own account of its decode runs (request.done of requests of `tokens` tokens), by how many
+    ended together (within 0.3 s: one decode run's streams): ms per token after the first, and `leave_ms`, the
+    engine's time leaving each row in its last step (the final checkpoint; with the SSD tier its write plan),
+    summed over the rows that ended together: what every last token of that run waited for."""
+    from datetime import datetime
+
+    done = [x for x in log_lines if x.get("event") == "request.done" and x.get("completion_tokens") == tokens
+            and tokens and x.get("total_ms") is not None and x.get("ttft_ms") is not None]
+    groups: list[list[tuple[float, dict[str, Any]]]] = []
+    for x in done:
+        at = datetime.fromisoformat(str(x["timestamp"]).replace("Z", "+00:00")).timestamp()
+        if not groups or at - groups[-1][-1][0] > 0.3:
+            groups.append([])
+        groups[-1].append((at, x))
+    out: dict[str, Any] = {}
+    for n in sorted({len(g) for g in groups}):
+        runs = [g for g in groups if len(g) == n]
+        per_token = [(x["total_ms"] - x["ttft_ms"]) / (tokens - 1) for g in runs for _, x in g] if tokens > 1 else []
+        leave = [sum(x.get("leave_ms") or 0.0 for _, x in g) for g in runs if any("leave_ms" in x for _, x in g)]
+        out[str(n)] = {"runs": len(runs),
+                       "ms_per_token_median": round(statistics.median(per_token), 3) if per_token else None,
+                       "leave_ms_sum_median": round(statistics.median(leave), 2) if leave else None}
+    return out
 
 
 def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:

@@ -245,6 +245,9 @@ class SchedulerActor:
             promote_landed_ms=_ms(getattr(record.promotion, "landed_s", None)),
             total_ms=_ms(record.total_s),
             first_token_ms=first_token_split(record),
+            # the engine's time leaving the row in its last step (its final checkpoint), before that step's
+            # tokens went out (GenerationFinished.leave_s)
+            leave_ms=_ms(record.leave_s),
         )
         for observe in self.observers:
             try:
@@ -397,6 +400,7 @@ def _note(record: RequestRecord, event: GenerationEvent) -> None:
     elif isinstance(event, GenerationFinished):
         if record.reason != "client_gone":
             record.reason = event.reason
+        record.leave_s = event.leave_s
     elif isinstance(event, GenerationFailed):
         record.reason = "failed"
 

@@ -887,16 +887,19 @@ class EngineCore:
         rows = [self._rows[self._uids[rid]] for rid in dict.fromkeys(request_ids) if rid in self._uids]
         if not rows:
             return
+        leave_s = {}
         for row in rows:  # their checkpoints first, while the generator still holds them
+            left = time.perf_counter()
             for part in row.parts():
                 part.leave(row, Ending(reason, requested=True), self, out)
+            leave_s[row.uid] = time.perf_counter() - left
         self.generator.remove([row.uid for row in rows])
         for row in rows:
-            self._finish(row, reason, out)
+            self._finish(row, reason, out, leave_s=leave_s[row.uid])
 
-    def _finish(self, row: Row, reason: str, out: StepOut) -> None:
+    def _finish(self, row: Row, reason: str, out: StepOut, *, leave_s: float = 0.0) -> None:
         req = row.start.request
-        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated))
+        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated, leave_s))
         out.finished.append(row.request_id)
         del self._rows[row.uid]
         del self._uids[row.request_id]
@@ -944,9 +947,10 @@ class EngineCore:
                     part.token(row, r.token, self, out)
             else:
                 ending = Ending(r.finish_reason, caches=r.prompt_cache, tokens=tuple(r.all_tokens or ()))
+                left = time.perf_counter()
                 for part in row.parts():
                     part.leave(row, ending, self, out)
-                self._finish(row, r.finish_reason, out)
+                self._finish(row, r.finish_reason, out, leave_s=time.perf_counter() - left)
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1

@@ -111,6 +111,11 @@ class GenerationFinished:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Seconds the engine spent, in the step that ended the row, on leaving it (its final checkpoint: with the
+    # SSD tier a write plan, on CUDA a host read of every array) before that step's tokens went out; a timing,
+    # not part of the value. The rows ending in one step wait for each other's: their sum delays every token
+    # of that step.
+    leave_s: float = attrs.field(default=0.0, eq=False)
 
 
 @attrs.frozen
@@ -163,6 +168,7 @@ class RequestRecord:
     promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
     engine_sent_at: float | None = None  # time.monotonic() when the scheduler handed it to the engine
     engine_stages: tuple[tuple[str, float], ...] = ()  # the engine's stamps to its first token (TokenGenerated.stages)
+    leave_s: float | None = None  # the engine's time leaving it in its last step (GenerationFinished.leave_s)
 
     @property
     def queued_s(self) -> float | None:
