@@ -193,6 +193,49 @@ def test_the_area_routing_is_off_by_default_and_set_by_its_variable(monkeypatch)
         suffix_attention.install(force=True)
 
 
+def test_the_area_routing_rents_a_shape_twice_then_builds_its_graph(monkeypatch):
+    """Under MLXD_UNFUSED_AREA a chunk shape goes the plain way in the first FUSE_AFTER - 1 forwards it comes
+    up in (a new shape's graph build costs about three plain uses) and through MLX's kernel from the FUSE_AFTER-th
+    on; its layers count once per forward (`next_forward`); the suffix rule's chunks always go the plain way;
+    the table of shapes is bounded."""
+    calls: list[tuple[int, int]] = []
+    real = suffix_attention.unfused
+
+    def spy(q, k, v, *, scale, causal, mask=None):
+        calls.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, scale=scale, causal=causal, mask=mask)
+
+    monkeypatch.setattr(suffix_attention, "unfused", spy)
+    monkeypatch.setattr(suffix_attention, "AREA", suffix_attention.AREA)
+    monkeypatch.setattr(suffix_attention, "SEEN_MAX", 4)
+    monkeypatch.setenv(suffix_attention.AREA_ENV, str(1 << 20))
+
+    def forward(n: int, keys: int, layers: int = 3) -> int:
+        """One forward of `layers` attentions of n queries over `keys`; how many went the plain way."""
+        suffix_attention.next_forward()
+        before = len(calls)
+        q = mx.random.normal((1, 4, n, 64))
+        k = v = mx.random.normal((1, 2, keys, 64))
+        for _ in range(layers):
+            got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+            want = suffix_attention._ORIGINAL(q, k, v, scale=0.125, mask="causal")
+            assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item()
+        return len(calls) - before
+
+    try:
+        assert suffix_attention.install(force=True)
+        fuse = suffix_attention.FUSE_AFTER
+        assert [forward(300, 300) for _ in range(fuse + 1)] == [3] * (fuse - 1) + [0, 0]
+        assert forward(301, 301) == 3  # another length: a new shape, rented again
+        assert [forward(64, 2048) for _ in range(fuse + 1)] == [3] * (fuse + 1)  # the suffix rule never buys
+        for n in range(310, 316):  # more shapes than the table holds: the least recently seen is forgotten
+            forward(n, n)
+        assert len(suffix_attention._seen) == 4 and forward(300, 300) == 3
+    finally:
+        suffix_attention.uninstall()
+    assert not suffix_attention._seen
+
+
 def test_the_short_routing_is_set_by_its_variable(monkeypatch):
     """MLXD_SHORT_QUERY=1: only the long-context rule (a 5-query verify over 512 keys keeps MLX's); a
     bad value is refused when the routing is installed."""

@@ -9,7 +9,11 @@ flat in the tokens (81 ms fixed, 0 per token: `sim_ttft-h100-20261205-152449.jso
 installed with AREA = N, chunks with queries x keys up to N attended as plain operations, others contiguous to
 MLX's), each arm and case a length no forward before had:
   cold: a whole prompt of N tokens from an empty cache (one forward: N <= --chunk);
-  suffix: N tokens after a 16k prefix (prefilled once; the cache trimmed back after each suffix).
+  suffix: N tokens after a 16k prefix (prefilled once; the cache trimmed back after each suffix);
+  repeat: one new length per arm, --repeat-lengths tokens + the arm's index, prompted --repeats times from an
+  empty cache with `suffix_attention.next_forward()` before each (as the engine counts forwards): the area
+  arms rent a shape FUSE_AFTER - 1 times and build its graph on the FUSE_AFTER-th, the fused arm builds it
+  on the first; each arm's ms per sighting.
 Prints ms per forward (evaluated and synchronized) and the medians per arm.
 
     python3 benchmarks/gpu/probe_unfused_area.py [--area 4194304 16777216] [--json OUT.json]
@@ -52,18 +56,21 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=16384)
     ap.add_argument("--cold", type=int, nargs="+", default=[301, 517, 779, 1021, 1283, 1531, 1789, 2039])
     ap.add_argument("--suffix", type=int, nargs="+", default=[131, 197, 263, 389, 521, 643, 769, 1031])
+    ap.add_argument("--repeat-lengths", type=int, nargs="+", default=[1093, 1601])
+    ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--small", action="store_true", help="the `bench` preset, a 512-token prefix: a CPU smoke run")
     args = ap.parse_args()
     if args.small:
-        args.prefix, args.cold, args.suffix = 512, [31, 67], [17, 41]
+        args.prefix, args.cold, args.suffix, args.repeat_lengths = 512, [31, 67], [17, 41], [53]
     model, _ = load(built(presets.PRESETS["bench"] if args.small else QWEN3_1_7B, args.work))
     rng = random.Random(11)
     words = lambda n: [rng.randrange(3, 8000) for _ in range(n)]  # noqa: E731
     suffix_attention.install(force=True)
     wrapped = mx.fast.scaled_dot_product_attention
     arms = ["fused", *(f"area:{a}" for a in args.area)]
-    out: dict = {"device": str(mx.default_device()), "areas": args.area, "cold": [], "suffix": []}
+    out: dict = {"device": str(mx.default_device()), "areas": args.area, "fuse_after": suffix_attention.FUSE_AFTER,
+                 "cold": [], "suffix": [], "repeat": []}
 
     def use(arm: str) -> None:
         if arm == "fused":
@@ -92,9 +99,21 @@ def main() -> int:
                 c.trim(n + j)
             out["suffix"].append({"arm": arm, "tokens": n + j, "ms": ms})
             print("suffix", out["suffix"][-1], flush=True)
+    for i, n in enumerate(args.repeat_lengths):  # the same new shape again and again: rent, then build, then cached
+        for j, arm in enumerate(arms if i % 2 == 0 else arms[::-1]):
+            use(arm)
+            tokens = words(n + 10 + j)  # + 10: no cold case's length
+            ms = []
+            for _ in range(args.repeats):
+                suffix_attention.next_forward()
+                ms.append(timed(model, tokens, make_prompt_cache(model)))
+            out["repeat"].append({"arm": arm, "tokens": len(tokens), "ms": ms, "sum_ms": round(sum(ms), 2)})
+            print("repeat", out["repeat"][-1], flush=True)
     use(arms[-1])
     out["median_ms"] = {kind: {arm: statistics.median(r["ms"] for r in out[kind] if r["arm"] == arm) for arm in arms}
                         for kind in ("cold", "suffix")}
+    out["median_ms"]["repeat_sum"] = {arm: statistics.median(r["sum_ms"] for r in out["repeat"] if r["arm"] == arm)
+                                      for arm in arms}
     print(json.dumps(out["median_ms"]), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))

@@ -63,6 +63,7 @@ from mlxd.kv import grammar_list
 from mlxd.kv.device_costs import DeviceProbe
 from mlxd.kv.file_format import FileHeader, Landing, LoadedSnapshot, SnapshotMeta, SnapshotPlan
 from mlxd.kv.ssd_store import StoreIdentity
+from mlxd.model import suffix_attention
 from mlxd.model.identity import model_identity
 from mlxd.runtime import device_memory
 from mlxd.runtime.config import RuntimeConfig
@@ -245,7 +246,7 @@ class EngineCore:
         """Load the model, measure its KV cost and the device, and start a generator."""
         import mlx.core as mx
 
-        from mlxd.model import batch_handover, fast_mask, suffix_attention, window_mask
+        from mlxd.model import batch_handover, fast_mask, window_mask
 
         switch = gil_switch_ms()
         if switch is not None:  # process-wide: restored by close()
@@ -915,6 +916,7 @@ class EngineCore:
             each.stamp("step")
         t0 = time.perf_counter()
         self._masks.start()
+        suffix_attention.next_forward()  # MLXD_UNFUSED_AREA counts a chunk shape's sightings per forward
         prompt_responses, gen_responses = self.generator.next()
         elapsed = time.perf_counter() - t0
         for each in waiting:

@@ -54,6 +54,19 @@ SHORT_ENV = "MLXD_SHORT_QUERY"
 # installed; 0, the default, is off until a GPU run measures it (benchmarks/gpu/probe_unfused_area.py).
 AREA = 0
 AREA_ENV = "MLXD_UNFUSED_AREA"
+# The area rule rents before it buys: a chunk shape (queries, keys, heads, mask kind, dtype) it routes goes the
+# plain way on the first FUSE_AFTER - 1 forwards it comes up in and through MLX's kernel from the FUSE_AFTER-th on
+# (which builds its graph once; later ones find it cached). A server sees some shapes again and again (a trace's
+# fixed lengths: H100 23:12/23:20, misses of 1,024 tokens at an engine median of 35.2 ms through the cached graph
+# against 48.5 ms plain, `sim_ttft-h100-*-20261205-23*.json`) and most only once (a prompt's last chunk ends
+# where its prompt does): a new shape through the kernel took 54-64 ms for 301-2,041 tokens against 11-42 ms
+# plain (`unfused-area-h100-20261205-230209.json`). The build costs about three plain uses (~40 ms against
+# ~13 ms a use), so the third sighting buys it (ski rental). Forwards are counted by `next_forward` (the
+# engine calls it before each step); without it every sighting is the first.
+FUSE_AFTER = 3
+SEEN_MAX = 4096  # shapes remembered (least recently seen forgotten first)
+_seen: dict[tuple[Any, ...], tuple[int, int]] = {}  # shape -> (forwards it came up in, the last one)
+_forward = 0
 
 _ORIGINAL: Any = None
 
@@ -83,7 +96,7 @@ def install(*, force: bool = False) -> bool:
 
     def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
                                      sinks: Any = None, **kwargs: Any) -> Any:
-        if sinks is None and not kwargs and routed(q.shape[2], k.shape[2], mask):
+        if sinks is None and not kwargs and routed(q.shape[2], k.shape[2], mask) and not _bought(q, k, mask):
             if isinstance(mask, str):
                 return unfused(q, k, v, scale=scale, causal=True)
             return unfused(q, k, v, scale=scale, causal=False, mask=mask)
@@ -121,6 +134,29 @@ def routed(queries: int, keys: int, mask: Any) -> bool:
                             or queries * keys <= AREA)
 
 
+def next_forward() -> None:
+    """A new forward pass begins (the engine, before each step): a shape's sightings count once per forward,
+    not once per layer."""
+    global _forward
+    _forward += 1
+
+
+def _bought(q: Any, k: Any, mask: Any) -> bool:
+    """Whether a chunk the rules route goes through MLX's kernel after all: routed by the area rule alone (the
+    suffix and short-chunk rules always go the plain way) and its shape has come up in FUSE_AFTER forwards."""
+    queries, keys = q.shape[2], k.shape[2]
+    if AREA <= 0 or queries <= SHORT_QUERY or (queries <= MAX_QUERY and keys >= MIN_KEYS):
+        return False
+    shape = (tuple(q.shape), tuple(k.shape), mask if isinstance(mask, str) else "none", q.dtype)
+    count, last = _seen.pop(shape, (0, -1))
+    if last != _forward:
+        count += 1
+    _seen[shape] = (count, _forward)  # (re)inserted last: the dict's order is the sightings' order
+    if len(_seen) > SEEN_MAX:
+        del _seen[next(iter(_seen))]
+    return count >= FUSE_AFTER
+
+
 def uninstall() -> None:
     global _ORIGINAL
     import mlx.core as mx
@@ -128,6 +164,7 @@ def uninstall() -> None:
     if _ORIGINAL is not None:
         mx.fast.scaled_dot_product_attention = _ORIGINAL
         _ORIGINAL = None
+    _seen.clear()
 
 
 def unfused(q: Any, k: Any, v: Any, *, scale: float, causal: bool, mask: Any = None) -> Any:
