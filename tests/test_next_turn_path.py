@@ -125,6 +125,8 @@ def test_a_served_turn_logs_its_stages(tiny_model_dir, monkeypatch):
         assert all(k in ms for k in order)
         assert [ms[k] for k in order] == sorted(ms[k] for k in order)
     assert records[1].cached_tokens > 0  # the next turn hit the first one's checkpoint
+    # request.done's leave_ms: the engine's time on each row's final checkpoint in its last step
+    assert all(r.leave_s is not None and 0 < r.leave_s < 10 for r in records)
 
 
 def test_realignment_is_skipped_only_where_it_cannot_change_the_ids(tok):
