@@ -352,6 +352,56 @@ def test_a_deferred_checkpoint_that_cannot_be_planned_is_skipped_and_its_row_goe
     assert finished(results).reason == "length" and not core._deferred
 
 
+def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoint_first(tmp_path, monkeypatch):
+    """MLXD_FINAL_PLAN=after-token (an arm to measure): with the SSD tier a row's last token goes out with its step,
+    its final checkpoint (the write plan) and its finish with the next, the checkpoint in that step's notes (the
+    actor delivers notes first: the cache owner has it before the reply ends); the batch counts the row until
+    then, so the step loop runs that step; a cancel meanwhile is ignored. Without the SSD tier nothing changes."""
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "after-token")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),
+                                        start("b", (20, 21, 22), max_tokens=2))))
+    for rid, tokens in (("a", 4), ("b", 2)):
+        last = max(i for i, r in enumerate(results) for e in r.emits
+                   if e.request_id == rid and isinstance(e.event, TokenGenerated))
+        step = results[last + 1]
+        assert [type(e.event) for e in step.emits if e.request_id == rid] == [GenerationFinished]
+        assert rid in step.finished and rid not in results[last].finished
+        assert len([n for n in step.notes if isinstance(n, PublishPrefix) and n.reason == "final"]) == 1
+        assert results[last].stats.batch_rows >= 1  # still held: the loop takes the step that finishes it
+        assert len([e for e in events(results, rid) if isinstance(e, TokenGenerated)]) == tokens
+    assert results[-1].stats.batch_rows == 0 and not core._leaving
+    late = sorted(published(results, "final"), key=lambda n: n.tokens)
+    monkeypatch.delenv("MLXD_FINAL_PLAN")  # the same rows, the checkpoint in the last token's step: the same KV
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    at_once = sorted(published(run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),
+                                                          start("b", (20, 21, 22), max_tokens=2)))), "final"),
+                     key=lambda n: n.tokens)
+    assert [n.tokens for n in late] == [n.tokens for n in at_once]
+    assert [tokens_in(n.payload) for n in late] == [tokens_in(n.payload) for n in at_once]
+    assert all(n.plan is not None for n in late)
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "after-token")
+    # a cancel that arrives while the row waits for its finish: ignored, the row finishes as it ended
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
+    results = []
+    ops = StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),))
+    while not core._leaving:
+        results.append(core.step(ops))
+        ops = StepOps()
+    results += run(core, StepOps(cancels=("a",)))
+    assert finished(results).reason == "length" and [n.reason for n in notes(results, PublishPrefix)] == [
+        "boundary", "final"]
+    # without the SSD tier the final checkpoint is a RAM entry taken in the last token's step, as before
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),)))
+    last = max(i for i, r in enumerate(results) for e in r.emits if isinstance(e.event, TokenGenerated))
+    assert "a" in results[last].finished
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "later")
+    with pytest.raises(ValueError, match="MLXD_FINAL_PLAN"):
+        make()
+
+
 def test_a_finished_row_carries_the_time_its_final_checkpoint_held_its_last_step(tmp_path, monkeypatch):
     """`GenerationFinished.leave_s`: the engine's time leaving each row in the step of its last token (its final
     checkpoint's write plan with the SSD tier), which every token of that step waited for; a client stop too."""

@@ -371,7 +371,7 @@ def main() -> int:
                          "(0: none)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
-                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, ...); the restarts follow "
+                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, ...); the restarts follow "
                          "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
@@ -424,6 +424,7 @@ def main() -> int:
     shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
     shutil.rmtree(args.work / "ssd-urgent", ignore_errors=True)
     shutil.rmtree(args.work / "ssd-noprobe", ignore_errors=True)
+    shutil.rmtree(args.work / "ssd-lateplan", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
     ssd = ["--ssd-cache", str(ssd_dir)]
@@ -456,6 +457,10 @@ def main() -> int:
         # (its tuned prefill chunk, its cost model, the memory it used), told apart from what the tiers cost decode
         "mlxd_host_ssd_noprobe": (base + ["--port", "18187", "--host-cache-gb", host_gb, "--ssd-cache",
                                           str(args.work / "ssd-noprobe"), "--device-probe", "off"], 18187),
+        # The same with each finished row's final checkpoint (its write plan) taken in the step after its last
+        # token, its finish held until then (engine/core.py `_leave_late`; issue 28: eight rows ending together)
+        "mlxd_host_ssd_lateplan": (["env", "MLXD_FINAL_PLAN=after-token", *base, "--port", "18186", "--host-cache-gb",
+                                    host_gb, "--ssd-cache", str(args.work / "ssd-lateplan")], 18186),
         # The same with every fresh prompt's checkpoint written at full speed beside the decode after it (a backlog
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",

@@ -37,6 +37,7 @@ from mlxd.engine.features import (
     Sampling,
     StepMasks,
     StopTokens,
+    final_plan,
     gil_switch_ms,
     read_logprobs,
 )
@@ -190,6 +191,11 @@ class EngineCore:
         # Prompt-boundary checkpoints taken (their caches copied), their publication (the SSD write plan: on
         # CUDA a host read of every array) waiting until their row's first token is out (`publish_deferred`)
         self._deferred: list[tuple[Row, str, Callable[[], PublishPrefix]]] = []
+        # MLXD_FINAL_PLAN=after-token with the SSD tier: rows whose last token went out, their final checkpoint
+        # and finish waiting for the next step (`_leave_late`); not with speculation (its leave reads the batch)
+        self._late_final = (final_plan() == "after-token" and config.ssd_cache_dir is not None
+                            and config.speculative == "off")
+        self._leaving: list[tuple[Row, str, Ending]] = []
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -430,6 +436,7 @@ class EngineCore:
         self._uids.clear()
         self._batch = None
         self._deferred.clear()
+        self._leaving.clear()
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
@@ -582,7 +589,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(
-            steps=c.steps, batch_rows=len(self._rows), generated_tokens=c.generated_tokens,
+            steps=c.steps, batch_rows=len(self._rows) + len(self._leaving), generated_tokens=c.generated_tokens,
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             **(self.vision.stats() if self.vision is not None else {}),
@@ -601,6 +608,8 @@ class EngineCore:
             return StepResult(stats=self.stats())
         out = StepOut()
         with mx.stream(self._stream):
+            if self._leaving:  # rows whose last token went out with the step before (MLXD_FINAL_PLAN=after-token)
+                self._leave_late(out)
             if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS); a row that ends
                 # first publishes its own as it leaves (PromptCheckpoints.leave)
                 self.publish_deferred(out, lambda r: r.generated >= PUBLISH_AFTER_TOKENS or r.uid not in self._rows)
@@ -899,14 +908,33 @@ class EngineCore:
             self._finish(row, reason, out, leave_s=leave_s[row.uid])
 
     def _finish(self, row: Row, reason: str, out: StepOut, *, leave_s: float = 0.0) -> None:
-        req = row.start.request
-        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated, leave_s))
-        out.finished.append(row.request_id)
+        self._forget(row)
+        self._finished(row, reason, out, leave_s)
+
+    def _forget(self, row: Row) -> None:
+        """The row leaves the batch's book (a cancel or stop for its request id is ignored from now on)."""
         del self._rows[row.uid]
         del self._uids[row.request_id]
         self._batch = None
 
+    def _finished(self, row: Row, reason: str, out: StepOut, leave_s: float) -> None:
+        req = row.start.request
+        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated, leave_s))
+        out.finished.append(row.request_id)
+
+    def _leave_late(self, out: StepOut) -> None:
+        """The rows that ended in the step before: their final checkpoints, then their finish, so the cache
+        owner has each checkpoint before its reply ends (`EngineActor._deliver`: notes first)."""
+        leaving, self._leaving = self._leaving, []
+        for row, reason, ending in leaving:
+            left = time.perf_counter()
+            for part in row.parts():
+                part.leave(row, ending, self, out)
+            self._finished(row, reason, out, time.perf_counter() - left)
+
     def _next(self, out: StepOut) -> None:
+        import mlx.core as mx
+
         waiting = [r for r in self._rows.values() if r.generated == 0]  # rows before their first token
         decoding = len(waiting) < len(self._rows)
         # Only rows before their first token have prompt left: with none, the chunk is not used.
@@ -949,6 +977,12 @@ class EngineCore:
                     part.token(row, r.token, self, out)
             else:
                 ending = Ending(r.finish_reason, caches=r.prompt_cache, tokens=tuple(r.all_tokens or ()))
+                if self._late_final:  # its last token goes out first; its checkpoint and finish next step
+                    if ending.caches is not None:  # its KV as of now, whatever the batch's buffers do next
+                        mx.eval([c.state for c in ending.caches])
+                    self._forget(row)
+                    self._leaving.append((row, r.finish_reason, ending))
+                    continue
                 left = time.perf_counter()
                 for part in row.parts():
                     part.leave(row, ending, self, out)

@@ -286,6 +286,23 @@ def gil_switch_ms() -> float | None:
     return ms
 
 
+FINAL_PLANS = ("with-token", "after-token")
+
+
+def final_plan() -> str:
+    """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken with the SSD tier (its write plan: on
+    CUDA a host read of every array). `with-token` (the default): in the step of its last token, before that
+    step's tokens go out. `after-token`: at the start of the next step, the row's finish (its
+    `GenerationFinished`) held until then, so the checkpoint still reaches the cache owner before the reply
+    ends. An arm to measure (issue 28: eight rows ending in one step wait for each other's plans)."""
+    import os
+
+    value = os.environ.get("MLXD_FINAL_PLAN", "") or "with-token"
+    if value not in FINAL_PLANS:
+        raise ValueError(f"MLXD_FINAL_PLAN must be one of {', '.join(FINAL_PLANS)}, not {value!r}")
+    return value
+
+
 def mask_device_is_cpu() -> bool:
     """The device the masks are made for: MLX's default, or a GPU's path on the CPU (`MLXD_MASK_DEVICE=gpu`)."""
     import os
