@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -21,8 +21,10 @@ class ServeProcess:
     process group of its own, so that cleanup reaches every process it started.
     """
 
-    def __init__(self, *args: str, log_path: Path, launcher: Sequence[str] = ()) -> None:
+    def __init__(self, *args: str, log_path: Path, launcher: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.launcher = list(launcher)
+        self.env = dict(env or {})  # added to this process's environment (the experimental switches)
         probe = () if "--device-probe" in args else ("--device-probe", "off")  # see serving.config_for
         self.args = [*self.launcher, sys.executable, "-m", "mlxd.cli", "serve", "--port", "0",
                      "--log-format", "json", *probe, *args]
@@ -32,7 +34,7 @@ class ServeProcess:
 
     def start(self, timeout: float = 120) -> ServeProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         # stdin: a pipe nobody writes, as a terminal would be (mlx.launch relays its
         # stdin to the ranks, re-reading one at end of file without pause).
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env,

@@ -4,7 +4,8 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb); each
+--speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb,
+and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -51,6 +52,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
     "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
+    "final_plan": ("with-token", "after-token"),  # MLXD_FINAL_PLAN (the environment): a step after the last token
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -71,6 +73,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # nothing is restored without the SSD tier
     if combo.get("kv_token_ids") and combo.get("kv_events") is False:
         return False  # ignored (with a warning) without --kv-events-endpoint
+    if combo.get("final_plan") == "after-token" and (ssd == "off" or combo.get("speculative") == "ngram"):
+        return False  # ignored without the SSD tier and with speculation (engine/core.py `_late_final`)
     if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
         return False  # refused: "--ram-pages on and --host-cache-gb do not combine yet"
     return True
@@ -143,6 +147,7 @@ class Combo:
     restore_choice: str = "measured"
     write_hold: bool = False
     backlog: str | None = None
+    final_plan: str = "with-token"
 
     @property
     def id(self) -> str:
@@ -167,6 +172,7 @@ class Combo:
             "never": self.restore_choice == "never",
             "hold": self.write_hold,
             "urgent": self.backlog is not None,
+            "lateplan": self.final_plan == "after-token",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -207,6 +213,9 @@ class Combo:
         if self.backlog is not None:
             args += ["--ssd-backlog-gb", self.backlog]
         return args
+
+    def env(self) -> dict[str, str]:
+        return {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "with-token" else {}
 
 
 COMBOS = [Combo(**row) for row in pairwise(FLAGS, allowed)]
@@ -268,10 +277,10 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 827, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 909, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
-    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 16  # each a server start: keep it small
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 17  # each a server start: keep it small
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])
@@ -281,7 +290,7 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
     args = combo.serve_args(model_dir=model_dir, workdir=tmp_path, events_endpoint=sub and sub.endpoint)
     headers = {"Authorization": f"Bearer {API_KEY}"} if combo.api_key else {}
     try:
-        with ServeProcess(*args, log_path=tmp_path / "serve.log") as proc, proc.client() as http:
+        with ServeProcess(*args, log_path=tmp_path / "serve.log", env=combo.env()) as proc, proc.client() as http:
             http.headers.update(headers)
             if sub is not None:
                 sub.wait_connected()
@@ -304,6 +313,8 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
                 budget = stats["cache"]["memory"]["budget_bytes"]
                 assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
             assert ("device_probe" in stats) == (combo.device_probe == "on")
+            late = stats["engine"].get("late_final_checkpoints")  # both replies' finals a step late, or None
+            assert late == (2 if combo.final_plan == "after-token" else None), stats["engine"]
             if combo.speculative == "ngram":  # on, or off with the reason (quantized KV cannot roll back)
                 speculation = stats["engine"]["speculation"]
                 assert speculation["active"] == (combo.kv_bits is None), speculation

@@ -176,6 +176,7 @@ class Counters:
     prompt_tokens: int = 0
     checkpoints_skipped: int = 0
     checkpoint_s: float = 0.0
+    late_finals: int = 0  # MLXD_FINAL_PLAN=after-token: rows whose final checkpoint came a step after their last token
 
 
 class EngineCore:
@@ -592,6 +593,7 @@ class EngineCore:
             steps=c.steps, batch_rows=len(self._rows) + len(self._leaving), generated_tokens=c.generated_tokens,
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
+            late_final_checkpoints=c.late_finals if self._late_final else None,
             **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
             grammars=attrs.asdict(self._grammars.stats()) if self._grammars is not None else None,
@@ -931,6 +933,7 @@ class EngineCore:
             for part in row.parts():
                 part.leave(row, ending, self, out)
             self._finished(row, reason, out, time.perf_counter() - left)
+            self.counters.late_finals += 1
 
     def _next(self, out: StepOut) -> None:
         import mlx.core as mx

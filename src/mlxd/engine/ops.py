@@ -171,6 +171,9 @@ class EngineStats:
     failed_steps: int = 0
     checkpoints_skipped: int = 0
     checkpoint_s: float = 0.0  # engine-thread time spent on generation checkpoints
+    # MLXD_FINAL_PLAN=after-token with the SSD tier: rows whose final checkpoint came a step after their last
+    # token (engine/core.py `_leave_late`); None otherwise.
+    late_final_checkpoints: int | None = None
     # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
     mirrored_prefixes: int | None = None
     mirror_misses: int | None = None
