@@ -422,7 +422,7 @@ def test_a_finished_row_carries_the_time_its_final_checkpoint_held_its_last_step
     # without the SSD tier there is no plan: the final checkpoint is a RAM entry only
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
     results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),)))
-    assert published(results, "final") and finished(results).leave_s < 0.03
+    assert [n.plan for n in published(results, "final")] == [None]
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
     results = steps(core, 4, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=8),)))
     results += run(core, StepOps(stops=("a",)))
