@@ -899,12 +899,8 @@ class EngineCore:
         rows = [self._rows[self._uids[rid]] for rid in dict.fromkeys(request_ids) if rid in self._uids]
         if not rows:
             return
-        leave_s = {}
-        for row in rows:  # their checkpoints first, while the generator still holds them
-            left = time.perf_counter()
-            for part in row.parts():
-                part.leave(row, Ending(reason, requested=True), self, out)
-            leave_s[row.uid] = time.perf_counter() - left
+        # their checkpoints first, while the generator still holds them
+        leave_s = {row.uid: self._leave(row, Ending(reason, requested=True), out) for row in rows}
         self.generator.remove([row.uid for row in rows])
         for row in rows:
             self._finish(row, reason, out, leave_s=leave_s[row.uid])
@@ -924,15 +920,19 @@ class EngineCore:
         out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated, leave_s))
         out.finished.append(row.request_id)
 
+    def _leave(self, row: Row, ending: Ending, out: StepOut) -> float:
+        """The row's features see it leave (its final checkpoint among them); the seconds they took."""
+        left = time.perf_counter()
+        for part in row.parts():
+            part.leave(row, ending, self, out)
+        return time.perf_counter() - left
+
     def _leave_late(self, out: StepOut) -> None:
         """The rows that ended in the step before: their final checkpoints, then their finish, so the cache
         owner has each checkpoint before its reply ends (`EngineActor._deliver`: notes first)."""
         leaving, self._leaving = self._leaving, []
         for row, reason, ending in leaving:
-            left = time.perf_counter()
-            for part in row.parts():
-                part.leave(row, ending, self, out)
-            self._finished(row, reason, out, time.perf_counter() - left)
+            self._finished(row, reason, out, self._leave(row, ending, out))
             self.counters.late_finals += 1
 
     def _next(self, out: StepOut) -> None:
@@ -986,10 +986,7 @@ class EngineCore:
                     self._forget(row)
                     self._leaving.append((row, r.finish_reason, ending))
                     continue
-                left = time.perf_counter()
-                for part in row.parts():
-                    part.leave(row, ending, self, out)
-                self._finish(row, r.finish_reason, out, leave_s=time.perf_counter() - left)
+                self._finish(row, r.finish_reason, out, leave_s=self._leave(row, ending, out))
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
