@@ -58,6 +58,9 @@ def test_a_recorded_kv_admission_run_replays_its_waits(tiny_model_dir, tmp_path,
         config = RuntimeConfig(model=str(tiny_model_dir), prompt_cache_bytes=0, kv_admission=True,
                                memory_budget_bytes=fixed + fixed // 10 + need * 3 // 2)
         async with open_runtime(config) as rt:
+            kv = rt.scheduler.kv_admission
+            assert kv is not None  # each runtime measures its own memory: the room is set from this one's
+            kv.budget_bytes = kv.fixed_bytes + max(kv.need_bytes(len(p), sampling.max_tokens) for p in prompts) * 3 // 2
             record_trace(rt, trace)
 
             async def one(i: int) -> None:
