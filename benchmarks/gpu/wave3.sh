@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu/wave3.sh contigkv                          # after a short prefix: aligned chunks, sliced vs contiguous keys
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
+#   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -129,6 +130,11 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
   # on KV of the 1.7B shape, whole and by part (slice + eval; the memoryviews, first and again; DLPack), no model.
   plansnap) phase plansnap 90 python3 benchmarks/gpu/time_plan_snapshot.py --tokens 8192 16384 --rounds 3 \
             --json "$OUT/plan-snapshot-h200.json" ${PLANSNAP_ARGS:-} ;;
+  # Issue 28, the 8-stream decode gap with the SSD tier: decode's attention on KV buffers the SSD tier's host access
+  # touched (converted to managed memory, staged, advised read-mostly and read, read) vs never touched, on those
+  # buffers and on new ones MLX's cache recycles from them; no model (~1-2 min on the 1.7B shape).
+  manageddecode) phase manageddecode 150 python3 benchmarks/gpu/probe_managed_decode.py --json "$OUT/managed-decode.json" \
+            ${MANAGEDDECODE_ARGS:---cases 8x8192 1x16384 --steps 48 --rounds 2} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
