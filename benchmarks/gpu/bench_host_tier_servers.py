@@ -202,7 +202,8 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                 run: dict[str, Any] = {"round": r, "streams": n, "at": at, "slot": slot, "settle_s": settled}
                 try:
                     run["prompt_ttft_s"] = asyncio.run(ttft(base, model, text))["ttft_s"]
-                    before = writer_bytes(base) if base in ssd else None
+                    counts = writer_counts(base) if base in ssd else None
+                    before = counts.get("bytes_written") if counts is not None else None
                     gc_before = gc_so_far(base) if name.startswith("mlxd") else None
                     d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
                     gc_after = gc_so_far(base) if gc_before is not None else None
@@ -211,7 +212,9 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                                    gc_full=gc_after[1] - gc_before[1])
                     if before is not None:  # what write-behind wrote beside this decode (the goal's condition),
                         # and after it (a write the server deferred past the decode: held or paced while rows ran)
-                        run.update(written_mb(before, writer_bytes(base), "beside"))
+                        after = writer_counts(base)
+                        run.update(written_mb(before, after.get("bytes_written") if after else None, "beside"))
+                        run["writer_beside"] = counts_beside(counts, after)  # the writer's work in the window
                         run["write_after_decode_s"] = settle([base], args.settle_s)
                         run.update(written_mb(before, writer_bytes(base), "by_settle"))
                     rates = {"span_tok_s": d["span_tok_s"], "all_rows_tok_s": d["tok_s"],
@@ -226,11 +229,12 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     out[name].setdefault("decode_runs", {}).setdefault(str(n), []).append(run)
             rec["summary"] = interleave.summarize(runs, ref, args.decode_schedule)
             level = rec["summary"]["levels"][str(n)]["ratio_to_" + ref]
-            writes = [(x.get("mb_written_beside"), x.get("mb_written_by_settle")) for x in rec["runs"][-len(order):]
-                      if "mb_written_beside" in x]
+            writes = [(x.get("mb_written_beside"), x.get("mb_written_by_settle"),
+                       round(((x.get("writer_beside") or {}).get("staged_bytes") or 0) / 1e6, 1))
+                      for x in rec["runs"][-len(order):] if "mb_written_beside" in x]
             log("decode", f"round {r} {n} streams", " ".join(
                 f"{slot} {entry['values'][-1]}" for slot, entry in level.items()),
-                f"SSD MB written beside its decode / by the write's end {writes}",
+                f"SSD MB written beside its decode / by the write's end / staged beside {writes}",
                 f"({time.perf_counter() - t_round:.1f} s)")
         longest = max(longest, time.perf_counter() - t_round)
         rec["rounds_done"] = r + 1
@@ -275,15 +279,38 @@ def written_mb(before: int | None, after: int | None, label: str) -> dict[str, f
             else None}
 
 
-def writer_bytes(base: str) -> int | None:
-    """Bytes the server's SSD writer has written so far (`/stats` ssd_cache.writer.bytes_written)."""
+# The SSD writer's counters (`/stats` ssd_cache.writer) a decode run reports the change of: what write-behind did
+# inside the decode's window (bytes of finished writes, bytes staged to host memory and in how many pieces and
+# copy calls, slices handed to the OS, pieces that waited for an engine step, seconds staging and held).
+WRITER_COUNTS = ("bytes_written", "staged_bytes", "staged_pieces", "staged_calls", "step_waits", "stage_s", "held_s")
+
+
+def writer_counts(base: str) -> dict[str, float] | None:
+    """The server's SSD writer counters so far (`WRITER_COUNTS`, and `pacing.bytes_out` as `bytes_out`)."""
     import httpx
 
     try:
         writer = (httpx.get(base + "/stats", timeout=30).json().get("ssd_cache") or {}).get("writer") or {}
     except (httpx.HTTPError, ValueError):
         return None
-    return writer.get("bytes_written")
+    counts = {k: writer[k] for k in WRITER_COUNTS if isinstance(writer.get(k), (int, float))}
+    out = (writer.get("pacing") or {}).get("bytes_out")
+    if isinstance(out, (int, float)):
+        counts["bytes_out"] = out
+    return counts
+
+
+def writer_bytes(base: str) -> int | None:
+    """Bytes the server's SSD writer has written so far (`/stats` ssd_cache.writer.bytes_written)."""
+    counts = writer_counts(base)
+    return None if counts is None else counts.get("bytes_written")  # type: ignore[return-value]
+
+
+def counts_beside(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What the writer's counters gained between two readings (None where either failed)."""
+    if before is None or after is None:
+        return None
+    return {k: round(after[k] - before[k], 4) for k in after if k in before}
 
 
 def gc_so_far(base: str) -> tuple[float, int] | None:
