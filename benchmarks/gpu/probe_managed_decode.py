@@ -19,8 +19,9 @@ heads over 8 KV heads, head dim 128, bf16; each step writes one token's K and V 
 - `host_read`: converted, then read by the host with no advice (its pages move to the host)
 
 Each arm decodes on its own buffers (`live`), then frees them and decodes on new buffers of the same shapes
-(`recycled`: MLX's cache hands back the freed ones; the bytes it reused are reported), after `mx.clear_cache()`
-so each arm starts from an empty cache. Per arm and phase: the first step (page faults land there) and the median
+(`recycled`: MLX's cache hands back the freed ones; the bytes it reused are reported), then frees those and
+times `mx.clear_cache()` (`clear_ms`: mlx-lm's prompt phase calls it after every prefill chunk; a converted buffer
+is managed memory, freed by `cudaFree`), so each arm starts from an empty cache. Per arm and phase: the first step (page faults land there) and the median
 of the rest, ms; the arms rotate their order each round. On the CPU every arm is the same memory (a smoke run).
 
     python3 benchmarks/gpu/probe_managed_decode.py --cases 8x8192 1x16384 --steps 48 --rounds 3 --json OUT.json
@@ -129,6 +130,12 @@ def one(arm: str, rows: int, prefix: int, args: argparse.Namespace, shape: tuple
     row["reused_mb"] = round((cached - mx.get_cache_memory()) / 1e6, 1)
     row["recycled"] = summary(decode(kv, prefix, args.steps, q_heads))
     del kv
+    # Freeing them: mlx-lm's prompt phase calls mx.clear_cache() after every prefill chunk (and its decode every
+    # 512 steps), which frees every cached buffer; a converted one is managed memory (cudaFree, which waits for
+    # the device) where a never-touched one goes back to the pool.
+    t0 = time.perf_counter()
+    mx.clear_cache()
+    row["clear_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
     return row
 
 
@@ -173,11 +180,12 @@ def main() -> int:
             table[f"{rows}x{prefix} {arm}"] = {
                 phase: {"first_ms": statistics.median(x[phase]["first_ms"] for x in mine),
                         "median_ms": statistics.median(x[phase]["median_ms"] for x in mine)}
-                for phase in ("live", "recycled")} | {"reused_mb": statistics.median(x["reused_mb"] for x in mine)}
+                for phase in ("live", "recycled")} | {"reused_mb": statistics.median(x["reused_mb"] for x in mine),
+                                                      "clear_ms": statistics.median(x["clear_ms"] for x in mine)}
     for name, t in table.items():
         print(f"{name:>26}: live first {t['live']['first_ms']:8.2f} steady {t['live']['median_ms']:7.3f} ms | "
               f"recycled first {t['recycled']['first_ms']:8.2f} steady {t['recycled']['median_ms']:7.3f} ms "
-              f"(reused {t['reused_mb']} MB)", flush=True)
+              f"(reused {t['reused_mb']} MB) | clear_cache {t['clear_ms']:.1f} ms", flush=True)
     out["medians"] = table
     save()
     if args.json:
