@@ -244,6 +244,17 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                 out[name].setdefault("decode", {})[str(n)] = {"tok_s": median(rates) if rates else None,
                                                                "runs": len(rates)}
         save()
+    for name in names:  # each mlxd server's tiers, writer and engine after the rounds (where its entries went)
+        if name.startswith("mlxd"):
+            try:
+                import httpx
+
+                stats = httpx.get(procs[name].base + "/stats", timeout=30).json()
+                out[name]["stats_after_decode"] = {k: stats.get(k) for k in ("cache", "ssd_cache", "host_cache",
+                                                                             "engine", "gc") if k in stats}
+            except (httpx.HTTPError, ValueError) as exc:
+                out[name]["stats_after_decode"] = {"error": f"{type(exc).__name__}: {exc}"}
+    save()
     for name in names:  # a fresh prompt last, so the stop's flush has a backlog as after the serial schedule
         if "ssd" in name:
             asyncio.run(ttft(procs[name].base, model_of(name, model_dir),
