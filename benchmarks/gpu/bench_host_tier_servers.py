@@ -409,7 +409,7 @@ def main() -> int:
                          "(0: none)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
-                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, ...); the restarts follow "
+                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, ...); the restarts follow "
                          "mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
@@ -499,6 +499,11 @@ def main() -> int:
         # token, its finish held until then (engine/core.py `_leave_late`; issue 28: eight rows ending together)
         "mlxd_host_ssd_lateplan": (["env", "MLXD_FINAL_PLAN=after-token", *base, "--port", "18186", "--host-cache-gb",
                                     host_gb, "--ssd-cache", str(args.work / "ssd-lateplan")], 18186),
+        # The same with each write plan of up to 64 MB made from one packed copy of its tensors (engine/features.py
+        # `plan_pack_bytes`): one host conversion per checkpoint instead of one per tensor (issue 28: a final
+        # checkpoint has 56 tensors on the 1.7B shape, eight rows ending together convert 448 in their last step)
+        "mlxd_host_ssd_packed": (["env", "MLXD_PLAN_PACK_MB=64", *base, "--port", "18185", "--host-cache-gb",
+                                  host_gb, "--ssd-cache", str(args.work / "ssd-packed")], 18185),
         # The same with every fresh prompt's checkpoint written at full speed beside the decode after it (a backlog
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",

@@ -39,6 +39,7 @@ from mlxd.engine.features import (
     StopTokens,
     final_plan,
     gil_switch_ms,
+    plan_pack_bytes,
     read_logprobs,
 )
 from mlxd.engine.ops import (
@@ -177,6 +178,7 @@ class Counters:
     checkpoints_skipped: int = 0
     checkpoint_s: float = 0.0
     late_finals: int = 0  # MLXD_FINAL_PLAN=after-token: rows whose final checkpoint came a step after their last token
+    packed_plans: int = 0  # MLXD_PLAN_PACK_MB: write plans made from one packed copy of their tensors
 
 
 class EngineCore:
@@ -197,6 +199,8 @@ class EngineCore:
         self._late_final = (final_plan() == "after-token" and config.ssd_cache_dir is not None
                             and config.speculative == "off")
         self._leaving: list[tuple[Row, str, Ending]] = []
+        # MLXD_PLAN_PACK_MB with the SSD tier: write plans up to this many bytes come from one packed copy (0: off)
+        self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -594,6 +598,7 @@ class EngineCore:
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             late_final_checkpoints=c.late_finals if self._late_final else None,
+            packed_plans=c.packed_plans if self._pack_bytes else None,
             **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
             grammars=attrs.asdict(self._grammars.stats()) if self._grammars is not None else None,
@@ -1139,7 +1144,10 @@ class EngineCore:
         exact = tuple(tokens)
         plan = None
         if self._config.ssd_cache_dir is not None:
-            plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace))
+            plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace),
+                                       pack_max_bytes=self._pack_bytes)
+            if plan.packed:
+                self.counters.packed_plans += 1
         payload, pages = self._paged(caches, exact, namespace)
         return PublishPrefix(
             tokens=exact, namespace=namespace, payload=payload, nbytes=kinds.nbytes(caches),

@@ -303,6 +303,23 @@ def final_plan() -> str:
     return value
 
 
+def plan_pack_bytes() -> int:
+    """`MLXD_PLAN_PACK_MB`: a checkpoint's write plan of at most this many MB is written from one packed copy of its
+    tensors (`kinds.plan_snapshot`): on CUDA one host conversion to managed memory instead of one per tensor (a
+    finished row's final checkpoint has two per layer), and the RAM tier's arrays stay device memory. Unset, "" or
+    0: off. An arm to measure (issue 28: eight rows ending in one step convert 448 arrays in their last step)."""
+    import os
+
+    value = os.environ.get("MLXD_PLAN_PACK_MB", "").strip() or "0"
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0 or mb == float("inf"):
+        raise ValueError(f"MLXD_PLAN_PACK_MB must be a number of megabytes >= 0 (0: off), not {value!r}")
+    return int(mb * (1 << 20))
+
+
 def mask_device_is_cpu() -> bool:
     """The device the masks are made for: MLX's default, or a GPU's path on the CPU (`MLXD_MASK_DEVICE=gpu`)."""
     import os

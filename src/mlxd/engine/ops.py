@@ -174,6 +174,8 @@ class EngineStats:
     # MLXD_FINAL_PLAN=after-token with the SSD tier: rows whose final checkpoint came a step after their last
     # token (engine/core.py `_leave_late`); None otherwise.
     late_final_checkpoints: int | None = None
+    # MLXD_PLAN_PACK_MB with the SSD tier: write plans made from one packed copy of their tensors; None otherwise.
+    packed_plans: int | None = None
     # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
     mirrored_prefixes: int | None = None
     mirror_misses: int | None = None

@@ -409,18 +409,44 @@ def check_model_caches(caches: Sequence[Any]) -> None:
 # ------------------------------------------------ the file format's MLX half
 
 
-def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta) -> SnapshotPlan:
+def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: int = 0) -> SnapshotPlan:
     """Describe mlx-lm caches for writing (engine thread: evaluates arrays).
 
     Plain and quantized KV tensors are sliced to `offset`. Every array handed
     to the writer is a *new* array object (a slice), so the cache can keep
     decoding in place without touching the bytes being written.
+
+    `pack_max_bytes` (`MLXD_PLAN_PACK_MB`; 0: never): a plan of several tensors and at most that many bytes is
+    written from one packed copy of them (`_packed`), not from the caches' own arrays.
     """
     arrays: list[mx.array] = []
     descs = tuple(kind_of(c).plan(c, arrays) for c in caches)
     mx.eval(arrays)
-    buffers = tuple(memoryview(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays)  # type: ignore[arg-type]
+    views = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
+    if len(views) > 1 and 0 < sum(a.nbytes for a in views) <= pack_max_bytes:
+        return SnapshotPlan(meta=meta, caches=descs, buffers=_packed(views), packed=True)
+    buffers = tuple(memoryview(a) for a in views)  # type: ignore[arg-type]
     return SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
+
+
+def _packed(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
+    """The arrays' bytes copied into one new MLX array (one device copy), and one host view per array into it,
+    each of its array's shape and dtype (C-contiguous), the packed array kept alive by them.
+
+    On MLX's CUDA backend an array's first host access converts its buffer to managed memory (an allocation and
+    a synchronous copy with the GIL held, per buffer): a plan of many small tensors (a finished row's final
+    checkpoint: 2 per layer) pays that once, not once per tensor, and the caches' own arrays, which the RAM tier
+    keeps and lends, stay device memory. The copy lives as long as the plan (until the writer is done with it).
+    """
+    flat = mx.concatenate([a.view(mx.uint8).reshape(-1) for a in arrays])
+    mx.eval(flat)
+    host = np.frombuffer(memoryview(flat), dtype=np.uint8)  # type: ignore[arg-type]  # the one conversion
+    out, at = [], 0
+    for a in arrays:
+        n = a.nbytes
+        out.append(memoryview(host[at : at + n].view(np.dtype(str(a.dtype).rsplit(".", 1)[-1])).reshape(a.shape)))
+        at += n
+    return tuple(out)
 
 
 def landing(header: FileHeader) -> Landing:

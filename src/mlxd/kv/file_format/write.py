@@ -50,6 +50,7 @@ class SnapshotPlan:
     meta: SnapshotMeta
     caches: tuple[CacheDesc, ...]
     buffers: tuple[memoryview, ...]
+    packed: bool = False  # the buffers view one packed copy of the tensors (`kinds.plan_snapshot`), not the caches
 
     @property
     def nbytes(self) -> int:
