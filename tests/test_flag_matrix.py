@@ -5,7 +5,8 @@ flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
 --speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb,
-and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken); each
+and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, and MLXD_PLAN_PACK_MB,
+which writes small checkpoints from one packed copy); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -53,6 +54,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
     "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
     "final_plan": ("with-token", "after-token"),  # MLXD_FINAL_PLAN (the environment): a step after the last token
+    "plan_pack": (None, "1"),  # MLXD_PLAN_PACK_MB (the environment): plans of up to 1 MB from one packed copy
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -75,6 +77,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # ignored (with a warning) without --kv-events-endpoint
     if combo.get("final_plan") == "after-token" and (ssd == "off" or combo.get("speculative") == "ngram"):
         return False  # ignored without the SSD tier and with speculation (engine/core.py `_late_final`)
+    if combo.get("plan_pack") is not None and ssd == "off":
+        return False  # no write plans without the SSD tier (engine/core.py `_pack_bytes`)
     if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
         return False  # refused: "--ram-pages on and --host-cache-gb do not combine yet"
     return True
@@ -148,6 +152,7 @@ class Combo:
     write_hold: bool = False
     backlog: str | None = None
     final_plan: str = "with-token"
+    plan_pack: str | None = None
 
     @property
     def id(self) -> str:
@@ -173,6 +178,7 @@ class Combo:
             "hold": self.write_hold,
             "urgent": self.backlog is not None,
             "lateplan": self.final_plan == "after-token",
+            "packed": self.plan_pack is not None,
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -215,7 +221,8 @@ class Combo:
         return args
 
     def env(self) -> dict[str, str]:
-        return {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "with-token" else {}
+        env = {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "with-token" else {}
+        return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
 COMBOS = [Combo(**row) for row in pairwise(FLAGS, allowed)]
@@ -277,7 +284,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 909, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 996, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 17  # each a server start: keep it small
@@ -315,6 +322,8 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
             assert ("device_probe" in stats) == (combo.device_probe == "on")
             late = stats["engine"].get("late_final_checkpoints")  # both replies' finals a step late, or None
             assert late == (2 if combo.final_plan == "after-token" else None), stats["engine"]
+            packed = stats["engine"].get("packed_plans")  # the replies' checkpoints (under 1 MB) packed, or None
+            assert (packed is None) == (combo.plan_pack is None) and (packed is None or packed >= 2), stats["engine"]
             if combo.speculative == "ngram":  # on, or off with the reason (quantized KV cannot roll back)
                 speculation = stats["engine"]["speculation"]
                 assert speculation["active"] == (combo.kv_bits is None), speculation
