@@ -65,6 +65,14 @@ def test_a_packed_plan_writes_the_same_file_for_every_cache_kind(tmp_path):
     assert np.array_equal(np.array(caches[0].keys[..., :301, :].astype(mx.float32)), before)
     restored = kinds.adopt(ff.read_snapshot(tmp_path / "packed.mlxkv"))
     assert bool(mx.array_equal(restored[0].keys, caches[0].keys[..., :301, :]).item())
+    # tensors of one dtype (the usual KV plan) take the single-copy path: the same file too
+    kv_only = [caches[0], every_kind()[0]]
+    meta2 = ff.SnapshotMeta(**META, tokens=tuple(range(302)))
+    ff.write_snapshot(kinds.plan_snapshot(kv_only, meta=meta2), tmp_path / "kv.mlxkv")
+    one_dtype = kinds.plan_snapshot(kv_only, meta=meta2, pack_max_bytes=1 << 30)
+    assert one_dtype.packed and len({np.asarray(b).dtype for b in one_dtype.buffers}) == 1
+    ff.write_snapshot(one_dtype, tmp_path / "kv-packed.mlxkv")
+    assert (tmp_path / "kv.mlxkv").read_bytes() == (tmp_path / "kv-packed.mlxkv").read_bytes()
 
 
 def test_plans_past_the_limit_and_single_tensors_are_not_packed():

@@ -14,6 +14,7 @@ each with the longest gap of a 1 ms ticker thread (the GIL held that long), and 
 DLPack (a device pointer without the host access, if MLX gives one). No model, no server.
 
     python3 benchmarks/gpu/time_plan_snapshot.py --tokens 8192 16384 --rounds 3 --json OUT.json
+    python3 benchmarks/gpu/time_plan_snapshot.py --tokens 100 --rounds 5 --pack-mb 64   # a final checkpoint, packed too
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def timed(ticker: Ticker, fn: Any) -> tuple[Any, float, float]:
     return out, round((t1 - t0) * 1e3, 2), ticker.longest_gap_ms(t0, t1)
 
 
-def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
+def one_round(tokens: int, ticker: Ticker, pack_mb: float = 0.0) -> dict[str, Any]:
     import mlx.core as mx
 
     from mlxd.kv import kinds
@@ -92,6 +93,12 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
         ticker, lambda: kinds.plan_snapshot(caches, meta=meta))
     row["plan_mb"] = round(sum(b.nbytes for b in plan.buffers) / 1e6, 1)
     del plan
+    if pack_mb:  # MLXD_PLAN_PACK_MB's path on fresh caches: one packed copy, one host conversion
+        caches = caches_of(tokens, mx.bfloat16)
+        plan, row["plan_packed_ms"], row["plan_packed_gap_ms"] = timed(
+            ticker, lambda: kinds.plan_snapshot(caches, meta=meta, pack_max_bytes=int(pack_mb * (1 << 20))))
+        row["packed"] = plan.packed
+        del plan
     caches = caches_of(tokens, mx.bfloat16)  # fresh arrays: the parts, as plan_snapshot does them
 
     def slices() -> list[Any]:
@@ -123,6 +130,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pack-mb", type=float, default=0.0,
+                    help="also time the plan made from one packed copy (MLXD_PLAN_PACK_MB) up to this size")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     import mlx.core as mx
@@ -133,7 +142,7 @@ def main() -> int:
         one_round(256, ticker)  # warm-up: kernels and allocator
         for r in range(args.rounds):
             for n in args.tokens:
-                row = {"round": r, **one_round(n, ticker)}
+                row = {"round": r, **one_round(n, ticker, args.pack_mb)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:

@@ -438,7 +438,10 @@ def _packed(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
     checkpoint: 2 per layer) pays that once, not once per tensor, and the caches' own arrays, which the RAM tier
     keeps and lends, stay device memory. The copy lives as long as the plan (until the writer is done with it).
     """
-    flat = mx.concatenate([a.view(mx.uint8).reshape(-1) for a in arrays])
+    if len({a.dtype for a in arrays}) == 1:  # (the usual plan: one copy, then a free byte view of the whole)
+        flat = mx.concatenate([a.reshape(-1) for a in arrays]).view(mx.uint8)
+    else:
+        flat = mx.concatenate([a.view(mx.uint8).reshape(-1) for a in arrays])
     mx.eval(flat)
     host = np.frombuffer(memoryview(flat), dtype=np.uint8)  # type: ignore[arg-type]  # the one conversion
     out, at = [], 0
