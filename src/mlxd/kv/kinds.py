@@ -441,7 +441,7 @@ def _packed(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
     if len({a.dtype for a in arrays}) == 1:  # (the usual plan: one copy, then a free byte view of the whole)
         flat = mx.concatenate([a.reshape(-1) for a in arrays]).view(mx.uint8)
     else:
-        flat = mx.concatenate([a.view(mx.uint8).reshape(-1) for a in arrays])
+        flat = mx.concatenate([a.reshape(-1).view(mx.uint8) for a in arrays])  # (0-d arrays too)
     mx.eval(flat)
     host = np.frombuffer(memoryview(flat), dtype=np.uint8)  # type: ignore[arg-type]  # the one conversion
     out, at = [], 0
