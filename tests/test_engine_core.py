@@ -409,9 +409,9 @@ def test_a_finished_row_carries_the_time_its_final_checkpoint_held_its_last_step
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
     planned = kinds.plan_snapshot
 
-    def slow_plan(caches, *, meta):
+    def slow_plan(caches, *, meta, **options):
         time.sleep(0.03)
-        return planned(caches, meta=meta)
+        return planned(caches, meta=meta, **options)
 
     monkeypatch.setattr(kinds, "plan_snapshot", slow_plan)
     results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),
