@@ -133,7 +133,7 @@ def test_packing_keeps_each_tensor_s_dtype_shape_and_bytes_scalars_too():
     arrays = [mx.array(3, dtype=mx.int32), mx.arange(6, dtype=mx.float16).reshape(2, 3),
               mx.array([7, 8], dtype=mx.uint32)]
     mx.eval(arrays)
-    views = [np.asarray(b) for b in kinds._packed(arrays)]
+    views = [np.asarray(b) for b in kinds.packed_buffers(arrays)]
     for got, want in zip(views, arrays, strict=True):
         assert got.dtype == np.dtype(str(want.dtype).rsplit(".", 1)[-1]) and got.shape == tuple(want.shape)
         assert np.array_equal(got, np.array(want))

@@ -417,19 +417,19 @@ def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: 
     decoding in place without touching the bytes being written.
 
     `pack_max_bytes` (`MLXD_PLAN_PACK_MB`; 0: never): a plan of several tensors and at most that many bytes is
-    written from one packed copy of them (`_packed`), not from the caches' own arrays.
+    written from one packed copy of them (`packed_buffers`), not from the caches' own arrays.
     """
     arrays: list[mx.array] = []
     descs = tuple(kind_of(c).plan(c, arrays) for c in caches)
     mx.eval(arrays)
     views = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
     if len(views) > 1 and 0 < sum(a.nbytes for a in views) <= pack_max_bytes:
-        return SnapshotPlan(meta=meta, caches=descs, buffers=_packed(views), packed=True)
+        return SnapshotPlan(meta=meta, caches=descs, buffers=packed_buffers(views), packed=True)
     buffers = tuple(memoryview(a) for a in views)  # type: ignore[arg-type]
     return SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
 
 
-def _packed(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
+def packed_buffers(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
     """The arrays' bytes copied into one new MLX array (one device copy), and one host view per array into it,
     each of its array's shape and dtype (C-contiguous), the packed array kept alive by them.
 
