@@ -308,6 +308,7 @@ def plan_pack_bytes() -> int:
     tensors (`kinds.plan_snapshot`): on CUDA one host conversion to managed memory instead of one per tensor (a
     finished row's final checkpoint has two per layer), and the RAM tier's arrays stay device memory. Unset, "" or
     0: off. An arm to measure (issue 28: eight rows ending in one step convert 448 arrays in their last step)."""
+    import math
     import os
 
     value = os.environ.get("MLXD_PLAN_PACK_MB", "").strip() or "0"
@@ -315,7 +316,7 @@ def plan_pack_bytes() -> int:
         mb = float(value)
     except ValueError:
         mb = -1.0
-    if not mb >= 0 or mb == float("inf"):
+    if not (math.isfinite(mb) and mb >= 0):
         raise ValueError(f"MLXD_PLAN_PACK_MB must be a number of megabytes >= 0 (0: off), not {value!r}")
     return int(mb * (1 << 20))
 
