@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -100,7 +101,25 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
     return {"streams": len(prompts), "tokens": [len(t) for t in streams], "per_stream_tok_s": per,
             "tok_s": (inside - len(streams)) / (end - start) if end > start else None,
             "span_tok_s": after_first / (last - first) if last > first else None,
-            "first_token_spread_s": round(start - first, 4)}
+            "first_token_spread_s": round(start - first, 4), **stream_timing(streams)}
+
+
+def stream_timing(streams: list[list[float]]) -> dict[str, Any]:
+    """Where each stream's time went, from the run's first token (ms): its first and last token, and its slow
+    gaps (at least 3x its median gap and 5 ms over it) as [the token after the gap, ms]: a stall at the start of a
+    decode (before the last stream's first token) lowers a stream's own rate but not the rate while all rows
+    decode; one at the end lowers both."""
+    timed = [t for t in streams if t]
+    if not timed:
+        return {}
+    zero = min(t[0] for t in timed)
+    slow = []
+    for t in timed:
+        gaps = [b - a for a, b in itertools.pairwise(t)]
+        typical = median(gaps) if gaps else 0.0
+        slow.append([[i + 1, round(g * 1e3, 1)] for i, g in enumerate(gaps) if g >= 3 * typical and g - typical >= 5e-3])
+    return {"first_ms": [round((t[0] - zero) * 1e3, 1) for t in timed],
+            "last_ms": [round((t[-1] - zero) * 1e3, 1) for t in timed], "slow_gaps": slow}
 
 
 def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Namespace, fresh: list[str],
@@ -220,7 +239,8 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     rates = {"span_tok_s": d["span_tok_s"], "all_rows_tok_s": d["tok_s"],
                              "stream_sum_tok_s": sum(d["per_stream_tok_s"]) or None}
                     run.update(tok_s=rates[args.decode_metric], **rates, per_stream_tok_s=d["per_stream_tok_s"],
-                               tokens=d["tokens"], first_token_spread_s=d["first_token_spread_s"])
+                               tokens=d["tokens"], first_token_spread_s=d["first_token_spread_s"],
+                               **{k: d[k] for k in ("first_ms", "last_ms", "slow_gaps") if k in d})
                 except Exception as exc:  # one failed run: its ratios are None, the rounds go on
                     run.update(tok_s=None, error=f"{type(exc).__name__}: {exc}")
                 rec["runs"].append(run)
@@ -266,6 +286,36 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
             {slot: [e["median"], e["iqr"]] for slot, e in level["ratio_to_" + ref].items()}))
     for n, medians in by_metric(rec).items():
         log("decode", f"{n} streams, median ratio to {ref} by metric", json.dumps(medians))
+    rec["stalls"] = stalls(rec["runs"])
+    for n, per_slot in rec["stalls"].items():
+        log("decode", f"{n} streams, own rate / all-rows rate and slow gaps per slot", json.dumps(per_slot))
+
+
+def stalls(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per level and slot, over its runs: the median of the streams' summed own rates over the rate while all
+    rows decoded (below 1: time lost before the last stream's first token or after the first stream's last,
+    where one stream waits and the all-rows window does not), and, where the runs recorded them
+    (`stream_timing`), the slow gaps: per run their ms summed over streams, and which tokens they came before."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for x in runs:
+        if x.get("tok_s") is None:
+            continue
+        slot = out.setdefault(str(x["streams"]), {}).setdefault(x["slot"], {"runs": 0, "own_over_all_rows": [],
+                                                                             "slow_ms": [], "at_token": []})
+        slot["runs"] += 1
+        if x.get("all_rows_tok_s") and x.get("stream_sum_tok_s"):
+            slot["own_over_all_rows"].append(x["stream_sum_tok_s"] / x["all_rows_tok_s"])
+        if "slow_gaps" in x:
+            slot["slow_ms"].append(sum(ms for gaps in x["slow_gaps"] for _, ms in gaps))
+            slot["at_token"].extend(i for gaps in x["slow_gaps"] for i, _ in gaps)
+    for level in out.values():
+        for slot in level.values():
+            own, slow, at = slot.pop("own_over_all_rows"), slot.pop("slow_ms"), slot.pop("at_token")
+            slot["own_over_all_rows"] = round(median(own), 4) if own else None  # (None: never all rows at once)
+            if slow:
+                slot.update(slow_ms_per_run=round(median(slow), 1),
+                            at_token={str(i): at.count(i) for i in sorted(set(at))})
+    return out
 
 
 DECODE_METRICS = ("stream_sum_tok_s", "span_tok_s", "all_rows_tok_s")
