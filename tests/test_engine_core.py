@@ -354,9 +354,10 @@ def test_a_deferred_checkpoint_that_cannot_be_planned_is_skipped_and_its_row_goe
 
 def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoint_first(tmp_path, monkeypatch):
     """MLXD_FINAL_PLAN=after-token (an arm to measure): with the SSD tier a row's last token goes out with its step,
-    its final checkpoint (the write plan) and its finish with the next, the checkpoint in that step's notes (the
-    actor delivers notes first: the cache owner has it before the reply ends); the batch counts the row until
-    then, so the step loop runs that step; a cancel meanwhile is ignored. Without the SSD tier nothing changes."""
+    its final checkpoint (the write plan) and its finish with the next, a step with no forward (the other rows'
+    next tokens come in the one after), the checkpoint in that step's notes (the actor delivers notes first: the
+    cache owner has it before the reply ends); the batch counts the row until then, so the step loop runs that
+    step; a cancel meanwhile is ignored. Without the SSD tier nothing changes."""
     identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
     monkeypatch.setenv("MLXD_FINAL_PLAN", "after-token")
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
@@ -370,6 +371,9 @@ def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoi
         assert rid in step.finished and rid not in results[last].finished
         assert len([n for n in step.notes if isinstance(n, PublishPrefix) and n.reason == "final"]) == 1
         assert results[last].stats.batch_rows >= 1  # still held: the loop takes the step that finishes it
+        # that step does no forward: the finish goes out once the plan is done, not with the next tokens
+        assert step.stats.steps == results[last].stats.steps
+        assert not [e for e in step.emits if isinstance(e.event, TokenGenerated)]
         assert len([e for e in events(results, rid) if isinstance(e, TokenGenerated)]) == tokens
     assert results[-1].stats.batch_rows == 0 and not core._leaving
     late = sorted(published(results, "final"), key=lambda n: n.tokens)

@@ -615,7 +615,12 @@ class EngineCore:
             return StepResult(stats=self.stats())
         out = StepOut()
         with mx.stream(self._stream):
-            if self._leaving:  # rows whose last token went out with the step before (MLXD_FINAL_PLAN=after-token)
+            # Rows whose last token went out with the step before (MLXD_FINAL_PLAN=after-token): their final
+            # checkpoints and finish make a step of their own, with no forward, handed out as soon as the plans
+            # are done, while the device computes the forward the step before dispatched (mlx-lm's pipelining);
+            # the next step collects it.
+            left_late = bool(self._leaving)
+            if left_late:
                 self._leave_late(out)
             if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS); a row that ends
                 # first publishes its own as it leaves (PromptCheckpoints.leave)
@@ -626,7 +631,7 @@ class EngineCore:
                 self._end(ops.cancels, "cancelled", out)
             if ops.stops:
                 self._end(ops.stops, "stop", out)
-            if self._rows:
+            if self._rows and not left_late:
                 self._next(out)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
             out.notes.extend(self.vision.notes())

@@ -292,9 +292,10 @@ FINAL_PLANS = ("with-token", "after-token")
 def final_plan() -> str:
     """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken with the SSD tier (its write plan: on
     CUDA a host read of every array). `with-token` (the default): in the step of its last token, before that
-    step's tokens go out. `after-token`: at the start of the next step, the row's finish (its
-    `GenerationFinished`) held until then, so the checkpoint still reaches the cache owner before the reply
-    ends. An arm to measure (issue 28: eight rows ending in one step wait for each other's plans)."""
+    step's tokens go out. `after-token`: in a step of their own right after it (no forward: the device computes
+    the one the last step dispatched meanwhile), the row's finish (its `GenerationFinished`) held until then, so
+    the checkpoint still reaches the cache owner before the reply ends. An arm to measure (issue 28: eight rows
+    ending in one step wait for each other's plans)."""
     import os
 
     value = os.environ.get("MLXD_FINAL_PLAN", "") or "with-token"
