@@ -459,8 +459,8 @@ def main() -> int:
                          "(0: none)")
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
-                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, ...); the restarts follow "
-                         "mlxd_host_ssd")
+                         "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, "
+                         "mlxd_host_ssd_lateplan_packed, ...); the restarts follow mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
                     help="per round A cold, A again and A's next turn only (no B, C, returning turn): the next turn's "
@@ -512,7 +512,8 @@ def main() -> int:
     shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
     shutil.rmtree(args.work / "ssd-urgent", ignore_errors=True)
     shutil.rmtree(args.work / "ssd-noprobe", ignore_errors=True)
-    shutil.rmtree(args.work / "ssd-lateplan", ignore_errors=True)
+    for arm in ("lateplan", "packed", "lateplan-packed"):
+        shutil.rmtree(args.work / f"ssd-{arm}", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
     ssd = ["--ssd-cache", str(ssd_dir)]
@@ -554,6 +555,11 @@ def main() -> int:
         # checkpoint has 56 tensors on the 1.7B shape, eight rows ending together convert 448 in their last step)
         "mlxd_host_ssd_packed": (["env", "MLXD_PLAN_PACK_MB=64", *base, "--port", "18185", "--host-cache-gb",
                                   host_gb, "--ssd-cache", str(args.work / "ssd-packed")], 18185),
+        # Both: the final plans a step late and every plan of up to 64 MB packed (H100 03:40/03:44 2026-12-06: the
+        # late plans took the SSD server's end-of-decode stall out of the streams, packing halved the plans' time)
+        "mlxd_host_ssd_lateplan_packed": (["env", "MLXD_FINAL_PLAN=after-token", "MLXD_PLAN_PACK_MB=64", *base,
+                                           "--port", "18184", "--host-cache-gb", host_gb, "--ssd-cache",
+                                           str(args.work / "ssd-lateplan-packed")], 18184),
         # The same with every fresh prompt's checkpoint written at full speed beside the decode after it (a backlog
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",
