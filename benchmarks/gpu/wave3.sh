@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 #   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
+#   bash benchmarks/gpu/wave3.sh sidestream                        # a copy evaluated behind a dispatched forward, same or side stream
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
 source .gpu/b/install.sh || exit 9
@@ -135,6 +136,9 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
   # buffers and on new ones MLX's cache recycles from them; no model (~1-2 min on the 1.7B shape).
   manageddecode) phase manageddecode 150 python3 benchmarks/gpu/probe_managed_decode.py --json "$OUT/managed-decode.json" \
             ${MANAGEDDECODE_ARGS:---cases 8x8192 1x16384 --steps 48 --rounds 2} ;;
+  # Issue 28, the end-of-decode gaps: a small copy evaluated right after a dispatched forward, on its stream or a
+  # side one (does a finishing row's checkpoint copy wait for the next forward?), no model.
+  sidestream) phase sidestream 60 python3 benchmarks/probe_side_stream_eval.py ${SIDESTREAM_ARGS:---size 8192 --matmuls 4 --rounds 5} ;;
   probe) phase probe 300 python3 benchmarks/gpu/probe_host_tier.py --out "$OUT/probe" --rounds 2 ${PROBE_ARGS:-} ;;
   *) echo "unknown phase $p" ;;
 esac; done
