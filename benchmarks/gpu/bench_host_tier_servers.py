@@ -509,10 +509,7 @@ def main() -> int:
     fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))] if args.decode_schedule == "serial" else []
     ssd_dir = args.work / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)
-    shutil.rmtree(args.work / "ssd-hold", ignore_errors=True)
-    shutil.rmtree(args.work / "ssd-urgent", ignore_errors=True)
-    shutil.rmtree(args.work / "ssd-noprobe", ignore_errors=True)
-    for arm in ("lateplan", "packed", "lateplan-packed"):
+    for arm in ("hold", "urgent", "noprobe", "lateplan", "packed", "lateplan-packed"):
         shutil.rmtree(args.work / f"ssd-{arm}", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]

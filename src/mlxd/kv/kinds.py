@@ -447,7 +447,7 @@ def packed_buffers(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
     out, at = [], 0
     for a in arrays:
         n = a.nbytes
-        out.append(memoryview(host[at : at + n].view(np.dtype(str(a.dtype).rsplit(".", 1)[-1])).reshape(a.shape)))
+        out.append(memoryview(host[at : at + n].view(NP_DTYPES[_MX_NAMES[a.dtype]]).reshape(a.shape)))
         at += n
     return tuple(out)
 
