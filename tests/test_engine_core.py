@@ -406,6 +406,59 @@ def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoi
         make()
 
 
+@pytest.mark.parametrize("ssd", [False, True])
+def test_after_forward_final_plans_leave_a_row_after_the_next_steps_forward(tmp_path, monkeypatch, ssd):
+    """MLXD_FINAL_PLAN=after-forward (an arm to measure), with the RAM tier alone or the SSD tier: a row's last token
+    goes out with its step, its KV copy dispatched and not waited for; its final checkpoint and finish come in the
+    next step after that step's forward (the other rows' next tokens in the same step), the checkpoint in that
+    step's notes (delivered first: the cache owner has it before the reply ends), holding the KV the default takes
+    in the last token's step; a cancel meanwhile is ignored."""
+    identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
+    disk = {"ssd_cache_dir": tmp_path, "identity": identity} if ssd else {}
+    rows = (start("a", (10, 11, 12), max_tokens=4), start("b", (20, 21, 22), max_tokens=2))  # decoding together
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "after-forward")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)
+    results = run(core, StepOps(starts=rows))
+    last = {rid: max(i for i, r in enumerate(results) for e in r.emits
+                     if e.request_id == rid and isinstance(e.event, TokenGenerated)) for rid in ("a", "b")}
+    assert last["b"] < last["a"]
+    for rid, tokens in (("a", 4), ("b", 2)):
+        step = results[last[rid] + 1]
+        assert [type(e.event) for e in step.emits if e.request_id == rid] == [GenerationFinished]
+        assert rid in step.finished and rid not in results[last[rid]].finished
+        assert len([n for n in step.notes if isinstance(n, PublishPrefix) and n.reason == "final"]) == 1
+        assert results[last[rid]].stats.batch_rows >= 1  # still held: the loop takes the step that finishes it
+        assert len([e for e in events(results, rid) if isinstance(e, TokenGenerated)]) == tokens
+    # b's finish rides with a step that ran a forward and carries a's next token
+    step = results[last["b"] + 1]
+    assert step.stats.steps == results[last["b"]].stats.steps + 1
+    assert [type(e.event) for e in step.emits if e.request_id == "a"] == [TokenGenerated]
+    assert results[-1].stats.batch_rows == 0 and not core._leaving and not core._left
+    assert core.stats().late_final_checkpoints == 2
+    late = sorted(published(results, "final"), key=lambda n: n.tokens)
+    monkeypatch.delenv("MLXD_FINAL_PLAN")  # the same rows, the checkpoint in the last token's step: the same KV
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)
+    at_once = sorted(published(run(core, StepOps(starts=rows)), "final"), key=lambda n: n.tokens)
+    assert [n.tokens for n in late] == [n.tokens for n in at_once]
+    assert [tokens_in(n.payload) for n in late] == [tokens_in(n.payload) for n in at_once]
+    assert all((n.plan is not None) == ssd for n in late)
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "after-forward")
+    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)  # a cancel while the row waits for its finish
+    results, ops = [], StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),))
+    while not core._leaving:
+        results.append(core.step(ops))
+        ops = StepOps()
+    results += run(core, StepOps(cancels=("a",)))
+    assert finished(results).reason == "length" and [n.reason for n in notes(results, PublishPrefix)] == [
+        "boundary", "final"]
+    if ssd:
+        return
+    core, _ = make(snapshot_min_tokens=8)  # no prompt cache: nothing to take, the finish with its last token
+    results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),)))
+    last_token = max(i for i, r in enumerate(results) for e in r.emits if isinstance(e.event, TokenGenerated))
+    assert "a" in results[last_token].finished and core.stats().late_final_checkpoints is None
+
+
 def test_a_finished_row_carries_the_time_its_final_checkpoint_held_its_last_step(tmp_path, monkeypatch):
     """`GenerationFinished.leave_s`: the engine's time leaving each row in the step of its last token (its final
     checkpoint's write plan with the SSD tier), which every token of that step waited for; a client stop too."""

@@ -53,7 +53,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
     "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
-    "final_plan": ("with-token", "after-token"),  # MLXD_FINAL_PLAN (the environment): a step after the last token
+    "final_plan": ("with-token", "after-token", "after-forward"),  # MLXD_FINAL_PLAN (the environment)
     "plan_pack": (None, "1"),  # MLXD_PLAN_PACK_MB (the environment): plans of up to 1 MB from one packed copy
 }
 API_KEY = "matrix-key"
@@ -75,8 +75,10 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # nothing is restored without the SSD tier
     if combo.get("kv_token_ids") and combo.get("kv_events") is False:
         return False  # ignored (with a warning) without --kv-events-endpoint
-    if combo.get("final_plan") == "after-token" and (ssd == "off" or combo.get("speculative") == "ngram"):
-        return False  # ignored without the SSD tier and with speculation (engine/core.py `_late_final`)
+    if combo.get("final_plan") == "after-token" and ssd == "off":
+        return False  # ignored without the SSD tier (engine/core.py `_late_final`)
+    if combo.get("final_plan") in ("after-token", "after-forward") and combo.get("speculative") == "ngram":
+        return False  # ignored with speculation (engine/core.py `_late_final`)
     if combo.get("plan_pack") is not None and ssd == "off":
         return False  # no write plans without the SSD tier (engine/core.py `_pack_bytes`)
     if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
@@ -178,6 +180,7 @@ class Combo:
             "hold": self.write_hold,
             "urgent": self.backlog is not None,
             "lateplan": self.final_plan == "after-token",
+            "lateforward": self.final_plan == "after-forward",
             "packed": self.plan_pack is not None,
             self.retention: True,
         }
@@ -284,10 +287,10 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 996, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1039, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
-    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 17  # each a server start: keep it small
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 18  # each a server start: keep it small
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])
@@ -321,7 +324,7 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
                 assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
             assert ("device_probe" in stats) == (combo.device_probe == "on")
             late = stats["engine"].get("late_final_checkpoints")  # both replies' finals a step late, or None
-            assert late == (2 if combo.final_plan == "after-token" else None), stats["engine"]
+            assert late == (None if combo.final_plan == "with-token" else 2), stats["engine"]
             packed = stats["engine"].get("packed_plans")  # the replies' checkpoints (under 1 MB) packed, or None
             assert (packed is None) == (combo.plan_pack is None) and (packed is None or packed >= 2), stats["engine"]
             if combo.speculative == "ngram":  # on, or off with the reason (quantized KV cannot roll back)

@@ -194,11 +194,16 @@ class EngineCore:
         # Prompt-boundary checkpoints taken (their caches copied), their publication (the SSD write plan: on
         # CUDA a host read of every array) waiting until their row's first token is out (`publish_deferred`)
         self._deferred: list[tuple[Row, str, Callable[[], PublishPrefix]]] = []
-        # MLXD_FINAL_PLAN=after-token with the SSD tier: rows whose last token went out, their final checkpoint
-        # and finish waiting for the next step (`_leave_late`); not with speculation (its leave reads the batch)
-        self._late_final = (final_plan() == "after-token" and config.ssd_cache_dir is not None
-                            and config.speculative == "off")
+        # MLXD_FINAL_PLAN=after-token (with the SSD tier) or after-forward (with a prompt cache): rows whose last
+        # token went out, their final checkpoint and finish waiting for the next step (`_leave_late`); not with
+        # speculation (its leave reads the batch)
+        plan = final_plan()
+        self._late_final = config.speculative == "off" and (
+            (plan == "after-token" and config.ssd_cache_dir is not None)
+            or (plan == "after-forward" and config.prompt_cache_bytes > 0))
+        self._after_forward = self._late_final and plan == "after-forward"  # left after the next step's dispatch
         self._leaving: list[tuple[Row, str, Ending]] = []
+        self._left: list[tuple[Row, str, Ending]] = []  # after-forward: those leaving in this step, copies held
         # MLXD_PLAN_PACK_MB with the SSD tier: write plans up to this many bytes come from one packed copy (0: off)
         self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
         # Set by load():
@@ -442,6 +447,7 @@ class EngineCore:
         self._batch = None
         self._deferred.clear()
         self._leaving.clear()
+        self._left.clear()
         self.generator = self._fresh_generator()
 
     def close(self) -> None:
@@ -615,11 +621,12 @@ class EngineCore:
             return StepResult(stats=self.stats())
         out = StepOut()
         with mx.stream(self._stream):
-            # Rows whose last token went out with the step before (MLXD_FINAL_PLAN=after-token): their final
+            # Rows whose last token went out with the step before (MLXD_FINAL_PLAN). after-token: their final
             # checkpoints and finish make a step of their own, with no forward, handed out as soon as the plans
             # are done, while the device computes the forward the step before dispatched (mlx-lm's pipelining);
-            # the next step collects it.
-            left_late = bool(self._leaving)
+            # the next step collects it. after-forward: they leave after this step's forward is dispatched.
+            self._left, self._leaving = self._leaving, []
+            left_late = bool(self._left) and not self._after_forward
             if left_late:
                 self._leave_late(out)
             if self._deferred:  # rows whose first token was delivered (PUBLISH_AFTER_TOKENS); a row that ends
@@ -633,6 +640,8 @@ class EngineCore:
                 self._end(ops.stops, "stop", out)
             if self._rows and not left_late:
                 self._next(out)
+            if self._left:  # after-forward: the device computes the step's forward (their copies came before it)
+                self._leave_late(out)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
             out.notes.extend(self.vision.notes())
         return StepResult(tuple(out.emits), tuple(out.notes), tuple(out.finished), tuple(out.rejected), self.stats())
@@ -940,7 +949,7 @@ class EngineCore:
     def _leave_late(self, out: StepOut) -> None:
         """The rows that ended in the step before: their final checkpoints, then their finish, so the cache
         owner has each checkpoint before its reply ends (`EngineActor._deliver`: notes first)."""
-        leaving, self._leaving = self._leaving, []
+        leaving, self._left = self._left, []
         for row, reason, ending in leaving:
             self._finished(row, reason, out, self._leave(row, ending, out))
             self.counters.late_finals += 1
@@ -992,7 +1001,8 @@ class EngineCore:
                 ending = Ending(r.finish_reason, caches=r.prompt_cache, tokens=tuple(r.all_tokens or ()))
                 if self._late_final:  # its last token goes out first; its checkpoint and finish next step
                     if ending.caches is not None:  # its KV as of now, whatever the batch's buffers do next
-                        mx.eval([c.state for c in ending.caches])
+                        # (after-forward: queued behind the forward mlx-lm dispatched, not waited for)
+                        (mx.async_eval if self._after_forward else mx.eval)([c.state for c in ending.caches])
                     self._forget(row)
                     self._leaving.append((row, r.finish_reason, ending))
                     continue
@@ -1002,9 +1012,10 @@ class EngineCore:
             self._steps_unmeasured += 1
             # (not while a deferred checkpoint's copy waits: it would be counted as memory outside the cache,
             # then again inside it once published; measured after its publication, publish_deferred)
-            if not self._deferred and any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
+            held = bool(self._deferred or self._left or self._leaving)  # copies not yet in the cache
+            if not held and any(r.end_of_segment or r.end_of_prompt for r in prompt_responses):
                 out.notes.append(self.measure_memory("prefill"))
-            elif not self._deferred and self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
+            elif not held and self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
 
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:

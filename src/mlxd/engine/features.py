@@ -286,16 +286,19 @@ def gil_switch_ms() -> float | None:
     return ms
 
 
-FINAL_PLANS = ("with-token", "after-token")
+FINAL_PLANS = ("with-token", "after-token", "after-forward")
 
 
 def final_plan() -> str:
-    """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken with the SSD tier (its write plan: on
-    CUDA a host read of every array). `with-token` (the default): in the step of its last token, before that
-    step's tokens go out. `after-token`: in a step of their own right after it (no forward: the device computes
-    the one the last step dispatched meanwhile), the row's finish (its `GenerationFinished`) held until then, so
-    the checkpoint still reaches the cache owner before the reply ends. An arm to measure (issue 28: eight rows
-    ending in one step wait for each other's plans)."""
+    """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken. `with-token` (the default): in the step of
+    its last token, before that step's tokens go out; its copy of the row's KV waits for the forward mlx-lm
+    dispatched before returning those tokens (the copy is queued behind it on the engine's stream). `after-token`
+    (with the SSD tier): in a step of its own right after it (no forward: the device computes the one the last step
+    dispatched meanwhile), the row's finish (its `GenerationFinished`) held until then, so the checkpoint still
+    reaches the cache owner before the reply ends. `after-forward` (with any prompt cache): the copy is dispatched
+    without waiting as the last token goes out, and the checkpoint (its write plan with the SSD tier) is taken in
+    the next step after that step's forward is dispatched, while the device computes it; the finish goes out with
+    that step's tokens. Arms to measure (issue 28: the rows ending in a step hold every row's next token)."""
     import os
 
     value = os.environ.get("MLXD_FINAL_PLAN", "") or "with-token"
