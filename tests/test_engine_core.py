@@ -377,7 +377,7 @@ def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoi
         assert len([e for e in events(results, rid) if isinstance(e, TokenGenerated)]) == tokens
     assert results[-1].stats.batch_rows == 0 and not core._leaving
     late = sorted(published(results, "final"), key=lambda n: n.tokens)
-    monkeypatch.delenv("MLXD_FINAL_PLAN")  # the same rows, the checkpoint in the last token's step: the same KV
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "with-token")  # the same rows, the checkpoint in the last token's step
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
     at_once = sorted(published(run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=4),
                                                           start("b", (20, 21, 22), max_tokens=2)))), "final"),
@@ -408,7 +408,7 @@ def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoi
 
 @pytest.mark.parametrize("ssd", [False, True])
 def test_after_forward_final_plans_leave_a_row_after_the_next_steps_forward(tmp_path, monkeypatch, ssd):
-    """MLXD_FINAL_PLAN=after-forward (an arm to measure), with the RAM tier alone or the SSD tier: a row's last token
+    """MLXD_FINAL_PLAN=after-forward (the default since 2026-12-06), with the RAM tier alone or the SSD tier: a row's last token
     goes out with its step, its KV copy dispatched and not waited for; its final checkpoint and finish come in the
     next step after that step's forward (the other rows' next tokens in the same step), the checkpoint in that
     step's notes (delivered first: the cache owner has it before the reply ends), holding the KV the default takes
@@ -416,7 +416,7 @@ def test_after_forward_final_plans_leave_a_row_after_the_next_steps_forward(tmp_
     identity = StoreIdentity(model_id="m", fingerprint="f", tokenizer_hash="t")
     disk = {"ssd_cache_dir": tmp_path, "identity": identity} if ssd else {}
     rows = (start("a", (10, 11, 12), max_tokens=4), start("b", (20, 21, 22), max_tokens=2))  # decoding together
-    monkeypatch.setenv("MLXD_FINAL_PLAN", "after-forward")
+    monkeypatch.delenv("MLXD_FINAL_PLAN", raising=False)  # the default
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)
     results = run(core, StepOps(starts=rows))
     last = {rid: max(i for i, r in enumerate(results) for e in r.emits
@@ -436,7 +436,7 @@ def test_after_forward_final_plans_leave_a_row_after_the_next_steps_forward(tmp_
     assert results[-1].stats.batch_rows == 0 and not core._leaving and not core._left
     assert core.stats().late_final_checkpoints == 2
     late = sorted(published(results, "final"), key=lambda n: n.tokens)
-    monkeypatch.delenv("MLXD_FINAL_PLAN")  # the same rows, the checkpoint in the last token's step: the same KV
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "with-token")  # the same rows, the checkpoint in the last token's step
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)
     at_once = sorted(published(run(core, StepOps(starts=rows)), "final"), key=lambda n: n.tokens)
     assert [n.tokens for n in late] == [n.tokens for n in at_once]
@@ -636,7 +636,9 @@ def test_no_memory_readings_without_a_memory_budget():
 
 def test_memory_readings_at_prefill_boundaries_and_every_few_decode_steps(monkeypatch):
     # `load()` sets the budget (loading.memory_budget); a core built `over` a generator loads
-    # nothing, so the test sets what load() would have from the config.
+    # nothing, so the test sets what load() would have from the config. (MLXD_FINAL_PLAN=with-token: the row's
+    # finish in the step of its last token; after-forward adds a step after it, without a reading.)
+    monkeypatch.setenv("MLXD_FINAL_PLAN", "with-token")
     core, _ = make(**CACHE_ON, snapshot_min_tokens=1, memory_budget_bytes=1 << 30)
     core._memory_budget = loading.memory_budget(core._config)
     assert core.measures_memory

@@ -53,7 +53,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
     "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
-    "final_plan": ("with-token", "after-token", "after-forward"),  # MLXD_FINAL_PLAN (the environment)
+    "final_plan": ("after-forward", "with-token", "after-token"),  # MLXD_FINAL_PLAN (the environment; the default first)
     "plan_pack": (None, "1"),  # MLXD_PLAN_PACK_MB (the environment): plans of up to 1 MB from one packed copy
 }
 API_KEY = "matrix-key"
@@ -180,7 +180,7 @@ class Combo:
             "hold": self.write_hold,
             "urgent": self.backlog is not None,
             "lateplan": self.final_plan == "after-token",
-            "lateforward": self.final_plan == "after-forward",
+            "withtoken": self.final_plan == "with-token",
             "packed": self.plan_pack is not None,
             self.retention: True,
         }
@@ -224,7 +224,7 @@ class Combo:
         return args
 
     def env(self) -> dict[str, str]:
-        env = {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "with-token" else {}
+        env = {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "after-forward" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
@@ -324,7 +324,8 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
                 assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
             assert ("device_probe" in stats) == (combo.device_probe == "on")
             late = stats["engine"].get("late_final_checkpoints")  # both replies' finals a step late, or None
-            assert late == (None if combo.final_plan == "with-token" else 2), stats["engine"]
+            assert late == (None if combo.final_plan == "with-token" else 2), stats["engine"]  # (allowed(): no
+            # late mode beside speculation, after-token only with the SSD tier)
             packed = stats["engine"].get("packed_plans")  # the replies' checkpoints (under 1 MB) packed, or None
             assert (packed is None) == (combo.plan_pack is None) and (packed is None or packed >= 2), stats["engine"]
             if combo.speculative == "ngram":  # on, or off with the reason (quantized KV cannot roll back)

@@ -460,8 +460,8 @@ def main() -> int:
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
                          "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, "
-                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_lateforward, mlxd_host_ssd_lateforward, "
-                         "mlxd_host_ssd_lateforward_packed, ...); the restarts follow mlxd_host_ssd")
+                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_withtoken, mlxd_host_ssd_withtoken, ...); the "
+                         "restarts follow mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
                     help="per round A cold, A again and A's next turn only (no B, C, returning turn): the next turn's "
@@ -510,8 +510,7 @@ def main() -> int:
     fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))] if args.decode_schedule == "serial" else []
     ssd_dir = args.work / "ssd"
     shutil.rmtree(ssd_dir, ignore_errors=True)
-    for arm in ("hold", "urgent", "noprobe", "lateplan", "packed", "lateplan-packed", "lateforward",
-                "lateforward-packed"):
+    for arm in ("hold", "urgent", "noprobe", "lateplan", "packed", "lateplan-packed", "withtoken"):
         shutil.rmtree(args.work / f"ssd-{arm}", ignore_errors=True)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
@@ -551,7 +550,8 @@ def main() -> int:
                                     host_gb, "--ssd-cache", str(args.work / "ssd-lateplan")], 18186),
         # The same with each write plan of up to 64 MB made from one packed copy of its tensors (engine/features.py
         # `plan_pack_bytes`): one host conversion per checkpoint instead of one per tensor (issue 28: a final
-        # checkpoint has 56 tensors on the 1.7B shape, eight rows ending together convert 448 in their last step)
+        # checkpoint has 56 tensors on the 1.7B shape, eight rows ending together convert 448 in their last step);
+        # with the default final plan since 2026-12-06 (after-forward) what mlxd_host_ssd_lateforward_packed was
         "mlxd_host_ssd_packed": (["env", "MLXD_PLAN_PACK_MB=64", *base, "--port", "18185", "--host-cache-gb",
                                   host_gb, "--ssd-cache", str(args.work / "ssd-packed")], 18185),
         # Both: the final plans a step late and every plan of up to 64 MB packed (H100 03:40/03:44 2026-12-06: the
@@ -559,19 +559,14 @@ def main() -> int:
         "mlxd_host_ssd_lateplan_packed": (["env", "MLXD_FINAL_PLAN=after-token", "MLXD_PLAN_PACK_MB=64", *base,
                                            "--port", "18184", "--host-cache-gb", host_gb, "--ssd-cache",
                                            str(args.work / "ssd-lateplan-packed")], 18184),
-        # The final checkpoints a step late, taken after the next step's forward is dispatched: their KV copies
-        # queued behind the forward in flight when their last token goes out, not waited for (engine/core.py
-        # `_after_forward`; H100 04:31-04:48 2026-12-06: every mlxd server, RAM only too, held its other rows'
-        # next token ~30 ms in a step where rows ended, mlx_lm.server not; a copy evaluated behind a dispatched
-        # forward waits it out on the same stream, probe_side_stream_eval.py)
-        "mlxd_ram_lateforward": (["env", "MLXD_FINAL_PLAN=after-forward", *base, "--port", "18183",
-                                  "--device-probe", "off"], 18183),
-        "mlxd_host_ssd_lateforward": (["env", "MLXD_FINAL_PLAN=after-forward", *base, "--port", "18182",
-                                       "--host-cache-gb", host_gb, "--ssd-cache", str(args.work / "ssd-lateforward")],
-                                      18182),
-        "mlxd_host_ssd_lateforward_packed": (["env", "MLXD_FINAL_PLAN=after-forward", "MLXD_PLAN_PACK_MB=64", *base,
-                                              "--port", "18181", "--host-cache-gb", host_gb, "--ssd-cache",
-                                              str(args.work / "ssd-lateforward-packed")], 18181),
+        # The final checkpoints in the step of the last token (MLXD_FINAL_PLAN=with-token: the default before
+        # 2026-12-06, now after-forward): their KV copies wait for the forward in flight, and every row's next
+        # token with them (H100 04:31-05:07 2026-12-06: ~30 ms in each step where rows ended, RAM only too)
+        "mlxd_ram_withtoken": (["env", "MLXD_FINAL_PLAN=with-token", *base, "--port", "18183",
+                                "--device-probe", "off"], 18183),
+        "mlxd_host_ssd_withtoken": (["env", "MLXD_FINAL_PLAN=with-token", *base, "--port", "18182",
+                                     "--host-cache-gb", host_gb, "--ssd-cache", str(args.work / "ssd-withtoken")],
+                                    18182),
         # The same with every fresh prompt's checkpoint written at full speed beside the decode after it (a backlog
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",

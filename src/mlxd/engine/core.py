@@ -194,9 +194,9 @@ class EngineCore:
         # Prompt-boundary checkpoints taken (their caches copied), their publication (the SSD write plan: on
         # CUDA a host read of every array) waiting until their row's first token is out (`publish_deferred`)
         self._deferred: list[tuple[Row, str, Callable[[], PublishPrefix]]] = []
-        # MLXD_FINAL_PLAN=after-token (with the SSD tier) or after-forward (with a prompt cache): rows whose last
-        # token went out, their final checkpoint and finish waiting for the next step (`_leave_late`); not with
-        # speculation (its leave reads the batch)
+        # MLXD_FINAL_PLAN=after-forward (the default, with a prompt cache) or after-token (with the SSD tier): rows
+        # whose last token went out, their final checkpoint and finish waiting for the next step (`_leave_late`);
+        # not with speculation (its leave reads the batch)
         plan = final_plan()
         self._late_final = config.speculative == "off" and (
             (plan == "after-token" and config.ssd_cache_dir is not None)

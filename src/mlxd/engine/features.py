@@ -290,18 +290,18 @@ FINAL_PLANS = ("with-token", "after-token", "after-forward")
 
 
 def final_plan() -> str:
-    """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken. `with-token` (the default): in the step of
-    its last token, before that step's tokens go out; its copy of the row's KV waits for the forward mlx-lm
-    dispatched before returning those tokens (the copy is queued behind it on the engine's stream). `after-token`
-    (with the SSD tier): in a step of its own right after it (no forward: the device computes the one the last step
-    dispatched meanwhile), the row's finish (its `GenerationFinished`) held until then, so the checkpoint still
-    reaches the cache owner before the reply ends. `after-forward` (with any prompt cache): the copy is dispatched
-    without waiting as the last token goes out, and the checkpoint (its write plan with the SSD tier) is taken in
-    the next step after that step's forward is dispatched, while the device computes it; the finish goes out with
-    that step's tokens. Arms to measure (issue 28: the rows ending in a step hold every row's next token)."""
+    """`MLXD_FINAL_PLAN`: when a finished row's final checkpoint is taken. `after-forward` (the default; with any prompt
+    cache, not with speculation): the row's copy of its KV is dispatched without waiting as its last token goes out
+    (queued behind the forward mlx-lm dispatched before returning that token), and the checkpoint (its write plan
+    with the SSD tier) is taken in the next step after that step's forward is dispatched, while the device computes
+    it; the row's finish (its `GenerationFinished`) goes out with that step's tokens, its checkpoint in the same
+    step's notes, so the cache owner has it before the reply ends. `with-token` (before 2026-12-06): in the step of
+    its last token, before that step's tokens go out; the copy then waits for the whole forward in flight and every
+    row's next token with it (issue 28: ~30 ms a step where rows end on the H100, 10.7-11.9 ms a copy).
+    `after-token` (with the SSD tier): in a step of its own right after it, with no forward."""
     import os
 
-    value = os.environ.get("MLXD_FINAL_PLAN", "") or "with-token"
+    value = os.environ.get("MLXD_FINAL_PLAN", "") or "after-forward"
     if value not in FINAL_PLANS:
         raise ValueError(f"MLXD_FINAL_PLAN must be one of {', '.join(FINAL_PLANS)}, not {value!r}")
     return value

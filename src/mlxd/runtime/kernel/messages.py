@@ -111,10 +111,10 @@ class GenerationFinished:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    # Seconds the engine spent, in the step that ended the row, on leaving it (its final checkpoint: with the
-    # SSD tier a write plan, on CUDA a host read of every array) before that step's tokens went out; a timing,
-    # not part of the value. The rows ending in one step wait for each other's: their sum delays every token
-    # of that step.
+    # Seconds the engine spent on leaving the row (its final checkpoint: with the SSD tier a write plan, on CUDA a
+    # host read of every array) before the step that finished it handed its events out; a timing, not part of the
+    # value. The rows leaving in one step wait for each other's: their sum delays every token of that step (the
+    # step of the last token with MLXD_FINAL_PLAN=with-token, the next one, while the device computes, by default).
     leave_s: float = attrs.field(default=0.0, eq=False)
 
 
