@@ -352,6 +352,18 @@ def test_a_deferred_checkpoint_that_cannot_be_planned_is_skipped_and_its_row_goe
     assert finished(results).reason == "length" and not core._deferred
 
 
+def assert_a_cancel_while_leaving_is_ignored(core: EngineCore) -> None:
+    """A late final plan: a cancel that arrives while the row waits for its finish is ignored, the row finishes as
+    it ended, its boundary checkpoint and then its final one published."""
+    results, ops = [], StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),))
+    while not core._leaving:
+        results.append(core.step(ops))
+        ops = StepOps()
+    results += run(core, StepOps(cancels=("a",)))
+    assert finished(results).reason == "length" and [n.reason for n in notes(results, PublishPrefix)] == [
+        "boundary", "final"]
+
+
 def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoint_first(tmp_path, monkeypatch):
     """MLXD_FINAL_PLAN=after-token (an arm to measure): with the SSD tier a row's last token goes out with its step,
     its final checkpoint (the write plan) and its finish with the next, a step with no forward (the other rows'
@@ -386,16 +398,8 @@ def test_after_token_final_plans_finish_a_row_in_the_next_step_with_its_checkpoi
     assert [tokens_in(n.payload) for n in late] == [tokens_in(n.payload) for n in at_once]
     assert all(n.plan is not None for n in late)
     monkeypatch.setenv("MLXD_FINAL_PLAN", "after-token")
-    # a cancel that arrives while the row waits for its finish: ignored, the row finishes as it ended
-    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path, identity=identity)
-    results = []
-    ops = StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),))
-    while not core._leaving:
-        results.append(core.step(ops))
-        ops = StepOps()
-    results += run(core, StepOps(cancels=("a",)))
-    assert finished(results).reason == "length" and [n.reason for n in notes(results, PublishPrefix)] == [
-        "boundary", "final"]
+    assert_a_cancel_while_leaving_is_ignored(make(**CACHE_ON, snapshot_min_tokens=8, ssd_cache_dir=tmp_path,
+                                                  identity=identity)[0])
     # without the SSD tier the final checkpoint is a RAM entry taken in the last token's step, as before
     core, _ = make(**CACHE_ON, snapshot_min_tokens=8)
     results = run(core, StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),)))
@@ -443,14 +447,7 @@ def test_after_forward_final_plans_leave_a_row_after_the_next_steps_forward(tmp_
     assert [tokens_in(n.payload) for n in late] == [tokens_in(n.payload) for n in at_once]
     assert all((n.plan is not None) == ssd for n in late)
     monkeypatch.setenv("MLXD_FINAL_PLAN", "after-forward")
-    core, _ = make(**CACHE_ON, snapshot_min_tokens=8, **disk)  # a cancel while the row waits for its finish
-    results, ops = [], StepOps(starts=(start("a", tuple(range(10, 19)), max_tokens=2),))
-    while not core._leaving:
-        results.append(core.step(ops))
-        ops = StepOps()
-    results += run(core, StepOps(cancels=("a",)))
-    assert finished(results).reason == "length" and [n.reason for n in notes(results, PublishPrefix)] == [
-        "boundary", "final"]
+    assert_a_cancel_while_leaving_is_ignored(make(**CACHE_ON, snapshot_min_tokens=8, **disk)[0])
     if ssd:
         return
     core, _ = make(snapshot_min_tokens=8)  # no prompt cache: nothing to take, the finish with its last token
