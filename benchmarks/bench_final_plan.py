@@ -104,6 +104,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48, help="new tokens of the first rows to end")
     ap.add_argument("--groups", type=int, default=2, help="rows end over this many consecutive steps")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds: no round starts that would end past it (0: no limit); the rounds done are kept")
     ap.add_argument("--arms", default="with-token,after-forward",
                     help="MLXD_FINAL_PLAN values, each optionally with :PACK_MB (MLXD_PLAN_PACK_MB, with --ssd)")
     ap.add_argument("--ssd", action="store_true", help="an SSD tier: every checkpoint builds its write plan")
@@ -134,10 +136,17 @@ def main() -> int:
         decode_run(cores[arm], args.rows, min(args.prompt, 64), 4, 1, seed=-1 - i)  # warm: shapes, kernels
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     load_before = os.getloadavg()
+    begun = time.perf_counter()
+    done = 0
     for r in range(args.rounds):
+        spent = time.perf_counter() - begun
+        if args.budget and done and spent + spent / done > args.budget:
+            print(f"budget: {done} rounds in {spent:.0f} s, no room for another", flush=True)
+            break
         order = arms[r % len(arms):] + arms[:r % len(arms)]
         for arm in order:
             runs[arm].append(decode_run(cores[arm], args.rows, args.prompt, args.tokens, args.groups, seed=r))
+        done += 1
         line = {arm: (round(runs[arm][-1]["own_tok_s"], 1), round(runs[arm][-1]["end_excess_ms"], 1)) for arm in arms}
         print(f"round {r + 1}/{args.rounds} load {os.getloadavg()[0]:.2f} (own tok/s, end excess ms) {line}",
               flush=True)
@@ -146,7 +155,7 @@ def main() -> int:
     base = arms[0]
     out: dict[str, Any] = {
         "device": str(mx.default_device()), "model": str(model_dir), "rows": args.rows, "prompt": args.prompt,
-        "tokens": args.tokens, "groups": args.groups, "rounds": args.rounds, "ssd": args.ssd,
+        "tokens": args.tokens, "groups": args.groups, "rounds": done, "ssd": args.ssd,
         "load_before": load_before, "load_after": os.getloadavg(), "arms": {},
     }
     for arm in arms:

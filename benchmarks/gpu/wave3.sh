@@ -22,7 +22,7 @@
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 #   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
-#   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms in one process, 8 rows ending together
+#   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms in one process, 8 rows ending together (~4 min)
 #   bash benchmarks/gpu/wave3.sh sidestream                        # a copy evaluated behind a dispatched forward, same or side stream
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -127,8 +127,9 @@ for p in "$@"; do case $p in
   finalplan) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
-            phase finalplan 200 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
-            --ssd --work /tmp/final-plan-work --out "$OUT" ${FINALPLAN_ARGS:---arms with-token,after-forward,after-forward:64,with-token:64} ;;
+            phase finalplan 240 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
+            --ssd --work /tmp/final-plan-work --out "$OUT" --budget $(( ${LIMIT_finalplan:-240} - 70 )) \
+            ${FINALPLAN_ARGS:---arms with-token,after-forward,after-forward:64} ;;
   stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
