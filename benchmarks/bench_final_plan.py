@@ -7,10 +7,15 @@ built, with their write plans under `--ssd`, and dropped). Per run, from the tim
 every row's own rate (its tokens after the first over first-to-last token, summed over rows: the HTTP bench's
 `stream_sum_tok_s`), the rate while every row decodes (`all_rows`), their ratio, the step gaps in the steps where
 rows end beyond the median step, and the time to the last finish. Arms in a rotating order each round; each arm ÷
-the first paired per round (median + IQR).
+the first paired per round (median + IQR). The ending steps are taken apart too: each one's time inside mlx-lm's
+`BatchGenerator.next` (the forward's dispatch, the wait for the tokens, filtering finished rows out of the batch) and
+the leaving rows' `leave_s` (their final checkpoints: with the SSD tier the write plans, on CUDA the host reads).
+An arm `MODE[:PACK_MB][@ram|@ssd]` picks its tier itself (default: `--ssd`'s), so one run can set RAM only beside
+the SSD tier.
 
     PYTHONPATH=src python benchmarks/bench_final_plan.py [--preset default] [--rows 8] [--prompt 512] [--tokens 48]
-        [--groups 2] [--rounds 8] [--arms with-token,after-forward,after-forward:64] [--ssd] [--model DIR]
+        [--groups 2] [--rounds 8] [--arms with-token,after-forward,after-forward:64,after-forward@ram] [--ssd]
+        [--model DIR]
     on a GPU: `wave3.sh finalplan` (the 1.7B shape, 8k-token prompts, the SSD tier)
 """
 
@@ -50,25 +55,44 @@ def decode_run(core: Any, rows: int, prompt: int, tokens: int, groups: int, seed
     count: dict[str, int] = {}
     done: dict[str, float] = {}
     handed: list[tuple[float, int, int]] = []  # (time, tokens handed, rows that ended)
+    parts: list[tuple[float, float]] = []  # per step: seconds in BatchGenerator.next, the leaving rows' leave_s
+    inside_next = [0.0]
+    generator_next = core.generator.next
+
+    def timed_next() -> Any:
+        t = time.perf_counter()
+        try:
+            return generator_next()
+        finally:
+            inside_next[0] += time.perf_counter() - t
+
+    core.generator.next = timed_next  # this instance only, for this run (restored below)
     t0 = time.perf_counter()
     ops = StepOps(starts=starts)
-    while len(done) < rows:
-        result = core.step(ops)
-        ops = StepOps()
-        if result.rejected:
-            raise RuntimeError(f"rows refused: {result.rejected}")
-        now = time.perf_counter() - t0
-        n = ended = 0
-        for e in result.emits:
-            if isinstance(e.event, TokenGenerated):
-                first.setdefault(e.request_id, now)
-                last[e.request_id] = now
-                count[e.request_id] = count.get(e.request_id, 0) + 1
-                n += 1
-            elif isinstance(e.event, GenerationFinished):
-                done[e.request_id] = now
-                ended += 1
-        handed.append((now, n, ended))
+    try:
+        while len(done) < rows:
+            inside_next[0] = 0.0
+            result = core.step(ops)
+            ops = StepOps()
+            if result.rejected:
+                raise RuntimeError(f"rows refused: {result.rejected}")
+            now = time.perf_counter() - t0
+            n = ended = 0
+            leave = 0.0
+            for e in result.emits:
+                if isinstance(e.event, TokenGenerated):
+                    first.setdefault(e.request_id, now)
+                    last[e.request_id] = now
+                    count[e.request_id] = count.get(e.request_id, 0) + 1
+                    n += 1
+                elif isinstance(e.event, GenerationFinished):
+                    done[e.request_id] = now
+                    ended += 1
+                    leave += e.event.leave_s
+            handed.append((now, n, ended))
+            parts.append((inside_next[0], leave))
+    finally:
+        del core.generator.next
     own = sum((count[r] - 1) / (last[r] - first[r]) for r in count if last[r] > first[r])
     all_from, all_to = max(first.values()), min(last.values())  # every row has its first token, none its last
     inside = [(t, n) for t, n, _ in handed if all_from < t <= all_to]
@@ -79,13 +103,29 @@ def decode_run(core: Any, rows: int, prompt: int, tokens: int, groups: int, seed
     # the others (the default waits before that first last token; the late modes in the steps after it)
     end_from, end_to = min(last.values()), max(done.values())
     end_steps = [b[0] - a[0] for a, b in zip(handed, handed[1:], strict=False) if end_from <= b[0] <= end_to]
+    end_parts = [p for (t, _, _), p in zip(handed[1:], parts[1:], strict=True) if end_from <= t <= end_to]
+    median_next = statistics.median(p[0] for p in parts[1:]) if len(parts) > 1 else 0.0
     return {
         "own_tok_s": own, "all_rows_tok_s": all_rows, "own_over_all_rows": own / all_rows if all_rows else None,
         "median_step_ms": 1e3 * median_gap, "end_steps_ms": [round(1e3 * g, 2) for g in end_steps],
         "end_excess_ms": 1e3 * sum(max(0.0, g - median_gap) for g in end_steps),
+        # of the ending steps: their time in BatchGenerator.next beyond a median step's, and their rows' leave_s
+        "end_next_ms": [round(1e3 * p[0], 2) for p in end_parts], "end_leave_ms": [round(1e3 * p[1], 2) for p in end_parts],
+        "end_next_excess_ms": 1e3 * sum(max(0.0, p[0] - median_next) for p in end_parts),
+        "end_leave_total_ms": 1e3 * sum(p[1] for p in end_parts), "median_next_ms": 1e3 * median_next,
         "last_finish_s": max(done.values()), "decode_span_s": max(last.values()) - min(first.values()),
         "tokens": sum(count.values()),
     }
+
+
+def arm_parts(arm: str, *, ssd: bool) -> tuple[str, str, str]:
+    """`MODE[:PACK_MB][@TIER]` -> (MLXD_FINAL_PLAN, MLXD_PLAN_PACK_MB, "ram" or "ssd"); no @: `ssd` decides."""
+    rest, _, tier = arm.partition("@")
+    mode, _, pack = rest.partition(":")
+    tier = tier or ("ssd" if ssd else "ram")
+    if tier not in ("ram", "ssd"):
+        raise SystemExit(f"bench_final_plan: arm {arm!r}: the tier after @ is ram or ssd, not {tier!r}")
+    return mode, pack, tier
 
 
 def summary(values: list[float]) -> dict[str, float] | None:
@@ -107,8 +147,10 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: no round starts that would end past it (0: no limit); the rounds done are kept")
     ap.add_argument("--arms", default="with-token,after-forward",
-                    help="MLXD_FINAL_PLAN values, each optionally with :PACK_MB (MLXD_PLAN_PACK_MB, with --ssd)")
-    ap.add_argument("--ssd", action="store_true", help="an SSD tier: every checkpoint builds its write plan")
+                    help="MLXD_FINAL_PLAN values, each optionally with :PACK_MB (MLXD_PLAN_PACK_MB, with the SSD tier) "
+                         "and @ram or @ssd (its tier; default --ssd's)")
+    ap.add_argument("--ssd", action="store_true", help="an SSD tier (arms without @): every checkpoint builds its "
+                                                       "write plan")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "final-plan-work")
     args = ap.parse_args()
@@ -124,10 +166,10 @@ def main() -> int:
     arms = [a for a in args.arms.split(",") if a]
     cores: dict[str, Any] = {}
     for i, arm in enumerate(arms):
-        mode, _, pack = arm.partition(":")
+        mode, pack, tier = arm_parts(arm, ssd=args.ssd)
         os.environ["MLXD_FINAL_PLAN"] = mode  # both read when the core is built
         os.environ["MLXD_PLAN_PACK_MB"] = pack
-        ssd = args.work / f"ssd-{i}" if args.ssd else None
+        ssd = args.work / f"ssd-{i}" if tier == "ssd" else None
         config = RuntimeConfig(model=str(model_dir), model_name=args.preset, prompt_cache_bytes=1 << 30,
                                device_probe="off", max_batch=args.rows, prefill_batch=args.rows,
                                ssd_cache_dir=ssd, max_context=args.prompt + args.tokens + args.groups + 64)
@@ -162,7 +204,8 @@ def main() -> int:
         rs = runs[arm]
         out["arms"][arm] = {k: summary([x[k] for x in rs if x[k] is not None])
                             for k in ("own_tok_s", "all_rows_tok_s", "own_over_all_rows", "median_step_ms",
-                                      "end_excess_ms", "last_finish_s", "decode_span_s")}
+                                      "end_excess_ms", "end_next_excess_ms", "end_leave_total_ms",
+                                      "median_next_ms", "last_finish_s", "decode_span_s")}
         if arm != base:
             out["arms"][arm]["own_vs_" + base] = summary(
                 [a["own_tok_s"] / b["own_tok_s"] for a, b in zip(rs, runs[base], strict=True)])
@@ -176,10 +219,13 @@ def main() -> int:
                   if arm != base else "")
         print(f"{arm}: own {a['own_tok_s']['median']:.1f} tok/s, own ÷ all-rows {a['own_over_all_rows']['median']:.3f}, "
               f"step {a['median_step_ms']['median']:.2f} ms, end excess {a['end_excess_ms']['median']:.1f} ms "
-              f"[{a['end_excess_ms']['q1']:.1f}-{a['end_excess_ms']['q3']:.1f}]{paired}", flush=True)
+              f"[{a['end_excess_ms']['q1']:.1f}-{a['end_excess_ms']['q3']:.1f}] (of it in mlx-lm's next "
+              f"{a['end_next_excess_ms']['median']:.1f}, leaving {a['end_leave_total_ms']['median']:.1f}){paired}",
+              flush=True)
     print(f"load {load_before[0]:.2f} -> {out['load_after'][0]:.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = "ssd-" if args.ssd else "ram-"
+    tiers = {arm_parts(arm, ssd=args.ssd)[2] for arm in arms}
+    tag = "ssd-" if tiers == {"ssd"} else "ram-" if tiers == {"ram"} else "tiers-"
     path = args.out / f"final_plan-{tag}{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(out, indent=1))
     print("->", path)

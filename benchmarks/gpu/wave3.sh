@@ -22,7 +22,7 @@
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 #   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
-#   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms in one process, 8 rows ending together (~4 min)
+#   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms (and RAM only) in one process, 8 rows ending over 2 steps (~4 min)
 #   bash benchmarks/gpu/wave3.sh sidestream                        # a copy evaluated behind a dispatched forward, same or side stream
 set -u
 OUT=${OUT:-/tmp/wave3}; mkdir -p "$OUT"
@@ -123,13 +123,14 @@ for p in "$@"; do case $p in
   # step outside the device waits, syncs, pipelining, Python calls / bytecodes; then with logprobs (top 3), the wall
   # the reads after the tokens wait (mlx_lm.server's per-row reads vs the core's one read on a side stream).
   # Issue 28, when a finished row's final checkpoint is taken (MLXD_FINAL_PLAN), in one process (no HTTP, no other
-  # servers): 8 rows on 8k-token prompts ending over 2 steps, the SSD tier's plans, arms interleaved round by round
+  # servers): 8 rows on 8k-token prompts ending over 2 steps, the SSD tier's plans beside RAM only, arms interleaved
+  # round by round; the ending steps taken apart (time in mlx-lm's next: the batch filter; the leaving rows' plans)
   finalplan) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
             phase finalplan 240 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
             --ssd --work /tmp/final-plan-work --out "$OUT" --budget $(( ${LIMIT_finalplan:-240} - 70 )) \
-            ${FINALPLAN_ARGS:---arms with-token,after-forward,after-forward:64} ;;
+            ${FINALPLAN_ARGS:---arms after-forward,after-forward@ram,with-token} ;;
   stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
