@@ -460,7 +460,7 @@ def main() -> int:
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
                          "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, "
-                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_withtoken, mlxd_host_ssd_withtoken, ...); the "
+                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_withtoken, mlxd_host_ssd_withtoken, mlxd_ram_mlxfilter, ...); the "
                          "restarts follow mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
@@ -564,6 +564,8 @@ def main() -> int:
         # token with them (H100 04:31-05:07 2026-12-06: ~30 ms in each step where rows ended, RAM only too)
         "mlxd_ram_withtoken": (["env", "MLXD_FINAL_PLAN=with-token", *base, "--port", "18183",
                                 "--device-probe", "off"], 18183),
+        # rows leave the batch by mlx-lm's own filter, which waits for the forward in flight (MLXD_BATCH_FILTER)
+        "mlxd_ram_mlxfilter": (["env", "MLXD_BATCH_FILTER=0", *base, "--port", "18181", "--device-probe", "off"], 18181),
         "mlxd_host_ssd_withtoken": (["env", "MLXD_FINAL_PLAN=with-token", *base, "--port", "18182",
                                      "--host-cache-gb", host_gb, "--ssd-cache", str(args.work / "ssd-withtoken")],
                                     18182),

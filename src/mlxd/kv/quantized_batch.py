@@ -35,6 +35,19 @@ def _ints(a: mx.array) -> list[int]:
     return [int(v) for v in values]
 
 
+def kept_padding(left_padding: mx.array, batch_indices: Sequence[int]) -> tuple[mx.array, int]:
+    """(the kept rows' left padding less the padding they all share, as a new array; that shared padding).
+
+    A batch cache's `filter` (rows leaving): `left_padding` is read as it stands, with no device op queued for
+    it, so an evaluated array is read at once, not behind the forward in flight (model/batch_filter.py); the
+    result is made from host values, so the next read of it waits on nothing either. `batch_indices` must not
+    be empty."""
+    pads = _ints(left_padding)
+    kept = [pads[int(i)] for i in batch_indices]
+    shared = min(kept)
+    return mx.array([p - shared for p in kept], dtype=left_padding.dtype), shared
+
+
 class BatchQuantizedKVCache(BatchKVCache):
     """A batch of quantized KV rows, left-padded (see BatchKVCache)."""
 
@@ -95,14 +108,13 @@ class BatchQuantizedKVCache(BatchKVCache):
             self.keys = _map(lambda p: p[batch_indices], self.keys)
             self.values = _map(lambda p: p[batch_indices], self.values)
         self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
-        min_left_pad = min(_ints(self.left_padding))
+        # the padding read as it stands, not gathered behind the forward in flight (model/batch_filter.py)
+        self.left_padding, min_left_pad = kept_padding(self.left_padding, batch_indices)
         if min_left_pad > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda p: p[..., min_left_pad:, :], self.keys)
                 self.values = _map(lambda p: p[..., min_left_pad:, :], self.values)
             self._idx -= min_left_pad
-            self.left_padding -= min_left_pad
 
     def extend(self, other: BatchQuantizedKVCache) -> None:  # type: ignore[override]
         if self.keys is None and other.keys is None:
