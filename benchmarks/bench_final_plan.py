@@ -10,9 +10,10 @@ rows end beyond the median step, and the time to the last finish. Arms in a rota
 the first paired per round (median + IQR). The ending steps are taken apart too: each one's time inside mlx-lm's
 `BatchGenerator.next` (the forward's dispatch, the wait for the tokens, filtering finished rows out of the batch) and
 the leaving rows' `leave_s` (their final checkpoints: with the SSD tier the write plans, on CUDA the host reads).
-An arm `MODE[:PACK_MB][@ram|@ssd][+mlxfilter]` picks its tier itself (default: `--ssd`'s), so one run can set RAM
-only beside the SSD tier; `+mlxfilter`: rows leave the batch by mlx-lm's own filter, which waits for the forward
-in flight (`MLXD_BATCH_FILTER`, model/batch_filter.py).
+An arm `MODE[:PACK_MB][@ram|@ssd][+mlxfilter][+planmain]` picks its tier itself (default: `--ssd`'s), so one run
+can set RAM only beside the SSD tier; `+mlxfilter`: rows leave the batch by mlx-lm's own filter, which waits for the
+forward in flight (`MLXD_BATCH_FILTER`, model/batch_filter.py); `+planmain`: the write plans' slices on the
+generation stream, behind the forward (`MLXD_PLAN_STREAM=main`).
 
     PYTHONPATH=src python benchmarks/bench_final_plan.py [--preset default] [--rows 8] [--prompt 512] [--tokens 48]
         [--groups 2] [--rounds 8] [--arms with-token,after-forward,after-forward:64,after-forward@ram] [--ssd]
@@ -119,18 +120,19 @@ def decode_run(core: Any, rows: int, prompt: int, tokens: int, groups: int, seed
     }
 
 
-def arm_parts(arm: str, *, ssd: bool) -> tuple[str, str, str, bool]:
-    """`MODE[:PACK_MB][@TIER][+mlxfilter]` -> (MLXD_FINAL_PLAN, MLXD_PLAN_PACK_MB, "ram" or "ssd", whether rows leave
-    the batch by mlx-lm's own filter, not `MLXD_BATCH_FILTER`'s); no @: `ssd` decides."""
+def arm_parts(arm: str, *, ssd: bool) -> tuple[str, str, str, set[str]]:
+    """`MODE[:PACK_MB][@TIER][+mlxfilter][+planmain]` -> (MLXD_FINAL_PLAN, MLXD_PLAN_PACK_MB, "ram" or "ssd", the
+    flags: `mlxfilter`, rows leave the batch by mlx-lm's own filter, not `MLXD_BATCH_FILTER`'s; `planmain`, write
+    plans on the generation stream, `MLXD_PLAN_STREAM=main`); no @: `ssd` decides."""
     spec, *flags = arm.split("+")
     rest, _, tier = spec.partition("@")
     mode, _, pack = rest.partition(":")
     tier = tier or ("ssd" if ssd else "ram")
     if tier not in ("ram", "ssd"):
         raise SystemExit(f"bench_final_plan: arm {arm!r}: the tier after @ is ram or ssd, not {tier!r}")
-    if set(flags) - {"mlxfilter"}:
-        raise SystemExit(f"bench_final_plan: arm {arm!r}: the only flag after + is mlxfilter")
-    return mode, pack, tier, "mlxfilter" in flags
+    if set(flags) - {"mlxfilter", "planmain"}:
+        raise SystemExit(f"bench_final_plan: arm {arm!r}: the flags after + are mlxfilter and planmain")
+    return mode, pack, tier, set(flags)
 
 
 def filtered(by_mlx_lm: bool) -> None:
@@ -164,7 +166,8 @@ def main() -> int:
                     help="seconds: no round starts that would end past it (0: no limit); the rounds done are kept")
     ap.add_argument("--arms", default="with-token,after-forward",
                     help="MLXD_FINAL_PLAN values, each optionally with :PACK_MB (MLXD_PLAN_PACK_MB, with the SSD tier), "
-                         "@ram or @ssd (its tier; default --ssd's) and +mlxfilter (mlx-lm's own batch filter)")
+                         "@ram or @ssd (its tier; default --ssd's), +mlxfilter (mlx-lm's own batch filter) and +planmain "
+                         "(MLXD_PLAN_STREAM=main)")
     ap.add_argument("--ssd", action="store_true", help="an SSD tier (arms without @): every checkpoint builds its "
                                                        "write plan")
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -182,16 +185,17 @@ def main() -> int:
     arms = [a for a in args.arms.split(",") if a]
     cores: dict[str, Any] = {}
     for i, arm in enumerate(arms):
-        mode, pack, tier, _ = arm_parts(arm, ssd=args.ssd)
-        os.environ["MLXD_FINAL_PLAN"] = mode  # both read when the core is built
+        mode, pack, tier, flags = arm_parts(arm, ssd=args.ssd)
+        os.environ["MLXD_FINAL_PLAN"] = mode  # the three read when the core is built
         os.environ["MLXD_PLAN_PACK_MB"] = pack
+        os.environ["MLXD_PLAN_STREAM"] = "main" if "planmain" in flags else "side"
         ssd = args.work / f"ssd-{i}" if tier == "ssd" else None
         config = RuntimeConfig(model=str(model_dir), model_name=args.preset, prompt_cache_bytes=1 << 30,
                                device_probe="off", max_batch=args.rows, prefill_batch=args.rows,
                                ssd_cache_dir=ssd, max_context=args.prompt + args.tokens + args.groups + 64)
         cores[arm] = EngineCore(config)
         cores[arm].load()
-        filtered(arm_parts(arm, ssd=args.ssd)[3])
+        filtered("mlxfilter" in flags)
         decode_run(cores[arm], args.rows, min(args.prompt, 64), 4, 1, seed=-1 - i)  # warm: shapes, kernels
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     load_before = os.getloadavg()
@@ -204,7 +208,7 @@ def main() -> int:
             break
         order = arms[r % len(arms):] + arms[:r % len(arms)]
         for arm in order:
-            filtered(arm_parts(arm, ssd=args.ssd)[3])
+            filtered("mlxfilter" in arm_parts(arm, ssd=args.ssd)[3])
             runs[arm].append(decode_run(cores[arm], args.rows, args.prompt, args.tokens, args.groups, seed=r))
         done += 1
         line = {arm: (round(runs[arm][-1]["own_tok_s"], 1), round(runs[arm][-1]["end_excess_ms"], 1)) for arm in arms}

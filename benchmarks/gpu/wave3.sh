@@ -125,13 +125,14 @@ for p in "$@"; do case $p in
   # Issue 28, when a finished row's final checkpoint is taken (MLXD_FINAL_PLAN), in one process (no HTTP, no other
   # servers): 8 rows on 8k-token prompts ending over 2 steps, the SSD tier's plans beside RAM only, arms interleaved
   # round by round; the ending steps taken apart (time in mlx-lm's next: the batch filter; the leaving rows' plans);
-  # +mlxfilter: rows leave the batch by mlx-lm's own filter, which waits for the forward in flight (MLXD_BATCH_FILTER)
+  # +mlxfilter: rows leave the batch by mlx-lm's own filter, which waits for the forward in flight (MLXD_BATCH_FILTER);
+  # +planmain: the write plans' slices on the generation stream, behind the forward in flight (MLXD_PLAN_STREAM=main)
   finalplan) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
             phase finalplan 240 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
             --ssd --work /tmp/final-plan-work --out "$OUT" --budget $(( ${LIMIT_finalplan:-240} - 70 )) \
-            ${FINALPLAN_ARGS:---arms after-forward,after-forward+mlxfilter,after-forward@ram,with-token} ;;
+            ${FINALPLAN_ARGS:---arms after-forward,after-forward+mlxfilter,after-forward+planmain,after-forward@ram,with-token} ;;
   stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"

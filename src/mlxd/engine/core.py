@@ -40,6 +40,7 @@ from mlxd.engine.features import (
     final_plan,
     gil_switch_ms,
     plan_pack_bytes,
+    plan_stream,
     read_logprobs,
 )
 from mlxd.engine.ops import (
@@ -206,6 +207,7 @@ class EngineCore:
         self._left: list[tuple[Row, str, Ending]] = []  # after-forward: those leaving in this step, copies held
         # MLXD_PLAN_PACK_MB with the SSD tier: write plans up to this many bytes come from one packed copy (0: off)
         self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
+        self._plan_on_side = plan_stream() == "side"  # MLXD_PLAN_STREAM: write plans not behind the forward in flight
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -1149,6 +1151,17 @@ class EngineCore:
         if published and not kept and self._memory_budget > 0:  # the reading held back while they waited
             out.notes.append(self.measure_memory("prefill"))
 
+    def plan(self, caches: list[Any], meta: SnapshotMeta, *, pack_max_bytes: int = 0) -> SnapshotPlan:
+        """A write plan of caches whose arrays are evaluated (`kinds.plan_snapshot`), its token slices evaluated on
+        the side stream (`MLXD_PLAN_STREAM`): on the generation stream they would wait for the forward this step
+        dispatched, and the step's events with them."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        with mx.stream(self._reads if self._plan_on_side and self._reads is not None else self._stream):
+            return kinds.plan_snapshot(caches, meta=meta, pack_max_bytes=pack_max_bytes)
+
     def _snapshot(
         self, tokens: list[int], namespace: str, caches: list[Any], reason: str, session: str | None
     ) -> PublishPrefix:
@@ -1161,8 +1174,7 @@ class EngineCore:
         exact = tuple(tokens)
         plan = None
         if self._config.ssd_cache_dir is not None:
-            plan = kinds.plan_snapshot(caches, meta=self.store_identity.meta(exact, namespace),
-                                       pack_max_bytes=self._pack_bytes)
+            plan = self.plan(caches, self.store_identity.meta(exact, namespace), pack_max_bytes=self._pack_bytes)
             if plan.packed:
                 self.counters.packed_plans += 1
         payload, pages = self._paged(caches, exact, namespace)
