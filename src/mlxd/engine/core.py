@@ -1159,8 +1159,12 @@ class EngineCore:
 
         from mlxd.kv import kinds
 
-        with mx.stream(self._reads if self._plan_on_side and self._reads is not None else self._stream):
+        with mx.stream(self._planning_stream()):
             return kinds.plan_snapshot(caches, meta=meta, pack_max_bytes=pack_max_bytes)
+
+    def _planning_stream(self) -> Any:
+        """Where checkpoints' slices are evaluated (`MLXD_PLAN_STREAM`): the side stream, or the generation one."""
+        return self._reads if self._plan_on_side and self._reads is not None else self._stream
 
     def _snapshot(
         self, tokens: list[int], namespace: str, caches: list[Any], reason: str, session: str | None
@@ -1170,7 +1174,8 @@ class EngineCore:
 
         from mlxd.kv import kinds
 
-        mx.eval([c.state for c in caches])
+        with mx.stream(self._planning_stream()):  # (a cache's `state` slices it to its length: new arrays)
+            mx.eval([c.state for c in caches])
         exact = tuple(tokens)
         plan = None
         if self._config.ssd_cache_dir is not None:
