@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import pytest
@@ -15,6 +16,18 @@ from mlxd.http.app import serve_http
 from mlxd.runtime.config import RuntimeConfig
 from mlxd.runtime.kernel.messages import GenerationRequest, TokenGenerated
 from mlxd.runtime.supervisor import Runtime, open_runtime
+
+T = TypeVar("T")
+
+
+def served_with_patch(patch: Any, monkeypatch: pytest.MonkeyPatch, serve: Callable[[], Awaitable[T]], on: bool) -> T:
+    """`serve()` under trio with one of mlxd's mlx-lm patches (model/batch_*.py: `ENV`, installed by the engine's
+    load unless the environment turns it off, `uninstall`) on or off; it is uninstalled first, so the load decides."""
+    patch.uninstall()
+    monkeypatch.setenv(patch.ENV, "1" if on else "0")
+    out = trio.run(serve)
+    assert bool(patch._ORIGINAL) == on
+    return out
 
 
 class ServerThread:

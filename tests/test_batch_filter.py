@@ -1,6 +1,7 @@
 """MLXD_BATCH_FILTER (model/batch_filter.py): rows leave mlx-lm's batch cache as mlx-lm's own filter leaves it (the
 same keys, values, offsets, padding and trim), without a device op on the padding to wait for; served rows that end
-in different steps decode the same tokens either way."""
+in different steps decode the same tokens either way. Both of mlxd's mlx-lm patches (this and
+MLXD_BATCH_HANDOVER) are on unless the environment turns them off."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import mlx.core as mx
 import pytest
 import trio
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from tests.serving import config_for
+from tests.serving import config_for, served_with_patch
 
 from mlxd.kv.quantized_batch import kept_padding
-from mlxd.model import batch_filter
+from mlxd.model import batch_filter, batch_handover
 from mlxd.runtime.kernel.messages import SamplingParams
 from mlxd.runtime.supervisor import open_runtime
 
@@ -95,11 +96,12 @@ def test_kept_padding_picks_on_the_host():
         kept_padding(mx.array([1]), [])
 
 
-def test_it_is_on_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(batch_filter.ENV, raising=False)
-    assert batch_filter.wanted()
-    monkeypatch.setenv(batch_filter.ENV, "0")
-    assert not batch_filter.wanted()
+@pytest.mark.parametrize("patch", [batch_filter, batch_handover], ids=["filter", "handover"])
+def test_each_mlx_lm_patch_is_on_unless_turned_off(monkeypatch, patch):
+    monkeypatch.delenv(patch.ENV, raising=False)
+    assert patch.wanted()
+    monkeypatch.setenv(patch.ENV, "0")
+    assert not patch.wanted()
 
 
 def test_served_rows_ending_in_different_steps_decode_the_same_with_it(tiny_model_dir, monkeypatch):
@@ -118,15 +120,8 @@ def test_served_rows_ending_in_different_steps_decode_the_same_with_it(tiny_mode
                     nursery.start_soon(one, i)
             return results
 
-    def served(on: bool) -> list[list[int]]:
-        batch_filter.uninstall()  # the engine's load installs it unless the environment turns it off
-        monkeypatch.setenv(batch_filter.ENV, "1" if on else "0")
-        out = trio.run(rows)
-        assert bool(batch_filter._ORIGINAL) == on
-        return out
-
-    plain = served(False)
-    ours = served(True)
+    plain = served_with_patch(batch_filter, monkeypatch, rows, False)
+    ours = served_with_patch(batch_filter, monkeypatch, rows, True)
     batch_filter.uninstall()
     assert [len(r) for r in ours] == [4, 7, 10, 13]
     assert ours == plain

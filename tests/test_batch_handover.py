@@ -7,7 +7,7 @@ import mlx.core as mx
 import trio
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from tests.serving import config_for, greedy_turns
+from tests.serving import config_for, greedy_turns, served_with_patch
 
 from mlxd.model import batch_handover
 from mlxd.runtime.kernel.messages import SamplingParams
@@ -34,13 +34,6 @@ def test_a_lone_merge_is_a_view_and_its_growth_leaves_the_source_alone():
     assert BatchKVCache.merge.__func__ is not None and PromptProcessingBatch.split is not None
 
 
-def test_it_is_on_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(batch_handover.ENV, raising=False)
-    assert batch_handover.wanted()
-    monkeypatch.setenv(batch_handover.ENV, "0")
-    assert not batch_handover.wanted()
-
-
 def test_served_turns_decode_the_same_with_the_handover(tiny_model_dir, monkeypatch):
     async def turns() -> list[list[int]]:
         async with open_runtime(config_for(tiny_model_dir, snapshot_min_tokens=16, max_batch=4)) as rt:
@@ -60,13 +53,6 @@ def test_served_turns_decode_the_same_with_the_handover(tiny_model_dir, monkeypa
             out.extend(results)
         return out
 
-    def served(on: bool) -> list[list[int]]:
-        batch_handover.uninstall()  # the engine's load installs it unless the environment turns it off
-        monkeypatch.setenv(batch_handover.ENV, "1" if on else "0")
-        out = trio.run(turns)
-        assert bool(batch_handover._ORIGINAL) == on
-        return out
-
-    plain = served(False)
-    handed = served(True)
+    plain = served_with_patch(batch_handover, monkeypatch, turns, False)
+    handed = served_with_patch(batch_handover, monkeypatch, turns, True)
     assert handed == plain
