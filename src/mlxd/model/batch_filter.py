@@ -5,14 +5,15 @@ mlx-lm's `BatchKVCache.filter` gathers the kept rows' left padding on the device
 dispatched the next step's forward, so that read queues behind the forward on the generation stream:
 the engine thread waits for the whole next forward before it can hand out the step's tokens, and the
 host work of the following step no longer overlaps a forward. Whenever rows end while others go on
-decoding, every other row loses about a step (mlx_lm.server pays it too when its rows end in different
-steps; on the H200, ~30 ms stalls in each 8-stream decode, docs/benchmarks.md).
+decoding, the others wait for it (mlx_lm.server too, when its rows end in different steps). The H200's
+8-stream decodes show a ~30 ms stall in that step (docs/benchmarks.md, 2026-12-06); how much of it this
+wait is, the next device run measures (`bench_final_plan.py` arms `+mlxfilter`).
 
-Here the padding is read as it stands (`kv.quantized_batch.kept_padding`): an evaluated array (the masks of the forwards
-since the rows joined read it) is read without queuing anything, the kept rows' values are picked on
-the host, and the new left padding is a fresh array made from them, so neither the next filter nor
-`extract` (which reads it too) waits on the device. The keys', values' and offsets' gathers stay lazy,
-as in mlx-lm, and the trim is the same. A padding array that is not evaluated yet (rows that joined
+Here the padding is read as it stands (`kv.quantized_batch.kept_padding`): an evaluated array (the
+masks of the forwards since the rows joined read it) is read without queuing anything, the kept rows'
+values are picked on the host, and the new left padding is a fresh array made from them, so neither
+the next filter nor `extract` (which reads it too) waits on the device. The keys', values' and
+offsets' gathers stay lazy, as in mlx-lm, and the trim is the same. A padding array that is not evaluated yet (rows that joined
 after the last forward was dispatched) is waited for, as before. mlxd's own `BatchQuantizedKVCache`
 filters this way always (kv/quantized_batch.py). On by default; `MLXD_BATCH_FILTER=0` keeps mlx-lm's.
 """
