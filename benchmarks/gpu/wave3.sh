@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu/wave3.sh contigkv                          # after a short prefix: aligned chunks, sliced vs contiguous keys
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
+#   bash benchmarks/gpu/wave3.sh dlpackcopy                        # a plan's bytes by DLPack pointer + DMA, not the host read
 #   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
 #   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms (and RAM only) in one process, 8 rows ending over 2 steps (~4 min)
 #   bash benchmarks/gpu/wave3.sh sidestream                        # a copy evaluated behind a dispatched forward, same or side stream
@@ -143,6 +144,10 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
   # on KV of the 1.7B shape, whole and by part (slice + eval; the memoryviews, first and again; DLPack), no model.
   plansnap) phase plansnap 90 python3 benchmarks/gpu/time_plan_snapshot.py --tokens 8192 16384 --rounds 3 \
             --json "$OUT/plan-snapshot-h200.json" ${PLANSNAP_ARGS:-} ;;
+  # Issue 28, a write plan's bytes without the host read that converts them: DLPack's pointer and a DMA into pinned
+  # memory against the memoryview (the plan's path now), on fresh 8k-token KV; the same bytes?
+  dlpackcopy) phase dlpackcopy 60 python3 benchmarks/gpu/probe_dlpack_copy.py --tokens 8192 --rounds 3 \
+            --json "$OUT/dlpack-copy.json" ${DLPACKCOPY_ARGS:-} ;;
   # Issue 28, the 8-stream decode gap with the SSD tier: decode's attention on KV buffers the SSD tier's host access
   # touched (converted to managed memory, staged, advised read-mostly and read, read) vs never touched, on those
   # buffers and on new ones MLX's cache recycles from them; no model (~1-2 min on the 1.7B shape).
