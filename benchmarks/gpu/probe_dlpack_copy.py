@@ -25,13 +25,12 @@ import mlxd  # noqa: F401
 
 import argparse
 import ctypes
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_plan_snapshot import Ticker, caches_of, timed  # noqa: E402
+from time_plan_snapshot import Ticker, caches_of, run_rounds, timed  # noqa: E402
 
 
 class _DLDevice(ctypes.Structure):
@@ -145,25 +144,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    import mlx.core as mx
-
-    ticker = Ticker()
-    rows = []
-    try:
-        one_round(256, ticker)  # warm-up: kernels, allocator, the runtime's streams
-        for r in range(args.rounds):
-            for n in args.tokens:
-                row = {"round": r, **one_round(n, ticker)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        ticker.stop()
-    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
-        print("->", args.json)
-    return 0
+    return run_rounds(one_round, args.tokens, args.rounds, args.json)
 
 
 if __name__ == "__main__":

@@ -134,24 +134,31 @@ def main() -> int:
                     help="also time the plan made from one packed copy (MLXD_PLAN_PACK_MB) up to this size")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+
+    return run_rounds(lambda n, ticker: one_round(n, ticker, args.pack_mb), args.tokens, args.rounds, args.json)
+
+
+def run_rounds(measure: Any, tokens: list[int], rounds: int, json_path: Path | None) -> int:
+    """`measure(tokens, ticker)` once at 256 tokens (warm-up: kernels, allocator), then each round at each size;
+    every row printed, and all of them written to `json_path` with the device and MLX version."""
     import mlx.core as mx
 
     ticker = Ticker()
     rows = []
     try:
-        one_round(256, ticker)  # warm-up: kernels and allocator
-        for r in range(args.rounds):
-            for n in args.tokens:
-                row = {"round": r, **one_round(n, ticker, args.pack_mb)}
+        measure(256, ticker)
+        for r in range(rounds):
+            for n in tokens:
+                row = {"round": r, **measure(n, ticker)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         ticker.stop()
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
-        print("->", args.json)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(out, indent=1))
+        print("->", json_path)
     return 0
 
 
