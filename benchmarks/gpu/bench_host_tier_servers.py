@@ -193,10 +193,14 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
     runs: list[interleave.Run] = []
     rec: dict[str, Any] = {"schedule": args.decode_schedule, "reference": ref, "levels": levels,
                            "metric": args.decode_metric,
-                           "decode_tokens": args.decode_tokens, "prompt_tokens": args.fresh_tokens, "runs": []}
+                           "decode_tokens": args.decode_tokens, "prompt_tokens": args.fresh_tokens,
+                           "stream_tokens": args.stream_tokens, "runs": []}
     out["decode_interleaved"] = rec
 
-    def streams(n: int) -> list[str]:
+    def streams(n: int, seed: int | None = None) -> list[str]:
+        if args.stream_tokens and seed is not None:  # long rows of their own, fresh each run: their ends' final
+            # checkpoints (with the SSD tier, write plans of the whole row) fall beside the other rows' decode
+            return [text_of(model_dir, args.stream_tokens, seed + j) for j in range(n)]
         return [f"Story {j}: " + TEXTS["q2"] for j in range(n)]
 
     if args.decode_warmup_tokens:  # each server's first decode at each level outside the rounds
@@ -204,6 +208,7 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
             for name in names:
                 asyncio.run(decode(procs[name].base, model_of(name, model_dir), streams(n), args.decode_warmup_tokens))
     maker_seed = 5000  # a fresh prompt per run: no server ever hits a prompt another run sent it
+    stream_seed = 200_000  # --stream-tokens: fresh stream prompts per run too
     longest = 0.0
     for r in range(args.decode_rounds):
         t_round = time.perf_counter()
@@ -224,7 +229,8 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                     counts = writer_counts(base) if base in ssd else None
                     before = counts.get("bytes_written") if counts is not None else None
                     gc_before = gc_so_far(base) if name.startswith("mlxd") else None
-                    d = asyncio.run(decode(base, model, streams(n), args.decode_tokens))
+                    d = asyncio.run(decode(base, model, streams(n, stream_seed), args.decode_tokens))
+                    stream_seed += n
                     gc_after = gc_so_far(base) if gc_before is not None else None
                     if gc_before is not None and gc_after is not None:  # collections inside this decode
                         run.update(gc_ms=round((gc_after[0] - gc_before[0]) * 1e3, 2),
@@ -428,6 +434,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
+    ap.add_argument("--stream-tokens", type=int, default=0,
+                    help="interleaved decode: each stream's prompt a fresh text of this many tokens (0: a short "
+                         "question, 26 tokens on the 1.7B shape), so rows that end hold long KV")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[1, 8],
                     help="decode concurrency levels (default 1,8; empty: no decode; serial schedule: a level "
                          "given again is measured again and its tok/s is the median)")
