@@ -476,6 +476,7 @@ def record_trace(rt, path: Path) -> None:
             kv_waited=record.kv_waited,
             parts={"lookup_s": record.lookup_s, "fetch_s": record.fetch_s, "read_s": record.read_s,
                    "land_s": record.land_s, "verify_s": record.verify_s},
+            resident=record.resident,
         )
 
     def flushed(report: dict) -> None:
@@ -484,6 +485,7 @@ def record_trace(rt, path: Path) -> None:
         # restore-or-recompute with the numbers this server used (read on the trio thread).
         advisor = rt.cache_owner.tiers.advisor
         calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
+                       "page_cache_bytes_per_s": advisor.resident_bytes_per_s,
                        "always": advisor.always, "split": advisor.split, "never": advisor.never}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 

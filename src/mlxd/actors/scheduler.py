@@ -271,6 +271,7 @@ class SchedulerActor:
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
             lookup = await reply.wait()
             record.lookup_s = time.monotonic() - asked
+            record.resident = lookup.resident
             if lookup.promoted and lookup.hit is not None:
                 record.promoted_bytes = lookup.hit.entry.nbytes
                 record.promotion = lookup.promotion

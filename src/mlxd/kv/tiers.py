@@ -131,6 +131,10 @@ class PrefixLookup:
     checkpoint_at: tuple[int, ...] = ()
     # The shell's handle on a promotion's copy (runtime/host_memory.Promotion): its cost, for the request record
     promotion: object | None = None
+    # The weighed SSD record's bytes in the page cache (per block, in `record.blocks` order; a whole file: one
+    # number), as the advisor costed them; None when residency did not enter (none known, or no page-cache rate).
+    # Recorded per request (`--record-trace`), so a replay weighs the same bytes as the server did.
+    resident: tuple[int, ...] | None = None
 
 
 # --- effects: what the caller must do after a call ---------------------------------
@@ -560,18 +564,22 @@ class CacheTiers:
         warm = hit.usable if hit is not None else 0
         real = model_tokens or (lambda n: n)
         plan = None
+        weighed: tuple[int, ...] | None = None
         if cold is not None and cold.usable > warm:
-            cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=self._resident(cold.record))
+            resident = self._resident(cold.record)
+            if self.residency is not None and self.advisor.resident_bytes_per_s:
+                weighed = tuple(int(b) for b in resident)
+            cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=resident)
             plan = self.advisor.plan(
                 cuts=[c for c, _ in cuts], warm_tokens=real(warm), prompt_tokens=real(len(tokens))
             )
         if cold is None or plan is None or plan.cut is None:
             if record is not None:
                 self.sessions.fallback()  # the session's file was not worth restoring
-            return PrefixLookup(hit, promoted=promoted is not None, plan=plan)
+            return PrefixLookup(hit, promoted=promoted is not None, plan=plan, resident=weighed)
         self._index.touch(cold.record, self.now)
         chosen = next(m for c, m in cuts if c is plan.cut)
-        return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan)
+        return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan, resident=weighed)
 
     def _resident(self, record: SsdRecord, *, hint: bool = False) -> Sequence[int]:
         """The record's bytes in the page cache, where the advisor has a page-cache bandwidth to use them.

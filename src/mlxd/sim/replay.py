@@ -238,6 +238,8 @@ class MlxdReplay:
             advisor = self.tiers.advisor
             advisor.prefill_scale = float(cal.get("prefill_scale", advisor.prefill_scale))
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
+            if cal.get("page_cache_bytes_per_s") is not None:  # what it charged a page-cache byte (`resident`)
+                advisor.resident_bytes_per_s = float(cal["page_cache_bytes_per_s"])
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
             advisor.never = bool(cal.get("never", advisor.never))  # --restore-choice never
@@ -287,6 +289,9 @@ class MlxdReplay:
             if r.pin_s > 0:  # as the HTTP layer: a pin without a session gets a made-up one
                 session = session or f"{IMPLICIT_PIN_SESSION}{r.index}"
                 self.tiers.pin_session(session, r.pin_s)
+            # The page cache is not simulated: a recorded request weighs the bytes the server found in it
+            # (none recorded: every byte a disk read, as before recordings carried them)
+            self.tiers.residency = None if r.resident is None else (lambda record, bytes_=r.resident: bytes_)
             lookup = self.tiers.lookup(
                 prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
                 session=session,

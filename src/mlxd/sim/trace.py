@@ -51,6 +51,9 @@ class TraceRequest:
     ttft_s: float | None = None  # the live server's measured time to first token, when recorded
     queued_s: float | None = None  # ... and time waiting for a batch slot
     kv_waited: bool = False  # the live server's --kv-admission held it back for memory, when recorded
+    # The page-cache bytes of the SSD candidate the live server's restore advisor weighed (per block; a whole
+    # file: one number), when recorded: a replay weighs the same (the OS's page cache is not simulated)
+    resident: tuple[int, ...] | None = None
 
     def block_ids(self) -> tuple[int, ...]:
         """The Mooncake block ids; a ValueError for a request that has none (mlxd format)."""
@@ -96,6 +99,7 @@ def parse_line(obj: dict, index: int, tokenize: Tokenize = utf8_tokens) -> Trace
         ttft_s=None if obj.get("ttft_s") is None else float(obj["ttft_s"]),
         queued_s=None if obj.get("queued_s") is None else float(obj["queued_s"]),
         kv_waited=bool(obj.get("kv_waited", False)),
+        resident=None if obj.get("resident") is None else tuple(int(x) for x in obj["resident"]),
     )
 
 
@@ -227,6 +231,7 @@ class TraceRecorder:
         queued_s: float | None = None,
         kv_waited: bool = False,
         parts: dict[str, float] | None = None,
+        resident: Sequence[int] | None = None,
     ) -> None:
         line: dict[str, object] = {
             "t": t,
@@ -248,6 +253,8 @@ class TraceRecorder:
             line["kv_waited"] = True
         if parts:  # where the TTFT went, as the server saw it (a replay reads none of it)
             line["parts"] = {k: round(float(v), 6) for k, v in parts.items()}
+        if resident is not None:  # the SSD candidate's page-cache bytes the restore advisor weighed
+            line["resident"] = [int(x) for x in resident]
         self._write(line)
 
     def server(self, **config: object) -> None:

@@ -165,6 +165,8 @@ class RequestRecord:
     read_s: float = 0.0  # of which the read itself on its thread (landing included): the rest waited for it to start
     land_s: float = 0.0  # of the read, making the memory it lands in (on CUDA: allocating the MLX arrays)
     verify_s: float = 0.0  # of the read, checking CRC-32s (reader threads' seconds summed)
+    # The lookup's SSD candidate: its bytes in the page cache as the restore advisor weighed them (PrefixLookup)
+    resident: tuple[int, ...] | None = None
     promotion: object | None = None  # that promotion (runtime/host_memory.Promotion): issue and landing times
     engine_sent_at: float | None = None  # time.monotonic() when the scheduler handed it to the engine
     engine_stages: tuple[tuple[str, float], ...] = ()  # the engine's stamps to its first token (TokenGenerated.stages)
