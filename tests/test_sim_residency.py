@@ -1,7 +1,8 @@
 """A recorded request carries the page-cache bytes its restore advisor weighed (`PrefixLookup.resident`), and a
 replay weighs the same: the simulator has no page cache, and without them a restore the server made from it
-(cheap) is costed as a disk read (dear), so a close call goes the other way in the replay (a live/replay
-disagreement of one SSD hit in tests/test_sim_agreement.py on a loaded machine, 2026-12-06)."""
+(cheap) is costed as a disk read (dear), so a close call can go the other way in the replay (by all signs the
+cause of tests/test_sim_agreement.py's one failure, a replay 736 SSD-hit tokens short on a loaded CI run,
+2026-12-06)."""
 
 from __future__ import annotations
 
