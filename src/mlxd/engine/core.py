@@ -550,12 +550,12 @@ class EngineCore:
         """A write plan of a cached checkpoint's first `length` tokens (a session export)."""
         import mlx.core as mx
 
-        from mlxd.kv import kinds, page_pool
+        from mlxd.kv import page_pool
 
         with mx.stream(self._stream):
             whole = length == total and isinstance(caches, list)
             lent = caches if whole else page_pool.lend(caches, length, total=total)
-            return kinds.plan_snapshot(lent, meta=meta)
+            return self.plan(lent, meta)
 
     def adopt_checkpoint(self, loaded: LoadedSnapshot) -> tuple[list[Any], int, bool]:
         """An imported file's caches, nbytes and trimmability; ValueError when they do not fit this model.
