@@ -10,10 +10,12 @@ rows end beyond the median step, and the time to the last finish. Arms in a rota
 the first paired per round (median + IQR). The ending steps are taken apart too: each one's time inside mlx-lm's
 `BatchGenerator.next` (the forward's dispatch, the wait for the tokens, filtering finished rows out of the batch) and
 the leaving rows' `leave_s` (their final checkpoints: with the SSD tier the write plans, on CUDA the host reads).
-An arm `MODE[:PACK_MB][@ram|@ssd][+mlxfilter][+planmain]` picks its tier itself (default: `--ssd`'s), so one run
-can set RAM only beside the SSD tier; `+mlxfilter`: rows leave the batch by mlx-lm's own filter, which waits for the
-forward in flight (`MLXD_BATCH_FILTER`, model/batch_filter.py); `+planmain`: the write plans' slices on the
-generation stream, behind the forward (`MLXD_PLAN_STREAM=main`).
+An arm `MODE[:PACK_MB][@ram|@ssd][+mlxfilter][+planmain][+hostread]` picks its tier itself (default: `--ssd`'s), so
+one run can set RAM only beside the SSD tier; `+mlxfilter`: rows leave the batch by mlx-lm's own filter, which waits
+for the forward in flight (`MLXD_BATCH_FILTER`, model/batch_filter.py); `+planmain`: the write plans' slices on the
+generation stream, behind the forward (`MLXD_PLAN_STREAM=main`); `+hostread`: the write plans' buffers host views,
+whose first read converts the KV to managed memory on CUDA (`MLXD_PLAN_DEVICE=0`), not device addresses. The plans
+are dropped unwritten, so an arm's leave time is the plan's own cost (by address: the kernel reading addresses).
 
     PYTHONPATH=src python benchmarks/bench_final_plan.py [--preset default] [--rows 8] [--prompt 512] [--tokens 48]
         [--groups 2] [--rounds 8] [--arms with-token,after-forward,after-forward:64,after-forward@ram] [--ssd]
@@ -121,17 +123,18 @@ def decode_run(core: Any, rows: int, prompt: int, tokens: int, groups: int, seed
 
 
 def arm_parts(arm: str, *, ssd: bool) -> tuple[str, str, str, set[str]]:
-    """`MODE[:PACK_MB][@TIER][+mlxfilter][+planmain]` -> (MLXD_FINAL_PLAN, MLXD_PLAN_PACK_MB, "ram" or "ssd", the
-    flags: `mlxfilter`, rows leave the batch by mlx-lm's own filter, not `MLXD_BATCH_FILTER`'s; `planmain`, write
-    plans on the generation stream, `MLXD_PLAN_STREAM=main`); no @: `ssd` decides."""
+    """`MODE[:PACK_MB][@TIER][+mlxfilter][+planmain][+hostread]` -> (MLXD_FINAL_PLAN, MLXD_PLAN_PACK_MB, "ram" or
+    "ssd", the flags: `mlxfilter`, rows leave the batch by mlx-lm's own filter, not `MLXD_BATCH_FILTER`'s;
+    `planmain`, write plans on the generation stream, `MLXD_PLAN_STREAM=main`; `hostread`, write plans of host views,
+    `MLXD_PLAN_DEVICE=0`); no @: `ssd` decides."""
     spec, *flags = arm.split("+")
     rest, _, tier = spec.partition("@")
     mode, _, pack = rest.partition(":")
     tier = tier or ("ssd" if ssd else "ram")
     if tier not in ("ram", "ssd"):
         raise SystemExit(f"bench_final_plan: arm {arm!r}: the tier after @ is ram or ssd, not {tier!r}")
-    if set(flags) - {"mlxfilter", "planmain"}:
-        raise SystemExit(f"bench_final_plan: arm {arm!r}: the flags after + are mlxfilter and planmain")
+    if set(flags) - {"mlxfilter", "planmain", "hostread"}:
+        raise SystemExit(f"bench_final_plan: arm {arm!r}: the flags after + are mlxfilter, planmain and hostread")
     return mode, pack, tier, set(flags)
 
 
@@ -166,8 +169,8 @@ def main() -> int:
                     help="seconds: no round starts that would end past it (0: no limit); the rounds done are kept")
     ap.add_argument("--arms", default="with-token,after-forward",
                     help="MLXD_FINAL_PLAN values, each optionally with :PACK_MB (MLXD_PLAN_PACK_MB, with the SSD tier), "
-                         "@ram or @ssd (its tier; default --ssd's), +mlxfilter (mlx-lm's own batch filter) and +planmain "
-                         "(MLXD_PLAN_STREAM=main)")
+                         "@ram or @ssd (its tier; default --ssd's), +mlxfilter (mlx-lm's own batch filter), +planmain "
+                         "(MLXD_PLAN_STREAM=main) and +hostread (MLXD_PLAN_DEVICE=0)")
     ap.add_argument("--ssd", action="store_true", help="an SSD tier (arms without @): every checkpoint builds its "
                                                        "write plan")
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -189,6 +192,7 @@ def main() -> int:
         os.environ["MLXD_FINAL_PLAN"] = mode  # the three read when the core is built
         os.environ["MLXD_PLAN_PACK_MB"] = pack
         os.environ["MLXD_PLAN_STREAM"] = "main" if "planmain" in flags else "side"
+        os.environ["MLXD_PLAN_DEVICE"] = "0" if "hostread" in flags else "1"
         ssd = args.work / f"ssd-{i}" if tier == "ssd" else None
         config = RuntimeConfig(model=str(model_dir), model_name=args.preset, prompt_cache_bytes=1 << 30,
                                device_probe="off", max_batch=args.rows, prefill_batch=args.rows,

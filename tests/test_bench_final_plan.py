@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_final_plan.p
 
 def test_the_bench_runs_every_arm_and_pairs_them_with_the_first(tmp_path):
     arms = ["with-token", "after-token", "after-forward", "after-forward:1", "after-forward@ram",
-            "after-forward@ram+mlxfilter", "after-forward+planmain+mlxfilter"]
+            "after-forward@ram+mlxfilter", "after-forward+planmain+mlxfilter", "after-forward+hostread"]
     subprocess.run([sys.executable, str(BENCH), "--preset", "test", "--rows", "3", "--prompt", "24", "--tokens", "6",
                     "--rounds", "2", "--ssd", "--arms", ",".join(arms), "--work", str(tmp_path / "work"),
                     "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, check=True)

@@ -7,7 +7,8 @@ flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb,
 and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, MLXD_PLAN_PACK_MB,
 which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose off keeps mlx-lm's own batch filter,
-and MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on); each
+MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, and MLXD_PLAN_DEVICE, whose off makes SSD
+write plans of host views, not device addresses: the same here, off CUDA); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -59,6 +60,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "plan_pack": (None, "1"),  # MLXD_PLAN_PACK_MB (the environment): plans of up to 1 MB from one packed copy
     "batch_filter": ("on", "off"),  # MLXD_BATCH_FILTER (the environment): off keeps mlx-lm's own batch filter
     "plan_stream": ("side", "main"),  # MLXD_PLAN_STREAM (the environment): checkpoints' slices on the side stream
+    "plan_device": ("on", "off"),  # MLXD_PLAN_DEVICE (the environment): SSD write plans by device address (CUDA)
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -186,6 +188,7 @@ class Combo:
     plan_pack: str | None = None
     batch_filter: str = "on"
     plan_stream: str = "side"
+    plan_device: str = "on"
 
     @property
     def id(self) -> str:
@@ -215,6 +218,7 @@ class Combo:
             "packed": self.plan_pack is not None,
             "mlxfilter": self.batch_filter == "off",
             "planmain": self.plan_stream == "main",
+            "hostread": self.plan_device == "off",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -260,6 +264,7 @@ class Combo:
         env = {"MLXD_FINAL_PLAN": self.final_plan} if self.final_plan != "after-forward" else {}
         env |= {"MLXD_BATCH_FILTER": "0"} if self.batch_filter == "off" else {}
         env |= {"MLXD_PLAN_STREAM": "main"} if self.plan_stream == "main" else {}
+        env |= {"MLXD_PLAN_DEVICE": "0"} if self.plan_device == "off" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
@@ -322,7 +327,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1231, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1333, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 18  # each a server start: keep it small

@@ -469,7 +469,7 @@ def main() -> int:
     ap.add_argument("--servers", default="mlx_lm,mlxd_host,mlxd_ram,mlxd_host_ssd",
                     help="which to run (mlx_lm, mlxd_host, mlxd_host_tight, mlxd_ram, mlxd_host_ssd, "
                          "mlxd_host_ssd_hold, mlxd_host_ssd_noprobe, mlxd_host_ssd_lateplan, mlxd_host_ssd_packed, "
-                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_withtoken, mlxd_host_ssd_withtoken, mlxd_ram_mlxfilter, mlxd_host_ssd_planmain, ...); the "
+                         "mlxd_host_ssd_lateplan_packed, mlxd_ram_withtoken, mlxd_host_ssd_withtoken, mlxd_ram_mlxfilter, mlxd_host_ssd_planmain, mlxd_host_ssd_hostread, ...); the "
                          "restarts follow mlxd_host_ssd")
     ap.add_argument("--no-restart", action="store_true", help="skip the two restarts of mlxd_host_ssd")
     ap.add_argument("--next-only", action="store_true",
@@ -578,6 +578,10 @@ def main() -> int:
         # the write plans' slices on the generation stream, behind the forward in flight (MLXD_PLAN_STREAM=main)
         "mlxd_host_ssd_planmain": (["env", "MLXD_PLAN_STREAM=main", *base, "--port", "18180", "--host-cache-gb", host_gb,
                                     "--ssd-cache", str(args.work / "ssd-planmain")], 18180),
+        # the write plans' buffers host views, whose first read converts each row's KV to managed memory with the
+        # GIL held (MLXD_PLAN_DEVICE=0; the default hands the writer device addresses, staged by DMA)
+        "mlxd_host_ssd_hostread": (["env", "MLXD_PLAN_DEVICE=0", *base, "--port", "18179", "--host-cache-gb", host_gb,
+                                    "--ssd-cache", str(args.work / "ssd-hostread")], 18179),
         "mlxd_host_ssd_withtoken": (["env", "MLXD_FINAL_PLAN=with-token", *base, "--port", "18182",
                                      "--host-cache-gb", host_gb, "--ssd-cache", str(args.work / "ssd-withtoken")],
                                     18182),

@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu/wave3.sh unfusedarea                       # new-length prompts and suffixes: cuDNN graph vs plain ops
 #   bash benchmarks/gpu/wave3.sh plansnap                          # a checkpoint's write plan on the engine thread, by part
 #   bash benchmarks/gpu/wave3.sh dlpackcopy                        # a plan's bytes by DLPack pointer + DMA, not the host read
+#   bash benchmarks/gpu/wave3.sh devptr                            # a plan's bytes by device address (custom kernel) + DMA
 #   bash benchmarks/gpu/wave3.sh manageddecode                     # decode on KV memory the SSD tier's host access touched
 #   bash benchmarks/gpu/wave3.sh finalplan                         # MLXD_FINAL_PLAN arms (and RAM only) in one process, 8 rows ending over 2 steps (~4 min)
 #   bash benchmarks/gpu/wave3.sh sidestream                        # a copy evaluated behind a dispatched forward, same or side stream
@@ -127,13 +128,14 @@ for p in "$@"; do case $p in
   # servers): 8 rows on 8k-token prompts ending over 2 steps, the SSD tier's plans beside RAM only, arms interleaved
   # round by round; the ending steps taken apart (time in mlx-lm's next: the batch filter; the leaving rows' plans);
   # +mlxfilter: rows leave the batch by mlx-lm's own filter, which waits for the forward in flight (MLXD_BATCH_FILTER);
-  # +planmain: the write plans' slices on the generation stream, behind the forward in flight (MLXD_PLAN_STREAM=main)
+  # +planmain: the write plans' slices on the generation stream, behind the forward in flight (MLXD_PLAN_STREAM=main);
+  # +hostread: the write plans' buffers host views (converted to managed memory), not device addresses (MLXD_PLAN_DEVICE=0)
   finalplan) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
             phase finalplan 240 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
             --ssd --work /tmp/final-plan-work --out "$OUT" --budget $(( ${LIMIT_finalplan:-240} - 70 )) \
-            ${FINALPLAN_ARGS:---arms after-forward,after-forward+mlxfilter,after-forward+planmain,after-forward@ram,with-token} ;;
+            ${FINALPLAN_ARGS:---arms after-forward,after-forward+hostread,after-forward@ram,after-forward+mlxfilter,with-token} ;;
   stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
@@ -148,6 +150,10 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
   # memory against the memoryview (the plan's path now), on fresh 8k-token KV; the same bytes?
   dlpackcopy) phase dlpackcopy 60 python3 benchmarks/gpu/probe_dlpack_copy.py --tokens 8192 --rounds 3 \
             --json "$OUT/dlpack-copy.json" ${DLPACKCOPY_ARGS:-} ;;
+  # Issue 28, a write plan's bytes by device address (a custom kernel reads it) + DMA into pinned memory, against the
+  # memoryview's conversion, alone and beside a queue of matmuls (runtime/device_pointers.py)
+  devptr) phase devptr 90 python3 benchmarks/gpu/probe_device_pointer.py --tokens 8192 --rounds 3 \
+            --json "$OUT/device-pointer.json" ${DEVPTR_ARGS:-} ;;
   # Issue 28, the 8-stream decode gap with the SSD tier: decode's attention on KV buffers the SSD tier's host access
   # touched (converted to managed memory, staged, advised read-mostly and read, read) vs never touched, on those
   # buffers and on new ones MLX's cache recycles from them; no model (~1-2 min on the 1.7B shape).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
+from functools import cache, partial
 
 import attrs
 import trio
@@ -60,10 +60,18 @@ def _write(
     # each piece just before it is written. Neither starts while a request waits for
     # its first token (the pacer's hold).
     pacer.hold()
+    if staging is None and plan.on_device:  # (device addresses: only a copy by address may read them)
+        staging = _fallback_staging()
     if staging is None:
         device_memory.read_mostly(plan.buffers)
         return store.write(plan, pacer)
     return store.write(plan, pacer, prepare=partial(_stage, staging, pacer))
+
+
+@cache
+def _fallback_staging() -> host_memory.Staging:
+    """Staging for a writer built not to stage that is handed a plan of device addresses anyway."""
+    return host_memory.Staging()
 
 
 def _stage(staging: host_memory.Staging, pacer: Pacer, piece: SnapshotPlan) -> SnapshotPlan:

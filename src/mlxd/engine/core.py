@@ -39,6 +39,7 @@ from mlxd.engine.features import (
     StopTokens,
     final_plan,
     gil_switch_ms,
+    plan_device,
     plan_pack_bytes,
     plan_stream,
     read_logprobs,
@@ -208,6 +209,7 @@ class EngineCore:
         # MLXD_PLAN_PACK_MB with the SSD tier: write plans up to this many bytes come from one packed copy (0: off)
         self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
         self._plan_on_side = plan_stream() == "side"  # MLXD_PLAN_STREAM: write plans not behind the forward in flight
+        self._plan_device = plan_device()  # MLXD_PLAN_DEVICE: SSD write plans by device address (CUDA)
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -1151,16 +1153,20 @@ class EngineCore:
         if published and not kept and self._memory_budget > 0:  # the reading held back while they waited
             out.notes.append(self.measure_memory("prefill"))
 
-    def plan(self, caches: list[Any], meta: SnapshotMeta, *, pack_max_bytes: int = 0) -> SnapshotPlan:
+    def plan(
+        self, caches: list[Any], meta: SnapshotMeta, *, pack_max_bytes: int = 0, staged: bool = False
+    ) -> SnapshotPlan:
         """A write plan of caches whose arrays are evaluated (`kinds.plan_snapshot`), its token slices evaluated on
         the side stream (`MLXD_PLAN_STREAM`): on the generation stream they would wait for the forward this step
-        dispatched, and the step's events with them."""
+        dispatched, and the step's events with them. `staged`: for the SSD writer, which stages every plan to host
+        memory before writing it; on CUDA its buffers are then device addresses (`MLXD_PLAN_DEVICE`)."""
         import mlx.core as mx
 
         from mlxd.kv import kinds
 
         with mx.stream(self._planning_stream()):
-            return kinds.plan_snapshot(caches, meta=meta, pack_max_bytes=pack_max_bytes)
+            return kinds.plan_snapshot(caches, meta=meta, pack_max_bytes=pack_max_bytes,
+                                       device=staged and self._plan_device)
 
     def _planning_stream(self) -> Any:
         """Where checkpoints' slices are evaluated (`MLXD_PLAN_STREAM`): the side stream, or the generation one."""
@@ -1179,7 +1185,8 @@ class EngineCore:
         exact = tuple(tokens)
         plan = None
         if self._config.ssd_cache_dir is not None:
-            plan = self.plan(caches, self.store_identity.meta(exact, namespace), pack_max_bytes=self._pack_bytes)
+            plan = self.plan(caches, self.store_identity.meta(exact, namespace), pack_max_bytes=self._pack_bytes,
+                             staged=True)
             if plan.packed:
                 self.counters.packed_plans += 1
         payload, pages = self._paged(caches, exact, namespace)

@@ -784,6 +784,7 @@ class _LeafViews:
         n = len(plan.meta.tokens)
         bufs = iter(plan.buffers)
         self.caches = plan.caches
+        self.on_device, self.keep = plan.on_device, plan.keep  # (device addresses: staged before written)
         self.n = n
         self.spanned: list[tuple[ff.CacheDesc, list[np.ndarray | None]]] = []
         self.whole: list[tuple[ff.CacheDesc, list[memoryview | None]]] = []
@@ -803,12 +804,13 @@ class _LeafViews:
             for a in arrays
             if a is not None
         )
-        return ff.SnapshotPlan(meta=attrs.evolve(meta, tokens=meta.tokens[start:end]), caches=descs, buffers=buffers)
+        return ff.SnapshotPlan(meta=attrs.evolve(meta, tokens=meta.tokens[start:end]), caches=descs, buffers=buffers,
+                               on_device=self.on_device, keep=self.keep)
 
     def state_plan(self, meta: ff.SnapshotMeta) -> ff.SnapshotPlan:
         descs = bk.state_descs(self.caches, self.n)
         buffers = tuple(b for _, views in self.whole for b in views if b is not None)
-        return ff.SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
+        return ff.SnapshotPlan(meta=meta, caches=descs, buffers=buffers, on_device=self.on_device, keep=self.keep)
 
 
 # ------------------------------------------------------- reading blocks

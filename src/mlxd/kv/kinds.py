@@ -409,7 +409,9 @@ def check_model_caches(caches: Sequence[Any]) -> None:
 # ------------------------------------------------ the file format's MLX half
 
 
-def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: int = 0) -> SnapshotPlan:
+def plan_snapshot(
+    caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: int = 0, device: bool = False
+) -> SnapshotPlan:
     """Describe mlx-lm caches for writing (engine thread: evaluates arrays).
 
     Plain and quantized KV tensors are sliced to `offset`. Every array handed
@@ -418,6 +420,10 @@ def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: 
 
     `pack_max_bytes` (`MLXD_PLAN_PACK_MB`; 0: never): a plan of several tensors and at most that many bytes is
     written from one packed copy of them (`packed_buffers`), not from the caches' own arrays.
+
+    `device` (CUDA, `MLXD_PLAN_DEVICE`; only for a writer that stages, the SSD writer's): the buffers are the
+    arrays' device addresses (`runtime/device_pointers.py`), so no host access converts them to managed memory
+    here; the plan is `on_device` and keeps the arrays. Where addresses cannot be had (off CUDA), memoryviews.
     """
     arrays: list[mx.array] = []
     descs = tuple(kind_of(c).plan(c, arrays) for c in caches)
@@ -425,6 +431,13 @@ def plan_snapshot(caches: Sequence[Any], *, meta: SnapshotMeta, pack_max_bytes: 
     views = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
     if len(views) > 1 and 0 < sum(a.nbytes for a in views) <= pack_max_bytes:
         return SnapshotPlan(meta=meta, caches=descs, buffers=packed_buffers(views), packed=True)
+    if device:
+        from mlxd.runtime import device_pointers
+
+        on_device = device_pointers.device_views(views)  # (on the current stream: the engine's planning one)
+        if on_device is not None:
+            addressed = tuple(memoryview(v) for v in on_device)  # type: ignore[arg-type]
+            return SnapshotPlan(meta=meta, caches=descs, buffers=addressed, on_device=True, keep=tuple(views))
     buffers = tuple(memoryview(a) for a in views)  # type: ignore[arg-type]
     return SnapshotPlan(meta=meta, caches=descs, buffers=buffers)
 

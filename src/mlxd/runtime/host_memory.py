@@ -2,9 +2,12 @@
 
 The host tier (`--host-cache-gb`, kv/host_tier.py) and the SSD writer's
 staging both need a checkpoint's bytes in host memory without the host
-reading device memory page by page. On MLX's CUDA backend every array is
-managed memory: a host thread that reads it moves its pages off the device
-(docs/benchmarks.md, "managed memory"). Here a copy is one DMA per
+reading device memory page by page. On MLX's CUDA backend an array is
+device memory until the host first touches it, which converts its buffer to
+managed memory (MLX 0.32); a host thread that reads managed memory moves its
+pages off the device (docs/benchmarks.md, "managed memory"). A write plan may
+instead hold device addresses (`runtime/device_pointers.py`, `MLXD_PLAN_DEVICE`),
+which only these copies read. Here a copy is one DMA per
 contiguous block, issued with `cudaMemcpyAsync` on a stream of our own
 (non-blocking, so it never waits behind the engine's kernels), into
 page-locked host memory (`cudaHostAlloc`), and back.
@@ -710,4 +713,6 @@ class Staging:
             self.staged += 1
             self.staged_bytes += need
             self.copied.add(counts)
-        return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays))  # type: ignore[arg-type]
+        # (host copies now: a plan of device addresses becomes an ordinary one, its arrays no longer held)
+        return attrs.evolve(plan, buffers=tuple(memoryview(a) for a in arrays), on_device=False,  # type: ignore[arg-type]
+                            keep=())

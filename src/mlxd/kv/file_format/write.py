@@ -28,6 +28,7 @@ from mlxd.kv.file_format.header import (
     CacheDesc,
     FileHeader,
     SnapshotMeta,
+    StorageError,
     TensorDesc,
     align,
     encode_header,
@@ -45,12 +46,19 @@ class SnapshotPlan:
 
     Buffers are memoryviews of evaluated MLX arrays (zero-copy, possibly
     strided); each keeps its array alive. Nothing here needs MLX any more.
+
+    `on_device` (CUDA, `MLXD_PLAN_DEVICE`): the buffers describe device memory by address
+    (`runtime/device_pointers.py`) and must never be read on the host: only the SSD writer's staging copies
+    them (`host_memory.Staging.stage`, by DMA), which hands back a plan of host buffers. Writing such a plan
+    is refused (`StorageError`), never attempted. `keep`: the MLX arrays that memory belongs to, held until then.
     """
 
     meta: SnapshotMeta
     caches: tuple[CacheDesc, ...]
     buffers: tuple[memoryview, ...]
     packed: bool = False  # the buffers view one packed copy of the tensors (`kinds.plan_snapshot`), not the caches
+    on_device: bool = False
+    keep: tuple[object, ...] = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +146,7 @@ def write_snapshot(
     """
     t0 = time.perf_counter()
     path = Path(path)
+    refuse_device(plan, path)
     tmp = path.with_name(path.name + ".tmp")
     layout = _layout(plan)
     try:
@@ -237,6 +246,12 @@ def split_points(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return [r for r in runs if r[1] > r[0]] or [(0, n)]
 
 
+def refuse_device(plan: SnapshotPlan, path: Path) -> None:
+    """A plan whose buffers are device addresses is never read here: StorageError (a cache miss), not a crash."""
+    if plan.on_device:
+        raise StorageError(f"writing {path}: the plan's buffers are device memory; stage them to the host first")
+
+
 class SplitWrite:
     """One file written by several threads at once: its tensors cut into parts (contiguous runs of whole
     tensors, about equal bytes, each a page-aligned byte range of the file), each part written by whichever
@@ -293,6 +308,7 @@ class SplitWrite:
                 plan = self.part_plan(i)
                 if prepare is not None:
                     plan = prepare(plan)
+                refuse_device(plan, self.path)
                 fd = os.open(self._tmp, os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     self._digests[lo:hi] = _write_range(fd, self._descs[lo].offset, self._descs[lo:hi],

@@ -1,0 +1,121 @@
+# ruff: noqa: I001  (mlxd must be imported before mlx: it preloads OpenBLAS)
+"""A write plan's bytes by device address + DMA, never converted to managed memory (issue 28).
+
+On the H100 (2026-12-06 09:02, `dlpack-copy-h100-*.json`) DLPack gave no way around the host read that converts
+a fresh array to managed memory: MLX exports the converted host pointer (device type CPU), and its first export
+cost what the `memoryview` does (46 ms for an 8k row of the 1.7B shape, the GIL held throughout). Here the
+address comes from a custom CUDA kernel instead (`runtime/device_pointers.py`), per round on fresh KV caches of
+the 1.7B shape sliced as a plan slices them:
+
+(a) `addresses()`: time and the longest gap of a 1 ms ticker thread (how long the GIL was held);
+(b) `host_memory.to_host` from those addresses into one page-locked buffer (the writer's staging): time, gap,
+    GB/s, runtime calls;
+(c) the same arrays' `memoryview` (the plan's path today: the conversion) and whether (b)'s bytes equal it;
+(d) beside a ~100 ms chain of matmuls dispatched on the default stream: (a) + (b) on a side stream on fresh caches,
+    then the `memoryview` path on other fresh caches, each with how long it took and whether the matmuls were
+    done when it returned (a path that waits for the device's queue would show it).
+Off CUDA `addresses()` is None and the script says so. No model, no server.
+
+    python3 benchmarks/gpu/probe_device_pointer.py --tokens 8192 --rounds 3 --json OUT.json
+    wave3.sh devptr
+"""
+
+from __future__ import annotations
+
+import mlxd  # noqa: F401
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from time_plan_snapshot import Ticker, caches_of, run_rounds, timed  # noqa: E402
+
+
+def plan_arrays(tokens: int) -> list[Any]:
+    """Fresh caches' arrays as a plan hands them to the writer: sliced to the length, bf16 viewed as uint16."""
+    import mlx.core as mx
+
+    from mlxd.kv import kinds
+
+    arrays: list[Any] = []
+    for c in caches_of(tokens, mx.bfloat16):
+        kinds.kind_of(c).plan(c, arrays)
+    arrays = [a.view(mx.uint16) for a in arrays]
+    mx.eval(arrays)
+    return arrays
+
+
+def busy_device() -> Any:
+    """A chain of matmuls (~100 ms on an H100) dispatched on the default stream, not waited for."""
+    import mlx.core as mx
+
+    x = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
+    mx.eval(x)
+    y = x
+    for _ in range(60):
+        y = (y @ x) * 1e-4
+    mx.async_eval(y)
+    return y
+
+
+def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxd.runtime import device_pointers, host_memory
+
+    row: dict[str, Any] = {"tokens": tokens}
+    side = mx.new_stream(mx.default_device())
+    arrays = plan_arrays(tokens)
+    views, row["addresses_ms"], row["addresses_gap_ms"] = timed(
+        ticker, lambda: device_pointers.device_views(arrays, stream=side))
+    if views is None:
+        row["unavailable"] = device_pointers._broken[:1] or ["not CUDA"]
+        return row
+    nbytes = sum(v.nbytes for v in views)
+    buf = host_memory.alloc(nbytes)
+    counts = host_memory.Copied()
+    (_, copied), row["copy_ms"], row["copy_gap_ms"] = timed(
+        ticker, lambda: host_memory.to_host(views, buf, counts=counts))
+    row["copy_mb"], row["copy_calls"], row["pinned"] = round(nbytes / 1e6, 1), counts.calls, buf.pinned
+    row["copy_gb_s"] = round(nbytes / 1e6 / max(row["copy_ms"], 1e-3), 2)
+    mvs, row["memoryview_ms"], row["memoryview_gap_ms"] = timed(ticker, lambda: [memoryview(a) for a in arrays])
+    plain = np.concatenate([np.asarray(m).reshape(-1).view(np.uint8) for m in mvs])
+    row["equal"] = bool(np.array_equal(plain, buf.array[: plain.nbytes]))
+    del mvs, copied
+
+    # (d) beside a queue of matmuls
+    fresh = plan_arrays(tokens)
+    busy = busy_device()
+    t0 = time.perf_counter()
+    (views2, _), row["beside_addresses_copy_ms"], row["beside_addresses_copy_gap_ms"] = timed(
+        ticker, lambda: (v := device_pointers.device_views(fresh, stream=side),
+                         host_memory.to_host(v, buf) if v is not None else None))
+    row["beside_addresses_busy_done"] = bool(busy.is_available()) if hasattr(busy, "is_available") else None
+    mx.eval(busy)
+    row["beside_busy_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+    fresh2 = plan_arrays(tokens)
+    busy = busy_device()
+    t0 = time.perf_counter()
+    _, row["beside_memoryview_ms"], row["beside_memoryview_gap_ms"] = timed(
+        ticker, lambda: [memoryview(a) for a in fresh2])
+    mx.eval(busy)
+    row["beside_busy_memoryview_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+    del views2
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    return run_rounds(one_round, args.tokens, args.rounds, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
