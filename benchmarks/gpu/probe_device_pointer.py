@@ -12,8 +12,11 @@ the 1.7B shape sliced as a plan slices them:
     GB/s, runtime calls;
 (c) the same arrays' `memoryview` (the plan's path today: the conversion) and whether (b)'s bytes equal it;
 (d) beside a ~100 ms chain of matmuls dispatched on the default stream: (a) + (b) on a side stream on fresh caches,
-    then the `memoryview` path on other fresh caches, each with how long it took and whether the matmuls were
-    done when it returned (a path that waits for the device's queue would show it).
+    then the `memoryview` path on other fresh caches, each with how long it took (a path that waits for the
+    device's queue takes as long as the matmuls);
+(e) serving's own path end to end on fresh caches: `kinds.plan_snapshot(device=True)` (its time: the engine
+    thread's), the SSD writer's `Staging.stage`, the file written, byte for byte the file of a host-view plan
+    (`plan_file_equal`).
 Off CUDA `addresses()` is None and the script says so. No model, no server.
 
     python3 benchmarks/gpu/probe_device_pointer.py --tokens 8192 --rounds 3 --json OUT.json
@@ -105,7 +108,29 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     mx.eval(busy)
     row["beside_busy_memoryview_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
     del views2
+
+    # (e) the plan, staged and written, against the plan of host views
+    import tempfile
+
+    from mlxd.kv import file_format as ff
+    from mlxd.kv import kinds
+
+    caches, meta = caches_of(tokens, mx.bfloat16), _META(tokens)
+    plan, row["plan_device_ms"], row["plan_device_gap_ms"] = timed(
+        ticker, lambda: kinds.plan_snapshot(caches, meta=meta, device=True))
+    row["plan_on_device"] = plan.on_device
+    (staged, row["stage_ms"], row["stage_gap_ms"]) = timed(ticker, lambda: host_memory.Staging().stage(plan))
+    with tempfile.TemporaryDirectory() as d:
+        ff.write_snapshot(staged, Path(d) / "device.mlxkv")
+        ff.write_snapshot(kinds.plan_snapshot(caches, meta=meta), Path(d) / "host.mlxkv")
+        row["plan_file_equal"] = (Path(d) / "device.mlxkv").read_bytes() == (Path(d) / "host.mlxkv").read_bytes()
     return row
+
+
+def _META(tokens: int) -> Any:
+    from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
+
+    return StoreIdentity("probe", compute_fingerprint({"probe": 1}), "probe").meta(list(range(tokens)), "")
 
 
 def main() -> int:
