@@ -71,6 +71,7 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     from mlxd.runtime import device_pointers, host_memory
 
     row: dict[str, Any] = {"tokens": tokens}
+    print(f"(a) {tokens}", file=sys.stderr, flush=True)
     side = mx.new_stream(mx.default_device())
     arrays = plan_arrays(tokens)
     views, row["addresses_ms"], row["addresses_gap_ms"] = timed(
@@ -91,6 +92,7 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     del mvs, copied
 
     # (d) beside a queue of matmuls
+    print(f"(d) {tokens}", file=sys.stderr, flush=True)
     fresh = plan_arrays(tokens)
     busy = busy_device()
     t0 = time.perf_counter()
@@ -116,10 +118,13 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     from mlxd.kv import kinds
 
     caches, meta = caches_of(tokens, mx.bfloat16), _META(tokens)
+    print(f"(e) {tokens}: plan", file=sys.stderr, flush=True)  # (where a crash came: the log's last line)
     plan, row["plan_device_ms"], row["plan_device_gap_ms"] = timed(
         ticker, lambda: kinds.plan_snapshot(caches, meta=meta, device=True))
     row["plan_on_device"] = plan.on_device
+    print(f"(e) {tokens}: stage", file=sys.stderr, flush=True)
     (staged, row["stage_ms"], row["stage_gap_ms"]) = timed(ticker, lambda: host_memory.Staging().stage(plan))
+    print(f"(e) {tokens}: write", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as d:
         ff.write_snapshot(staged, Path(d) / "device.mlxkv")
         ff.write_snapshot(kinds.plan_snapshot(caches, meta=meta), Path(d) / "host.mlxkv")
