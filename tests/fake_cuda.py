@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import attrs
+import pytest
 
 NOT_READY = 600  # cudaErrorNotReady
 
@@ -202,3 +203,11 @@ class Patch:
 
 
 __all__ = ["Call", "FakeCudaLib", "Patch", "install", "ctypes"]
+
+
+@pytest.fixture
+def lib(monkeypatch: pytest.MonkeyPatch) -> FakeCudaLib:
+    """The fake runtime installed for one test, copies as fast as they come (import it into a test module)."""
+    fake = FakeCudaLib(copy_Bps=1e12)
+    install(monkeypatch, fake)
+    return fake

@@ -31,13 +31,7 @@ from mlxd.runtime.kernel.messages import DurabilityMessage, SnapshotWritten, Wri
 
 MB = 1 << 20
 IDENTITY = StoreIdentity(model_id="m", fingerprint="f" * 32, tokenizer_hash="t")
-
-
-@pytest.fixture
-def lib(monkeypatch: pytest.MonkeyPatch) -> fake_cuda.FakeCudaLib:
-    fake = fake_cuda.FakeCudaLib(copy_Bps=1e12)
-    fake_cuda.install(monkeypatch, fake)
-    return fake
+lib = fake_cuda.lib  # the fake runtime, as a fixture
 
 
 def _kv(tokens: int, heads: int = 4, dim: int = 16) -> list[mlc.KVCache]:

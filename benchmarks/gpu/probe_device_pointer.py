@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import mlxd  # noqa: F401
 
-import argparse
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_plan_snapshot import Ticker, caches_of, run_rounds, timed  # noqa: E402
+from time_plan_snapshot import Ticker, caches_of, probe_main, probe_meta, timed  # noqa: E402
 
 
 def plan_arrays(tokens: int) -> list[Any]:
@@ -117,7 +116,7 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     from mlxd.kv import file_format as ff
     from mlxd.kv import kinds
 
-    caches, meta = caches_of(tokens, mx.bfloat16), _META(tokens)
+    caches, meta = caches_of(tokens, mx.bfloat16), probe_meta(tokens)
     print(f"(e) {tokens}: plan", file=sys.stderr, flush=True)  # (where a crash came: the log's last line)
     plan, row["plan_device_ms"], row["plan_device_gap_ms"] = timed(
         ticker, lambda: kinds.plan_snapshot(caches, meta=meta, device=True))
@@ -133,19 +132,8 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     return row
 
 
-def _META(tokens: int) -> Any:
-    from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
-
-    return StoreIdentity("probe", compute_fingerprint({"probe": 1}), "probe").meta(list(range(tokens)), "")
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    return run_rounds(one_round, args.tokens, args.rounds, args.json)
+    return probe_main(one_round, __doc__)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import mlxd  # noqa: F401
 
-import argparse
 import ctypes
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_plan_snapshot import Ticker, caches_of, run_rounds, timed  # noqa: E402
+from time_plan_snapshot import Ticker, caches_of, probe_main, probe_meta, timed  # noqa: E402
 
 
 class _DLDevice(ctypes.Structure):
@@ -128,23 +127,12 @@ def one_round(tokens: int, ticker: Ticker) -> dict[str, Any]:
     row["equal"] = bool(np.array_equal(plain, buf.array[: plain.nbytes]))
     del views, buf  # (the exports go with the round)
     fresh = caches_of(tokens, mx.bfloat16)  # (c) the plan's path alone on arrays no one touched
-    row["plan_fresh_ms"] = timed(ticker, lambda: kinds.plan_snapshot(fresh, meta=_META(tokens)))[1]
+    row["plan_fresh_ms"] = timed(ticker, lambda: kinds.plan_snapshot(fresh, meta=probe_meta(tokens)))[1]
     return row
 
 
-def _META(tokens: int) -> Any:
-    from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
-
-    return StoreIdentity("probe", compute_fingerprint({"probe": 1}), "probe").meta(list(range(tokens)), "")
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    return run_rounds(one_round, args.tokens, args.rounds, args.json)
+    return probe_main(one_round, __doc__)
 
 
 if __name__ == "__main__":

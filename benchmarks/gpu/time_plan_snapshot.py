@@ -138,6 +138,23 @@ def main() -> int:
     return run_rounds(lambda n, ticker: one_round(n, ticker, args.pack_mb), args.tokens, args.rounds, args.json)
 
 
+def probe_meta(tokens: int) -> Any:
+    """A write plan's metadata for `tokens` tokens (the probes' plans are never restored)."""
+    from mlxd.kv.ssd_store import StoreIdentity, compute_fingerprint
+
+    return StoreIdentity("probe", compute_fingerprint({"probe": 1}), "probe").meta(list(range(tokens)), "")
+
+
+def probe_main(measure: Any, doc: str | None) -> int:
+    """A probe's command line (`--tokens`, `--rounds`, `--json`), then `run_rounds(measure, ...)`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    return run_rounds(measure, args.tokens, args.rounds, args.json)
+
+
 def run_rounds(measure: Any, tokens: list[int], rounds: int, json_path: Path | None) -> int:
     """`measure(tokens, ticker)` once at 256 tokens (warm-up: kernels, allocator), then each round at each size;
     every row printed, and all of them written to `json_path` with the device and MLX version."""
