@@ -65,15 +65,19 @@ def _kernel(ranks: tuple[int, ...]) -> Any:
 
 
 def available() -> bool:
-    """Can addresses be read here (MLX on a CUDA device, and no earlier failure)?"""
+    """Can addresses be read here and copied from (MLX on a CUDA device, the CUDA runtime's copies that
+    `host_memory` makes, no earlier failure)? Without those copies nothing could take a plan of addresses."""
     import mlx.core as mx
+
+    from mlxd.runtime import host_memory
 
     if _broken:
         return False
     try:
-        return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
+        on_cuda = bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
     except AttributeError:  # an MLX without `mx.cuda`
         return False
+    return on_cuda and host_memory.separate_host_memory()
 
 
 def addresses(arrays: Sequence[Any], *, stream: Any = None) -> list[tuple[int, tuple[int, ...]]] | None:
