@@ -1,13 +1,13 @@
-"""MLXD_PLAN_DEVICE (issue 28): with the SSD tier on CUDA, a checkpoint's write plan hands the SSD writer its
-arrays' device addresses (`runtime/device_pointers.py`: a custom CUDA kernel reads them), which the writer's
+"""MLXD_PLAN_DEVICE (issue 28): with the SSD tier on CUDA, a checkpoint's write plan hands the SSD writer (or the
+generation checkpointer) its arrays' device addresses (`runtime/device_pointers.py`: a custom CUDA kernel reads them), which the writer's
 staging copies by DMA, instead of host views whose first access converts the row's whole KV to managed memory.
 
 There is no CUDA device here, so the addresses are the CPU arrays' own (the same memory MLX computed into) and
 the CUDA runtime is `tests/fake_cuda.py` (real copies by address, recorded). What is checked: the kernel's source
-and the views over an address; which plans are made by address (the SSD writer's, not generation checkpoints',
-not with the switch off); a plan of addresses is never read by a write (a StorageError, no tmp file), only
-staged, and the staged files (one file, blocks) are byte for byte those of an ordinary plan; off CUDA no address
-is read (`addresses()` is None) and plans stay memoryviews.
+and the views over an address; which plans are made by address (the SSD writer's and
+the generation checkpointer's, none with the switch off); a plan of addresses is never read by a write (a
+StorageError, no tmp file), only staged, and the staged files (one file, blocks, a generation checkpoint) are byte
+for byte those of an ordinary plan; off CUDA no address is read (`addresses()` is None) and plans stay memoryviews.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mlx_lm.models import cache as mlc
 from tests import fake_cuda
 from tests.test_engine_core import CACHE_ON, make, run, start
 
-from mlxd.actors import ssd_writer
+from mlxd.actors import gen_checkpointer, ssd_writer
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.engine.features import plan_device
 from mlxd.engine.ops import StepOps
@@ -167,8 +167,19 @@ async def test_the_ssd_writer_actor_writes_a_plan_of_addresses(tmp_path, lib, ad
     assert [bytes(a) for a in loaded.buffers] == [np.asarray(b).tobytes() for b in plain.buffers]
 
 
+def test_the_generation_checkpointer_stages_a_plan_of_addresses_and_writes_the_same_file(tmp_path, lib, addresses):
+    kv, meta = _kv(200), _meta(200)
+    plan = kinds.plan_snapshot([kv], meta=meta, device=True)
+    assert plan.on_device
+    (tmp_path / "g").mkdir()
+    written = gen_checkpointer._write_file(plan, tmp_path / "g" / "a.mlxkv", None)
+    ff.write_snapshot(kinds.plan_snapshot([kv], meta=meta), tmp_path / "b.mlxkv")
+    assert written.nbytes > 0 and sum(c.nbytes for c in lib.calls if c.op == "copy") == plan.nbytes
+    assert (tmp_path / "g" / "a.mlxkv").read_bytes() == (tmp_path / "b.mlxkv").read_bytes()
+
+
 @pytest.mark.parametrize("setting", ["1", "0"])
-def test_only_the_ssd_writers_plans_are_made_by_address_and_only_when_on(tmp_path, monkeypatch, setting):
+def test_the_writers_plans_are_made_by_address_only_when_on(tmp_path, monkeypatch, setting):
     monkeypatch.setenv("MLXD_PLAN_DEVICE", setting)
     monkeypatch.delenv("MLXD_FINAL_PLAN", raising=False)
     core, _ = make(**CACHE_ON, snapshot_min_tokens=4, ssd_cache_dir=tmp_path, identity=IDENTITY,
@@ -192,8 +203,6 @@ def test_only_the_ssd_writers_plans_are_made_by_address_and_only_when_on(tmp_pat
     monkeypatch.setattr(core, "_snapshot", counted)
     results = run(core, StepOps(starts=(start("a", tuple(range(10, 30)), max_tokens=5, key="k1"),)))
     assert any(r.finished for r in results)
-    on = setting == "1"
-    by_address = [d for d in asked if d]
     assert len(snapshots) >= 2 and all(snapshots)  # the prompt boundary and the final checkpoint, with plans
-    assert len(by_address) == (len(snapshots) if on else 0)  # exactly the SSD writer's plans
-    assert len(asked) > len(snapshots)  # the generation checkpoints' plans (every 2 tokens): never by address
+    assert len(asked) > len(snapshots)  # and the generation checkpoints' (every 2 tokens)
+    assert asked == [setting == "1"] * len(asked)  # every one by address (both writers stage them), or none

@@ -308,8 +308,15 @@ def _write_file(plan: ff.SnapshotPlan, path: Path, pacer: Pacer | None) -> ff.Wr
     except OSError as exc:
         raise ff.storage_error(exc, f"creating {path.parent}") from exc
     _unlink(path.with_name(path.name + ".tmp"))  # a tmp left by a failed attempt
-    device_memory.read_mostly(plan.buffers)  # a decoding row's KV: leave its pages on the device
+    if plan.on_device:  # (CUDA, MLXD_PLAN_DEVICE: device addresses, copied to host memory by DMA first)
+        plan = _STAGING.stage(plan)
+    else:
+        device_memory.read_mostly(plan.buffers)  # a decoding row's KV: leave its pages on the device
     return ff.write_snapshot(plan, path, pacer=pacer)
+
+
+# The checkpointer's thread's page-locked buffer for plans of device addresses (kept: pinning synchronizes the device).
+_STAGING = host_memory.Staging()
 
 
 def _read_file(path: Path, verify: bool) -> ff.LoadedSnapshot:

@@ -1158,8 +1158,9 @@ class EngineCore:
     ) -> SnapshotPlan:
         """A write plan of caches whose arrays are evaluated (`kinds.plan_snapshot`), its token slices evaluated on
         the side stream (`MLXD_PLAN_STREAM`): on the generation stream they would wait for the forward this step
-        dispatched, and the step's events with them. `staged`: for the SSD writer, which stages every plan to host
-        memory before writing it; on CUDA its buffers are then device addresses (`MLXD_PLAN_DEVICE`)."""
+        dispatched, and the step's events with them. `staged`: for a writer that stages a plan of device addresses to
+        host memory before writing it (the SSD writer, the generation checkpointer; not a session export): on CUDA
+        its buffers are then device addresses (`MLXD_PLAN_DEVICE`)."""
         import mlx.core as mx
 
         from mlxd.kv import kinds

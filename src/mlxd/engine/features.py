@@ -855,5 +855,5 @@ class GenerationCheckpoints(Feature):
             pending=snap.pending, rng_key=row.sampling.rng_state(),
         )
         meta = attrs.evolve(core.store_identity.meta(snap.tokens, req.namespace), generation=record.as_doc())
-        plan = core.plan(snap.caches, meta)
+        plan = core.plan(snap.caches, meta, staged=True)  # (the checkpointer stages a plan of device addresses)
         return CheckpointGeneration(self.key, req.request_id, plan, len(record.emitted))

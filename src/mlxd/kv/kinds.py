@@ -421,9 +421,10 @@ def plan_snapshot(
     `pack_max_bytes` (`MLXD_PLAN_PACK_MB`; 0: never): a plan of several tensors and at most that many bytes is
     written from one packed copy of them (`packed_buffers`), not from the caches' own arrays.
 
-    `device` (CUDA, `MLXD_PLAN_DEVICE`; only for a writer that stages, the SSD writer's): the buffers are the
-    arrays' device addresses (`runtime/device_pointers.py`), so no host access converts them to managed memory
-    here; the plan is `on_device` and keeps the arrays. Where addresses cannot be had (off CUDA), memoryviews.
+    `device` (CUDA, `MLXD_PLAN_DEVICE`; only for a writer that stages: the SSD writer, the generation
+    checkpointer): the buffers are the arrays' device addresses (`runtime/device_pointers.py`), so no host access
+    converts them to managed memory here; the plan is `on_device` and keeps the arrays. Where addresses cannot be
+    had (off CUDA), memoryviews.
     """
     arrays: list[mx.array] = []
     descs = tuple(kind_of(c).plan(c, arrays) for c in caches)
