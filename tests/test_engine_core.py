@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import attrs
+import mlx.core as mx
 import pytest
 from tests.fake_generator import FakeGenerator, feed, prefix_caches, tokens_in
 
@@ -535,9 +536,12 @@ def test_a_row_with_a_checkpoint_key_is_abandoned_on_cancel():
 def test_a_reset_drops_every_row_and_the_next_step_works():
     core, generator = make()
     steps(core, 3, StepOps(starts=(start("a", max_tokens=10), start("b", range(20, 40), max_tokens=10))))
+    mx.eval(mx.zeros((1 << 18,)) + 1)  # a freed buffer in MLX's cache, as a failed batch's would be
+    assert mx.get_cache_memory() > 0
     result = core.step(StepOps(reset=True))
     assert result == StepResult(stats=result.stats)
     assert result.stats.batch_rows == 0 and generator.closed == 1 and not generator.rows
+    assert mx.get_cache_memory() == 0  # given back (a failed allocation must not leave the next steps short)
     later = run(core, StepOps(starts=(start("c"),), cancels=("a",)))
     assert {e.request_id for r in later for e in r.emits} == {"c"}
     assert events(later, "c")[-1] == GenerationFinished("length", 5, 0, 3)

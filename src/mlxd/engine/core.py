@@ -363,7 +363,6 @@ class EngineCore:
             RestorePath,
             lands_in_mlx,
             probe_device,
-            release_probe_memory,
         )
         from mlxd.kv import probe_file
         from mlxd.kv.blocks import span_for
@@ -402,10 +401,9 @@ class EngineCore:
                 except OSError as exc:  # the next server probes again
                     log.warning("engine.device_probe_not_saved", path=str(saved_at), error=str(exc))
         # The probe's rows are finished; a fresh generator starts serving with the chosen chunk size, and
-        # the old one's buffers leave MLX's cache with the probe's own (release_probe_memory).
+        # the old one's buffers leave MLX's cache with the probe's own (`reset` gives them back).
         self._prefill_step_size = probe.prefill_step_size
         self.reset()
-        release_probe_memory()
         summary = probe.as_dict()
         summary.pop("cost_model")
         log.info("engine.device_probe", **summary)
@@ -445,7 +443,13 @@ class EngineCore:
         return row.adapter if row is not None else 0
 
     def reset(self) -> None:
-        """Drop every row and start a fresh generator (after a failed step)."""
+        """Drop every row and start a fresh generator (after a failed step), and give the dropped rows' buffers,
+        which MLX keeps cached for reuse, back to the device: a step that failed for want of device memory (a
+        failed allocation) should not leave the next ones short of what the failed batch held."""
+        import gc
+
+        import mlx.core as mx
+
         self.close()
         self._rows.clear()
         self._uids.clear()
@@ -454,6 +458,8 @@ class EngineCore:
         self._leaving.clear()
         self._left.clear()
         self.generator = self._fresh_generator()
+        gc.collect()  # (mlx-lm's batch rows hold their caches in reference cycles)
+        mx.clear_cache()
 
     def close(self) -> None:
         self._save_grammars()  # their order of use up to now (SIGTERM's flush comes through here)
