@@ -82,12 +82,12 @@ def available() -> bool:
 
 def addresses(arrays: Sequence[Any], *, stream: Any = None) -> list[tuple[int, tuple[int, ...]]] | None:
     """(device address, strides in elements) of each evaluated array, in order; None off CUDA, for an array of
-    rank 0, or if the kernel fails (logged once; later calls return None). `stream`: where the kernels run
+    rank 0 or of no elements, or if the kernel fails (logged once; later calls return None). `stream`: where the kernels run
     (default: MLX's default stream); the call waits for them (a few µs of the device, one small read back)."""
     import mlx.core as mx
 
-    if not arrays or not available() or any(a.ndim == 0 for a in arrays):
-        return None
+    if not arrays or not available() or any(a.ndim == 0 or a.size == 0 for a in arrays):
+        return None  # (rank 0 has no strides to name; an empty array may have no memory at all)
     try:
         outs, layouts = [], []
         for lo in range(0, len(arrays), CHUNK):
