@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import cache, partial
+from functools import partial
 
 import attrs
 import trio
@@ -61,17 +61,15 @@ def _write(
     # its first token (the pacer's hold).
     pacer.hold()
     if staging is None and plan.on_device:  # (device addresses: only a copy by address may read them)
-        staging = _fallback_staging()
+        staging = _FALLBACK_STAGING
     if staging is None:
         device_memory.read_mostly(plan.buffers)
         return store.write(plan, pacer)
     return store.write(plan, pacer, prepare=partial(_stage, staging, pacer))
 
 
-@cache
-def _fallback_staging() -> host_memory.Staging:
-    """Staging for a writer built not to stage that is handed a plan of device addresses anyway."""
-    return host_memory.Staging()
+# Staging for a writer built not to stage that is handed a plan of device addresses anyway (allocates at first use).
+_FALLBACK_STAGING = host_memory.Staging()
 
 
 def _stage(staging: host_memory.Staging, pacer: Pacer, piece: SnapshotPlan) -> SnapshotPlan:

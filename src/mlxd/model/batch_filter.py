@@ -5,9 +5,9 @@ mlx-lm's `BatchKVCache.filter` gathers the kept rows' left padding on the device
 dispatched the next step's forward, so that read queues behind the forward on the generation stream:
 the engine thread waits for the whole next forward before it can hand out the step's tokens, and the
 host work of the following step no longer overlaps a forward. Whenever rows end while others go on
-decoding, the others wait for it (mlx_lm.server too, when its rows end in different steps). The H200's
-8-stream decodes show a ~30 ms stall in that step (docs/benchmarks.md, 2026-12-06); how much of it this
-wait is, the next device run measures (`bench_final_plan.py` arms `+mlxfilter`).
+decoding, the others wait for it (mlx_lm.server too, when its rows end in different steps). Measured so
+far it is neutral: mlx-lm's filter ÷ this one 0.997 [0.989-1.015] on an H100, 1.002 on the CPU
+(docs/benchmarks.md, H100 2026-12-06 09:01; `bench_final_plan.py` arms `+mlxfilter`).
 
 Here the padding is read as it stands (`kv.quantized_batch.kept_padding`): an evaluated array (the
 masks of the forwards since the rows joined read it) is read without queuing anything, the kept rows'
