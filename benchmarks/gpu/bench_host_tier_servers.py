@@ -418,6 +418,18 @@ def _moved(cmd: list[str], port: int, offset: int) -> tuple[list[str], int]:
     moved = [str(port + offset) if i and cmd[i - 1] == "--port" and a == str(port) else a for i, a in enumerate(cmd)]
     return moved, port + offset
 
+def _ssd_caps(cmds: dict[str, tuple[list[str], int]], wanted: list[str], args: argparse.Namespace) -> float | None:
+    """Give each wanted server with an SSD tier an `--ssd-cache-max` (GB, in place; None when uncapped): the
+    server's own LRU then deletes old files where an uncapped tier would run the disk out of space."""
+    ssd = [w for w in wanted if "--ssd-cache" in cmds[w][0]]
+    if not ssd or args.ssd_cap_gb == 0:
+        return None
+    cap = args.ssd_cap_gb or max(4.0, round(shutil.disk_usage(args.work).free / 2 / len(ssd) / 1e9, 1))
+    for w in ssd:
+        cmds[w][0].extend(["--ssd-cache-max", f"{cap:g}"])
+    return cap
+
+
 def main() -> int:
     # mlxd's event-loop stalls of 20 ms or more, with what each thread ran then, in every turn's report
     # (a request that waits before the server reads it shows on no server-side clock: runtime/stall_watch.py)
@@ -429,6 +441,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-servers")))
     ap.add_argument("--port-offset", type=int, default=0,
                     help="added to every server's port (another run of this script on the same host)")
+    ap.add_argument("--ssd-cap-gb", type=float, default=None,
+                    help="each SSD server's --ssd-cache-max (default: half the work disk's free space at the start, "
+                         "shared by the SSD servers run, at least 4 GB; 0 = uncapped: long runs of several SSD "
+                         "servers fill a 64 GiB disk)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
                     help="scratch dir; a model built there is reused (default /tmp/host-servers-work)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -518,9 +534,8 @@ def main() -> int:
     args.fresh_tokens = n
     fresh = [text_of(model_dir, n, 900 + i) for i in range(len(args.streams))] if args.decode_schedule == "serial" else []
     ssd_dir = args.work / "ssd"
-    shutil.rmtree(ssd_dir, ignore_errors=True)
-    for arm in ("hold", "urgent", "noprobe", "lateplan", "packed", "lateplan-packed", "withtoken"):
-        shutil.rmtree(args.work / f"ssd-{arm}", ignore_errors=True)
+    for old in args.work.glob("ssd*"):  # every arm's SSD tier: one left from an earlier run fills the disk (H100
+        shutil.rmtree(old, ignore_errors=True)  # 2026-12-06 10:25: ssd/ and ssd-hostread/ 17 GB each, ENOSPC)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
     ssd = ["--ssd-cache", str(ssd_dir)]
@@ -602,9 +617,10 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown servers {unknown}; choose from {sorted(cmds)}")
     wanted.sort(key=lambda w: w == "mlxd_host_ssd")  # last: its stop flushes, and the restarts follow it
+    ssd_cap_gb = _ssd_caps(cmds, wanted, args)
     out: dict[str, Any] = {"device": str(mx.default_device()), "tokens": n, "rounds": args.rounds,
                            "decode_tokens": args.decode_tokens, "argv": sys.argv, "restart_arms": arms,
-                           "restart_page_cache": args.restart_page_cache,
+                           "restart_page_cache": args.restart_page_cache, "ssd_cap_gb": ssd_cap_gb,
                            "commands": {k: " ".join(v[0]) for k, v in cmds.items() if k in wanted}}
     kind = ("small-" if args.small else "") + ("restart-" if args.restart_only else "")
     res = args.out / f"host_servers-{kind}{time.strftime('%Y%m%d-%H%M%S')}.json"
