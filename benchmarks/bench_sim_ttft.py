@@ -262,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit-warmup", type=int, default=None, help="mlxd simulate --fit-warmup (default: its own)")
     p.add_argument("--outlier-fence", type=float, default=None,
                    help="mlxd simulate --fit-outlier-fence (default: its own, 3; 0 = every request in the spread)")
+    p.add_argument("--outlier-floor", type=float, default=None,
+                   help="mlxd simulate --fit-outlier-floor (default: its own, 2; 1 = the fence alone)")
     p.add_argument("--ttft-warmup", type=int, default=1,
                    help="each tier's first N requests of each run are left out of the fit and of the recorded and "
                    "predicted percentiles (mlxd simulate --ttft-warmup): a tier's first use pays one-off costs")
@@ -333,6 +335,7 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
     warm = ["--ttft-warmup", str(args.ttft_warmup)]
     fit_flags = warm + ([] if args.fit_warmup is None else ["--fit-warmup", str(args.fit_warmup)])
     fit_flags += [] if args.outlier_fence is None else ["--fit-outlier-fence", str(args.outlier_fence)]
+    fit_flags += [] if args.outlier_floor is None else ["--fit-outlier-floor", str(args.outlier_floor)]
     with contextlib.redirect_stdout(io.StringIO()):  # prints the model it writes
         assert sim_main([str(traces["calibration"]), "--fit-ttft-out", str(fitted), *fit_flags]) == 0
     result["fitted_cost_model"] = json.loads(fitted.read_text())

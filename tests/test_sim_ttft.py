@@ -266,6 +266,12 @@ def test_far_out_outliers_are_left_out_of_a_tiers_spread_and_counted():
     assert far_out(tail) == (tail, [])
     assert far_out([*steady, 6.0], 0) == ([*steady, 6.0], [])
     assert far_out([1.0, 9.0, 1.0]) == ([1.0, 9.0, 1.0], [])  # too few to tell
+    # A tight tier's tail (an H100's misses, 2026-12-06 10:45: a few percent around the median, 3 of 45 at
+    # 1.3-1.4x): past Tukey's fence, but under 2x its median, so it stays: it is what the p95 reads.
+    tight = [1.0 + 0.002 * (i % 20) for i in range(42)]
+    assert far_out([*tight, 1.3, 1.35, 1.4]) == ([*tight, 1.3, 1.35, 1.4], [])
+    assert far_out([*tight, 1.3, 1.35, 1.4], floor=1) == (tight, [1.3, 1.35, 1.4])  # the fence alone
+    assert far_out([*tight, 1.3, 2.5], floor=2) == ([*tight, 1.3], [2.5])
     reqs = [TraceRequest(index=i, t=10.0 * i, input_length=200, output_tokens=0, cached_tokens=0, cache_tier="none",
                          ttft_s=PROBE.prefill_seconds(200) * x, queued_s=0.0)
             for i, x in enumerate([*steady, 5.0, 6.0])]
@@ -276,6 +282,33 @@ def test_far_out_outliers_are_left_out_of_a_tiers_spread_and_counted():
     assert everything.outliers == {} and len(everything.tier_ratios["miss"]) == 60
     with pytest.raises(ValueError, match="fence"):
         fit_recording(reqs, PROBE, fence=-1)
+
+
+def test_a_tight_tiers_tail_under_the_floor_stays_in_its_spread_through_the_cli(tmp_path, capsys):
+    """`mlxd simulate --fit-ttft-out`: misses all at the model's time but two at 1.35x are past Tukey's fence
+    (an IQR of 0) yet under 2x the median: kept by default, left out with `--fit-outlier-floor 1`; a negative
+    floor is a usage error."""
+    from mlxd.kv.cost_model import CostModel
+
+    path = tmp_path / "rec.jsonl"
+    tiered_recording(path, {"none": 1.0, "ram": 1.0, "ssd": 1.0}, rounds=6)
+    lines = path.read_text().splitlines()
+    misses = [i for i, x in enumerate(lines) if '"cache_tier": "none"' in x or '"cache_tier":"none"' in x]
+    for i in misses[-2:]:
+        row = json.loads(lines[i])
+        row["ttft_s"] *= 1.35
+        lines[i] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "fit.json"
+    assert sim_main([str(path), "--fit-ttft-out", str(out)]) == 0
+    kept = CostModel.load(out)
+    assert "miss" not in kept.outliers and max(kept.tier_ratios["miss"]) > 1.3 * min(kept.tier_ratios["miss"])
+    assert sim_main([str(path), "--fit-ttft-out", str(out), "--fit-outlier-floor", "1"]) == 0
+    fence_alone = CostModel.load(out)
+    assert fence_alone.outliers["miss"] == 2 and max(fence_alone.tier_ratios["miss"]) < 1.01 * min(
+        fence_alone.tier_ratios["miss"])
+    with pytest.raises(SystemExit):
+        sim_main([str(path), "--fit-ttft-out", str(out), "--fit-outlier-floor", "-1"])
 
 
 def test_ssd_hits_of_different_sizes_fit_the_restores_fixed_cost_and_bandwidth():

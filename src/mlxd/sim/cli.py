@@ -278,7 +278,7 @@ def run_simulate(args) -> int:
     reqs = recording.reqs
     cost = apply_recorded_server(args, recording.server, cost)
     if args.fit_ttft_out is not None:
-        from mlxd.sim.ttft_fit import DEFAULT_WARMUP, OUTLIER_FENCE, fit_recording
+        from mlxd.sim.ttft_fit import DEFAULT_WARMUP, OUTLIER_FENCE, OUTLIER_FLOOR, fit_recording
 
         warmup = DEFAULT_WARMUP if args.fit_warmup is None else args.fit_warmup
         if warmup < 0:
@@ -286,7 +286,10 @@ def run_simulate(args) -> int:
         fence = OUTLIER_FENCE if args.fit_outlier_fence is None else args.fit_outlier_fence
         if fence < 0:
             raise SystemExit(f"mlxd simulate: --fit-outlier-fence must be >= 0, not {fence}")
-        fitted = fit_recording(reqs, cost, warmup=warmup, tier_warmup=args.ttft_warmup, fence=fence)
+        floor = OUTLIER_FLOOR if args.fit_outlier_floor is None else args.fit_outlier_floor
+        if floor < 0:
+            raise SystemExit(f"mlxd simulate: --fit-outlier-floor must be >= 0, not {floor}")
+        fitted = fit_recording(reqs, cost, warmup=warmup, tier_warmup=args.ttft_warmup, fence=fence, floor=floor)
         fitted.save(args.fit_ttft_out)
         print(json.dumps(fitted.to_json(), indent=2))
         return 0

@@ -82,6 +82,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="with --fit-ttft-out: leave out of each tier's spread the requests above Q3 + K x IQR of "
                    "its log ratios (Tukey's far out: one-offs such as a first compile, not the tier's tail; "
                    "default 3, 0 = keep every request)")
+    p.add_argument("--fit-outlier-floor", type=float, default=None, metavar="X",
+                   help="with --fit-ttft-out: ... and only those above X times the tier's median (a one-off costs "
+                   "several times a request's work; a tight tier's 1.3x tail is its p95; default 2, 1 = the "
+                   "fence alone)")
     p.add_argument("--ttft-warmup", type=int, default=0, metavar="N",
                    help="leave each tier's first N requests out of the TTFT percentiles per tier (and, with "
                    "--fit-ttft-out, out of the fit): a tier's first use pays one-off costs (default 0)")
