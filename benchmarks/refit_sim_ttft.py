@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--label", default="refit")
     args = p.parse_args(argv)
     out: dict[str, Any] = {"fences": args.fences, "floors": args.floors, "files": {}}
-    fits = [(fence, floor, f"{fence:g}" if floor is None else f"{fence:g}/{floor:g}")
+    fits = [(fence, floor, str(fence) if floor is None else f"{fence:g}/{floor:g}")
             for fence in args.fences for floor in (args.floors or [None])]
     for path in args.files:
         out["files"][path.name] = by_fence = {}
@@ -105,16 +105,15 @@ def main(argv: list[str] | None = None) -> Path:
                if r["rows"] else "") + ")" for name, r in reads.items()), flush=True)
         for fence, floor, key in fits:
             try:
-                by_fence[key if args.floors else str(fence)] = r = refit(path, fence, floor)
+                by_fence[key] = r = refit(path, fence, floor)
             except Exception as exc:  # an older recording this code no longer reads: say so, go on
-                by_fence[key if args.floors else str(fence)] = {"error": f"{type(exc).__name__}: {exc}"}
+                by_fence[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{path.name} fence {key}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             for kind in ("fit", "fit_own"):
                 cells = " ".join(f"{row['tier']} {row['ratio_p50']}/{row['ratio_p95']}" for row in r["rows"][kind])
                 print(f"{path.name} fence {key} {kind:7} (p50/p95) {cells}  outliers {r['outliers']}", flush=True)
-    out["within_10pct"] = {key if args.floors else str(fence): within(out["files"], key if args.floors else str(fence))
-                           for fence, floor, key in fits}
+    out["within_10pct"] = {key: within(out["files"], key) for _, _, key in fits}
     print("percentiles within +-10% (within / all):", json.dumps(out["within_10pct"]), flush=True)
     dest = RESULTS / f"sim_ttft-{args.label}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")

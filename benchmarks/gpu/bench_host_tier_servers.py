@@ -418,6 +418,7 @@ def _moved(cmd: list[str], port: int, offset: int) -> tuple[list[str], int]:
     moved = [str(port + offset) if i and cmd[i - 1] == "--port" and a == str(port) else a for i, a in enumerate(cmd)]
     return moved, port + offset
 
+
 def _ssd_caps(cmds: dict[str, tuple[list[str], int]], wanted: list[str], args: argparse.Namespace) -> float | None:
     """Give each wanted server with an SSD tier an `--ssd-cache-max` (GB, in place; None when uncapped): the
     server's own LRU then deletes old files where an uncapped tier would run the disk out of space."""
