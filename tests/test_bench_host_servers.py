@@ -1,0 +1,57 @@
+"""The servers bench (benchmarks/gpu/bench_host_tier_servers.py, issue 28): each SSD server's tier capped (`_ssd_caps`:
+two runs of several SSD servers on the H100's 64 GiB disk ran it out of space, 2026-12-06 10:25), and the decode
+rounds' median-stream metric, read from runs recorded before it was one."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"),
+                str(Path(__file__).resolve().parents[1] / "benchmarks")]
+from bench_host_tier_servers import _ssd_caps, by_metric, median_stream  # noqa: E402
+
+
+def commands() -> dict[str, tuple[list[str], int]]:
+    return {"mlx_lm": (["mlx_lm", "server"], 1), "ram": (["mlxd", "serve"], 2),
+            "ssd": (["mlxd", "serve", "--ssd-cache", "/x/ssd"], 3),
+            "ssd2": (["mlxd", "serve", "--ssd-cache", "/x/ssd-2"], 4)}
+
+
+def test_the_ssd_servers_share_half_the_free_space(tmp_path):
+    cmds = commands()
+    cap = _ssd_caps(cmds, ["mlx_lm", "ram", "ssd", "ssd2"], argparse.Namespace(ssd_cap_gb=None, work=tmp_path))
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    assert cap == max(4.0, round(free_gb / 4, 1))
+    assert cmds["ssd"][0][-2:] == ["--ssd-cache-max", f"{cap:g}"] == cmds["ssd2"][0][-2:]
+    assert "--ssd-cache-max" not in cmds["ram"][0] + cmds["mlx_lm"][0]
+
+
+def test_a_given_cap_and_zero_for_none(tmp_path):
+    cmds = commands()
+    assert _ssd_caps(cmds, ["ssd"], argparse.Namespace(ssd_cap_gb=2.5, work=tmp_path)) == 2.5
+    assert cmds["ssd"][0][-2:] == ["--ssd-cache-max", "2.5"] and "--ssd-cache-max" not in cmds["ssd2"][0]
+    cmds = commands()
+    assert _ssd_caps(cmds, ["ssd", "ssd2"], argparse.Namespace(ssd_cap_gb=0, work=tmp_path)) is None
+    assert all("--ssd-cache-max" not in cmd for cmd, _ in cmds.values())
+
+
+def decode_run(rnd: int, slot: str, rates: list[float], at: int) -> dict:
+    return {"round": rnd, "streams": 8, "at": at, "slot": slot, "per_stream_tok_s": rates,
+            "stream_sum_tok_s": sum(rates)}
+
+
+def test_the_median_stream_is_a_batched_rows_rate_and_old_runs_read_it_too():
+    """mlx_lm.server admits 7 rows, then the 8th alone ~1 s later at 1.4-1.9x their rate: the sum of the streams'
+    rates credits that lone row, the median stream does not. Runs without the key are read from their rates."""
+    staggered, together = [100.0] * 7 + [170.0], [105.0] * 8
+    assert median_stream({"per_stream_tok_s": staggered}) == 100.0
+    assert median_stream({"per_stream_tok_s": []}) is None
+    runs = []
+    for r in range(3):
+        runs += [decode_run(r, "mlx_lm", staggered, 0), decode_run(r, "mlxd", together, 1)]
+    medians = by_metric({"runs": runs, "reference": "mlx_lm", "schedule": "interleaved"})["8"]["mlxd"]
+    assert medians["stream_sum_tok_s"] == round(840 / 870, 4)  # below mlx_lm's: its lone row's rate counts
+    assert medians["median_stream_tok_s"] == 1.05  # a batched row 5% faster
