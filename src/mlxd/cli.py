@@ -6,6 +6,7 @@ import argparse
 import faulthandler
 import math
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +17,38 @@ from mlxd.runtime.config import GB
 
 def _gb(text: str) -> int:
     return int(_finite_non_negative_float(text) * GB)
+
+
+class DiskShare(float):
+    """`--ssd-cache-max N%`: a fraction of the space the SSD tier may use, resolved once at start
+    (`disk_share_bytes`)."""
+
+
+def _ssd_cap(text: str) -> int | DiskShare:
+    """`--ssd-cache-max`: GB of KV bytes, or `N%` of the disk space the tier may use at start."""
+    if text.strip().endswith("%"):
+        percent = float(text.strip()[:-1])
+        if not 0 < percent <= 100:
+            raise argparse.ArgumentTypeError("a share of the disk must be a percentage in (0, 100]")
+        return DiskShare(percent / 100)
+    return _gb(text)
+
+
+def disk_share_bytes(directory: Path, share: float) -> int:
+    """`share` of what the SSD tier at `directory` may use: the free space of its filesystem plus the bytes of
+    the files already in it (the tier's own, from an earlier run), at least 1 byte (0 would mean no cap)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    own = 0
+    if directory.is_dir():
+        for root, _dirs, files in os.walk(directory):
+            for name in files:
+                try:
+                    own += os.lstat(os.path.join(root, name)).st_size
+                except OSError:  # a file another replica just removed
+                    pass
+    return max(1, int(share * (shutil.disk_usage(existing).free + own)))
 
 
 def _positive_int(text: str) -> int:
@@ -151,7 +184,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
-    p.add_argument("--ssd-cache-max", type=_gb, metavar="GB", help="SSD tier cap in GB of KV bytes (default: unlimited)")
+    p.add_argument("--ssd-cache-max", type=_ssd_cap, metavar="GB|N%",
+                   help="SSD tier cap in GB of KV bytes, or N%% of the disk space the tier may use at start (the "
+                   "filesystem's free space plus the tier's own files), resolved once (default: unlimited: on a "
+                   "full disk writes fail and the server serves from RAM)")
     p.add_argument("--ssd-shared", action="store_true",
                    help="other replicas use the same --ssd-cache directory: pick up their files, and delete "
                    "only as the directory's one collector (see docs/fleet.md)")
@@ -274,7 +310,8 @@ def serve_config(args: argparse.Namespace):
     else:
         ssd = {
             "ssd_cache_dir": args.ssd_cache,
-            "ssd_cache_max_bytes": args.ssd_cache_max or 0,
+            "ssd_cache_max_bytes": disk_share_bytes(Path(args.ssd_cache), args.ssd_cache_max)
+            if isinstance(args.ssd_cache_max, DiskShare) else args.ssd_cache_max or 0,
             "ssd_cache_verify": args.ssd_cache_verify != "off",
             "restore_landing": args.restore_landing,
             **({} if args.restore_choice is None else {"restore_choice": args.restore_choice}),
@@ -421,6 +458,9 @@ async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> None:
         log.info("serve.listening", binds=binds, model=rt.info.model_name,
                  api_key=config.api_key is not None, admin_key=config.admin_key is not None)
         _warn_if_exposed(args.host, config)
+        if isinstance(getattr(args, "ssd_cache_max", None), DiskShare) and config.ssd_cache_dir is not None:
+            log.info("serve.ssd_cap", share=float(args.ssd_cache_max), max_bytes=config.ssd_cache_max_bytes,
+                     dir=str(config.ssd_cache_dir))
         # Everything start-up made (the model, the imports, the probe's leftovers collected first): no full
         # collection walks it again while serving (runtime/gc_pauses.py; MLXD_GC_FREEZE=0 leaves it).
         frozen = gc_pauses.freeze_heap() if freeze else None
