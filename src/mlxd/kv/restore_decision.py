@@ -16,6 +16,10 @@ is), so the best cut is an arm; a split wins where the bytes behind a cut are
 cheaper to read than the rest (a record partly in a fast medium: page cache,
 host memory). Only cuts the layout can read alone are offered (a block
 layout's block boundaries; a whole file's only cut is the whole file).
+The other way round the parts need not wait for each other (the tail's KV
+read from disk while the engine recomputes the head, max(prefill(j),
+read(n - j))); serving has no such path and this module does not model it:
+benchmarks/gpu/probe_reverse_split.py measures whether a GPU gives the overlap.
 
 Exploration: until a restore has been measured (here or by the server
 before a restart), the bandwidth is the startup probe's guess. A guess that is
