@@ -66,7 +66,7 @@ def cell(text: str) -> str:
 
 def help_text(action: argparse.Action) -> str:
     text = action.help or ""
-    if "%(" in text:
+    if "%" in text:  # argparse formats every help: %(name)s and %% alike
         text = text % {**vars(action), "prog": "mlxd", "default": action.default}
     if action.choices is not None and action.option_strings and action.metavar is not None:
         text += f" (one of: {', '.join(map(str, action.choices))})"

@@ -184,7 +184,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
-    p.add_argument("--ssd-cache-max", type=_ssd_cap, metavar="GB|N%",
+    p.add_argument("--ssd-cache-max", type=_ssd_cap, metavar="GB/N%",
                    help="SSD tier cap in GB of KV bytes, or N%% of the disk space the tier may use at start (the "
                    "filesystem's free space plus the tier's own files), resolved once (default: unlimited: on a "
                    "full disk writes fail and the server serves from RAM)")
