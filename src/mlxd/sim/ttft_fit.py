@@ -41,11 +41,10 @@ that came in the calibration run is no tail the next run will have. On the
 H200 (15:54 run) it left out 5 of 63 RAM hits at 285-457 ms (the rest
 53-97 ms); on the CPU at load 2-10 it leaves out 0-1 of 95-191 a tier (a
 loaded machine's tail is continuous, not far out). The floor keeps a tight
-tier's tail: an H100's misses (2026-12-06 10:45) spread a few percent
-around their median, so the fence alone fell at 1.2x and left out the 3 of
-45 at 1.3-1.4x that recur in every run and are what its p95 reads (held
-out 0.87 of the recorded p95 without the floor, 1.04 with it).
-`CostModel.outliers` counts them per tier.
+tier's tail: where requests spread a few percent, Tukey's fence falls just
+above them and would leave out the recurring 1.3-1.4x tail the p95 reads
+(docs/benchmarks.md, H100 2026-12-06). `CostModel.outliers` counts them
+per tier.
 
 The model describes the recorded server and machine under the recorded load;
 `mlxd simulate OTHER --cost-model FILE` then predicts another trace (or other
