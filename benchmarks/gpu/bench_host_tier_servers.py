@@ -532,6 +532,8 @@ def main() -> int:
     if args.decode_schedule == "auto":
         args.decode_schedule = "interleaved" if args.rounds == 0 else "serial"
     arms = [a for a in args.restart_arms.split(",") if a]
+    if args.ssd_cap_gb is not None and not args.ssd_cap_gb >= 0:
+        ap.error("--ssd-cap-gb must be >= 0 (0 = uncapped)")
     if [a for a in arms if a not in RESTARTS]:
         ap.error(f"unknown restart arms {[a for a in arms if a not in RESTARTS]}; choose from {list(RESTARTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
