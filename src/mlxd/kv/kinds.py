@@ -97,6 +97,12 @@ def _sliced_nbytes(array: mx.array, tokens: int) -> int:
     return array.nbytes // rows * min(tokens, rows) if rows else 0
 
 
+def numpy_dtype(a: mx.array) -> np.dtype:
+    """The numpy dtype of an MLX array's elements, as the file format names them (bfloat16 has none: plans view
+    it as uint16 first)."""
+    return np.dtype(NP_DTYPES[_MX_NAMES[a.dtype]])  # type: ignore[call-overload]
+
+
 def _tensor(a: mx.array, out: list[mx.array]) -> TensorDesc:
     if a.dtype not in _MX_NAMES:
         raise UnsupportedCache(f"unsupported dtype {a.dtype}")
@@ -461,7 +467,7 @@ def packed_buffers(arrays: Sequence[mx.array]) -> tuple[memoryview, ...]:
     out, at = [], 0
     for a in arrays:
         n = a.nbytes
-        out.append(memoryview(host[at : at + n].view(NP_DTYPES[_MX_NAMES[a.dtype]]).reshape(a.shape)))
+        out.append(memoryview(host[at : at + n].view(numpy_dtype(a)).reshape(a.shape)))
         at += n
     return tuple(out)
 

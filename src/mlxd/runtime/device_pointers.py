@@ -131,11 +131,10 @@ def view_at(address: int, shape: Sequence[int], dtype: np.dtype[Any], strides: S
 
 def device_views(arrays: Sequence[Any], *, stream: Any = None) -> list[np.ndarray] | None:
     """`view_at` for each evaluated array (its address and strides from `addresses`); None where that is."""
-    from mlxd.kv.file_format.header import NP_DTYPES
-    from mlxd.kv.kinds import _MX_NAMES
+    from mlxd.kv.kinds import numpy_dtype
 
     found = addresses(arrays, stream=stream)
     if found is None:
         return None
-    return [view_at(address, a.shape, np.dtype(NP_DTYPES[_MX_NAMES[a.dtype]]), strides)
+    return [view_at(address, a.shape, numpy_dtype(a), strides)
             for a, (address, strides) in zip(arrays, found, strict=True)]
