@@ -44,7 +44,7 @@ def decode_run(rnd: int, slot: str, rates: list[float], at: int) -> dict:
 
 
 def test_the_median_stream_is_a_batched_rows_rate_and_old_runs_read_it_too():
-    """mlx_lm.server admits 7 rows, then the 8th alone ~1 s later at 1.4-1.9x their rate: the sum of the streams'
+    """mlx_lm.server admits 7 rows, then the 8th alone ~1 s later at 1.2-2x their rate: the sum of the streams'
     rates credits that lone row, the median stream does not. Runs without the key are read from their rates."""
     staggered, together = [100.0] * 7 + [170.0], [105.0] * 8
     assert median_stream({"per_stream_tok_s": staggered}) == 100.0

@@ -330,7 +330,7 @@ DECODE_METRICS = ("stream_sum_tok_s", "span_tok_s", "all_rows_tok_s", "median_st
 
 def median_stream(run: dict[str, Any]) -> float | None:
     """A run's median stream's own rate (first to last token): a batched row's rate, which a server that admits
-    its 8th row alone a second late (mlx_lm.server: at 1.4-1.9x the others' rate, H100 2026-12-06) does not
+    its 8th row alone a second late (mlx_lm.server: at 1.2-2x the others' rate, H100 2026-12-06) does not
     lift. Computed from `per_stream_tok_s` for runs recorded before it was a metric."""
     rates = [x for x in run.get("per_stream_tok_s") or [] if x]
     return statistics.median(rates) if rates else None
