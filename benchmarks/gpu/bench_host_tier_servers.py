@@ -833,6 +833,9 @@ RESTARTS = {
     "restart": [],
     "restart_always": ["--restore-choice", "always"],
     "restart_never": ["--restore-choice", "never"],
+    # every returning turn an overlapped split (the head recomputed while the tail is read: kv/restore_decision.py
+    # OVERLAP) at the block boundary nearest the middle, whatever the costs say
+    "restart_overlap": ["--restore-choice", "overlap"],
     # every restore forced, in a process that ran the startup probe: against restart_always_no_probe, what the
     # probe costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)
     # (`on`: measured afresh; `auto` reuses the probe the first server saved beside the files: kv/probe_file.py)
@@ -850,10 +853,14 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
     d = ssd.get("restore_decisions") or {}
     return {"restores": ssd.get("restores"), "restore_ms_last": ssd.get("restore_ms_last"),
             "bytes_read": (ssd.get("prefetch") or {}).get("bytes_read"),
-            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "explorations", "forgone_s", "restore_retries",
+            **{k: d.get(k) for k in ("restores_chosen", "recomputes_chosen", "overlaps_chosen", "explorations",
+                                     "forgone_s", "restore_retries",
                                      "recompute_tries", "recompute_forgone_s",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
                                      "last_resident_bytes")},
+            # the overlapped splits' tails the engine appended, recomputed instead, or declined
+            **{k: (stats.get("engine") or {}).get(k) for k in ("overlap_tails", "overlap_tail_tokens",
+                                                              "overlap_tails_recomputed", "overlaps_declined")},
             "event_loop": stats.get("event_loop"), "gc": stats.get("gc")}
 
 
@@ -898,11 +905,12 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
     startup probe's restore bandwidth and the served one (its first measured restore, then averaged)."""
     d = (stats.get("ssd_cache") or {}).get("restore_decisions") or {}
     probe = stats.get("device_probe") or {}
-    chosen = [k for k in ("restores_chosen", "recomputes_chosen", "splits_chosen") if d.get(k)]
+    chosen = [k for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "overlaps_chosen") if d.get(k)]
     served = d.get("restore_bytes_per_s") if d.get("restore_samples") else None
     served_cached = d.get("page_cache_bytes_per_s") if d.get("page_cache_samples") else None
     return {
-        "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations",
+        "choices": {k: d.get(k, 0) for k in ("restores_chosen", "recomputes_chosen", "splits_chosen", "overlaps_chosen",
+                                             "explorations",
                                              "forgone_s", "recompute_tries", "recompute_forgone_s")},
         "chosen": ",".join(k.removesuffix("s_chosen") for k in chosen) or None,
         "predicted_s": {"chosen": d.get("last_predicted_s"), "recompute": d.get("last_recompute_s"),
@@ -1054,6 +1062,10 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     goals["restart_vs_min_restore_recompute (goal <= 1.05)"] = ratio(restart, best)
     goals["restart_arms_s"] = {"chosen": restart, "restore": restore, "recompute": recompute,
                                "recompute_from": "restart_never" if med.get("restart_never") else "cold"}
+    overlap = med.get("restart_overlap", {}).get("returning")
+    if overlap is not None:  # the forced overlapped split against the better of the two arms
+        goals["restart_arms_s"]["overlap"] = overlap
+        goals["restart_overlap_vs_min_restore_recompute"] = ratio(overlap, best)
     # Per restart: each returning turn's TTFT, and what the advisor chose and predicted.
     restarts = {label: {"returning_s": [r["ttft_s"] for r in out[label].get("returning") or []],
                         # each turn's restore as the engine timed it (the same ms again: that turn recomputed)
@@ -1072,6 +1084,8 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
                    and server_med[k] == server_med[k]]
     if "restart" in server_med and server_best:
         goals["restart_vs_min_server_ttft"] = ratio(server_med["restart"], min(server_best))
+    if "restart_overlap" in server_med and server_best:
+        goals["restart_overlap_vs_min_server_ttft"] = ratio(server_med["restart_overlap"], min(server_best))
     probed, unprobed = (med.get(k, {}).get("returning") for k in ("restart_always_probe", "restart_always_no_probe"))
     if probed is not None:  # the probe's cost to serving's restores: the same forced arm with and without it
         goals["restart_always_with_probe_vs_without"] = ratio(probed, unprobed)

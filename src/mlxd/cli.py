@@ -200,10 +200,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restore-landing", choices=("auto", "mlx", "host"), default="auto",
                    help="where restored bytes are read to: straight into MLX arrays (mlx), or a host buffer "
                         "copied in by the engine (host); auto = mlx on CUDA and the CPU, host on Apple GPUs")
-    p.add_argument("--restore-choice", choices=("measured", "always", "never", "split"), default=None,
+    p.add_argument("--restore-choice", choices=("measured", "always", "never", "split", "overlap"), default=None,
                    help="restore a cold prefix only when the measured costs say it beats prefilling it again, "
                         "whole or (block layout) its leading blocks (measured, the default), every time it is "
-                        "longer than RAM's prefix (always), never (never: the recompute arm, to compare), or a middle part of it, the rest prefilled (split: tests)")
+                        "longer than RAM's prefix (always), never (never: the recompute arm, to compare), or a middle part of it, the rest prefilled (split: tests), "
+                        "or recompute its first part while its last part is read (overlap: tests)")
+    p.add_argument("--restore-overlap", choices=("on", "off"), default=None,
+                   help="with --restore-choice measured and the block layout, also weigh recomputing a cold "
+                        "prefix's first part while its last part is read from SSD, where that beats both "
+                        "(on, the default; off: never)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_finite_non_negative_float, metavar="MB/S",
@@ -315,6 +320,7 @@ def serve_config(args: argparse.Namespace):
             "ssd_cache_verify": args.ssd_cache_verify != "off",
             "restore_landing": args.restore_landing,
             **({} if args.restore_choice is None else {"restore_choice": args.restore_choice}),
+            **({} if args.restore_overlap is None else {"restore_overlap": args.restore_overlap == "on"}),
             "ssd_shared": args.ssd_shared,
             **({} if args.ssd_rescan is None else {"ssd_rescan_s": args.ssd_rescan}),
             "ssd_demote_idle_s": 300.0 if args.ssd_demote_idle is None else args.ssd_demote_idle,
@@ -526,7 +532,8 @@ def record_trace(rt, path: Path) -> None:
         advisor = rt.cache_owner.tiers.advisor
         calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
                        "page_cache_bytes_per_s": advisor.resident_bytes_per_s,
-                       "always": advisor.always, "split": advisor.split, "never": advisor.never}
+                       "always": advisor.always, "split": advisor.split, "never": advisor.never,
+                       "overlap": advisor.overlap}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)
@@ -565,7 +572,8 @@ def server_record(rt) -> dict:
         "ssd_block_tokens": rt.ssd_block_tokens,
         "ram_pages": c.ram_pages,  # a model with other caches than attention KV kept contiguous entries
         "ram_page_tokens": c.ram_page_tokens or c.ssd_block_tokens or span_for(rt.info.kv_bytes_per_token),
-        "restore_choice": c.restore_choice,  # measured, always or split: a replay decides the same way
+        "restore_choice": c.restore_choice,  # measured, always, never, split or overlap: a replay decides alike
+        "restore_overlap": c.restore_overlap,
         # --kv-admission: the rule and the room it had beside this runtime's own memory (a replay admits alike)
         "kv_admission": rt.scheduler.kv_admission.rule() if rt.scheduler.kv_admission is not None else None,
         # The cost model the restore advisor starts from: the startup probe's, when it ran

@@ -353,7 +353,8 @@ class CacheOwnerActor:
             match = tiers.prefetch_match(msg.tokens, msg.namespace)
             if match is not None and self._prefetcher is not None:
                 try:  # a hint: dropped when the prefetcher is busy
-                    self._prefetcher.send_nowait(PrefetchRecord(match.record, upto=match.read_tokens))
+                    self._prefetcher.send_nowait(PrefetchRecord(match.record, upto=match.read_tokens,
+                                                                 start=match.read_from))
                 except trio.WouldBlock:
                     pass
         elif isinstance(msg, PublishPrefix):

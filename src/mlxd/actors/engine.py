@@ -275,7 +275,7 @@ class EngineActor:
         starts = tuple(
             RowStart(
                 request=m.request, hit=m.hit, restore=m.restore, resume=m.resume, checkpoint_key=m.checkpoint_key,
-                draft=m.draft, checkpoint_at=m.checkpoint_at,
+                draft=m.draft, checkpoint_at=m.checkpoint_at, tail=m.tail,
                 queued_s=now - m.submitted_at if m.submitted_at else 0.0,
             )
             for m in self._pending

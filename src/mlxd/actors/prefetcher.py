@@ -8,8 +8,11 @@ read in flight). A file that cannot be read back is reported to the cache
 owner (`RecordLost`). Reads never touch MLX; the engine adopts the bytes on
 its own thread. With `land` (the engine's `landing`; `--restore-landing`), the engine
 first allocates MLX arrays for the file's tensors on its thread and the read
-fills them directly, so adopting copies nothing. This actor holds no other
-actor's state.
+fills them directly, so adopting copies nothing. An overlapped split's tail
+(`FetchTail`) is read the host way, never landed: the engine thread is busy
+recomputing the head meanwhile and could not allocate for it; the read lands in
+the request's `TailSlot`, which the engine looks at between the head's chunks.
+This actor holds no other actor's state.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mlxd.kv.tiers import SsdRecord
 from mlxd.runtime.kernel.messages import (
     CacheOwnerMessage,
     FetchSnapshot,
+    FetchTail,
     PrefetcherMessage,
     PrefetchRecord,
     PrefetchSnapshot,
@@ -43,10 +47,15 @@ class _LandingFailed(Exception):
 
 
 class _Read:
-    def __init__(self, upto: int = 0) -> None:
+    def __init__(self, upto: int = 0, start: int = 0) -> None:
         self.done = trio.Event()
         self.loaded: LoadedSnapshot | None = None
         self.upto = upto  # > 0: the record's first `upto` tokens only
+        self.start = start  # > 0: its tokens from `start` on only (a tail: read the host way)
+
+    def serves(self, upto: int, start: int) -> bool:
+        """Can this read serve a restore of the record's part [start, upto)? (0: its first / last token)"""
+        return self.start == start and (self.upto == upto or (self.upto == 0 and not start))
 
 
 class PrefetcherActor:
@@ -81,13 +90,15 @@ class PrefetcherActor:
                         log.exception("prefetch.handler_failed", message=type(msg).__name__)
                         if isinstance(msg, FetchSnapshot | PrefetchStats):
                             msg.reply.fail(exc)
+                        elif isinstance(msg, FetchTail):
+                            msg.slot.land(None)
 
     def _handle(self, nursery: trio.Nursery, msg: PrefetcherMessage) -> None:
         if isinstance(msg, PrefetchRecord):
             if msg.record.path not in self._reads:
                 self._count(prefetches=1)
-                self._start(nursery, msg.record, msg.upto)
-        elif isinstance(msg, FetchSnapshot):
+                self._start(nursery, msg.record, msg.upto, msg.start)
+        elif isinstance(msg, FetchSnapshot | FetchTail):
             nursery.start_soon(self._fetch, nursery, msg)
         elif isinstance(msg, PrefetchStats):
             msg.reply.send(self._stats)
@@ -96,16 +107,17 @@ class PrefetcherActor:
         s = self._stats
         self._stats = attrs.evolve(s, **{k: getattr(s, k) + v for k, v in delta.items()})
 
-    def _start(self, nursery: trio.Nursery, record: SsdRecord, upto: int = 0) -> _Read:
-        read = _Read(upto)
+    def _start(self, nursery: trio.Nursery, record: SsdRecord, upto: int = 0, start: int = 0) -> _Read:
+        read = _Read(upto, start)
         self._reads[record.path] = read
         while len(self._reads) > self._max_ready:
             self._reads.popitem(last=False)  # drop the oldest unclaimed read (its bytes)
-        nursery.start_soon(self._read, record, read, upto)
+        nursery.start_soon(self._read, record, read)
         return read
 
-    async def _read(self, record: SsdRecord, read: _Read, upto: int = 0) -> None:
-        allocate = self._land
+    async def _read(self, record: SsdRecord, read: _Read) -> None:
+        upto, start = read.upto, read.start
+        allocate = self._land if not start else None
 
         def land(header: FileHeader) -> Landing:
             assert allocate is not None
@@ -120,6 +132,8 @@ class PrefetcherActor:
                     return self._store.load(record, verify=self._verify, land=land, upto=upto)
                 except _LandingFailed as exc:  # the file is fine: read it the host way instead
                     log.warning("prefetch.landing_failed", path=str(record.path), error=str(exc))
+            if start:
+                return self._store.load(record, verify=self._verify, upto=upto, start=start)
             return self._store.load(record, verify=self._verify, upto=upto)
 
         try:
@@ -138,14 +152,18 @@ class PrefetcherActor:
         else:
             self._count(reads=1, bytes_read=read.loaded.nbytes, reads_into_mlx=int(read.loaded.landed is not None))
 
-    async def _fetch(self, nursery: trio.Nursery, msg: FetchSnapshot) -> None:
+    async def _fetch(self, nursery: trio.Nursery, msg: FetchSnapshot | FetchTail) -> None:
+        start = msg.start if isinstance(msg, FetchTail) else 0
         read = self._reads.pop(msg.record.path, None)
-        if read is not None and read.upto not in (0, msg.upto):
-            read = None  # read ahead to another length: read what this restore takes (a whole read serves all)
+        if read is not None and not read.serves(msg.upto, start):
+            read = None  # read ahead to another part: read what this restore takes (a whole read serves a split)
         if read is not None:
             self._count(prefetch_hits=1)
         else:
-            read = self._start(nursery, msg.record, msg.upto)  # a split reads only its leading blocks
+            read = self._start(nursery, msg.record, msg.upto, start)  # a split reads only its leading blocks
             self._reads.pop(msg.record.path, None)
         await read.done.wait()
-        msg.reply.send(read.loaded)
+        if isinstance(msg, FetchTail):
+            msg.slot.land(read.loaded)
+        else:
+            msg.reply.send(read.loaded)

@@ -29,6 +29,7 @@ from mlxd.runtime.kernel.messages import (
     DraftPrefix,
     EngineInbox,
     FetchSnapshot,
+    FetchTail,
     FindGenerationCheckpoint,
     GenCheckpointMessage,
     GenerationEvent,
@@ -44,6 +45,7 @@ from mlxd.runtime.kernel.messages import (
     ResumeGeneration,
     SchedulerInbox,
     StartGeneration,
+    TailRestore,
     TokenGenerated,
 )
 from mlxd.runtime.logging import get_logger
@@ -263,7 +265,7 @@ class SchedulerActor:
             return
         key = self._checkpoint_key(request)
         resume = await self._find_checkpoint(request, key) if key is not None else None
-        hit = restore = draft = None
+        hit = restore = draft = tail = None
         cuts: tuple[int, ...] = ()
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
@@ -276,7 +278,9 @@ class SchedulerActor:
                 record.promoted_bytes = lookup.hit.entry.nbytes
                 record.promotion = lookup.promotion
             hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
-            if lookup.restore is not None:
+            if lookup.restore is not None and lookup.restore.read_from and not request.media:
+                tail = await self._fetch_tail(lookup.restore)  # read while the engine recomputes the head
+            elif lookup.restore is not None:
                 asked = time.monotonic()
                 restore = await self._fetch(lookup.restore)
                 record.fetch_s = time.monotonic() - asked
@@ -292,7 +296,7 @@ class SchedulerActor:
         record.engine_sent_at = time.monotonic()
         await self._engine.send(
             StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
-                            draft=draft, checkpoint_at=cuts)
+                            draft=draft, checkpoint_at=cuts, tail=tail)
         )
         client_gone = answered = False
         first_token_at: float | None = None
@@ -365,6 +369,15 @@ class SchedulerActor:
         lookup = await reply.wait()
         restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         return DraftPrefix(namespace, lookup.hit, restore)
+
+    async def _fetch_tail(self, match: SsdMatch) -> TailRestore | None:
+        """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP); the engine takes it
+        when it lands. None without a prefetcher (the engine recomputes it all)."""
+        if self._prefetcher is None:
+            return None
+        tail = TailRestore(match.record, match.read_from, match.usable)
+        await self._prefetcher.send(FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens))
+        return tail
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:
         """The cold file's bytes (read ahead by the prefetcher when it could); None = a miss."""

@@ -126,7 +126,8 @@ class Row:
     features: tuple[Feature, ...]
     adapter: int = 0  # --adapter: the index its forwards select (0: the base model)
     uid: int = -1
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # what its prefill starts on (an overlapped split: recomputed ones among them)
+    recomputed: int = 0  # of them, tokens an overlapped split recomputed beside its tail's read
     generated: int = 0
     prefilled: int = 0  # prompt tokens processed so far in this insert
     prompt_new: int = 0  # prompt tokens this insert prefills (the last one goes with the first decode)
@@ -181,6 +182,13 @@ class Counters:
     checkpoint_s: float = 0.0
     late_finals: int = 0  # MLXD_FINAL_PLAN=after-token: rows whose final checkpoint came a step after their last token
     packed_plans: int = 0  # MLXD_PLAN_PACK_MB: write plans made from one packed copy of their tensors
+    # Overlapped splits (`_overlap`): tails appended (and their tokens), tails recomputed instead (not
+    # back when the recompute reached the prompt's cached end, or their read failed), splits declined
+    # (other rows in the batch, or a quantized cache)
+    overlap_tails: int = 0
+    overlap_tail_tokens: int = 0
+    overlap_tails_recomputed: int = 0
+    overlaps_declined: int = 0
 
 
 class EngineCore:
@@ -616,6 +624,8 @@ class EngineCore:
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             late_final_checkpoints=c.late_finals if self._late_final else None,
             packed_plans=c.packed_plans if self._pack_bytes else None,
+            overlap_tails=c.overlap_tails, overlap_tail_tokens=c.overlap_tail_tokens,
+            overlap_tails_recomputed=c.overlap_tails_recomputed, overlaps_declined=c.overlaps_declined,
             **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
             grammars=attrs.asdict(self._grammars.stats()) if self._grammars is not None else None,
@@ -807,6 +817,9 @@ class EngineCore:
             tier = "ram" if usable > 0 else "none"
         else:
             lent, usable, tier = None, 0, "none"
+        recomputed = 0  # tokens an overlapped split recomputed beside its tail's read
+        if start.tail is not None and start.restore is None and not req.media:
+            lent, usable, tier, recomputed = self._overlap(start, lent, usable, tier, out)
         began, lent_at = time.perf_counter(), time.monotonic()
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
@@ -825,14 +838,79 @@ class EngineCore:
         if apart:  # its prompt ends now: the parts see the boundary a batch prefill would have shown them
             for part in row.parts():
                 part.segment(row, self, out)
-        row.cached_tokens, row.joined_at = usable, joins_at
+        row.cached_tokens, row.joined_at, row.recomputed = usable, joins_at, recomputed
         row.stamp("admitted")
         row.prefill_began, row.prefill_shared = began, bool(req.media)
         if len(self._rows) > 1:  # rows share the batch now: no prefill still running is timed alone
             for each in self._rows.values():
                 each.prefill_shared = each.prefill_shared or each.generated == 0
-        self.counters.prompt_tokens += len(req.prompt) - usable
-        out.emit(row, PromptAccepted(len(req.prompt), usable, tier, start.queued_s))
+        self.counters.prompt_tokens += len(req.prompt) - usable + recomputed
+        out.emit(row, PromptAccepted(len(req.prompt), usable - recomputed, tier, start.queued_s))
+
+    def _overlap(
+        self, start: RowStart, lent: list[Any] | None, usable: int, tier: str, out: StepOut
+    ) -> tuple[list[Any] | None, int, str, int]:
+        """An overlapped split (kv/restore_decision.py OVERLAP): recompute the prompt from the warm prefix
+        to the tail's start, alone, while the prefetcher reads the tail; append the tail once it has landed
+        (from wherever the recompute got to) and publish the prefix as a restore would. Returns the caches,
+        the position the row goes on from, its tier, and the tokens recomputed here.
+
+        A tail not back when the head is done is waited for as long as recomputing it would take at the
+        head's own rate (`restore_overlap_wait_s` pins it), as in ski rental: never more than twice the
+        better choice; then the recompute goes on, looking for the tail again after each chunk. One whose
+        read failed is recomputed in the batch. With other rows in the batch (they would wait for the head)
+        the row recomputes there."""
+        import mlx.core as mx
+
+        from mlxd.kv import kinds
+
+        tail = start.tail
+        assert tail is not None
+        c = self.counters
+        if self._rows or usable >= tail.start or self._config.kv_bits is not None:
+            c.overlaps_declined += 1
+            return lent, usable, tier, 0
+        prompt, ns = start.request.prompt, start.request.namespace
+        caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
+        step, at, end = self._prefill_step_size, usable, tail.usable
+
+        def prefill(until: int) -> None:
+            nonlocal at
+            upto = at + aligned(step, at, until - at)
+            self.model(mx.array([list(prompt[at:upto])]), cache=caches)
+            mx.eval([x.state for x in caches])
+            at = upto
+
+        t0 = time.perf_counter()
+        while at < tail.start:
+            prefill(tail.start)
+        head_s = time.perf_counter() - t0
+        if at - usable >= WHOLE_PREFILL_MIN:  # the head alone, as the advisor predicted it
+            out.notes.append(PrefillMeasured(at - usable, usable, head_s, whole=True))
+        if not tail.slot.landed:
+            wait = self._config.restore_overlap_wait_s
+            tail.slot.wait(head_s / (at - usable) * (end - at) if wait is None else wait)
+        while at < end and not tail.slot.landed:
+            prefill(end)
+        loaded = tail.slot.loaded if tail.slot.landed else None
+        t1 = time.perf_counter()
+        tail_caches = kinds.adopt(loaded, landed=device_memory.to_device) if loaded is not None and at < end else None
+        if tail_caches is None or not kinds.extend(caches, tail_caches, skip=at - tail.start, upto=end - tail.start):
+            c.overlap_tails_recomputed += 1
+            return caches, at, tier if at == usable else "none", at - usable
+        mx.eval([x.state for x in caches])
+        assert loaded is not None
+        out.notes.append(RestoreMeasured(loaded.nbytes, loaded.seconds + time.perf_counter() - t1))
+        c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + end - at
+        tokens = tuple(prompt[:end])
+        payload, pages = self._paged(caches, tokens, ns)
+        out.notes.append(
+            PublishPrefix(
+                tokens=tokens, namespace=ns, payload=payload, nbytes=kinds.nbytes(caches), trimmable=True,
+                reason="restore", durable=True, session=start.request.session, pages=pages,
+            )
+        )
+        return kinds.lend(caches, end, total=end), end, "ssd", at - usable
 
     def _prefilling(self) -> list[Row]:
         """The rows in the batch part way through their prompt."""
@@ -947,7 +1025,7 @@ class EngineCore:
 
     def _finished(self, row: Row, reason: str, out: StepOut, leave_s: float) -> None:
         req = row.start.request
-        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens, row.generated, leave_s))
+        out.emit(row, GenerationFinished(reason, len(req.prompt), row.cached_tokens - row.recomputed, row.generated, leave_s))
         out.finished.append(row.request_id)
 
     def _leave(self, row: Row, ending: Ending, out: StepOut) -> float:

@@ -22,6 +22,7 @@ from mlxd.runtime.kernel.messages import (
     GenerationRequest,
     RestoreSnapshot,
     ResumeGeneration,
+    TailRestore,
 )
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class RowStart:
     queued_s: float = 0.0  # from submission to this step
     # prompt lengths to checkpoint at (pinned breakpoint prefixes, the chat template's stable prefix)
     checkpoint_at: tuple[int, ...] = ()
+    tail: TailRestore | None = None  # an overlapped split's tail, read meanwhile (with `hit`; never `restore`)
 
 
 def _prefixes_match(ops: StepOps, _attr: object, prefixes: tuple[PrefixRef | None, ...]) -> None:
@@ -176,6 +178,12 @@ class EngineStats:
     late_final_checkpoints: int | None = None
     # MLXD_PLAN_PACK_MB with the SSD tier: write plans made from one packed copy of their tensors; None otherwise.
     packed_plans: int | None = None
+    # Overlapped splits (kv/restore_decision.py OVERLAP; engine/core.py `_overlap`): tails appended and their
+    # tokens, tails recomputed instead (late, or their read failed), splits declined (a busy batch)
+    overlap_tails: int = 0
+    overlap_tail_tokens: int = 0
+    overlap_tails_recomputed: int = 0
+    overlaps_declined: int = 0
     # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
     mirrored_prefixes: int | None = None
     mirror_misses: int | None = None

@@ -74,7 +74,7 @@ class Leader:
 
         No SSD tier when distributed (RuntimeConfig refuses it): no restores, no resumes.
         """
-        starts = tuple(self._lendable(attrs.evolve(s, request=pin_seed(s.request), restore=None, resume=None))
+        starts = tuple(self._lendable(attrs.evolve(s, request=pin_seed(s.request), restore=None, resume=None, tail=None))
                        for s in ops.starts)
         prefixes = tuple(self._prefix(s) for s in starts)
         mirror = self._mirror

@@ -535,6 +535,7 @@ class BlockStore:
         verify: bool = True,
         land: Callable[[ff.FileHeader], ff.Landing] | None = None,
         upto: int = 0,
+        start: int = 0,
     ) -> ff.LoadedSnapshot | None:
         """Read a checkpoint's manifest and blocks for adoption; None (a miss) when anything is
         missing or damaged (with `verify`, the default, every tensor's CRC-32 and padding too). A damaged block is removed with the manifest that led to it; the
@@ -545,7 +546,9 @@ class BlockStore:
         arrays, which `adopt()` then takes without a copy) instead of a private mapping.
 
         `upto` > 0: read only the leading blocks of the first `upto` tokens (a block boundary;
-        `blocks.leading`), a checkpoint of those tokens; the whole one when that cannot be."""
+        `blocks.leading`), a checkpoint of those tokens; the whole one when that cannot be.
+        `start` > 0: only the blocks from that token (a block boundary) on (to `upto`, or the
+        end), the KV of those tokens alone (`blocks.trailing`); None when that cannot be."""
         assert record.path is not None
         t0 = time.perf_counter()
         landing = None
@@ -556,7 +559,12 @@ class BlockStore:
             problem = self.identity.mismatch(manifest.meta, record.path.parent.name)
             if problem:
                 raise ff.CorruptFile(problem)
-            if upto:
+            if start:
+                tail = bk.trailing(manifest, start, upto)
+                if tail is None:
+                    return None  # no such part (the record's layout changed): a miss, nothing is wrong with it
+                manifest = tail
+            elif upto:
                 manifest = bk.leading(manifest, upto) or manifest
             header = ff.FileHeader(meta=manifest.meta, caches=manifest.caches, data_offset=0, file_size=manifest.nbytes)
             t_land = time.perf_counter()

@@ -187,6 +187,35 @@ def leading(manifest: Manifest, tokens: int) -> Manifest | None:
     return attrs.evolve(manifest, meta=meta, caches=tuple(cut(c) for c in manifest.caches), blocks=head)
 
 
+def trailing(manifest: Manifest, start: int, end: int = 0) -> Manifest | None:
+    """The KV of the manifest's tokens [start, end) (block boundaries; `end` 0: its last token), read from
+    those span blocks alone, as a manifest of its own whose token axis starts at `start`: its tokens are
+    those tokens, its blocks shifted to start at 0, its caches' tensors and offsets that many tokens long.
+    None when the layout cannot (a state block, or no boundary there).
+
+    What an overlapped split reads (kv/restore_decision.py): the KV of a position depends only on the
+    tokens before it, so these rows are what recomputing them after the tokens before `start` gives.
+    """
+    n = len(manifest.tokens)
+    end = end or n
+    if manifest.state is not None or not 0 < start < end <= n:
+        return None
+    part = tuple(b for b in manifest.spans if start <= b.start and b.end <= end)
+    if not part or part[0].start != start or part[-1].end != end or any(not spanned(c, n) for c in leaves(manifest.caches)):
+        return None
+    length = end - start
+
+    def cut(c: ff.CacheDesc) -> ff.CacheDesc:
+        if c.kind == "list":
+            return attrs.evolve(c, children=tuple(cut(x) for x in c.children))
+        shorter = tuple(None if t is None else _span_tensor(t, length) for t in c.tensors)
+        return attrs.evolve(c, offset=length, tensors=shorter)
+
+    meta = attrs.evolve(manifest.meta, tokens=manifest.tokens[start:end])
+    blocks = tuple(attrs.evolve(b, start=b.start - start, end=b.end - start) for b in part)
+    return attrs.evolve(manifest, meta=meta, caches=tuple(cut(c) for c in manifest.caches), blocks=blocks)
+
+
 def chain(blocks: Iterable[BlockRef]) -> tuple[tuple[str, int, int], ...]:
     """The hash chain of a checkpoint's blocks (e.g. `SsdRecord.blocks`): names for KV events."""
     return tuple((b.name, b.start, b.end) for b in blocks if not b.state)

@@ -388,6 +388,26 @@ def lend(caches: Sequence[Any], length: int, *, total: int | None = None) -> lis
     return [kind_of(c).lend(c, length) for c in caches]
 
 
+def extend(caches: Sequence[Any], tail: Sequence[Any], *, skip: int, upto: int) -> bool:
+    """Append the token rows [skip, upto) of `tail` to `caches`, layer by layer (engine thread).
+
+    `tail` holds the KV of a run of tokens alone (`adopt` of a `blocks.trailing` read: plain attention
+    caches whose offset is the run's length); `caches` a row's, holding the tokens before the run's
+    first appended one. Each layer takes the rows through its own `update_and_fetch`, as the forward
+    pass over those tokens would have. False, with nothing changed, where the layers do not pair up
+    (a layer of another kind, or a run shorter than `upto`).
+    """
+    if len(caches) != len(tail) or not 0 <= skip < upto:
+        return False
+    if not all(type(t) is KVCache and t.keys is not None and t.offset >= upto for t in tail):
+        return False
+    if not all(hasattr(c, "update_and_fetch") and getattr(c, "offset", None) is not None for c in caches):
+        return False
+    for c, t in zip(caches, tail, strict=True):
+        c.update_and_fetch(t.keys[..., skip:upto, :], t.values[..., skip:upto, :])
+    return True
+
+
 def nbytes(caches: Sequence[Any]) -> int:
     """Logical bytes: tokens up to each layer's offset, without allocation slack."""
     return sum(kind_of(c).nbytes(c) for c in caches)

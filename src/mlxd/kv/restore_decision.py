@@ -16,10 +16,18 @@ is), so the best cut is an arm; a split wins where the bytes behind a cut are
 cheaper to read than the rest (a record partly in a fast medium: page cache,
 host memory). Only cuts the layout can read alone are offered (a block
 layout's block boundaries; a whole file's only cut is the whole file).
-The other way round the parts need not wait for each other (the tail's KV
-read from disk while the engine recomputes the head, max(prefill(j),
-read(n - j))); serving has no such path and this module does not model it:
-benchmarks/gpu/probe_reverse_split.py measures whether a GPU gives the overlap.
+The other way round the parts need not wait for each other: an overlapped
+split (`OVERLAP`) reads the KV of the record's tokens [j, n) from disk while
+the engine recomputes [warm, j) on top of the warm prefix, then appends the
+read KV and prefills the rest of the prompt; it costs max(prefill(j), read(n -
+j)) + prefill(rest), so it beats both arms where neither the read nor the
+recompute is much faster than the other (a GPU: recompute 2-3x faster than an
+SSD read). Attention KV at a position depends only on the tokens before it, so
+the read tail is exactly what recomputing it would give. Its cuts (`tails`:
+`RestoreCut.start` > 0) start on a block layout's block boundaries; it is
+weighed in the measured mode (`weigh_overlap`) and never chosen over an
+exploration or a recompute try (those measure something it would not).
+benchmarks/gpu/probe_reverse_split.py measures the overlap alone.
 
 Exploration: until a restore has been measured (here or by the server
 before a restart), the bandwidth is the startup probe's guess. A guess that is
@@ -81,7 +89,7 @@ RETRY_RATIO = 1.6
 # record lost on the read) no longer counts as in flight: as many as the unmeasured restores kept (_chosen_resident).
 IN_FLIGHT_PLANS = 16
 
-RECOMPUTE, RESTORE, SPLIT = "recompute", "restore", "split"
+RECOMPUTE, RESTORE, SPLIT, OVERLAP = "recompute", "restore", "split", "overlap"
 
 
 @attrs.frozen
@@ -89,21 +97,24 @@ class RestoreCut:
     """Restoring the first `tokens` tokens of a cold record reads `nbytes`.
 
     `resident_nbytes` of them are already in a faster medium (read at the
-    advisor's `resident_bytes_per_s`). Tokens are model tokens.
+    advisor's `resident_bytes_per_s`). Tokens are model tokens. `start` > 0: an
+    overlapped split's tail, the tokens [start, tokens) read (`nbytes`) while the
+    tokens before `start` are recomputed.
     """
 
     tokens: int
     nbytes: int
     resident_nbytes: int = 0
+    start: int = 0
 
 
 @attrs.frozen
 class RestorePlan:
     """The chosen arm: prefill on the warm prefix, restore all of the record, or its first `tokens`."""
 
-    arm: str  # RECOMPUTE | RESTORE | SPLIT
+    arm: str  # RECOMPUTE | RESTORE | SPLIT | OVERLAP
     cut: RestoreCut | None  # None for RECOMPUTE
-    seconds: float  # predicted: restore (if any) + prefill of the rest
+    seconds: float  # predicted: restore (if any) + prefill of the rest (OVERLAP: the longer part + the rest)
     recompute_seconds: float
     restore_seconds: float  # the whole record restored, then the rest prefilled
     explore: bool = False  # a restore the costs would not choose, taken to measure its bandwidth
@@ -127,6 +138,8 @@ class RestoreAdvisor:
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
     never: bool = False  # recompute whatever the costs say (restore_choice "never": the other arm)
+    overlap: bool = False  # an overlapped split nearest the middle whatever the costs say (restore_choice "overlap": tests)
+    weigh_overlap: bool = False  # weigh overlapped splits (`tails`) against the arms (serving's measured mode)
     explore: bool = False  # try an unmeasured restore once (restore_choice "measured": serving and its replay)
     # Bytes already in a fast medium (the page cache); None: the base model's page_cache_bytes_per_s;
     # 0: as fast as the rest.
@@ -134,6 +147,7 @@ class RestoreAdvisor:
     restores_chosen: int = 0
     recomputes_chosen: int = 0
     splits_chosen: int = 0
+    overlaps_chosen: int = 0
     explorations: int = 0  # restores chosen to measure their bandwidth (counted in restores_chosen too)
     last: RestorePlan | None = None  # the last counted choice (its predicted arms are in the stats)
     resident_samples: int = 0
@@ -156,6 +170,14 @@ class RestoreAdvisor:
     _trying: bool = attrs.field(init=False, default=False)  # that restore a try: measured afresh, not averaged in
     # Decisions left while a recompute try's whole prefill is not yet timed (0: none; IN_FLIGHT_PLANS)
     _recompute_in_flight: int = attrs.field(init=False, default=0)
+
+    @classmethod
+    def for_choice(cls, choice: str, base: CostModel = DEFAULT, *, overlap: bool = True) -> RestoreAdvisor:
+        """The advisor of a server's --restore-choice (measured, always, never, split, overlap) and
+        --restore-overlap (weigh overlapped splits in the measured mode); a replay builds the same."""
+        return cls(base=base, always=choice == "always", split=choice == "split", never=choice == "never",
+                   overlap=choice == "overlap", explore=choice == "measured",
+                   weigh_overlap=overlap and choice == "measured")
 
     def __attrs_post_init__(self) -> None:
         if self.restore_bytes_per_s is None:
@@ -240,16 +262,22 @@ class RestoreAdvisor:
         return plan.arm != RECOMPUTE
 
     def plan(
-        self, *, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int, count: bool = True
+        self, *, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int, count: bool = True,
+        tails: Sequence[RestoreCut] = (),
     ) -> RestorePlan:
         """Recompute on the `warm_tokens` prefix, restore the whole record (the last cut), or a
-        shorter cut and prefill the rest: the least predicted time (counted in the stats).
+        shorter cut and prefill the rest, or (`tails`) recompute a head while its tail is read:
+        the least predicted time (counted in the stats).
 
         `cuts` are the prefixes the record's layout can read alone, shortest first, the
         last one the whole usable record. Cuts no longer than the warm prefix are ignored.
+        `tails` are the record's parts [start, tokens) the layout can read alone (`RestoreCut.start`);
+        those starting within the warm prefix are ignored.
         `count` False: a look ahead (the prefetcher's), not a decision: the stats stay.
         """
         plan = self._plan(cuts, warm_tokens, prompt_tokens)
+        if tails:
+            plan = self._overlapped(plan, tails, warm_tokens, prompt_tokens)
         if count:
             self.last = plan
             self.explorations += int(plan.explore)
@@ -275,9 +303,37 @@ class RestoreAdvisor:
                 self.recomputes_chosen += 1
             elif plan.arm == RESTORE:
                 self.restores_chosen += 1
-            else:
+            elif plan.arm == SPLIT:
                 self.splits_chosen += 1
+            else:
+                self.overlaps_chosen += 1
         return plan
+
+    def _overlapped(
+        self, plan: RestorePlan, tails: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int
+    ) -> RestorePlan:
+        """`plan`, or an overlapped split where one is predicted faster than every arm (or forced)."""
+        usable = [t for t in tails if warm_tokens < t.start < t.tokens]
+        if not usable or self.never or self.always or self.split:
+            return plan
+        if self.overlap:  # the tail whose start is nearest the middle of what the record adds
+            mid = (warm_tokens + usable[-1].tokens) / 2
+            tail = min(usable, key=lambda t: abs(t.start - mid))
+        elif not self.weigh_overlap or plan.explore or plan.recompute_try:
+            return plan
+        else:
+            tail = min(usable, key=lambda t: self._overlap_seconds(t, warm_tokens, prompt_tokens))
+        seconds = self._overlap_seconds(tail, warm_tokens, prompt_tokens)
+        if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
+            return plan
+        return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds)
+
+    def _overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
+        """Recompute the head on the warm prefix while `tail` is read (the longer of the two), then
+        prefill the rest of the prompt on both."""
+        head = self.prefill_seconds(tail.start - warm_tokens, warm_tokens)
+        read = self.restore_seconds(tail.nbytes, tail.resident_nbytes) + self.landed_seconds(tail.nbytes)
+        return max(head, read) + self.prefill_seconds(prompt_tokens - tail.tokens, tail.tokens)
 
     def _plan(self, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int) -> RestorePlan:
         usable = sorted((c for c in cuts if c.tokens > warm_tokens), key=lambda c: c.tokens)
@@ -380,6 +436,7 @@ class RestoreAdvisor:
             "restores_chosen": self.restores_chosen,
             "recomputes_chosen": self.recomputes_chosen,
             "splits_chosen": self.splits_chosen,
+            "overlaps_chosen": self.overlaps_chosen,
             "prefill_scale": round(self.prefill_scale, 4),
             "prefill_samples": self.prefill_samples,
             "whole_prefill_samples": self.whole_prefill_samples,

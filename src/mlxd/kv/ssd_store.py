@@ -423,6 +423,7 @@ class SsdStore:
         verify: bool = True,
         land: Callable[[ff.FileHeader], ff.Landing] | None = None,
         upto: int = 0,
+        start: int = 0,
     ) -> ff.LoadedSnapshot | None:
         """Read a file for adoption (and touch its mtime); None when it cannot be used.
 
@@ -432,11 +433,14 @@ class SsdStore:
         checks only the hashed header, layout and size. `land`: where the tensors
         are read to (`read_snapshot`; a block checkpoint's tensors likewise, `BlockStore.load`).
         `upto`: a block checkpoint's first `upto` tokens only (`BlockStore.load`); a whole file is
-        read whole (its CRC-32s cover every token).
+        read whole (its CRC-32s cover every token). `start`: a block checkpoint's tokens from `start`
+        on only (an overlapped split's tail, `BlockStore.load`); a whole file has no such part (None).
         """
         assert record.path is not None
         if record.blocks:
-            return self._blocks.load(record, verify=verify, land=land, upto=upto)
+            return self._blocks.load(record, verify=verify, land=land, upto=upto, start=start)
+        if start:
+            return None
         try:
             loaded = ff.read_snapshot(record.path, verify=verify, land=land)
         except ff.CorruptFile as exc:

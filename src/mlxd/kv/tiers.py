@@ -97,12 +97,15 @@ class SsdMatch:
     """A record that can serve `usable` tokens of a prompt (<= len(prompt) - 1).
 
     `read_tokens` > 0: read only the record's first `read_tokens` tokens (a block
-    layout's leading blocks, >= `usable`); 0: read the whole record.
+    layout's leading blocks, >= `usable`); 0: read the whole record. `read_from` > 0:
+    an overlapped split's tail, read from that token (a block boundary) on, while
+    the tokens before it are recomputed.
     """
 
     record: SsdRecord
     usable: int
     read_tokens: int = 0
+    read_from: int = 0
 
     @property
     def needs_trim(self) -> bool:
@@ -420,6 +423,39 @@ def restore_cuts(
     return cuts
 
 
+def restore_tails(
+    cold: SsdMatch, warm: int, real: Callable[[int], int], *, resident: Sequence[int] = ()
+) -> list[tuple[RestoreCut, SsdMatch]]:
+    """The parts [start, usable) of a cold record that an overlapped split can read while the engine
+    recomputes the tokens before `start` (past the warm prefix), each with the match that reads it.
+
+    Only a block layout of span blocks (trimmable attention caches) reads a part alone: a tail starts on
+    a block boundary past `warm` and reads its blocks up to the one holding the record's last usable token.
+    `resident` as for `restore_cuts`.
+    """
+    record, usable = cold.record, cold.usable
+    spans = sorted((b for b in record.blocks if not b.state), key=lambda b: b.start)
+    if not (record.blocks and record.trimmable and len(spans) == len(record.blocks)):
+        return []
+    last = next((i for i, b in enumerate(spans) if b.end >= usable), None)
+    if last is None:
+        return []
+    in_cache = dict(zip((b.name for b in record.blocks), resident, strict=False))
+    end = spans[last].end
+    read_tokens = 0 if end >= len(record.tokens) else end
+    tails: list[tuple[RestoreCut, SsdMatch]] = []
+    for i in range(last + 1):
+        start = spans[i].start
+        if start <= warm or start >= usable:
+            continue
+        part = spans[i : last + 1]
+        nbytes = sum(b.nbytes for b in part)
+        fast = sum(min(in_cache.get(b.name, 0), b.nbytes) for b in part)
+        tails.append((RestoreCut(real(usable), nbytes, fast, start=real(start)),
+                      SsdMatch(record, usable, read_tokens, read_from=start)))
+    return tails
+
+
 @attrs.define
 class _MemoryCounters:
     active: int = 0
@@ -570,8 +606,10 @@ class CacheTiers:
             if self.residency is not None and self.advisor.resident_bytes_per_s:
                 weighed = tuple(int(b) for b in resident)
             cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=resident)
+            cuts += self._tails(cold, warm, real, resident)
             plan = self.advisor.plan(
-                cuts=[c for c, _ in cuts], warm_tokens=real(warm), prompt_tokens=real(len(tokens))
+                cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
+                warm_tokens=real(warm), prompt_tokens=real(len(tokens)),
             )
         if cold is None or plan is None or plan.cut is None:
             if record is not None:
@@ -580,6 +618,14 @@ class CacheTiers:
         self._index.touch(cold.record, self.now)
         chosen = next(m for c, m in cuts if c is plan.cut)
         return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan, resident=weighed)
+
+    def _tails(
+        self, cold: SsdMatch, warm: int, real: Callable[[int], int], resident: Sequence[int]
+    ) -> list[tuple[RestoreCut, SsdMatch]]:
+        """The overlapped splits the advisor may weigh (none unless it weighs or forces them)."""
+        if not (self.advisor.weigh_overlap or self.advisor.overlap):
+            return []
+        return restore_tails(cold, warm, real, resident=resident)
 
     def _resident(self, record: SsdRecord, *, hint: bool = False) -> Sequence[int]:
         """The record's bytes in the page cache, where the advisor has a page-cache bandwidth to use them.
@@ -639,10 +685,11 @@ class CacheTiers:
         if self.host is not None and self.host.find(tokens, namespace, longer_than=cold.usable - 1) is not None:
             return None  # the host tier will serve it: no SSD read
         usable = warm.usable if warm is not None else 0
-        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split,
-                            resident=self._resident(cold.record, hint=True))
-        plan = self.advisor.plan(cuts=[c for c, _ in cuts], warm_tokens=usable, prompt_tokens=len(tokens),
-                                 count=False)
+        resident = self._resident(cold.record, hint=True)
+        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split, resident=resident)
+        cuts += self._tails(cold, usable, lambda n: n, resident)
+        plan = self.advisor.plan(cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
+                                 warm_tokens=usable, prompt_tokens=len(tokens), count=False)
         if plan.arm == RECOMPUTE:  # read for nothing: the disk, a landing's memory and the engine's time for it
             return None
         return next((m for c, m in cuts if c is plan.cut), cold)

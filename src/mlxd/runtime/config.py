@@ -158,11 +158,18 @@ class RuntimeConfig:
     # SSD prefix longer than RAM's (deterministic tiers, whatever the timings; tests pin it via
     # MLXD_RESTORE_CHOICE, whose value is the default when it is set), "never" = always prefill
     # (the recompute arm, for a benchmark's comparison), "split" = restore a middle
-    # cut of every such prefix and prefill the rest (a test knob for the split's exactness).
+    # cut of every such prefix and prefill the rest (a test knob for the split's exactness),
+    # "overlap" = recompute a first part of it while the rest is read (the overlapped split's knob).
     restore_choice: str = attrs.field(
         factory=lambda: os.environ.get("MLXD_RESTORE_CHOICE", "measured"),
-        validator=attrs.validators.in_(("measured", "always", "never", "split")),
+        validator=attrs.validators.in_(("measured", "always", "never", "split", "overlap")),
     )
+    # "measured" also weighs overlapped splits (kv/restore_decision.py OVERLAP; the block layout only)
+    restore_overlap: bool = True
+    # How long the engine waits for an overlapped split's tail once its head is recomputed: None = as long
+    # as recomputing the tail would take at the head's rate (engine/core.py `_overlap`); a number pins it
+    # (tests: a tail read on a loaded machine still lands)
+    restore_overlap_wait_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
     # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files
     # every ssd_rescan_s; delete only as the collector, only files unused for the grace.

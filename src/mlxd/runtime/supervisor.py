@@ -843,10 +843,9 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         if address is not None else None
     )
     # The restore advisor starts from what the startup probe measured on this device.
-    choice = config.restore_choice
-    advisor = RestoreAdvisor(
-        base=info.probe.cost_model() if info.probe is not None else DEFAULT,
-        always=choice == "always", split=choice == "split", never=choice == "never", explore=choice == "measured",
+    advisor = RestoreAdvisor.for_choice(
+        config.restore_choice, info.probe.cost_model() if info.probe is not None else DEFAULT,
+        overlap=config.restore_overlap,
     )
     advisor_saved = await _saved_calibration(config, store, info, advisor)
     cache_owner = CacheOwnerActor(

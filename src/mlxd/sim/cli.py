@@ -122,6 +122,7 @@ def run_one(args, reqs, cost, model, policy, blocks, ssd_bytes, flushes=()) -> R
             ssd_block_tokens=args.ssd_block_tokens or 1024,
             advisor_base=getattr(args, "advisor_base", None),
             restore_choice=getattr(args, "restore_choice", "measured"),
+            restore_overlap=getattr(args, "restore_overlap", True),
             calibrate_timing=getattr(args, "timing_from_recording", False),
             shared_prefill=_shared_prefill(args),
             ttft_warmup=getattr(args, "ttft_warmup", 0),
@@ -180,6 +181,7 @@ def apply_recorded_server(args, server: dict | None, cost: CostModel) -> CostMod
         args.ssd_gb = (server.get("ssd_cache_max_bytes") or 0) / GIB or None
     args.demote_idle_s = float(server.get("ssd_demote_idle_s") or 0.0)
     args.restore_choice = server.get("restore_choice", "measured")
+    args.restore_overlap = bool(server.get("restore_overlap", False))  # recorded before it was: none weighed
     args.kv_admission_rule = server.get("kv_admission")  # --kv-admission: its rule and room (kv/admission.py)
     if getattr(args, "host_gb", None) is None and server.get("host_cache_bytes"):
         args.host_gb = int(server["host_cache_bytes"]) / GIB

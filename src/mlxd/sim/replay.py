@@ -243,6 +243,7 @@ class MlxdReplay:
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
             advisor.never = bool(cal.get("never", advisor.never))  # --restore-choice never
+            advisor.overlap = bool(cal.get("overlap", advisor.overlap))  # --restore-choice overlap
             # The timings too: the server measured its prefill against the same base model (TTFT).
             if self.calibrate_timing and "prefill_scale" in cal:
                 self._prefill_scale = float(cal["prefill_scale"])
@@ -296,10 +297,14 @@ class MlxdReplay:
                 prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
                 session=session,
             )
-            restore_s, restored = 0.0, 0
+            restore_s, restored, head, head_s = 0.0, 0, 0, 0.0
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
                 restore_s, restored = self._restore(lookup.restore, r.namespace)
+                if lookup.restore.read_from:  # an overlapped split: the head recomputed while the tail is read
+                    warm = real(lookup.hit.usable) if lookup.hit is not None else 0
+                    head = real(lookup.restore.read_from) - warm  # prefilled: not a hit in the server's usage
+                    head_s = self._prefill_scale * self.cost.prefill_seconds(head, warm)
             elif lookup.hit is not None and lookup.promoted:  # back from the host tier: one bulk copy
                 hit, source = real(lookup.hit.usable), "host"
                 restore_s = self.cost.host_seconds(lookup.hit.entry.nbytes)
@@ -313,6 +318,7 @@ class MlxdReplay:
             restore_s *= spread
             if restored:  # as the engine's RestoreMeasured: the advisor calibrates on it
                 self.tiers.advisor.observe_restore(nbytes=restored, seconds=restore_s)
+            restore_s = max(restore_s, spread * head_s)
             await trio.sleep(restore_s)
             prefill_s = spread * self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
             if self.shared_prefill:
@@ -327,9 +333,9 @@ class MlxdReplay:
             threshold = 1 if session is not None else max(1, self.snapshot_min_tokens)  # as the engine
             if r.input_length - hit - 1 >= threshold:
                 self._publish(prompt[:-1], r.namespace, r.input_length - 1, session)
-            self.tally.add_request(r.input_length, hit, source=source)
+            self.tally.add_request(r.input_length, hit - head, source=source)
             if self.on_request is not None:
-                self.on_request(r, hit, source)
+                self.on_request(r, hit - head, source)
             await trio.sleep(self.cost.decode_seconds(r.output_tokens, r.input_length))
             nth = self._served_by[source] = self._served_by.get(source, 0) + 1
             self.tally.add_timing(
@@ -387,16 +393,22 @@ class MlxdReplay:
         return float(np.quantile(ratios, (0.5 + k * _GOLDEN) % 1.0))
 
     def _restore(self, match: SsdMatch, namespace: str) -> tuple[float, int]:
-        """Read an SSD record back (a split: its leading blocks) and publish it in RAM (durable):
-        (seconds, bytes read)."""
+        """Read an SSD record back (a split: its leading blocks; an overlapped split: its tail) and publish
+        it in RAM (durable): (seconds, bytes read)."""
         record = match.record
         tokens, nbytes = record.tokens, record.nbytes
-        if match.read_tokens:  # as BlockStore.load(upto=...): the checkpoint of the leading blocks
+        held = nbytes  # what the published prefix holds
+        if match.read_from:  # as the engine's overlapped split: the tail's blocks read, the usable prefix published
+            end = match.read_tokens or len(record.tokens)
+            tokens = record.tokens[: match.usable]
+            nbytes = sum(b.nbytes for b in record.blocks if not b.state and match.read_from <= b.start < end)
+            held = sum(b.nbytes for b in record.blocks if not b.state and b.start < match.usable)
+        elif match.read_tokens:  # as BlockStore.load(upto=...): the checkpoint of the leading blocks
             tokens = record.tokens[: match.read_tokens]
-            nbytes = sum(b.nbytes for b in record.blocks if not b.state and b.end <= match.read_tokens)
+            nbytes = held = sum(b.nbytes for b in record.blocks if not b.state and b.end <= match.read_tokens)
         self.tally.ssd_bytes_read += nbytes
         self._apply(
-            self.tiers.publish(tokens, namespace, payload=None, nbytes=nbytes, trimmable=record.trimmable, durable=True,
+            self.tiers.publish(tokens, namespace, payload=None, nbytes=held, trimmable=record.trimmable, durable=True,
                                pages=self._pages(tokens, namespace))
         )
         self._count_ram()
@@ -530,6 +542,7 @@ def replay_mlxd(
     kv_admission_bytes: int = 0,
     kv_admission_rule: dict | None = None,
     restore_choice: str = "measured",
+    restore_overlap: bool = True,
     restarts: Sequence[float] = (),
     ram_pages: bool = False,
     ram_page_tokens: int = 1024,
@@ -540,7 +553,8 @@ def replay_mlxd(
     """One run of the `mlxd` cache model. `ram_bytes` None = unlimited; `ssd` enables the tier
     (`ssd_bytes` None = unlimited). `advisor_base`: the cost model the recorded server's
     restore advisor started from (its startup probe), when it was not `cost`; `restore_choice`
-    its --restore-choice (measured, always, never, split). `calibrate_timing`: `cost` is the recorded server's
+    its --restore-choice (measured, always, never, split, overlap), `restore_overlap` its --restore-overlap.
+    `calibrate_timing`: `cost` is the recorded server's
     probe model, so the calibration recorded at each flush scales its prefill and restore timings too.
     `restarts`: times the server restarts on its SSD tier (`MlxdReplay.restarts`). `ttft_warmup`: the first N
     requests of each tier are left out of its TTFT percentiles (`MlxdReplay.ttft_warmup`)."""
@@ -553,10 +567,8 @@ def replay_mlxd(
         cache = PromptCache(max_bytes=UNLIMITED_BYTES if ram_bytes is None else ram_bytes,
                             policy=make_retention(policy, cost), clock=lambda: replay.now())
         tiers = CacheTiers(
-            cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0, advisor=RestoreAdvisor(
-                base=advisor_base or cost, always=restore_choice == "always", split=restore_choice == "split",
-                never=restore_choice == "never", explore=restore_choice == "measured",
-            ),
+            cache, ssd=ssd, ssd_max_bytes=ssd_bytes or 0,
+            advisor=RestoreAdvisor.for_choice(restore_choice, advisor_base or cost, overlap=restore_overlap),
             demote_idle_s=demote_idle_s,
         )
         if host_bytes:  # the host-memory tier between RAM and SSD (--host-cache-gb)
@@ -618,7 +630,8 @@ class _Restart:
 def _decisions(advisors: Sequence[RestoreAdvisor]) -> dict[str, float]:
     """The restore advisors' stats over every process of a replay: choices summed, the rest the last one's."""
     out = dict(advisors[-1].stats())
-    for key in ("restores_chosen", "recomputes_chosen", "splits_chosen", "explorations", "recompute_tries"):
+    for key in ("restores_chosen", "recomputes_chosen", "splits_chosen", "overlaps_chosen", "explorations",
+                "recompute_tries"):
         out[key] = sum(a.stats()[key] for a in advisors)
     return out
 

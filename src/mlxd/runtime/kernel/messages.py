@@ -5,6 +5,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
       scheduler --ReleaseRam--> cache owner (reply: RamRoom; --kv-admission)
       runtime --PrefetchHint--> cache owner --PrefetchRecord--> prefetcher
       scheduler --FetchSnapshot--> prefetcher (reply: LoadedSnapshot | None)
+      scheduler --FetchTail--> prefetcher --TailSlot.land--> engine thread (an overlapped split's tail)
       cache owner --MarkDirty / ForgetDirty / MarkNotStored--> durability coordinator
       durability coordinator --WriteSnapshot--> SSD writer --SnapshotWritten--> coordinator
       coordinator --EntryDurable / EntryNotPersisted--> cache owner; prefetcher --RecordLost--> cache owner
@@ -15,6 +16,7 @@ Flow: HTTP handler / embedder --SubmitGeneration--> scheduler
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import attrs
@@ -204,6 +206,40 @@ class RestoreSnapshot:
     loaded: LoadedSnapshot
 
 
+class TailSlot:
+    """Where an overlapped split's tail lands: set once by the prefetcher (`land`, from the trio thread),
+    looked at by the engine thread between the chunks of the head it recomputes meanwhile (`landed`),
+    never waited for there (a tail not back when the head is done is recomputed in turn)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.loaded: LoadedSnapshot | None = None  # None once landed: the read failed (recompute it)
+
+    def land(self, loaded: LoadedSnapshot | None) -> None:
+        self.loaded = loaded
+        self._done.set()
+
+    @property
+    def landed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Tests and tools: wait up to `timeout` seconds; whether it landed."""
+        return self._done.wait(timeout)
+
+
+@attrs.frozen(eq=False)
+class TailRestore:
+    """An overlapped split (kv/restore_decision.py OVERLAP): the engine recomputes the prompt's tokens
+    before `start` while the record's KV of the tokens [start, usable) is read into `slot`, then appends
+    it and prefills the rest. `start` is a block boundary; the read tail may run past `usable`."""
+
+    record: SsdRecord
+    start: int
+    usable: int
+    slot: TailSlot = attrs.field(factory=TailSlot)
+
+
 @attrs.frozen(eq=False)
 class DraftPrefix:
     """--draft-model: the draft's own cached prefix of a request (its namespace; a RAM hit or a cold file read)."""
@@ -233,6 +269,7 @@ class StartGeneration:
     resume: ResumeGeneration | None = None  # wins over `hit` and `restore`
     draft: DraftPrefix | None = None  # --draft-model: the draft's own cached prefix
     checkpoint_at: tuple[int, ...] = ()  # prompt lengths to checkpoint at (pinned breakpoint prefixes)
+    tail: TailRestore | None = None  # an overlapped split's tail, read meanwhile (with `hit`, never `restore`)
 
 
 @attrs.frozen
@@ -720,6 +757,7 @@ class PrefetchRecord:
 
     record: SsdRecord
     upto: int = 0  # > 0: only its first `upto` tokens (the restore advisor would split it)
+    start: int = 0  # > 0: only its tokens from `start` on (an overlapped split's tail)
 
 
 @attrs.frozen(eq=False)
@@ -746,7 +784,18 @@ class PrefetchStats:
     reply: Reply[PrefetchSnapshot]
 
 
-PrefetcherMessage = PrefetchRecord | FetchSnapshot | PrefetchStats
+@attrs.frozen(eq=False)
+class FetchTail:
+    """Read an overlapped split's tail (the record's tokens from `start` on, to `upto` when > 0) into
+    `slot`: its `LoadedSnapshot`, or None when the read failed (the engine recomputes it)."""
+
+    record: SsdRecord
+    start: int
+    slot: TailSlot
+    upto: int = 0
+
+
+PrefetcherMessage = PrefetchRecord | FetchSnapshot | FetchTail | PrefetchStats
 
 
 @attrs.frozen(eq=False)

@@ -1,0 +1,275 @@
+"""Overlapped split: recompute a cold record's first part while its last part is read from SSD.
+
+The pure choice (`RestoreAdvisor.plan` with `tails`) where it beats both arms and where it
+does not, the tails a block layout offers (`tiers.restore_tails`), a block checkpoint's
+last blocks read alone (`BlockStore.load(start=...)`) and appended to a row's caches
+(`kinds.extend`), the engine's overlapped row on the real tiny model (a tail that landed,
+one that did not, one whose read failed: the same tokens and logprobs every time), and a
+live server whose forced overlap gives the cold prefill's greedy tokens and logprobs, its
+simulator replay deciding alike.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as mlc
+
+from mlxd import SamplingParams
+from mlxd.cli import record_trace
+from mlxd.engine import loading
+from mlxd.engine.core import EngineCore
+from mlxd.engine.drive import run_rows
+from mlxd.engine.ops import RowStart
+from mlxd.kv import blocks as bk
+from mlxd.kv import kinds
+from mlxd.kv.block_store import BlockStore
+from mlxd.kv.cost_model import DEFAULT
+from mlxd.kv.prompt_cache import PromptCache
+from mlxd.kv.restore_decision import OVERLAP, RECOMPUTE, RESTORE, RestoreAdvisor, RestoreCut
+from mlxd.kv.tiers import CacheTiers, SsdMatch, restore_tails
+from mlxd.runtime.kernel.messages import GenerationRequest, TailRestore
+from test_restore_split import (
+    IDENTITY,
+    block_record,
+    complete,
+    conversation_kv,
+    flush,
+    simulate,
+    stats,
+)
+
+from serving import ServerThread, config_for
+
+PER_TOKEN = DEFAULT.kv_bytes_per_token
+# A GPU's regime (H100 2026-12-06: a 16k-token recompute 0.43 s, its SSD restore 1.02 s): the read of a
+# token about 2.4x its recompute's share; DEFAULT's prefill cost with a disk that slow.
+GPU_LIKE = attrs.evolve(DEFAULT, restore_bytes_per_s=PER_TOKEN * 8000 / (2.4 * DEFAULT.prefill_seconds(8000)))
+
+
+def whole_cuts(tokens: int, step: int) -> list[RestoreCut]:
+    return [RestoreCut(end, end * PER_TOKEN) for end in range(step, tokens + 1, step)]
+
+
+def tails(tokens: int, step: int, warm: int = 0) -> list[RestoreCut]:
+    """The tails [start, tokens) of a `tokens`-token record in `step`-token blocks."""
+    return [RestoreCut(tokens, (tokens - s) * PER_TOKEN, start=s) for s in range(step, tokens, step) if s > warm]
+
+
+# --- the pure choice -------------------------------------------------------------------------------
+
+
+def test_an_overlap_beats_both_arms_where_neither_is_much_faster():
+    a = RestoreAdvisor(base=GPU_LIKE, weigh_overlap=True)
+    plan = a.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100)
+    assert plan.arm == OVERLAP and 0 < plan.cut.start < 8000 and plan.cut.tokens == 8000
+    assert plan.seconds < plan.recompute_seconds and plan.seconds < plan.restore_seconds
+    # its cost: the longer of the head's recompute and the tail's read, then the rest on top of both
+    head = a.prefill_seconds(plan.cut.start, 0)
+    read = a.restore_seconds(plan.cut.nbytes)
+    assert plan.seconds == pytest.approx(max(head, read) + a.prefill_seconds(100, 8000))
+    # the best tail of those offered
+    best = min(a._overlap_seconds(t, 0, 8100) for t in tails(8000, 500))
+    assert plan.seconds == pytest.approx(best)
+    assert a.stats()["overlaps_chosen"] == 1 and a.stats()["recomputes_chosen"] == 0
+    # about half the record each way: ~0.6x the recompute arm here
+    assert plan.seconds < 0.75 * plan.recompute_seconds
+
+
+def test_no_overlap_where_one_arm_is_far_faster():
+    fast = RestoreAdvisor(base=DEFAULT, weigh_overlap=True)  # the CPU: restores orders of magnitude faster
+    assert fast.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100).arm == RESTORE
+    slow = RestoreAdvisor(base=attrs.evolve(DEFAULT, restore_bytes_per_s=1e3), weigh_overlap=True)
+    assert slow.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100).arm == RECOMPUTE
+    assert fast.overlaps_chosen == slow.overlaps_chosen == 0
+
+
+def test_overlaps_are_weighed_only_when_asked_and_forced_in_the_middle():
+    off = RestoreAdvisor(base=GPU_LIKE)
+    assert off.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100).arm != OVERLAP
+    forced = RestoreAdvisor(base=DEFAULT, overlap=True)  # restores far faster: forced all the same
+    plan = forced.plan(cuts=whole_cuts(8000, 1000), tails=tails(8000, 1000, 2000), warm_tokens=2000, prompt_tokens=8100)
+    assert plan.arm == OVERLAP and plan.cut.start == 5000  # the middle of what the record adds
+    # tails starting within the warm prefix are ignored; none left: the arms decide
+    none_left = forced.plan(cuts=whole_cuts(8000, 1000), tails=tails(8000, 1000), warm_tokens=7500, prompt_tokens=8100)
+    assert none_left.arm != OVERLAP
+    # the advisors of --restore-choice / --restore-overlap
+    assert RestoreAdvisor.for_choice("measured").weigh_overlap
+    assert not RestoreAdvisor.for_choice("measured", overlap=False).weigh_overlap
+    assert not RestoreAdvisor.for_choice("always").weigh_overlap and RestoreAdvisor.for_choice("overlap").overlap
+
+
+def test_an_exploration_is_not_replaced_by_an_overlap():
+    # An unmeasured restore predicted slower than recompute is tried once what recomputing forwent covers
+    # it (kv/restore_decision.py): that try measures the whole read, which an overlap would not.
+    a = RestoreAdvisor(base=GPU_LIKE, weigh_overlap=True, explore=True, forgone_s=1e6)
+    plan = a.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100)
+    assert plan.arm == RESTORE and plan.explore
+
+
+# --- the tails a block layout offers ----------------------------------------------------------------
+
+
+def test_tails_start_on_block_boundaries_past_the_warm_prefix_and_cost_their_blocks():
+    rec = block_record(100, 32)
+    found = restore_tails(SsdMatch(rec, 90), 20, lambda n: n)
+    assert [(c.start, c.tokens, c.nbytes) for c, _ in found] == [(32, 90, 640), (64, 90, 320)]
+    assert [(m.usable, m.read_tokens, m.read_from) for _, m in found] == [(90, 96, 32), (90, 96, 64)]
+    last = restore_tails(SsdMatch(rec, 99), 40, lambda n: n)  # to the record's last block: read to its end
+    assert [(c.start, c.nbytes, m.read_tokens) for c, m in last] == [(64, 360, 0), (96, 40, 0)]
+    assert restore_tails(SsdMatch(block_record(100, 32, trimmable=False, state=True), 99), 0, lambda n: n) == []
+    from mlxd.kv.tiers import SsdRecord
+
+    assert restore_tails(SsdMatch(SsdRecord("", tuple(range(1, 101)), 1000, 0.0, True), 99), 0, lambda n: n) == []
+
+
+def test_the_lookup_returns_the_overlap_and_the_prefetcher_reads_its_tail():
+    tiers = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=RestoreAdvisor(overlap=True))
+    tiers.load_records([block_record(128, 32)])
+    lookup = tiers.lookup(tuple(range(1, 140)))
+    assert lookup.plan.arm == OVERLAP and lookup.plan.cut.start == 64
+    assert (lookup.restore.usable, lookup.restore.read_from, lookup.restore.read_tokens) == (128, 64, 0)
+    assert tiers.stats().restore_decisions["overlaps_chosen"] == 1
+    ahead = tiers.prefetch_match(tuple(range(1, 140)))
+    assert ahead.read_from == 64 and tiers.stats().restore_decisions["overlaps_chosen"] == 1
+    # without the knob (or --restore-overlap off) no tail is weighed
+    plain = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=RestoreAdvisor(base=GPU_LIKE))
+    plain.load_records([block_record(128, 32)])
+    assert plain.lookup(tuple(range(1, 140))).plan.arm in (RESTORE, RECOMPUTE)
+
+
+# --- a block checkpoint's last blocks read alone and appended --------------------------------------
+
+
+def test_trailing_blocks_load_as_the_kv_of_their_tokens_and_extend_a_head(tmp_path):
+    store = BlockStore(tmp_path, IDENTITY, block_tokens=16)
+    tokens = list(range(1, 61))
+    record = store.write(kinds.plan_snapshot(conversation_kv(tokens), meta=IDENTITY.meta(tokens, ""))).record
+    tail = store.load(record, start=32)
+    assert tail.header.tokens == tuple(tokens[32:]) and tail.nbytes == sum(b.nbytes for b in record.blocks[2:])
+    middle = store.load(record, start=16, upto=48)
+    assert middle.header.tokens == tuple(tokens[16:48]) and middle.nbytes == sum(b.nbytes for b in record.blocks[1:3])
+    assert store.load(record, start=20) is None  # not a block boundary: no such part
+    assert record.path.exists() and all(p.exists() for p in store.block_paths(record))  # and nothing was removed
+    full = conversation_kv(tokens)
+    for head_len in (32, 40):  # from the tail's start, and from part way into it
+        row = kinds.lend(conversation_kv(tokens[:head_len]), head_len)
+        assert kinds.extend(row, kinds.adopt(tail), skip=head_len - 32, upto=59 - 32)
+        assert [c.offset for c in row] == [59, 59]
+        for got, want in zip(row, full, strict=True):
+            assert np.array_equal(np.asarray(got.keys[..., :59, :]), np.asarray(want.keys[..., :59, :]))
+            assert np.array_equal(np.asarray(got.values[..., :59, :]), np.asarray(want.values[..., :59, :]))
+    # layers that do not pair up change nothing
+    row = conversation_kv(tokens[:32])
+    rotating = [mlc.RotatingKVCache(max_size=8) for _ in row]
+    assert not kinds.extend(row, rotating, skip=0, upto=10)
+    assert not kinds.extend(row, kinds.adopt(tail), skip=0, upto=99)
+    assert [c.offset for c in row] == [32, 32]
+
+
+def test_trailing_refuses_what_the_layout_cannot_read_alone():
+    rec = block_record(100, 32)
+    manifest = bk.Manifest(IDENTITY.meta(list(rec.tokens), ""), (), rec.blocks)
+    assert bk.trailing(manifest, 0) is None and bk.trailing(manifest, 100) is None
+    assert bk.trailing(manifest, 40) is None  # not a boundary
+    assert bk.trailing(manifest, 32, 70) is None  # nor is its end
+    part = bk.trailing(manifest, 32, 96)
+    assert part.tokens == rec.tokens[32:96] and [(b.start, b.end) for b in part.blocks] == [(0, 32), (32, 64)]
+    assert [b.name for b in part.blocks] == [b.name for b in rec.blocks[1:3]]
+
+
+# --- the engine's overlapped row ---------------------------------------------------------------------
+
+rng = np.random.default_rng(31)
+PREFIX = tuple(int(x) for x in rng.integers(3, 250, 192))
+PROMPT = PREFIX + tuple(int(x) for x in rng.integers(3, 250, 24))
+NO_EOS = ((0, -100.0), (2, -100.0))
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir):
+    c = EngineCore(config_for(tiny_model_dir))
+    c.load()
+    yield c
+    c.close()
+
+
+def _request(rid: str) -> GenerationRequest:
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, logit_bias=NO_EOS)
+    return GenerationRequest(request_id=rid, prompt=PROMPT, sampling=sampling)
+
+
+def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_prefill(core, tmp_path):
+    store = BlockStore(tmp_path, core.store_identity, block_tokens=32)
+    caches = loading.fresh_caches(core.model, core._config)
+    core.model(mx.array([list(PREFIX)]), cache=caches)
+    mx.eval([c.state for c in caches])
+    record = store.write(kinds.plan_snapshot(caches, meta=core.store_identity.meta(list(PREFIX), ""))).record
+    cold = run_rows(core, [_request("cold")])
+
+    def overlapped(rid: str, land: str):
+        tail = TailRestore(record, 96, len(PREFIX))
+        if land == "landed":
+            tail.slot.land(store.load(record, start=96))
+        elif land == "failed":
+            tail.slot.land(None)
+        before = core.stats()
+        run = run_rows(core, [RowStart(request=_request(rid), tail=tail)])
+        after = core.stats()
+        counts = {k: getattr(after, k) - getattr(before, k) for k in (
+            "overlap_tails", "overlap_tail_tokens", "overlap_tails_recomputed", "prompt_tokens")}
+        accepted = next(n for n in run.notes if type(n).__name__ == "PublishPrefix" and n.reason == "restore") \
+            if land == "landed" else None
+        return run, counts, accepted
+
+    for land in ("landed", "late", "failed"):
+        run, counts, published = overlapped(land, land)
+        assert run.tokens[land] == cold.tokens["cold"], land
+        np.testing.assert_allclose(run.logprobs[land], cold.logprobs["cold"], atol=1e-5)
+        if land == "landed":
+            assert counts["overlap_tails"] == 1 and counts["overlap_tail_tokens"] == len(PREFIX) - 96
+            assert counts["prompt_tokens"] == len(PROMPT) - (len(PREFIX) - 96)  # the tail alone was not prefilled
+            assert published.tokens == PREFIX and published.durable  # the prefix in RAM, as a restore's
+        else:  # recomputed: the whole prompt prefilled, nothing published as a restore
+            assert counts["overlap_tails"] == 0 and counts["overlap_tails_recomputed"] == 1
+            assert counts["prompt_tokens"] == len(PROMPT)
+
+
+# --- a live server: a forced overlap is exact ---------------------------------------------------------
+
+S_PREFIX = tuple(int(x) for x in np.random.default_rng(28).integers(1, 1000, 200))
+S_PROMPT = S_PREFIX + tuple(int(x) for x in np.random.default_rng(29).integers(1, 1000, 40))
+S_OTHER = tuple(int(x) for x in np.random.default_rng(30).integers(1, 1000, 240))
+
+
+def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(tiny_model_dir, tmp_path, capsys):
+    config = config_for(
+        tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
+        ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000,  # about one conversation
+        restore_overlap_wait_s=120.0,  # the tail is appended however slowly this machine reads it
+    )
+    trace = tmp_path / "overlap.jsonl"
+    with ServerThread(config) as s:
+        record_trace(s.runtime, trace)
+        for ids in (S_PREFIX, S_OTHER, S_PROMPT):  # S_OTHER pushes S_PREFIX's checkpoints out of RAM, to SSD
+            reply = complete(s, ids)
+            flush(s)
+        st = stats(s)
+    with ServerThread(config_for(tiny_model_dir)) as s:  # no cache: a cold prefill
+        cold = complete(s, S_PROMPT)
+    decisions = st["ssd_cache"]["restore_decisions"]
+    assert decisions["overlaps_chosen"] == 1 and decisions["restores_chosen"] == 0, decisions
+    engine = st["engine"]
+    assert engine["overlap_tails"] == 1 and engine["overlap_tails_recomputed"] == 0, engine
+    cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # the record's 200 tokens: the first 96 recomputed (the block boundary nearest the middle), 104 read
+    assert cached == engine["overlap_tail_tokens"] == 104, (cached, engine)
+    lp, cold_lp = reply["choices"][0]["logprobs"], cold["choices"][0]["logprobs"]
+    assert lp["tokens"] == cold_lp["tokens"]
+    assert lp["token_logprobs"] == cold_lp["token_logprobs"]
+    # the simulator replays the recording with the same decision and the same SSD hit tokens
+    sim = simulate(trace, capsys)
+    assert sim["restore_decisions"]["overlaps_chosen"] == 1
+    assert sim["ssd_hit_tokens"] == cached
