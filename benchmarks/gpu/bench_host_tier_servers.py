@@ -834,7 +834,7 @@ RESTARTS = {
     "restart_always": ["--restore-choice", "always"],
     "restart_never": ["--restore-choice", "never"],
     # every returning turn an overlapped split (the head recomputed while the tail is read: kv/restore_decision.py
-    # OVERLAP) at the block boundary nearest the middle, whatever the costs say
+    # OVERLAP) at the block boundary the advisor's costs put first, whatever the two arms cost
     "restart_overlap": ["--restore-choice", "overlap"],
     # every restore forced, in a process that ran the startup probe: against restart_always_no_probe, what the
     # probe costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)

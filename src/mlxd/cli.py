@@ -204,7 +204,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="restore a cold prefix only when the measured costs say it beats prefilling it again, "
                         "whole or (block layout) its leading blocks (measured, the default), every time it is "
                         "longer than RAM's prefix (always), never (never: the recompute arm, to compare), or a middle part of it, the rest prefilled (split: tests), "
-                        "or recompute its first part while its last part is read (overlap: tests)")
+                        "or recompute its first part while its last part is read, at the cut the costs put first (overlap: tests, benchmarks)")
     p.add_argument("--restore-overlap", choices=("on", "off"), default=None,
                    help="with --restore-choice measured and the block layout, also weigh recomputing a cold "
                         "prefix's first part while its last part is read from SSD, where that beats both "

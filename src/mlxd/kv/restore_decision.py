@@ -138,7 +138,8 @@ class RestoreAdvisor:
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
     never: bool = False  # recompute whatever the costs say (restore_choice "never": the other arm)
-    overlap: bool = False  # an overlapped split nearest the middle whatever the costs say (restore_choice "overlap": tests)
+    # an overlapped split (its best tail by the costs) whatever the arms cost (restore_choice "overlap": tests, benchmarks)
+    overlap: bool = False
     weigh_overlap: bool = False  # weigh overlapped splits (`tails`) against the arms (serving's measured mode)
     explore: bool = False  # try an unmeasured restore once (restore_choice "measured": serving and its replay)
     # Bytes already in a fast medium (the page cache); None: the base model's page_cache_bytes_per_s;
@@ -316,13 +317,9 @@ class RestoreAdvisor:
         usable = [t for t in tails if warm_tokens < t.start < t.tokens]
         if not usable or self.never or self.always or self.split:
             return plan
-        if self.overlap:  # the tail whose start is nearest the middle of what the record adds
-            mid = (warm_tokens + usable[-1].tokens) / 2
-            tail = min(usable, key=lambda t: abs(t.start - mid))
-        elif not self.weigh_overlap or plan.explore or plan.recompute_try:
+        if not self.overlap and (not self.weigh_overlap or plan.explore or plan.recompute_try):
             return plan
-        else:
-            tail = min(usable, key=lambda t: self._overlap_seconds(t, warm_tokens, prompt_tokens))
+        tail = min(usable, key=lambda t: self._overlap_seconds(t, warm_tokens, prompt_tokens))
         seconds = self._overlap_seconds(tail, warm_tokens, prompt_tokens)
         if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
             return plan
