@@ -100,6 +100,11 @@ def test_overlaps_are_weighed_only_when_asked_and_forced_in_the_middle():
     assert RestoreAdvisor.for_choice("measured").weigh_overlap
     assert not RestoreAdvisor.for_choice("measured", overlap=False).weigh_overlap
     assert not RestoreAdvisor.for_choice("always").weigh_overlap and RestoreAdvisor.for_choice("overlap").overlap
+    # a quantized KV cache is never extended by a read tail: its server weighs none
+    from mlxd import RuntimeConfig
+
+    assert RuntimeConfig().overlaps_weighed and not RuntimeConfig(restore_overlap=False).overlaps_weighed
+    assert not RuntimeConfig(kv_bits=4).overlaps_weighed
 
 
 def test_an_exploration_is_not_replaced_by_an_overlap():

@@ -462,6 +462,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
                     help="scratch dir; a model built there is reused (default /tmp/host-servers-work)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ssd-block-tokens", type=int, default=0,
+                    help="the SSD servers' --ssd-block-tokens (0: theirs; --small's 512-token prompts fit one "
+                         "default block, which leaves an overlapped split no boundary)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="first-prompt tokens (default 16384; --small 512)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode stream (default 128; --small 24)")
     ap.add_argument("--stream-tokens", type=int, default=0,
@@ -556,7 +559,7 @@ def main() -> int:
         shutil.rmtree(old, ignore_errors=True)  # 2026-12-06 10:25: ssd/ and ssd-hostread/ 17 GB each, ENOSPC)
     base = [sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model_dir), "--log-format", "json",
             "--prompt-cache-gb", ram_gb, "--queue-timeout", "0"]
-    ssd = ["--ssd-cache", str(ssd_dir)]
+    ssd = ["--ssd-cache", str(ssd_dir)] + (["--ssd-block-tokens", str(args.ssd_block_tokens)] if args.ssd_block_tokens else [])
     cmds = {
         "mlxd_host": (base + ["--port", "18190", "--host-cache-gb", host_gb, "--device-probe", "off"], 18190),
         "mlxd_ram": (base + ["--port", "18191", "--device-probe", "off"], 18191),

@@ -573,7 +573,7 @@ def server_record(rt) -> dict:
         "ram_pages": c.ram_pages,  # a model with other caches than attention KV kept contiguous entries
         "ram_page_tokens": c.ram_page_tokens or c.ssd_block_tokens or span_for(rt.info.kv_bytes_per_token),
         "restore_choice": c.restore_choice,  # measured, always, never, split or overlap: a replay decides alike
-        "restore_overlap": c.restore_overlap,
+        "restore_overlap": c.overlaps_weighed,
         # --kv-admission: the rule and the room it had beside this runtime's own memory (a replay admits alike)
         "kv_admission": rt.scheduler.kv_admission.rule() if rt.scheduler.kv_admission is not None else None,
         # The cost model the restore advisor starts from: the startup probe's, when it ran

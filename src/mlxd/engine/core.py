@@ -183,8 +183,7 @@ class Counters:
     late_finals: int = 0  # MLXD_FINAL_PLAN=after-token: rows whose final checkpoint came a step after their last token
     packed_plans: int = 0  # MLXD_PLAN_PACK_MB: write plans made from one packed copy of their tensors
     # Overlapped splits (`_overlap`): tails appended (and their tokens), tails recomputed instead (not
-    # back when the recompute reached the prompt's cached end, or their read failed), splits declined
-    # (other rows in the batch, or a quantized cache)
+    # back in time, or their read failed), splits declined (other rows in the batch, or a quantized cache)
     overlap_tails: int = 0
     overlap_tail_tokens: int = 0
     overlap_tails_recomputed: int = 0
@@ -897,7 +896,7 @@ class EngineCore:
         tail_caches = kinds.adopt(loaded, landed=device_memory.to_device) if loaded is not None and at < end else None
         if tail_caches is None or not kinds.extend(caches, tail_caches, skip=at - tail.start, upto=end - tail.start):
             c.overlap_tails_recomputed += 1
-            return caches, at, tier if at == usable else "none", at - usable
+            return caches, at, tier, at - usable  # served from its warm prefix alone, as a recompute
         mx.eval([x.state for x in caches])
         assert loaded is not None
         out.notes.append(RestoreMeasured(loaded.nbytes, loaded.seconds + time.perf_counter() - t1))

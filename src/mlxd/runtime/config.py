@@ -262,6 +262,12 @@ class RuntimeConfig:
         """The KV scheme's name, part of the SSD fingerprint: "native" or e.g. "affine4-g64"."""
         return "native" if self.kv_bits is None else f"affine{self.kv_bits}-g{self.kv_group_size}"
 
+    @property
+    def overlaps_weighed(self) -> bool:
+        """Does the measured choice weigh overlapped splits? (--restore-overlap, and a plain KV cache: the
+        engine appends a read tail only to those)"""
+        return self.restore_overlap and self.kv_bits is None
+
     def __attrs_post_init__(self) -> None:
         if self.ssd_cache_dir is not None and self.prompt_cache_bytes == 0:
             raise ValueError("--ssd-cache needs the RAM tier: --prompt-cache-gb must be > 0")

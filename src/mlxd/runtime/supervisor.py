@@ -845,7 +845,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
     # The restore advisor starts from what the startup probe measured on this device.
     advisor = RestoreAdvisor.for_choice(
         config.restore_choice, info.probe.cost_model() if info.probe is not None else DEFAULT,
-        overlap=config.restore_overlap,
+        overlap=config.overlaps_weighed,
     )
     advisor_saved = await _saved_calibration(config, store, info, advisor)
     cache_owner = CacheOwnerActor(
