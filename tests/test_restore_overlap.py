@@ -70,6 +70,7 @@ def test_an_overlap_beats_both_arms_where_neither_is_much_faster():
     head = a.prefill_seconds(plan.cut.start, 0)
     read = a.restore_seconds(plan.cut.nbytes)
     assert plan.seconds == pytest.approx(max(head, read) + a.prefill_seconds(100, 8000))
+    assert plan.read_seconds == pytest.approx(read)  # what the engine waits for the tail by
     # the best tail of those offered
     best = min(a._overlap_seconds(t, 0, 8100) for t in tails(8000, 500))
     assert plan.seconds == pytest.approx(best)

@@ -279,7 +279,8 @@ class SchedulerActor:
                 record.promotion = lookup.promotion
             hit, cuts = lookup.hit, tuple(sorted({*lookup.checkpoint_at, *request.checkpoint_at}))
             if lookup.restore is not None and lookup.restore.read_from and not request.media:
-                tail = await self._fetch_tail(lookup.restore)  # read while the engine recomputes the head
+                expect = lookup.plan.read_seconds if lookup.plan is not None else 0.0
+                tail = await self._fetch_tail(lookup.restore, expect)  # read while the engine recomputes the head
             elif lookup.restore is not None:
                 asked = time.monotonic()
                 restore = await self._fetch(lookup.restore)
@@ -370,12 +371,12 @@ class SchedulerActor:
         restore = await self._fetch(lookup.restore) if lookup.restore is not None else None
         return DraftPrefix(namespace, lookup.hit, restore)
 
-    async def _fetch_tail(self, match: SsdMatch) -> TailRestore | None:
-        """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP); the engine takes it
-        when it lands. None without a prefetcher (the engine recomputes it all)."""
+    async def _fetch_tail(self, match: SsdMatch, expect_s: float) -> TailRestore | None:
+        """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP; `expect_s` its predicted
+        read); the engine takes it when it lands. None without a prefetcher (the engine recomputes it all)."""
         if self._prefetcher is None:
             return None
-        tail = TailRestore(match.record, match.read_from, match.usable)
+        tail = TailRestore(match.record, match.read_from, match.usable, expect_s=expect_s, asked_at=time.monotonic())
         await self._prefetcher.send(FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens))
         return tail
 

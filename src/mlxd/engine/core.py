@@ -101,6 +101,7 @@ GRAMMAR_WARM_BUDGET_S = 3.0  # at load: the saved constraints compiled before se
 # CUDA) do not compete with that token's way out.
 PUBLISH_AFTER_TOKENS = 2
 WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
+OVERLAP_WAIT_SLACK = 1.5  # an overlapped split's tail is waited for until this times its predicted read (`_overlap`)
 # MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
 # is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
 # prompt phase (its per-chunk mx.clear_cache, and a merged batch cache grown for it); an arm on the H200.
@@ -855,9 +856,10 @@ class EngineCore:
         the position the row goes on from, its tier, and the tokens recomputed here.
 
         A tail not back when the head is done is waited for as long as recomputing it would take at the
-        head's own rate (`restore_overlap_wait_s` pins it), as in ski rental: never more than twice the
-        better choice; then the recompute goes on, looking for the tail again after each chunk. One whose
-        read failed is recomputed in the batch. With other rows in the batch (they would wait for the head)
+        head's own rate, as in ski rental (never more than twice the better choice), and no longer than
+        half as long again as its read was predicted to take (a prediction gone wrong costs little more
+        than the recompute); `restore_overlap_wait_s` pins the wait. Then the recompute goes on, looking for
+        the tail again after each chunk. One whose read failed is recomputed in the batch. With other rows in the batch (they would wait for the head)
         the row recomputes there."""
         import mlx.core as mx
 
@@ -888,7 +890,11 @@ class EngineCore:
             out.notes.append(PrefillMeasured(at - usable, usable, head_s, whole=True))
         if not tail.slot.landed:
             wait = self._config.restore_overlap_wait_s
-            tail.slot.wait(head_s / (at - usable) * (end - at) if wait is None else wait)
+            if wait is None:
+                wait = head_s / (at - usable) * (end - at)
+                if tail.expect_s > 0:
+                    wait = min(wait, max(0.0, OVERLAP_WAIT_SLACK * tail.expect_s - (time.monotonic() - tail.asked_at)))
+            tail.slot.wait(wait)
         while at < end and not tail.slot.landed:
             prefill(end)
         loaded = tail.slot.loaded if tail.slot.landed else None

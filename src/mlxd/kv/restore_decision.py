@@ -125,6 +125,7 @@ class RestorePlan:
     # A restore chosen over a recompute it may have been slower than: the restore minus recompute were the
     # prefill RETRY_RATIO times faster than the scale says (seconds, >= 0; added to recompute_forgone_s).
     recompute_forgoes: float = 0.0
+    read_seconds: float = 0.0  # OVERLAP: the tail's predicted read (the engine waits for it no longer than this allows)
 
 
 @attrs.define
@@ -323,7 +324,8 @@ class RestoreAdvisor:
         seconds = self._overlap_seconds(tail, warm_tokens, prompt_tokens)
         if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
             return plan
-        return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds)
+        read = self.restore_seconds(tail.nbytes, tail.resident_nbytes) + self.landed_seconds(tail.nbytes)
+        return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds, read_seconds=read)
 
     def _overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
         """Recompute the head on the warm prefix while `tail` is read (the longer of the two), then

@@ -238,6 +238,8 @@ class TailRestore:
     start: int
     usable: int
     slot: TailSlot = attrs.field(factory=TailSlot)
+    expect_s: float = 0.0  # the read's predicted seconds (0: none), from `asked_at` (time.monotonic())
+    asked_at: float = 0.0
 
 
 @attrs.frozen(eq=False)
