@@ -62,6 +62,8 @@ def _config(args: argparse.Namespace, ssd: Path | None, choice: str, probe: str)
     if ssd is not None:
         extra = {"ssd_cache_dir": ssd, "ssd_layout": "blocks", "ssd_block_tokens": args.block_tokens,
                  "ssd_demote_idle_s": 0, "restore_choice": choice}
+    if args.prefill_slice_s is not None:
+        extra["prefill_slice_s"] = args.prefill_slice_s
     return RuntimeConfig(model_preset=args.preset, snapshot_min_tokens=64, device_probe=probe,
                          max_context=args.prefix + args.new + 64, **extra)
 
@@ -182,6 +184,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold-reads", action="store_true", help="drop each arm's files from the page cache first")
+    p.add_argument("--prefill-slice-s", type=float, default=None,
+                   help="every arm's prefill_slice_s (0: whole steps, as an overlapped split's head is prefilled "
+                        "apart; default: the runtime's, which slices a batch prefill into ~50 ms chunks)")
     args = p.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-restore-split-") as tmp:
