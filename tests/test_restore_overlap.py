@@ -108,6 +108,20 @@ def test_overlaps_are_weighed_only_when_asked_and_forced_in_the_middle():
     assert not RuntimeConfig(kv_bits=4).overlaps_weighed
 
 
+def test_a_tail_not_taken_leaves_the_advisor_s_queue():
+    # Each measured restore is filed under the residency of the oldest restore chosen and not yet measured; an
+    # overlap whose tail was recomputed is never measured, and its (cold) share then filed the next restore, a
+    # page-cache read, as the disk's (CPU 13:04: the disk believed at 0.58 GB/s, capped at 4 MB/s).
+    a = RestoreAdvisor(base=GPU_LIKE, weigh_overlap=True, resident_bytes_per_s=1e12)
+    assert a.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100).arm == OVERLAP
+    a.forget_restore()  # the engine's RestoreMeasured(taken=False)
+    nbytes = 8000 * PER_TOKEN
+    resident = a.plan(cuts=[RestoreCut(8000, nbytes, nbytes)], warm_tokens=0, prompt_tokens=8100)
+    assert resident.arm == RESTORE
+    a.observe_restore(nbytes=nbytes, seconds=1e-3)
+    assert a.resident_samples == 1 and a.restore_samples == 0
+
+
 def test_an_exploration_is_not_replaced_by_an_overlap():
     # An unmeasured restore predicted slower than recompute is tried once what recomputing forwent covers
     # it (kv/restore_decision.py): that try measures the whole read, which an overlap would not.
@@ -208,13 +222,22 @@ def _request(rid: str) -> GenerationRequest:
     return GenerationRequest(request_id=rid, prompt=PROMPT, sampling=sampling)
 
 
-def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_prefill(core, tmp_path):
+def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_prefill(core, tmp_path, monkeypatch):
     store = BlockStore(tmp_path, core.store_identity, block_tokens=32)
     caches = loading.fresh_caches(core.model, core._config)
     core.model(mx.array([list(PREFIX)]), cache=caches)
     mx.eval([c.state for c in caches])
     record = store.write(kinds.plan_snapshot(caches, meta=core.store_identity.meta(list(PREFIX), ""))).record
     cold = run_rows(core, [_request("cold")])
+    notes: list = []  # every note the engine's steps hand the cache owner
+    step = core.step
+
+    def noting(ops):
+        result = step(ops)
+        notes.extend(result.notes)
+        return result
+
+    monkeypatch.setattr(core, "step", noting)
 
     def overlapped(rid: str, land: str):
         tail = TailRestore(record, 96, len(PREFIX))
@@ -223,6 +246,7 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         elif land == "failed":
             tail.slot.land(None)
         before = core.stats()
+        notes.clear()
         run = run_rows(core, [RowStart(request=_request(rid), tail=tail)])
         after = core.stats()
         counts = {k: getattr(after, k) - getattr(before, k) for k in (
@@ -242,6 +266,8 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         else:  # recomputed: the whole prompt prefilled, nothing published as a restore
             assert counts["overlap_tails"] == 0 and counts["overlap_tails_recomputed"] == 1
             assert counts["prompt_tokens"] == len(PROMPT)
+        measured = [n for n in notes if type(n).__name__ == "RestoreMeasured"]
+        assert [(m.taken, m.nbytes > 0) for m in measured] == [(land == "landed", land == "landed")]
 
 
 # --- a live server: a forced overlap is exact ---------------------------------------------------------

@@ -379,6 +379,8 @@ class CacheOwnerActor:
         elif isinstance(msg, PrefillMeasured):
             tiers.advisor.observe_prefill(new_tokens=msg.new_tokens, context=msg.context, seconds=msg.seconds,
                                           whole=msg.whole)
+        elif isinstance(msg, RestoreMeasured) and not msg.taken:
+            tiers.advisor.forget_restore()
         elif isinstance(msg, RestoreMeasured):
             tiers.advisor.observe_restore(nbytes=msg.nbytes, seconds=msg.seconds)
             self._count.restores += 1

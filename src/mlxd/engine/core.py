@@ -870,6 +870,7 @@ class EngineCore:
         c = self.counters
         if self._rows or usable >= tail.start or self._config.kv_bits is not None:
             c.overlaps_declined += 1
+            out.notes.append(RestoreMeasured(0, 0.0, taken=False))
             return lent, usable, tier, 0
         prompt, ns = start.request.prompt, start.request.namespace
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
@@ -902,6 +903,7 @@ class EngineCore:
         tail_caches = kinds.adopt(loaded, landed=device_memory.to_device) if loaded is not None and at < end else None
         if tail_caches is None or not kinds.extend(caches, tail_caches, skip=at - tail.start, upto=end - tail.start):
             c.overlap_tails_recomputed += 1
+            out.notes.append(RestoreMeasured(0, 0.0, taken=False))
             return caches, at, tier, at - usable  # served from its warm prefix alone, as a recompute
         mx.eval([x.state for x in caches])
         assert loaded is not None

@@ -244,6 +244,14 @@ class RestoreAdvisor:
         self.restore_bytes_per_s = rate if first else _ewma(self.restore_bytes_per_s, rate)
         self.restore_samples += 1
 
+    def forget_restore(self) -> None:
+        """The oldest restore chosen and not yet measured was not made (an overlapped split's tail
+        recomputed, or declined): its residency leaves the queue (`observe_restore` pairs each measurement
+        with the oldest; a stale one filed a page-cache read as the disk's), and it is no longer in flight."""
+        if self._chosen_resident:
+            self._chosen_resident.popleft()
+        self._in_flight, self._trying = 0, False
+
     def prefill_seconds(self, new_tokens: int, context: int) -> float:
         return self.prefill_scale * self.base.prefill_seconds(new_tokens, context)
 

@@ -388,10 +388,12 @@ class PrefillMeasured:
 
 @attrs.frozen
 class RestoreMeasured:
-    """Engine-side timing of one restore (for the restore-or-recompute model)."""
+    """Engine-side timing of one restore (for the restore-or-recompute model). `taken` False: a restore the
+    advisor chose was not made (an overlapped split's tail recomputed): nothing measured, its plan done."""
 
     nbytes: int
     seconds: float
+    taken: bool = True
 
 
 @attrs.frozen
