@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     predicted = {
         "restore": plan.restore_seconds,
         "split": advisor._cut_seconds(split_cut, len(prompt)),
-        "overlap": advisor._overlap_seconds(overlap_cut, 0, len(prompt)) if overlap_cut is not None else float("nan"),
+        "overlap": advisor.overlap_seconds(overlap_cut, 0, len(prompt)) if overlap_cut is not None else float("nan"),
         "advisor": plan.seconds,  # a fresh server's own choice (--restore-choice measured) from the same costs
         "recompute": plan.recompute_seconds,
     }

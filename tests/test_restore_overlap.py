@@ -72,7 +72,7 @@ def test_an_overlap_beats_both_arms_where_neither_is_much_faster():
     assert plan.seconds == pytest.approx(max(head, read) + a.prefill_seconds(100, 8000))
     assert plan.read_seconds == pytest.approx(read)  # what the engine waits for the tail by
     # the best tail of those offered
-    best = min(a._overlap_seconds(t, 0, 8100) for t in tails(8000, 500))
+    best = min(a.overlap_seconds(t, 0, 8100) for t in tails(8000, 500))
     assert plan.seconds == pytest.approx(best)
     assert a.stats()["overlaps_chosen"] == 1 and a.stats()["recomputes_chosen"] == 0
     # about half the record each way: ~0.6x the recompute arm here
@@ -202,6 +202,23 @@ def test_trailing_refuses_what_the_layout_cannot_read_alone():
 
 
 # --- the engine's overlapped row ---------------------------------------------------------------------
+
+
+def test_a_late_tail_is_waited_for_no_longer_than_its_recompute_or_its_predicted_read():
+    import time
+
+    from mlxd.engine.overlap import WAIT_SLACK, tail_wait_s
+
+    rec = block_record(100, 32)
+    unknown = TailRestore(rec, 32, 96)
+    assert tail_wait_s(unknown, 1.0, 100, 50) == pytest.approx(0.5)  # the head's rate: 50 tokens more
+    now = time.monotonic()
+    slow_read = TailRestore(rec, 32, 96, expect_s=10.0, asked_at=now)
+    assert tail_wait_s(slow_read, 1.0, 100, 50) == pytest.approx(0.5)  # recomputing is sooner
+    soon = TailRestore(rec, 32, 96, expect_s=0.2, asked_at=now)
+    assert 0 < tail_wait_s(soon, 1.0, 100, 50) <= WAIT_SLACK * 0.2
+    overdue = TailRestore(rec, 32, 96, expect_s=0.2, asked_at=now - 5.0)
+    assert tail_wait_s(overdue, 1.0, 100, 50) == 0.0  # long past its predicted read: recompute at once
 
 rng = np.random.default_rng(31)
 PREFIX = tuple(int(x) for x in rng.integers(3, 250, 192))

@@ -101,7 +101,6 @@ GRAMMAR_WARM_BUDGET_S = 3.0  # at load: the saved constraints compiled before se
 # CUDA) do not compete with that token's way out.
 PUBLISH_AFTER_TOKENS = 2
 WHOLE_PREFILL_MIN = 256  # prompts this long prefilled alone are timed whole for the restore advisor
-OVERLAP_WAIT_SLACK = 1.5  # an overlapped split's tail is waited for until this times its predicted read (`_overlap`)
 # MLXD_SUFFIX_APART=N (off: 0): a suffix of at most N new tokens after a cached prefix, joining an empty batch,
 # is prefilled on its lent caches before it joins (as a row joining others' prefills is), not by mlx-lm's
 # prompt phase (its per-chunk mx.clear_cache, and a merged batch cache grown for it); an arm on the H200.
@@ -850,19 +849,11 @@ class EngineCore:
     def _overlap(
         self, start: RowStart, lent: list[Any] | None, usable: int, tier: str, out: StepOut
     ) -> tuple[list[Any] | None, int, str, int]:
-        """An overlapped split (kv/restore_decision.py OVERLAP): recompute the prompt from the warm prefix
-        to the tail's start, alone, while the prefetcher reads the tail; append the tail once it has landed
-        (from wherever the recompute got to) and publish the prefix as a restore would. Returns the caches,
-        the position the row goes on from, its tier, and the tokens recomputed here.
-
-        A tail not back when the head is done is waited for as long as recomputing it would take at the
-        head's own rate, as in ski rental (never more than twice the better choice), and no longer than
-        half as long again as its read was predicted to take (a prediction gone wrong costs little more
-        than the recompute); `restore_overlap_wait_s` pins the wait. Then the recompute goes on, looking for
-        the tail again after each chunk. One whose read failed is recomputed in the batch. With other rows in the batch (they would wait for the head)
-        the row recomputes there."""
-        import mlx.core as mx
-
+        """An overlapped split (engine/overlap.py): its head recomputed apart while the tail is read, the
+        tail appended and the prefix published as a restore's. Only with the batch empty (other rows would
+        wait for the head: the row recomputes in the batch instead). Returns the caches, the position the
+        row goes on from, its tier, and the tokens recomputed here."""
+        from mlxd.engine import overlap
         from mlxd.kv import kinds
 
         tail = start.tail
@@ -870,54 +861,30 @@ class EngineCore:
         c = self.counters
         if self._rows or usable >= tail.start or self._config.kv_bits is not None:
             c.overlaps_declined += 1
-            out.notes.append(RestoreMeasured(0, 0.0, taken=False))
+            out.notes.append(RestoreMeasured(0, 0.0, taken=False))  # the advisor's plan: not measured
             return lent, usable, tier, 0
         prompt, ns = start.request.prompt, start.request.namespace
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
-        step, at, end = self._prefill_step_size, usable, tail.usable
-
-        def prefill(until: int) -> None:
-            nonlocal at
-            upto = at + aligned(step, at, until - at)
-            self.model(mx.array([list(prompt[at:upto])]), cache=caches)
-            mx.eval([x.state for x in caches])
-            at = upto
-
-        t0 = time.perf_counter()
-        while at < tail.start:
-            prefill(tail.start)
-        head_s = time.perf_counter() - t0
-        if at - usable >= WHOLE_PREFILL_MIN:  # the head alone, as the advisor predicted it
-            out.notes.append(PrefillMeasured(at - usable, usable, head_s, whole=True))
-        if not tail.slot.landed:
-            wait = self._config.restore_overlap_wait_s
-            if wait is None:
-                wait = head_s / (at - usable) * (end - at)
-                if tail.expect_s > 0:
-                    wait = min(wait, max(0.0, OVERLAP_WAIT_SLACK * tail.expect_s - (time.monotonic() - tail.asked_at)))
-            tail.slot.wait(wait)
-        while at < end and not tail.slot.landed:
-            prefill(end)
-        loaded = tail.slot.loaded if tail.slot.landed else None
-        t1 = time.perf_counter()
-        tail_caches = kinds.adopt(loaded, landed=device_memory.to_device) if loaded is not None and at < end else None
-        if tail_caches is None or not kinds.extend(caches, tail_caches, skip=at - tail.start, upto=end - tail.start):
+        done = overlap.recompute_then_append(self.model, caches, prompt, usable, tail, step=self._prefill_step_size,
+                                             wait_s=self._config.restore_overlap_wait_s)
+        if tail.start - usable >= WHOLE_PREFILL_MIN:  # the head alone, as the advisor predicted it
+            out.notes.append(PrefillMeasured(tail.start - usable, usable, done.head_s, whole=True))
+        if done.appended is None:
             c.overlap_tails_recomputed += 1
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))
-            return caches, at, tier, at - usable  # served from its warm prefix alone, as a recompute
-        mx.eval([x.state for x in caches])
-        assert loaded is not None
-        out.notes.append(RestoreMeasured(loaded.nbytes, loaded.seconds + time.perf_counter() - t1))
-        c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + end - at
-        tokens = tuple(prompt[:end])
-        payload, pages = self._paged(caches, tokens, ns)
+            return done.caches, done.at, tier, done.at - usable  # served from its warm prefix alone, as a recompute
+        read = done.appended
+        out.notes.append(RestoreMeasured(read.nbytes, read.seconds + done.append_s))
+        c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + done.at - done.recomputed_to
+        tokens = tuple(prompt[: done.at])
+        payload, pages = self._paged(done.caches, tokens, ns)
         out.notes.append(
             PublishPrefix(
-                tokens=tokens, namespace=ns, payload=payload, nbytes=kinds.nbytes(caches), trimmable=True,
+                tokens=tokens, namespace=ns, payload=payload, nbytes=kinds.nbytes(done.caches), trimmable=True,
                 reason="restore", durable=True, session=start.request.session, pages=pages,
             )
         )
-        return kinds.lend(caches, end, total=end), end, "ssd", at - usable
+        return kinds.lend(done.caches, done.at, total=done.at), done.at, "ssd", done.recomputed_to - usable
 
     def _prefilling(self) -> list[Row]:
         """The rows in the batch part way through their prompt."""

@@ -178,7 +178,7 @@ class EngineStats:
     late_final_checkpoints: int | None = None
     # MLXD_PLAN_PACK_MB with the SSD tier: write plans made from one packed copy of their tensors; None otherwise.
     packed_plans: int | None = None
-    # Overlapped splits (kv/restore_decision.py OVERLAP; engine/core.py `_overlap`): tails appended and their
+    # Overlapped splits (kv/restore_decision.py OVERLAP; engine/overlap.py): tails appended and their
     # tokens, tails recomputed instead (late, or their read failed), splits declined (a busy batch)
     overlap_tails: int = 0
     overlap_tail_tokens: int = 0

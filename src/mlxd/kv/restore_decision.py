@@ -21,9 +21,9 @@ split (`OVERLAP`) reads the KV of the record's tokens [j, n) from disk while
 the engine recomputes [warm, j) on top of the warm prefix, then appends the
 read KV and prefills the rest of the prompt; it costs max(prefill(j), read(n -
 j)) + prefill(rest), so it beats both arms where neither the read nor the
-recompute is much faster than the other (a GPU: recompute 2-3x faster than an
-SSD read). Attention KV at a position depends only on the tokens before it, so
-the read tail is exactly what recomputing it would give. Its cuts (`tails`:
+recompute is much faster than the other (a GPU after a restart). Attention KV
+at a position depends only on the tokens before it, so the read tail is
+exactly what recomputing it would give. Its cuts (`tails`:
 `RestoreCut.start` > 0) start on a block layout's block boundaries; it is
 weighed in the measured mode (`weigh_overlap`) and never chosen over an
 exploration or a recompute try (those measure something it would not).
@@ -328,14 +328,14 @@ class RestoreAdvisor:
             return plan
         if not self.overlap and (not self.weigh_overlap or plan.explore or plan.recompute_try):
             return plan
-        tail = min(usable, key=lambda t: self._overlap_seconds(t, warm_tokens, prompt_tokens))
-        seconds = self._overlap_seconds(tail, warm_tokens, prompt_tokens)
+        tail = min(usable, key=lambda t: self.overlap_seconds(t, warm_tokens, prompt_tokens))
+        seconds = self.overlap_seconds(tail, warm_tokens, prompt_tokens)
         if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
             return plan
         read = self.restore_seconds(tail.nbytes, tail.resident_nbytes) + self.landed_seconds(tail.nbytes)
         return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds, read_seconds=read)
 
-    def _overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
+    def overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
         """Recompute the head on the warm prefix while `tail` is read (the longer of the two), then
         prefill the rest of the prompt on both."""
         head = self.prefill_seconds(tail.start - warm_tokens, warm_tokens)

@@ -166,9 +166,9 @@ class RuntimeConfig:
     )
     # "measured" also weighs overlapped splits (kv/restore_decision.py OVERLAP; the block layout only)
     restore_overlap: bool = True
-    # How long the engine waits for an overlapped split's tail once its head is recomputed: None = as long
-    # as recomputing the tail would take at the head's rate (engine/core.py `_overlap`); a number pins it
-    # (tests: a tail read on a loaded machine still lands)
+    # How long the engine waits for an overlapped split's tail once its head is recomputed: None = no longer
+    # than recomputing the tail would take, nor than 1.5x its predicted read (engine/overlap.py `tail_wait_s`);
+    # a number pins it (tests: a tail read on a loaded machine still lands)
     restore_overlap_wait_s: float | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
     ssd_demote_idle_s: float = attrs.field(default=300.0, validator=_non_negative)
     # Several replicas share ssd_cache_dir (kv/shared_dir.py): poll it for their files
