@@ -323,3 +323,47 @@ def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(ti
     sim = simulate(trace, capsys)
     assert sim["restore_decisions"]["overlaps_chosen"] == 1
     assert sim["ssd_hit_tokens"] == cached
+
+
+# --- the prefetcher's half: a tail read the host way, a lost block a miss ----------------------------
+
+
+async def test_the_prefetcher_reads_a_tail_the_host_way_and_a_lost_block_lands_as_a_miss(tmp_path):
+    import trio
+
+    from mlxd.actors.prefetcher import PrefetcherActor
+    from mlxd.kv.ssd_store import SsdStore
+    from mlxd.runtime.kernel.messages import FetchTail, RecordLost, TailSlot
+
+    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    tokens = list(range(1, 61))
+    record = store.write(kinds.plan_snapshot(conversation_kv(tokens), meta=IDENTITY.meta(tokens, ""))).record
+    landings: list = []
+
+    async def land(header):  # the engine's landing: never asked for a tail (its thread is busy meanwhile)
+        landings.append(header)
+        raise AssertionError("a tail is read the host way")
+
+    async def fetched(slot: TailSlot) -> None:  # as the engine thread waits for it
+        assert await trio.to_thread.run_sync(slot.wait, 60.0)
+
+    inbox_send, inbox = trio.open_memory_channel(8)
+    cache_send, cache_inbox = trio.open_memory_channel(8)
+    actor = PrefetcherActor(store, inbox=inbox, cache=cache_send, verify=True, land=land)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        good = TailSlot()
+        await inbox_send.send(FetchTail(record, 32, good))
+        await fetched(good)
+        assert good.loaded is not None and good.loaded.header.tokens == tuple(tokens[32:])
+        assert good.loaded.landed is None and good.loaded.nbytes == sum(b.nbytes for b in record.blocks[2:])
+        store.blocks.block_paths(record)[-1].unlink()  # the tail's last block is lost
+        lost = TailSlot()
+        await inbox_send.send(FetchTail(record, 32, lost))
+        await fetched(lost)
+        assert lost.loaded is None  # a miss: the engine recomputes the tail
+        with trio.fail_after(60):
+            told = await cache_inbox.receive()
+        assert isinstance(told, RecordLost) and told.record is record  # the cache owner forgets the record
+        nursery.cancel_scope.cancel()
+    assert landings == []
