@@ -4,7 +4,8 @@ Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
 --memory-budget, --device-probe, --api-key, --record-trace, --retention,
---speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --ssd-write-hold-decode, --ssd-backlog-gb,
+--speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --restore-overlap,
+--ssd-write-hold-decode, --ssd-backlog-gb,
 and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, MLXD_PLAN_PACK_MB,
 which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose off keeps mlx-lm's own batch filter,
 MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, and MLXD_PLAN_DEVICE, whose off makes SSD
@@ -53,7 +54,9 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "host_cache": (None, "1"),  # GB; a reported no-op on this CPU (unified memory)
     "ram_pages": ("off", "on"),  # --ram-pages on: RAM entries as shared KV pages
     # --restore-choice, always given (tests/conftest.py sets MLXD_RESTORE_CHOICE=always for the rest)
-    "restore_choice": ("measured", "always", "never"),  # never: the recompute arm (benchmarks)
+    # never: the recompute arm (benchmarks); overlap: every cold prefix an overlapped split (kv/restore_decision.py)
+    "restore_choice": ("measured", "always", "never", "overlap"),
+    "restore_overlap": ("on", "off"),  # --restore-overlap off: the measured choice weighs no overlapped split
     "write_hold": (False, True),  # --ssd-write-hold-decode: write-behind holds still while rows decode
     "backlog": (None, "0.001"),  # --ssd-backlog-gb: ~1 MB, so every checkpoint's write-behind is urgent
     "final_plan": ("after-forward", "with-token", "after-token"),  # MLXD_FINAL_PLAN (the environment; the default first)
@@ -89,6 +92,10 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # no write plans without the SSD tier (engine/core.py `_pack_bytes`)
     if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
         return False  # refused: "--ram-pages on and --host-cache-gb do not combine yet"
+    if combo.get("restore_choice") == "overlap" and ssd == "off":
+        return False  # nothing is restored without the SSD tier
+    if combo.get("restore_overlap") == "off" and (ssd == "off" or combo.get("restore_choice", "measured") != "measured"):
+        return False  # ignored: only the measured choice over an SSD tier weighs overlapped splits
     return True
 
 
@@ -182,6 +189,7 @@ class Combo:
     host_cache: str | None
     ram_pages: str = "off"
     restore_choice: str = "measured"
+    restore_overlap: str = "on"
     write_hold: bool = False
     backlog: str | None = None
     final_plan: str = "with-token"
@@ -211,6 +219,8 @@ class Combo:
             "pages": self.ram_pages == "on",
             "always": self.restore_choice == "always",
             "never": self.restore_choice == "never",
+            "overlap": self.restore_choice == "overlap",
+            "nooverlap": self.restore_overlap == "off",
             "hold": self.write_hold,
             "urgent": self.backlog is not None,
             "lateplan": self.final_plan == "after-token",
@@ -254,6 +264,8 @@ class Combo:
             args += ["--host-cache-gb", self.host_cache]
         if self.ram_pages == "on":
             args += ["--ram-pages", "on"]
+        if self.restore_overlap == "off":
+            args += ["--restore-overlap", "off"]
         if self.write_hold:
             args.append("--ssd-write-hold-decode")
         if self.backlog is not None:
@@ -327,10 +339,10 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1333, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1486, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
-    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 18  # each a server start: keep it small
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 22  # each a server start: keep it small
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])
