@@ -106,6 +106,13 @@ def test_overlaps_are_weighed_only_when_asked_and_forced_in_the_middle():
 
     assert RuntimeConfig().overlaps_weighed and not RuntimeConfig(restore_overlap=False).overlaps_weighed
     assert not RuntimeConfig(kv_bits=4).overlaps_weighed
+    from mlxd.cli import build_parser, serve_config
+
+    def served(*flags: str) -> RuntimeConfig:
+        return serve_config(build_parser().parse_args(["serve", "--ssd-cache", "/tmp/unused-ssd", *flags]))
+
+    assert served().restore_overlap and not served("--restore-overlap", "off").restore_overlap
+    assert served("--restore-choice", "overlap").restore_choice == "overlap"
 
 
 def test_a_tail_not_taken_leaves_the_advisor_s_queue():
@@ -215,8 +222,8 @@ def test_a_late_tail_is_waited_for_no_longer_than_its_recompute_or_its_predicted
     now = time.monotonic()
     slow_read = TailRestore(rec, 32, 96, expect_s=10.0, asked_at=now)
     assert tail_wait_s(slow_read, 1.0, 100, 50) == pytest.approx(0.5)  # recomputing is sooner
-    soon = TailRestore(rec, 32, 96, expect_s=0.2, asked_at=now)
-    assert 0 < tail_wait_s(soon, 1.0, 100, 50) <= WAIT_SLACK * 0.2
+    soon = TailRestore(rec, 32, 96, expect_s=100.0, asked_at=now)  # read predicted sooner than a slow recompute
+    assert WAIT_SLACK * 100.0 - 60 < tail_wait_s(soon, 1000.0, 100, 50) <= WAIT_SLACK * 100.0
     overdue = TailRestore(rec, 32, 96, expect_s=0.2, asked_at=now - 5.0)
     assert tail_wait_s(overdue, 1.0, 100, 50) == 0.0  # long past its predicted read: recompute at once
 

@@ -208,8 +208,8 @@ class RestoreSnapshot:
 
 class TailSlot:
     """Where an overlapped split's tail lands: set once by the prefetcher (`land`, from the trio thread),
-    looked at by the engine thread between the chunks of the head it recomputes meanwhile (`landed`),
-    never waited for there (a tail not back when the head is done is recomputed in turn)."""
+    looked at and waited for, boundedly, by the engine thread once it has recomputed the head
+    (engine/overlap.py)."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -224,7 +224,7 @@ class TailSlot:
         return self._done.is_set()
 
     def wait(self, timeout: float) -> bool:
-        """Tests and tools: wait up to `timeout` seconds; whether it landed."""
+        """Wait up to `timeout` seconds (a thread, never the trio loop); whether it landed."""
         return self._done.wait(timeout)
 
 
