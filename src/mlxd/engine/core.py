@@ -863,7 +863,7 @@ class EngineCore:
             c.overlaps_declined += 1
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))  # the advisor's plan: not measured
             return lent, usable, tier, 0
-        prompt, ns = start.request.prompt, start.request.namespace
+        prompt = start.request.prompt
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
         done = overlap.recompute_then_append(self.model, caches, prompt, usable, tail, step=self._prefill_step_size,
                                              wait_s=self._config.restore_overlap_wait_s)
@@ -876,14 +876,7 @@ class EngineCore:
         read = done.appended
         out.notes.append(RestoreMeasured(read.nbytes, read.seconds + done.append_s))
         c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + done.at - done.recomputed_to
-        tokens = tuple(prompt[: done.at])
-        payload, pages = self._paged(done.caches, tokens, ns)
-        out.notes.append(
-            PublishPrefix(
-                tokens=tokens, namespace=ns, payload=payload, nbytes=kinds.nbytes(done.caches), trimmable=True,
-                reason="restore", durable=True, session=start.request.session, pages=pages,
-            )
-        )
+        self._publish_restored(done.caches, tuple(prompt[: done.at]), start, out)
         return kinds.lend(done.caches, done.at, total=done.at), done.at, "ssd", done.recomputed_to - usable
 
     def _prefilling(self) -> list[Row]:
@@ -938,15 +931,22 @@ class EngineCore:
         seconds = restore.loaded.seconds + (time.perf_counter() - t0)
         tokens = tuple(restore.loaded.header.tokens)  # the record's, or its leading blocks' (a split)
         out.notes.append(RestoreMeasured(restore.loaded.nbytes, seconds))
-        payload, pages = self._paged(caches, tokens, start.request.namespace)
+        self._publish_restored(caches, tokens, start, out)
+        return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
+
+    def _publish_restored(self, caches: list[Any], tokens: tuple[int, ...], start: RowStart, out: StepOut) -> None:
+        """A prefix restored from SSD (whole, in part, or an overlapped split's) goes to RAM, durable."""
+        from mlxd.kv import kinds
+
+        ns = start.request.namespace
+        payload, pages = self._paged(caches, tokens, ns)
         out.notes.append(
             PublishPrefix(
-                tokens=tokens, namespace=start.request.namespace, payload=payload, nbytes=kinds.nbytes(caches),
+                tokens=tokens, namespace=ns, payload=payload, nbytes=kinds.nbytes(caches),
                 trimmable=kinds.is_trimmable(caches), reason="restore", durable=True, session=start.request.session,
                 pages=pages,
             )
         )
-        return kinds.lend(caches, restore.usable, total=len(tokens)), restore.usable, "ssd"
 
     def _resume(self, start: RowStart, out: StepOut) -> None:
         """Continue a checkpointed generation: replay its tokens, then decode from the pending one."""

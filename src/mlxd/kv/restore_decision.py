@@ -332,15 +332,18 @@ class RestoreAdvisor:
         seconds = self.overlap_seconds(tail, warm_tokens, prompt_tokens)
         if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
             return plan
-        read = self.restore_seconds(tail.nbytes, tail.resident_nbytes) + self.landed_seconds(tail.nbytes)
-        return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds, read_seconds=read)
+        return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds,
+                           read_seconds=self._read_seconds(tail))
 
     def overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
         """Recompute the head on the warm prefix while `tail` is read (the longer of the two), then
         prefill the rest of the prompt on both."""
         head = self.prefill_seconds(tail.start - warm_tokens, warm_tokens)
-        read = self.restore_seconds(tail.nbytes, tail.resident_nbytes) + self.landed_seconds(tail.nbytes)
-        return max(head, read) + self.prefill_seconds(prompt_tokens - tail.tokens, tail.tokens)
+        return max(head, self._read_seconds(tail)) + self.prefill_seconds(prompt_tokens - tail.tokens, tail.tokens)
+
+    def _read_seconds(self, cut: RestoreCut) -> float:
+        """Read `cut`'s bytes and move them to the device (nothing prefilled)."""
+        return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + self.landed_seconds(cut.nbytes)
 
     def _plan(self, cuts: Sequence[RestoreCut], warm_tokens: int, prompt_tokens: int) -> RestorePlan:
         usable = sorted((c for c in cuts if c.tokens > warm_tokens), key=lambda c: c.tokens)
@@ -388,8 +391,7 @@ class RestoreAdvisor:
 
     def _cut_seconds(self, cut: RestoreCut, prompt_tokens: int) -> float:
         """Restore `cut` (its read, then its pages moved to the device), then prefill the rest on it."""
-        rest = self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
-        return self.restore_seconds(cut.nbytes, cut.resident_nbytes) + self.landed_seconds(cut.nbytes) + rest
+        return self._read_seconds(cut) + self.prefill_seconds(prompt_tokens - cut.tokens, cut.tokens)
 
     def landed_seconds(self, nbytes: int) -> float:
         """What a restored turn waits for beyond the read: the landed pages' move to the device. The

@@ -444,16 +444,15 @@ def restore_tails(
     end = spans[last].end
     read_tokens = 0 if end >= len(record.tokens) else end
     tails: list[tuple[RestoreCut, SsdMatch]] = []
-    for i in range(last + 1):
-        start = spans[i].start
-        if start <= warm or start >= usable:
-            continue
-        part = spans[i : last + 1]
-        nbytes = sum(b.nbytes for b in part)
-        fast = sum(min(in_cache.get(b.name, 0), b.nbytes) for b in part)
-        tails.append((RestoreCut(real(usable), nbytes, fast, start=real(start)),
-                      SsdMatch(record, usable, read_tokens, read_from=start)))
-    return tails
+    nbytes = fast = 0  # of the blocks from this one to the last read, summed from the last back
+    for b in reversed(spans[: last + 1]):
+        nbytes += b.nbytes
+        fast += min(in_cache.get(b.name, 0), b.nbytes)
+        if b.start <= warm:
+            break
+        tails.append((RestoreCut(real(usable), nbytes, fast, start=real(b.start)),
+                      SsdMatch(record, usable, read_tokens, read_from=b.start)))
+    return tails[::-1]
 
 
 @attrs.define
