@@ -1169,7 +1169,8 @@ def server_clock(log_lines: list[dict[str, Any]], tokens: int | None) -> dict[st
 
 def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
     """Each returning turn of a restart, in order: the client's time, the server's (request.done ttft_ms), the
-    arm taken (restore / explore / recompute / recompute_try, from the advisor's counts after the turn) and what the advisor
+    arm taken (restore / explore / recompute / recompute_try / overlap / overlap_recomputed, from the advisor's and
+    the engine's counts after the turn) and what the advisor
     predicted for it and for the other arm, the restore as the engine timed it (read + adoption), what the
     turn cost beyond that restore (ttft - restore), and its parts: the HTTP side's template (`render_ms`,
     before submission: outside ttft), the engine's first forward over the restored pages or the whole prefill,
@@ -1182,21 +1183,28 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
     for i, (turn, after) in enumerate(zip(entry.get("returning") or [], entry.get("turns") or [], strict=False)):
         if after.get("cycle") != prev.get("cycle"):  # a new process (--restart-cycles): its counts start at 0
             prev = {"cycle": after.get("cycle")}
-        restored = (after.get("restores") or 0) > (prev.get("restores") or 0)
-        explored = (after.get("explorations") or 0) > (prev.get("explorations") or 0)
-        tried = (after.get("recompute_tries") or 0) > (prev.get("recompute_tries") or 0)
+        grown = {k for k, v in after.items() if isinstance(v, int | float) and v > (prev.get(k) or 0)}
+        # an overlapped split reads its tail through the tier (a restore there): its own arm, its tail appended
+        # or recomputed (the engine's counts)
+        overlapped = "overlaps_chosen" in grown
+        restored = "restores" in grown and not overlapped
+        explored, tried = "explorations" in grown, "recompute_tries" in grown
+        arm = ("explore" if explored else
+               ("overlap" if "overlap_tails" in grown else "overlap_recomputed") if overlapped else
+               "restore" if restored else "recompute_try" if tried else "recompute")
         prev = after
         d = done[i] if i < len(done) else {}
         f = d.get("first_token_ms") or {}
         ms = (http.get(d.get("request_id")) or {}).get("ms") or {}
         ttft_s = d["ttft_ms"] / 1000 if d.get("ttft_ms") is not None else None
         restore_s = after["restore_ms_last"] / 1000 if restored and after.get("restore_ms_last") else None
-        predicted = after.get("last_restore_s") if restored else after.get("last_recompute_s")
+        predicted = (after.get("last_predicted_s") if overlapped else
+                     after.get("last_restore_s") if restored else after.get("last_recompute_s"))
         out.append({
             "cycle": after.get("cycle", 0), "client_s": turn.get("ttft_s"), "server_ttft_s": ttft_s,
-            "arm": "explore" if explored else "restore" if restored else "recompute_try" if tried else "recompute",
-            "predicted_s": predicted,
-            "predicted_other_s": after.get("last_recompute_s") if restored else after.get("last_restore_s"),
+            "arm": arm, "predicted_s": predicted,
+            # the better of the arms not taken (for an overlap: recomputing)
+            "predicted_other_s": after.get("last_recompute_s") if restored or overlapped else after.get("last_restore_s"),
             "predicted_vs_server": ratio(predicted, ttft_s),
             # after this turn: what recomputes chosen over an unmeasured restore forwent (the ski-rental sum), and
             # what of the record the page cache held at the choice

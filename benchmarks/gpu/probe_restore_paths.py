@@ -29,6 +29,18 @@ cache cleared). Each row has GB/s and the landing / read / adopt split. What to 
 `probe` and `inline` rows against `raw` at 16,384 tokens (is the landed read the disk's speed?),
 4,096 against 16,384 (a per-byte cost that depends on the size?), fresh against after the probe
 and after_prefill (do the prefills' cached buffers slow a landing?), `touched` against `probe` (faults).
+
+`--warm` asks the other question, where `mlxd simulate`'s SSD p95 on the GPU hosts comes from: reads of
+records the page cache holds whole (`mincore` said so at every slow read of the recordings) that took
+2.5-5.5x their run's median at random. Each round reads the record once per variant with the files kept
+in the page cache, after `--churn` tokens of prefill (a miss between two SSD hits, as the recorded runs
+serve them; MLX's cache not cleared, so a landing may be carved from the prefill's freed buffers), and
+records MLX's cache memory before and after the landing (`reused_bytes`: what the landing took from MLX's
+cache of freed buffers) and the seconds: the summary counts the reads above 2x their variant's median,
+with and without reused buffers:
+
+    python3 benchmarks/gpu/probe_restore_paths.py --warm --tokens 1156 --rounds 40 --churn 1024 \
+        --variants probe,touched,hosted,host --no-probe --out $OUT
 """
 
 from __future__ import annotations
@@ -117,8 +129,17 @@ def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
     from mlxd.runtime import device_memory
 
     files = [record.path, *store.blocks.block_paths(record)]
-    drop(files)
+    if not WARM:
+        drop(files)
     row: dict[str, Any] = {"variant": variant}
+    plain_land = land
+
+    def land(header: Any) -> Any:  # noqa: F811  what the landing took from MLX's cache of freed buffers
+        before = mx.get_cache_memory()
+        got = plain_land(header)
+        row["reused_bytes"] = max(0, before - mx.get_cache_memory())
+        return got
+
     if variant == "raw":
         s = raw_read(store.blocks.block_paths(record))
         row.update(seconds=s, nbytes=sum(p.stat().st_size for p in files))
@@ -165,14 +186,20 @@ def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
     return row
 
 
+WARM = False  # --warm: the files stay in the page cache (no DONTNEED before a read)
+
+
 def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds: int, out: list[dict[str, Any]],
-             *, clear: bool = True) -> None:
+             *, clear: bool = True, variants: tuple[str, ...] = VARIANTS, churn: Any = None) -> None:
     """Each variant on each record; `clear`: MLX's cache emptied after each (each landing in fresh memory),
-    else the next landing may reuse the last one's buffers (moved to the device by its adoption)."""
+    else the next landing may reuse the last one's buffers (moved to the device by its adoption); `churn`:
+    called before each read (a prefill between two restores)."""
     for r in range(rounds):
-        order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
+        order = variants if r % 2 == 0 else tuple(reversed(variants))
         for n, record in records.items():
             for v in order:
+                if churn is not None:
+                    churn(r)
                 row = timed(v, store, record, land)
                 row.update(phase=label, tokens=n, round=r, gb_s=row["nbytes"] / row["seconds"] / 1e9)
                 out.append(row)
@@ -182,12 +209,26 @@ def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds:
                     mx.clear_cache()
 
 
+SLOW = 2.0  # a read this many times its variant's median is slow (as bench_sim_ttft.py's slow_reads)
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    """Per phase / size / variant: GB/s of each read, their median; the reads' seconds, median and max,
+    and how many took over SLOW x the median, apart for landings that reused MLX's cached buffers."""
+    by: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        key = f"{row['phase']}/{row['tokens']}/{row['variant']}"
-        out.setdefault(key, []).append(round(row["gb_s"], 3))
-    return {k: {"gb_s": v, "median": sorted(v)[len(v) // 2]} for k, v in out.items()}
+        by.setdefault(f"{row['phase']}/{row['tokens']}/{row['variant']}", []).append(row)
+    out: dict[str, Any] = {}
+    for k, group in by.items():
+        gb = [round(r["gb_s"], 3) for r in group]
+        secs = sorted(r["seconds"] for r in group)
+        median = secs[len(secs) // 2]
+        slow = [r for r in group if r["seconds"] > SLOW * median]
+        reused = [r for r in group if r.get("reused_bytes", 0) > 0]
+        out[k] = {"gb_s": gb, "median": sorted(gb)[len(gb) // 2], "median_s": round(median, 4),
+                  "max_s": round(secs[-1], 4), "slow": len(slow), "reads": len(group),
+                  "reused": len(reused), "slow_reused": sum(1 for r in slow if r.get("reused_bytes", 0) > 0)}
+    return out
 
 
 def main() -> int:
@@ -199,7 +240,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="record sizes (default 4096 16384; --small 512 2048)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-probe", action="store_true", help="skip the engine's startup probe between the phases")
+    ap.add_argument("--warm", action="store_true", help="reads from the page cache (see above)")
+    ap.add_argument("--churn", type=int, default=0, help="with --warm: tokens of prefill before each read")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     args = ap.parse_args()
+    global WARM
+    WARM = args.warm
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
     sizes = args.tokens or ([512, 2048] if args.small else [4096, 16384])
@@ -224,7 +274,8 @@ def main() -> int:
     shutil.rmtree(ssd, ignore_errors=True)
     identity = StoreIdentity("paths", compute_fingerprint({"paths": "restore"}), "paths")
     store = SsdStore(ssd, identity, layout="blocks", block_tokens=span_for(kv))
-    res = args.out / f"restore_paths-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    kind = ("small-" if args.small else "") + ("warm-" if args.warm else "")
+    res = args.out / f"restore_paths-{kind}{time.strftime('%Y%m%d-%H%M%S')}.json"
     out: dict[str, Any] = {"device": str(mx.default_device()), "kv_bytes_per_token": kv, "sizes": sizes,
                            "block_tokens": span_for(kv), "readers": store.blocks.readers, "argv": sys.argv, "rows": []}
 
@@ -243,14 +294,33 @@ def main() -> int:
         mx.clear_cache()
         # a throwaway restore: one-time costs (allocator, kernels) are not the first row's
         dp._restore_once(store, records[sizes[0]], dp.RestorePath(directory=ssd, land=land, layout="blocks"))
-        round_of("fresh", store, records, land, args.rounds, out["rows"])
+        if args.warm:
+            gen = generator(model, 2048)
+            if args.churn:
+                first_token(gen, tokens(args.churn, 499, preset.vocab_size))  # its shapes compiled
+
+            def churn(r: int) -> None:
+                if args.churn:
+                    first_token(gen, tokens(args.churn, 600 + r, preset.vocab_size))
+
+            for record in records.values():  # into the page cache: read whole once
+                raw_read([record.path, *store.blocks.block_paths(record)])
+            round_of("warm", store, records, land, args.rounds, out["rows"], clear=False, variants=variants,
+                     churn=churn)
+            save()
+            store.close()
+            shutil.rmtree(ssd, ignore_errors=True)
+            log("summary", json.dumps(out["summary"], indent=1))
+            log("->", res, f"({out['elapsed_s']} s)")
+            return 0
+        round_of("fresh", store, records, land, args.rounds, out["rows"], variants=variants)
         save()
         # A served restore after prefills: their freed buffers cached (MLX reuses them by size).
         gen = generator(model, 2048)
         for seed in range(2):
             first_token(gen, tokens(256 if args.small else max(sizes), 500 + seed, preset.vocab_size))
         out["cache_after_prefill_gb"] = round(mx.get_cache_memory() / 1e9, 3)
-        round_of("after_prefill", store, records, land, args.rounds, out["rows"], clear=False)
+        round_of("after_prefill", store, records, land, args.rounds, out["rows"], clear=False, variants=variants)
         save()
         if not args.no_probe:
             t0 = time.perf_counter()
@@ -265,7 +335,7 @@ def main() -> int:
             log("probe", json.dumps({k: out["probe"][k] for k in ("seconds", "restore", "restore_warm",
                                                                    "restore_parts", "restore_bytes_per_s")}))
             # the probe ends with MLX's cache cleared, as serving then starts
-            round_of("after_probe", store, records, land, args.rounds, out["rows"])
+            round_of("after_probe", store, records, land, args.rounds, out["rows"], variants=variants)
             save()
     save()
     store.close()
