@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import os
@@ -115,6 +116,7 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
 
     from mlxd import open_runtime
     from mlxd.cli import record_trace
+    from mlxd.runtime import gc_pauses
 
     rngs = [np.random.default_rng(a.seed) for a, _, _ in runs]
     args = runs[0][0]
@@ -128,8 +130,12 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
     stopped_early = False
     async with contextlib.AsyncExitStack() as stack:
         rts = [await stack.enter_async_context(open_runtime(config)) for config in configs]
+        frozen = gc_pauses.freeze_heap() if args.gc_freeze else None  # as `mlxd serve` does once it listens
+        origins = []  # each recording's t = 0 on time.monotonic() (record_trace's own, to within microseconds)
         for rt, (_, trace, _) in zip(rts, runs, strict=True):
+            origins.append(time.monotonic())
             record_trace(rt, trace)
+        collections = GcTimeline()
         started = time.perf_counter()
         wave = args.wave or args.conversations  # conversations taking all their turns before the next ones start
         rounds = [(turn, list(range(w, min(w + wave, args.conversations))))
@@ -162,12 +168,72 @@ async def record(runs: list[tuple[argparse.Namespace, Path, Path]], per_token: i
             if stopped_early:
                 break
         served_s = time.perf_counter() - started
+        collections.stop()
+        if frozen is not None:
+            gc_pauses.thaw()
         stats = [(await rt.stats()).as_dict() for rt in rts]
     return [{"serve_s": round(time.perf_counter() - t0, 1), "requests_s": round(served_s, 1), "requests": n,
              "stopped_early": stopped_early, "loadavg_before": load_before, "interleaved": len(runs) > 1,
              "kv_bytes_per_token": per_token, "prompt_cache_bytes": config.prompt_cache_bytes,
-             "probe": st.get("device_probe"), "restore_decisions": (st.get("ssd_cache") or {}).get("restore_decisions")}
-            for n, config, st in zip(requests, configs, stats, strict=True)]
+             "probe": st.get("device_probe"), "restore_decisions": (st.get("ssd_cache") or {}).get("restore_decisions"),
+             "gc_frozen": frozen, "gc": collections.since(origin)}
+            for n, config, st, origin in zip(requests, configs, stats, origins, strict=True)]
+
+
+class GcTimeline:
+    """Every garbage collection in this process while it is on (`gc.callbacks`): its start on
+    time.monotonic(), seconds and generation. A collection holds the GIL throughout, so every thread
+    of the process (the reader threads of an SSD read too) stops for it."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, float, int]] = []
+        self._began: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.monotonic()
+        elif self._began is not None:
+            self.rows.append((self._began, time.monotonic() - self._began, int(info.get("generation", -1))))
+            self._began = None
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def since(self, origin: float) -> list[list[float]]:
+        """[t from `origin`, seconds, generation] of each collection."""
+        return [[round(t - origin, 6), round(s, 6), g] for t, s, g in self.rows]
+
+
+def gc_in_requests(trace: Path, collections: list[list[float]]) -> dict[str, Any]:
+    """Which requests a garbage collection ran inside (between submission and first token), per tier,
+    and the SSD reads above `SLOW_READ` x their median with and without one: is the SSD tier's tail
+    the collector's?"""
+    lines = [json.loads(x) for x in Path(trace).read_text().splitlines() if x.strip()]
+    requests = [r for r in lines if "event" not in r and r.get("ttft_s") is not None]
+    reads = [r["parts"]["read_s"] for r in requests if r.get("cache_tier") == "ssd" and (r.get("parts") or {}).get("read_s")]
+    median = float(np.median(reads)) if reads else 0.0
+    by: dict[str, dict[str, Any]] = {}
+    for r in requests:
+        t0, t1 = r["t"], r["t"] + r["ttft_s"]
+        inside = [c for c in collections if c[0] < t1 and c[0] + c[1] > t0]
+        tier = TIERS.get(r.get("cache_tier") or "none", "miss")
+        row = by.setdefault(tier, {"requests": 0, "with_gc": 0, "gc_ms": [], "slow_reads": 0, "slow_reads_with_gc": 0,
+                                   "reads_with_gc": 0})
+        row["requests"] += 1
+        if inside:
+            row["with_gc"] += 1
+            row["gc_ms"].append(round(sum(c[1] for c in inside) * 1000, 2))
+        read = (r.get("parts") or {}).get("read_s") or 0.0
+        if tier == "ssd" and read:
+            row["reads_with_gc"] += bool(inside)
+            if read > SLOW_READ * median:
+                row["slow_reads"] += 1
+                row["slow_reads_with_gc"] += bool(inside)
+    full = [c for c in collections if c[2] == 2]
+    return {"collections": len(collections), "full": len(full),
+            "full_ms": sorted(round(c[1] * 1000, 2) for c in full), "by_tier": by}
 
 
 def recorded_percentiles(trace: Path, warmup: int = 0) -> dict[str, dict[str, float]]:
@@ -283,6 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration-trace", type=Path,
                    help="with --trace: the earlier recording to fit the cost model to (else one is recorded)")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=False,
+                   help="freeze the heap once the recorded runtimes are open, as `mlxd serve` does once it listens "
+                        "(runtime/gc_pauses.py); every collection while recording is timed either way")
     args = p.parse_args(argv)
     if args.model is not None and not (args.model / "config.json").exists():
         p.error(f"--model {args.model}: no config.json there")
@@ -376,6 +445,14 @@ def run(args: argparse.Namespace, tmp: Path, began: float, result: dict[str, Any
               f"{slow['median_read_s'] * 1000:.1f} ms" + "".join(
                   f"\n  read {r['read_s'] * 1000:.0f} ms: land {r['land_s'] * 1000:.0f}, verify {r['verify_s'] * 1000:.0f}, "
                   f"rest {r['rest_s'] * 1000:.0f}, at {r['t']:.1f} s" for r in slow["rows"]))
+    result["gc"] = {name: gc_in_requests(path, live[name]["gc"]) for name, path in traces.items()
+                    if (live.get(name) or {}).get("gc") is not None}
+    for name, g in result["gc"].items():
+        ssd = g["by_tier"].get("ssd") or {}
+        print(f"{name}: {g['collections']} garbage collections while recording, {g['full']} full "
+              f"({', '.join(f'{x:.0f}' for x in g['full_ms'][-5:])} ms the longest); slow SSD reads with one inside "
+              f"{ssd.get('slow_reads_with_gc', 0)} of {ssd.get('slow_reads', 0)}, all SSD reads "
+              f"{ssd.get('reads_with_gc', 0)} of {ssd.get('requests', 0)}", flush=True)
     result["drift"] = drift(calibration, recorded)
     result["noise"] = noise(rows["fit"], result["drift"], recorded)
     print(noise_table(result["noise"]))
