@@ -38,6 +38,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -45,10 +46,12 @@ from pathlib import Path
 import attrs
 
 from mlxd.kv import file_format as ff
+from mlxd.kv import page_cache_warmup as warmup
 from mlxd.kv.block_store import MANIFEST_EXT, WRITERS, BlockStore
 from mlxd.kv.dir_lock import DirLock, lock_dir
 from mlxd.kv.listing import listdir, real_dir
 from mlxd.kv.pacing import Pacer
+from mlxd.kv.page_cache_warmup import Warmed
 from mlxd.kv.shared_dir import fresh_stem, new_writer_id
 from mlxd.kv.small_files import STORE_FILES, sweep_tmps
 from mlxd.kv.tiers import SsdRecord
@@ -172,6 +175,8 @@ class SsdStore:
     _blocks: BlockStore = attrs.field(init=False)
     # Taken by the first scan, before it touches a file, and held for the store's life (kv/dir_lock.py).
     _lock: DirLock | None = attrs.field(init=False, default=None)
+    # The reads `load` has in flight: the page-cache warm-up waits for none (kv/page_cache_warmup.py).
+    _reads: warmup.ForegroundReads = attrs.field(init=False, factory=warmup.ForegroundReads)
 
     def __attrs_post_init__(self) -> None:
         self._blocks = BlockStore(self.root, self.identity, block_tokens=self.block_tokens, writer=self.writer)
@@ -331,37 +336,15 @@ class SsdStore:
             return tuple(_resident_share(self._blocks.block_path(b.name), b.nbytes) for b in record.blocks)
         return (_resident_share(record.path, record.nbytes),)
 
-    def warm_page_cache(self, records: Iterable[SsdRecord], budget_bytes: int) -> int:
-        """Ask the kernel to read the most recently used files into the page cache.
-
-        Files may be written with O_DIRECT, so after a restart they are on disk
-        only; the conversations that return first are the ones used last. This
-        only queues readahead (posix_fadvise WILLNEED: no copy into this
-        process, and the pages stay reclaimable). Returns the bytes asked for.
-        """
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is None or budget_bytes <= 0:
-            return 0
-        asked = 0
-        for record in sorted(records, key=lambda r: r.mtime, reverse=True):
-            if asked + record.nbytes > budget_bytes:
-                break
-            if record.path is None:
-                continue
-            paths = self._blocks.block_paths(record) if record.blocks else [record.path]
-            for path in paths:
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    continue  # vanished or unreadable: the restore will treat it as a miss
-                try:
-                    advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-            asked += record.nbytes
-        return asked
+    def warm_page_cache(
+        self, records: Iterable[SsdRecord], budget_bytes: int, stop: threading.Event | None = None
+    ) -> Warmed:
+        """Read the most recently used files into the page cache, up to `budget_bytes`, stepping
+        aside while a `load` is in flight (kv/page_cache_warmup.py; a worker thread's work: it
+        returns when done or at `stop`)."""
+        newest = sorted(records, key=lambda r: r.mtime, reverse=True)
+        files = [(r.nbytes, self._blocks.block_paths(r) if r.blocks else [r.path]) for r in newest if r.path is not None]
+        return warmup.warm(files, budget_bytes, self._reads, stop=stop, resident=resident_pages)
 
     # ------------------------------------------------------------- writes
 
@@ -436,6 +419,14 @@ class SsdStore:
         read whole (its CRC-32s cover every token). `start`: a block checkpoint's tokens from `start`
         on only (an overlapped split's tail, `BlockStore.load`); a whole file has no such part (None).
         """
+        assert record.path is not None
+        with self._reads.reading():  # the start-up warm-up steps aside meanwhile
+            return self._load(record, verify=verify, land=land, upto=upto, start=start)
+
+    def _load(
+        self, record: SsdRecord, *, verify: bool, land: Callable[[ff.FileHeader], ff.Landing] | None, upto: int,
+        start: int,
+    ) -> ff.LoadedSnapshot | None:
         assert record.path is not None
         if record.blocks:
             return self._blocks.load(record, verify=verify, land=land, upto=upto, start=start)

@@ -37,6 +37,7 @@ from mlxd.actors.device_probe import lands_in_mlx
 from mlxd.actors.durability import DurabilityCoordinator
 from mlxd.actors.engine import EngineActor
 from mlxd.actors.gen_checkpointer import GenerationCheckpointer, checkpoint_dir
+from mlxd.actors.page_cache_warmer import PageCacheWarmerActor
 from mlxd.actors.prefetcher import PrefetcherActor
 from mlxd.actors.scheduler import SchedulerActor
 from mlxd.actors.ssd_writer import SsdWriterActor
@@ -671,10 +672,6 @@ async def _open_store(config: RuntimeConfig, info: EngineInfo) -> tuple[SsdStore
         bytes=sum(r.nbytes for r in scan.records),
         **{f"removed_{k}": v for k, v in attrs.asdict(scan.report).items() if k != "indexed"},
     )
-    # The most recent files, up to the RAM tier's size, start reading into the
-    # page cache now (kernel readahead), while the server is still idle.
-    warming = await trio.to_thread.run_sync(store.warm_page_cache, scan.records, config.prompt_cache_bytes)
-    log.info("ssd.page_cache_warming", bytes=warming)
     return store, scan
 
 
@@ -861,6 +858,9 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         **await _saved_pins(config, store),
         **advisor_saved,
     )
+    if store is not None and scan is not None and config.prompt_cache_bytes > 0:
+        # The newest files, up to the RAM tier's size, read into the page cache out of serving's way.
+        await actors.start(PageCacheWarmerActor(store, list(scan.records), config.prompt_cache_bytes).run)
     if cold is not None:
         await actors.start(cold.writer.run)
         await actors.start(cold.durability.run)
