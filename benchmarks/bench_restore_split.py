@@ -88,8 +88,8 @@ def resident_bytes(root: Path) -> int:
 
 
 async def settle_and_drop(root: Path, limit_s: float = 60.0) -> int:
-    """A started server asks the kernel to read its newest files ahead (`SsdStore.warm_page_cache`): wait
-    until that readahead has stopped (the resident bytes unchanged over three looks), then drop them.
+    """A started server reads its newest files into the page cache (`SsdStore.warm_page_cache`): wait
+    until that warm-up has stopped (the resident bytes unchanged over three looks), then drop them.
     Returns the bytes still resident after the drop."""
     import trio
 

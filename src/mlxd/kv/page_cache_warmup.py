@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-PIECE = 1 << 20  # bytes read at a time: a read serving starts waits for one piece's read at most
+PIECE = 256 << 10  # bytes read at a time: a read serving starts waits for one piece's read at most
 IDLE_POLL_S = 0.05  # how often a waiting warm-up looks at `stop` while serving reads
 
 
