@@ -307,36 +307,31 @@ def main() -> int:
                 raw_read([record.path, *store.blocks.block_paths(record)])
             round_of("warm", store, records, land, args.rounds, out["rows"], clear=False, variants=variants,
                      churn=churn)
+        else:
+            round_of("fresh", store, records, land, args.rounds, out["rows"], variants=variants)
             save()
-            store.close()
-            shutil.rmtree(ssd, ignore_errors=True)
-            log("summary", json.dumps(out["summary"], indent=1))
-            log("->", res, f"({out['elapsed_s']} s)")
-            return 0
-        round_of("fresh", store, records, land, args.rounds, out["rows"], variants=variants)
-        save()
-        # A served restore after prefills: their freed buffers cached (MLX reuses them by size).
-        gen = generator(model, 2048)
-        for seed in range(2):
-            first_token(gen, tokens(256 if args.small else max(sizes), 500 + seed, preset.vocab_size))
-        out["cache_after_prefill_gb"] = round(mx.get_cache_memory() / 1e9, 3)
-        round_of("after_prefill", store, records, land, args.rounds, out["rows"], clear=False, variants=variants)
-        save()
-        if not args.no_probe:
-            t0 = time.perf_counter()
-            probe = dp.probe_device(
-                gen, vocab_size=preset.vocab_size, max_context=2048 if args.small else 40960, kv_bytes_per_token=kv,
-                budget_s=1.0 if args.small else 3.0,
-                restore=dp.RestorePath(directory=ssd / "probe", land=land, layout="blocks", block_tokens=span_for(kv)),
-                tune_step=mx.default_device() != mx.cpu,
-            )
-            out["probe"] = probe.as_dict()
-            out["probe_s"] = round(time.perf_counter() - t0, 2)
-            log("probe", json.dumps({k: out["probe"][k] for k in ("seconds", "restore", "restore_warm",
-                                                                   "restore_parts", "restore_bytes_per_s")}))
-            # the probe ends with MLX's cache cleared, as serving then starts
-            round_of("after_probe", store, records, land, args.rounds, out["rows"], variants=variants)
+            # A served restore after prefills: their freed buffers cached (MLX reuses them by size).
+            gen = generator(model, 2048)
+            for seed in range(2):
+                first_token(gen, tokens(256 if args.small else max(sizes), 500 + seed, preset.vocab_size))
+            out["cache_after_prefill_gb"] = round(mx.get_cache_memory() / 1e9, 3)
+            round_of("after_prefill", store, records, land, args.rounds, out["rows"], clear=False, variants=variants)
             save()
+            if not args.no_probe:
+                t0 = time.perf_counter()
+                probe = dp.probe_device(
+                    gen, vocab_size=preset.vocab_size, max_context=2048 if args.small else 40960, kv_bytes_per_token=kv,
+                    budget_s=1.0 if args.small else 3.0,
+                    restore=dp.RestorePath(directory=ssd / "probe", land=land, layout="blocks", block_tokens=span_for(kv)),
+                    tune_step=mx.default_device() != mx.cpu,
+                )
+                out["probe"] = probe.as_dict()
+                out["probe_s"] = round(time.perf_counter() - t0, 2)
+                log("probe", json.dumps({k: out["probe"][k] for k in ("seconds", "restore", "restore_warm",
+                                                                       "restore_parts", "restore_bytes_per_s")}))
+                # the probe ends with MLX's cache cleared, as serving then starts
+                round_of("after_probe", store, records, land, args.rounds, out["rows"], variants=variants)
+                save()
     save()
     store.close()
     shutil.rmtree(ssd, ignore_errors=True)

@@ -419,7 +419,6 @@ class SsdStore:
         read whole (its CRC-32s cover every token). `start`: a block checkpoint's tokens from `start`
         on only (an overlapped split's tail, `BlockStore.load`); a whole file has no such part (None).
         """
-        assert record.path is not None
         with self._reads.reading():  # the start-up warm-up steps aside meanwhile
             return self._load(record, verify=verify, land=land, upto=upto, start=start)
 
