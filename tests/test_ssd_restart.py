@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -76,6 +77,10 @@ def test_flush_sigterm_restart_restores_the_conversation(tmp_path, tiny_model_di
         assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"]
         second.signal(signal.SIGINT)
         assert second.wait() == 0
+    # The restarted server read its newest files into the page cache in the background, and said so.
+    warmed = [json.loads(line) for line in second.log().splitlines() if '"ssd.page_cache_warmed"' in line]
+    assert len(warmed) == 1
+    assert warmed[0]["bytes"] > 0 and warmed[0]["files"] + warmed[0]["skipped_resident"] >= 1
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, tiny_model_dir):
