@@ -43,7 +43,7 @@ def warm_in_thread(files, budget, reads, stop=None):
 
 
 def test_the_warm_up_reads_nothing_while_serving_reads_then_everything(tmp_path):
-    path = cold_file(tmp_path / "a.bin", 3 * warmup.PIECE + 123)
+    path = cold_file(tmp_path / "a.bin", 3 * warmup.FIRST_PIECE + 123)
     reads = warmup.ForegroundReads()
     with reads.reading():  # a restore in flight
         thread, out = warm_in_thread([(path.stat().st_size, [path])], 1 << 40, reads)
@@ -58,8 +58,8 @@ def test_the_warm_up_reads_nothing_while_serving_reads_then_everything(tmp_path)
 
 
 def test_the_warm_up_ends_at_stop_and_keeps_to_its_budget_newest_first(tmp_path):
-    new = cold_file(tmp_path / "new.bin", warmup.PIECE)
-    old = cold_file(tmp_path / "old.bin", warmup.PIECE)
+    new = cold_file(tmp_path / "new.bin", warmup.FIRST_PIECE)
+    old = cold_file(tmp_path / "old.bin", warmup.FIRST_PIECE)
     reads, stop = warmup.ForegroundReads(), threading.Event()
     with reads.reading():
         thread, out = warm_in_thread([(100, [new]), (100, [old])], 150, reads, stop)
@@ -68,7 +68,7 @@ def test_the_warm_up_ends_at_stop_and_keeps_to_its_budget_newest_first(tmp_path)
         thread.join(60)
     assert out["w"].stopped and out["w"].read_bytes == 0
     warmed = warmup.warm([(100, [new]), (100, [old])], 150, reads, resident=resident_pages)
-    assert (warmed.chosen_bytes, warmed.files, warmed.read_bytes) == (100, 1, warmup.PIECE)
+    assert (warmed.chosen_bytes, warmed.files, warmed.read_bytes) == (100, 1, warmup.FIRST_PIECE)
     assert resident_pages(old)[0] == 0
     missing = warmup.warm([(1, [tmp_path / "gone.bin"])], 10, reads)  # vanished: skipped, no error
     assert missing.read_bytes == 0
@@ -116,3 +116,17 @@ def test_a_restore_in_flight_holds_the_stores_warm_up(tmp_path):
     warmed = out["w"]
     assert warmed.paused_s >= HELD_S * 0.9 and warmed.read_bytes > 0
     assert time.monotonic() - t0 >= HELD_S
+
+
+def test_a_piece_is_what_the_disk_reads_in_piece_s_growing_at_most_twofold():
+    piece = warmup.PieceSize()
+    assert piece.bytes == warmup.FIRST_PIECE
+    piece.measured(piece.bytes, piece.bytes / 4e6)  # a disk read at 4 MB/s: 80 KB in PIECE_S
+    assert piece.bytes == int(4e6 * warmup.PIECE_S) // warmup.MIN_PIECE * warmup.MIN_PIECE
+    piece.measured(piece.bytes, piece.bytes / 40e3)  # slower still: never under the floor
+    assert piece.bytes == warmup.MIN_PIECE
+    piece.measured(piece.bytes, 1e-6)  # from the page cache: twice the last piece, not the rate's
+    assert piece.bytes == 2 * warmup.MIN_PIECE
+    for _ in range(20):
+        piece.measured(piece.bytes, piece.bytes / 2e9)  # a disk at 2 GB/s: 40 MB in PIECE_S, capped
+    assert piece.bytes == warmup.MAX_PIECE

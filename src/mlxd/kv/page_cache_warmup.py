@@ -8,7 +8,8 @@ WILLNEED`, what the server did before) queued every byte ahead of the first retu
 read: on a disk slower than the recompute (the GPU's regime after a restart, reproduced on the CPU with
 the disk capped) an overlapped split's tail could not come back while the head was recomputed, nor a
 restore beat a recompute (docs/benchmarks.md). Here a read serving starts waits for one piece at
-most, and a file serving read already is skipped (`mincore`: its pages are resident).
+most (sized to what the disk reads in `PIECE_S`), and a file serving read already is skipped
+(`mincore`: its pages are resident).
 
 No trio: the warm-up runs on a worker thread (actors/page_cache_warmer.py) and serving's reads on
 theirs; `stop` ends it between two pieces.
@@ -25,8 +26,24 @@ from pathlib import Path
 
 import attrs
 
-PIECE = 256 << 10  # bytes read at a time: a read serving starts waits for one piece's read at most
+# A piece is what this disk reads in about PIECE_S (measured piece by piece): a read serving starts waits
+# about that long at most, on a slow disk and a fast one alike, and a fast disk is not read in tiny pieces.
+PIECE_S = 0.02
+MIN_PIECE, MAX_PIECE = 64 << 10, 8 << 20
+FIRST_PIECE = 256 << 10
 IDLE_POLL_S = 0.05  # how often a waiting warm-up looks at `stop` while serving reads
+
+
+class PieceSize:
+    """The next piece's bytes: what the last piece's rate reads in PIECE_S, at most twice the last piece
+    (a piece the page cache held reads fast and says little about the disk), within MIN/MAX_PIECE."""
+
+    def __init__(self) -> None:
+        self.bytes = FIRST_PIECE
+
+    def measured(self, nbytes: int, seconds: float) -> None:
+        rate_fits = int(nbytes / seconds * PIECE_S) if seconds > 0 else MAX_PIECE
+        self.bytes = max(MIN_PIECE, min(MAX_PIECE, 2 * self.bytes, rate_fits)) // MIN_PIECE * MIN_PIECE
 
 
 class ForegroundReads:
@@ -91,8 +108,8 @@ def warm(
     t0 = time.perf_counter()
     chosen = read = count = skipped = 0
     paused = 0.0
-    buf = bytearray(PIECE)
-    view = memoryview(buf)
+    view = memoryview(bytearray(MAX_PIECE))
+    piece = PieceSize()
     for nbytes, paths in files:
         if chosen + nbytes > budget_bytes or stop.is_set():
             break
@@ -108,12 +125,14 @@ def warm(
                 if total and have >= total:
                     skipped += 1
                     continue
-            got, waited = _read_through(path, view, reads, stop)
+            got, waited = _read_through(path, view, piece, reads, stop)
             read, paused, count = read + got, paused + waited, count + 1
     return Warmed(chosen, read, count, skipped, round(paused, 4), round(time.perf_counter() - t0, 4), stop.is_set())
 
 
-def _read_through(path: Path, view: memoryview, reads: ForegroundReads, stop: threading.Event) -> tuple[int, float]:
+def _read_through(
+    path: Path, view: memoryview, piece: PieceSize, reads: ForegroundReads, stop: threading.Event
+) -> tuple[int, float]:
     """Read one file piece by piece, each after serving's reads are done; (bytes read, seconds waited)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -129,12 +148,16 @@ def _read_through(path: Path, view: memoryview, reads: ForegroundReads, stop: th
             waited += reads.wait_idle(stop)
             if stop.is_set():
                 break
+            into = view[: piece.bytes]
+            t0 = time.perf_counter()
             try:
-                n = os.preadv(fd, [view], got) if hasattr(os, "preadv") else _pread_into(fd, view, got)
+                n = os.preadv(fd, [into], got) if hasattr(os, "preadv") else _pread_into(fd, into, got)
             except OSError:
                 break
             if n <= 0:
                 break
+            if n == len(into):  # a whole piece (a file's last one says nothing about the rate)
+                piece.measured(n, time.perf_counter() - t0)
             got += n
     finally:
         os.close(fd)
