@@ -132,9 +132,7 @@ class PrefetcherActor:
                     return self._store.load(record, verify=self._verify, land=land, upto=upto)
                 except _LandingFailed as exc:  # the file is fine: read it the host way instead
                     log.warning("prefetch.landing_failed", path=str(record.path), error=str(exc))
-            if start:
-                return self._store.load(record, verify=self._verify, upto=upto, start=start)
-            return self._store.load(record, verify=self._verify, upto=upto)
+            return self._store.load(record, verify=self._verify, upto=upto, start=start)
 
         try:
             read.loaded = await trio.to_thread.run_sync(load, limiter=self._threads)

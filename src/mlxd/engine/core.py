@@ -54,7 +54,7 @@ from mlxd.engine.ops import (
     StepOps,
     StepResult,
 )
-from mlxd.engine.prefill_slices import PrefillSlicer, aligned
+from mlxd.engine.prefill_slices import PrefillSlicer, aligned, prefill_step
 from mlxd.engine.speculative import (
     DraftCheckpoints,
     NgramDrafts,
@@ -889,15 +889,10 @@ class EngineCore:
         In the batch it would share each forward pass with a long prompt's chunk (padded to it, and
         attending over its context); alone it costs what it costs when nothing else runs.
         """
-        import mlx.core as mx
-
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
-        end, step, at = len(prompt) - 1, self._prefill_step_size, usable
+        end, at = len(prompt) - 1, usable
         while at < end:  # chunks end on multiples of the step: the same shapes as every other prompt's
-            upto = at + aligned(step, at, end - at)
-            self.model(mx.array([list(prompt[at:upto])]), cache=caches)
-            mx.eval([c.state for c in caches])
-            at = upto
+            at = prefill_step(self.model, caches, prompt, at, end, self._prefill_step_size)
         return caches, end
 
     def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from mlxd.engine.prefill_slices import aligned
+from mlxd.engine.prefill_slices import prefill_step
 from mlxd.kv.file_format import LoadedSnapshot
 from mlxd.runtime import device_memory
 from mlxd.runtime.kernel.messages import TailRestore
@@ -61,22 +61,14 @@ def recompute_then_append(
     from mlxd.kv import kinds
 
     at, end = usable, tail.usable
-
-    def prefill(until: int) -> None:
-        nonlocal at
-        upto = at + aligned(step, at, until - at)
-        model(mx.array([list(prompt[at:upto])]), cache=caches)
-        mx.eval([c.state for c in caches])
-        at = upto
-
     began = time.perf_counter()
     while at < tail.start:
-        prefill(tail.start)
+        at = prefill_step(model, caches, prompt, at, tail.start, step)
     head_s = time.perf_counter() - began
     if not tail.slot.landed:
         tail.slot.wait(tail_wait_s(tail, head_s, at - usable, end - at) if wait_s is None else wait_s)
     while at < end and not tail.slot.landed:
-        prefill(end)
+        at = prefill_step(model, caches, prompt, at, end, step)
     loaded = tail.slot.loaded if tail.slot.landed and at < end else None
     if loaded is None:
         return Overlapped(caches, at, at, head_s)

@@ -69,6 +69,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -168,6 +169,17 @@ def aligned(chunk: int, position: int, left: int) -> int:
     what is left when it fits in `chunk` (a prompt's last chunk ends where the prompt does, a new key length
     wherever it starts: cutting it would only add a step). Never 0 while tokens are left."""
     return left if left <= chunk else chunk - position % chunk
+
+
+def prefill_step(model: Any, caches: list[Any], prompt: Sequence[int], at: int, until: int, step: int) -> int:
+    """Prefill the next `aligned` chunk of `prompt[at:until]` on a row's own caches, outside the batch, and
+    evaluate it (engine thread); the position after it."""
+    import mlx.core as mx
+
+    upto = at + aligned(step, at, until - at)
+    model(mx.array([list(prompt[at:upto])]), cache=caches)
+    mx.eval([c.state for c in caches])
+    return upto
 
 
 def seconds_per_token(samples: list[tuple[int, float]], slope: float | None) -> float:

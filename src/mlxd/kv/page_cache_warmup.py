@@ -65,10 +65,6 @@ class ForegroundReads:
                 if self._count == 0:
                     self._idle.notify_all()
 
-    @property
-    def in_flight(self) -> int:
-        return self._count
-
     def wait_idle(self, stop: threading.Event) -> float:
         """Block while a read is in flight (or until `stop`); the seconds waited."""
         t0 = time.perf_counter()

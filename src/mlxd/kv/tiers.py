@@ -604,12 +604,7 @@ class CacheTiers:
             resident = self._resident(cold.record)
             if self.residency is not None and self.advisor.resident_bytes_per_s:
                 weighed = tuple(int(b) for b in resident)
-            cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=resident)
-            cuts += self._tails(cold, warm, real, resident)
-            plan = self.advisor.plan(
-                cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
-                warm_tokens=real(warm), prompt_tokens=real(len(tokens)),
-            )
+            cuts, plan = self._weigh(cold, warm, len(tokens), real, resident)
         if cold is None or plan is None or plan.cut is None:
             if record is not None:
                 self.sessions.fallback()  # the session's file was not worth restoring
@@ -618,13 +613,18 @@ class CacheTiers:
         chosen = next(m for c, m in cuts if c is plan.cut)
         return PrefixLookup(hit, chosen, promoted=promoted is not None, plan=plan, resident=weighed)
 
-    def _tails(
-        self, cold: SsdMatch, warm: int, real: Callable[[int], int], resident: Sequence[int]
-    ) -> list[tuple[RestoreCut, SsdMatch]]:
-        """The overlapped splits the advisor may weigh (none unless it weighs or forces them)."""
-        if not (self.advisor.weigh_overlap or self.advisor.overlap):
-            return []
-        return restore_tails(cold, warm, real, resident=resident)
+    def _weigh(
+        self, cold: SsdMatch, warm: int, prompt: int, real: Callable[[int], int], resident: Sequence[int],
+        *, count: bool = True,
+    ) -> tuple[list[tuple[RestoreCut, SsdMatch]], RestorePlan]:
+        """The advisor's plan for a cold record past a `warm` prefix of a `prompt`-token prompt: its cuts,
+        and the overlapped splits when it weighs or forces them, each with the match that reads it."""
+        cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=resident)
+        if self.advisor.weigh_overlap or self.advisor.overlap:
+            cuts += restore_tails(cold, warm, real, resident=resident)
+        plan = self.advisor.plan(cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
+                                 warm_tokens=real(warm), prompt_tokens=real(prompt), count=count)
+        return cuts, plan
 
     def _resident(self, record: SsdRecord, *, hint: bool = False) -> Sequence[int]:
         """The record's bytes in the page cache, where the advisor has a page-cache bandwidth to use them.
@@ -684,11 +684,8 @@ class CacheTiers:
         if self.host is not None and self.host.find(tokens, namespace, longer_than=cold.usable - 1) is not None:
             return None  # the host tier will serve it: no SSD read
         usable = warm.usable if warm is not None else 0
-        resident = self._resident(cold.record, hint=True)
-        cuts = restore_cuts(cold, usable, lambda n: n, split=self.advisor.split, resident=resident)
-        cuts += self._tails(cold, usable, lambda n: n, resident)
-        plan = self.advisor.plan(cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
-                                 warm_tokens=usable, prompt_tokens=len(tokens), count=False)
+        cuts, plan = self._weigh(cold, usable, len(tokens), lambda n: n, self._resident(cold.record, hint=True),
+                                 count=False)
         if plan.arm == RECOMPUTE:  # read for nothing: the disk, a landing's memory and the engine's time for it
             return None
         return next((m for c, m in cuts if c is plan.cut), cold)

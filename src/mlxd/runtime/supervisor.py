@@ -858,7 +858,7 @@ async def _start_actors(actors: _Actors, config: RuntimeConfig) -> Runtime:
         **await _saved_pins(config, store),
         **advisor_saved,
     )
-    if store is not None and scan is not None and config.prompt_cache_bytes > 0:
+    if store is not None and scan is not None:  # (an SSD tier always has a RAM tier: RuntimeConfig)
         # The newest files, up to the RAM tier's size, read into the page cache out of serving's way.
         await actors.start(PageCacheWarmerActor(store, list(scan.records), config.prompt_cache_bytes).run)
     if cold is not None:
