@@ -34,6 +34,18 @@ def cold_file(path: Path, nbytes: int) -> Path:
     return path
 
 
+class Watched(warmup.ForegroundReads):
+    """Says when the warm-up first waits (so a test holds a read from then on, however late the thread ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait_idle(self, stop: threading.Event) -> float:
+        self.waiting.set()
+        return super().wait_idle(stop)
+
+
 def warm_in_thread(files, budget, reads, stop=None):
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(w=warmup.warm(files, budget, reads, stop=stop,
@@ -44,9 +56,10 @@ def warm_in_thread(files, budget, reads, stop=None):
 
 def test_the_warm_up_reads_nothing_while_serving_reads_then_everything(tmp_path):
     path = cold_file(tmp_path / "a.bin", 3 * warmup.FIRST_PIECE + 123)
-    reads = warmup.ForegroundReads()
+    reads = Watched()
     with reads.reading():  # a restore in flight
         thread, out = warm_in_thread([(path.stat().st_size, [path])], 1 << 40, reads)
+        assert reads.waiting.wait(60)
         time.sleep(HELD_S)
         assert thread.is_alive()
         assert resident_pages(path)[0] == 0  # not one piece read beside it
@@ -85,6 +98,7 @@ def test_a_restore_in_flight_holds_the_stores_warm_up(tmp_path):
     assert isinstance(stored, Stored)
     record = stored.record
     landing, release = threading.Event(), threading.Event()
+    store._reads = Watched()  # the store's own count of its loads, watched
 
     def land(header):
         landing.set()
@@ -107,6 +121,7 @@ def test_a_restore_in_flight_holds_the_stores_warm_up(tmp_path):
         reader.join(30)
         pytest.skip("this filesystem keeps pages after DONTNEED")
     warmer.start()
+    assert store._reads.waiting.wait(60)
     time.sleep(HELD_S)
     assert warmer.is_alive()
     release.set()
