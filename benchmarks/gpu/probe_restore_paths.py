@@ -41,6 +41,10 @@ with and without reused buffers:
 
     python3 benchmarks/gpu/probe_restore_paths.py --warm --tokens 1156 --rounds 40 --churn 1024 \
         --variants probe,touched,hosted,host --no-probe --out $OUT
+
+`--busy N` keeps the GPU busy during every read: this thread runs N-token forward passes over and over
+while the reader fills the landing (in the recorded runs the engine prefilled other requests beside the
+prefetcher's reads); a landing whose pages fault over from the device may wait on those kernels.
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
 
         path = dp.RestorePath(directory=Path("."), land=touched_land if variant in ("touched", "hosted") else land,
                               verify=variant != "noverify", layout="blocks")
-        loaded, adopted, seconds, (landing_s, read_s, adopt_s) = dp._restore_once(store, record, path)
+        loaded, adopted, seconds, (landing_s, read_s, adopt_s) = dp._restore_once(store, record, path, meanwhile=BUSY)
         if variant in ("touched", "hosted"):  # the touch / move is not the read's: report it apart
             row["touch_s"] = touch_s
             seconds -= touch_s
@@ -187,6 +191,7 @@ def timed(variant: str, store: Any, record: Any, land: Any) -> dict[str, Any]:
 
 
 WARM = False  # --warm: the files stay in the page cache (no DONTNEED before a read)
+BUSY: Any = None  # --busy: a forward pass run over and over on this thread while the reader reads
 
 
 def round_of(label: str, store: Any, records: dict[int, Any], land: Any, rounds: int, out: list[dict[str, Any]],
@@ -242,9 +247,10 @@ def main() -> int:
     ap.add_argument("--no-probe", action="store_true", help="skip the engine's startup probe between the phases")
     ap.add_argument("--warm", action="store_true", help="reads from the page cache (see above)")
     ap.add_argument("--churn", type=int, default=0, help="with --warm: tokens of prefill before each read")
+    ap.add_argument("--busy", type=int, default=0, help="tokens of each forward pass run during every read (above)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     args = ap.parse_args()
-    global WARM
+    global WARM, BUSY
     WARM = args.warm
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = set(variants) - set(VARIANTS)
@@ -274,7 +280,7 @@ def main() -> int:
     shutil.rmtree(ssd, ignore_errors=True)
     identity = StoreIdentity("paths", compute_fingerprint({"paths": "restore"}), "paths")
     store = SsdStore(ssd, identity, layout="blocks", block_tokens=span_for(kv))
-    kind = ("small-" if args.small else "") + ("warm-" if args.warm else "")
+    kind = ("small-" if args.small else "") + ("warm-" if args.warm else "") + ("busy-" if args.busy else "")
     res = args.out / f"restore_paths-{kind}{time.strftime('%Y%m%d-%H%M%S')}.json"
     out: dict[str, Any] = {"device": str(mx.default_device()), "kv_bytes_per_token": kv, "sizes": sizes,
                            "block_tokens": span_for(kv), "readers": store.blocks.readers, "argv": sys.argv, "rows": []}
@@ -284,6 +290,17 @@ def main() -> int:
         out["summary"] = summarize(out["rows"])
         res.write_text(json.dumps(out, indent=1, default=str))
 
+    if args.busy:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        ids = mx.array([tokens(args.busy, 777, preset.vocab_size)])
+
+        def busy() -> None:
+            with mx.stream(stream):
+                mx.eval(model(ids, cache=make_prompt_cache(model)))
+
+        BUSY = busy
+        out["busy_tokens"] = args.busy
     records: dict[int, Any] = {}
     with mx.stream(stream):
         for i, n in enumerate(sizes):

@@ -316,17 +316,20 @@ def _probe_restore(path: RestorePath, caches: list[tuple[int, list[Any]]], *, bu
     return out
 
 
-def _restore_once(store: Any, record: Any, path: RestorePath) -> tuple[Any, list[Any], float, tuple[float, float, float]]:
+def _restore_once(
+    store: Any, record: Any, path: RestorePath, *, meanwhile: Callable[[], object] | None = None
+) -> tuple[Any, list[Any], float, tuple[float, float, float]]:
     """One restore as serving runs and times it: the store's read (its layout, readers, checks, the
     engine's landing) on a worker thread, as the prefetcher reads (`PrefetcherActor._read`: the landing
     is allocated on the engine's thread, here the calling one, while the reader waits), its own read
     time, plus the engine's adoption on this thread (`EngineCore._restore`), which starts the pages'
     move to the device without waiting for it; (loaded, caches, seconds, (landing, read, adopt) s).
 
-    (It once evaluated the caches' state too, which serving does not: docs/benchmarks.md.)"""
+    (It once evaluated the caches' state too, which serving does not: docs/benchmarks.md.) `meanwhile`: as
+    `load_as_prefetched`'s."""
     from mlxd.kv import file_format, kinds
 
-    loaded, landing_s = load_as_prefetched(store, record, verify=path.verify, land=path.land)
+    loaded, landing_s = load_as_prefetched(store, record, verify=path.verify, land=path.land, meanwhile=meanwhile)
     if loaded is None:
         raise file_format.StorageError("the probe's own snapshot did not read back")
     t0 = time.perf_counter()
@@ -336,10 +339,13 @@ def _restore_once(store: Any, record: Any, path: RestorePath) -> tuple[Any, list
 
 
 def load_as_prefetched(
-    store: Any, record: Any, *, verify: bool, land: Callable[[FileHeader], Landing] | None
+    store: Any, record: Any, *, verify: bool, land: Callable[[FileHeader], Landing] | None,
+    meanwhile: Callable[[], object] | None = None,
 ) -> tuple[Any, float]:
     """`store.load` on a worker thread with `land` run on this thread (the engine's), as the prefetcher
-    hands its landing to the engine; (loaded or None, seconds this thread spent on the landing)."""
+    hands its landing to the engine; (loaded or None, seconds this thread spent on the landing).
+    `meanwhile`: called over and over on this thread once the landing is handed, while the reader fills it
+    (a benchmark's engine busy with other requests' forward passes beside the read)."""
     asks: queue.Queue[tuple[FileHeader, queue.Queue[Any]] | None] = queue.Queue()
     result: dict[str, Any] = {}
 
@@ -361,13 +367,18 @@ def load_as_prefetched(
 
     reader = threading.Thread(target=read, name="mlxd-probe-read", daemon=True)
     reader.start()
-    landing_s = 0.0
-    while (ask := asks.get()) is not None:
+    landing_s, handed = 0.0, False
+    while True:
+        while meanwhile is not None and handed and asks.empty() and reader.is_alive():
+            meanwhile()
+        if (ask := asks.get()) is None:
+            break
         header, reply = ask
         t0 = time.perf_counter()
         try:
             assert land is not None
             reply.put((True, land(header)))
+            handed = True
         except Exception as exc:  # the reader raises it, as serving's reader meets a failed landing
             reply.put((False, exc))
         landing_s += time.perf_counter() - t0
