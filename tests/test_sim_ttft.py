@@ -9,6 +9,7 @@ this machine is benchmarks/bench_sim_ttft.py (docs/simulate.md).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -444,8 +445,11 @@ def test_the_benchmark_records_fits_and_writes_its_json(tiny_model_dir, tmp_path
     assert warmup["restore_decisions"]["restores_chosen"] == 1
     assert [result["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
     assert result["live"]["calibration"]["interleaved"]  # both runs at once, taking turns (the same load)
-    one_after = json.loads(bench_sim_ttft.main([*small, "--no-interleave", "--wave", "2", "--label", "s"]).read_text())
+    assert result["live"]["calibration"]["gc_frozen"]["frozen"] > 0  # the heap frozen, as `mlxd serve` freezes it
+    one_after = json.loads(bench_sim_ttft.main([*small, "--no-interleave", "--wave", "2", "--label", "s",
+                                                "--no-gc-freeze"]).read_text())
     assert [one_after["live"][k]["requests"] for k in ("calibration", "predicted")] == [12, 12]
+    assert one_after["live"]["predicted"]["gc_frozen"] is None and gc.get_freeze_count() == 0  # thawed after either
     assert not one_after["live"]["predicted"]["interleaved"]
     assert set(result["traces"]) == {"calibration", "predicted"}
     assert {r["tier"] for r in result["rows"]["fit"]} >= {"miss", "ram"}
