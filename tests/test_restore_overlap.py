@@ -332,24 +332,40 @@ def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(ti
     assert sim["ssd_hit_tokens"] == cached
 
 
-# --- the prefetcher's half: a tail read the host way, a lost block a miss ----------------------------
+# --- the prefetcher's half: a tail read into MLX memory, a lost block a miss --------------------------
 
 
-async def test_the_prefetcher_reads_a_tail_the_host_way_and_a_lost_block_lands_as_a_miss(tmp_path):
+async def test_the_prefetcher_lands_a_tail_in_mlx_memory_and_a_lost_block_lands_as_a_miss(tmp_path):
+    """A tail's memory is allocated by the engine's landing (`FetchTail.placed` set once it is, before the
+    read is back: the scheduler starts the row then), the read fills it, and its adoption copies nothing;
+    a landing the engine cannot give reads the host way; a lost block is a miss the cache owner hears of."""
     import trio
 
     from mlxd.actors.prefetcher import PrefetcherActor
     from mlxd.kv.ssd_store import SsdStore
     from mlxd.runtime.kernel.messages import FetchTail, RecordLost, TailSlot
 
-    store = SsdStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
-    tokens = list(range(1, 61))
-    record = store.write(kinds.plan_snapshot(conversation_kv(tokens), meta=IDENTITY.meta(tokens, ""))).record
-    landings: list = []
+    hold = trio.Event()  # a landed read's reader thread, held once its memory is placed
 
-    async def land(header):  # the engine's landing: never asked for a tail (its thread is busy meanwhile)
+    class HeldStore(SsdStore):
+        def load(self, record, **kw):  # the read waits until the test has seen `placed` (and not `landed`)
+            if kw.get("land") is not None:
+                landing = kw["land"]
+                kw["land"] = lambda header: (landing(header), trio.from_thread.run(hold.wait))[0]
+            return super().load(record, **kw)
+
+    store = HeldStore(tmp_path, IDENTITY, layout="blocks", block_tokens=16)
+    tokens = list(range(1, 61))
+    kv = conversation_kv(tokens)
+    record = store.write(kinds.plan_snapshot(kv, meta=IDENTITY.meta(tokens, ""))).record
+    landings: list = []
+    refuse = False
+
+    async def land(header):  # the engine's landing (its thread; here the trio thread)
         landings.append(header)
-        raise AssertionError("a tail is read the host way")
+        if refuse:
+            raise MemoryError("no room for it")
+        return kinds.landing(header)
 
     async def fetched(slot: TailSlot) -> None:  # as the engine thread waits for it
         assert await trio.to_thread.run_sync(slot.wait, 60.0)
@@ -359,18 +375,31 @@ async def test_the_prefetcher_reads_a_tail_the_host_way_and_a_lost_block_lands_a
     actor = PrefetcherActor(store, inbox=inbox, cache=cache_send, verify=True, land=land)
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.run)
-        good = TailSlot()
-        await inbox_send.send(FetchTail(record, 32, good))
-        await fetched(good)
-        assert good.loaded is not None and good.loaded.header.tokens == tuple(tokens[32:])
-        assert good.loaded.landed is None and good.loaded.nbytes == sum(b.nbytes for b in record.blocks[2:])
+        good = FetchTail(record, 32, TailSlot())
+        await inbox_send.send(good)
+        with trio.fail_after(60):
+            await good.placed.wait()
+        assert not good.slot.landed and len(landings) == 1  # memory allocated, nothing read yet
+        hold.set()
+        await fetched(good.slot)
+        loaded = good.slot.loaded
+        assert loaded is not None and loaded.header.tokens == tuple(tokens[32:])
+        assert loaded.landed is not None and loaded.nbytes == sum(b.nbytes for b in record.blocks[2:])
+        tail = kinds.adopt(loaded)
+        assert tail[0].state[0] is not None  # adopted as it landed: the MLX arrays the read filled
+        np.testing.assert_array_equal(np.array(tail[0].keys[..., : 60 - 32, :]), np.array(kv[0].keys[..., 32:60, :]))
+        refuse = True  # the engine cannot give memory: the tail is read the host way
+        host = FetchTail(record, 32, TailSlot())
+        await inbox_send.send(host)
+        await fetched(host.slot)
+        assert host.placed.is_set() and host.slot.loaded is not None and host.slot.loaded.landed is None
         store.blocks.block_paths(record)[-1].unlink()  # the tail's last block is lost
-        lost = TailSlot()
-        await inbox_send.send(FetchTail(record, 32, lost))
-        await fetched(lost)
-        assert lost.loaded is None  # a miss: the engine recomputes the tail
+        lost = FetchTail(record, 32, TailSlot())
+        await inbox_send.send(lost)
+        await fetched(lost.slot)
+        assert lost.placed.is_set() and lost.slot.loaded is None  # a miss: the engine recomputes the tail
         with trio.fail_after(60):
             told = await cache_inbox.receive()
         assert isinstance(told, RecordLost) and told.record is record  # the cache owner forgets the record
         nursery.cancel_scope.cancel()
-    assert landings == []
+    assert len(landings) == 3

@@ -9,10 +9,14 @@ owner (`RecordLost`). Reads never touch MLX; the engine adopts the bytes on
 its own thread. With `land` (the engine's `landing`; `--restore-landing`), the engine
 first allocates MLX arrays for the file's tensors on its thread and the read
 fills them directly, so adopting copies nothing. An overlapped split's tail
-(`FetchTail`) is read the host way, never landed: the engine thread is busy
-recomputing the head meanwhile and could not allocate for it; the read lands in
-the request's `TailSlot`, which the engine looks at between the head's chunks.
-This actor holds no other actor's state.
+(`FetchTail`) lands the same way: its memory is allocated before the engine
+starts recomputing the head (`FetchTail.placed`: the scheduler starts the row
+only once the read has its memory; the engine thread could not allocate while
+it recomputes), and the read lands in the request's `TailSlot`, which the engine
+looks at between the head's chunks. Read the host way instead (H100
+2026-12-06), a tail's adoption copied it into MLX at ~1.9 GB/s on the engine
+thread after the head, and an overlap whose tail came back in time was slower
+than the recompute. This actor holds no other actor's state.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ class _Read:
     def __init__(self, upto: int = 0, start: int = 0) -> None:
         self.done = trio.Event()
         self.loaded: LoadedSnapshot | None = None
+        self.placed = trio.Event()  # its memory allocated (a landing), or it reads the host way, or it ended
         self.upto = upto  # > 0: the record's first `upto` tokens only
-        self.start = start  # > 0: its tokens from `start` on only (a tail: read the host way)
+        self.start = start  # > 0: its tokens from `start` on only (an overlapped split's tail)
 
     def serves(self, upto: int, start: int) -> bool:
         """Can this read serve a restore of the record's part [start, upto)? (0: its first / last token)"""
@@ -91,6 +96,7 @@ class PrefetcherActor:
                         if isinstance(msg, FetchSnapshot | PrefetchStats):
                             msg.reply.fail(exc)
                         elif isinstance(msg, FetchTail):
+                            msg.placed.set()
                             msg.slot.land(None)
 
     def _handle(self, nursery: trio.Nursery, msg: PrefetcherMessage) -> None:
@@ -117,19 +123,27 @@ class PrefetcherActor:
 
     async def _read(self, record: SsdRecord, read: _Read) -> None:
         upto, start = read.upto, read.start
-        allocate = self._land if not start else None
+        allocate = self._land
+        if allocate is None:
+            read.placed.set()
 
-        def land(header: FileHeader) -> Landing:
+        async def allocated(header: FileHeader) -> Landing:
             assert allocate is not None
             try:
-                return trio.from_thread.run(allocate, header)
+                return await allocate(header)
+            finally:
+                read.placed.set()
+
+        def land(header: FileHeader) -> Landing:
+            try:
+                return trio.from_thread.run(allocated, header)
             except (Exception, trio.Cancelled) as exc:  # e.g. no memory for it, or shutting down
                 raise _LandingFailed(repr(exc)) from exc
 
         def load() -> LoadedSnapshot | None:
             if allocate is not None:
                 try:
-                    return self._store.load(record, verify=self._verify, land=land, upto=upto)
+                    return self._store.load(record, verify=self._verify, land=land, upto=upto, start=start)
                 except _LandingFailed as exc:  # the file is fine: read it the host way instead
                     log.warning("prefetch.landing_failed", path=str(record.path), error=str(exc))
             return self._store.load(record, verify=self._verify, upto=upto, start=start)
@@ -140,6 +154,7 @@ class PrefetcherActor:
             log.warning("prefetch.read_failed", path=str(record.path), error=repr(exc))
             read.loaded = None
         finally:
+            read.placed.set()
             read.done.set()
         if read.loaded is None:
             self._count(reads=1, read_failures=1)
@@ -160,6 +175,9 @@ class PrefetcherActor:
         else:
             read = self._start(nursery, msg.record, msg.upto, start)  # a split reads only its leading blocks
             self._reads.pop(msg.record.path, None)
+        if isinstance(msg, FetchTail):
+            await read.placed.wait()
+            msg.placed.set()
         await read.done.wait()
         if isinstance(msg, FetchTail):
             msg.slot.land(read.loaded)

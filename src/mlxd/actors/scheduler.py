@@ -10,6 +10,7 @@ and frees its slot.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -373,11 +374,17 @@ class SchedulerActor:
 
     async def _fetch_tail(self, match: SsdMatch, expect_s: float) -> TailRestore | None:
         """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP; `expect_s` its predicted
-        read); the engine takes it when it lands. None without a prefetcher (the engine recomputes it all)."""
+        read); the engine takes it when it lands. Returns once the read has its memory (`FetchTail.placed`:
+        MLX arrays the engine's thread allocates before it recomputes the head), or after its predicted read
+        at most (a read still waiting for a reader thread). None without a prefetcher
+        (the engine recomputes it all)."""
         if self._prefetcher is None:
             return None
         tail = TailRestore(match.record, match.read_from, match.usable, expect_s=expect_s, asked_at=time.monotonic())
-        await self._prefetcher.send(FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens))
+        fetch = FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens)
+        await self._prefetcher.send(fetch)
+        with trio.move_on_after(expect_s if expect_s > 0 else math.inf):  # by then it could not be back in time
+            await fetch.placed.wait()
         return tail
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:

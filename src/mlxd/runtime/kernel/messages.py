@@ -791,12 +791,15 @@ class PrefetchStats:
 @attrs.frozen(eq=False)
 class FetchTail:
     """Read an overlapped split's tail (the record's tokens from `start` on, to `upto` when > 0) into
-    `slot`: its `LoadedSnapshot`, or None when the read failed (the engine recomputes it)."""
+    `slot`: its `LoadedSnapshot`, or None when the read failed (the engine recomputes it). `placed` is set
+    once the read has its memory (MLX arrays allocated on the engine's thread), reads the host way, or
+    ended: the row goes to the engine only then (its thread recomputing the head could not allocate)."""
 
     record: SsdRecord
     start: int
     slot: TailSlot
     upto: int = 0
+    placed: trio.Event = attrs.field(factory=trio.Event)
 
 
 PrefetcherMessage = PrefetchRecord | FetchSnapshot | FetchTail | PrefetchStats
