@@ -23,9 +23,8 @@ files), so the calibration run does not pay the process's one-off costs
 (allocator growth, kernel compilation, the first restore) that the predicted
 run, second in the process, does not. Once the recorded runtimes are open the heap is frozen, as
 `mlxd serve` freezes it once it listens (`--no-gc-freeze`: not; every collection is timed either way
-and the requests and slow SSD reads one landed in are counted): unfrozen, a full collection of this
-process walked the whole heap for 242-269 ms on the H100 host and was inside every slow SSD read of the
-run (2026-12-06 16:51, docs/benchmarks.md). `--stop-after` bounds the whole script: each run stops
+and the requests and slow SSD reads one landed in are counted): unfrozen, full collections of this
+process's whole heap were inside every slow SSD read of the GPU runs (docs/benchmarks.md). `--stop-after` bounds the whole script: each run stops
 sending new turns at its share of the budget, and the JSON is written even when a stage fails.
 """
 
@@ -354,8 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
                    help="freeze the heap once the recorded runtimes are open, as `mlxd serve` does once it listens "
-                        "(runtime/gc_pauses.py; --no-gc-freeze: a full collection walks the whole heap, 242-269 ms "
-                        "on the H100 host, and lands in a request at random); every collection is timed either way")
+                        "(runtime/gc_pauses.py; --no-gc-freeze: a full collection walks the whole heap, every thread "
+                        "stopped, inside a request at random); every collection is timed either way")
     args = p.parse_args(argv)
     if args.model is not None and not (args.model / "config.json").exists():
         p.error(f"--model {args.model}: no config.json there")

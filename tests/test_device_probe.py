@@ -453,3 +453,39 @@ async def test_a_restarted_server_reuses_its_predecessor_s_probe_unless_told_to_
         async with open_runtime(changed) as rt:  # told to measure, or another setup: measured afresh
             assert rt.info.probe is not None and not rt.info.probe.reused
     assert len(runs) == 3
+
+
+def test_a_restore_as_prefetched_runs_the_callers_work_only_after_handing_the_landing(tmp_path: Path):
+    # probe_restore_paths.py --busy: this thread's forward passes run while the reader fills the landing,
+    # never before it was handed (the landing would wait behind them); the read is the same either way.
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import KVCache
+
+    from mlxd.actors.device_probe import load_as_prefetched
+    from mlxd.kv import kinds
+    from mlxd.kv.ssd_store import SsdStore, StoreIdentity, compute_fingerprint
+
+    identity = StoreIdentity("probe", compute_fingerprint({"probe": "meanwhile"}), "probe")
+    store = SsdStore(tmp_path, identity, layout="blocks", block_tokens=64)
+    caches = []
+    for _ in range(2):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, 512, 16)), mx.random.normal((1, 2, 512, 16)))
+        caches.append(c)
+    record = store.write(kinds.plan_snapshot(caches, meta=identity.meta(range(512), ""))).record
+    events: list[str] = []
+
+    def land(header):
+        events.append("land")
+        return kinds.landing(header)
+
+    def meanwhile() -> None:
+        events.append("meanwhile")
+        mx.eval(mx.random.normal((64, 64)) @ mx.random.normal((64, 64)))
+
+    loaded, landing_s = load_as_prefetched(store, record, verify=True, land=land, meanwhile=meanwhile)
+    assert loaded is not None and loaded.landed is not None and landing_s > 0
+    assert events[0] == "land" and events.count("land") == 1
+    adopted = kinds.adopt(loaded)
+    np.testing.assert_array_equal(np.array(adopted[1].keys[..., :512, :]), np.array(caches[1].keys[..., :512, :]))

@@ -13,10 +13,9 @@ fills them directly, so adopting copies nothing. An overlapped split's tail
 starts recomputing the head (`FetchTail.placed`: the scheduler starts the row
 only once the read has its memory; the engine thread could not allocate while
 it recomputes), and the read lands in the request's `TailSlot`, which the engine
-looks at between the head's chunks. Read the host way instead (H100
-2026-12-06), a tail's adoption copied it into MLX at ~1.9 GB/s on the engine
-thread after the head, and an overlap whose tail came back in time was slower
-than the recompute. This actor holds no other actor's state.
+looks at between the head's chunks (read the host way, its copy into MLX
+after the head cost more than the overlap saved: docs/benchmarks.md). This
+actor holds no other actor's state.
 """
 
 from __future__ import annotations
