@@ -11,7 +11,10 @@ simulator replay deciding alike.
 
 from __future__ import annotations
 
+import json
+
 import attrs
+import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -294,6 +297,39 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         assert [(m.taken, m.nbytes > 0) for m in measured] == [(land == "landed", land == "landed")]
 
 
+def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_would_queue_behind_it(core, tmp_path):
+    # A tail read whose memory is not placed yet may have its landing queued as a job on the engine's own
+    # thread: waiting for it there would wait out the whole bound (a live server once hung its requests
+    # for the 120 s it was pinned to). So the engine waits only for a placed tail, and recomputes the rest.
+    import threading
+    import time
+
+    from mlxd.engine import overlap
+
+    store = BlockStore(tmp_path, core.store_identity, block_tokens=32)
+    caches = loading.fresh_caches(core.model, core._config)
+    core.model(mx.array([list(PREFIX)]), cache=caches)
+    mx.eval([c.state for c in caches])
+    record = store.write(kinds.plan_snapshot(caches, meta=core.store_identity.meta(list(PREFIX), ""))).record
+
+    def run(tail: TailRestore):
+        t0 = time.monotonic()
+        done = overlap.recompute_then_append(core.model, loading.fresh_caches(core.model, core._config), PROMPT, 0,
+                                             tail, step=64, wait_s=60.0)
+        return done, time.monotonic() - t0
+
+    unplaced = TailRestore(record, 96, len(PREFIX))
+    done, took = run(unplaced)
+    assert done.appended is None and done.at == len(PREFIX) and took < 30  # recomputed, no 60 s wait
+    placed = TailRestore(record, 96, len(PREFIX))
+    placed.slot.place()
+    later = threading.Timer(0.3, lambda: placed.slot.land(store.load(record, start=96)))
+    later.start()
+    done, took = run(placed)
+    later.join()
+    assert done.appended is not None and done.at == len(PREFIX) and done.recomputed_to == 96  # waited, appended
+
+
 # --- a live server: a forced overlap is exact ---------------------------------------------------------
 
 S_PREFIX = tuple(int(x) for x in np.random.default_rng(28).integers(1, 1000, 200))
@@ -330,6 +366,39 @@ def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(ti
     sim = simulate(trace, capsys)
     assert sim["restore_decisions"]["overlaps_chosen"] == 1
     assert sim["ssd_hit_tokens"] == cached
+
+
+def test_no_overlap_is_chosen_while_the_engine_holds_other_rows(tiny_model_dir, tmp_path, capsys):
+    # The engine overlaps only with its batch empty (the head is prefilled apart); with another row decoding
+    # it would decline, the tail's read and landing spent for nothing. So the scheduler's lookup asks for no
+    # overlapped split while it has a row in the engine: the returning conversation is weighed between the
+    # other arms, and its replay decides alike.
+    config = config_for(
+        tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
+        ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000, restore_overlap_wait_s=120.0,
+    )
+    trace = tmp_path / "busy.jsonl"
+    with ServerThread(config) as s:
+        record_trace(s.runtime, trace)
+        for ids in (S_PREFIX, S_OTHER):  # S_OTHER pushes S_PREFIX's checkpoints out of RAM, to SSD
+            complete(s, ids)
+            flush(s)
+        body = {"model": "tiny", "prompt": list(S_OTHER[:16]), "max_tokens": 800, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.base_url + "/completions", json=body, timeout=120) as long:
+            lines = long.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # decoding in the engine
+            reply = complete(s, S_PROMPT)
+            busy = stats(s)
+            assert busy["scheduler"]["running"] == 1, busy["scheduler"]  # the long row still holds the engine
+            done = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert done[-1]["choices"][0]["finish_reason"] == "length"  # it ran to its end: in the recording
+        st = stats(s)
+    decisions, engine = st["ssd_cache"]["restore_decisions"], st["engine"]
+    assert decisions["overlaps_chosen"] == 0 and engine["overlaps_declined"] == 0, (decisions, engine)
+    assert decisions["restores_chosen"] + decisions["recomputes_chosen"] >= 1, decisions
+    assert reply["usage"]["prompt_tokens"] == len(S_PROMPT)
+    sim = simulate(trace, capsys)
+    assert sim["restore_decisions"]["overlaps_chosen"] == 0
 
 
 # --- the prefetcher's half: a tail read into MLX memory, a lost block a miss --------------------------

@@ -311,7 +311,7 @@ class CacheOwnerActor:
 
     async def _lookup(self, msg: LookupPrefix) -> None:
         tiers = self.tiers
-        lookup = tiers.lookup(msg.tokens, msg.namespace, session=msg.session)
+        lookup = tiers.lookup(msg.tokens, msg.namespace, session=msg.session, overlap=msg.overlap)
         cuts = tiers.pinned_cuts(msg.tokens, msg.namespace, lookup)
         if cuts:
             lookup = attrs.evolve(lookup, checkpoint_at=cuts)

@@ -176,6 +176,7 @@ class PrefetcherActor:
             self._reads.pop(msg.record.path, None)
         if isinstance(msg, FetchTail):
             await read.placed.wait()
+            msg.slot.place()
             msg.placed.set()
         await read.done.wait()
         if isinstance(msg, FetchTail):

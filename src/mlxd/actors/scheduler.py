@@ -10,7 +10,6 @@ and frees its slot.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -72,6 +71,11 @@ class SchedulerStats:
     last_ttft_s: float | None = None
 
 
+# How long an overlapped split's row waits for its tail's memory at least (seconds): the engine's thread
+# allocates it between two steps, so it comes within a step when the engine is idle, as an overlap needs.
+PLACE_WAIT_S = 1.0
+
+
 class SchedulerActor:
     def __init__(
         self,
@@ -103,6 +107,7 @@ class SchedulerActor:
         self._engine = engine
         self._cache = cache
         self._slots = trio.Semaphore(config.max_batch)
+        self._in_engine = 0  # requests handed to the engine and not yet answered
         # Prompt work admitted and not yet at its first token: a request that would wait past
         # --queue-timeout for it is refused at once (`Runtime.submit`, runtime/prefill_backlog.py).
         self.backlog = PrefillBacklog(config.queue_timeout_s)
@@ -271,7 +276,8 @@ class SchedulerActor:
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
             asked = time.monotonic()
-            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session))
+            await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session,
+                                                overlap=self._in_engine == 0))
             lookup = await reply.wait()
             record.lookup_s = time.monotonic() - asked
             record.resident = lookup.resident
@@ -296,51 +302,55 @@ class SchedulerActor:
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         record.engine_sent_at = time.monotonic()
-        await self._engine.send(
-            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
-                            draft=draft, checkpoint_at=cuts, tail=tail)
-        )
-        client_gone = answered = False
-        first_token_at: float | None = None
+        self._in_engine += 1  # a row the engine holds until it answers: no overlapped split for the others
+        try:
+            await self._engine.send(
+                StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
+                                draft=draft, checkpoint_at=cuts, tail=tail)
+            )
+            client_gone = answered = False
+            first_token_at: float | None = None
 
-        async def cancel_when_left() -> None:
-            # A client that leaves mid-prefill is told by its stream's close: no event fails to send then.
-            nonlocal client_gone
-            await submit.client_left.wait()
-            if not client_gone and not answered:
-                client_gone = True
-                record.reason = "client_gone"
-                log.info("request.client_gone", why="closed")
-                with trio.CancelScope(shield=True):
-                    await self._engine.send(CancelGeneration(request.request_id))
-
-        async with receive, trio.open_nursery() as watch:
-            watch.start_soon(cancel_when_left)
-            async for event in receive:
-                if isinstance(event, TokenGenerated) and first_token_at is None:
-                    first_token_at = record.first_token_at = time.monotonic()
-                    record.engine_stages = event.stages
-                    self._prefilling(request.request_id, False)  # write-behind may resume
-                    self.stats.last_ttft_s = first_token_at - submit.submitted_at
-                    self.backlog.done(request.request_id, first_token_at)
-                    if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):
-                        self._kv_room_freed()  # its prefill's working memory is free again
-                elif isinstance(event, PromptAccepted):
-                    self.backlog.accepted(request.request_id, event.cached_tokens)
-                self._count(event)
-                _note(record, event)
-                answered = answered or isinstance(event, (GenerationFinished, GenerationFailed))
-                if client_gone:
-                    continue
-                try:
-                    submit.events.send_nowait(event)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
+            async def cancel_when_left() -> None:
+                # A client that leaves mid-prefill is told by its stream's close: no event fails to send then.
+                nonlocal client_gone
+                await submit.client_left.wait()
+                if not client_gone and not answered:
                     client_gone = True
                     record.reason = "client_gone"
-                    log.info("request.client_gone", why=type(exc).__name__)
+                    log.info("request.client_gone", why="closed")
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
-            watch.cancel_scope.cancel()
+
+            async with receive, trio.open_nursery() as watch:
+                watch.start_soon(cancel_when_left)
+                async for event in receive:
+                    if isinstance(event, TokenGenerated) and first_token_at is None:
+                        first_token_at = record.first_token_at = time.monotonic()
+                        record.engine_stages = event.stages
+                        self._prefilling(request.request_id, False)  # write-behind may resume
+                        self.stats.last_ttft_s = first_token_at - submit.submitted_at
+                        self.backlog.done(request.request_id, first_token_at)
+                        if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):
+                            self._kv_room_freed()  # its prefill's working memory is free again
+                    elif isinstance(event, PromptAccepted):
+                        self.backlog.accepted(request.request_id, event.cached_tokens)
+                    self._count(event)
+                    _note(record, event)
+                    answered = answered or isinstance(event, (GenerationFinished, GenerationFailed))
+                    if client_gone:
+                        continue
+                    try:
+                        submit.events.send_nowait(event)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
+                        client_gone = True
+                        record.reason = "client_gone"
+                        log.info("request.client_gone", why=type(exc).__name__)
+                        with trio.CancelScope(shield=True):
+                            await self._engine.send(CancelGeneration(request.request_id))
+                watch.cancel_scope.cancel()
+        finally:
+            self._in_engine -= 1
 
     def _checkpoint_key(self, request: GenerationRequest) -> str | None:
         """The request key when this request is checkpointed (kv/gen_checkpoint.py), else None."""
@@ -376,14 +386,15 @@ class SchedulerActor:
         """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP; `expect_s` its predicted
         read); the engine takes it when it lands. Returns once the read has its memory (`FetchTail.placed`:
         MLX arrays the engine's thread allocates before it recomputes the head), or after its predicted read
-        at most (a read still waiting for a reader thread). None without a prefetcher
+        or `PLACE_WAIT_S`, whichever is longer (a read still waiting for a reader thread or a long engine
+        step; the engine then never waits for it, its landing queued behind the head). None without a prefetcher
         (the engine recomputes it all)."""
         if self._prefetcher is None:
             return None
         tail = TailRestore(match.record, match.read_from, match.usable, expect_s=expect_s, asked_at=time.monotonic())
         fetch = FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens)
         await self._prefetcher.send(fetch)
-        with trio.move_on_after(expect_s if expect_s > 0 else math.inf):  # by then it could not be back in time
+        with trio.move_on_after(max(expect_s, PLACE_WAIT_S)):  # else the engine recomputes it all (engine/overlap.py)
             await fetch.placed.wait()
         return tail
 

@@ -3,7 +3,8 @@
 The restore advisor chose (kv/restore_decision.py OVERLAP) to recompute the prompt's tokens before a
 block boundary while the prefetcher reads the record's KV from there on into the request's `TailSlot`.
 When the row joins, on the engine thread, `recompute_then_append` prefills the head apart on the warm
-prefix's caches, in whole steps; waits for a tail not back yet (`tail_wait_s`); goes on recomputing if
+prefix's caches, in whole steps; waits for a tail not back yet (`tail_wait_s`; never for one whose read
+has no memory yet: its landing would be a job queued on this very thread); goes on recomputing if
 it is still out, looking for it again after each step; and appends what landed through each layer's
 `update_and_fetch` (`kinds.extend`) from wherever the recompute got to. The engine core decides whether
 to try (an empty batch), and turns the outcome into notes (a prefill timing, a restore timing or a
@@ -65,7 +66,7 @@ def recompute_then_append(
     while at < tail.start:
         at = prefill_step(model, caches, prompt, at, tail.start, step)
     head_s = time.perf_counter() - began
-    if not tail.slot.landed:
+    if not tail.slot.landed and tail.slot.placed:  # unplaced, its landing may be a job queued behind this one
         tail.slot.wait(tail_wait_s(tail, head_s, at - usable, end - at) if wait_s is None else wait_s)
     while at < end and not tail.slot.landed:
         at = prefill_step(model, caches, prompt, at, end, step)

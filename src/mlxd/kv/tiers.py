@@ -565,6 +565,7 @@ class CacheTiers:
         *,
         model_tokens: Callable[[int], int] | None = None,
         session: str | None = None,
+        overlap: bool = True,
     ) -> PrefixLookup:
         """RAM hit (counted and refreshed), or an SSD record to restore (touched).
 
@@ -574,7 +575,8 @@ class CacheTiers:
         it without a candidate scan: from RAM when resident, else its exact SSD
         record is the restore candidate (the restore rule still decides).
         Otherwise (no reference, an edited history, a checkpoint gone from both
-        tiers) the ordinary lookup runs.
+        tiers) the ordinary lookup runs. `overlap` False: no overlapped split is
+        weighed (the engine holds other rows and would decline one).
         """
         ref = self.sessions.usable_for(session, namespace, token_key(tokens)) if session is not None else None
         if ref is not None:
@@ -604,7 +606,7 @@ class CacheTiers:
             resident = self._resident(cold.record)
             if self.residency is not None and self.advisor.resident_bytes_per_s:
                 weighed = tuple(int(b) for b in resident)
-            cuts, plan = self._weigh(cold, warm, len(tokens), real, resident)
+            cuts, plan = self._weigh(cold, warm, len(tokens), real, resident, overlap=overlap)
         if cold is None or plan is None or plan.cut is None:
             if record is not None:
                 self.sessions.fallback()  # the session's file was not worth restoring
@@ -615,12 +617,13 @@ class CacheTiers:
 
     def _weigh(
         self, cold: SsdMatch, warm: int, prompt: int, real: Callable[[int], int], resident: Sequence[int],
-        *, count: bool = True,
+        *, count: bool = True, overlap: bool = True,
     ) -> tuple[list[tuple[RestoreCut, SsdMatch]], RestorePlan]:
         """The advisor's plan for a cold record past a `warm` prefix of a `prompt`-token prompt: its cuts,
-        and the overlapped splits when it weighs or forces them, each with the match that reads it."""
+        and the overlapped splits when it weighs or forces them (and `overlap`), each with the match that
+        reads it."""
         cuts = restore_cuts(cold, warm, real, split=self.advisor.split, resident=resident)
-        if self.advisor.weigh_overlap or self.advisor.overlap:
+        if overlap and (self.advisor.weigh_overlap or self.advisor.overlap):
             cuts += restore_tails(cold, warm, real, resident=resident)
         plan = self.advisor.plan(cuts=[c for c, _ in cuts if not c.start], tails=[c for c, _ in cuts if c.start],
                                  warm_tokens=real(warm), prompt_tokens=real(prompt), count=count)

@@ -162,6 +162,7 @@ class MlxdReplay:
     _dirty: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _running: int = attrs.field(init=False, default=0)
+    _in_engine: int = attrs.field(init=False, default=0)  # rows the engine holds: no overlapped split for the others
     _quiet: trio.Event = attrs.field(init=False, factory=trio.Event)
     _starts: SharedStarts = attrs.field(init=False, factory=SharedStarts)  # as the block store's hint
     _kv_room: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -282,6 +283,7 @@ class MlxdReplay:
 
     async def _serve(self, r: TraceRequest, slots: trio.Semaphore, arrived: float | None = None) -> None:
         arrived = r.t if arrived is None else arrived
+        in_engine = False
         try:
             start = self.now()
             prompt = self.synth.prompt(r)
@@ -295,9 +297,11 @@ class MlxdReplay:
             self.tiers.residency = None if r.resident is None else (lambda record, bytes_=r.resident: bytes_)
             lookup = self.tiers.lookup(
                 prompt, r.namespace, model_tokens=lambda n: real(n) if n < len(prompt) else r.input_length,
-                session=session,
+                session=session, overlap=self._in_engine == 0,  # as the scheduler asks
             )
             restore_s, restored, head, head_s = 0.0, 0, 0, 0.0
+            if lookup.restore is None or lookup.restore.read_from:  # as the scheduler: the row goes to the engine
+                self._in_engine, in_engine = self._in_engine + 1, True  # now (an overlap's tail is read meanwhile)
             if lookup.restore is not None:
                 hit, source = real(lookup.restore.usable), "ssd"
                 restore_s, restored = self._restore(lookup.restore, r.namespace)
@@ -320,6 +324,8 @@ class MlxdReplay:
                 self.tiers.advisor.observe_restore(nbytes=restored, seconds=restore_s)
             restore_s = max(restore_s, spread * head_s)
             await trio.sleep(restore_s)
+            if not in_engine:  # a restore read whole (or a split's leading part) went to the engine only now
+                self._in_engine, in_engine = self._in_engine + 1, True
             prefill_s = spread * self._prefill_scale * self.cost.prefill_seconds(r.input_length - hit, hit)
             if self.shared_prefill:
                 began = self.now()
@@ -348,6 +354,8 @@ class MlxdReplay:
             else:  # the generated ids are unknown: the prompt stands in for prompt + generation
                 self._publish(prompt, r.namespace, r.input_length, session)
         finally:
+            if in_engine:
+                self._in_engine -= 1
             if self.kv_admission is not None:
                 self.kv_admission.release(str(r.index))
                 room, self._kv_room = self._kv_room, trio.Event()

@@ -209,14 +209,24 @@ class RestoreSnapshot:
 class TailSlot:
     """Where an overlapped split's tail lands: set once by the prefetcher (`land`, from the trio thread),
     looked at and waited for, boundedly, by the engine thread once it has recomputed the head
-    (engine/overlap.py)."""
+    (engine/overlap.py). `placed`: the read has its memory (`place`); until then its landing may be a job
+    queued behind the engine thread's own, so that thread must not wait for it."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
+        self._placed = threading.Event()
         self.loaded: LoadedSnapshot | None = None  # None once landed: the read failed (recompute it)
+
+    def place(self) -> None:
+        self._placed.set()
+
+    @property
+    def placed(self) -> bool:
+        return self._placed.is_set()
 
     def land(self, loaded: LoadedSnapshot | None) -> None:
         self.loaded = loaded
+        self._placed.set()
         self._done.set()
 
     @property
@@ -312,6 +322,9 @@ class LookupPrefix:
     namespace: str
     reply: Reply[PrefixLookup]
     session: str | None = None  # its latest checkpoint is tried first (seed §5.12)
+    # May an overlapped split be chosen? False while the engine holds other rows: it would decline one (its head
+    # is prefilled apart only with the batch empty), so the row is weighed between the other arms alone
+    overlap: bool = True
 
 
 @attrs.frozen(eq=False)
