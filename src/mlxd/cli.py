@@ -207,8 +207,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "or recompute its first part while its last part is read, at the cut the costs put first (overlap: tests, benchmarks)")
     p.add_argument("--restore-overlap", choices=("on", "off"), default=None,
                    help="with --restore-choice measured and the block layout, also weigh recomputing a cold "
-                        "prefix's first part while its last part is read from SSD, where that beats both "
-                        "(on, the default; off: never)")
+                        "prefix's first part while its last part is read from SSD, where that beats both and no other "
+                        "row is in the engine (on, the default; off: never)")
     p.add_argument("--ssd-demote-idle", type=float, metavar="SEC",
                    help="demote RAM entries idle this long to SSD (default 300; 0 disables)")
     p.add_argument("--ssd-write-rate", type=_finite_non_negative_float, metavar="MB/S",
