@@ -277,7 +277,8 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         run = run_rows(core, [RowStart(request=_request(rid), tail=tail)])
         after = core.stats()
         counts = {k: getattr(after, k) - getattr(before, k) for k in (
-            "overlap_tails", "overlap_tail_tokens", "overlap_tails_recomputed", "prompt_tokens")}
+            "overlap_tails", "overlap_tail_tokens", "overlap_tails_recomputed", "overlap_tails_unplaced",
+            "prompt_tokens")}
         accepted = next(n for n in run.notes if type(n).__name__ == "PublishPrefix" and n.reason == "restore") \
             if land == "landed" else None
         return run, counts, accepted
@@ -292,6 +293,7 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
             assert published.tokens == PREFIX and published.durable  # the prefix in RAM, as a restore's
         else:  # recomputed: the whole prompt prefilled, nothing published as a restore
             assert counts["overlap_tails"] == 0 and counts["overlap_tails_recomputed"] == 1
+            assert counts["overlap_tails_unplaced"] == int(land == "late")  # a failed read landed None: placed
             assert counts["prompt_tokens"] == len(PROMPT)
         measured = [n for n in notes if type(n).__name__ == "RestoreMeasured"]
         assert [(m.taken, m.nbytes > 0) for m in measured] == [(land == "landed", land == "landed")]
@@ -321,6 +323,7 @@ def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_woul
     unplaced = TailRestore(record, 96, len(PREFIX))
     done, took = run(unplaced)
     assert done.appended is None and done.at == len(PREFIX) and took < 30  # recomputed, no 60 s wait
+    assert not done.placed  # counted apart (EngineStats.overlap_tails_unplaced)
     placed = TailRestore(record, 96, len(PREFIX))
     placed.slot.place()
     later = threading.Timer(0.3, lambda: placed.slot.land(store.load(record, start=96)))

@@ -863,7 +863,8 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
                                      "last_resident_bytes")},
             # the overlapped splits' tails the engine appended, recomputed instead, or declined
             **{k: (stats.get("engine") or {}).get(k) for k in ("overlap_tails", "overlap_tail_tokens",
-                                                              "overlap_tails_recomputed", "overlaps_declined")},
+                                                              "overlap_tails_recomputed", "overlap_tails_unplaced",
+                                                              "overlaps_declined")},
             "event_loop": stats.get("event_loop"), "gc": stats.get("gc")}
 
 

@@ -187,6 +187,7 @@ class Counters:
     overlap_tails: int = 0
     overlap_tail_tokens: int = 0
     overlap_tails_recomputed: int = 0
+    overlap_tails_unplaced: int = 0  # of those, tails whose read had no memory when the head was done
     overlaps_declined: int = 0
 
 
@@ -624,7 +625,8 @@ class EngineCore:
             late_final_checkpoints=c.late_finals if self._late_final else None,
             packed_plans=c.packed_plans if self._pack_bytes else None,
             overlap_tails=c.overlap_tails, overlap_tail_tokens=c.overlap_tail_tokens,
-            overlap_tails_recomputed=c.overlap_tails_recomputed, overlaps_declined=c.overlaps_declined,
+            overlap_tails_recomputed=c.overlap_tails_recomputed, overlap_tails_unplaced=c.overlap_tails_unplaced,
+            overlaps_declined=c.overlaps_declined,
             **(self.vision.stats() if self.vision is not None else {}),
             speculation=self._drafts.stats() if self._config.speculative != "off" else None,
             grammars=attrs.asdict(self._grammars.stats()) if self._grammars is not None else None,
@@ -871,6 +873,7 @@ class EngineCore:
             out.notes.append(PrefillMeasured(tail.start - usable, usable, done.head_s, whole=True))
         if done.appended is None:
             c.overlap_tails_recomputed += 1
+            c.overlap_tails_unplaced += int(not done.placed)
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))
             return done.caches, done.at, tier, done.at - usable  # served from its warm prefix alone, as a recompute
         read = done.appended

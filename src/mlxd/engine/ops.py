@@ -183,6 +183,7 @@ class EngineStats:
     overlap_tails: int = 0
     overlap_tail_tokens: int = 0
     overlap_tails_recomputed: int = 0
+    overlap_tails_unplaced: int = 0  # of those, tails whose read had no memory yet when the head was done
     overlaps_declined: int = 0
     # --distributed rank 0 with the prompt cache (kv/shard_mirror.py); None otherwise.
     mirrored_prefixes: int | None = None
