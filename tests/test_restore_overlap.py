@@ -21,6 +21,7 @@ import pytest
 from mlx_lm.models import cache as mlc
 
 from mlxd import SamplingParams
+from mlxd.actors.scheduler import first_token_split
 from mlxd.cli import record_trace
 from mlxd.engine import loading
 from mlxd.engine.core import EngineCore
@@ -331,6 +332,8 @@ def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_woul
     done, took = run(placed)
     later.join()
     assert done.appended is not None and done.at == len(PREFIX) and done.recomputed_to == 96  # waited, appended
+    (head, head_at), (wait, waited_at) = done.stamps
+    assert (head, wait) == ("overlap_head", "overlap_wait") and head_at <= waited_at  # the row's stages, in order
 
 
 # --- a live server: a forced overlap is exact ---------------------------------------------------------
@@ -347,12 +350,19 @@ def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(ti
         restore_overlap_wait_s=120.0,  # the tail is appended however slowly this machine reads it
     )
     trace = tmp_path / "overlap.jsonl"
+    records: list = []
     with ServerThread(config) as s:
         record_trace(s.runtime, trace)
+        s.runtime.scheduler.observers.append(records.append)
         for ids in (S_PREFIX, S_OTHER, S_PROMPT):  # S_OTHER pushes S_PREFIX's checkpoints out of RAM, to SSD
             reply = complete(s, ids)
             flush(s)
         st = stats(s)
+    # where the engine's half went (request.done first_token_ms): the head, the wait for its tail, the rest
+    split = first_token_split(records[-1])
+    assert split is not None and split["overlap_head"] > 0 and split["overlap_wait"] >= 0 <= split["overlap_rest"]
+    assert abs(split["overlap_head"] + split["overlap_wait"] + split["overlap_rest"] - split["lend"]) < 0.05, split
+    assert "overlap_head" not in first_token_split(records[0])  # a miss has no such stages
     with ServerThread(config_for(tiny_model_dir)) as s:  # no cache: a cold prefill
         cold = complete(s, S_PROMPT)
     decisions = st["ssd_cache"]["restore_decisions"]

@@ -1216,6 +1216,10 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
             "queued_ms": d.get("queued_ms"), "join_ms": f.get("join"), "forward_ms": f.get("forward"),
             "first_step_ms": (f.get("step_ms") or [None])[0], "checkpoint_ms": f.get("checkpoint"),
             "steps": f.get("steps"),
+            # an overlapped split's engine half: the head recomputed, the wait for its tail, the rest (recomputing
+            # on while the tail was out, appending it)
+            "lend_ms": f.get("lend"), "overlap_head_ms": f.get("overlap_head"),
+            "overlap_wait_ms": f.get("overlap_wait"), "overlap_rest_ms": f.get("overlap_rest"),
         })
     return out
 

@@ -446,7 +446,9 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
     """Where the time from the scheduler's hand-off to the engine until the first token went (ms).
 
     to_engine: the engine took the row (its inbox; a run of steps under way); lend: the cached prefix
-    lent (or restored); join: the row inserted (a short prompt prefilled apart); wait: until its first
+    lent (or restored; an overlapped split's whole engine half, split into overlap_head: the head
+    recomputed, overlap_wait: waiting for the tail, overlap_rest: recomputing on while it was out and
+    appending it); join: the row inserted (a short prompt prefilled apart); wait: until its first
     step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
     the rest of those steps; deliver: the token back in the scheduler; step_ms: each step's time (the
     first 8).
@@ -475,6 +477,9 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
         "to_engine": joined - sent, "lend": lent - joined, "join": admitted - lent, "wait": first_step - admitted,
         **spans, "other": first - first_step - spans["forward"] - spans["checkpoint"], "deliver": got - first,
     }
+    if "overlap_head" in at and "overlap_wait" in at:
+        out |= {"overlap_head": at["overlap_head"] - joined, "overlap_wait": at["overlap_wait"] - at["overlap_head"],
+                "overlap_rest": lent - at["overlap_wait"]}
     return {k: round(v * 1000, 2) for k, v in out.items()} | {"steps": steps, "step_ms": each[:8]}
 
 

@@ -819,8 +819,9 @@ class EngineCore:
         else:
             lent, usable, tier = None, 0, "none"
         recomputed = 0  # tokens an overlapped split recomputed beside its tail's read
+        overlapped: tuple[tuple[str, float], ...] = ()  # its stages (the head done, the wait for the tail over)
         if start.tail is not None and start.restore is None and not req.media:
-            lent, usable, tier, recomputed = self._overlap(start, lent, usable, tier, out)
+            lent, usable, tier, recomputed, overlapped = self._overlap(start, lent, usable, tier, out)
         began, lent_at = time.perf_counter(), time.monotonic()
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
@@ -832,7 +833,8 @@ class EngineCore:
                                or (usable > 0 and not self._rows and 0 < len(req.prompt) - usable - 1 <= SUFFIX_APART)):
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
-        row.stages += [("joined", joined), ("lent", lent_at)] + ([("prefilled_apart", time.monotonic())] if apart else [])
+        row.stages += [("joined", joined), *overlapped, ("lent", lent_at)] + (
+            [("prefilled_apart", time.monotonic())] if apart else [])
         self._draft_prefix(row, start, out)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]),
                     cuts=tuple(c - joins_at for c in cuts))
@@ -850,11 +852,11 @@ class EngineCore:
 
     def _overlap(
         self, start: RowStart, lent: list[Any] | None, usable: int, tier: str, out: StepOut
-    ) -> tuple[list[Any] | None, int, str, int]:
+    ) -> tuple[list[Any] | None, int, str, int, tuple[tuple[str, float], ...]]:
         """An overlapped split (engine/overlap.py): its head recomputed apart while the tail is read, the
         tail appended and the prefix published as a restore's. Only with the batch empty (other rows would
         wait for the head: the row recomputes in the batch instead). Returns the caches, the position the
-        row goes on from, its tier, and the tokens recomputed here."""
+        row goes on from, its tier, the tokens recomputed here, and its stages (`Overlapped.stamps`)."""
         from mlxd.engine import overlap
         from mlxd.kv import kinds
 
@@ -864,7 +866,7 @@ class EngineCore:
         if self._rows or usable >= tail.start or self._config.kv_bits is not None:
             c.overlaps_declined += 1
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))  # the advisor's plan: not measured
-            return lent, usable, tier, 0
+            return lent, usable, tier, 0, ()
         prompt = start.request.prompt
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
         done = overlap.recompute_then_append(self.model, caches, prompt, usable, tail, step=self._prefill_step_size,
@@ -875,12 +877,13 @@ class EngineCore:
             c.overlap_tails_recomputed += 1
             c.overlap_tails_unplaced += int(not done.placed)
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))
-            return done.caches, done.at, tier, done.at - usable  # served from its warm prefix alone, as a recompute
+            # served from its warm prefix alone, as a recompute
+            return done.caches, done.at, tier, done.at - usable, done.stamps
         read = done.appended
         out.notes.append(RestoreMeasured(read.nbytes, read.seconds + done.append_s))
         c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + done.at - done.recomputed_to
         self._publish_restored(done.caches, tuple(prompt[: done.at]), start, out)
-        return kinds.lend(done.caches, done.at, total=done.at), done.at, "ssd", done.recomputed_to - usable
+        return kinds.lend(done.caches, done.at, total=done.at), done.at, "ssd", done.recomputed_to - usable, done.stamps
 
     def _prefilling(self) -> list[Row]:
         """The rows in the batch part way through their prompt."""

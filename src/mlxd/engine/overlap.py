@@ -39,6 +39,9 @@ class Overlapped:
     appended: LoadedSnapshot | None = None
     append_s: float = 0.0  # the appended tail's adoption (added to its read for the restore's timing)
     placed: bool = True  # the tail's read had its memory when the head was done (else it was not waited for)
+    # When (time.monotonic()) the head was done and the wait for the tail ended: the row's stages
+    # ("overlap_head", "overlap_wait"; scheduler.first_token_split's split of its "lend")
+    stamps: tuple[tuple[str, float], ...] = ()
 
 
 def tail_wait_s(tail: TailRestore, head_s: float, head_tokens: int, left_tokens: int) -> float:
@@ -67,17 +70,19 @@ def recompute_then_append(
     while at < tail.start:
         at = prefill_step(model, caches, prompt, at, tail.start, step)
     head_s = time.perf_counter() - began
+    head_at = time.monotonic()
     placed = tail.slot.placed
     if not tail.slot.landed and placed:  # unplaced, its landing may be a job queued behind this one
         tail.slot.wait(tail_wait_s(tail, head_s, at - usable, end - at) if wait_s is None else wait_s)
+    stamps = (("overlap_head", head_at), ("overlap_wait", time.monotonic()))
     while at < end and not tail.slot.landed:
         at = prefill_step(model, caches, prompt, at, end, step)
     loaded = tail.slot.loaded if tail.slot.landed and at < end else None
     if loaded is None:
-        return Overlapped(caches, at, at, head_s, placed=placed)
+        return Overlapped(caches, at, at, head_s, placed=placed, stamps=stamps)
     t0 = time.perf_counter()
     read = kinds.adopt(loaded, landed=device_memory.to_device)
     if not kinds.extend(caches, read, skip=at - tail.start, upto=end - tail.start):
-        return Overlapped(caches, at, at, head_s, placed=placed)
+        return Overlapped(caches, at, at, head_s, placed=placed, stamps=stamps)
     mx.eval([c.state for c in caches])
-    return Overlapped(caches, end, at, head_s, loaded, time.perf_counter() - t0)
+    return Overlapped(caches, end, at, head_s, loaded, time.perf_counter() - t0, stamps=stamps)
