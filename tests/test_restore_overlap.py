@@ -418,7 +418,7 @@ def test_no_overlap_is_chosen_while_the_engine_holds_other_rows(tiny_model_dir, 
 
 
 async def test_the_prefetcher_lands_a_tail_in_mlx_memory_and_a_lost_block_lands_as_a_miss(tmp_path):
-    """A tail's memory is allocated by the engine's landing (`FetchTail.placed` set once it is, before the
+    """A tail's memory is allocated by the engine's landing (`TailSlot.placed` once it is, before the
     read is back: the scheduler starts the row then), the read fills it, and its adoption copies nothing;
     a landing the engine cannot give reads the host way; a lost block is a miss the cache owner hears of."""
     import trio
@@ -460,7 +460,7 @@ async def test_the_prefetcher_lands_a_tail_in_mlx_memory_and_a_lost_block_lands_
         good = FetchTail(record, 32, TailSlot())
         await inbox_send.send(good)
         with trio.fail_after(60):
-            await good.placed.wait()
+            await good.slot.wait_placed()
         assert not good.slot.landed and len(landings) == 1  # memory allocated, nothing read yet
         hold.set()
         await fetched(good.slot)
@@ -474,12 +474,12 @@ async def test_the_prefetcher_lands_a_tail_in_mlx_memory_and_a_lost_block_lands_
         host = FetchTail(record, 32, TailSlot())
         await inbox_send.send(host)
         await fetched(host.slot)
-        assert host.placed.is_set() and host.slot.loaded is not None and host.slot.loaded.landed is None
+        assert host.slot.placed and host.slot.loaded is not None and host.slot.loaded.landed is None
         store.blocks.block_paths(record)[-1].unlink()  # the tail's last block is lost
         lost = FetchTail(record, 32, TailSlot())
         await inbox_send.send(lost)
         await fetched(lost.slot)
-        assert lost.placed.is_set() and lost.slot.loaded is None  # a miss: the engine recomputes the tail
+        assert lost.slot.placed and lost.slot.loaded is None  # a miss: the engine recomputes the tail
         with trio.fail_after(60):
             told = await cache_inbox.receive()
         assert isinstance(told, RecordLost) and told.record is record  # the cache owner forgets the record

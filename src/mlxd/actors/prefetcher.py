@@ -10,7 +10,7 @@ its own thread. With `land` (the engine's `landing`; `--restore-landing`), the e
 first allocates MLX arrays for the file's tensors on its thread and the read
 fills them directly, so adopting copies nothing. An overlapped split's tail
 (`FetchTail`) lands the same way: its memory is allocated before the engine
-starts recomputing the head (`FetchTail.placed`: the scheduler starts the row
+starts recomputing the head (`TailSlot.place`: the scheduler starts the row
 only once the read has its memory; the engine thread could not allocate while
 it recomputes), and the read lands in the request's `TailSlot`, which the engine
 looks at between the head's chunks (read the host way, its copy into MLX
@@ -95,7 +95,7 @@ class PrefetcherActor:
                         if isinstance(msg, FetchSnapshot | PrefetchStats):
                             msg.reply.fail(exc)
                         elif isinstance(msg, FetchTail):
-                            msg.placed.set()
+                            msg.slot.place()
                             msg.slot.land(None)
 
     def _handle(self, nursery: trio.Nursery, msg: PrefetcherMessage) -> None:
@@ -177,7 +177,6 @@ class PrefetcherActor:
         if isinstance(msg, FetchTail):
             await read.placed.wait()
             msg.slot.place()
-            msg.placed.set()
         await read.done.wait()
         if isinstance(msg, FetchTail):
             msg.slot.land(read.loaded)

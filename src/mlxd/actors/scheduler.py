@@ -229,6 +229,8 @@ class SchedulerActor:
                     self.kv_admission.release(request.request_id)
                     self._kv_room_freed()
                 self._slots.release()
+                if record.engine_sent_at is not None:  # handed to the engine (`_serve`)
+                    self._in_engine -= 1
                 self.stats.running -= 1
                 if self.stats.running == 0:
                     self._idle.set()
@@ -302,55 +304,52 @@ class SchedulerActor:
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         record.engine_sent_at = time.monotonic()
-        self._in_engine += 1  # a row the engine holds until it answers: no overlapped split for the others
-        try:
-            await self._engine.send(
-                StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
-                                draft=draft, checkpoint_at=cuts, tail=tail)
-            )
-            client_gone = answered = False
-            first_token_at: float | None = None
+        self._in_engine += 1  # until it answers (`_lifecycle`): no overlapped split for the others meanwhile
+        await self._engine.send(
+            StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
+                            draft=draft, checkpoint_at=cuts, tail=tail)
+        )
+        client_gone = answered = False
+        first_token_at: float | None = None
 
-            async def cancel_when_left() -> None:
-                # A client that leaves mid-prefill is told by its stream's close: no event fails to send then.
-                nonlocal client_gone
-                await submit.client_left.wait()
-                if not client_gone and not answered:
+        async def cancel_when_left() -> None:
+            # A client that leaves mid-prefill is told by its stream's close: no event fails to send then.
+            nonlocal client_gone
+            await submit.client_left.wait()
+            if not client_gone and not answered:
+                client_gone = True
+                record.reason = "client_gone"
+                log.info("request.client_gone", why="closed")
+                with trio.CancelScope(shield=True):
+                    await self._engine.send(CancelGeneration(request.request_id))
+
+        async with receive, trio.open_nursery() as watch:
+            watch.start_soon(cancel_when_left)
+            async for event in receive:
+                if isinstance(event, TokenGenerated) and first_token_at is None:
+                    first_token_at = record.first_token_at = time.monotonic()
+                    record.engine_stages = event.stages
+                    self._prefilling(request.request_id, False)  # write-behind may resume
+                    self.stats.last_ttft_s = first_token_at - submit.submitted_at
+                    self.backlog.done(request.request_id, first_token_at)
+                    if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):
+                        self._kv_room_freed()  # its prefill's working memory is free again
+                elif isinstance(event, PromptAccepted):
+                    self.backlog.accepted(request.request_id, event.cached_tokens)
+                self._count(event)
+                _note(record, event)
+                answered = answered or isinstance(event, (GenerationFinished, GenerationFailed))
+                if client_gone:
+                    continue
+                try:
+                    submit.events.send_nowait(event)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
                     client_gone = True
                     record.reason = "client_gone"
-                    log.info("request.client_gone", why="closed")
+                    log.info("request.client_gone", why=type(exc).__name__)
                     with trio.CancelScope(shield=True):
                         await self._engine.send(CancelGeneration(request.request_id))
-
-            async with receive, trio.open_nursery() as watch:
-                watch.start_soon(cancel_when_left)
-                async for event in receive:
-                    if isinstance(event, TokenGenerated) and first_token_at is None:
-                        first_token_at = record.first_token_at = time.monotonic()
-                        record.engine_stages = event.stages
-                        self._prefilling(request.request_id, False)  # write-behind may resume
-                        self.stats.last_ttft_s = first_token_at - submit.submitted_at
-                        self.backlog.done(request.request_id, first_token_at)
-                        if self.kv_admission is not None and self.kv_admission.prefilled(request.request_id):
-                            self._kv_room_freed()  # its prefill's working memory is free again
-                    elif isinstance(event, PromptAccepted):
-                        self.backlog.accepted(request.request_id, event.cached_tokens)
-                    self._count(event)
-                    _note(record, event)
-                    answered = answered or isinstance(event, (GenerationFinished, GenerationFailed))
-                    if client_gone:
-                        continue
-                    try:
-                        submit.events.send_nowait(event)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock) as exc:
-                        client_gone = True
-                        record.reason = "client_gone"
-                        log.info("request.client_gone", why=type(exc).__name__)
-                        with trio.CancelScope(shield=True):
-                            await self._engine.send(CancelGeneration(request.request_id))
-                watch.cancel_scope.cancel()
-        finally:
-            self._in_engine -= 1
+            watch.cancel_scope.cancel()
 
     def _checkpoint_key(self, request: GenerationRequest) -> str | None:
         """The request key when this request is checkpointed (kv/gen_checkpoint.py), else None."""
@@ -384,7 +383,7 @@ class SchedulerActor:
 
     async def _fetch_tail(self, match: SsdMatch, expect_s: float) -> TailRestore | None:
         """Start reading an overlapped split's tail (kv/restore_decision.py OVERLAP; `expect_s` its predicted
-        read); the engine takes it when it lands. Returns once the read has its memory (`FetchTail.placed`:
+        read); the engine takes it when it lands. Returns once the read has its memory (`TailSlot.placed`:
         MLX arrays the engine's thread allocates before it recomputes the head), or after its predicted read
         or `PLACE_WAIT_S`, whichever is longer (a read still waiting for a reader thread or a long engine
         step; the engine then never waits for it, its landing queued behind the head). None without a prefetcher
@@ -392,10 +391,9 @@ class SchedulerActor:
         if self._prefetcher is None:
             return None
         tail = TailRestore(match.record, match.read_from, match.usable, expect_s=expect_s, asked_at=time.monotonic())
-        fetch = FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens)
-        await self._prefetcher.send(fetch)
+        await self._prefetcher.send(FetchTail(match.record, match.read_from, tail.slot, upto=match.read_tokens))
         with trio.move_on_after(max(expect_s, PLACE_WAIT_S)):  # else the engine recomputes it all (engine/overlap.py)
-            await fetch.placed.wait()
+            await tail.slot.wait_placed()
         return tail
 
     async def _fetch(self, match: SsdMatch) -> RestoreSnapshot | None:

@@ -209,16 +209,23 @@ class RestoreSnapshot:
 class TailSlot:
     """Where an overlapped split's tail lands: set once by the prefetcher (`land`, from the trio thread),
     looked at and waited for, boundedly, by the engine thread once it has recomputed the head
-    (engine/overlap.py). `placed`: the read has its memory (`place`); until then its landing may be a job
-    queued behind the engine thread's own, so that thread must not wait for it."""
+    (engine/overlap.py). `placed`: the read has its memory (MLX arrays allocated on the engine's thread),
+    reads the host way, or ended (`place`, from the trio thread; the scheduler starts the row only then,
+    `wait_placed`); until then its landing may be a job queued behind the engine thread's own, so that
+    thread must not wait for it."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
-        self._placed = threading.Event()
+        self._placed = threading.Event()  # for the engine thread
+        self._placed_here = trio.Event()  # for the scheduler
         self.loaded: LoadedSnapshot | None = None  # None once landed: the read failed (recompute it)
 
     def place(self) -> None:
         self._placed.set()
+        self._placed_here.set()
+
+    async def wait_placed(self) -> None:
+        await self._placed_here.wait()
 
     @property
     def placed(self) -> bool:
@@ -804,15 +811,13 @@ class PrefetchStats:
 @attrs.frozen(eq=False)
 class FetchTail:
     """Read an overlapped split's tail (the record's tokens from `start` on, to `upto` when > 0) into
-    `slot`: its `LoadedSnapshot`, or None when the read failed (the engine recomputes it). `placed` is set
-    once the read has its memory (MLX arrays allocated on the engine's thread), reads the host way, or
-    ended: the row goes to the engine only then (its thread recomputing the head could not allocate)."""
+    `slot`: its `LoadedSnapshot`, or None when the read failed (the engine recomputes it); `slot.place()`
+    once the read has its memory (the engine's thread, recomputing the head, could not allocate it)."""
 
     record: SsdRecord
     start: int
     slot: TailSlot
     upto: int = 0
-    placed: trio.Event = attrs.field(factory=trio.Event)
 
 
 PrefetcherMessage = PrefetchRecord | FetchSnapshot | FetchTail | PrefetchStats
