@@ -75,6 +75,10 @@ def test_an_overlap_beats_both_arms_where_neither_is_much_faster():
     read = a.restore_seconds(plan.cut.nbytes)
     assert plan.seconds == pytest.approx(max(head, read) + a.prefill_seconds(100, 8000))
     assert plan.read_seconds == pytest.approx(read)  # what the engine waits for the tail by
+    assert plan.head_seconds == pytest.approx(head)
+    # both halves in the stats, as predicted (the restart bench sets them beside the served stages)
+    assert a.stats()["last_overlap_head_s"] == pytest.approx(head, abs=1e-6)
+    assert a.stats()["last_overlap_read_s"] == pytest.approx(read, abs=1e-6)
     # the best tail of those offered
     best = min(a.overlap_seconds(t, 0, 8100) for t in tails(8000, 500))
     assert plan.seconds == pytest.approx(best)
@@ -117,6 +121,32 @@ def test_overlaps_are_weighed_only_when_asked_and_forced_in_the_middle():
 
     assert served().restore_overlap and not served("--restore-overlap", "off").restore_overlap
     assert served("--restore-choice", "overlap").restore_choice == "overlap"
+
+
+def test_a_head_is_predicted_at_its_own_scale_and_moves_the_tail():
+    # A head is prefilled apart, with no first token to sample: on the CPU it ran 10-25% faster than the
+    # whole prompts' scale put it, so the advisor paired it with too long a tail and the engine waited for the
+    # read (190-220 ms of ~1 s turns). Heads now calibrate their own scale, and only it.
+    a = RestoreAdvisor(base=GPU_LIKE, weigh_overlap=True)
+    before = a.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100)
+    assert before.arm == OVERLAP and before.head_seconds == pytest.approx(a.prefill_seconds(before.cut.start, 0))
+    a.observe_prefill(new_tokens=before.cut.start, context=0, seconds=0.5 * before.head_seconds, head=True)
+    assert a.prefill_scale == 1.0 and a.prefill_samples == 0  # a head does not move the whole prompts' scale
+    assert a.head_samples == 1 and a.head_scale == pytest.approx(0.5)
+    after = a.plan(cuts=whole_cuts(8000, 500), tails=tails(8000, 500), warm_tokens=0, prompt_tokens=8100)
+    assert after.arm == OVERLAP and after.cut.start > before.cut.start  # a longer head, a shorter read
+    assert after.head_seconds == pytest.approx(0.5 * a.prefill_seconds(after.cut.start, 0))
+    assert after.seconds < before.seconds and after.recompute_seconds == before.recompute_seconds
+    # the next heads move it as a moving average; a restarted server's advisor starts from it
+    a.observe_prefill(new_tokens=4000, context=0, seconds=GPU_LIKE.prefill_seconds(4000, 0), head=True)
+    assert a.head_scale == pytest.approx(0.7 * 0.5 + 0.3 * 1.0)
+    resumed = RestoreAdvisor(base=GPU_LIKE, weigh_overlap=True)
+    resumed.resume(a.calibration())
+    assert (resumed.head_scale, resumed.head_samples) == (a.head_scale, 2)
+    assert resumed.stats()["overlap_head_scale"] == round(a.head_scale, 4)
+    fresh = RestoreAdvisor(base=GPU_LIKE)
+    fresh.resume(RestoreAdvisor(base=GPU_LIKE).calibration())  # no head timed: the prefill scale stands in
+    assert fresh.head_samples == 0 and fresh.head_seconds(4000, 0) == fresh.prefill_seconds(4000, 0)
 
 
 def test_a_tail_not_taken_leaves_the_advisor_s_queue():
@@ -266,6 +296,7 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         return result
 
     monkeypatch.setattr(core, "step", noting)
+    monkeypatch.setattr("mlxd.engine.core.WHOLE_PREFILL_MIN", 64)  # this test's 96-token head is timed
 
     def overlapped(rid: str, land: str):
         tail = TailRestore(record, 96, len(PREFIX))
@@ -298,6 +329,10 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
             assert counts["prompt_tokens"] == len(PROMPT)
         measured = [n for n in notes if type(n).__name__ == "RestoreMeasured"]
         assert [(m.taken, m.nbytes > 0) for m in measured] == [(land == "landed", land == "landed")]
+        # the head timed as a head (the advisor's head scale), not as a whole prompt (its prefill scale)
+        heads = [(n.new_tokens, n.context, n.head, n.whole) for n in notes if type(n).__name__ == "PrefillMeasured"
+                 and n.head]
+        assert heads == [(96, 0, True, False)], heads
 
 
 def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_would_queue_behind_it(core, tmp_path):
@@ -379,6 +414,33 @@ def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(ti
     sim = simulate(trace, capsys)
     assert sim["restore_decisions"]["overlaps_chosen"] == 1
     assert sim["ssd_hit_tokens"] == cached
+
+
+def test_the_head_scale_a_server_learned_picks_its_tail_and_the_replay_s(tiny_model_dir, tmp_path, capsys):
+    # The tail an overlap reads depends on the head's scale (kv/restore_decision.py): here a head nearly free
+    # leaves the read to decide, so the shortest tail is read. The recording's flush carries the scale, and the
+    # replay reads the same tail.
+    config = config_for(
+        tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
+        ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000, restore_overlap_wait_s=120.0,
+    )
+    trace = tmp_path / "heads.jsonl"
+    with ServerThread(config) as s:
+        record_trace(s.runtime, trace)
+        complete(s, S_PREFIX)
+        flush(s)
+        complete(s, S_OTHER)  # pushes S_PREFIX's checkpoints out of RAM, to SSD
+        advisor = s.runtime.cache_owner.tiers.advisor  # as if heads had been timed (the engine is idle)
+        advisor.head_scale, advisor.head_samples = 1e-9, 3
+        flush(s)  # the recording's calibration for the returning turn
+        reply = complete(s, S_PROMPT)
+        flush(s)
+        st = stats(s)
+    cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert st["engine"]["overlap_tails"] == 1 and 0 < cached < 32, (cached, st["engine"])  # in the last block
+    assert st["ssd_cache"]["restore_decisions"]["overlap_head_scale"] == 0.0
+    sim = simulate(trace, capsys)
+    assert sim["restore_decisions"]["overlaps_chosen"] == 1 and sim["ssd_hit_tokens"] == cached
 
 
 def test_no_overlap_is_chosen_while_the_engine_holds_other_rows(tiny_model_dir, tmp_path, capsys):

@@ -860,7 +860,7 @@ def turn_report(stats: dict[str, Any]) -> dict[str, Any]:
                                      "forgone_s", "restore_retries",
                                      "recompute_tries", "recompute_forgone_s",
                                      "last_predicted_s", "last_recompute_s", "last_restore_s",
-                                     "last_resident_bytes")},
+                                     "last_resident_bytes", "last_overlap_head_s", "last_overlap_read_s")},
             # the overlapped splits' tails the engine appended, recomputed instead, or declined
             **{k: (stats.get("engine") or {}).get(k) for k in ("overlap_tails", "overlap_tail_tokens",
                                                               "overlap_tails_recomputed", "overlap_tails_unplaced",
@@ -1220,6 +1220,9 @@ def restart_turns(entry: dict[str, Any]) -> list[dict[str, Any]]:
             # on while the tail was out, appending it)
             "lend_ms": f.get("lend"), "overlap_head_ms": f.get("overlap_head"),
             "overlap_wait_ms": f.get("overlap_wait"), "overlap_rest_ms": f.get("overlap_rest"),
+            # and its halves as the advisor predicted them (the head recomputed, the tail read beside it)
+            "predicted_head_s": after.get("last_overlap_head_s") if overlapped else None,
+            "predicted_read_s": after.get("last_overlap_read_s") if overlapped else None,
         })
     return out
 

@@ -532,6 +532,7 @@ def record_trace(rt, path: Path) -> None:
         advisor = rt.cache_owner.tiers.advisor
         calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
                        "page_cache_bytes_per_s": advisor.resident_bytes_per_s,
+                       "overlap_head_scale": advisor.head_scale, "overlap_head_samples": advisor.head_samples,
                        "always": advisor.always, "split": advisor.split, "never": advisor.never,
                        "overlap": advisor.overlap}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)

@@ -378,7 +378,7 @@ class CacheOwnerActor:
             self._apply(tiers.lost(msg.record))
         elif isinstance(msg, PrefillMeasured):
             tiers.advisor.observe_prefill(new_tokens=msg.new_tokens, context=msg.context, seconds=msg.seconds,
-                                          whole=msg.whole)
+                                          whole=msg.whole, head=msg.head)
         elif isinstance(msg, RestoreMeasured) and not msg.taken:
             tiers.advisor.forget_restore()
         elif isinstance(msg, RestoreMeasured):

@@ -872,7 +872,7 @@ class EngineCore:
         done = overlap.recompute_then_append(self.model, caches, prompt, usable, tail, step=self._prefill_step_size,
                                              wait_s=self._config.restore_overlap_wait_s)
         if tail.start - usable >= WHOLE_PREFILL_MIN:  # the head alone, as the advisor predicted it
-            out.notes.append(PrefillMeasured(tail.start - usable, usable, done.head_s, whole=True))
+            out.notes.append(PrefillMeasured(tail.start - usable, usable, done.head_s, head=True))
         if done.appended is None:
             c.overlap_tails_recomputed += 1
             c.overlap_tails_unplaced += int(not done.placed)

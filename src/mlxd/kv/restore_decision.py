@@ -28,6 +28,10 @@ exactly what recomputing it would give. Its cuts (`tails`:
 weighed in the measured mode (`weigh_overlap`) and never chosen over an
 exploration or a recompute try (those measure something it would not).
 benchmarks/gpu/probe_reverse_split.py measures the overlap alone.
+Its head is predicted at its own scale (`head_scale`, from the heads the engine timed: a head is
+prefilled apart, in whole steps, with no first token to sample, so a whole prompt's scale put it
+10-25% slow on the CPU and the advisor paired it with too long a tail), falling back to the prefill
+scale until a head was timed; heads do not move the prefill scale.
 
 Exploration: until a restore has been measured (here or by the server
 before a restart), the bandwidth is the startup probe's guess. A guess that is
@@ -126,6 +130,7 @@ class RestorePlan:
     # prefill RETRY_RATIO times faster than the scale says (seconds, >= 0; added to recompute_forgone_s).
     recompute_forgoes: float = 0.0
     read_seconds: float = 0.0  # OVERLAP: the tail's predicted read (the engine waits for it no longer than this allows)
+    head_seconds: float = 0.0  # OVERLAP: the head's predicted recompute on the warm prefix, beside that read
 
 
 @attrs.define
@@ -135,6 +140,10 @@ class RestoreAdvisor:
     restore_bytes_per_s: float = attrs.field(default=None)
     prefill_samples: int = 0
     whole_prefill_samples: int = 0  # of them, whole prompts timed as served (observe_prefill)
+    # An overlapped split's head: its time over the base model's prediction, and the heads timed (0: none yet,
+    # the prefill scale stands in)
+    head_scale: float = 1.0
+    head_samples: int = 0
     restore_samples: int = 0
     always: bool = False  # restore whatever the costs say (RuntimeConfig.restore_choice "always")
     split: bool = False  # restore a middle cut whatever the costs say (restore_choice "split": tests)
@@ -187,16 +196,24 @@ class RestoreAdvisor:
         if self.resident_bytes_per_s is None:
             self.resident_bytes_per_s = self.base.page_cache_bytes_per_s
 
-    def observe_prefill(self, *, new_tokens: int, context: int, seconds: float, whole: bool = False) -> None:
+    def observe_prefill(
+        self, *, new_tokens: int, context: int, seconds: float, whole: bool = False, head: bool = False
+    ) -> None:
         """A prefill chunk of `new_tokens` on a `context`-token prefix took `seconds`.
 
         `whole`: a whole prompt prefilled alone, to its first token, as served (every chunk and the
         engine's steps between them). Once one was timed, chunk timings no longer move the scale:
         they leave out what a served prefill pays beside its chunks' forward passes.
+        `head`: an overlapped split's head, recomputed apart while its tail was read (`head_scale` only).
         """
         predicted = self.base.prefill_seconds(new_tokens, context)
         if new_tokens < 16 or predicted <= 0 or seconds <= 0:
             return  # too small to say anything about throughput
+        if head:
+            ratio = seconds / predicted
+            self.head_scale = ratio if self.head_samples == 0 else _ewma(self.head_scale, ratio)
+            self.head_samples += 1
+            return
         if not whole and self.whole_prefill_samples:
             return
         ratio = seconds / predicted
@@ -254,6 +271,11 @@ class RestoreAdvisor:
 
     def prefill_seconds(self, new_tokens: int, context: int) -> float:
         return self.prefill_scale * self.base.prefill_seconds(new_tokens, context)
+
+    def head_seconds(self, new_tokens: int, context: int) -> float:
+        """An overlapped split's head: `new_tokens` recomputed apart on a `context`-token prefix."""
+        scale = self.head_scale if self.head_samples else self.prefill_scale
+        return scale * self.base.prefill_seconds(new_tokens, context)
 
     def restore_seconds(self, nbytes: int, resident_nbytes: int = 0) -> float:
         fast = min(resident_nbytes, nbytes) if self.resident_bytes_per_s > 0 else 0
@@ -333,12 +355,13 @@ class RestoreAdvisor:
         if not self.overlap and seconds >= min(plan.seconds, plan.recompute_seconds):
             return plan
         return RestorePlan(OVERLAP, tail, seconds, plan.recompute_seconds, plan.restore_seconds,
-                           read_seconds=self._read_seconds(tail))
+                           read_seconds=self._read_seconds(tail),
+                           head_seconds=self.head_seconds(tail.start - warm_tokens, warm_tokens))
 
     def overlap_seconds(self, tail: RestoreCut, warm_tokens: int, prompt_tokens: int) -> float:
         """Recompute the head on the warm prefix while `tail` is read (the longer of the two), then
         prefill the rest of the prompt on both."""
-        head = self.prefill_seconds(tail.start - warm_tokens, warm_tokens)
+        head = self.head_seconds(tail.start - warm_tokens, warm_tokens)
         return max(head, self._read_seconds(tail)) + self.prefill_seconds(prompt_tokens - tail.tokens, tail.tokens)
 
     def _read_seconds(self, cut: RestoreCut) -> float:
@@ -410,6 +433,7 @@ class RestoreAdvisor:
             "page_cache_bytes_per_s": self.resident_bytes_per_s, "page_cache_samples": self.resident_samples,
             "forgone_s": self.forgone_s, "restore_retries": self.retries,
             "recompute_forgone_s": self.recompute_forgone_s, "recompute_retries": self.recompute_retries,
+            "overlap_head_scale": self.head_scale, "overlap_head_samples": self.head_samples,
         }
 
     def resume(self, calibration: dict[str, float]) -> None:
@@ -428,6 +452,9 @@ class RestoreAdvisor:
         if int(c.get("page_cache_samples", 0)) > 0 and float(c.get("page_cache_bytes_per_s", 0)) > 0:
             self.resident_bytes_per_s = float(c["page_cache_bytes_per_s"])
             self.resident_samples = int(c["page_cache_samples"])
+        if int(c.get("overlap_head_samples", 0)) > 0 and float(c.get("overlap_head_scale", 0)) > 0:
+            self.head_scale = float(c["overlap_head_scale"])
+            self.head_samples = int(c["overlap_head_samples"])
         # the two ski-rental sums and their tries' doublings (either way round)
         for forgone_key, retries_key, forgone_attr, retries_attr in (
             ("forgone_s", "restore_retries", "forgone_s", "retries"),
@@ -449,6 +476,8 @@ class RestoreAdvisor:
             "prefill_scale": round(self.prefill_scale, 4),
             "prefill_samples": self.prefill_samples,
             "whole_prefill_samples": self.whole_prefill_samples,
+            "overlap_head_scale": round(self.head_scale, 4),
+            "overlap_head_samples": self.head_samples,
             "restore_bytes_per_s": round(self.restore_bytes_per_s),
             "restore_samples": self.restore_samples,
             "page_cache_bytes_per_s": round(self.resident_bytes_per_s),
@@ -467,6 +496,11 @@ class RestoreAdvisor:
                 "last_explored": int(self.last.explore),
                 "last_recompute_try": int(self.last.recompute_try),
                 "last_resident_bytes": self.last.cut.resident_nbytes if self.last.cut is not None else 0,
+            }),
+            # An overlapped split's two halves as predicted (its head recomputed, its tail read beside it)
+            **({} if self.last is None or self.last.arm != OVERLAP else {
+                "last_overlap_head_s": round(self.last.head_seconds, 6),
+                "last_overlap_read_s": round(self.last.read_seconds, 6),
             }),
         }
 

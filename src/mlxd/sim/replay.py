@@ -169,6 +169,7 @@ class MlxdReplay:
     # The recorded server's own timings at its last flush (a recording's calibration), or the cost model's.
     _prefill_scale: float = attrs.field(init=False, default=1.0)
     _restore_bytes_per_s: float = attrs.field(init=False, default=0.0)
+    _head_scale: float | None = attrs.field(init=False, default=None)  # an overlapped split's head (None: the prefill's)
     _held_until: float = attrs.field(init=False, default=0.0)  # when the last flush barrier let arrivals in
     _engine_rows: int = attrs.field(init=False, default=0)  # rows prefilling now (shared_prefill)
     _engine_changed: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -241,6 +242,9 @@ class MlxdReplay:
             advisor.restore_bytes_per_s = float(cal.get("restore_bytes_per_s", advisor.restore_bytes_per_s))
             if cal.get("page_cache_bytes_per_s") is not None:  # what it charged a page-cache byte (`resident`)
                 advisor.resident_bytes_per_s = float(cal["page_cache_bytes_per_s"])
+            if cal.get("overlap_head_samples"):  # what it charged an overlapped split's head
+                advisor.head_scale = float(cal["overlap_head_scale"])
+                advisor.head_samples = int(cal["overlap_head_samples"])
             advisor.always = bool(cal.get("always", advisor.always))  # --restore-choice always
             advisor.split = bool(cal.get("split", advisor.split))  # --restore-choice split
             advisor.never = bool(cal.get("never", advisor.never))  # --restore-choice never
@@ -250,6 +254,8 @@ class MlxdReplay:
                 self._prefill_scale = float(cal["prefill_scale"])
             if self.calibrate_timing and "restore_bytes_per_s" in cal:
                 self._restore_bytes_per_s = float(cal["restore_bytes_per_s"])
+            if self.calibrate_timing and cal.get("overlap_head_samples"):
+                self._head_scale = float(cal["overlap_head_scale"])
 
     def _restart(self) -> None:
         """The server restarts on its SSD files: RAM, host tier and sessions gone, a fresh advisor."""
@@ -308,7 +314,8 @@ class MlxdReplay:
                 if lookup.restore.read_from:  # an overlapped split: the head recomputed while the tail is read
                     warm = real(lookup.hit.usable) if lookup.hit is not None else 0
                     head = real(lookup.restore.read_from) - warm  # prefilled: not a hit in the server's usage
-                    head_s = self._prefill_scale * self.cost.prefill_seconds(head, warm)
+                    scale = self._prefill_scale if self._head_scale is None else self._head_scale
+                    head_s = scale * self.cost.prefill_seconds(head, warm)
             elif lookup.hit is not None and lookup.promoted:  # back from the host tier: one bulk copy
                 hit, source = real(lookup.hit.usable), "host"
                 restore_s = self.cost.host_seconds(lookup.hit.entry.nbytes)

@@ -398,12 +398,14 @@ class RecordLost:
 @attrs.frozen
 class PrefillMeasured:
     """Engine-side timing of one single-row prefill chunk (for restore-or-recompute); `whole`: of a
-    whole prompt prefilled alone, to its first token (every chunk and the steps between them)."""
+    whole prompt prefilled alone, to its first token (every chunk and the steps between them); `head`: an
+    overlapped split's head, recomputed apart while its tail was read."""
 
     new_tokens: int
     context: int
     seconds: float
     whole: bool = False
+    head: bool = False
 
 
 @attrs.frozen
