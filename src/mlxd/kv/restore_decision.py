@@ -30,8 +30,8 @@ exploration or a recompute try (those measure something it would not).
 benchmarks/gpu/probe_reverse_split.py measures the overlap alone.
 Its head is predicted at its own scale (`head_scale`, from the heads the engine timed: a head is
 prefilled apart, in whole steps, with no first token to sample, so a whole prompt's scale put it
-10-25% slow on the CPU and the advisor paired it with too long a tail), falling back to the prefill
-scale until a head was timed; heads do not move the prefill scale.
+slow and the advisor paired it with too long a tail; docs/benchmarks.md), falling back to the
+prefill scale until a head was timed; heads do not move the prefill scale.
 
 Exploration: until a restore has been measured (here or by the server
 before a restart), the bandwidth is the startup probe's guess. A guess that is
