@@ -196,6 +196,10 @@ def test_the_lookup_returns_the_overlap_and_the_prefetcher_reads_its_tail():
     assert tiers.stats().restore_decisions["overlaps_chosen"] == 1
     ahead = tiers.prefetch_match(tuple(range(1, 140)))
     assert ahead.read_from == 32 and tiers.stats().restore_decisions["overlaps_chosen"] == 1
+    # with rows in the engine the lookup weighs no overlap, and the read ahead reads no tail it would not take
+    busy = tiers.prefetch_match(tuple(range(1, 140)), overlap=False)
+    assert busy.read_from == 0 and busy.usable == 128
+    assert tiers.lookup(tuple(range(1, 140)), overlap=False).restore.read_from == 0
     # without the knob (or --restore-overlap off) no tail is weighed
     plain = CacheTiers(PromptCache(max_bytes=10**9), ssd=True, advisor=RestoreAdvisor(base=GPU_LIKE))
     plain.load_records([block_record(128, 32)])
@@ -547,3 +551,29 @@ async def test_the_prefetcher_lands_a_tail_in_mlx_memory_and_a_lost_block_lands_
         assert isinstance(told, RecordLost) and told.record is record  # the cache owner forgets the record
         nursery.cancel_scope.cancel()
     assert len(landings) == 3
+
+
+async def test_a_busy_engine_s_prefetch_hint_reads_ahead_no_tail(autojump_clock):
+    # The hint is sent at submission; with rows in the engine's batch the request's lookup will weigh no
+    # overlapped split (LookupPrefix.overlap), so the read ahead reads the record from its start, not a tail.
+    from pathlib import Path
+
+    import trio
+
+    from mlxd import RuntimeConfig
+    from mlxd.runtime.kernel.messages import EngineBusy, PrefetchHint
+    from test_cache_actors import start_owner
+
+    config = RuntimeConfig(prompt_cache_bytes=10_000, ssd_cache_dir=Path("/unused"))
+    async with trio.open_nursery() as nursery:
+        owner, inbox, _, prefetcher = await start_owner(nursery, config)
+        owner.tiers.advisor = RestoreAdvisor(overlap=True)  # as the supervisor builds it for --restore-choice overlap
+        owner.tiers.load_records([block_record(128, 32)])
+        prompt = tuple(range(1, 140))
+        ahead = []
+        for busy in (False, True, False):
+            await inbox.send(EngineBusy(busy))
+            await inbox.send(PrefetchHint(prompt, ""))
+            ahead.append(await prefetcher.receive())
+        assert [(a.record.tokens[-1], a.start) for a in ahead] == [(128, 32), (128, 0), (128, 32)]
+        nursery.cancel_scope.cancel()

@@ -350,7 +350,9 @@ class CacheOwnerActor:
     def _handle(self, msg: CacheOwnerMessage) -> None:
         tiers = self.tiers
         if isinstance(msg, PrefetchHint):
-            match = tiers.prefetch_match(msg.tokens, msg.namespace)
+            # rows in the engine's batch: its lookup will weigh no overlapped split (the scheduler's rule,
+            # LookupPrefix.overlap), so neither does the read ahead (a tail it would not take)
+            match = tiers.prefetch_match(msg.tokens, msg.namespace, overlap=not self._engine_busy)
             if match is not None and self._prefetcher is not None:
                 try:  # a hint: dropped when the prefetcher is busy
                     self._prefetcher.send_nowait(PrefetchRecord(match.record, upto=match.read_tokens,

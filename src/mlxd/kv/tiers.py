@@ -672,10 +672,11 @@ class CacheTiers:
         match = self.prefetch_match(tokens, namespace)
         return None if match is None else match.record
 
-    def prefetch_match(self, tokens: Tokens, namespace: str = "") -> SsdMatch | None:
+    def prefetch_match(self, tokens: Tokens, namespace: str = "", *, overlap: bool = True) -> SsdMatch | None:
         """What a newly arrived prompt will likely read from SSD (no accounting): the record and,
         where the restore advisor would split it, the leading part (`read_tokens`); None where it would
-        recompute (after a restart the prefetcher read whole records the advisor then recomputed)."""
+        recompute (after a restart the prefetcher read whole records the advisor then recomputed).
+        `overlap` False: its lookup will weigh no overlapped split (`lookup`'s), so no tail is read ahead."""
         if not self.ssd:
             return None
         cold = self._index.find(tokens, namespace, limit=len(tokens) - 1)
@@ -688,7 +689,7 @@ class CacheTiers:
             return None  # the host tier will serve it: no SSD read
         usable = warm.usable if warm is not None else 0
         cuts, plan = self._weigh(cold, usable, len(tokens), lambda n: n, self._resident(cold.record, hint=True),
-                                 count=False)
+                                 count=False, overlap=overlap)
         if plan.arm == RECOMPUTE:  # read for nothing: the disk, a landing's memory and the engine's time for it
             return None
         return next((m for c, m in cuts if c is plan.cut), cold)
