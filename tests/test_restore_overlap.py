@@ -382,12 +382,17 @@ S_PROMPT = S_PREFIX + tuple(int(x) for x in np.random.default_rng(29).integers(1
 S_OTHER = tuple(int(x) for x in np.random.default_rng(30).integers(1, 1000, 240))
 
 
-def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(tiny_model_dir, tmp_path, capsys):
-    config = config_for(
+def forced_overlap_config(tiny_model_dir, tmp_path):
+    """A live server that overlaps every returning conversation's restore, on 32-token SSD blocks."""
+    return config_for(
         tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
         ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000,  # about one conversation
         restore_overlap_wait_s=120.0,  # the tail is appended however slowly this machine reads it
     )
+
+
+def test_a_forced_overlap_on_a_live_server_matches_a_cold_prefill_and_replays(tiny_model_dir, tmp_path, capsys):
+    config = forced_overlap_config(tiny_model_dir, tmp_path)
     trace = tmp_path / "overlap.jsonl"
     records: list = []
     with ServerThread(config) as s:
@@ -424,10 +429,7 @@ def test_the_head_scale_a_server_learned_picks_its_tail_and_the_replay_s(tiny_mo
     # The tail an overlap reads depends on the head's scale (kv/restore_decision.py): here a head nearly free
     # leaves the read to decide, so the shortest tail is read. The recording's flush carries the scale, and the
     # replay reads the same tail.
-    config = config_for(
-        tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
-        ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000, restore_overlap_wait_s=120.0,
-    )
+    config = forced_overlap_config(tiny_model_dir, tmp_path)
     trace = tmp_path / "heads.jsonl"
     with ServerThread(config) as s:
         record_trace(s.runtime, trace)
@@ -452,10 +454,7 @@ def test_no_overlap_is_chosen_while_the_engine_holds_other_rows(tiny_model_dir, 
     # it would decline, the tail's read and landing spent for nothing. So the scheduler's lookup asks for no
     # overlapped split while it has a row in the engine: the returning conversation is weighed between the
     # other arms, and its replay decides alike.
-    config = config_for(
-        tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", restore_choice="overlap", ssd_layout="blocks",
-        ssd_block_tokens=32, ssd_demote_idle_s=0, prompt_cache_bytes=150_000, restore_overlap_wait_s=120.0,
-    )
+    config = forced_overlap_config(tiny_model_dir, tmp_path)
     trace = tmp_path / "busy.jsonl"
     with ServerThread(config) as s:
         record_trace(s.runtime, trace)
