@@ -576,3 +576,43 @@ async def test_a_busy_engine_s_prefetch_hint_reads_ahead_no_tail(autojump_clock)
             ahead.append(await prefetcher.receive())
         assert [(a.record.tokens[-1], a.start) for a in ahead] == [(128, 32), (128, 0), (128, 32)]
         nursery.cancel_scope.cancel()
+
+
+S_THIRD = tuple(int(x) for x in np.random.default_rng(31).integers(1, 1000, 240))
+
+
+def test_a_burst_of_returning_conversations_overlaps_one_and_declines_none(tiny_model_dir, tmp_path, capsys):
+    # Two conversations come back at once (a restart's usual morning). The engine overlaps only with its batch
+    # empty, so the second overlapped split would be declined behind the first, its tail's read spent for
+    # nothing. A row now counts as the engine's from its lookup: the second lookup, made while the first row
+    # is on its way to the engine, weighs no overlap.
+    import threading
+
+    config = forced_overlap_config(tiny_model_dir, tmp_path)
+    other_prompt = S_OTHER + tuple(int(x) for x in np.random.default_rng(32).integers(1, 1000, 40))
+    trace = tmp_path / "burst.jsonl"
+    with ServerThread(config) as s:
+        record_trace(s.runtime, trace)
+        for ids in (S_PREFIX, S_OTHER, S_THIRD):  # each pushes the one before out of RAM, to SSD
+            complete(s, ids)
+            flush(s)
+        go, replies = threading.Barrier(2), {}
+
+        def returning(name: str, ids: tuple[int, ...]) -> None:
+            go.wait()
+            replies[name] = httpx.post(s.base_url + "/completions", timeout=120, json={
+                "model": "tiny", "prompt": list(ids), "max_tokens": 64, "temperature": 0})
+
+        both = [threading.Thread(target=returning, args=(n, ids)) for n, ids in
+                (("a", S_PROMPT), ("b", other_prompt))]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join()
+        st = stats(s)
+    assert all(r.status_code == 200 for r in replies.values()), {n: r.text for n, r in replies.items()}
+    decisions, engine = st["ssd_cache"]["restore_decisions"], st["engine"]
+    assert engine["overlaps_declined"] == 0, (decisions, engine)
+    assert decisions["overlaps_chosen"] == engine["overlap_tails"] + engine["overlap_tails_recomputed"] >= 1
+    sim = simulate(trace, capsys)  # the replay counts a row from its lookup too
+    assert sim["restore_decisions"]["overlaps_chosen"] == decisions["overlaps_chosen"], sim["restore_decisions"]

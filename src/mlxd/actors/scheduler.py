@@ -107,7 +107,9 @@ class SchedulerActor:
         self._engine = engine
         self._cache = cache
         self._slots = trio.Semaphore(config.max_batch)
-        self._in_engine = 0  # requests handed to the engine and not yet answered
+        # Requests the engine holds, or will as soon as their lookup's answer is in hand (not while a whole
+        # restore is read): while any, a lookup weighs no overlapped split (the engine would decline it)
+        self._engine_rows: set[str] = set()
         # Prompt work admitted and not yet at its first token: a request that would wait past
         # --queue-timeout for it is refused at once (`Runtime.submit`, runtime/prefill_backlog.py).
         self.backlog = PrefillBacklog(config.queue_timeout_s)
@@ -229,8 +231,7 @@ class SchedulerActor:
                     self.kv_admission.release(request.request_id)
                     self._kv_room_freed()
                 self._slots.release()
-                if record.engine_sent_at is not None:  # handed to the engine (`_serve`)
-                    self._in_engine -= 1
+                self._engine_rows.discard(request.request_id)
                 self.stats.running -= 1
                 if self.stats.running == 0:
                     self._idle.set()
@@ -278,8 +279,12 @@ class SchedulerActor:
         if resume is None:
             reply: Reply[PrefixLookup] = Reply()
             asked = time.monotonic()
+            overlap = not self._engine_rows
+            # counted from its lookup: a lookup made meanwhile (a burst of returning conversations) weighs no
+            # overlap either, where it would have reached the engine behind this row and been declined
+            self._engine_rows.add(request.request_id)
             await self._cache.send(LookupPrefix(request.prompt, request.namespace, reply, session=request.session,
-                                                overlap=self._in_engine == 0))
+                                                overlap=overlap))
             lookup = await reply.wait()
             record.lookup_s = time.monotonic() - asked
             record.resident = lookup.resident
@@ -291,6 +296,7 @@ class SchedulerActor:
                 expect = lookup.plan.read_seconds if lookup.plan is not None else 0.0
                 tail = await self._fetch_tail(lookup.restore, expect)  # read while the engine recomputes the head
             elif lookup.restore is not None:
+                self._engine_rows.discard(request.request_id)  # not while its whole restore is read
                 asked = time.monotonic()
                 restore = await self._fetch(lookup.restore)
                 record.fetch_s = time.monotonic() - asked
@@ -304,7 +310,7 @@ class SchedulerActor:
         size = request.sampling.max_tokens + 8
         send, receive = trio.open_memory_channel[GenerationEvent](size)
         record.engine_sent_at = time.monotonic()
-        self._in_engine += 1  # until it answers (`_lifecycle`): no overlapped split for the others meanwhile
+        self._engine_rows.add(request.request_id)  # until it answers (`_lifecycle`)
         await self._engine.send(
             StartGeneration(request, hit, send, submit.submitted_at, restore, checkpoint_key=key, resume=resume,
                             draft=draft, checkpoint_at=cuts, tail=tail)
