@@ -339,6 +339,40 @@ def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_p
         assert heads == [(96, 0, True, False)], heads
 
 
+def test_a_cold_process_s_first_head_is_not_timed(tiny_model_dir, tmp_path, monkeypatch):
+    # A process that reused its saved probe runs no forward before its first request; on a GPU its first
+    # overlapped head then built its kernels (H100: 0.77-0.87 s against 0.24 predicted) and that timing
+    # inflated the head scale for the turns after it. The head run first is not timed; the next one is.
+    monkeypatch.setattr("mlxd.engine.core.WHOLE_PREFILL_MIN", 64)
+    fresh = EngineCore(config_for(tiny_model_dir))
+    fresh.load()
+    try:
+        store = BlockStore(tmp_path, fresh.store_identity, block_tokens=32)
+        caches = loading.fresh_caches(fresh.model, fresh._config)
+        fresh.model(mx.array([list(PREFIX)]), cache=caches)  # the record's KV, outside the engine's steps
+        mx.eval([c.state for c in caches])
+        record = store.write(kinds.plan_snapshot(caches, meta=fresh.store_identity.meta(list(PREFIX), ""))).record
+        notes: list = []
+        step = fresh.step
+
+        def noting(ops):
+            result = step(ops)
+            notes.extend(result.notes)
+            return result
+
+        monkeypatch.setattr(fresh, "step", noting)
+        heads = []
+        for rid in ("first", "second"):
+            tail = TailRestore(record, 96, len(PREFIX))
+            tail.slot.land(store.load(record, start=96))
+            notes.clear()
+            run_rows(fresh, [RowStart(request=_request(rid), tail=tail)])
+            heads.append([n.new_tokens for n in notes if type(n).__name__ == "PrefillMeasured" and n.head])
+        assert heads == [[], [96]], heads
+    finally:
+        fresh.close()
+
+
 def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_would_queue_behind_it(core, tmp_path):
     # A tail read whose memory is not placed yet may have its landing queued as a job on the engine's own
     # thread: waiting for it there would wait out the whole bound (a live server once hung its requests

@@ -229,6 +229,9 @@ class EngineCore:
         self._memory_budget = 0
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
+        # No forward run in this process yet (no probe measured, no step): its first runs build kernels, so an
+        # overlapped head run first is not timed for the advisor (a reused probe left a GPU process cold)
+        self._cold = True
         # Long prefills in time slices, interleaved with other rows (engine/prefill_slices.py); off across
         # ranks, where every rank must take the same chunk and their clocks differ.
         self._slicer = PrefillSlicer(0.0 if config.distributed else config.prefill_slice_s)
@@ -403,6 +406,7 @@ class EngineCore:
                 restore=restore,
                 tune_step=tune,
             )
+            self._cold = False  # the probe's prefills ran here
             if saved_at is not None:
                 try:
                     probe_file.save(saved_at, probe, setup)
@@ -662,6 +666,7 @@ class EngineCore:
                 self._end(ops.stops, "stop", out)
             if self._rows and not left_late:
                 self._next(out)
+                self._cold = False
             if self._left:  # after-forward: the device computes the step's forward (their copies came before it)
                 self._leave_late(out)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
@@ -869,9 +874,10 @@ class EngineCore:
             return lent, usable, tier, 0, ()
         prompt = start.request.prompt
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
+        cold, self._cold = self._cold, False
         done = overlap.recompute_then_append(self.model, caches, prompt, usable, tail, step=self._prefill_step_size,
                                              wait_s=self._config.restore_overlap_wait_s)
-        if tail.start - usable >= WHOLE_PREFILL_MIN:  # the head alone, as the advisor predicted it
+        if tail.start - usable >= WHOLE_PREFILL_MIN and not cold:  # the head alone, as the advisor predicted it
             out.notes.append(PrefillMeasured(tail.start - usable, usable, done.head_s, head=True))
         if done.appended is None:
             c.overlap_tails_recomputed += 1
