@@ -12,6 +12,7 @@ simulator replay deciding alike.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import httpx
@@ -284,22 +285,33 @@ def _request(rid: str) -> GenerationRequest:
     return GenerationRequest(request_id=rid, prompt=PROMPT, sampling=sampling)
 
 
-def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_prefill(core, tmp_path, monkeypatch):
-    store = BlockStore(tmp_path, core.store_identity, block_tokens=32)
-    caches = loading.fresh_caches(core.model, core._config)
-    core.model(mx.array([list(PREFIX)]), cache=caches)
+def prefix_record(engine: EngineCore, tmp_path) -> tuple[BlockStore, Any]:
+    """PREFIX's KV, computed outside the engine's steps, written as a 32-token block record."""
+    store = BlockStore(tmp_path, engine.store_identity, block_tokens=32)
+    caches = loading.fresh_caches(engine.model, engine._config)
+    engine.model(mx.array([list(PREFIX)]), cache=caches)
     mx.eval([c.state for c in caches])
-    record = store.write(kinds.plan_snapshot(caches, meta=core.store_identity.meta(list(PREFIX), ""))).record
-    cold = run_rows(core, [_request("cold")])
-    notes: list = []  # every note the engine's steps hand the cache owner
-    step = core.step
+    return store, store.write(kinds.plan_snapshot(caches, meta=engine.store_identity.meta(list(PREFIX), ""))).record
+
+
+def noted_steps(engine: EngineCore, monkeypatch) -> list:
+    """Every note the engine's steps hand the cache owner from now on (the list fills as it steps)."""
+    notes: list = []
+    step = engine.step
 
     def noting(ops):
         result = step(ops)
         notes.extend(result.notes)
         return result
 
-    monkeypatch.setattr(core, "step", noting)
+    monkeypatch.setattr(engine, "step", noting)
+    return notes
+
+
+def test_the_engine_recomputes_the_head_appends_the_tail_and_answers_as_a_cold_prefill(core, tmp_path, monkeypatch):
+    store, record = prefix_record(core, tmp_path)
+    cold = run_rows(core, [_request("cold")])
+    notes = noted_steps(core, monkeypatch)
     monkeypatch.setattr("mlxd.engine.core.WHOLE_PREFILL_MIN", 64)  # this test's 96-token head is timed
 
     def overlapped(rid: str, land: str):
@@ -347,20 +359,8 @@ def test_a_cold_process_s_first_head_is_not_timed(tiny_model_dir, tmp_path, monk
     fresh = EngineCore(config_for(tiny_model_dir))
     fresh.load()
     try:
-        store = BlockStore(tmp_path, fresh.store_identity, block_tokens=32)
-        caches = loading.fresh_caches(fresh.model, fresh._config)
-        fresh.model(mx.array([list(PREFIX)]), cache=caches)  # the record's KV, outside the engine's steps
-        mx.eval([c.state for c in caches])
-        record = store.write(kinds.plan_snapshot(caches, meta=fresh.store_identity.meta(list(PREFIX), ""))).record
-        notes: list = []
-        step = fresh.step
-
-        def noting(ops):
-            result = step(ops)
-            notes.extend(result.notes)
-            return result
-
-        monkeypatch.setattr(fresh, "step", noting)
+        store, record = prefix_record(fresh, tmp_path)  # no engine step: the engine is still cold
+        notes = noted_steps(fresh, monkeypatch)
         heads = []
         for rid in ("first", "second"):
             tail = TailRestore(record, 96, len(PREFIX))
@@ -382,11 +382,7 @@ def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_woul
 
     from mlxd.engine import overlap
 
-    store = BlockStore(tmp_path, core.store_identity, block_tokens=32)
-    caches = loading.fresh_caches(core.model, core._config)
-    core.model(mx.array([list(PREFIX)]), cache=caches)
-    mx.eval([c.state for c in caches])
-    record = store.write(kinds.plan_snapshot(caches, meta=core.store_identity.meta(list(PREFIX), ""))).record
+    store, record = prefix_record(core, tmp_path)
 
     def run(tail: TailRestore):
         t0 = time.monotonic()
