@@ -530,11 +530,8 @@ def record_trace(rt, path: Path) -> None:
         # The restore advisor's online calibration at this point, so a replay decides
         # restore-or-recompute with the numbers this server used (read on the trio thread).
         advisor = rt.cache_owner.tiers.advisor
-        calibration = {"prefill_scale": advisor.prefill_scale, "restore_bytes_per_s": advisor.restore_bytes_per_s,
-                       "page_cache_bytes_per_s": advisor.resident_bytes_per_s,
-                       "overlap_head_scale": advisor.head_scale, "overlap_head_samples": advisor.head_samples,
-                       "always": advisor.always, "split": advisor.split, "never": advisor.never,
-                       "overlap": advisor.overlap}
+        calibration = {**advisor.calibration(), "always": advisor.always, "split": advisor.split,
+                       "never": advisor.never, "overlap": advisor.overlap}
         recorder.flush(t=round(began - start, 6), restore_advisor=calibration)
 
     rt.scheduler.observers.append(observe)
