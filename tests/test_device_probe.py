@@ -455,6 +455,53 @@ async def test_a_restarted_server_reuses_its_predecessor_s_probe_unless_told_to_
     assert len(runs) == 3
 
 
+async def test_a_reused_probe_s_warm_up_runs_its_longest_prefill_through_serving_s_generator(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+):
+    # The warm-up is a real prefill of the probe's longest length, in the serving generator's chunks, plus
+    # two decode steps; /stats says it ran. "auto" runs it on a GPU only: this CPU server skips it.
+    from mlxd.actors import device_probe
+
+    prompts: list[tuple[int, int]] = []
+    real = device_probe._run
+
+    def counted(generator, prompt, *, decode):
+        prompts.append((len(prompt), generator.prefill_step_size))
+        return real(generator, prompt, decode=decode)
+
+    monkeypatch.setattr(device_probe, "_run", counted)
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2,
+                           device_warmup="on")
+    async with open_runtime(config) as rt:
+        first = rt.info.probe
+        assert first is not None and not first.reused and first.warmup_tokens == 0
+        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] is None
+    prompts.clear()
+    async with open_runtime(config) as rt:
+        again = rt.info.probe
+        assert again is not None and again.reused
+        longest = first.prefill[-1][0]
+        assert prompts == [(longest, first.prefill_step_size)]
+        assert again.warmup_tokens == longest and again.warmup_s > 0
+        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] == {"tokens": longest,
+                                                                         "seconds": round(again.warmup_s, 3)}
+        tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
+        assert len(tokens) == 3
+    prompts.clear()
+    async with open_runtime(attrs.evolve(config, device_warmup="auto")) as rt:  # auto: on a GPU only
+        assert rt.info.probe is not None and rt.info.probe.reused and rt.info.probe.warmup_tokens == 0
+        assert prompts == []
+    # the warm-up is this process's, not the device's: the next server does not read it back
+    saved = json.loads(next((tmp_path / "ssd").rglob("device-probe.json")).read_text())
+    assert "warmup_tokens" not in json.dumps(saved) and "warmup_s" not in json.dumps(saved)
+
+
+def test_device_warmup_on_needs_the_probe():
+    with pytest.raises(ValueError, match="--device-warmup on .* needs the probe"):
+        RuntimeConfig(model="m", device_probe="off", device_warmup="on")
+    assert RuntimeConfig(model="m", device_probe="off").device_warmup == "auto"  # auto: nothing to warm
+
+
 def test_a_restore_as_prefetched_runs_the_callers_work_only_after_handing_the_landing(tmp_path: Path):
     # probe_restore_paths.py --busy: this thread's forward passes run while the reader fills the landing,
     # never before it was handed (the landing would wait behind them); the read is the same either way.

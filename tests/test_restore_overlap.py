@@ -373,6 +373,39 @@ def test_a_cold_process_s_first_head_is_not_timed(tiny_model_dir, tmp_path, monk
         fresh.close()
 
 
+@pytest.mark.parametrize("warmup", ["on", "off"])
+def test_a_reused_probe_s_process_warms_up_so_its_first_head_is_timed(tiny_model_dir, tmp_path, monkeypatch, warmup):
+    # A restarted server reuses its predecessor's saved probe and so ran no forward before serving; on a GPU
+    # its first overlapped head built its kernels on the request's path. With the warm-up (`--device-warmup`,
+    # on a GPU by default) it runs the probe's longest prefill once at start: warm, its first head is timed.
+    monkeypatch.setattr("mlxd.engine.core.WHOLE_PREFILL_MIN", 64)
+    config = config_for(tiny_model_dir, ssd_cache_dir=tmp_path / "ssd", device_probe="auto",
+                        device_probe_budget_s=0.2, device_warmup=warmup)
+    first = EngineCore(config)
+    measured = first.load().probe
+    first.close()
+    engine = EngineCore(config)
+    probe = engine.load().probe
+    try:
+        assert measured is not None and not measured.reused and not measured.warmup_tokens
+        assert probe is not None and probe.reused
+        if warmup == "on":  # the longest prefill the probe timed, once, untimed
+            assert probe.warmup_tokens == measured.prefill[-1][0] and probe.warmup_s > 0
+            assert engine.generator.prefill_step_size == probe.prefill_step_size  # serving's chunks, rows gone
+        else:
+            assert (probe.warmup_tokens, probe.warmup_s) == (0, 0.0)
+        assert not engine._rows
+        store, record = prefix_record(engine, tmp_path)  # no engine step
+        notes = noted_steps(engine, monkeypatch)
+        tail = TailRestore(record, 96, len(PREFIX))
+        tail.slot.land(store.load(record, start=96))
+        run_rows(engine, [RowStart(request=_request("first"), tail=tail)])
+        heads = [n.new_tokens for n in notes if type(n).__name__ == "PrefillMeasured" and n.head]
+        assert heads == ([96] if warmup == "on" else []), heads
+    finally:
+        engine.close()
+
+
 def test_the_engine_waits_for_a_placed_tail_and_never_for_one_whose_landing_would_queue_behind_it(core, tmp_path):
     # A tail read whose memory is not placed yet may have its landing queued as a job on the engine's own
     # thread: waiting for it there would wait out the whole bound (a live server once hung its requests

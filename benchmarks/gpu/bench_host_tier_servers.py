@@ -839,6 +839,9 @@ RESTARTS = {
     # every returning turn an overlapped split (the head recomputed while the tail is read: kv/restore_decision.py
     # OVERLAP) at the block boundary the advisor's costs put first, whatever the two arms cost
     "restart_overlap": ["--restore-choice", "overlap"],
+    # the same in processes that reuse the saved probe and skip the start-up warm-up (`--device-warmup off`):
+    # against restart_overlap (warmed on a GPU by default), what a cold process's first turns pay
+    "restart_overlap_cold": ["--restore-choice", "overlap", "--device-warmup", "off"],
     # every restore forced, in a process that ran the startup probe: against restart_always_no_probe, what the
     # probe costs serving's restores (H200 16:17: the measured restart's second restore 1,468 ms, always's 916)
     # (`on`: measured afresh; `auto` reuses the probe the first server saved beside the files: kv/probe_file.py)
@@ -933,6 +936,7 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
         "prefill_scale": d.get("prefill_scale"), "prefill_samples": d.get("prefill_samples", 0),
         "probe_prefill_tokens_per_s": probe.get("prefill_tokens_per_s"), "probe_seconds": probe.get("seconds"),
         "probe_reused": probe.get("reused"),  # the first server's probe, saved beside the files: none ran here
+        "probe_warmup": probe.get("warmup"),  # {tokens, seconds} of the reused probe's untimed prefill at start
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
 
@@ -1090,6 +1094,16 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         goals["restart_vs_min_server_ttft"] = ratio(server_med["restart"], min(server_best))
     if "restart_overlap" in server_med and server_best:
         goals["restart_overlap_vs_min_server_ttft"] = ratio(server_med["restart_overlap"], min(server_best))
+    if "restart_overlap_cold" in restarts:  # the start-up warm-up (on a GPU by default) against none
+        goals["restart_overlap_warm_vs_cold"] = ratio(med.get("restart_overlap", {}).get("returning"),
+                                                      med.get("restart_overlap_cold", {}).get("returning"))
+        # where it should show: each process's first returning turn (a reused probe ran no forward before it)
+        firsts = {label: median([t["server_ttft_s"] for i, t in enumerate(turns)
+                                 if (i == 0 or turns[i - 1]["cycle"] != t["cycle"]) and t.get("server_ttft_s") is not None])
+                  for label in ("restart_overlap", "restart_overlap_cold") if (turns := restarts.get(label, {}).get("per_turn"))}
+        goals["restart_overlap_first_turns_server_s"] = firsts
+        goals["restart_overlap_first_turn_warm_vs_cold"] = ratio(firsts.get("restart_overlap"),
+                                                                 firsts.get("restart_overlap_cold"))
     probed, unprobed = (med.get(k, {}).get("returning") for k in ("restart_always_probe", "restart_always_no_probe"))
     if probed is not None:  # the probe's cost to serving's restores: the same forced arm with and without it
         goals["restart_always_with_probe_vs_without"] = ratio(probed, unprobed)

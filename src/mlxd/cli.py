@@ -182,6 +182,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--device-probe-budget", type=float, default=3.0, metavar="S",
         help="seconds the startup device probe may spend on prefills (default 3)",
     )
+    p.add_argument(
+        "--device-warmup", choices=("auto", "on", "off"), default="auto",
+        help="when the saved device probe is reused, run its longest prefill once, untimed, before listening, so "
+        "the first request does not build the kernels (auto: on a GPU; on: on any device)",
+    )
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")
     p.add_argument("--ssd-cache-max", type=_ssd_cap, metavar="GB/N%",
@@ -356,6 +361,7 @@ def serve_config(args: argparse.Namespace):
         tune_prefill_step={None: None, "auto": True}.get(args.prefill_step_size, False),
         device_probe="off" if args.distributed else args.device_probe,
         device_probe_budget_s=args.device_probe_budget,
+        device_warmup=args.device_warmup,
         max_tokens_limit=args.max_tokens_limit,
         api_key=_secret(args.api_key, "MLXD_API_KEY"),
         admin_key=_secret(args.admin_key, "MLXD_ADMIN_KEY"),

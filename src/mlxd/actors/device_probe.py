@@ -174,6 +174,18 @@ def probe_device(
     return probe
 
 
+def warm_up(generator: Any, *, vocab_size: int, tokens: int) -> float:
+    """Run one prefill of `tokens` and two decode steps through the serving generator, untimed, and give
+    their buffers back: seconds spent. For a process that reused the saved probe (kv/probe_file.py), which
+    otherwise runs no forward before its first request: on CUDA each (queries, keys) shape builds its
+    kernels and attention plans on first use, and a prefill from 0 in the serving chunk size meets the
+    shapes of any prompt (or an overlapped restore's head) up to `tokens`."""
+    t0 = time.perf_counter()
+    _run(generator, _Tokens(vocab_size).take(tokens), decode=2)
+    release_probe_memory()
+    return time.perf_counter() - t0
+
+
 def _restore_points(caches: list[tuple[int, list[Any]]], kv_bytes_per_token: int) -> list[tuple[int, list[Any]]]:
     """The probe's caches to restore: the smallest twice (a warm-up), a medium one, the largest allowed."""
     fits = [c for c in caches if c[0] * kv_bytes_per_token <= RESTORE_MAX_BYTES] or caches[:1]

@@ -229,8 +229,9 @@ class EngineCore:
         self._memory_budget = 0
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
-        # No forward run in this process yet (no probe measured, no step): its first runs build kernels, so an
-        # overlapped head run first is not timed for the advisor (a reused probe left a GPU process cold)
+        # No forward run in this process yet (no probe measured or warm-up, no step): its first runs build
+        # kernels, so an overlapped head run first is not timed for the advisor (a reused probe without
+        # `--device-warmup` leaves a GPU process cold)
         self._cold = True
         # Long prefills in time slices, interleaved with other rows (engine/prefill_slices.py); off across
         # ranks, where every rank must take the same chunk and their clocks differ.
@@ -416,10 +417,23 @@ class EngineCore:
         # the old one's buffers leave MLX's cache with the probe's own (`reset` gives them back).
         self._prefill_step_size = probe.prefill_step_size
         self.reset()
+        if probe.reused and _warms_up(c):
+            probe = self._warm_up(probe, vocab_size)
         summary = probe.as_dict()
         summary.pop("cost_model")
         log.info("engine.device_probe", **summary)
         return probe
+
+    def _warm_up(self, probe: DeviceProbe, vocab_size: int) -> DeviceProbe:
+        """A reused probe ran no forward here: its longest prefill once, in the serving chunk size, so the first
+        request's shapes find their kernels built (actors/device_probe.py `warm_up`); then a fresh generator."""
+        from mlxd.actors.device_probe import warm_up
+
+        tokens = probe.prefill[-1][0]
+        seconds = warm_up(self.generator, vocab_size=vocab_size, tokens=tokens)
+        self._cold = False
+        self.reset()
+        return attrs.evolve(probe, warmup_tokens=tokens, warmup_s=seconds)
 
     def _speculation_check(self) -> None:
         reason = speculation_off_reason(self.model, self._config) if self._speculate else None
@@ -1260,6 +1274,14 @@ class EngineCore:
             tokens=exact, namespace=namespace, payload=payload, nbytes=kinds.nbytes(caches),
             trimmable=kinds.is_trimmable(caches), reason=reason, plan=plan, session=session, pages=pages,
         )
+
+
+def _warms_up(config: RuntimeConfig) -> bool:
+    """`--device-warmup`: "auto" warms a reused probe's process on a GPU only, where each shape's kernels are
+    built on its first use."""
+    import mlx.core as mx
+
+    return config.device_warmup == "on" or (config.device_warmup == "auto" and mx.default_device() != mx.cpu)
 
 
 def _probe_setup(config: RuntimeConfig, restore: Any, *, tune: bool, max_context: int, kv_bytes_per_token: int,

@@ -22,6 +22,9 @@ import attrs
 
 from mlxd.kv.cost_model import DEFAULT, CostModel
 
+# A probe's fields about the process that holds it, not the device: never saved for the next server.
+_THIS_PROCESS = frozenset({"reused", "warmup_tokens", "warmup_s"})
+
 
 @attrs.frozen(kw_only=True)
 class DeviceProbe:
@@ -45,16 +48,20 @@ class DeviceProbe:
     step_trials: tuple[tuple[int, float], ...] = ()  # (chunk size, seconds for the same prefill)
     seconds: float = 0.0  # wall time of the whole probe
     reused: bool = False  # the last server's probe on this device and setup, not measured again (kv/probe_file.py)
+    # A reused probe's process ran its longest prefill once, untimed, before serving (`--device-warmup`):
+    # its tokens and seconds (0: no warm-up ran).
+    warmup_tokens: int = 0
+    warmup_s: float = 0.0
 
     def saved(self) -> dict[str, Any]:
         """Every measurement as it was (no rounding), for `from_saved` in the next server."""
-        return {k: v for k, v in attrs.asdict(self).items() if k != "reused"}
+        return {k: v for k, v in attrs.asdict(self).items() if k not in _THIS_PROCESS}
 
     @classmethod
     def from_saved(cls, data: dict[str, Any]) -> DeviceProbe:
         """A probe `saved()` wrote; ValueError (or TypeError/KeyError) when it is not one."""
         pairs = ("prefill", "restore", "restore_warm", "host", "step_trials")
-        fields = {k: v for k, v in data.items() if k in attrs.fields_dict(cls) and k != "reused"}
+        fields = {k: v for k, v in data.items() if k in attrs.fields_dict(cls) and k not in _THIS_PROCESS}
         for k in pairs:
             fields[k] = tuple((int(a), float(b)) for a, b in fields.get(k, ()))
         fields["restore_parts"] = tuple((int(b), float(x), float(y), float(z))
@@ -114,6 +121,7 @@ class DeviceProbe:
             "device": self.device,
             "seconds": round(self.seconds, 3),
             "reused": self.reused,
+            "warmup": {"tokens": self.warmup_tokens, "seconds": round(self.warmup_s, 3)} if self.warmup_tokens else None,
             "prefill": [{"tokens": n, "seconds": round(s, 5)} for n, s in self.prefill],
             "prefill_tokens_per_s": round(self.prefill[-1][0] / self.prefill[-1][1], 1) if self.prefill else None,
             "decode_tokens_per_s": round(1.0 / self.decode_s_per_token, 2) if self.decode_s_per_token > 0 else None,
