@@ -496,6 +496,26 @@ async def test_a_reused_probe_s_warm_up_runs_its_longest_prefill_through_serving
     assert "warmup_tokens" not in json.dumps(saved) and "warmup_s" not in json.dumps(saved)
 
 
+async def test_a_saved_probe_is_reused_whatever_memory_the_device_has_free(tiny_model_dir: Path, tmp_path: Path,
+                                                                           monkeypatch):
+    # CUDA's device_info reports the device's free memory, which every process on it moves: part of the
+    # saved probe's setup, it made a restart's reuse luck (H100 2026-12-06 20:52 / 20:56: 3 of 20 restarted
+    # processes reused it, the rest measured again, ~6 s each). The device's own properties still decide.
+    import mlx.core as mx
+
+    info = {"device_name": "NVIDIA H100 80GB HBM3", "total_memory": 85_000_000_000, "free_memory": 84_000_000_000}
+    monkeypatch.setattr(mx, "device_info", lambda: dict(info))
+    config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2)
+    async with open_runtime(config) as rt:
+        assert rt.info.probe is not None and not rt.info.probe.reused
+    info["free_memory"] = 61_234_567_890
+    async with open_runtime(config) as rt:
+        assert rt.info.probe is not None and rt.info.probe.reused
+    info["total_memory"] = 150_000_000_000  # another device: measured afresh
+    async with open_runtime(config) as rt:
+        assert rt.info.probe is not None and not rt.info.probe.reused
+
+
 def test_device_warmup_on_needs_the_probe():
     with pytest.raises(ValueError, match="--device-warmup on .* needs the probe"):
         RuntimeConfig(model="m", device_probe="off", device_warmup="on")

@@ -1293,8 +1293,11 @@ def _probe_setup(config: RuntimeConfig, restore: Any, *, tune: bool, max_context
     import mlx.core as mx
 
     info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
+    # The device as it is, not its state now: CUDA's device_info has its free memory, which moves with
+    # every process on the device, and kept here it made a saved probe's reuse a matter of luck.
+    stable = {k: str(v) for k, v in sorted(info.items()) if "free" not in k}
     return {
-        "device": str(mx.default_device()), "device_info": {k: str(v) for k, v in sorted(info.items())},
+        "device": str(mx.default_device()), "device_info": stable,
         "mlx": getattr(mx, "__version__", ""), "host": platform.node(), "budget_s": config.device_probe_budget_s,
         "tune_step": tune, "step": step, "max_context": max_context, "kv_bytes_per_token": kv_bytes_per_token,
         "restore": None if restore is None else {
