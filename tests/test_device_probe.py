@@ -455,42 +455,55 @@ async def test_a_restarted_server_reuses_its_predecessor_s_probe_unless_told_to_
     assert len(runs) == 3
 
 
-async def test_a_reused_probe_s_warm_up_runs_its_longest_prefill_through_serving_s_generator(
+async def test_the_warm_up_runs_the_probe_s_longest_prefill_by_serving_s_own_paths(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch
 ):
-    # The warm-up is a real prefill of the probe's longest length, in the serving generator's chunks, plus
-    # two decode steps; /stats says it ran. "auto" runs it on a GPU only: this CPU server skips it.
+    # The warm-up is a real prefill of the probe's longest length in whole serving chunks on a prompt's own
+    # caches (the path of a long prompt's recompute and an overlapped restore's head), and, in a process that
+    # reused the saved probe (no forward run there), through the serving generator with two decode steps;
+    # /stats says it ran. "auto" runs it on a GPU only: this CPU server skips it.
     from mlxd.actors import device_probe
+    from mlxd.engine import core
 
-    prompts: list[tuple[int, int]] = []
-    real = device_probe._run
+    batch: list[tuple[int, int]] = []
+    apart: list[tuple[int, int, int]] = []
+    run, step = device_probe._run, core.prefill_step
 
-    def counted(generator, prompt, *, decode):
-        prompts.append((len(prompt), generator.prefill_step_size))
-        return real(generator, prompt, decode=decode)
+    def counted_run(generator, prompt, *, decode):
+        batch.append((len(prompt), generator.prefill_step_size))
+        return run(generator, prompt, decode=decode)
 
-    monkeypatch.setattr(device_probe, "_run", counted)
+    def counted_step(model, caches, prompt, at, until, size):
+        apart.append((at, until, size))
+        return step(model, caches, prompt, at, until, size)
+
+    monkeypatch.setattr(device_probe, "_run", counted_run)
+    monkeypatch.setattr(core, "prefill_step", counted_step)
     config = RuntimeConfig(model=str(tiny_model_dir), ssd_cache_dir=tmp_path / "ssd", device_probe_budget_s=0.2,
-                           device_warmup="on")
-    async with open_runtime(config) as rt:
+                           device_warmup="on", prefill_step_size=64, tune_prefill_step=False)
+    async with open_runtime(config) as rt:  # measured: the probe's own prefills ran the batch's shapes
         first = rt.info.probe
-        assert first is not None and not first.reused and first.warmup_tokens == 0
-        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] is None
-    prompts.clear()
-    async with open_runtime(config) as rt:
+        longest = first.prefill[-1][0]
+        assert first is not None and not first.reused and first.warmup_tokens == longest and first.warmup_s > 0
+        assert apart == [(at, longest, 64) for at in range(0, longest, 64)]
+        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] == {"tokens": longest,
+                                                                         "seconds": round(first.warmup_s, 3)}
+    batch.clear()
+    apart.clear()
+    async with open_runtime(config) as rt:  # reused: no forward ran, so the batch's too
         again = rt.info.probe
         assert again is not None and again.reused
-        longest = first.prefill[-1][0]
-        assert prompts == [(longest, first.prefill_step_size)]
+        assert batch == [(longest, 64)]
+        assert apart == [(at, longest, 64) for at in range(0, longest, 64)]
         assert again.warmup_tokens == longest and again.warmup_s > 0
-        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] == {"tokens": longest,
-                                                                         "seconds": round(again.warmup_s, 3)}
         tokens = await rt.submit(rt.request(rt.encode("hello there"), sampling=SamplingParams(max_tokens=3))).tokens()
         assert len(tokens) == 3
-    prompts.clear()
+    batch.clear()
+    apart.clear()
     async with open_runtime(attrs.evolve(config, device_warmup="auto")) as rt:  # auto: on a GPU only
         assert rt.info.probe is not None and rt.info.probe.reused and rt.info.probe.warmup_tokens == 0
-        assert prompts == []
+        assert (batch, apart) == ([], [])
+        assert (await rt.stats()).as_dict()["device_probe"]["warmup"] is None
     # the warm-up is this process's, not the device's: the next server does not read it back
     saved = json.loads(next((tmp_path / "ssd").rglob("device-probe.json")).read_text())
     assert "warmup_tokens" not in json.dumps(saved) and "warmup_s" not in json.dumps(saved)

@@ -184,8 +184,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--device-warmup", choices=("auto", "on", "off"), default="auto",
-        help="when the saved device probe is reused, run its longest prefill once, untimed, before listening, so "
-        "the first request does not build the kernels (auto: on a GPU; on: on any device)",
+        help="before listening, run the device probe's longest prefill once, untimed, by serving's own prefill "
+        "paths, so the first request does not build their kernels (auto: on a GPU; on: on any device)",
     )
     p.add_argument("--max-tokens-limit", type=_positive_int, default=8192, help="cap on a request's max_tokens")
     p.add_argument("--ssd-cache", type=Path, metavar="DIR", help="SSD cold tier directory (off unless set)")

@@ -174,14 +174,19 @@ def probe_device(
     return probe
 
 
-def warm_up(generator: Any, *, vocab_size: int, tokens: int) -> float:
-    """Run one prefill of `tokens` and two decode steps through the serving generator, untimed, and give
-    their buffers back: seconds spent. For a process that reused the saved probe (kv/probe_file.py), which
-    otherwise runs no forward before its first request: on CUDA each (queries, keys) shape builds its
-    kernels and attention plans on first use, and a prefill from 0 in the serving chunk size meets the
-    shapes of any prompt (or an overlapped restore's head) up to `tokens`."""
+def warm_up(generator: Any, prefill_apart: Callable[[list[int]], Any], *, vocab_size: int, tokens: int,
+            batch: bool) -> float:
+    """Run `tokens` of prompt, untimed, through `prefill_apart` (the engine's prefill of a prompt on its own
+    caches, in the serving chunk size: what a long prompt's recompute and an overlapped restore's head run)
+    and, with `batch`, through the serving generator too, with two decode steps; give their buffers back.
+    Seconds spent. On CUDA each (queries, keys) shape, and each cache layout's strides, builds its kernels
+    and attention plans on first use; the probe's prefills (in the generator's batch) build the batch's, a
+    process that reused the saved probe (kv/probe_file.py) none: `batch` is for that process."""
     t0 = time.perf_counter()
-    _run(generator, _Tokens(vocab_size).take(tokens), decode=2)
+    rng = _Tokens(vocab_size)
+    if batch:
+        _run(generator, rng.take(tokens), decode=2)
+    prefill_apart(rng.take(tokens + 1))  # (prefilled up to its last token: `tokens` in whole chunks)
     release_probe_memory()
     return time.perf_counter() - t0
 

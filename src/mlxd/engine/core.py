@@ -417,7 +417,7 @@ class EngineCore:
         # the old one's buffers leave MLX's cache with the probe's own (`reset` gives them back).
         self._prefill_step_size = probe.prefill_step_size
         self.reset()
-        if probe.reused and _warms_up(c):
+        if _warms_up(c):
             probe = self._warm_up(probe, vocab_size)
         summary = probe.as_dict()
         summary.pop("cost_model")
@@ -425,12 +425,14 @@ class EngineCore:
         return probe
 
     def _warm_up(self, probe: DeviceProbe, vocab_size: int) -> DeviceProbe:
-        """A reused probe ran no forward here: its longest prefill once, in the serving chunk size, so the first
-        request's shapes find their kernels built (actors/device_probe.py `warm_up`); then a fresh generator."""
+        """The probe's longest prefill once, untimed, by the path serving prefills a prompt apart by (and, after
+        a reused probe, which ran no forward here, through the batch), so the first request's shapes find their
+        kernels built (actors/device_probe.py `warm_up`); then a fresh generator."""
         from mlxd.actors.device_probe import warm_up
 
         tokens = probe.prefill[-1][0]
-        seconds = warm_up(self.generator, vocab_size=vocab_size, tokens=tokens)
+        seconds = warm_up(self.generator, lambda prompt: self._prefill_apart(tuple(prompt), None, 0),
+                          vocab_size=vocab_size, tokens=tokens, batch=probe.reused)
         self._cold = False
         self.reset()
         return attrs.evolve(probe, warmup_tokens=tokens, warmup_s=seconds)
@@ -1277,8 +1279,8 @@ class EngineCore:
 
 
 def _warms_up(config: RuntimeConfig) -> bool:
-    """`--device-warmup`: "auto" warms a reused probe's process on a GPU only, where each shape's kernels are
-    built on its first use."""
+    """`--device-warmup`: "auto" warms a process on a GPU only, where each shape's kernels are built on its
+    first use."""
     import mlx.core as mx
 
     return config.device_warmup == "on" or (config.device_warmup == "auto" and mx.default_device() != mx.cpu)

@@ -48,7 +48,7 @@ class DeviceProbe:
     step_trials: tuple[tuple[int, float], ...] = ()  # (chunk size, seconds for the same prefill)
     seconds: float = 0.0  # wall time of the whole probe
     reused: bool = False  # the last server's probe on this device and setup, not measured again (kv/probe_file.py)
-    # A reused probe's process ran its longest prefill once, untimed, before serving (`--device-warmup`):
+    # This process ran the probe's longest prefill once more, untimed, before serving (`--device-warmup`):
     # its tokens and seconds (0: no warm-up ran).
     warmup_tokens: int = 0
     warmup_s: float = 0.0

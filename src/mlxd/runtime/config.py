@@ -129,9 +129,10 @@ class RuntimeConfig:
     # first restore-or-recompute choice is right: "auto" = with the SSD tier.
     device_probe: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     device_probe_budget_s: float = attrs.field(default=3.0, validator=_positive)
-    # A process that reused the saved probe ran no forward before serving, so its first request would build
-    # the kernels of its shapes (on CUDA, built on each shape's first use); it runs the probe's longest prefill once,
-    # untimed, first: "auto" = on a GPU, "on" = on any device, "off" = never.
+    # Before listening, the probe's longest prefill once, untimed, by the path serving prefills a prompt apart
+    # by (a long prompt's recompute, an overlapped restore's head), and after a reused probe (no forward run
+    # here) through the batch too, so the first request does not build its shapes' kernels (on CUDA, built on
+    # each shape's first use): "auto" = on a GPU, "on" = on any device, "off" = never.
     device_warmup: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     # Admitted requests waiting for a batch slot; beyond this, requests are refused (503).
     max_queue: int = attrs.field(default=32, validator=_non_negative)
@@ -295,5 +296,5 @@ class RuntimeConfig:
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")
         if self.device_warmup == "on" and self.device_probe == "off":
-            raise ValueError("--device-warmup on runs a reused device probe's longest prefill: it needs the probe "
+            raise ValueError("--device-warmup on runs the device probe's longest prefill: it needs the probe "
                              "(leave out --device-probe off)")
