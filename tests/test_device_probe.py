@@ -459,7 +459,7 @@ async def test_the_warm_up_runs_the_probe_s_longest_prefill_by_serving_s_own_pat
     tiny_model_dir: Path, tmp_path: Path, monkeypatch
 ):
     # The warm-up is a real prefill of the probe's longest length in whole serving chunks on a prompt's own
-    # caches (the path of a long prompt's recompute and an overlapped restore's head), and, in a process that
+    # caches (the path of an overlapped restore's head and a prompt prefilled apart), and, in a process that
     # reused the saved probe (no forward run there), through the serving generator with two decode steps;
     # /stats says it ran. "auto" runs it on a GPU only: this CPU server skips it.
     from mlxd.actors import device_probe

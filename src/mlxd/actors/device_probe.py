@@ -177,7 +177,7 @@ def probe_device(
 def warm_up(generator: Any, prefill_apart: Callable[[list[int]], Any], *, vocab_size: int, tokens: int,
             batch: bool) -> float:
     """Run `tokens` of prompt, untimed, through `prefill_apart` (the engine's prefill of a prompt on its own
-    caches, in the serving chunk size: what a long prompt's recompute and an overlapped restore's head run)
+    caches, in the serving chunk size: what an overlapped restore's head runs, and a prompt prefilled apart)
     and, with `batch`, through the serving generator too, with two decode steps; give their buffers back.
     Seconds spent. On CUDA each (queries, keys) shape, and each cache layout's strides, builds its kernels
     and attention plans on first use; the probe's prefills (in the generator's batch) build the batch's, a

@@ -130,7 +130,7 @@ class RuntimeConfig:
     device_probe: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
     device_probe_budget_s: float = attrs.field(default=3.0, validator=_positive)
     # Before listening, the probe's longest prefill once, untimed, by the path serving prefills a prompt apart
-    # by (a long prompt's recompute, an overlapped restore's head), and after a reused probe (no forward run
+    # by (an overlapped restore's head, a prompt prefilled beside others), and after a reused probe (no forward run
     # here) through the batch too, so the first request does not build its shapes' kernels (on CUDA, built on
     # each shape's first use): "auto" = on a GPU, "on" = on any device, "off" = never.
     device_warmup: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "on", "off")))
