@@ -296,5 +296,5 @@ class RuntimeConfig:
         if self.distributed and self.device_probe == "on":
             raise ValueError("--distributed runs no device probe: leave out --device-probe on")
         if self.device_warmup == "on" and self.device_probe == "off":
-            raise ValueError("--device-warmup on runs the device probe's longest prefill: it needs the probe "
-                             "(leave out --device-probe off)")
+            raise ValueError("--device-warmup on runs the device probe's longest prefill: it needs the probe, "
+                             "which --device-probe off and --distributed leave out")
