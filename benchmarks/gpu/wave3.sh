@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu/wave3.sh simttft                           # mlxd simulate TTFT per tier vs a recording
 #   bash benchmarks/gpu/wave3.sh restorepaths                      # the probe's restore vs serving's, one process
 #   bash benchmarks/gpu/wave3.sh revsplit                          # recompute a prefix's head while its tail is read
+#   bash benchmarks/gpu/wave3.sh apartbatch                        # a lone long prompt: prefilled in the batch vs apart
 #   bash benchmarks/gpu/wave3.sh struct1 struct8                   # structured decode paired with free, b1 then b8
 #   bash benchmarks/gpu/wave3.sh spec1 spec8                       # speculation vs off, bracketed runs, b1 then b8
 #   bash benchmarks/gpu/wave3.sh speck                             # n-gram draft lengths: K = 4 / 16, chosen vs fixed
@@ -101,6 +102,9 @@ for p in "$@"; do case $p in
   # Issue 28, a split whose halves overlap: a 16k prefix's head recomputed while its tail's KV is read from disk
   # on a thread, vs recompute and restore (one process, page cache dropped before each read; ~2 min with the build)
   revsplit) phase revsplit 170 python3 benchmarks/gpu/probe_reverse_split.py --out "$OUT" ${REVSPLIT_ARGS:-} ;;
+  # Issue 28's lead: a lone long prompt's first token prefilled in the engine's batch vs apart on its own caches
+  # (one EngineCore, 4k and 16k tokens, arms alternating; ~1 min with the build)
+  apartbatch) phase apartbatch 120 python3 benchmarks/gpu/probe_apart_vs_batch.py --out "$OUT" ${APARTBATCH_ARGS:-} ;;
   restorepaths) phase restorepaths 120 python3 benchmarks/gpu/probe_restore_paths.py --out "$OUT" \
             ${RESTOREPATHS_ARGS:-} ;;
   # Issue 28, decode beside write-behind: the steps and the gaps between them per level, a fresh 8k prompt (its
