@@ -113,6 +113,22 @@ def built(preset: presets.ModelPreset, work: Path) -> Path:
     return model_dir
 
 
+def probe_options(ap: argparse.ArgumentParser, out: Path, *, work_help: str = "where the model is built") -> None:
+    """A one-process probe's common options: `--small` (the `bench` preset: a CPU check), `--out`, `--work`."""
+    ap.add_argument("--small", action="store_true", help="the `bench` preset (CPU check)")
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"), help=work_help)
+
+
+def probe_model(args: argparse.Namespace) -> tuple[presets.ModelPreset, Path]:
+    """The probe's preset (`--small`: `bench`, else the 1.7B shape) and its model, built once under `--work`;
+    `--out` and `--work` made."""
+    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    return preset, built(preset, args.work)
+
+
 def load(model_dir: Path) -> tuple[Any, Any]:
     from mlxd.engine.loading import cast_float_weights
     from mlxd.model.detok import load_model

@@ -34,12 +34,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, built, log, tokens  # noqa: E402
+from bench_gpu import log, probe_model, probe_options, tokens  # noqa: E402
 
 from mlxd import SamplingParams  # noqa: E402
 from mlxd.engine.core import EngineCore  # noqa: E402
 from mlxd.engine.drive import run_rows  # noqa: E402
-from mlxd.model import presets  # noqa: E402
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
 from mlxd.runtime.kernel.messages import GenerationRequest  # noqa: E402
 
@@ -66,19 +65,15 @@ def apart(core: EngineCore, prompt: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="the `bench` preset (CPU check)")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/apart-vs-batch"))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"), help="where the model is built")
+    probe_options(ap, Path("/tmp/apart-vs-batch"))
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="prompt lengths (default 4096 16384; "
                     "--small 512)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per length (each runs both arms)")
     ap.add_argument("--step", type=int, default=2048, help="the engine's prefill step (`--prefill-step-size`)")
     args = ap.parse_args(argv)
-    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    preset, model_dir = probe_model(args)
     sizes = args.tokens or ([512] if args.small else [4096, 16384])
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
-    core = EngineCore(RuntimeConfig(model=str(built(preset, args.work)), device_probe="off",
+    core = EngineCore(RuntimeConfig(model=str(model_dir), device_probe="off",
                                     prefill_step_size=args.step, max_context=max(sizes) + 64))
     core.load()
     result: dict = {"device": str(mx.default_device()), "argv": sys.argv, "step": args.step,

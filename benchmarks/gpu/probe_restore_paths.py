@@ -63,10 +63,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, built, first_token, generator, load, log, tokens  # noqa: E402
+from bench_gpu import first_token, generator, load, log, probe_model, probe_options, tokens  # noqa: E402
 
 import mlxd  # noqa: E402, F401
-from mlxd.model import presets  # noqa: E402
 
 VARIANTS = ("probe", "inline", "host", "noverify", "touched", "hosted", "raw")
 
@@ -238,10 +237,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small", action="store_true", help="the `bench` preset (CPU check)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/restore-paths")))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"),
-                    help="where the model is (bench_host_tier_servers.py builds it there) and the SSD files go")
+    probe_options(ap, Path(os.environ.get("OUT", "/tmp/restore-paths")),
+                  work_help="where the model is (bench_host_tier_servers.py builds it there) and the SSD files go")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="record sizes (default 4096 16384; --small 512 2048)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-probe", action="store_true", help="skip the engine's startup probe between the phases")
@@ -256,10 +253,8 @@ def main() -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    preset, model_dir = probe_model(args)
     sizes = args.tokens or ([512, 2048] if args.small else [4096, 16384])
-    model_dir = built(preset, args.work)
     from mlxd.actors import device_probe as dp
     from mlxd.kv import kinds
     from mlxd.kv.blocks import span_for

@@ -42,9 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
-from bench_gpu import QWEN3_1_7B, built, drop_cache, load, log, tokens, write_file  # noqa: E402
-
-from mlxd.model import presets  # noqa: E402
+from bench_gpu import drop_cache, load, log, probe_model, probe_options, tokens, write_file  # noqa: E402
 
 
 def kv(c: Any) -> tuple[mx.array, mx.array]:
@@ -160,9 +158,7 @@ def one_round(model: Any, prefix: list[int], suffix: list[int], heads: list[int]
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="the `bench` preset (CPU check)")
-    ap.add_argument("--out", type=Path, default=Path("/tmp/reverse-split"))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/host-servers-work"), help="where the model is built")
+    probe_options(ap, Path("/tmp/reverse-split"))
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="prefix sizes (default 16384; --small 512)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9],
                     help="head fractions to recompute (the rest is read)")
@@ -172,11 +168,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = ap.parse_args(argv)
     if not all(0 < f < 1 for f in args.fractions):
         ap.error("--fractions must be between 0 and 1")
-    preset = presets.PRESETS["bench"] if args.small else QWEN3_1_7B
+    preset, model_dir = probe_model(args)
     sizes = args.tokens or ([512] if args.small else [16384])
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
-    model, _ = load(built(preset, args.work))
+    model, _ = load(model_dir)
     files_dir = args.out / "files"
     files_dir.mkdir(exist_ok=True)
     result: dict[str, Any] = {"device": str(mx.default_device()), "argv": sys.argv, "sizes": {}}
