@@ -3,7 +3,7 @@
 Every pair of flag values the CLI accepts meets in at least one combination (the
 flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --generation-checkpoint, --kv-events-endpoint, --kv-events-token-ids,
---memory-budget, --device-probe, --api-key, --record-trace, --retention,
+--memory-budget, --device-probe, --device-warmup, --api-key, --record-trace, --retention,
 --speculative, --kv-admission, --host-cache-gb, --ram-pages, --restore-choice, --restore-overlap,
 --ssd-write-hold-decode, --ssd-backlog-gb,
 and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, MLXD_PLAN_PACK_MB,
@@ -64,6 +64,9 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "batch_filter": ("on", "off"),  # MLXD_BATCH_FILTER (the environment): off keeps mlx-lm's own batch filter
     "plan_stream": ("side", "main"),  # MLXD_PLAN_STREAM (the environment): checkpoints' slices on the side stream
     "plan_device": ("on", "off"),  # MLXD_PLAN_DEVICE (the environment): SSD write plans by device address (CUDA)
+    # --device-warmup: auto runs none on this CPU (as off does: tests/test_restore_overlap.py), on runs the probe's
+    # longest prefill before listening
+    "device_warmup": ("auto", "on"),
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -92,6 +95,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # no write plans without the SSD tier (engine/core.py `_pack_bytes`)
     if combo.get("ram_pages") == "on" and combo.get("host_cache") is not None:
         return False  # refused: "--ram-pages on and --host-cache-gb do not combine yet"
+    if combo.get("device_warmup") == "on" and combo.get("device_probe") == "off":
+        return False  # refused: "--device-warmup on runs the device probe's longest prefill: it needs the probe"
     if combo.get("restore_choice") == "overlap" and ssd == "off":
         return False  # nothing is restored without the SSD tier
     if combo.get("restore_overlap") == "off" and (ssd == "off" or combo.get("restore_choice", "measured") != "measured"):
@@ -197,6 +202,7 @@ class Combo:
     batch_filter: str = "on"
     plan_stream: str = "side"
     plan_device: str = "on"
+    device_warmup: str = "auto"
 
     @property
     def id(self) -> str:
@@ -211,6 +217,7 @@ class Combo:
             "ids": self.kv_token_ids,
             f"budget{self.memory_budget}": self.memory_budget is not None,
             "probe": self.device_probe == "on",
+            "warm": self.device_warmup == "on",
             "key": self.api_key,
             "trace": self.record_trace,
             "ngram": self.speculative == "ngram",
@@ -266,6 +273,8 @@ class Combo:
             args += ["--ram-pages", "on"]
         if self.restore_overlap == "off":
             args += ["--restore-overlap", "off"]
+        if self.device_warmup != "auto":
+            args += ["--device-warmup", self.device_warmup]
         if self.write_hold:
             args.append("--ssd-write-hold-decode")
         if self.backlog is not None:
@@ -339,7 +348,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1486, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1597, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 22  # each a server start: keep it small
@@ -375,6 +384,10 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
                 budget = stats["cache"]["memory"]["budget_bytes"]
                 assert budget == 2**30 if combo.memory_budget == "1" else budget > 0  # default: a share of RAM
             assert ("device_probe" in stats) == (combo.device_probe == "on")
+            if combo.device_probe == "on":  # a warm-up ran only where asked for ("auto": none on this CPU)
+                warmup = stats["device_probe"]["warmup"]
+                assert (warmup is not None) == (combo.device_warmup == "on"), warmup
+                assert warmup is None or warmup["tokens"] == stats["device_probe"]["prefill"][-1]["tokens"], warmup
             late = stats["engine"].get("late_final_checkpoints")  # both replies' finals a step late, or None
             assert late == (None if combo.final_plan == "with-token" else 2), stats["engine"]  # (allowed(): no
             # late mode beside speculation, after-token only with the SSD tier)
