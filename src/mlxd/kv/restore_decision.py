@@ -209,14 +209,13 @@ class RestoreAdvisor:
         predicted = self.base.prefill_seconds(new_tokens, context)
         if new_tokens < 16 or predicted <= 0 or seconds <= 0:
             return  # too small to say anything about throughput
+        ratio = seconds / predicted
         if head:
-            ratio = seconds / predicted
             self.head_scale = ratio if self.head_samples == 0 else _ewma(self.head_scale, ratio)
             self.head_samples += 1
             return
         if not whole and self.whole_prefill_samples:
             return
-        ratio = seconds / predicted
         first = self.prefill_samples == 0 or (whole and self.whole_prefill_samples == 0)
         if whole and self._recompute_in_flight > 0:  # a recompute try's timing: the prefill as it is now
             first, self._recompute_in_flight = True, 0
