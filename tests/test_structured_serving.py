@@ -435,11 +435,11 @@ def test_sigkill_mid_constrained_generation_then_restart_resumes_exactly(tmp_pat
         return ServeProcess("--model", str(tiny_model_dir), "--model-name", "tiny", "--ssd-cache", str(cache),
                             "--generation-checkpoint", "32", log_path=tmp_path / f"{name}.log")
 
-    body = {"model": "tiny", "prompt": "Write letters. " * 6, "max_tokens": 900, "temperature": 0.8, "seed": 7,
+    body = {"model": "tiny", "prompt": "Write letters. " * 6, "max_tokens": 400, "temperature": 0.8, "seed": 7,
             "logit_bias": {"0": -100, "2": -100}, **LONG}
     with serve(tmp_path / "ref", "ref") as ref, ref.client() as http:
         reference = http.post("/v1/completions", json=body).json()
-    assert reference["usage"]["completion_tokens"] == 900
+    assert reference["usage"]["completion_tokens"] == 400
     assert re.fullmatch(LONG["regex"], reference["choices"][0]["text"])
 
     cache = tmp_path / "ssd"
@@ -452,10 +452,10 @@ def test_sigkill_mid_constrained_generation_then_restart_resumes_exactly(tmp_pat
 
 
 def test_sigkill_mid_json_schema_chat_then_restart_resumes_into_the_same_valid_json(tmp_path, tiny_model_dir):
-    """The chat route through the openai client: a 250-word JSON array cut by SIGKILL resumes (streamed)
+    """The chat route through the openai client: a 150-word JSON array cut by SIGKILL resumes (streamed)
     after a restart into the reply an uninterrupted server gave, and it validates."""
-    words = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 250, "maxItems": 250}
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Two hundred and fifty words, as JSON."}],
+    words = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 150, "maxItems": 150}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "A hundred and fifty words, as JSON."}],
               max_tokens=2000, temperature=0.8, seed=9,
               response_format={"type": "json_schema", "json_schema": {"name": "words", "schema": words}})
 
