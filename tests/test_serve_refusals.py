@@ -36,3 +36,13 @@ def test_an_ssd_cache_path_that_is_a_file(tiny_model_dir: Path, tmp_path: Path) 
     assert f"mlxd serve: --ssd-cache {taken}: " in out.stderr and "File exists" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert taken.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("model", ["/no/such/model/dir", "./no-such-model-dir"])
+def test_a_missing_model_directory_is_refused_before_mlx_loads(model: str) -> None:
+    """A typo in a path costs no start: refused before MLX, mlx-lm and the tokenizers' libraries load."""
+    probe = ("import sys; from mlxd.cli import main; code = main(['serve', '--model', sys.argv[1], '--port', '0']); "
+             "print(code, sorted(m for m in ('mlx.core', 'mlx_lm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe, model], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split("\n")[0] == "2 []", (out.stdout, out.stderr[-3000:])
+    assert f"mlxd serve: --model {model}: no such directory" in out.stderr

@@ -387,6 +387,8 @@ def serve_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import trio
 
+    from mlxd.engine.loading import local_model_path
+    from mlxd.engine.ops import ModelRefused
     from mlxd.runtime import gc_pauses
     from mlxd.runtime.logging import configure_logging, get_logger
 
@@ -394,10 +396,11 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = serve_config(args)
         freeze = gc_pauses.freeze_wanted()  # MLXD_GC_FREEZE: a typo is refused before anything loads
-    except ValueError as exc:
+        if config.model is not None:
+            local_model_path(config.model)  # a missing directory: refused before MLX and the tokenizers load
+    except (ValueError, ModelRefused) as exc:
         print(f"mlxd serve: {exc}", file=sys.stderr)
         return 2
-    from mlxd.engine.ops import ModelRefused
     from mlxd.http.connections import CannotListen
     from mlxd.kv.dir_lock import DirLocked
     from mlxd.kv.file_format import StorageError

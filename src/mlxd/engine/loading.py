@@ -38,11 +38,9 @@ def resolve_model_path(config: RuntimeConfig) -> Path:
         from mlxd.model.tiny import ensure_model
 
         return Path(ensure_model(config.model_preset))
-    local = Path(config.model).expanduser()
-    if local.exists():
+    local = local_model_path(config.model)
+    if local is not None:
         return local
-    if config.model.startswith(("/", "~", ".")):  # a path, never a repo id
-        raise ModelRefused(f"--model {config.model}: no such directory")
     from mlx_lm.utils import _download  # hub repo id, where a network exists
 
     try:
@@ -50,6 +48,17 @@ def resolve_model_path(config: RuntimeConfig) -> Path:
     except Exception as exc:  # a malformed id, no such repo, no network: the reason, not a traceback
         raise ModelRefused(f"--model {config.model}: not a local directory, and not fetched as a Hugging Face "
                            f"repo id ({type(exc).__name__}: {exc})") from exc
+
+
+def local_model_path(model: str) -> Path | None:
+    """`--model` as a local directory, None where it names a Hub repo id; a path that is not there is refused
+    (`mlxd serve` checks this before its imports, so a typo is refused at once)."""
+    local = Path(model).expanduser()
+    if local.exists():
+        return local
+    if model.startswith(("/", "~", ".")):  # a path, never a repo id
+        raise ModelRefused(f"--model {model}: no such directory")
+    return None
 
 
 def load(config: RuntimeConfig, stream: Any) -> Loaded:
