@@ -59,10 +59,12 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout whose tests run as the `baseline` arm")
     parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
     args = parser.parse_args()
-    arms = ["baseline", "tree"] if args.baseline else args.arms.split(",")
-    unknown = set(arms) - ARMS.keys() - ({"baseline", "tree"} if args.baseline else set())
-    if unknown:
-        parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
+    if args.baseline:
+        arms = ["baseline", "tree"]  # --arms does not apply: both run in the default environment
+    else:
+        arms = args.arms.split(",")
+        if unknown := set(arms) - ARMS.keys():
+            parser.error(f"unknown arms: {', '.join(sorted(unknown))}")
     runs: dict[str, list[dict[str, float | int]]] = {arm: [] for arm in arms}
     for r in range(args.rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]

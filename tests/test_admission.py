@@ -115,8 +115,8 @@ async def test_own_memory_is_this_runtime_s_and_counts_the_draft(tiny_model_dir)
         own = first.info.own_memory
         assert one is not None and own is not None
         assert one.fixed_bytes >= weights_bytes(tiny_model_dir) and own.resident_bytes > 0
-        # The fit's two terms share two measured peaks: either may floor at 0 (the linear one did in a full
-        # run, beside other tests' freed buffers); a chunk's transient bytes are what admission uses.
+        # The fit's two terms share two measured peaks: either may floor at 0 (the linear one did once in a
+        # full run); a chunk's transient bytes are what admission uses.
         assert own.prefill.chunk_bytes(128, 128) > 0 and one.prefill_bytes(100) > 0
         assert own.draft_kv_bytes_per_token == 0
         async with open_runtime(config) as second:
