@@ -9,7 +9,9 @@ tests start). Arms differ only in their environment:
 - `default`: OpenBLAS's own thread count, one a core (OPENBLAS_NUM_THREADS=0 is OpenBLAS's "unset": it
   reads the number, and 0 keeps its default);
 - `blas1`: OPENBLAS_NUM_THREADS=1, one BLAS thread a process (two test workers and their servers share
-  two cores: does OpenBLAS's spinning for work cost CPU there?).
+  two cores: does OpenBLAS's spinning for work cost CPU there?);
+- `nofork`: MLXD_TEST_FORK=0, every test server started with `python -m mlxd.cli serve`, none forked from
+  the worker's zygote (tests/serve_zygote.py).
 With `--baseline DIR` (a checkout of an earlier commit, e.g. `git worktree add DIR HEAD`) the arms are
 instead `baseline` (the tests as DIR has them) and `tree` (this checkout's), both in the default
 environment: a change to the tests measured side by side. Both import the installed mlxd (this venv's).
@@ -31,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-ARMS = {"default": {"OPENBLAS_NUM_THREADS": "0"}, "blas1": {"OPENBLAS_NUM_THREADS": "1"}}
+ARMS = {"default": {"OPENBLAS_NUM_THREADS": "0"}, "blas1": {"OPENBLAS_NUM_THREADS": "1"},
+        "nofork": {"OPENBLAS_NUM_THREADS": "0", "MLXD_TEST_FORK": "0"}}
 DEFAULT_TESTS = ["tests/test_speculative.py", "tests/test_gen_checkpoint.py"]
 
 

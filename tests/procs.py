@@ -2,16 +2,124 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+forked_cpu_s = 0.0  # the CPU of the forked servers that ended (benchmarks/suite_profile counts it as a test's)
+
+
+class Forked:
+    """A server forked by a `Zygote`: what `ServeProcess` uses of `subprocess.Popen` (it is not our child,
+    so its exit code comes from the zygote, through a file)."""
+
+    def __init__(self, pid: int, exit_path: Path) -> None:
+        self.pid = pid
+        self.exit_path = exit_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        global forked_cpu_s
+        if self.returncode is None and self.exit_path.exists():
+            code, cpu = self.exit_path.read_text().split()
+            self.returncode, forked_cpu_s = int(code), forked_cpu_s + float(cpu)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"mlxd serve (pid {self.pid})", timeout or 0)
+            time.sleep(0.01)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Zygote:
+    """tests/serve_zygote.py, started once with an environment: forks `mlxd serve`s that skip the imports."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        script = Path(__file__).with_name("serve_zygote.py")
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 - its own stderr, for a zygote that died
+        self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.errors, env=self.env)
+        self.lock = threading.Lock()
+        self.read: frozenset[str] | None = None  # the names read at import (the zygote's first line)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the zygote (its stdin's end) and wait for it: its CPU, and that of the servers it forked and
+        reaped, then counts as this process's children's (`RUSAGE_CHILDREN`, benchmarks/bench_suite_cpu.py)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def can_fork(self, env: Mapping[str, str]) -> bool:
+        """Whether a server of `env` can be forked: it differs from the zygote's only in `MLXD_` names that
+        were not read while the zygote imported."""
+        with self.lock:
+            if self.read is None:
+                self.read = frozenset(json.loads(self._reply())["read"])
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        differ.discard("PYTEST_CURRENT_TEST")  # pytest's, set for each test (the child gets the test's)
+        return all(k.startswith("MLXD_") and k not in self.read for k in differ)
+
+    def _reply(self) -> bytes:
+        assert self.proc.stdout is not None
+        reply = self.proc.stdout.readline()
+        if not reply:
+            self.errors.seek(0)
+            raise RuntimeError(f"the serve zygote exited {self.proc.wait(10)}:\n{self.errors.read().decode()}")
+        return reply
+
+    def fork(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Forked:
+        exit_path = log_path.with_name(f".{log_path.name}.{time.monotonic_ns()}.exit")
+        request = {"argv": list(argv), "env": dict(env), "log": str(log_path), "exit": str(exit_path)}
+        with self.lock:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            reply = self._reply()
+        return Forked(json.loads(reply)["pid"], exit_path)
+
+
+_zygote: Zygote | None = None
+
+
+def zygote_for(env: Mapping[str, str]) -> Zygote | None:
+    """This test process's zygote (started with its environment, as the first server's was) where it can fork
+    a server of `env` (`Zygote.can_fork`); None where it cannot (the server is started afresh) or
+    MLXD_TEST_FORK=0."""
+    global _zygote
+    if os.environ.get("MLXD_TEST_FORK", "1") == "0":
+        return None
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = Zygote({**os.environ, "PYTHONUNBUFFERED": "1"})
+    return _zygote if _zygote.can_fork(env) else None
 
 
 class ServeProcess:
@@ -19,27 +127,34 @@ class ServeProcess:
 
     `launcher` runs it under a launcher (e.g. `mlx.launch ... --`), in a
     process group of its own, so that cleanup reaches every process it started.
+    `fork`: start it from a zygote (tests/serve_zygote.py: the same `mlxd.cli.main` in a real process,
+    without its ~2 s of imports) where its environment is the zygote's; False: `python -m mlxd.cli`.
     """
 
     def __init__(self, *args: str, log_path: Path, launcher: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, fork: bool = True) -> None:
         self.launcher = list(launcher)
         self.env = dict(env or {})  # added to this process's environment (the experimental switches)
         probe = () if "--device-probe" in args else ("--device-probe", "off")  # see serving.config_for
-        self.args = [*self.launcher, sys.executable, "-m", "mlxd.cli", "serve", "--port", "0",
-                     "--log-format", "json", *probe, *args]
+        self.cli_args = ["serve", "--port", "0", "--log-format", "json", *probe, *args]
+        self.args = [*self.launcher, sys.executable, "-m", "mlxd.cli", *self.cli_args]
+        self.fork = fork and not self.launcher
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | Forked | None = None
         self.url = ""
 
     def start(self, timeout: float = 120) -> ServeProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        # stdin: a pipe nobody writes, as a terminal would be (mlx.launch relays its
-        # stdin to the ranks, re-reading one at end of file without pause).
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env,
-                                     stdin=subprocess.PIPE if self.launcher else None,
-                                     start_new_session=bool(self.launcher))
+        zygote = zygote_for(env) if self.fork else None
+        if zygote is not None:
+            self.proc = zygote.fork(self.cli_args, env, self.log_path)
+        else:
+            # stdin: a pipe nobody writes, as a terminal would be (mlx.launch relays its
+            # stdin to the ranks, re-reading one at end of file without pause).
+            self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=self._log, env=env,
+                                         stdin=subprocess.PIPE if self.launcher else None,
+                                         start_new_session=bool(self.launcher))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = re.search(r"mlxd: serving \S+ on (http://\S+)", self.log_path.read_text(errors="replace"))

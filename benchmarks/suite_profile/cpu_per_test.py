@@ -4,7 +4,8 @@
     python benchmarks/suite_profile/cpu_per_test.py [--top 40]    # the summary, by file and by test
 
 A worker's CPU is `RUSAGE_SELF`; the CPU of the processes a test started and waited for (the `mlxd serve`
-children, the benchmark drivers) is `RUSAGE_CHILDREN`, both as deltas around the test. Lines go to
+children, the benchmark drivers) is `RUSAGE_CHILDREN` plus that of the servers the worker's zygote forked
+for it (tests/serve_zygote.py, through `procs.forked_cpu_s`), both as deltas around the test. Lines go to
 `$SUITE_PROFILE_DIR` (default /tmp/suite-profile), one file per worker. `sitecustomize.py` beside this file
 logs every Python process the run starts to `processes.txt` there (it is on `PYTHONPATH`, so the servers the
 tests start load it too).
@@ -25,7 +26,8 @@ OUT = Path(os.environ.get("SUITE_PROFILE_DIR", "/tmp/suite-profile"))
 
 def _cpu(who: int) -> float:
     usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
+    forked = getattr(sys.modules.get("procs"), "forked_cpu_s", 0.0) if who == resource.RUSAGE_CHILDREN else 0.0
+    return usage.ru_utime + usage.ru_stime + forked
 
 
 try:
