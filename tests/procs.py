@@ -1,4 +1,4 @@
-"""Test helper: `mlxd serve` as a real child process on a free loopback port."""
+"""Test helper: `mlxd serve` as a real process on a free loopback port (started, or forked from a zygote)."""
 
 from __future__ import annotations
 
@@ -127,8 +127,9 @@ class ServeProcess:
 
     `launcher` runs it under a launcher (e.g. `mlx.launch ... --`), in a
     process group of its own, so that cleanup reaches every process it started.
-    `fork`: start it from a zygote (tests/serve_zygote.py: the same `mlxd.cli.main` in a real process,
-    without its ~2 s of imports) where its environment is the zygote's; False: `python -m mlxd.cli`.
+    `fork`: fork it from this process's zygote (tests/serve_zygote.py: the same `mlxd.cli.main` in a real
+    process, without its ~2 s of imports) where `Zygote.can_fork` its environment; False, or a `launcher`:
+    always `python -m mlxd.cli`.
     """
 
     def __init__(self, *args: str, log_path: Path, launcher: Sequence[str] = (),
