@@ -76,7 +76,7 @@ def serve_requests(read: list[str]) -> list[str] | None:
     exits: dict[int, str] = {}
     pending = b""
     while True:
-        readable, _, _ = select.select([0], [], [], 0.01)
+        readable, _, _ = select.select([0], [], [], 0.01 if exits else None)  # idle: sleep until asked
         reap(exits)
         if not readable:
             continue
