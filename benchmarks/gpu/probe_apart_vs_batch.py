@@ -17,16 +17,30 @@ fresh random prompts each time, arms alternating and each first in turn, both wa
   head) up to the last token, then the last token's forward and its argmax, evaluated.
 
 What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length.
+
+`--arms` adds the batch path with one of its differences from the apart path taken away, to find which one
+costs (H100 2026-12-07 04:34 and 04:42: apart ÷ batch 0.66-0.75 at 4k and 16k tokens, a fixed ~8 ms a chunk):
+
+- `batch_noclear`: `mx.clear_cache` a no-op while it runs (mlx-lm's prompt phase clears MLX's buffer cache
+  after every chunk, so the next chunk allocates afresh; the apart path never clears it);
+- `batch_causal`: the batch cache's mask the string "causal" (mlx-lm's `BatchKVCache.make_mask` always builds
+  an array mask, even for one row without padding; the apart path's `KVCache` passes "causal");
+- `batch_both`: both.
+
+`steps` holds, for each batch arm's last round, every generator step's prefill chunk and seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlxd  # noqa: F401  (BLAS preload decision before mlx)
 
@@ -42,13 +56,54 @@ from mlxd.engine.drive import run_rows  # noqa: E402
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
 from mlxd.runtime.kernel.messages import GenerationRequest  # noqa: E402
 
+BATCH_ARMS = ("batch", "batch_noclear", "batch_causal", "batch_both")
 
-def in_batch(core: EngineCore, prompt: list[int], rid: str) -> float:
-    """Seconds from the request's start to its first token, stepped through the engine's batch."""
+
+@contextlib.contextmanager
+def patched(arm: str) -> Iterator[None]:
+    """The batch path with `arm`'s difference from the apart path taken away (module doc)."""
+    from mlx_lm.models import cache as cache_mod
+
+    clear, make_mask = mx.clear_cache, cache_mod.BatchKVCache.make_mask
+
+    def causal(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        one_row = self.left_padding is not None and self.left_padding.size == 1
+        if N > 1 and not return_array and kwargs.get("window_size") is None and one_row:
+            return "causal"  # one row, no padding (the probe's lone prompt): what a KVCache passes
+        return make_mask(self, N, return_array=return_array, **kwargs)
+
+    try:
+        if arm in ("batch_noclear", "batch_both"):
+            mx.clear_cache = lambda: None
+        if arm in ("batch_causal", "batch_both"):
+            cache_mod.BatchKVCache.make_mask = causal
+        yield
+    finally:
+        mx.clear_cache, cache_mod.BatchKVCache.make_mask = clear, make_mask
+
+
+def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
+             steps: list[tuple[int, float]] | None = None) -> float:
+    """Seconds from the request's start to its first token, stepped through the engine's batch; `steps`
+    (when given) gets each generator step's prefill chunk and seconds."""
     sampling = SamplingParams(max_tokens=1, temperature=0.0)
-    t0 = time.perf_counter()
-    run_rows(core, [GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling)])
-    return time.perf_counter() - t0
+    generator_next = core.generator.next
+
+    def timed() -> Any:
+        t = time.perf_counter()
+        got = generator_next()
+        if steps is not None:
+            steps.append((core.generator.prefill_step_size, time.perf_counter() - t))
+        return got
+
+    core.generator.next = timed
+    try:
+        with patched(arm):
+            t0 = time.perf_counter()
+            run_rows(core, [GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling)])
+            return time.perf_counter() - t0
+    finally:
+        del core.generator.next
 
 
 def apart(core: EngineCore, prompt: list[int]) -> float:
@@ -70,7 +125,10 @@ def main(argv: list[str] | None = None) -> Path:
                     "--small 512)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per length (each runs both arms)")
     ap.add_argument("--step", type=int, default=2048, help="the engine's prefill step (`--prefill-step-size`)")
+    ap.add_argument("--arms", nargs="+", default=["apart", "batch"], choices=["apart", *BATCH_ARMS],
+                    help="arms, alternating, each first in turn (module doc)")
     args = ap.parse_args(argv)
+    arms = list(dict.fromkeys(args.arms))
     preset, model_dir = probe_model(args)
     sizes = args.tokens or ([512] if args.small else [4096, 16384])
     core = EngineCore(RuntimeConfig(model=str(model_dir), device_probe="off",
@@ -83,21 +141,33 @@ def main(argv: list[str] | None = None) -> Path:
     try:
         for n in sizes:
             seed += 2
-            apart(core, tokens(n, seed, preset.vocab_size))  # each path's shapes built once, untimed
-            in_batch(core, tokens(n, seed + 1, preset.vocab_size), f"warm-{n}")
-            rounds = []
+            for arm in arms:  # each path's shapes built once, untimed
+                seed += 1
+                warm = tokens(n, seed, preset.vocab_size)
+                apart(core, warm) if arm == "apart" else in_batch(core, warm, f"warm-{arm}-{n}", arm)
+            rounds, steps = [], {}
             for r in range(args.rounds):
                 times: dict[str, float] = {}
-                for arm in (("apart", "batch") if r % 2 == 0 else ("batch", "apart")):
+                for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
                     seed += 1
                     prompt = tokens(n, 1000 + seed, preset.vocab_size)
-                    times[arm] = apart(core, prompt) if arm == "apart" else in_batch(core, prompt, f"b{n}-{r}")
+                    if arm == "apart":
+                        times[arm] = apart(core, prompt)
+                    else:
+                        steps[arm] = []
+                        times[arm] = in_batch(core, prompt, f"{arm}{n}-{r}", arm, steps[arm])
                 rounds.append(times)
-            med = {arm: statistics.median(t[arm] for t in rounds) for arm in ("apart", "batch")}
-            summary = {"apart_s": med["apart"], "batch_s": med["batch"], "apart_vs_batch": med["apart"] / med["batch"]}
-            result["sizes"][str(n)] = {"rounds": rounds, "summary": summary}
-            log(f"n={n}: apart {med['apart']:.3f}s, batch {med['batch']:.3f}s, apart / batch "
-                f"{summary['apart_vs_batch']:.3f} ({args.rounds} rounds)")
+            med = {arm: statistics.median(t[arm] for t in rounds) for arm in arms}
+            summary: dict[str, float] = {f"{arm}_s": med[arm] for arm in arms}
+            if "apart" in med and "batch" in med:
+                summary["apart_vs_batch"] = med["apart"] / med["batch"]
+            for arm in arms:
+                if arm != "batch" and "batch" in med:
+                    summary[f"{arm}_vs_batch"] = med[arm] / med["batch"]
+            result["sizes"][str(n)] = {"rounds": rounds, "summary": summary, "steps": steps}
+            log(f"n={n}: " + ", ".join(f"{arm} {med[arm]:.3f}s" for arm in arms) + " | " +
+                ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if k.endswith("_vs_batch")) +
+                f" ({args.rounds} rounds)")
             dest.write_text(json.dumps(result, indent=1))
     finally:
         core.close()
