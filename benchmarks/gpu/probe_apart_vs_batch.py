@@ -23,8 +23,9 @@ costs (H100 2026-12-07 04:34 and 04:42: apart ÷ batch 0.66-0.75 at 4k and 16k t
 
 - `batch_noclear`: `mx.clear_cache` a no-op while it runs (mlx-lm's prompt phase clears MLX's buffer cache
   after every chunk, so the next chunk allocates afresh; the apart path never clears it);
-- `batch_causal`: the batch cache's mask the string "causal" (mlx-lm's `BatchKVCache.make_mask` always builds
-  an array mask, even for one row without padding; the apart path's `KVCache` passes "causal");
+- `batch_causal`: the batch cache's mask "causal" without looking (mlxd's `model/fast_mask.py` already passes
+  "causal" for an unpadded batch, after reading whether any row is padded: one tiny evaluated reduction a
+  forward, which the apart path's `KVCache` does not make);
 - `batch_both`: both.
 
 `steps` holds, for each batch arm's last round, every generator step's prefill chunk and seconds.
