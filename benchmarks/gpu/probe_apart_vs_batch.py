@@ -18,15 +18,15 @@ fresh random prompts each time, arms alternating and each first in turn, both wa
 
 What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length.
 
-`--arms` adds the batch path with one of its differences from the apart path taken away, to find which one
-costs (H100 2026-12-07 04:34 and 04:42: apart ÷ batch 0.66-0.75 at 4k and 16k tokens, a fixed ~8 ms a chunk):
+`--arms` adds the batch path with one difference from the apart path put back or taken away, to find which one
+costs (H100 2026-12-07 04:34 and 04:42, before `model/keep_buffers.py`: apart ÷ batch 0.66-0.75 at 4k and 16k
+tokens, a fixed ~8 ms a chunk):
 
-- `batch_noclear`: `mx.clear_cache` a no-op while it runs (mlx-lm's prompt phase clears MLX's buffer cache
-  after every chunk, so the next chunk allocates afresh; the apart path never clears it);
-- `batch_causal`: the batch cache's mask "causal" without looking (mlxd's `model/fast_mask.py` already passes
-  "causal" for an unpadded batch, after reading whether any row is padded: one tiny evaluated reduction a
-  forward, which the apart path's `KVCache` does not make);
-- `batch_both`: both.
+- `batch_clear`: mlx-lm's `mx.clear_cache` after every chunk, as before `model/keep_buffers.py` (uninstalled
+  for the arm; `batch` is serving's path, with it installed unless `MLXD_KEEP_BUFFERS=0`);
+- `batch_nosync`: the batch cache's mask "causal" without looking (mlxd's `model/fast_mask.py` passes "causal"
+  for an unpadded batch after reading whether any row is padded: one tiny evaluated reduction a forward,
+  which the apart path's `KVCache` does not make).
 
 `steps` holds, for each batch arm's last round, every generator step's prefill chunk and seconds.
 """
@@ -54,18 +54,19 @@ from bench_gpu import log, probe_model, probe_options, tokens  # noqa: E402
 from mlxd import SamplingParams  # noqa: E402
 from mlxd.engine.core import EngineCore  # noqa: E402
 from mlxd.engine.drive import run_rows  # noqa: E402
+from mlxd.model import keep_buffers  # noqa: E402
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
 from mlxd.runtime.kernel.messages import GenerationRequest  # noqa: E402
 
-BATCH_ARMS = ("batch", "batch_noclear", "batch_causal", "batch_both")
+BATCH_ARMS = ("batch", "batch_clear", "batch_nosync")
 
 
 @contextlib.contextmanager
 def patched(arm: str) -> Iterator[None]:
-    """The batch path with `arm`'s difference from the apart path taken away (module doc)."""
+    """The batch path with `arm`'s difference (module doc)."""
     from mlx_lm.models import cache as cache_mod
 
-    clear, make_mask = mx.clear_cache, cache_mod.BatchKVCache.make_mask
+    make_mask, kept = cache_mod.BatchKVCache.make_mask, bool(keep_buffers._ORIGINAL)
 
     def causal(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         one_row = self.left_padding is not None and self.left_padding.size == 1
@@ -74,13 +75,15 @@ def patched(arm: str) -> Iterator[None]:
         return make_mask(self, N, return_array=return_array, **kwargs)
 
     try:
-        if arm in ("batch_noclear", "batch_both"):
-            mx.clear_cache = lambda: None
-        if arm in ("batch_causal", "batch_both"):
+        if arm == "batch_clear":
+            keep_buffers.uninstall()
+        if arm == "batch_nosync":
             cache_mod.BatchKVCache.make_mask = causal
         yield
     finally:
-        mx.clear_cache, cache_mod.BatchKVCache.make_mask = clear, make_mask
+        cache_mod.BatchKVCache.make_mask = make_mask
+        if kept:
+            keep_buffers.install(force=True)
 
 
 def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> Path:
                                     prefill_step_size=args.step, max_context=max(sizes) + 64))
     core.load()
     result: dict = {"device": str(mx.default_device()), "argv": sys.argv, "step": args.step,
+                    "keep_buffers": bool(keep_buffers._ORIGINAL),
                     "prefill_slice_s": core.prefill_slice_s, "sizes": {}}
     dest = args.out / f"apart_vs_batch-{'small-' if args.small else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
     seed = 1

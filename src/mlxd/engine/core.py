@@ -278,7 +278,7 @@ class EngineCore:
         """Load the model, measure its KV cost and the device, and start a generator."""
         import mlx.core as mx
 
-        from mlxd.model import batch_filter, batch_handover, fast_mask, window_mask
+        from mlxd.model import batch_filter, batch_handover, fast_mask, keep_buffers, window_mask
 
         switch = gil_switch_ms()
         if switch is not None:  # process-wide: restored by close()
@@ -287,6 +287,7 @@ class EngineCore:
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         suffix_attention.install()  # GPU: short chunks over long contexts without cuDNN's per-shape graph
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
+        keep_buffers.install()  # prompt chunks reuse MLX's buffers: no clear after each
         batch_filter.install()  # rows leave the batch without waiting for the forward in flight
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
