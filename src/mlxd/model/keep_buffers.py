@@ -52,7 +52,7 @@ def install(*, force: bool = False) -> bool:
     environment, for tests); returns whether it is wrapped."""
     import mlx.core as mx
 
-    generate = importlib.import_module("mlx_lm.generate")  # the module (the package exports a function by its name)
+    generate: Any = importlib.import_module("mlx_lm.generate")  # the module (the package exports a function by its name)
     if _ORIGINAL:
         return True
     if not force and not wanted():
