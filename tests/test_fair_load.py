@@ -16,9 +16,11 @@ from tests.serving import ServerThread, config_for
 from mlxd.engine.core import EngineCore
 from mlxd.engine.ops import RowStart, StepOps
 from mlxd.engine.prefill_slices import APART_MIN, MIN_CHUNK, PrefillSlicer, aligned
+from mlxd.model import build_model
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
 from mlxd.runtime.kernel.messages import (
     GenerationRequest,
+    PrefillMeasured,
     PublishPrefix,
     SamplingParams,
     TokenGenerated,
@@ -343,6 +345,14 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert not slicer.apart(500, others_prefilling=True)
     assert not slicer.apart(20, others_prefilling=False)
     assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
+    # A long prompt joining an empty batch is prefilled on its own when it has a whole step or more and fits
+    # the same few slices; a shorter one (a next turn's suffix) keeps the batch.
+    assert slicer.apart(256, others_prefilling=False, alone=True, step_size=256)
+    assert slicer.apart(400, others_prefilling=False, alone=True, step_size=128)
+    assert not slicer.apart(255, others_prefilling=False, alone=True, step_size=256)
+    assert not slicer.apart(500, others_prefilling=False, alone=True, step_size=128)  # past 4 slices
+    assert not slicer.apart(300, others_prefilling=False, alone=False, step_size=128)  # rows in the batch
+    assert not PrefillSlicer(0.0, rate=2048.0).apart(300, others_prefilling=False, alone=True, step_size=128)
 
 
 def test_an_aligned_chunk_ends_on_a_multiple_of_its_size_unless_the_prompt_ends_first():
@@ -644,3 +654,52 @@ def test_no_first_token_within_the_ttft_timeout_is_a_503_even_for_a_stream(tiny_
             )
             assert r.status_code == 503, r.text[:300]
             assert "--ttft-timeout" in r.json()["error"]["message"]
+
+
+# (preset, KV bits): plain attention, sliding window, hybrid, pure recurrent, quantized KV8
+KINDS = [("test", None), ("test-gemma3", None), ("test-qwen3next", None), ("test-mamba2", None), ("test-wide", 8)]
+
+
+@pytest.fixture(scope="module")
+def kind_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kinds")
+    return {name: build_model(root / name, name, seed=0) for name in dict(KINDS)}
+
+
+@pytest.mark.parametrize(("preset", "kv_bits"), KINDS)
+def test_a_long_prompt_alone_is_prefilled_apart_and_answers_as_the_batch_does(kind_dirs, preset, kv_bits):
+    """A prompt of a whole step or more joining an empty batch is prefilled on its own caches, chunk by timed
+    chunk (the slicer and the restore advisor see them), and decodes what the batch path decodes, on every
+    cache kind."""
+    long = [20 + (i * 7) % 900 for i in range(300)]
+
+    def served(slice_s: float) -> tuple[list[int], list, list]:
+        config = config_for(kind_dirs[preset], prefill_slice_s=slice_s, prefill_step_size=64, max_context=8192,
+                            snapshot_min_tokens=4, kv_bits=kv_bits)
+        core = EngineCore(config)
+        core.load()
+        sampling = SamplingParams(max_tokens=6, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
+        try:
+            warm = StepOps(starts=(RowStart(request=GenerationRequest(
+                request_id="warm", prompt=tuple(range(30, 60)), sampling=sampling)),))
+            results = [core.step(warm)]  # a first chunk measured in the batch: the slicer has a rate
+            while results[-1].stats.batch_rows:
+                results.append(core.step(StepOps()))
+            core._slicer.rate = max(core._slicer.rate, 10_000.0)  # 4 slices hold 300 tokens on any machine
+            results = [core.step(StepOps(starts=(RowStart(request=GenerationRequest(
+                request_id="long", prompt=tuple(long), sampling=sampling)),)))]
+            while results[-1].stats.batch_rows:
+                results.append(core.step(StepOps()))
+        finally:
+            core.close()
+        firsts = [e.event for r in results for e in r.emits
+                  if e.request_id == "long" and isinstance(e.event, TokenGenerated) and e.event.stages]
+        measured = [n for r in results for n in r.notes if isinstance(n, PrefillMeasured) and not n.whole]
+        return _tokens(results, "long"), [s for s, _ in firsts[0].stages], measured
+
+    apart, apart_stages, apart_chunks = served(0.05)
+    batch, batch_stages, _ = served(0.0)  # no slices: every prompt through mlx-lm's batch
+    assert len(batch) == 6 and apart == batch
+    assert "prefilled_apart" in apart_stages and "prefilled_apart" not in batch_stages
+    # Chunks of the step size, aligned, each timed from where it starts; the last token is the batch's.
+    assert [(n.new_tokens, n.context) for n in apart_chunks] == [(64, 0), (64, 64), (64, 128), (64, 192), (43, 256)]

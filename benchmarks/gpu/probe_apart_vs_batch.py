@@ -11,19 +11,24 @@ prompts spent 252-394 ms in their forward passes in the batch. This puts the two
 `EngineCore` (serving's own, its prefill step and slicer as `mlxd serve` sets them), on the same prompt length,
 fresh random prompts each time, arms alternating and each first in turn, both warmed first:
 
-- `batch`: the prompt as a request with an empty batch, stepped to its first token (`engine.drive.run_rows`):
-  serving's path for a lone long prompt today;
+- `batch`: the prompt as a request with an empty batch, stepped to its first token (`engine.drive.run_rows`)
+  through mlx-lm's batch (the slicer's apart rule turned off for the arm): serving's path for a lone long
+  prompt until 2026-12-07;
 - `apart`: `EngineCore._prefill_apart` (serving's path for a prompt prefilled beside others, and the overlap's
-  head) up to the last token, then the last token's forward and its argmax, evaluated.
+  head) up to the last token, then the last token's forward and its argmax, evaluated;
+- `served` (with `--arms`): the request stepped as serving steps it now, where a lone prompt of a whole step or
+  more that fits the slicer's few slices is prefilled apart (`engine/prefill_slices.py`), then joins the batch
+  for its first token.
 
-What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length.
+What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length, and `served_vs_batch`.
 
 `--arms` adds the batch path with one difference from the apart path put back or taken away, to find which one
 costs (H100 2026-12-07 04:34 and 04:42, before `model/keep_buffers.py`: apart ÷ batch 0.66-0.75 at 4k and 16k
 tokens, a fixed ~8 ms a chunk):
 
-- `batch_clear`: mlx-lm's `mx.clear_cache` after every chunk, as before `model/keep_buffers.py` (uninstalled
-  for the arm; `batch` is serving's path, with it installed unless `MLXD_KEEP_BUFFERS=0`);
+- `batch_keep`: mlx-lm's prompt phase without its `mx.clear_cache` after every chunk (`model/keep_buffers.py`,
+  installed for the arm; `batch` is serving's path, without it unless `MLXD_KEEP_BUFFERS=1`; the apart path
+  never clears);
 - `batch_nosync`: the batch cache's mask "causal" without looking (mlxd's `model/fast_mask.py` passes "causal"
   for an unpadded batch after reading whether any row is padded: one tiny evaluated reduction a forward,
   which the apart path's `KVCache` does not make).
@@ -54,11 +59,12 @@ from bench_gpu import log, probe_model, probe_options, tokens  # noqa: E402
 from mlxd import SamplingParams  # noqa: E402
 from mlxd.engine.core import EngineCore  # noqa: E402
 from mlxd.engine.drive import run_rows  # noqa: E402
+from mlxd.engine.prefill_slices import PrefillSlicer  # noqa: E402
 from mlxd.model import keep_buffers  # noqa: E402
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
 from mlxd.runtime.kernel.messages import GenerationRequest  # noqa: E402
 
-BATCH_ARMS = ("batch", "batch_clear", "batch_nosync")
+BATCH_ARMS = ("batch", "served", "batch_keep", "batch_nosync")
 
 
 @contextlib.contextmanager
@@ -75,15 +81,14 @@ def patched(arm: str) -> Iterator[None]:
         return make_mask(self, N, return_array=return_array, **kwargs)
 
     try:
-        if arm == "batch_clear":
-            keep_buffers.uninstall()
+        if arm == "batch_keep":
+            keep_buffers.install(force=True)
         if arm == "batch_nosync":
             cache_mod.BatchKVCache.make_mask = causal
         yield
     finally:
         cache_mod.BatchKVCache.make_mask = make_mask
-        if kept:
-            keep_buffers.install(force=True)
+        keep_buffers.install(force=True) if kept else keep_buffers.uninstall()
 
 
 def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
@@ -101,6 +106,9 @@ def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
         return got
 
     core.generator.next = timed
+    rule = PrefillSlicer.apart
+    if arm != "served":  # through the batch: the slicer's rule for a lone prompt off (nothing else is apart here)
+        PrefillSlicer.apart = lambda *args, **kwargs: False  # type: ignore[method-assign]
     try:
         with patched(arm):
             t0 = time.perf_counter()
@@ -108,6 +116,7 @@ def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
             return time.perf_counter() - t0
     finally:
         del core.generator.next
+        PrefillSlicer.apart = rule  # type: ignore[method-assign]
 
 
 def apart(core: EngineCore, prompt: list[int]) -> float:
@@ -129,14 +138,17 @@ def main(argv: list[str] | None = None) -> Path:
                     "--small 512)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per length (each runs both arms)")
     ap.add_argument("--step", type=int, default=2048, help="the engine's prefill step (`--prefill-step-size`)")
+    ap.add_argument("--slice-ms", type=float, default=None, help="the engine's prefill slice (`--prefill-slice-ms`; "
+                    "default: serving's; 0: whole steps, every chunk the step size, and nothing apart by the slicer)")
     ap.add_argument("--arms", nargs="+", default=["apart", "batch"], choices=["apart", *BATCH_ARMS],
                     help="arms, alternating, each first in turn (module doc)")
     args = ap.parse_args(argv)
     arms = list(dict.fromkeys(args.arms))
     preset, model_dir = probe_model(args)
     sizes = args.tokens or ([512] if args.small else [4096, 16384])
+    sliced = {} if args.slice_ms is None else {"prefill_slice_s": args.slice_ms / 1000}
     core = EngineCore(RuntimeConfig(model=str(model_dir), device_probe="off",
-                                    prefill_step_size=args.step, max_context=max(sizes) + 64))
+                                    prefill_step_size=args.step, max_context=max(sizes) + 64, **sliced))
     core.load()
     result: dict = {"device": str(mx.default_device()), "argv": sys.argv, "step": args.step,
                     "keep_buffers": bool(keep_buffers._ORIGINAL),

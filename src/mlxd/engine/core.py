@@ -287,7 +287,7 @@ class EngineCore:
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         suffix_attention.install()  # GPU: short chunks over long contexts without cuDNN's per-shape graph
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
-        keep_buffers.install()  # prompt chunks reuse MLX's buffers: no clear after each
+        keep_buffers.install()  # MLXD_KEEP_BUFFERS=1: prompt chunks reuse MLX's buffers, no clear after each
         batch_filter.install()  # rows leave the batch without waiting for the forward in flight
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
@@ -851,9 +851,13 @@ class EngineCore:
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=bool(self._prefilling()))
+            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=bool(self._prefilling()),
+                                                  alone=not self._rows and self.model is not None,  # (a
+                                                  # scripted core has no model to prefill with)
+                                                  step_size=self._prefill_step_size)
                                or (usable > 0 and not self._rows and 0 < len(req.prompt) - usable - 1 <= SUFFIX_APART)):
-                lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable), True
+                timed = out if not self._rows else None  # chunks that ran alone are timed (rows decode async)
+                lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable, timed), True
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
         row.stages += [("joined", joined), *overlapped, ("lent", lent_at)] + (
             [("prefilled_apart", time.monotonic())] if apart else [])
@@ -912,16 +916,26 @@ class EngineCore:
         """The rows in the batch part way through their prompt."""
         return [r for r in self._rows.values() if r.generated == 0 and r.prefilled < r.prompt_new]
 
-    def _prefill_apart(self, prompt: tuple[int, ...], lent: list[Any] | None, usable: int) -> tuple[list[Any], int]:
-        """Prefill a short prompt on its own caches, outside the batch, up to its last token.
+    def _prefill_apart(
+        self, prompt: tuple[int, ...], lent: list[Any] | None, usable: int, out: StepOut | None = None
+    ) -> tuple[list[Any], int]:
+        """Prefill a prompt on its own caches, outside the batch, up to its last token.
 
-        In the batch it would share each forward pass with a long prompt's chunk (padded to it, and
-        attending over its context); alone it costs what it costs when nothing else runs.
+        In the batch a short prompt would share each forward pass with a long prompt's chunk (padded to it,
+        and attending over its context), and a long one alone pays the batch's steps chunk by chunk; apart
+        it costs what its forwards cost. With `out`, each chunk is timed (each ran alone, evaluated) for the
+        slicer and the restore advisor, as a chunk of a row prefilling alone in the batch is.
         """
         caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
         end, at = len(prompt) - 1, usable
         while at < end:  # chunks end on multiples of the step: the same shapes as every other prompt's
-            at = prefill_step(self.model, caches, prompt, at, end, self._prefill_step_size)
+            t0 = time.perf_counter()
+            upto = prefill_step(self.model, caches, prompt, at, end, self._prefill_step_size)
+            if out is not None:
+                seconds = time.perf_counter() - t0
+                out.notes.append(PrefillMeasured(upto - at, at, seconds))
+                self._slicer.measured(upto - at, seconds)
+            at = upto
         return caches, end
 
     def _media_prefill(self, req: Any, lent: list[Any] | None, usable: int) -> tuple[list[Any] | None, int]:

@@ -46,7 +46,13 @@ misses after a round of 128-token turns took 0.25-0.9 s, in one run and not
 the other. A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
-the long row's chunk and attend over its context. Pure and
+the long row's chunk and attend over its context. A long prompt that
+joins an empty batch (a whole prefill step or more, within the same few
+slices) is prefilled on its own too: stepped through mlx-lm's batch each
+chunk cost more than the same chunk on the row's own caches (on an
+H100: `benchmarks/gpu/probe_apart_vs_batch.py`, docs/benchmarks.md), and
+with the batch empty nobody waits but a
+request that arrives meanwhile, at most those few slices. Pure and
 deterministic given its inputs (the engine core calls it).
 
 A row prefilling alone takes its chunk cut to end on a multiple of the
@@ -142,9 +148,13 @@ class PrefillSlicer:
             size = size * 2 if size * 2 <= step_size else max(MIN_CHUNK, size // 2)
         return size
 
-    def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
-        """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
-        if self.slice_s <= 0 or self.rate <= 0 or not others_prefilling or new_tokens <= 0:
+    def apart(self, new_tokens: int, *, others_prefilling: bool, alone: bool = False, step_size: int = 0) -> bool:
+        """Whether a joining row's prompt is prefilled on its own, before it joins: it fits a few slices, and
+        either other rows are part way through their prompts, or (`alone`) the batch is empty and it has at
+        least `step_size` new tokens (a whole prefill step or more: what the batch's steps cost per chunk)."""
+        if self.slice_s <= 0 or self.rate <= 0 or new_tokens <= 0:
+            return False
+        if not (others_prefilling or (alone and step_size > 0 and new_tokens >= step_size)):
             return False
         return new_tokens <= max(APART_MIN, self.rate * self.slice_s * APART_SLICES)
 

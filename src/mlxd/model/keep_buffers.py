@@ -5,14 +5,16 @@ every buffer the chunk freed back to the device, and the next chunk, of the same
 afresh. On CUDA MLX's buffers are managed memory: giving them back and taking them again costs
 synchronizing frees and new page mappings on every chunk. The engine's own prefill outside the batch
 (`prefill_slices.prefill_step`: a short prompt joining others, an overlapped split's head) never clears,
-and the same prompt went through it a quarter faster than through the batch on an H100
+and the same prompt went through it faster than through the batch on an H100
 (`benchmarks/gpu/probe_apart_vs_batch.py`, docs/benchmarks.md). With this installed, a chunk's freed
 buffers stay in MLX's cache for the next one, as they do between decode steps; the cache is not active
 memory (the memory budget measures active memory), and MLX's allocator gives cached buffers back by itself
 before an allocation would pass its limit.
 
 Only the prompt phase changes: mlx-lm's other clears (every 512 decode steps) and mlxd's own (a reset after
-a failed step) stay. On by default; `MLXD_KEEP_BUFFERS=0` keeps mlx-lm's clears.
+a failed step) stay. Off by default until a GPU run measures it (`MLXD_KEEP_BUFFERS=1`; the probe's arm
+`batch_keep`, `wave3.sh apartbatch`); on the CPU it measured within noise of mlx-lm's clears
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ class _Keeping:
 
 
 def wanted() -> bool:
-    """Whether it is on: unset or "" (the default), "1", "on" or "true"; "0", "off" or "false" turn it off.
-    Another value is a ValueError (`runtime.config.env_switch`)."""
+    """Whether it is on: "1", "on" or "true"; unset, "" (the default), "0", "off" or "false": off. Another value
+    is a ValueError (`runtime.config.env_switch`)."""
     from mlxd.runtime.config import env_switch
 
-    return env_switch(ENV, default=True)
+    return env_switch(ENV, default=False)
 
 
 def install(*, force: bool = False) -> bool:
