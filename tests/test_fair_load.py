@@ -19,6 +19,7 @@ from mlxd.engine.prefill_slices import APART_MIN, MIN_CHUNK, PrefillSlicer, alig
 from mlxd.model import build_model
 from mlxd.runtime.chat.prompt_bound import PromptBound, chat_chars
 from mlxd.runtime.kernel.messages import (
+    GenerationFinished,
     GenerationRequest,
     PrefillMeasured,
     PublishPrefix,
@@ -345,14 +346,12 @@ def test_slices_follow_the_measured_rate_in_powers_of_two():
     assert not slicer.apart(500, others_prefilling=True)
     assert not slicer.apart(20, others_prefilling=False)
     assert not PrefillSlicer(0.05).apart(20, others_prefilling=True)  # no rate measured yet
-    # A long prompt joining an empty batch is prefilled on its own when it has a whole step or more and fits
-    # the same few slices; a shorter one (a next turn's suffix) keeps the batch.
-    assert slicer.apart(256, others_prefilling=False, alone=True, step_size=256)
-    assert slicer.apart(400, others_prefilling=False, alone=True, step_size=128)
-    assert not slicer.apart(255, others_prefilling=False, alone=True, step_size=256)
-    assert not slicer.apart(500, others_prefilling=False, alone=True, step_size=128)  # past 4 slices
-    assert not slicer.apart(300, others_prefilling=False, alone=False, step_size=128)  # rows in the batch
-    assert not PrefillSlicer(0.0, rate=2048.0).apart(300, others_prefilling=False, alone=True, step_size=128)
+    # A prompt joining an empty batch is prefilled on its own, a slice a step, when it has a whole step or more
+    # (a shorter one, a next turn's suffix, keeps the batch); with slices off, never.
+    assert slicer.alone(256, 256) and slicer.alone(5000, 256)
+    assert not slicer.alone(255, 256)
+    assert PrefillSlicer(0.05).alone(300, 128)  # nothing measured yet: whole steps, apart all the same
+    assert not PrefillSlicer(0.0, rate=2048.0).alone(300, 128)
 
 
 def test_an_aligned_chunk_ends_on_a_multiple_of_its_size_unless_the_prompt_ends_first():
@@ -682,10 +681,9 @@ def test_a_long_prompt_alone_is_prefilled_apart_and_answers_as_the_batch_does(ki
         try:
             warm = StepOps(starts=(RowStart(request=GenerationRequest(
                 request_id="warm", prompt=tuple(range(30, 60)), sampling=sampling)),))
-            results = [core.step(warm)]  # a first chunk measured in the batch: the slicer has a rate
+            results = [core.step(warm)]
             while results[-1].stats.batch_rows:
                 results.append(core.step(StepOps()))
-            core._slicer.rate = max(core._slicer.rate, 10_000.0)  # 4 slices hold 300 tokens on any machine
             results = [core.step(StepOps(starts=(RowStart(request=GenerationRequest(
                 request_id="long", prompt=tuple(long), sampling=sampling)),)))]
             while results[-1].stats.batch_rows:
@@ -697,9 +695,66 @@ def test_a_long_prompt_alone_is_prefilled_apart_and_answers_as_the_batch_does(ki
         measured = [n for r in results for n in r.notes if isinstance(n, PrefillMeasured) and not n.whole]
         return _tokens(results, "long"), [s for s, _ in firsts[0].stages], measured
 
-    apart, apart_stages, apart_chunks = served(0.05)
+    apart, apart_stages, apart_chunks = served(100.0)  # slices longer than any step here: chunks of the step
     batch, batch_stages, _ = served(0.0)  # no slices: every prompt through mlx-lm's batch
     assert len(batch) == 6 and apart == batch
     assert "prefilled_apart" in apart_stages and "prefilled_apart" not in batch_stages
     # Chunks of the step size, aligned, each timed from where it starts; the last token is the batch's.
     assert [(n.new_tokens, n.context) for n in apart_chunks] == [(64, 0), (64, 64), (64, 128), (64, 192), (43, 256)]
+
+
+def _lone_core(tiny_model_dir) -> EngineCore:
+    """A core that takes a 300-token prompt alone apart in 64-token chunks, one a step (slices longer than any
+    step here: the chunk is the step size whatever this machine's speed)."""
+    core = EngineCore(config_for(tiny_model_dir, prefill_step_size=64, prefill_slice_s=100.0, max_context=8192,
+                                 snapshot_min_tokens=4))
+    core.load()
+    return core
+
+
+LONE = [20 + (i * 7) % 900 for i in range(300)]
+
+
+def test_a_request_arriving_while_a_lone_prompt_prefills_apart_joins_at_the_next_step(tiny_model_dir):
+    """The lone prompt goes a chunk a step: a short prompt sent after its first chunk gets its first token
+    before the long one, and both decode what they decode alone."""
+    core = _lone_core(tiny_model_dir)
+    short = [40 + i % 50 for i in range(12)]
+    try:
+        alone_short = _tokens(_until_idle(core, StepOps(starts=(_row("s0", short),))), "s0")
+        alone_long = _tokens(_until_idle(core, StepOps(starts=(_row("l0", LONE),))), "l0")
+        first = core.step(StepOps(starts=(_row("long", LONE),)))
+        assert first.stats.batch_rows == 1 and not first.emits  # one chunk done, not in the batch yet
+        results = [first, *_until_idle(core, StepOps(starts=(_row("short", short),)))]
+    finally:
+        core.close()
+    order = [e.request_id for r in results for e in r.emits if isinstance(e.event, TokenGenerated)]
+    assert order.index("short") < order.index("long")
+    assert _tokens(results, "short") == alone_short and _tokens(results, "long") == alone_long
+    # the long prompt's chunks beside the short row were not timed (its decode's work was in flight)
+    timed = [n.context for r in results for n in r.notes if isinstance(n, PrefillMeasured) and not n.whole]
+    assert 0 in timed and 64 not in timed
+
+
+def test_a_lone_prompt_cancelled_while_it_prefills_apart_ends_at_once(tiny_model_dir):
+    core = _lone_core(tiny_model_dir)
+    try:
+        first = core.step(StepOps(starts=(_row("long", LONE),)))
+        assert first.stats.batch_rows == 1
+        again = core.step(StepOps(starts=(_row("long", LONE),)))  # the same id while it prefills: refused
+        assert [r.request_id for r in again.rejected] == ["long"]
+        ended = core.step(StepOps(cancels=("long",)))
+        assert ended.stats.batch_rows == 0 and ended.finished == ("long",)
+        (finish,) = [e.event for e in ended.emits]
+        assert isinstance(finish, GenerationFinished) and finish.reason == "cancelled" and finish.completion_tokens == 0
+        after = _tokens(_until_idle(core, StepOps(starts=(_row("next", [5, 6, 7, 8]),))), "next")
+    finally:
+        core.close()
+    assert len(after) == 2  # the engine goes on
+
+
+def _until_idle(core: EngineCore, first: StepOps) -> list:
+    results = [core.step(first)]
+    while results[-1].stats.batch_rows:
+        results.append(core.step(StepOps()))
+    return results

@@ -17,8 +17,8 @@ fresh random prompts each time, arms alternating and each first in turn, both wa
 - `apart`: `EngineCore._prefill_apart` (serving's path for a prompt prefilled beside others, and the overlap's
   head) up to the last token, then the last token's forward and its argmax, evaluated;
 - `served` (with `--arms`): the request stepped as serving steps it now, where a lone prompt of a whole step or
-  more that fits the slicer's few slices is prefilled apart (`engine/prefill_slices.py`), then joins the batch
-  for its first token.
+  more is prefilled apart a slice a step (`EngineCore._advance_pending`, `PrefillSlicer.alone`), then joins the
+  batch for its first token.
 
 What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length, and `served_vs_batch`.
 
@@ -106,9 +106,9 @@ def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
         return got
 
     core.generator.next = timed
-    rule = PrefillSlicer.apart
-    if arm != "served":  # through the batch: the slicer's rule for a lone prompt off (nothing else is apart here)
-        PrefillSlicer.apart = lambda *args, **kwargs: False  # type: ignore[method-assign]
+    rule = PrefillSlicer.alone
+    if arm != "served":  # through the batch: the slicer's rule for a lone prompt off
+        PrefillSlicer.alone = lambda *args, **kwargs: False  # type: ignore[method-assign]
     try:
         with patched(arm):
             t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
             return time.perf_counter() - t0
     finally:
         del core.generator.next
-        PrefillSlicer.apart = rule  # type: ignore[method-assign]
+        PrefillSlicer.alone = rule  # type: ignore[method-assign]
 
 
 def apart(core: EngineCore, prompt: list[int]) -> float:

@@ -161,6 +161,27 @@ class BatchParts:
 
 
 @attrs.define
+class PendingApart:
+    """A lone long prompt prefilled on its own caches one chunk a step before it joins the batch (`_insert`):
+    what its admission needs then, and how far it got."""
+
+    start: RowStart
+    sampling: Sampling
+    caches: list[Any]
+    at: int  # the position its next chunk starts from
+    usable: int  # cached tokens it started on
+    tier: str
+    recomputed: int
+    stages: list[tuple[str, float]]  # joined, an overlap's stages, lent
+    began: float  # perf_counter when its prefill began
+    shared: bool = False  # a chunk ran while rows were in the batch: its whole prefill was not timed alone
+
+    @property
+    def end(self) -> int:
+        return len(self.start.request.prompt) - 1
+
+
+@attrs.define
 class StepOut:
     """What a step produces, gathered as it runs."""
 
@@ -199,6 +220,7 @@ class EngineCore:
         self.counters = Counters()
         self._rows: dict[int, Row] = {}  # by generator uid
         self._uids: dict[str, int] = {}  # request id -> generator uid
+        self._pending: PendingApart | None = None  # a lone long prompt prefilling apart, a chunk a step
         self._batch: BatchParts | None = None  # what the batch's rows ask of every step (None: to find again)
         self._steps_unmeasured = 0
         # Prompt-boundary checkpoints taken (their caches copied), their publication (the SSD write plan: on
@@ -482,6 +504,7 @@ class EngineCore:
         self.close()
         self._rows.clear()
         self._uids.clear()
+        self._pending = None
         self._batch = None
         self._deferred.clear()
         self._leaving.clear()
@@ -640,7 +663,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(
-            steps=c.steps, batch_rows=len(self._rows) + len(self._leaving), generated_tokens=c.generated_tokens,
+            steps=c.steps, batch_rows=len(self._rows) + len(self._leaving) + (self._pending is not None),
+            generated_tokens=c.generated_tokens,
             prompt_tokens=c.prompt_tokens,
             checkpoints_skipped=c.checkpoints_skipped, checkpoint_s=c.checkpoint_s,
             late_final_checkpoints=c.late_finals if self._late_final else None,
@@ -681,6 +705,8 @@ class EngineCore:
                 self._end(ops.cancels, "cancelled", out)
             if ops.stops:
                 self._end(ops.stops, "stop", out)
+            if self._pending is not None:  # one chunk; the last one admits it, and this step's forward has it
+                self._advance_pending(out)
             if self._rows and not left_late:
                 self._next(out)
                 self._cold = False
@@ -692,7 +718,8 @@ class EngineCore:
 
     def _join(self, start: RowStart, out: StepOut) -> None:
         """Insert a row; a row that cannot join is refused alone, the batch untouched."""
-        if start.request.request_id in self._uids:
+        if start.request.request_id in self._uids or (
+                self._pending is not None and self._pending.start.request.request_id == start.request.request_id):
             out.rejected.append(Rejected(start.request.request_id, "a request with this id is already generating"))
             return
         try:
@@ -845,22 +872,64 @@ class EngineCore:
         if start.tail is not None and start.restore is None and not req.media:
             lent, usable, tier, recomputed, overlapped = self._overlap(start, lent, usable, tier, out)
         began, lent_at = time.perf_counter(), time.monotonic()
+        stages = [("joined", joined), *overlapped, ("lent", lent_at)]
         joins_at = usable  # images past the cached prefix are prefilled first (vision/encoder.py)
         apart = False
         cuts = tuple(c for c in start.checkpoint_at if usable < c < len(req.prompt) - 1) if not req.media else ()
+        idle = not self._rows and self._pending is None
+        new_tokens = len(req.prompt) - usable - 1
+        if not req.media and not cuts and idle and self.model is not None and self._slicer.alone(
+                new_tokens, self._prefill_step_size):
+            # a lone long prompt: prefilled apart a slice a step (`_advance_pending`), so a request that comes
+            # meanwhile joins the batch at the next step
+            caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
+            self._pending = PendingApart(start, sampling, caches, usable, usable, tier, recomputed, stages, began)
+            return
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and (self._slicer.apart(len(req.prompt) - usable - 1, others_prefilling=bool(self._prefilling()),
-                                                  alone=not self._rows and self.model is not None,  # (a
-                                                  # scripted core has no model to prefill with)
-                                                  step_size=self._prefill_step_size)
-                               or (usable > 0 and not self._rows and 0 < len(req.prompt) - usable - 1 <= SUFFIX_APART)):
+            elif not cuts and (self._slicer.apart(new_tokens, others_prefilling=bool(self._prefilling()))
+                               or (usable > 0 and idle and 0 < new_tokens <= SUFFIX_APART)):
                 timed = out if not self._rows else None  # chunks that ran alone are timed (rows decode async)
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable, timed), True
+        self._enter(start, sampling, lent, usable, joins_at, tier, recomputed, cuts, out, stages=stages,
+                    began=began, apart=apart, shared=bool(req.media))
+
+    def _advance_pending(self, out: StepOut) -> None:
+        """The pending lone prompt's next chunk, the slicer's size aligned to it (a slice, as the batch would take
+        it), timed when it ran alone; after its last one it joins the batch (its last token there, for its
+        first token in this step's forward)."""
+        pending = self._pending
+        assert pending is not None
+        req = pending.start.request
+        alone = not self._rows
+        pending.shared = pending.shared or not alone
+        size = self._slicer.chunk(self._prefill_step_size, newcomers=(), shared=not alone)  # the batch's slice
+        with self.adapters.rows([self.adapters.index_of(req.namespace)]):
+            t0 = time.perf_counter()
+            upto = prefill_step(self.model, pending.caches, req.prompt, pending.at, pending.end, size)
+            if alone:  # (beside rows, their decode's work in flight would be counted in it)
+                seconds = time.perf_counter() - t0
+                out.notes.append(PrefillMeasured(upto - pending.at, pending.at, seconds))
+                self._slicer.measured(upto - pending.at, seconds)
+        pending.at = upto
+        if upto < pending.end:
+            return
+        self._pending = None
+        self._enter(pending.start, pending.sampling, pending.caches, pending.usable, upto, pending.tier,
+                    pending.recomputed, (), out, stages=pending.stages, began=pending.began, apart=True,
+                    shared=pending.shared)
+
+    def _enter(
+        self, start: RowStart, sampling: Sampling, lent: list[Any] | None, usable: int, joins_at: int, tier: str,
+        recomputed: int, cuts: tuple[int, ...], out: StepOut, *, stages: list[tuple[str, float]], began: float,
+        apart: bool, shared: bool,
+    ) -> None:
+        """A row into the batch from `joins_at` on (its prompt before it in `lent`; `apart`: prefilled on its own
+        up to its last token), and its prompt accepted."""
+        req = start.request
         row = self._parts(start, sampling, len(req.prompt) - usable - 1, cuts=len(cuts))
-        row.stages += [("joined", joined), *overlapped, ("lent", lent_at)] + (
-            [("prefilled_apart", time.monotonic())] if apart else [])
+        row.stages += stages + ([("prefilled_apart", time.monotonic())] if apart else [])
         self._draft_prefix(row, start, out)
         self._admit(row, list(req.prompt[joins_at:]), req.sampling.max_tokens, lent, list(req.prompt[:joins_at]),
                     cuts=tuple(c - joins_at for c in cuts))
@@ -869,7 +938,7 @@ class EngineCore:
                 part.segment(row, self, out)
         row.cached_tokens, row.joined_at, row.recomputed = usable, joins_at, recomputed
         row.stamp("admitted")
-        row.prefill_began, row.prefill_shared = began, bool(req.media)
+        row.prefill_began, row.prefill_shared = began, shared
         if len(self._rows) > 1:  # rows share the batch now: no prefill still running is timed alone
             for each in self._rows.values():
                 each.prefill_shared = each.prefill_shared or each.generated == 0
@@ -889,7 +958,7 @@ class EngineCore:
         tail = start.tail
         assert tail is not None
         c = self.counters
-        if self._rows or usable >= tail.start or self._config.kv_bits is not None:
+        if self._rows or self._pending is not None or usable >= tail.start or self._config.kv_bits is not None:
             c.overlaps_declined += 1
             out.notes.append(RestoreMeasured(0, 0.0, taken=False))  # the advisor's plan: not measured
             return lent, usable, tier, 0, ()
@@ -1016,6 +1085,13 @@ class EngineCore:
 
     def _end(self, request_ids: tuple[str, ...], reason: str, out: StepOut) -> None:
         """Rows a client ended: "stop" (its stop string matched) or "cancelled" (it went away)."""
+        pending = self._pending
+        if pending is not None and pending.start.request.request_id in request_ids:  # still prefilling apart
+            self._pending = None
+            req = pending.start.request
+            out.emits.append(Emit(req.request_id, GenerationFinished(
+                reason, len(req.prompt), pending.usable - pending.recomputed, 0, 0.0)))
+            out.finished.append(req.request_id)
         rows = [self._rows[self._uids[rid]] for rid in dict.fromkeys(request_ids) if rid in self._uids]
         if not rows:
             return

@@ -47,13 +47,13 @@ the other. A short prompt
 (a few slices) that joins while another row is part way through its prompt
 is prefilled on its own, before it joins: in the batch it would be padded to
 the long row's chunk and attend over its context. A long prompt that
-joins an empty batch (a whole prefill step or more, within the same few
-slices) is prefilled on its own too: stepped through mlx-lm's batch each
-chunk cost more than the same chunk on the row's own caches (on an
-H100: `benchmarks/gpu/probe_apart_vs_batch.py`, docs/benchmarks.md), and
-with the batch empty nobody waits but a
-request that arrives meanwhile, at most those few slices. Pure and
-deterministic given its inputs (the engine core calls it).
+joins an empty batch (a whole prefill step or more) is prefilled on its own
+caches too, a slice a step (`alone`): stepped through mlx-lm's batch each
+chunk cost more than the same chunk on the row's own caches (on an H100:
+`benchmarks/gpu/probe_apart_vs_batch.py`, docs/benchmarks.md), and a
+request that arrives meanwhile joins the batch at the next step, as it
+would beside a batch prefill. Pure and deterministic given its inputs (the
+engine core calls it).
 
 A row prefilling alone takes its chunk cut to end on a multiple of the
 chunk's size (`aligned`): on CUDA a chunk's attention runs a cuDNN graph
@@ -148,15 +148,16 @@ class PrefillSlicer:
             size = size * 2 if size * 2 <= step_size else max(MIN_CHUNK, size // 2)
         return size
 
-    def apart(self, new_tokens: int, *, others_prefilling: bool, alone: bool = False, step_size: int = 0) -> bool:
-        """Whether a joining row's prompt is prefilled on its own, before it joins: it fits a few slices, and
-        either other rows are part way through their prompts, or (`alone`) the batch is empty and it has at
-        least `step_size` new tokens (a whole prefill step or more: what the batch's steps cost per chunk)."""
-        if self.slice_s <= 0 or self.rate <= 0 or new_tokens <= 0:
-            return False
-        if not (others_prefilling or (alone and step_size > 0 and new_tokens >= step_size)):
+    def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
+        """Whether a joining row's prompt is prefilled on its own, before it joins (it fits a few slices)."""
+        if self.slice_s <= 0 or self.rate <= 0 or not others_prefilling or new_tokens <= 0:
             return False
         return new_tokens <= max(APART_MIN, self.rate * self.slice_s * APART_SLICES)
+
+    def alone(self, new_tokens: int, step_size: int) -> bool:
+        """Whether a prompt joining an empty batch is prefilled on its own caches a slice a step before it joins:
+        with slices on, when it has a whole prefill step or more (where the batch's steps cost per chunk)."""
+        return self.slice_s > 0 and new_tokens >= step_size > 0
 
     def chunk(self, step_size: int, *, newcomers: Sequence[int], shared: bool, awaiting: bool = False) -> int:
         """`newcomers`: prompt tokens left of rows joining this step; `shared`: other rows are in the batch;
