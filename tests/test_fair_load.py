@@ -758,3 +758,26 @@ def _until_idle(core: EngineCore, first: StepOps) -> list:
     while results[-1].stats.batch_rows:
         results.append(core.step(StepOps()))
     return results
+
+
+def test_a_lone_prompt_whose_prefill_fails_apart_is_refused_alone(tiny_model_dir, monkeypatch):
+    from mlxd.engine import core as core_module
+
+    core = _lone_core(tiny_model_dir)
+    real, calls = core_module.prefill_step, []
+
+    def failing(*args, **kwargs):
+        calls.append(args[3])
+        if len(calls) == 2:
+            raise RuntimeError("no memory for this chunk")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "prefill_step", failing)
+    try:
+        core.step(StepOps(starts=(_row("long", LONE),)))
+        failed = core.step(StepOps(starts=(_row("short", [5, 6, 7, 8]),)))  # joins beside it, then the chunk fails
+        assert [r.request_id for r in failed.rejected] == ["long"] and "no memory" in failed.rejected[0].message
+        rest = [failed, *_until_idle(core, StepOps())]
+    finally:
+        core.close()
+    assert len(_tokens(rest, "short")) == 2 and not _tokens(rest, "long")

@@ -706,7 +706,12 @@ class EngineCore:
             if ops.stops:
                 self._end(ops.stops, "stop", out)
             if self._pending is not None:  # one chunk; the last one admits it, and this step's forward has it
-                self._advance_pending(out)
+                pending = self._pending
+                try:
+                    self._advance_pending(out)
+                except Exception as exc:  # refused alone, as a row that fails to join
+                    self._pending = None
+                    self._refuse(pending.start, exc, out)
             if self._rows and not left_late:
                 self._next(out)
                 self._cold = False
@@ -728,10 +733,14 @@ class EngineCore:
             else:
                 self._insert(start, out)
         except Exception as exc:
-            log.exception("engine.request_failed", request_id=start.request.request_id)
-            out.rejected.append(Rejected(start.request.request_id, f"generation failed: {type(exc).__name__}: {exc}"))
-            if start.checkpoint_key is not None:  # resumable by a retry
-                out.notes.append(GenerationAbandoned(start.checkpoint_key, start.request.request_id))
+            self._refuse(start, exc, out)
+
+    def _refuse(self, start: RowStart, exc: Exception, out: StepOut) -> None:
+        """A row that failed to join (or to prefill apart) is refused alone; a resumable one is left to a retry."""
+        log.exception("engine.request_failed", request_id=start.request.request_id)
+        out.rejected.append(Rejected(start.request.request_id, f"generation failed: {type(exc).__name__}: {exc}"))
+        if start.checkpoint_key is not None:  # resumable by a retry
+            out.notes.append(GenerationAbandoned(start.checkpoint_key, start.request.request_id))
 
     def _parts(self, start: RowStart, sampling: Sampling, prompt_new_tokens: int, *, cuts: int = 0) -> Row:
         req, config = start.request, self._config
