@@ -577,9 +577,9 @@ def main() -> int:
         # RAM only, a lone row's KV into mlx-lm's batch and on to generation uncopied (model/batch_handover.py)
         "mlxd_ram_handover": (["env", "MLXD_BATCH_HANDOVER=1", *base, "--port", "18197", "--device-probe", "off"],
                               18197),
-        # RAM only, mlx-lm's buffer-cache clear after every prompt chunk (MLXD_KEEP_BUFFERS=0, model/keep_buffers.py):
-        # what mlxd_ram was before 2026-12-07
-        "mlxd_ram_clear": (["env", "MLXD_KEEP_BUFFERS=0", *base, "--port", "18178", "--device-probe", "off"], 18178),
+        # RAM only, without mlx-lm's buffer-cache clear after every prompt chunk (MLXD_KEEP_BUFFERS=1,
+        # model/keep_buffers.py; off by default until measured)
+        "mlxd_ram_keep": (["env", "MLXD_KEEP_BUFFERS=1", *base, "--port", "18178", "--device-probe", "off"], 18178),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1048,7 +1048,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         name: [ratio(r["next"]["ttft_s"], m["next"]["ttft_s"]) for r, m in zip(
             out[name].get("rows") or [], lm_rows, strict=False) if "next" in r and "next" in m]
         for name in wanted if name.startswith("mlxd") and lm_rows}
-    for arm in ("unfused", "apart", "handover", "both", "plain", "clear"):
+    for arm in ("unfused", "apart", "handover", "both", "plain", "keep"):
         m = med.get(f"mlxd_ram_{arm}", {})
         if m:
             goals[f"next_turn_ram_{arm}_vs_mlx_lm"] = ratio(m.get("next"), lm.get("next"))
@@ -1063,7 +1063,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
-                                                        "mlxd_ram_plain", "mlxd_ram_clear",
+                                                        "mlxd_ram_plain", "mlxd_ram_keep",
                                                         "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
