@@ -740,7 +740,7 @@ def test_a_lone_prompt_cancelled_while_it_prefills_apart_ends_at_once(tiny_model
     core = _lone_core(tiny_model_dir)
     try:
         first = core.step(StepOps(starts=(_row("long", LONE),)))
-        assert first.stats.batch_rows == 1
+        assert first.stats.batch_rows == 1 and first.stats.steps == 1  # a step of the apart prefill is a step
         again = core.step(StepOps(starts=(_row("long", LONE),)))  # the same id while it prefills: refused
         assert [r.request_id for r in again.rejected] == ["long"]
         ended = core.step(StepOps(cancels=("long",)))

@@ -705,16 +705,18 @@ class EngineCore:
                 self._end(ops.cancels, "cancelled", out)
             if ops.stops:
                 self._end(ops.stops, "stop", out)
-            if self._pending is not None:  # one chunk; the last one admits it, and this step's forward has it
-                pending = self._pending
+            pending = self._pending
+            if pending is not None:  # one chunk; the last one admits it, and this step's forward has it
                 try:
                     self._advance_pending(out)
                 except Exception as exc:  # refused alone, as a row that fails to join
                     self._pending = None
                     self._refuse(pending.start, exc, out)
             if self._rows and not left_late:
-                self._next(out)
+                self._next(out)  # (counts the step)
                 self._cold = False
+            elif pending is not None:  # a step of the apart prefill alone is a step too
+                self.counters.steps += 1
             if self._left:  # after-forward: the device computes the step's forward (their copies came before it)
                 self._leave_late(out)
         if self.vision is not None:  # encoder outputs to keep on SSD (vision/encoder.py)
