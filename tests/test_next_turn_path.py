@@ -166,3 +166,18 @@ def test_rfind_agrees_with_mlx_lm_and_the_initial_state_too(tok):
                          (body, "normal"), (think + body + end + think, "reasoning")]:
         slow = "reasoning" if tok.rfind_think_start(list(prompt)) > tok.rfind_think_end(list(prompt)) else "normal"
         assert initial_state(tok, prompt) == want == slow
+
+
+def test_a_prompt_prefilled_apart_shows_its_part_of_the_join():
+    """request.done's first_token_ms: a prompt prefilled on its own before it joined has that part of `join`
+    as `apart`; a row without the stage has no such key."""
+    from types import SimpleNamespace
+
+    stamps = [("joined", 1.0), ("lent", 1.001), ("prefilled_apart", 1.201), ("admitted", 1.202), ("step", 1.203),
+              ("stepped", 1.213), ("first_token", 1.214)]
+    record = SimpleNamespace(engine_stages=stamps, engine_sent_at=0.999, first_token_at=1.215)
+    split = first_token_split(record)
+    assert split is not None and split["apart"] == 200.0 and split["join"] == 201.0 and split["forward"] == 10.0
+    plain = SimpleNamespace(engine_stages=[s for s in stamps if s[0] != "prefilled_apart"], engine_sent_at=0.999,
+                            first_token_at=1.215)
+    assert "apart" not in (first_token_split(plain) or {})

@@ -452,8 +452,8 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
     to_engine: the engine took the row (its inbox; a run of steps under way); lend: the cached prefix
     lent (or restored; an overlapped split's whole engine half, split into overlap_head: the head
     recomputed, overlap_wait: waiting for the tail, overlap_rest: recomputing on while it was out and
-    appending it); join: the row inserted (a short prompt prefilled apart); wait: until its first
-    step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
+    appending it); join: the row inserted, its part prefilled apart among it (apart: a short prompt beside
+    other prefills at once, a lone long one a slice a step); wait: until its first step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
     the rest of those steps; deliver: the token back in the scheduler; step_ms: each step's time (the
     first 8).
     """
@@ -481,6 +481,8 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
         "to_engine": joined - sent, "lend": lent - joined, "join": admitted - lent, "wait": first_step - admitted,
         **spans, "other": first - first_step - spans["forward"] - spans["checkpoint"], "deliver": got - first,
     }
+    if "prefilled_apart" in at:
+        out["apart"] = at["prefilled_apart"] - lent
     if "overlap_head" in at and "overlap_wait" in at:
         out |= {"overlap_head": at["overlap_head"] - joined, "overlap_wait": at["overlap_wait"] - at["overlap_head"],
                 "overlap_rest": lent - at["overlap_wait"]}
