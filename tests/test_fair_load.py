@@ -761,10 +761,10 @@ def _until_idle(core: EngineCore, first: StepOps) -> list:
 
 
 def test_a_lone_prompt_whose_prefill_fails_apart_is_refused_alone(tiny_model_dir, monkeypatch):
-    from mlxd.engine import core as core_module
+    from mlxd.engine import apart as apart_module
 
     core = _lone_core(tiny_model_dir)
-    real, calls = core_module.prefill_step, []
+    real, calls = apart_module.prefill_step, []
 
     def failing(*args, **kwargs):
         calls.append(args[3])
@@ -772,7 +772,7 @@ def test_a_lone_prompt_whose_prefill_fails_apart_is_refused_alone(tiny_model_dir
             raise RuntimeError("no memory for this chunk")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(core_module, "prefill_step", failing)
+    monkeypatch.setattr(apart_module, "prefill_step", failing)
     try:
         core.step(StepOps(starts=(_row("long", LONE),)))
         failed = core.step(StepOps(starts=(_row("short", [5, 6, 7, 8]),)))  # joins beside it, then the chunk fails

@@ -17,7 +17,7 @@ fresh random prompts each time, arms alternating and each first in turn, both wa
 - `apart`: `EngineCore._prefill_apart` (serving's path for a prompt prefilled beside others, and the overlap's
   head) up to the last token, then the last token's forward and its argmax, evaluated;
 - `served` (with `--arms`): the request stepped as serving steps it now, where a lone prompt of a whole step or
-  more is prefilled apart a slice a step (`EngineCore._advance_pending`, `PrefillSlicer.alone`), then joins the
+  more is prefilled apart a slice a step (`engine/apart.py`, `PrefillSlicer.alone`), then joins the
   batch for its first token.
 
 What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length, and `served_vs_batch`.

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from mlxd.engine import loading, memory_costs
+from mlxd.engine.apart import PendingApart
 from mlxd.engine.features import (
     Constrained,
     Ending,
@@ -158,27 +159,6 @@ class BatchParts:
 
     constrained: tuple[tuple[int, Constrained], ...]  # (uid, part) of the rows with a grammar's masks
     logprobs: bool  # a row asks for its tokens' logprobs
-
-
-@attrs.define
-class PendingApart:
-    """A lone long prompt prefilled on its own caches one chunk a step before it joins the batch (`_insert`):
-    what its admission needs then, and how far it got."""
-
-    start: RowStart
-    sampling: Sampling
-    caches: list[Any]
-    at: int  # the position its next chunk starts from
-    usable: int  # cached tokens it started on
-    tier: str
-    recomputed: int
-    stages: list[tuple[str, float]]  # joined, an overlap's stages, lent
-    began: float  # perf_counter when its prefill began
-    shared: bool = False  # a chunk ran while rows were in the batch: its whole prefill was not timed alone
-
-    @property
-    def end(self) -> int:
-        return len(self.start.request.prompt) - 1
 
 
 @attrs.define
@@ -726,7 +706,7 @@ class EngineCore:
     def _join(self, start: RowStart, out: StepOut) -> None:
         """Insert a row; a row that cannot join is refused alone, the batch untouched."""
         if start.request.request_id in self._uids or (
-                self._pending is not None and self._pending.start.request.request_id == start.request.request_id):
+                self._pending is not None and self._pending.request_id == start.request.request_id):
             out.rejected.append(Rejected(start.request.request_id, "a request with this id is already generating"))
             return
         try:
@@ -907,27 +887,23 @@ class EngineCore:
                     began=began, apart=apart, shared=bool(req.media))
 
     def _advance_pending(self, out: StepOut) -> None:
-        """The pending lone prompt's next chunk, the slicer's size aligned to it (a slice, as the batch would take
-        it), timed when it ran alone; after its last one it joins the batch (its last token there, for its
-        first token in this step's forward)."""
+        """The pending lone prompt's next chunk (engine/apart.py), the slicer's size for a row prefilling alone,
+        timed when it ran alone; after its last one it joins the batch (its last token there, for its first token
+        in this step's forward)."""
         pending = self._pending
         assert pending is not None
-        req = pending.start.request
         alone = not self._rows
-        pending.shared = pending.shared or not alone
         size = self._slicer.chunk(self._prefill_step_size, newcomers=(), shared=not alone)  # the batch's slice
-        with self.adapters.rows([self.adapters.index_of(req.namespace)]):
-            t0 = time.perf_counter()
-            upto = prefill_step(self.model, pending.caches, req.prompt, pending.at, pending.end, size)
-            if alone:  # (beside rows, their decode's work in flight would be counted in it)
-                seconds = time.perf_counter() - t0
-                out.notes.append(PrefillMeasured(upto - pending.at, pending.at, seconds))
-                self._slicer.measured(upto - pending.at, seconds)
-        pending.at = upto
-        if upto < pending.end:
+        with self.adapters.rows([self.adapters.index_of(pending.start.request.namespace)]):
+            context = pending.at
+            tokens, seconds = pending.advance(self.model, size, alone=alone)
+        if alone:  # (beside rows, their decode's work in flight would be counted in it)
+            out.notes.append(PrefillMeasured(tokens, context, seconds))
+            self._slicer.measured(tokens, seconds)
+        if not pending.done:
             return
         self._pending = None
-        self._enter(pending.start, pending.sampling, pending.caches, pending.usable, upto, pending.tier,
+        self._enter(pending.start, pending.sampling, pending.caches, pending.usable, pending.at, pending.tier,
                     pending.recomputed, (), out, stages=pending.stages, began=pending.began, apart=True,
                     shared=pending.shared)
 
@@ -1097,7 +1073,7 @@ class EngineCore:
     def _end(self, request_ids: tuple[str, ...], reason: str, out: StepOut) -> None:
         """Rows a client ended: "stop" (its stop string matched) or "cancelled" (it went away)."""
         pending = self._pending
-        if pending is not None and pending.start.request.request_id in request_ids:  # still prefilling apart
+        if pending is not None and pending.request_id in request_ids:  # still prefilling apart
             self._pending = None
             req = pending.start.request
             out.emits.append(Emit(req.request_id, GenerationFinished(
