@@ -730,6 +730,12 @@ def test_a_request_arriving_while_a_lone_prompt_prefills_apart_joins_at_the_next
         core.close()
     order = [e.request_id for r in results for e in r.emits if isinstance(e.event, TokenGenerated)]
     assert order.index("short") < order.index("long")
+    # the short one was prefilled apart at once, and no chunk of the long one ran until its first token was out
+    short_first = next(i for i, r in enumerate(results) for e in r.emits
+                       if e.request_id == "short" and isinstance(e.event, TokenGenerated))
+    chunks_before = [n for r in results[1:short_first] for n in r.notes  # (the long one's are 64 tokens)
+                     if isinstance(n, PrefillMeasured) and n.new_tokens == 64]
+    assert short_first <= 3 and not chunks_before
     assert _tokens(results, "short") == alone_short and _tokens(results, "long") == alone_long
     # the long prompt's chunks beside the short row were not timed (its decode's work was in flight)
     timed = [n.context for r in results for n in r.notes if isinstance(n, PrefillMeasured) and not n.whole]
@@ -775,9 +781,9 @@ def test_a_lone_prompt_whose_prefill_fails_apart_is_refused_alone(tiny_model_dir
     monkeypatch.setattr(apart_module, "prefill_step", failing)
     try:
         core.step(StepOps(starts=(_row("long", LONE),)))
-        failed = core.step(StepOps(starts=(_row("short", [5, 6, 7, 8]),)))  # joins beside it, then the chunk fails
-        assert [r.request_id for r in failed.rejected] == ["long"] and "no memory" in failed.rejected[0].message
-        rest = [failed, *_until_idle(core, StepOps())]
+        rest = _until_idle(core, StepOps(starts=(_row("short", [5, 6, 7, 8]),)))  # beside it; then a chunk fails
     finally:
         core.close()
-    assert len(_tokens(rest, "short")) == 2 and not _tokens(rest, "long")
+    rejected = [r for result in rest for r in result.rejected]
+    assert [r.request_id for r in rejected] == ["long"] and "no memory" in rejected[0].message
+    assert len(_tokens(rest, "short")) == 2 and not _tokens(rest, "long") and len(calls) == 2

@@ -5,7 +5,9 @@ through mlx-lm's batch for its prompt: each of the batch's steps costs more per 
 run on the row's own caches (`benchmarks/gpu/probe_apart_vs_batch.py`). The engine core keeps one
 `PendingApart` and, once per step, runs its next chunk (`advance`: the slicer's size for a row prefilling
 alone, aligned as the batch path aligns a lone row's chunks). A request that arrives meanwhile joins the
-batch and decodes beside the remaining chunks; a cancel drops it between two chunks. After its last chunk
+batch (a short one prefilled apart at once, as beside a row prefilling in the batch) and decodes beside the
+remaining chunks; no chunk runs in a step where a row of the batch joined or waits for its first token, as the
+slicer keeps such steps short in the batch. A cancel drops it between two chunks. After its last chunk
 the core admits it to the batch from its last token, as a short prompt prefilled apart is admitted. What it
 carries is what that admission needs, gathered when it joined.
 """

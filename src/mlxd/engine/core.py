@@ -686,6 +686,8 @@ class EngineCore:
             if ops.stops:
                 self._end(ops.stops, "stop", out)
             pending = self._pending
+            if pending is not None and self._first_tokens_due():
+                pending = None  # not beside a first token due in this step's forward: it waits a step
             if pending is not None:  # one chunk; the last one admits it, and this step's forward has it
                 try:
                     self._advance_pending(out)
@@ -879,7 +881,8 @@ class EngineCore:
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and (self._slicer.apart(new_tokens, others_prefilling=bool(self._prefilling()))
+            elif not cuts and (self._slicer.apart(new_tokens,
+                                                  others_prefilling=bool(self._prefilling()) or self._pending is not None)
                                or (usable > 0 and idle and 0 < new_tokens <= SUFFIX_APART)):
                 timed = out if not self._rows else None  # chunks that ran alone are timed (rows decode async)
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable, timed), True
@@ -967,6 +970,12 @@ class EngineCore:
         c.overlap_tails, c.overlap_tail_tokens = c.overlap_tails + 1, c.overlap_tail_tokens + done.at - done.recomputed_to
         self._publish_restored(done.caches, tuple(prompt[: done.at]), start, out)
         return kinds.lend(done.caches, done.at, total=done.at), done.at, "ssd", done.recomputed_to - usable, done.stamps
+
+    def _first_tokens_due(self) -> bool:
+        """A row of the batch is about to get its first token: it joined this step, or its prompt is in and it
+        waits for the step that samples (the slicer keeps those steps short; a lone prompt prefilling apart
+        skips them)."""
+        return any(r.generated == 0 and (r.prefilled == 0 or r.prefilled >= r.prompt_new) for r in self._rows.values())
 
     def _prefilling(self) -> list[Row]:
         """The rows in the batch part way through their prompt."""
