@@ -8,8 +8,10 @@ flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 --ssd-write-hold-decode, --ssd-backlog-gb,
 and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, MLXD_PLAN_PACK_MB,
 which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose off keeps mlx-lm's own batch filter,
-MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, and MLXD_PLAN_DEVICE, whose off makes SSD
-write plans of host views, not device addresses: the same here, off CUDA); each
+MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, MLXD_PLAN_DEVICE, whose off makes SSD
+write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, which keeps
+MLX's buffer cache between mlx-lm's prompt chunks; and a short --prefill-step-size, with which a lone prompt is
+prefilled apart, a slice a step, before it joins the batch: engine/apart.py); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
 """
@@ -67,6 +69,10 @@ FLAGS: dict[str, tuple[object, ...]] = {
     # --device-warmup: auto runs none on this CPU (as off does: tests/test_restore_overlap.py), on runs the probe's
     # longest prefill before listening
     "device_warmup": ("auto", "on"),
+    # --prefill-step-size 32: the conversation's prompts are a whole step or more, so each one that finds the batch
+    # empty is prefilled apart a slice a step (engine/apart.py); batch: the default step, longer than any prompt here
+    "prefill": ("batch", "apart"),
+    "keep_buffers": ("off", "on"),  # MLXD_KEEP_BUFFERS (the environment): no buffer-cache clear after prompt chunks
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -203,6 +209,8 @@ class Combo:
     plan_stream: str = "side"
     plan_device: str = "on"
     device_warmup: str = "auto"
+    prefill: str = "batch"
+    keep_buffers: str = "off"
 
     @property
     def id(self) -> str:
@@ -236,6 +244,8 @@ class Combo:
             "mlxfilter": self.batch_filter == "off",
             "planmain": self.plan_stream == "main",
             "hostread": self.plan_device == "off",
+            "apart": self.prefill == "apart",
+            "keep": self.keep_buffers == "on",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -279,6 +289,8 @@ class Combo:
             args.append("--ssd-write-hold-decode")
         if self.backlog is not None:
             args += ["--ssd-backlog-gb", self.backlog]
+        if self.prefill == "apart":
+            args += ["--prefill-step-size", "32"]
         return args
 
     def env(self) -> dict[str, str]:
@@ -286,6 +298,7 @@ class Combo:
         env |= {"MLXD_BATCH_FILTER": "0"} if self.batch_filter == "off" else {}
         env |= {"MLXD_PLAN_STREAM": "main"} if self.plan_stream == "main" else {}
         env |= {"MLXD_PLAN_DEVICE": "0"} if self.plan_device == "off" else {}
+        env |= {"MLXD_KEEP_BUFFERS": "1"} if self.keep_buffers == "on" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
@@ -348,7 +361,7 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1597, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1833, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
     assert len({c.id for c in COMBOS}) == len(COMBOS) <= 22  # each a server start: keep it small
@@ -428,6 +441,9 @@ def test_serve_combination(combo: Combo, tmp_path: Path, request: pytest.Fixture
 
             proc.signal(signal.SIGTERM)
             assert proc.wait() == 0, proc.log()
+            # the first turn's prompt, alone in the engine, was prefilled apart exactly with the short step
+            done = [json.loads(line) for line in proc.log().splitlines() if '"request.done"' in line]
+            assert ("apart" in done[0]["first_token_ms"]) == (combo.prefill == "apart"), done[0]
     finally:
         if sub is not None:
             sub.close()
