@@ -15,12 +15,15 @@ carries is what that admission needs, gathered when it joined.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from mlxd.engine.ops import RowStart
 from mlxd.engine.prefill_slices import prefill_step
+
+if TYPE_CHECKING:
+    from mlxd.engine.features import Sampling
 
 
 @attrs.define
@@ -28,7 +31,7 @@ class PendingApart:
     """The prompt prefilling apart: its start, where its next chunk starts, and its admission's inputs."""
 
     start: RowStart
-    sampling: Any  # its `Sampling`, built (and checked) when it joined
+    sampling: Sampling  # built (and checked) when it joined
     caches: list[Any]
     at: int  # the position its next chunk starts from
     usable: int  # cached tokens it started on

@@ -901,8 +901,7 @@ class EngineCore:
             context = pending.at
             tokens, seconds = pending.advance(self.model, size, alone=alone)
         if alone:  # (beside rows, their decode's work in flight would be counted in it)
-            out.notes.append(PrefillMeasured(tokens, context, seconds))
-            self._slicer.measured(tokens, seconds)
+            self._chunk_measured(tokens, context, seconds, out)
         if not pending.done:
             return
         self._pending = None
@@ -998,8 +997,7 @@ class EngineCore:
             upto = prefill_step(self.model, caches, prompt, at, end, self._prefill_step_size)
             if out is not None:
                 seconds = time.perf_counter() - t0
-                out.notes.append(PrefillMeasured(upto - at, at, seconds))
-                self._slicer.measured(upto - at, seconds)
+                self._chunk_measured(upto - at, at, seconds, out)
             at = upto
         return caches, end
 
@@ -1216,9 +1214,13 @@ class EngineCore:
                 continue
             done = int(r.progress[0])
             if seconds is not None and len(chunks) == 1:
-                out.notes.append(PrefillMeasured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds))
-                self._slicer.measured(done - row.prefilled, seconds)
+                self._chunk_measured(done - row.prefilled, row.cached_tokens + row.prefilled, seconds, out)
             row.prefilled = done
+
+    def _chunk_measured(self, tokens: int, context: int, seconds: float, out: StepOut) -> None:
+        """A prefill chunk that ran alone, timed: for the restore advisor and the slicer."""
+        out.notes.append(PrefillMeasured(tokens, context, seconds))
+        self._slicer.measured(tokens, seconds)
 
     def _prefill_whole(self, row: Row, out: StepOut) -> None:
         """A long prompt prefilled alone, timed to its first token as served (every chunk, the steps'
