@@ -871,8 +871,8 @@ class EngineCore:
         cuts = tuple(c for c in start.checkpoint_at if usable < c < len(req.prompt) - 1) if not req.media else ()
         idle = not self._rows and self._pending is None
         new_tokens = len(req.prompt) - usable - 1
-        if not req.media and not cuts and idle and self.model is not None and self._slicer.alone(
-                new_tokens, self._prefill_step_size):
+        if not req.media and not cuts and idle and self.model is not None and self._slicer.alone(  # (model: a
+                new_tokens, self._prefill_step_size):  # scripted core has none to prefill with)
             # a lone long prompt: prefilled apart a slice a step (`_advance_pending`), so a request that comes
             # meanwhile joins the batch at the next step
             caches = lent if lent is not None else loading.fresh_caches(self.model, self._config)
