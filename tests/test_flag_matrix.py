@@ -9,8 +9,8 @@ flags: --ssd-cache/--ssd-layout, --ssd-shared, --ssd-cache-verify, --kv-bits,
 and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoint is taken, MLXD_PLAN_PACK_MB,
 which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose off keeps mlx-lm's own batch filter,
 MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, MLXD_PLAN_DEVICE, whose off makes SSD
-write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, which keeps
-MLX's buffer cache between mlx-lm's prompt chunks; and a short --prefill-step-size, with which a lone prompt is
+write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, whose off clears
+MLX's buffer cache after each of mlx-lm's prompt chunks; and a short --prefill-step-size, with which a lone prompt is
 prefilled apart, a slice a step, before it joins the batch: engine/apart.py); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
@@ -72,7 +72,8 @@ FLAGS: dict[str, tuple[object, ...]] = {
     # --prefill-step-size 32: the conversation's prompts are a whole step or more, so each one that finds the batch
     # empty is prefilled apart a slice a step (engine/apart.py); batch: the default step, longer than any prompt here
     "prefill": ("batch", "apart"),
-    "keep_buffers": ("off", "on"),  # MLXD_KEEP_BUFFERS (the environment): no buffer-cache clear after prompt chunks
+    "keep_buffers": ("on", "off"),  # MLXD_KEEP_BUFFERS (the environment): off, mlx-lm's buffer-cache clear after
+    # every prompt chunk (on, the default, keeps the buffers for the next chunk)
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -210,7 +211,7 @@ class Combo:
     plan_device: str = "on"
     device_warmup: str = "auto"
     prefill: str = "batch"
-    keep_buffers: str = "off"
+    keep_buffers: str = "on"
 
     @property
     def id(self) -> str:
@@ -245,7 +246,7 @@ class Combo:
             "planmain": self.plan_stream == "main",
             "hostread": self.plan_device == "off",
             "apart": self.prefill == "apart",
-            "keep": self.keep_buffers == "on",
+            "clears": self.keep_buffers == "off",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -298,7 +299,7 @@ class Combo:
         env |= {"MLXD_BATCH_FILTER": "0"} if self.batch_filter == "off" else {}
         env |= {"MLXD_PLAN_STREAM": "main"} if self.plan_stream == "main" else {}
         env |= {"MLXD_PLAN_DEVICE": "0"} if self.plan_device == "off" else {}
-        env |= {"MLXD_KEEP_BUFFERS": "1"} if self.keep_buffers == "on" else {}
+        env |= {"MLXD_KEEP_BUFFERS": "0"} if self.keep_buffers == "off" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 

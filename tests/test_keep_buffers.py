@@ -40,7 +40,7 @@ def test_a_prompt_chunk_keeps_its_buffers_only_while_installed(tiny_model):
         assert mx.get_cache_memory() == 0
     finally:
         keep_buffers.uninstall()
-        keep_buffers.install()  # as the engine's load leaves it (off unless MLXD_KEEP_BUFFERS=1)
+        keep_buffers.install()  # as the engine's load leaves it (on unless MLXD_KEEP_BUFFERS=0)
 
 
 def test_a_failing_chunk_gives_mlx_lm_its_module_back(tiny_model, monkeypatch):

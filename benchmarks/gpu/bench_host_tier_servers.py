@@ -79,13 +79,18 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0.0, "stream": True, "logit_bias": EOS_BAN}
         times: list[float] = []
+        last = ""  # the stream's last event: what a reply without tokens said instead (H100 07:24, every server)
         async with client.stream("POST", base + "/v1/chat/completions", json=body) as resp:
-            resp.raise_for_status()
+            if resp.status_code >= 400:  # the server's own words (mlx_lm.server answers 404 when generate raises)
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:400]!r}")
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    for ch in json.loads(line[6:]).get("choices") or []:
+                    last = line[6:]
+                    for ch in json.loads(last).get("choices") or []:
                         if (ch.get("delta") or {}).get("content"):
                             times.append(time.perf_counter())
+        if not times:
+            raise RuntimeError(f"no tokens; the last event: {last[:400]}")
         return times
 
     async with httpx.AsyncClient(timeout=None) as client:
@@ -577,9 +582,9 @@ def main() -> int:
         # RAM only, a lone row's KV into mlx-lm's batch and on to generation uncopied (model/batch_handover.py)
         "mlxd_ram_handover": (["env", "MLXD_BATCH_HANDOVER=1", *base, "--port", "18197", "--device-probe", "off"],
                               18197),
-        # RAM only, without mlx-lm's buffer-cache clear after every prompt chunk (MLXD_KEEP_BUFFERS=1,
-        # model/keep_buffers.py; off by default until measured)
-        "mlxd_ram_keep": (["env", "MLXD_KEEP_BUFFERS=1", *base, "--port", "18178", "--device-probe", "off"], 18178),
+        # RAM only, with mlx-lm's buffer-cache clear after every prompt chunk (MLXD_KEEP_BUFFERS=0,
+        # model/keep_buffers.py; mlxd_ram keeps the buffers, the default since 2026-12-07)
+        "mlxd_ram_clear": (["env", "MLXD_KEEP_BUFFERS=0", *base, "--port", "18178", "--device-probe", "off"], 18178),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1063,7 +1068,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
-                                                        "mlxd_ram_plain", "mlxd_ram_keep",
+                                                        "mlxd_ram_plain", "mlxd_ram_clear",
                                                         "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")

@@ -27,8 +27,9 @@ costs (H100 2026-12-07 04:34 and 04:42, before `model/keep_buffers.py`: apart ÷
 tokens, a fixed ~8 ms a chunk):
 
 - `batch_keep`: mlx-lm's prompt phase without its `mx.clear_cache` after every chunk (`model/keep_buffers.py`,
-  installed for the arm; `batch` is serving's path, without it unless `MLXD_KEEP_BUFFERS=1`; the apart path
-  never clears);
+  installed for the arm; the other batch arms run mlx-lm's prompt phase as it is, with its clears, whatever
+  `MLXD_KEEP_BUFFERS` says; the apart path never clears). H100 07:13 and 07:14: kept ÷ cleared 0.78-0.82,
+  so serving keeps them since;
 - `batch_nosync`: the batch cache's mask "causal" without looking (mlxd's `model/fast_mask.py` passes "causal"
   for an unpadded batch after reading whether any row is padded: one tiny evaluated reduction a forward,
   which the apart path's `KVCache` does not make).
@@ -83,6 +84,8 @@ def patched(arm: str) -> Iterator[None]:
     try:
         if arm == "batch_keep":
             keep_buffers.install(force=True)
+        else:  # mlx-lm's own prompt phase, as the arm measured before serving kept the buffers
+            keep_buffers.uninstall()
         if arm == "batch_nosync":
             cache_mod.BatchKVCache.make_mask = causal
         yield

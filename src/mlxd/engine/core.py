@@ -289,7 +289,7 @@ class EngineCore:
         fast_mask.install()  # fused causal attention for unpadded prefill chunks
         suffix_attention.install()  # GPU: short chunks over long contexts without cuDNN's per-shape graph
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
-        keep_buffers.install()  # MLXD_KEEP_BUFFERS=1: prompt chunks reuse MLX's buffers, no clear after each
+        keep_buffers.install()  # prompt chunks reuse MLX's buffers, no clear after each (MLXD_KEEP_BUFFERS=0: mlx-lm's)
         batch_filter.install()  # rows leave the batch without waiting for the forward in flight
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())

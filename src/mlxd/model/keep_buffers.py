@@ -12,9 +12,9 @@ memory (the memory budget measures active memory), and MLX's allocator gives cac
 before an allocation would pass its limit.
 
 Only the prompt phase changes: mlx-lm's other clears (every 512 decode steps) and mlxd's own (a reset after
-a failed step) stay. Off by default until a GPU run measures it (`MLXD_KEEP_BUFFERS=1`; the probe's arm
-`batch_keep`, `wave3.sh apartbatch`); on the CPU it measured within noise of mlx-lm's clears
-(docs/benchmarks.md).
+a failed step) stay. On by default since a GPU run measured it (the probe's arm `batch_keep`, `wave3.sh
+apartbatch`: a prompt through the batch takes less time kept than cleared; on the CPU within noise;
+docs/benchmarks.md); `MLXD_KEEP_BUFFERS=0` gives mlx-lm's clears back.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ class _Keeping:
 
 
 def wanted() -> bool:
-    """Whether it is on: "1", "on" or "true"; unset, "" (the default), "0", "off" or "false": off. Another value
+    """Whether it is on: unset, "" (the default), "1", "on" or "true"; "0", "off" or "false": off. Another value
     is a ValueError (`runtime.config.env_switch`)."""
     from mlxd.runtime.config import env_switch
 
-    return env_switch(ENV, default=False)
+    return env_switch(ENV, default=True)
 
 
 def install(*, force: bool = False) -> bool:
