@@ -426,10 +426,27 @@ def test_a_first_chunk_slowed_by_a_compile_does_not_pin_chunks_at_the_minimum():
     for _ in range(8):
         stuck.measured(16, 0.062)
     assert stuck.chunk(2048, newcomers=[], shared=True) == 32
-    # At the step size the other size is half of it (a CPU whose whole chunks take a slice or more).
+    # At the step size no other size is tried: the whole rate errs small, so no fit could ask for less (a CPU
+    # whose whole chunks take a slice), and more is not allowed.
     whole = PrefillSlicer(0.05)
     whole.measured(2048, 0.05)
-    assert whole.chunk(2048, newcomers=[], shared=False) == 1024
+    assert whole.chunk(2048, newcomers=[], shared=False) == 2048
+    assert whole.chunk(3000, newcomers=[], shared=False) == 2048  # (the largest power of two within the step)
+
+
+def test_a_process_first_long_prompt_goes_in_whole_steps_where_one_step_fits_a_slice():
+    """An H100 (4 ms a step + 7.8 µs a token, a 2,048-token chunk in 20 ms, the slice 50 ms): the first long
+    prompt of a process, nothing measured before it, went 2,048, 1,024, 1,024, then 2,048s, the second size
+    tried for the fit; on CUDA each new (queries, keys) shape builds an attention graph the warm-up (whole
+    steps from 0) did not, and the first returning turn after a restart took 0.16 s more than the next. Now
+    every chunk is the step size, as the warm-up's were, and stays so as the context grows."""
+    slicer, sizes, at = PrefillSlicer(0.05), [], 0
+    while at < 16_384:
+        size = aligned(slicer.chunk(2048, newcomers=[], shared=False), at, 16_384 - at)
+        slicer.measured(size, 0.004 + 7.8e-6 * size + 1e-10 * size * at)  # (attention over the context)
+        sizes.append(size)
+        at += size
+    assert sizes == [2048] * 8, sizes
 
 
 def test_one_slow_chunk_does_not_shrink_the_next_prompts_chunks():

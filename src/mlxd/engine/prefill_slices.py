@@ -24,11 +24,15 @@ slicer fits each step's time as `fixed + per_token × n` over its recent
 chunks of different sizes and sizes the next one as `slice ÷ per_token`
 (before two sizes were measured, by the whole rate, which overestimates the
 per-token cost and so errs small; the fit then grows it). Where that whole
-rate would ask again for the one size measured, the next chunk tries another
-(twice it, or half at the step size), so the fit always gets its second size:
-a first chunk slowed by a kernel compile once gave a rate that asked for
-MIN_CHUNK, every later chunk was MIN_CHUNK, no second size ever came, and a
-16k-token prompt took 65 s on the H200 (2026-12-04 13:50). One slow chunk
+rate would ask again for the one size measured, the next chunk tries twice it,
+so the fit gets its second size: a first chunk slowed by a kernel compile once
+gave a rate that asked for MIN_CHUNK, every later chunk was MIN_CHUNK, no
+second size ever came, and a 16k-token prompt took 65 s on the H200
+(2026-12-04 13:50). Not where twice would pass the step size: no fit asks for
+a smaller chunk than the whole rate does, so there another size only spends a
+chunk, on CUDA one of a shape the warm-up did not build (half the step was
+tried there until 2026-12-07: each process's first long prompt took two
+1,024-token chunks). One slow chunk
 (a shape's first compile, a GC pause) must not shrink the next ones either:
 the per-token cost is at most the fastest recent chunk's whole time per
 token (its fixed cost included), so that bounds both the fitted slope and the
@@ -141,11 +145,15 @@ class PrefillSlicer:
     def _size_from(self, samples: list[tuple[int, float]], step_size: int) -> int:
         """The chunk `samples` ask for: `slice_s` of the per-token cost (`seconds_per_token`); without
         a fitted slope, when that asks again for about the one size measured (every chunk within
-        PAIR_SPREAD of it), another size (twice it, half at the step size) for the fit."""
+        PAIR_SPREAD of it), twice it for the fit, unless twice would pass the step size."""
         slope = _slope(samples)
         size = min(step_size, max(MIN_CHUNK, _power_of_two_below(int(self.slice_s / seconds_per_token(samples, slope)))))
-        if slope is None and all(size < PAIR_SPREAD * n and n < PAIR_SPREAD * size for n, _ in samples):
-            size = size * 2 if size * 2 <= step_size else max(MIN_CHUNK, size // 2)
+        # (not at the largest size the step allows: no fit asks for less than the whole rate does, and more is
+        # not allowed, so another size would be a chunk spent for nothing; on CUDA a new attention graph the
+        # warm-up did not build, which half the step size was: docs/benchmarks.md, H100 2026-12-07 07:15)
+        if slope is None and size * 2 <= step_size and all(size < PAIR_SPREAD * n and n < PAIR_SPREAD * size
+                                                            for n, _ in samples):
+            size *= 2
         return size
 
     def apart(self, new_tokens: int, *, others_prefilling: bool) -> bool:
