@@ -759,6 +759,20 @@ def test_a_request_arriving_while_a_lone_prompt_prefills_apart_joins_at_the_next
     assert 0 in timed and 64 not in timed
 
 
+def test_a_fresh_engines_first_long_prompt_goes_in_chunks_of_the_step(tiny_model_dir):
+    """Nothing measured before it: its first chunk's rate already asks for a whole step (slices longer than any
+    step here), so no other size is tried for the fit; every chunk but the last is the step size from 0, the
+    shapes a warm-up of whole steps built (it went 64, 32, 32, 64, ...: on CUDA two shapes built on a request)."""
+    core = _lone_core(tiny_model_dir)
+    try:
+        results = _until_idle(core, StepOps(starts=(_row("long", LONE),)))
+    finally:
+        core.close()
+    chunks = [(n.new_tokens, n.context) for r in results for n in r.notes
+              if isinstance(n, PrefillMeasured) and not n.whole]
+    assert chunks == [(64, 0), (64, 64), (64, 128), (64, 192), (43, 256)]
+
+
 def test_a_lone_prompt_cancelled_while_it_prefills_apart_ends_at_once(tiny_model_dir):
     core = _lone_core(tiny_model_dir)
     try:
