@@ -10,7 +10,8 @@ and the environment's MLXD_FINAL_PLAN, which moves when a reply's final checkpoi
 which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose off keeps mlx-lm's own batch filter,
 MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, MLXD_PLAN_DEVICE, whose off makes SSD
 write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, whose off clears
-MLX's buffer cache after each of mlx-lm's prompt chunks; and a short --prefill-step-size, with which a lone prompt is
+MLX's buffer cache after each of mlx-lm's prompt chunks, MLXD_FIRST_TOKEN_EARLY, whose off hands a lone row's
+first token out a step later; and a short --prefill-step-size, with which a lone prompt is
 prefilled apart, a slice a step, before it joins the batch: engine/apart.py); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
@@ -74,6 +75,8 @@ FLAGS: dict[str, tuple[object, ...]] = {
     "prefill": ("batch", "apart"),
     "keep_buffers": ("on", "off"),  # MLXD_KEEP_BUFFERS (the environment): off, mlx-lm's buffer-cache clear after
     # every prompt chunk (on, the default, keeps the buffers for the next chunk)
+    "first_token": ("early", "late"),  # MLXD_FIRST_TOKEN_EARLY (the environment): late, a lone row's first token
+    # with the step after the one that sampled it, as mlx-lm hands it out
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -108,6 +111,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # nothing is restored without the SSD tier
     if combo.get("restore_overlap") == "off" and (ssd == "off" or combo.get("restore_choice", "measured") != "measured"):
         return False  # ignored: only the measured choice over an SSD tier weighs overlapped splits
+    if combo.get("first_token") == "late" and combo.get("speculative") == "ngram":
+        return False  # ignored with speculation (engine/core.py `_early_first`)
     return True
 
 
@@ -212,6 +217,7 @@ class Combo:
     device_warmup: str = "auto"
     prefill: str = "batch"
     keep_buffers: str = "on"
+    first_token: str = "early"
 
     @property
     def id(self) -> str:
@@ -247,6 +253,7 @@ class Combo:
             "hostread": self.plan_device == "off",
             "apart": self.prefill == "apart",
             "clears": self.keep_buffers == "off",
+            "late1st": self.first_token == "late",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -300,6 +307,7 @@ class Combo:
         env |= {"MLXD_PLAN_STREAM": "main"} if self.plan_stream == "main" else {}
         env |= {"MLXD_PLAN_DEVICE": "0"} if self.plan_device == "off" else {}
         env |= {"MLXD_KEEP_BUFFERS": "0"} if self.keep_buffers == "off" else {}
+        env |= {"MLXD_FIRST_TOKEN_EARLY": "0"} if self.first_token == "late" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
@@ -362,10 +370,10 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1833, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 1956, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
-    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 22  # each a server start: keep it small
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 24  # each a server start: keep it small
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])

@@ -24,3 +24,13 @@ def test_both_paths_give_a_lone_prompt_its_first_token_and_are_compared(tmp_path
     assert list(size["rounds"][0]) == ["apart", "batch"] and list(size["rounds"][1]) == ["batch", "apart"]
     s = size["summary"]
     assert s["apart_vs_batch"] == s["apart_s"] / s["batch_s"]
+
+
+def test_the_served_arms_with_the_first_token_early_and_late(tmp_path):
+    run = subprocess.run([sys.executable, str(PROBE), "--small", "--tokens", "40", "--rounds", "2", "--step", "64",
+                          "--arms", "served", "served_late", "--out", str(tmp_path / "out"),
+                          "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [result] = (tmp_path / "out").glob("apart_vs_batch-small-*.json")
+    s = json.loads(result.read_text())["sizes"]["40"]["summary"]
+    assert s["served_vs_served_late"] == s["served_s"] / s["served_late_s"]

@@ -585,6 +585,10 @@ def main() -> int:
         # RAM only, with mlx-lm's buffer-cache clear after every prompt chunk (MLXD_KEEP_BUFFERS=0,
         # model/keep_buffers.py; mlxd_ram keeps the buffers, the default since 2026-12-07)
         "mlxd_ram_clear": (["env", "MLXD_KEEP_BUFFERS=0", *base, "--port", "18178", "--device-probe", "off"], 18178),
+        # RAM only, a lone row's first token handed out with the step after the one that sampled it, as mlx-lm
+        # hands it out (MLXD_FIRST_TOKEN_EARLY=0; mlxd_ram hands it out with that step, the default since 2026-12-07)
+        "mlxd_ram_late": (["env", "MLXD_FIRST_TOKEN_EARLY=0", *base, "--port", "18177", "--device-probe", "off"],
+                          18177),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1068,7 +1072,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
         goals["next_turn_host_tight_vs_mlx_lm (goal <= 1.0)"] = ratio(tight.get("next"), lm.get("next"))
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
-                                                        "mlxd_ram_plain", "mlxd_ram_clear",
+                                                        "mlxd_ram_plain", "mlxd_ram_clear", "mlxd_ram_late",
                                                         "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")

@@ -18,7 +18,13 @@ fresh random prompts each time, arms alternating and each first in turn, both wa
   head) up to the last token, then the last token's forward and its argmax, evaluated;
 - `served` (with `--arms`): the request stepped as serving steps it now, where a lone prompt of a whole step or
   more is prefilled apart a slice a step (`engine/apart.py`, `PrefillSlicer.alone`), then joins the
-  batch for its first token.
+  batch for its first token, handed out with the step that sampled it (`MLXD_FIRST_TOKEN_EARLY`, on by default);
+- `served_late`: the same, its first token handed out with the next step, as mlx-lm hands it out (the H100
+  runs of 07:13 and 07:14 measured `served` so, 17-21 ms behind `apart`). Every arm but `served` hands the first
+  token out so.
+
+Each batch arm asks for two tokens and is timed to the first (a one-token reply's token goes with the step
+that ends it); until 2026-12-07 08:00 they asked for one and were timed to the row's end, the same step.
 
 What to look at: `apart_vs_batch` (median seconds apart ÷ median in the batch) per length, and `served_vs_batch`.
 
@@ -65,7 +71,7 @@ from mlxd.model import keep_buffers  # noqa: E402
 from mlxd.runtime.config import RuntimeConfig  # noqa: E402
 from mlxd.runtime.kernel.messages import GenerationRequest  # noqa: E402
 
-BATCH_ARMS = ("batch", "served", "batch_keep", "batch_nosync")
+BATCH_ARMS = ("batch", "served", "batch_keep", "batch_nosync", "served_late")
 
 
 @contextlib.contextmanager
@@ -97,8 +103,9 @@ def patched(arm: str) -> Iterator[None]:
 def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
              steps: list[tuple[int, float]] | None = None) -> float:
     """Seconds from the request's start to its first token, stepped through the engine's batch; `steps`
-    (when given) gets each generator step's prefill chunk and seconds."""
-    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    (when given) gets each generator step's prefill chunk and seconds. Two tokens asked for: a one-token reply's
+    only token goes with the step that ends it, never early (MLXD_FIRST_TOKEN_EARLY)."""
+    sampling = SamplingParams(max_tokens=2, temperature=0.0)
     generator_next = core.generator.next
 
     def timed() -> Any:
@@ -109,17 +116,17 @@ def in_batch(core: EngineCore, prompt: list[int], rid: str, arm: str = "batch",
         return got
 
     core.generator.next = timed
-    rule = PrefillSlicer.alone
-    if arm != "served":  # through the batch: the slicer's rule for a lone prompt off
+    rule, early = PrefillSlicer.alone, core._early_first
+    if not arm.startswith("served"):  # through the batch: the slicer's rule for a lone prompt off
         PrefillSlicer.alone = lambda *args, **kwargs: False  # type: ignore[method-assign]
+    core._early_first = early and arm == "served"  # the other arms: the first token as mlx-lm hands it out
     try:
         with patched(arm):
-            t0 = time.perf_counter()
-            run_rows(core, [GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling)])
-            return time.perf_counter() - t0
+            run = run_rows(core, [GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling)])
+            return run.first_token_s[rid]
     finally:
         del core.generator.next
-        PrefillSlicer.alone = rule  # type: ignore[method-assign]
+        PrefillSlicer.alone, core._early_first = rule, early  # type: ignore[method-assign]
 
 
 def apart(core: EngineCore, prompt: list[int]) -> float:
@@ -184,9 +191,11 @@ def main(argv: list[str] | None = None) -> Path:
             for arm in arms:
                 if arm != "batch" and "batch" in med:
                     summary[f"{arm}_vs_batch"] = med[arm] / med["batch"]
+            if "served" in med and "served_late" in med:  # the first token handed out early ÷ a step later
+                summary["served_vs_served_late"] = med["served"] / med["served_late"]
             result["sizes"][str(n)] = {"rounds": rounds, "summary": summary, "steps": steps}
             log(f"n={n}: " + ", ".join(f"{arm} {med[arm]:.3f}s" for arm in arms) + " | " +
-                ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if k.endswith("_vs_batch")) +
+                ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if "_vs_" in k) +
                 f" ({args.rounds} rounds)")
             dest.write_text(json.dumps(result, indent=1))
     finally:

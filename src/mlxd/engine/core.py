@@ -39,6 +39,7 @@ from mlxd.engine.features import (
     StepMasks,
     StopTokens,
     final_plan,
+    first_token_early,
     gil_switch_ms,
     plan_device,
     plan_pack_bytes,
@@ -136,6 +137,7 @@ class Row:
     prefill_began: float = 0.0  # perf_counter when its prefill began (after a restore's adoption)
     prefill_shared: bool = False  # another row was in the batch during its prefill: its wall time is not its own
     stages: list[tuple[str, float]] = attrs.Factory(list)  # until its first token: (stage, time.monotonic())
+    early: bool = False  # its first token went out with the step that sampled it; mlx-lm hands it out again next
     request_id: str = attrs.field(init=False)
     # The parts with a `token` hook (read per token: the others' hooks do nothing)
     token_parts: tuple[Feature, ...] = attrs.field(init=False)
@@ -220,6 +222,9 @@ class EngineCore:
         self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
         self._plan_on_side = plan_stream() == "side"  # MLXD_PLAN_STREAM: write plans not behind the forward in flight
         self._plan_device = plan_device()  # MLXD_PLAN_DEVICE: SSD write plans by device address (CUDA)
+        # MLXD_FIRST_TOKEN_EARLY: a lone row's first token with the step that sampled it (`_first_token_now`); not
+        # with speculation (its batch is another) nor across ranks
+        self._early_first = first_token_early() and config.speculative == "off" and not config.distributed
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -274,6 +279,7 @@ class EngineCore:
         core._store_identity = store_identity or StoreIdentity(model_id="scripted", fingerprint="scripted",
                                                                tokenizer_hash="none")
         core._fresh_generator = lambda: generator
+        core._early_first = False  # (a scripted generator keeps mlx-lm's timing: the first token with the next step)
         return core
 
     def load(self) -> EngineInfo:
@@ -1157,6 +1163,9 @@ class EngineCore:
             row = rows.get(r.uid)
             if row is None:
                 continue
+            if row.early:  # this token went out with the step before (`_first_token_now`)
+                row.early = False
+                continue  # (never its last: a stop token or a one-token reply is not handed out early)
             row.generated += 1
             tokens += 1
             event = row.sampling.event(r, reads.get(i))
@@ -1178,6 +1187,8 @@ class EngineCore:
                     self._leaving.append((row, r.finish_reason, ending))
                     continue
                 self._finish(row, r.finish_reason, out, leave_s=self._leave(row, ending, out))
+        if self._early_first and len(rows) == 1 and prompt_responses:
+            tokens += self._first_token_now(prompt_responses, out)
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
@@ -1188,6 +1199,31 @@ class EngineCore:
                 out.notes.append(self.measure_memory("prefill"))
             elif not held and self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
+
+    def _first_token_now(self, prompt_responses: list[Any], out: StepOut) -> int:
+        """The lone row whose prompt ended in this step: its first token, sampled by this step's forward, read now
+        and handed out with this step (mlx-lm hands it out with the next one, once that step has built the forward
+        after it); the row skips it then. Not for a row with a grammar (its masks follow the tokens mlx-lm hands
+        out), nor a token that ends the reply (its finish goes with the step that finishes it). Tokens handed out."""
+        from mlxd.engine.gen_hook import first_token
+
+        (row,) = self._rows.values()
+        if row.generated or not any(r.uid == row.uid and r.end_of_prompt for r in prompt_responses):
+            return 0
+        if self._constrained_rows():
+            return 0
+        r = first_token(self.generator, row.uid)
+        if r is None or r.token in self._stop_ids(row.start.request.sampling):
+            return 0
+        row.generated, row.early = 1, True
+        reads = read_logprobs([(r, row.sampling.top_k)], self._reads) if row.sampling.top_k is not None else None
+        self._prefill_whole(row, out)
+        event = row.sampling.event(r, reads[0] if reads else None)
+        out.emit(row, attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic()))))
+        row.stages = []
+        for part in row.token_parts:
+            part.token(row, r.token, self, out)
+        return 1
 
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
         """The logprobs of this step's tokens that their rows asked for, by index in `responses` (a verifying

@@ -338,6 +338,17 @@ def plan_device() -> bool:
     return env_switch("MLXD_PLAN_DEVICE", default=True)
 
 
+def first_token_early() -> bool:
+    """`MLXD_FIRST_TOKEN_EARLY` (on by default; `runtime.config.env_switch` values): a row alone in the batch whose
+    prompt ended in a step gets its first token with that step. mlx-lm samples it in that step's forward and hands
+    it out with the next step, after that step has built (and dispatched) the forward of the token after it; read
+    in the step that sampled it, it goes out one step earlier (engine/gen_hook.py `first_token`). Off: with the next
+    step, as mlx-lm hands it out."""
+    from mlxd.runtime.config import env_switch
+
+    return env_switch("MLXD_FIRST_TOKEN_EARLY", default=True)
+
+
 def plan_pack_bytes() -> int:
     """`MLXD_PLAN_PACK_MB`: a checkpoint's write plan of at most this many MB is written from one packed copy of its
     tensors (`kinds.plan_snapshot`): on CUDA one host conversion to managed memory instead of one per tensor (a

@@ -4,6 +4,8 @@
   after n samples), so a resumed request continues the very same random stream.
 - `snapshot_row`: a running row's caches, tokens and pending token, read from
   mlx-lm's `BatchGenerator` between two steps.
+- `first_token`: the token a row's last prompt token sampled, read in the step
+  that sampled it (mlx-lm hands it out with the next step).
 """
 
 from __future__ import annotations
@@ -78,6 +80,20 @@ def snapshot_row(generator: Any, uid: int) -> RowSnapshot | None:
     caches = batch.extract_cache(i)
     pending = int(batch._next_tokens[i].item())
     return RowSnapshot(caches, list(batch.tokens[i]), pending)
+
+
+def first_token(generator: Any, uid: int) -> Any | None:
+    """The first token of a row alone in the generation batch that entered it in the step just run, as mlx-lm's
+    response for it (token, logprobs; no finish reason: the caller checks its stops), or None where it is not alone
+    there or may generate only one.
+
+    mlx-lm's generation batch samples it in the step the row's prompt ends (`_next_tokens`, evaluated
+    asynchronously) and hands it out with the next step, once that step has dispatched the following forward; this
+    reads it now (a wait for that forward alone)."""
+    batch = generator._generation_batch
+    if batch.uids != [uid] or batch._next_tokens is None or batch.max_tokens[0] <= 1:
+        return None  # (alone only; a row whose one token ends it gets it with the step that finishes it)
+    return type(batch).Response(uid, int(batch._next_tokens[0].item()), batch._next_logprobs[0], None, None, None)
 
 
 def step_inputs(generator: Any) -> dict[int, int]:
