@@ -1170,9 +1170,7 @@ class EngineCore:
             tokens += 1
             event = row.sampling.event(r, reads.get(i))
             if row.generated == 1:
-                self._prefill_whole(row, out)
-                event = attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic())))
-                row.stages = []
+                event = self._first_event(row, event, out)
             emit(Emit(row.request_id, event))
             if r.finish_reason is None:
                 for part in row.token_parts:
@@ -1208,22 +1206,25 @@ class EngineCore:
         from mlxd.engine.gen_hook import first_token
 
         (row,) = self._rows.values()
-        if row.generated or not any(r.uid == row.uid and r.end_of_prompt for r in prompt_responses):
-            return 0
-        if self._constrained_rows():
+        ended = any(r.uid == row.uid and r.end_of_prompt for r in prompt_responses)
+        if row.generated or not ended or self._constrained_rows():
             return 0
         r = first_token(self.generator, row.uid)
         if r is None or r.token in self._stop_ids(row.start.request.sampling):
             return 0
         row.generated, row.early = 1, True
         reads = read_logprobs([(r, row.sampling.top_k)], self._reads) if row.sampling.top_k is not None else None
-        self._prefill_whole(row, out)
-        event = row.sampling.event(r, reads[0] if reads else None)
-        out.emit(row, attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic()))))
-        row.stages = []
+        out.emit(row, self._first_event(row, row.sampling.event(r, reads[0] if reads else None), out))
         for part in row.token_parts:
             part.token(row, r.token, self, out)
         return 1
+
+    def _first_event(self, row: Row, event: TokenGenerated, out: StepOut) -> TokenGenerated:
+        """A row's first token: its prefill timed whole (`_prefill_whole`), its stages handed out with it."""
+        self._prefill_whole(row, out)
+        event = attrs.evolve(event, stages=(*row.stages, ("first_token", time.monotonic())))
+        row.stages = []
+        return event
 
     def _read_logprobs(self, responses: list[Any]) -> dict[int, LogprobRead]:
         """The logprobs of this step's tokens that their rows asked for, by index in `responses` (a verifying
