@@ -107,19 +107,34 @@ class Zygote:
         return Forked(json.loads(reply)["pid"], exit_path)
 
 
-_zygote: Zygote | None = None
+_zygotes: list[Zygote] = []
+MAX_ZYGOTES = 3  # per test process: its environment as it was, and as a test or a library changed it since
 
 
 def zygote_for(env: Mapping[str, str]) -> Zygote | None:
-    """This test process's zygote (started with its environment, as the first server's was) where it can fork
-    a server of `env` (`Zygote.can_fork`); None where it cannot (the server is started afresh) or
-    MLXD_TEST_FORK=0."""
-    global _zygote
+    """A zygote of this test process that can fork a server of `env` (`Zygote.can_fork`); None where none can
+    (the server is started afresh) or MLXD_TEST_FORK=0. Where none of the live ones can and this process's
+    environment is not one of theirs (a zygote started while a test had changed it, or before a library set a
+    name of its own), another is started with the environment as it is now: one started under another
+    environment must not leave every later server unforked. Zygotes are never ended early: the servers they
+    forked report their exit through them."""
     if os.environ.get("MLXD_TEST_FORK", "1") == "0":
         return None
-    if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = Zygote({**os.environ, "PYTHONUNBUFFERED": "1"})
-    return _zygote if _zygote.can_fork(env) else None
+    _zygotes[:] = [z for z in _zygotes if z.proc.poll() is None]
+    for zygote in _zygotes:
+        if zygote.can_fork(env):
+            return zygote
+    now = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if len(_zygotes) >= MAX_ZYGOTES or any(_same_environment(z.env, now) for z in _zygotes):
+        return None
+    zygote = Zygote(now)
+    _zygotes.append(zygote)
+    return zygote if zygote.can_fork(env) else None
+
+
+def _same_environment(a: Mapping[str, str], b: Mapping[str, str]) -> bool:
+    ignored = {"PYTEST_CURRENT_TEST"}  # pytest's, set for each test
+    return {k: v for k, v in a.items() if k not in ignored} == {k: v for k, v in b.items() if k not in ignored}
 
 
 class ServeProcess:

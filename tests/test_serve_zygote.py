@@ -66,3 +66,17 @@ def test_a_server_differing_in_a_switch_read_at_import_is_started_afresh(tmp_pat
 def test_mlxd_test_fork_0_starts_every_server_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXD_TEST_FORK", "0")
     assert zygote_for(base_env()) is None
+
+
+@pytest.mark.skipif(os.environ.get("MLXD_TEST_FORK") == "0", reason="the zygote is off (MLXD_TEST_FORK=0)")
+def test_a_zygote_started_under_another_environment_leaves_later_forks_to_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote started while a test had changed a switch read at import could fork no later server: each was
+    started afresh, and this file's fork test failed on the order the tests ran in (a fresh-clone CI, 08:43)."""
+    monkeypatch.setenv("MLXD_SUFFIX_APART", "0")  # read at import (engine/core.py)
+    patched = zygote_for(base_env())
+    assert patched is not None and patched.env["MLXD_SUFFIX_APART"] == "0"
+    monkeypatch.delenv("MLXD_SUFFIX_APART")
+    now = zygote_for(base_env())
+    assert now is not None and now is not patched and "MLXD_SUFFIX_APART" not in now.env
+    assert zygote_for(base_env()) is now  # kept for the next server
