@@ -132,6 +132,15 @@ def zygote_for(env: Mapping[str, str]) -> Zygote | None:
     return zygote if zygote.can_fork(env) else None
 
 
+def unforkable(env: Mapping[str, str]) -> list[list[str]]:
+    """For each live zygote, the names `env` differs from it in that it cannot fork past (for a failed test)."""
+    out = []
+    for zygote in _zygotes:
+        differ = {k for k in env.keys() | zygote.env.keys() if env.get(k) != zygote.env.get(k)} - {"PYTEST_CURRENT_TEST"}
+        out.append(sorted(k for k in differ if not k.startswith("MLXD_") or k in (zygote.read or ())))
+    return out
+
+
 def _same_environment(a: Mapping[str, str], b: Mapping[str, str]) -> bool:
     ignored = {"PYTEST_CURRENT_TEST"}  # pytest's, set for each test
     return {k: v for k, v in a.items() if k not in ignored} == {k: v for k, v in b.items() if k not in ignored}

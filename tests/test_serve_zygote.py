@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import Forked, ServeProcess, Zygote, zygote_for
+from procs import Forked, ServeProcess, Zygote, unforkable, zygote_for
 
 
 def base_env() -> dict[str, str]:
@@ -37,7 +37,8 @@ def test_a_forked_server_serves_ends_as_a_started_one_and_sees_its_environment(t
     env = {"MLXD_FINAL_PLAN": "with-token"}
     with ServeProcess("--model", str(tiny_model_dir), log_path=tmp_path / "forked.log", env=env) as proc, \
             proc.client() as http:
-        assert isinstance(proc.proc, Forked) and proc.proc.pid != os.getpid()
+        assert isinstance(proc.proc, Forked), unforkable({**base_env(), **env})  # (the names in the way)
+        assert proc.proc.pid != os.getpid()
         assert chat(http)["choices"][0]["message"]["content"] == expected  # the same greedy tokens
         assert http.get("/stats").json()["engine"].get("late_final_checkpoints") is None  # with-token: none late
         proc.signal(signal.SIGTERM)
