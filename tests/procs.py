@@ -81,12 +81,17 @@ class Zygote:
     def can_fork(self, env: Mapping[str, str]) -> bool:
         """Whether a server of `env` can be forked: it differs from the zygote's only in `MLXD_` names that
         were not read while the zygote imported."""
+        return not self.in_the_way(env)
+
+    def in_the_way(self, env: Mapping[str, str]) -> list[str]:
+        """The names `env` differs from the zygote's in that a fork cannot take: any but `MLXD_` ones, and those
+        read while the zygote imported."""
         with self.lock:
             if self.read is None:
                 self.read = frozenset(json.loads(self._reply())["read"])
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         differ.discard("PYTEST_CURRENT_TEST")  # pytest's, set for each test (the child gets the test's)
-        return all(k.startswith("MLXD_") and k not in self.read for k in differ)
+        return sorted(k for k in differ if not k.startswith("MLXD_") or k in self.read)
 
     def _reply(self) -> bytes:
         assert self.proc.stdout is not None
@@ -133,12 +138,8 @@ def zygote_for(env: Mapping[str, str]) -> Zygote | None:
 
 
 def unforkable(env: Mapping[str, str]) -> list[list[str]]:
-    """For each live zygote, the names `env` differs from it in that it cannot fork past (for a failed test)."""
-    out = []
-    for zygote in _zygotes:
-        differ = {k for k in env.keys() | zygote.env.keys() if env.get(k) != zygote.env.get(k)} - {"PYTEST_CURRENT_TEST"}
-        out.append(sorted(k for k in differ if not k.startswith("MLXD_") or k in (zygote.read or ())))
-    return out
+    """For each live zygote, the names in the way of forking a server of `env` (for a failed test)."""
+    return [zygote.in_the_way(env) for zygote in _zygotes]
 
 
 def _same_environment(a: Mapping[str, str], b: Mapping[str, str]) -> bool:

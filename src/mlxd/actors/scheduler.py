@@ -453,9 +453,9 @@ def first_token_split(record: RequestRecord) -> dict[str, Any] | None:
     lent (or restored; an overlapped split's whole engine half, split into overlap_head: the head
     recomputed, overlap_wait: waiting for the tail, overlap_rest: recomputing on while it was out and
     appending it); join: the row inserted, its part prefilled apart among it (apart: a short prompt beside
-    other prefills at once, a lone long one a slice a step); wait: until its first step; forward: in the generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other:
-    the rest of those steps; deliver: the token back in the scheduler; step_ms: each step's time (the
-    first 8).
+    other prefills at once, a lone long one a slice a step); wait: until its first step; forward: in the
+    generator's steps (`steps` of them); checkpoint: its prompt's checkpoint; other: the rest of those steps;
+    deliver: the token back in the scheduler; step_ms: each step's time (the first 8).
     """
     stamps, sent, got = record.engine_stages, record.engine_sent_at, record.first_token_at
     if not stamps or sent is None or got is None:
