@@ -11,7 +11,13 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"),
                 str(Path(__file__).resolve().parents[1] / "benchmarks")]
-from bench_host_tier_servers import _ssd_caps, by_metric, median_stream  # noqa: E402
+from bench_host_tier_servers import (  # noqa: E402
+    _ssd_caps,
+    by_metric,
+    first_error,
+    median_stream,
+    shared_budget_gb,
+)
 
 
 def commands() -> dict[str, tuple[list[str], int]]:
@@ -55,3 +61,21 @@ def test_the_median_stream_is_a_batched_rows_rate_and_old_runs_read_it_too():
     medians = by_metric({"runs": runs, "reference": "mlx_lm", "schedule": "interleaved"})["8"]["mlxd"]
     assert medians["stream_sum_tok_s"] == round(840 / 870, 4)  # below mlx_lm's: its lone row's rate counts
     assert medians["median_stream_tok_s"] == 1.05  # a batched row 5% faster
+
+
+def test_a_server_log_is_kept_from_its_first_error():
+    # The H100 at 09:30 2026-12-07: the logs' tails held only the last of hundreds of failed steps.
+    log = "\n".join(['{"event": "serve.ready", "level": "info"}',
+                     '{"event": "engine.step_failed", "level": "error", "exception": "out of memory"}',
+                     '{"event": "engine.step_failed", "level": "error", "exception": "illegal memory access"}'])
+    first = first_error(log)
+    assert first is not None and first.startswith('{"event": "engine.step_failed"') and "out of memory" in first
+    plain = "starting\nTraceback (most recent call last):\n  File x\nRuntimeError: boom\n"
+    assert first_error(plain) == plain[len("starting\n"):]
+    assert first_error('{"event": "serve.ready", "level": "info"}\n') is None
+
+
+def test_no_shared_budget_on_the_cpu_or_for_one_server():
+    args = argparse.Namespace(small=False, no_share=False)
+    assert shared_budget_gb(3, args) is None  # this machine's MLX runs on its CPU: nothing to share
+    assert shared_budget_gb(1, args) is None

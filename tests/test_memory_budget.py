@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import httpx
 import trio
 
@@ -104,3 +106,62 @@ def test_memory_budget_flag(tmp_path):
     assert serve_config(args).memory_budget_bytes == int(1.5 * 1024**3)
     assert serve_config(build_parser().parse_args(["serve"])).memory_budget_bytes is None
     assert serve_config(build_parser().parse_args(["serve", "--memory-budget", "0"])).memory_budget_bytes == 0
+
+
+CACHE_PROBE = """
+import sys
+import mlx.core as mx
+from mlxd.engine.loading import keep_buffer_cache_to
+
+if sys.argv[1] != "none":
+    print(keep_buffer_cache_to(int(sys.argv[1])))
+held = [mx.ones(((4 << 20) // 4,)) + i for i in range(20)]  # 80 MiB at once, then freed
+mx.eval(held)
+del held
+print(mx.get_cache_memory())
+"""
+
+
+def _cache_after(budget: str) -> list[str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CACHE_PROBE, budget], capture_output=True, text=True, check=True)
+    return done.stdout.split("\n")
+
+
+def test_the_budget_bounds_mlx_buffer_cache_in_a_process():
+    # MLX keeps freed buffers up to its own cache limit (32 MiB on its CPU build, nearly the GPU on CUDA);
+    # under a budget the cache keeps to an eighth of it.
+    MiB = 1 << 20
+    unbounded = int(_cache_after("none")[0])
+    assert unbounded > 8 * MiB  # what the bound below must take away
+    limits, cached = _cache_after(str(64 * MiB))[:2]
+    limit, before = ast.literal_eval(limits)
+    assert limit == 8 * MiB and before >= limit
+    assert int(cached) <= 8 * MiB
+    # A budget whose eighth passes MLX's own limit leaves MLX's (never a larger cache than MLX keeps).
+    limit, before = ast.literal_eval(_cache_after(str(1 << 40))[0])
+    assert limit == before < (1 << 40) // 8
+
+
+async def test_the_runtime_sets_the_buffer_cache_limit_and_gives_it_back(tiny_model_dir):
+    import mlx.core as mx
+
+    def current() -> int:  # MLX reads its cache limit only by setting one
+        value = mx.set_cache_limit(0)
+        mx.set_cache_limit(value)
+        return int(value)
+
+    before = current()
+    budget = 64 << 20
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), memory_budget_bytes=budget)) as rt:
+        assert rt.info.memory_budget_bytes == budget
+        assert current() == min(budget // 8, before)
+        (prompt,) = await conversations(rt, 1)
+        await answer(rt, prompt)
+        memory = (await rt.stats()).cache.tiers.memory
+        assert 0 <= memory.buffer_cache_bytes <= budget // 8 + (4 << 20)  # the limit, and one buffer past it
+    assert current() == before
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), memory_budget_bytes=0)):
+        assert current() == before  # no budget: MLX's own

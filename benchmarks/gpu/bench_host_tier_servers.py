@@ -455,6 +455,8 @@ def main() -> int:
     os.environ.setdefault("MLXD_STALL_WATCH_MS", "20")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the bench preset and small sizes (CPU)")
+    ap.add_argument("--no-share", action="store_true",
+                    help="no --memory-budget share per mlxd server on a GPU (each keeps its default budget)")
     ap.add_argument("--preset", default=None,
                     help="model preset (default: the 1.7B shape; --small: bench); `test` makes decode host-bound on the CPU")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/host-servers")))
@@ -650,6 +652,11 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown servers {unknown}; choose from {sorted(cmds)}")
     wanted.sort(key=lambda w: w == "mlxd_host_ssd")  # last: its stop flushes, and the restarts follow it
+    share = shared_budget_gb(len(wanted), args)
+    for name in wanted:  # servers up at once share the GPU: each mlxd keeps to its share (one left alone, none)
+        cmd = cmds[name][0]
+        if share is not None and name.startswith("mlxd") and "--memory-budget" not in cmd:
+            cmds[name] = (cmd + ["--memory-budget", share], cmds[name][1])
     ssd_cap_gb = _ssd_caps(cmds, wanted, args)
     out: dict[str, Any] = {"device": str(mx.default_device()), "tokens": n, "rounds": args.rounds,
                            "decode_tokens": args.decode_tokens, "argv": sys.argv, "restart_arms": arms,
@@ -669,10 +676,17 @@ def main() -> int:
             tmp.write_text(json.dumps(out, indent=1, default=str))
             tmp.replace(res)
 
-    def stop(*_: Any) -> None:  # `timeout` sends SIGTERM: keep what was measured, with the server logs' tails
+    def keep_logs() -> None:  # each server log's tail, and its first error (a tail shows only the last ones)
         for name, path in logs.items():
             if path.exists():
-                out.setdefault("log_tails", {})[name] = path.read_text(errors="replace")[-4000:]
+                text = path.read_text(errors="replace")
+                out.setdefault("log_tails", {})[name] = text[-4000:]
+                first = first_error(text)
+                if first:
+                    out.setdefault("log_first_errors", {})[name] = first
+
+    def stop(*_: Any) -> None:  # `timeout` sends SIGTERM: keep what was measured, with the server logs' tails
+        keep_logs()
         try:  # the goals of what was measured (a restart cut short: its arm is missing)
             out["summary"] = summarize(out, wanted)
             print_stages(out["summary"])
@@ -698,6 +712,10 @@ def main() -> int:
     threads = [threading.Thread(target=start, args=(name,)) for name in wanted]
     for t in threads:
         t.start()
+    # Each server's GPU memory every few seconds (the H100 at 09:33 2026-12-07: all three servers on one GPU
+    # died of "an illegal memory access", mlx_lm.server first; what each held then was not on record).
+    threading.Thread(target=sample_gpu_memory, args=(procs, out.setdefault("gpu_memory_mib", [])),
+                     daemon=True).start()
     stoppers: list[threading.Thread] = []
 
     def finish(name: str) -> None:
@@ -768,6 +786,7 @@ def main() -> int:
     for name in wanted:
         for row in out.get(name, {}).get("rows", []):
             row.pop("history", None)
+    keep_logs()
     save()
     log("summary", json.dumps(out["summary"], indent=1))
     print_stages(out["summary"])
@@ -951,6 +970,58 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
         "probe_warmup": probe.get("warmup"),  # {tokens, seconds} of the reused probe's untimed prefill at start
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
+
+
+def shared_budget_gb(servers: int, args: argparse.Namespace) -> str | None:
+    """Each mlxd server's --memory-budget where several share one GPU (None: one server, the CPU, or --no-share).
+
+    Every server here runs at once on one device. mlxd's default budget is 0.75 x the GPU's memory (and its
+    buffer cache an eighth of that on top), each for one process: three servers overran an H100 (2026-12-07
+    09:30, 09:44 and 09:53: "out of memory", then "an illegal memory access", in every server, mlx_lm.server
+    too). mlx_lm.server has no such setting (it held up to 14.5 GB there); each mlxd gets 0.7 x the device's
+    memory / the servers, which with its buffer cache and CUDA's own leaves mlx_lm.server its share.
+    """
+    if args.small or args.no_share or servers < 2:
+        return None
+    info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
+    total = info.get("total_memory") or info.get("memory_size")
+    if not isinstance(total, int) or total <= 0 or mx.default_device().type != mx.gpu:
+        return None
+    return f"{0.7 * total / servers / 1e9:.1f}"
+
+
+def first_error(text: str, size: int = 3000) -> str | None:
+    """A server log from its first traceback or error-level event on (None without one)."""
+    starts = [i for i in (text.find("Traceback"), text.find('"level": "error"'), text.find("RuntimeError")) if i >= 0]
+    if not starts:
+        return None
+    at = text.rfind("\n", 0, min(starts)) + 1
+    return text[at:at + size]
+
+
+def sample_gpu_memory(procs: dict[str, Any], into: list[Any], every: float = 3.0) -> None:
+    """Append [seconds since start, total MiB used, {server: MiB}] every few seconds while nvidia-smi answers."""
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return
+    t0 = time.perf_counter()
+    while True:
+        try:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10).stdout
+            total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return
+        names = {p.proc.pid: name for name, p in procs.items() if p.proc is not None}
+        used: dict[str, int] = {}
+        for line in apps.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().isdigit():
+                used[names.get(int(pid), pid.strip())] = int(mib)
+        into.append([round(time.perf_counter() - t0, 1), int(total.split()[0]) if total.split() else None, used])
+        time.sleep(every)
 
 
 def dir_bytes(root: Path) -> int:

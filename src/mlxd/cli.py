@@ -409,8 +409,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.distributed and world_rank() > 0:
         return _follow(config)
     refused: list[object] = []
+    lost: str | None = None
     try:
-        trio.run(_serve_main, config, args, freeze)
+        lost = trio.run(_serve_main, config, args, freeze)
     except* (ModelRefused, DirLocked, CannotListen) as group:  # refused at startup: exit 2 with the reason
         refused += _leaves(group)
     except* StorageError as group:  # the SSD tier's directory cannot be made or used (a file there, no access)
@@ -419,6 +420,9 @@ def run_serve(args: argparse.Namespace) -> int:
         get_logger("mlxd.serve").info("serve.stopped")
     for error in refused:
         print(f"mlxd serve: {error}", file=sys.stderr)
+    if lost is not None:
+        print(f"mlxd serve: {lost}; start it again", file=sys.stderr)
+        return 1
     return 2 if refused else 0
 
 
@@ -451,7 +455,7 @@ def _follow(config) -> int:
     return 0
 
 
-async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> None:
+async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> str | None:
     import trio
 
     from mlxd.http.app import serve_http
@@ -465,6 +469,7 @@ async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> None:
         if args.record_trace is not None:
             record_trace(rt, args.record_trace)
         nursery.start_soon(_watch_signals, rt, stopped, args.shutdown_timeout, nursery.cancel_scope)
+        nursery.start_soon(_watch_device, rt, stopped, args.shutdown_timeout)
         binds = await nursery.start(
             lambda task_status: serve_http(
                 rt, host=args.host, port=args.port, shutdown_trigger=stopped.wait, task_status=task_status
@@ -488,6 +493,7 @@ async def _serve_main(config, args: argparse.Namespace, freeze: bool) -> None:
             if frozen is not None:
                 gc_pauses.thaw()  # a process that goes on (an in-process server) collects as before
         nursery.cancel_scope.cancel()
+    return rt.engine.device_lost
 
 
 def _warn_if_exposed(host: str, config) -> None:
@@ -618,22 +624,43 @@ async def _watch_signals(rt, stopped, grace_s: float, scope) -> None:
             nursery.start_soon(second_signal)
             # Draining may use the budget less the flush's reserved share; the flush then has
             # the rest, so requests that never finish cannot leave it no time.
-            start = trio.current_time()
-            deadline = start + grace_s
-            reserve = FLUSH_RESERVE * grace_s if rt.cold is not None else 0.0
-            with trio.move_on_at(deadline - reserve) as drain_scope:
-                await rt.drain()
-            log.info("serve.drained", complete=not drain_scope.cancelled_caught,
-                     seconds=round(trio.current_time() - start, 3))
-            if rt.cold is not None:
-                with trio.move_on_at(deadline) as flush_scope:
-                    report = await rt.flush()
-                    log.info("serve.flushed", **report)
-                if flush_scope.cancelled_caught:
-                    log.warning("serve.flush_incomplete", timeout_s=grace_s,
-                                note="the flush did not finish within --shutdown-timeout; what was not "
-                                "written is lost with this process")
+            await _drain_and_flush(rt, grace_s)
             stopped.set()  # hypercorn stops; the serve nursery is cancelled, and us with it
+
+
+async def _drain_and_flush(rt, grace_s: float) -> None:
+    """Drain admitted requests, then flush the SSD tier, within `grace_s` (the flush keeps its share of it)."""
+    import trio
+
+    from mlxd.runtime.logging import get_logger
+
+    log = get_logger("mlxd.serve")
+    start = trio.current_time()
+    deadline = start + grace_s
+    reserve = FLUSH_RESERVE * grace_s if rt.cold is not None else 0.0
+    with trio.move_on_at(deadline - reserve) as drain_scope:
+        await rt.drain()
+    log.info("serve.drained", complete=not drain_scope.cancelled_caught,
+             seconds=round(trio.current_time() - start, 3))
+    if rt.cold is not None:
+        with trio.move_on_at(deadline) as flush_scope:
+            report = await rt.flush()
+            log.info("serve.flushed", **report)
+        if flush_scope.cancelled_caught:
+            log.warning("serve.flush_incomplete", timeout_s=grace_s,
+                        note="the flush did not finish within --shutdown-timeout; what was not "
+                        "written is lost with this process")
+
+
+async def _watch_device(rt, stopped, grace_s: float) -> None:
+    """The engine lost its device (actors/engine.py `_reset_failed`): stop as on SIGTERM; `serve` exits 1."""
+    from mlxd.runtime.logging import get_logger
+
+    await rt.engine.lost.wait()
+    get_logger("mlxd.serve").error("serve.device_lost", reason=rt.engine.device_lost,
+                                   note="stopping: every request fails until this process is started again")
+    await _drain_and_flush(rt, grace_s)
+    stopped.set()
 
 
 def add_build_model_parser(sub: argparse._SubParsersAction) -> None:
@@ -697,7 +724,7 @@ def main(argv: list[str] | None = None, *, exit_at_once: bool = True) -> int:
         if hasattr(signal, "SIGUSR1"):  # and SIGUSR1 dumps them without stopping (a hung server, tests' post-mortem)
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         code = run_serve(args)
-        if exit_at_once and code == 0:
+        if exit_at_once and code in (0, 1):  # 1: stopped after its device failed (its teardown could touch it)
             _exit_at_once(code)
         return code
     if args.command == "build-model":

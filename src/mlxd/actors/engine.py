@@ -54,6 +54,9 @@ T = TypeVar("T")
 # Steps the MLX thread runs ahead of their delivery (engine/step_loop.py): 1 lets step n + 1 run
 # while step n's tokens go out, so a stop or cancel answering a token still lands a step later.
 STEPS_AHEAD = 1
+# Resets in a row that fail themselves before the device is taken as lost (EngineActor._reset_failed): one may
+# fail for want of memory another process held a moment; a poisoned CUDA context fails every one.
+DEVICE_LOST_RESETS = 3
 
 
 class EngineActor:
@@ -82,6 +85,9 @@ class EngineActor:
         self._drops: list[ShardRef] = []  # mirrored prefixes the cache owner dropped, for the next steps
         self._reset = False  # the last step failed: the next one resets every rank
         self._failed_steps = 0
+        self._failed_resets = 0  # resets in a row that failed themselves (DEVICE_LOST_RESETS: the device is lost)
+        self.device_lost: str | None = None  # why the engine stopped stepping for good (the device failed)
+        self.lost = trio.Event()  # set with device_lost: the server stops (cli) and /health says why
         self._busy_noted = False  # what the cache owner was last told (EngineBusy)
         self._carry: StepOps | None = None  # ops a run of steps refused as it ended: the next run's first
         self._ending: set[str] = set()  # rows sent a stop or cancel: tokens they still decode are not delivered
@@ -143,6 +149,10 @@ class EngineActor:
 
     async def _serve(self, thread: MlxThread, step: Callable[[StepOps], StepResult]) -> None:
         while True:
+            if self.device_lost is not None:
+                self._governor.set_busy(False)
+                await self._note_busy(False)
+                await self._refuse_all()
             if not (self._rows or self._pending or self._drops or self._reset or self._carry):
                 self._governor.set_busy(False)
                 await self._note_busy(False)
@@ -167,7 +177,11 @@ class EngineActor:
             result: StepResult = await thread.run(step, ops)
         except Exception as exc:  # a model error must not take the server down
             self._step_failed(exc, len(ops.starts))
+            if ops.reset:
+                self._reset_failed(exc)
             return
+        if ops.reset:
+            self._failed_resets = 0
         self._governor.stepped()
         await self._deliver(result)
 
@@ -250,6 +264,30 @@ class EngineActor:
         self._failed_steps += 1
         self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
         self._reset = True
+
+    def _reset_failed(self, exc: Exception) -> None:
+        """A reset (a fresh generator, MLX's cache cleared) failed: after DEVICE_LOST_RESETS in a row the device
+        is taken as lost. A CUDA fault (an illegal memory access) poisons the process's context for good: every
+        later step, even a cache clear, raises it again (the H100 at 09:53 2026-12-07: four steps a second,
+        every request failing, /health still ok). The engine then stops stepping and answers every request
+        with why; `mlxd serve` stops (the SSD tier flushed, what can be) and exits non-zero, for its supervisor
+        to start it again."""
+        self._failed_resets += 1
+        if self._failed_resets < DEVICE_LOST_RESETS:
+            return
+        self.device_lost = f"the device failed: {type(exc).__name__}: {exc}"
+        log.error("engine.device_lost", resets_failed=self._failed_resets, reason=self.device_lost)
+        self._reset = False
+        self.lost.set()
+
+    async def _refuse_all(self) -> None:
+        """After the device was lost: every request that arrives is answered at once with why."""
+        while True:
+            self._accept(await self._inbox.receive())
+            self._drain_inbox()
+            self._fail_all(f"{self.device_lost}; this server is stopping")
+            self._drops.clear()
+            self._carry = None
 
     def _drain_inbox(self) -> None:
         while True:

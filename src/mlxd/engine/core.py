@@ -234,6 +234,7 @@ class EngineCore:
         self._store_identity: StoreIdentity | None = None
         self.channel: StepChannel | None = None  # --distributed: this rank's step channel
         self._memory_budget = 0
+        self._cache_limit_before: int | None = None  # MLX's buffer-cache limit before load set ours
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
         # No forward run in this process yet (no probe measured or warm-up, no step): its first runs build
@@ -333,6 +334,10 @@ class EngineCore:
             vocab_size = int(cfg.get("vocab_size") or len(self.tokenizer._tokenizer))
             probe = self._probe(max_context, kv_bytes_per_token, vocab_size) if loading.wants_probe(self._config) else None
             self._memory_budget = loading.memory_budget(self._config)
+            cache_limit = loading.keep_buffer_cache_to(self._memory_budget)
+            if cache_limit is not None:
+                self._cache_limit_before = cache_limit[1]
+                log.info("engine.buffer_cache_limit", limit_bytes=cache_limit[0], mlx_default_bytes=cache_limit[1])
             own = None
             if self._config.kv_admission:  # what admission counts beside rows' KV (engine/memory_costs.py)
                 own = memory_costs.measure_own(before, self.model, lambda: loading.fresh_caches(self.model, self._config),
@@ -515,6 +520,11 @@ class EngineCore:
                 mx.synchronize(self._stream)  # no work in flight when the thread's streams go
             except RuntimeError:
                 log.warning("engine.synchronize_failed")
+        if self._cache_limit_before is not None:  # an embedding program's MLX as it was (the limit is per process)
+            import mlx.core as mx
+
+            mx.set_cache_limit(self._cache_limit_before)
+            self._cache_limit_before = None
 
     @property
     def grammars(self) -> GrammarCache:
@@ -631,7 +641,8 @@ class EngineCore:
         import mlx.core as mx
 
         self._steps_unmeasured = 0
-        return MemoryMeasured(int(mx.get_active_memory()), int(mx.get_peak_memory()), reason)
+        return MemoryMeasured(int(mx.get_active_memory()), int(mx.get_peak_memory()), reason,
+                              buffer_cache_bytes=int(mx.get_cache_memory()))
 
     @property
     def measures_memory(self) -> bool:

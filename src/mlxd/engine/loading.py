@@ -251,6 +251,33 @@ def memory_budget(config: RuntimeConfig) -> int:
     return default_memory_budget(info, physical_memory_bytes())
 
 
+# MLX's buffer cache (freed buffers kept for reuse) at most this share of the memory budget (keep_buffer_cache_to).
+BUFFER_CACHE_SHARE = 1 / 8
+
+
+def keep_buffer_cache_to(budget: int) -> tuple[int, int] | None:
+    """MLX's buffer-cache limit set to a share of the memory budget (> 0): (the limit now, MLX's before); None
+    without a budget.
+
+    MLX keeps freed buffers for reuse and, by default, lets them add up to its memory limit (95 % of the device's
+    memory on CUDA) before it frees any. The budget's relief acts on active memory (the RAM tier's arrays), never
+    on that cache: with MLX's default a server held up to 53 GB of an H100 beside a 3 GB RAM tier, and three
+    servers on one GPU ran each other out of memory (benchmarks.md, H100 2026-12-07). An eighth of the budget
+    keeps a long prompt's chunk buffers for the next chunk (model/keep_buffers.py) and bounds what the process
+    holds to about the budget and that share; a lower limit of MLX's own stays. MLX's memory limit is left
+    alone: past it MLX's evaluation waits for the work in flight, and on CUDA the host tier's arrays count there.
+    """
+    if budget <= 0:
+        return None
+    import mlx.core as mx
+
+    wanted = int(budget * BUFFER_CACHE_SHARE)
+    before = int(mx.set_cache_limit(wanted))  # (MLX reads its limit only by setting one)
+    if before < wanted:  # never above MLX's own (its CPU build keeps 32 MiB)
+        mx.set_cache_limit(before)
+    return min(wanted, before), before
+
+
 def wants_probe(config: RuntimeConfig) -> bool:
     if config.device_probe == "off":
         return False

@@ -742,6 +742,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if rt.engine.device_lost is not None:
+            return _json({"status": "failed", "error": rt.engine.device_lost}, 503)
         if not rt.admitting:
             return _json({"status": "draining"}, 503)
         return _json({"status": "ok", "model": rt.info.model_name})

@@ -220,6 +220,8 @@ def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:
         yield _gauge("mlxd_memory_budget_bytes", "The memory budget (--memory-budget).", memory.budget_bytes)
         yield _gauge("mlxd_memory_active_bytes", "MLX active memory at the last measurement.", memory.active_bytes)
         yield _gauge("mlxd_memory_peak_active_bytes", "MLX peak active memory so far.", memory.peak_active_bytes)
+        yield _gauge("mlxd_memory_buffer_cache_bytes", "MLX's cached free buffers at the last measurement.",
+                     memory.buffer_cache_bytes)
         yield _counter(
             "mlxd_memory_budget_freed_bytes", "RAM-tier bytes demoted or evicted for the memory budget.",
             memory.freed_bytes,

@@ -226,6 +226,7 @@ class MemoryStats:
     freed_bytes: int
     admission_freed_bytes: int = 0  # freed before a row the scheduler admitted (--kv-admission)
     admission_frees: int = 0  # entries that left RAM for those rows
+    buffer_cache_bytes: int = 0  # MLX's cached free buffers at the last measurement (kept within the budget by MLX)
 
 
 @attrs.frozen
@@ -469,6 +470,7 @@ class _MemoryCounters:
     freed: int = 0
     admission_freed: int = 0
     admission_frees: int = 0
+    buffer_cache: int = 0
 
 
 @attrs.define
@@ -1067,7 +1069,7 @@ class CacheTiers:
             self._demotions += len(released.evicted)
         return moves + self._to_host(released.evicted, move=True, urgent=True)
 
-    def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0) -> list[Effect]:
+    def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0, buffer_cache_bytes: int = 0) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
 
         Memory outside the cache (weights, batches, buffers) is taken as
@@ -1077,6 +1079,7 @@ class CacheTiers:
         m = self._memory
         m.active, m.peak = active_bytes, max(m.peak, peak_bytes, active_bytes)
         m.max_active = max(m.max_active, active_bytes)
+        m.buffer_cache = buffer_cache_bytes
         # Host-tier entries are MLX arrays whose pages moved to the host: still MLX memory, not "other".
         m.other = max(0, active_bytes - self.ram.bytes - (self.host.bytes if self.host is not None else 0))
         m.measurements += 1
@@ -1143,6 +1146,7 @@ class CacheTiers:
             freed_bytes=m.freed,
             admission_freed_bytes=m.admission_freed,
             admission_frees=m.admission_frees,
+            buffer_cache_bytes=m.buffer_cache,
         )
 
     # --- internals ------------------------------------------------------------------

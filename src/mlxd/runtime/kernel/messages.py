@@ -425,6 +425,7 @@ class MemoryMeasured:
     active_bytes: int  # mx.get_active_memory(): weights, batches and the RAM tier's arrays
     peak_bytes: int  # mx.get_peak_memory()
     reason: str  # "prefill" (a prefill boundary) or "decode" (every few hundred steps)
+    buffer_cache_bytes: int = 0  # mx.get_cache_memory(): freed buffers MLX keeps for reuse (not active memory)
 
 
 @attrs.frozen
