@@ -5,10 +5,12 @@ from __future__ import annotations
 import ast
 
 import httpx
+import pytest
 import trio
 
-from mlxd import RuntimeConfig, SamplingParams, open_runtime
+from mlxd import GenerationError, RuntimeConfig, SamplingParams, open_runtime
 from mlxd.runtime.config import PHYSICAL_SHARE, default_memory_budget, physical_memory_bytes
+from test_engine_errors import POISON, poison
 
 from serving import ServerThread, config_for
 
@@ -162,6 +164,11 @@ async def test_the_runtime_sets_the_buffer_cache_limit_and_gives_it_back(tiny_mo
         await answer(rt, prompt)
         memory = (await rt.stats()).cache.tiers.memory
         assert 0 <= memory.buffer_cache_bytes <= budget // 8 + (4 << 20)  # the limit, and one buffer past it
+        poison(rt)  # a failed step and the reset after it keep the limit
+        with pytest.raises(GenerationError, match="poisoned forward"):
+            await rt.submit(rt.request([5, 6, POISON, 8], sampling=SamplingParams(max_tokens=4))).tokens()
+        await answer(rt, prompt)
+        assert rt.engine.stats.failed_steps == 1 and current() == min(budget // 8, before)
     assert current() == before
     async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), memory_budget_bytes=0)):
         assert current() == before  # no budget: MLX's own

@@ -492,7 +492,7 @@ class EngineCore:
 
         import mlx.core as mx
 
-        self.close()
+        self._stop_generating()
         self._rows.clear()
         self._uids.clear()
         self._pending = None
@@ -505,6 +505,16 @@ class EngineCore:
         mx.clear_cache()
 
     def close(self) -> None:
+        """The engine stops for good: the generation state goes, and MLX's buffer-cache limit is given back."""
+        self._stop_generating()
+        if self._cache_limit_before is not None:  # an embedding program's MLX as it was (the limit is per process)
+            import mlx.core as mx
+
+            mx.set_cache_limit(self._cache_limit_before)
+            self._cache_limit_before = None
+
+    def _stop_generating(self) -> None:
+        """The generator, the grammar masks and the thread's stream closed (at the end, and in a reset)."""
         self._save_grammars()  # their order of use up to now (SIGTERM's flush comes through here)
         self._masks.close()
         if self._switch_before is not None:
@@ -520,11 +530,6 @@ class EngineCore:
                 mx.synchronize(self._stream)  # no work in flight when the thread's streams go
             except RuntimeError:
                 log.warning("engine.synchronize_failed")
-        if self._cache_limit_before is not None:  # an embedding program's MLX as it was (the limit is per process)
-            import mlx.core as mx
-
-            mx.set_cache_limit(self._cache_limit_before)
-            self._cache_limit_before = None
 
     @property
     def grammars(self) -> GrammarCache:
