@@ -5,6 +5,7 @@ rounds' median-stream metric, read from runs recorded before it was one."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"),
 from bench_host_tier_servers import (  # noqa: E402
     _ssd_caps,
     by_metric,
+    failing_servers,
     first_error,
     median_stream,
     shared_budget_gb,
@@ -79,3 +81,17 @@ def test_no_shared_budget_on_the_cpu_or_for_one_server():
     args = argparse.Namespace(small=False, no_share=False)
     assert shared_budget_gb(3, args) is None  # this machine's MLX runs on its CPU: nothing to share
     assert shared_budget_gb(1, args) is None
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_the_decode_rounds_stop_once_a_server_failed_two_rounds_through():
+    # The H100 at 09:30 2026-12-07: mlx_lm.server's generation thread died in round 1; 38 rounds of 404s followed.
+    runs = json.loads((RESULTS / "host_servers-h100-decodeil-20261207-093031.json").read_text())["decode_interleaved"]["runs"]
+    assert failing_servers(runs, 0) == [] and failing_servers(runs, 2) == []  # its 1-stream runs of round 1 went
+    assert failing_servers(runs, 3) == ["mlx_lm"]  # every run of rounds 2 and 3: the rounds stop there (not at 40)
+    assert failing_servers(runs, 14) == ["mlx_lm", "mlxd_host_ssd", "mlxd_ram"]  # the mlxd servers' device lost
+    healthy = json.loads((RESULTS / "host_servers-h100-decodeil-20261207-043441.json").read_text())
+    rounds = healthy["decode_interleaved"]["rounds_done"]
+    assert all(failing_servers(healthy["decode_interleaved"]["runs"], r) == [] for r in range(rounds))

@@ -270,12 +270,18 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                 f"({time.perf_counter() - t_round:.1f} s)")
         longest = max(longest, time.perf_counter() - t_round)
         rec["rounds_done"] = r + 1
+        gone = failing_servers(rec["runs"], r)
+        if gone:  # no ratio can come of the rounds left (the H100 at 09:30 2026-12-07: 38 rounds of 404s)
+            rec["stopped"] = f"every run of {', '.join(gone)} failed in rounds {r - 1} and {r}"
+            log("decode", "stopped:", rec["stopped"])
         for name in names:
             for n in levels:
                 rates = [x["tok_s"] for x in out[name].get("decode_runs", {}).get(str(n), []) if x["tok_s"]]
                 out[name].setdefault("decode", {})[str(n)] = {"tok_s": median(rates) if rates else None,
                                                                "runs": len(rates)}
         save()
+        if gone:
+            break
     for name in names:  # each mlxd server's tiers, writer and engine after the rounds (where its entries went)
         if name.startswith("mlxd"):
             try:
@@ -970,6 +976,19 @@ def advisor_report(stats: dict[str, Any]) -> dict[str, Any]:
         "probe_warmup": probe.get("warmup"),  # {tokens, seconds} of the reused probe's untimed prefill at start
         "restore_ms_last": (stats.get("ssd_cache") or {}).get("restore_ms_last"),
     }
+
+
+def failing_servers(runs: list[dict[str, Any]], r: int) -> list[str]:
+    """The servers whose every run in rounds r - 1 and r failed (a dead generation thread, a lost device)."""
+    import interleave
+
+    if r < 1:
+        return []
+    by_server: dict[str, list[bool]] = {}
+    for run in runs:
+        if run["round"] in (r - 1, r):
+            by_server.setdefault(interleave.server_of(run["slot"]), []).append(run["tok_s"] is None)
+    return sorted(name for name, failed in by_server.items() if failed and all(failed))
 
 
 def shared_budget_gb(servers: int, args: argparse.Namespace) -> str | None:
