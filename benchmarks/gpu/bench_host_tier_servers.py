@@ -179,6 +179,61 @@ def model_of(name: str, model_dir: Path) -> str:
     return "default_model" if name == "mlx_lm" else model_dir.name
 
 
+def ttft_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.Namespace, out: dict[str, Any],
+                     save: Any, deadline: float | None) -> None:
+    """A RAM hit and the next turn with every server up: `--ttft-rounds` rounds (fewer where `deadline` comes
+    first), each visiting every server (interleave.slots, as the decode rounds) plus the reference's control.
+    Each run: a fresh prompt of `--ttft-tokens` tokens (cold), the same again (the hit), and a next turn (the
+    hit's reply and a question). TTFT in seconds, ratios per round to the reference (below 1: faster), median
+    + IQR, in out["ttft_interleaved"]. Servers that run one after another (the TTFT rows above) drift apart by
+    more than a few milliseconds (the H100 at 09:29 / 09:35 2026-12-07: the first token early ÷ late unreadable)."""
+    import interleave
+
+    names = list(procs)
+    ref = "mlx_lm" if "mlx_lm" in names else names[0]
+    schedule = "interleaved" if args.decode_schedule == "serial" else args.decode_schedule
+    runs: list[interleave.Run] = []
+    rec: dict[str, Any] = {"schedule": schedule, "reference": ref, "prompt_tokens": args.ttft_tokens, "runs": []}
+    out["ttft_interleaved"] = rec
+    for name in names:  # each server's first hit and next turn outside the rounds
+        text = text_of(model_dir, args.ttft_tokens, 7000)
+        asyncio.run(ttft(procs[name].base, model_of(name, model_dir), text))
+    seed, longest = 8000, 0.0
+    for r in range(args.ttft_rounds):
+        t_round = time.perf_counter()
+        if r and deadline is not None and t_round + longest > deadline:
+            rec["stopped"] = f"budget: {r} rounds (the next would end past it)"
+            break
+        for at, slot in enumerate(interleave.slots(names, ref, r, schedule)):
+            name = interleave.server_of(slot)
+            base, model = procs[name].base, model_of(name, model_dir)
+            run: dict[str, Any] = {"round": r, "at": at, "slot": slot}
+            try:
+                hist = [{"role": "user", "content": text_of(model_dir, args.ttft_tokens, seed)}]
+                run["cold"] = asyncio.run(ttft(base, model, hist))["ttft_s"]
+                hit = asyncio.run(ttft(base, model, hist))
+                run["hit"], run["hit_cached"] = hit["ttft_s"], hit["cached_tokens"]
+                hist += [{"role": "assistant", "content": hit["text"]}, {"role": "user", "content": TEXTS["q2"]}]
+                nxt = asyncio.run(ttft(base, model, hist))
+                run["next"], run["next_cached"] = nxt["ttft_s"], nxt["cached_tokens"]
+            except Exception as exc:  # one failed run: its ratios are None, the rounds go on
+                run["error"] = f"{type(exc).__name__}: {exc}"
+            seed += 1
+            rec["runs"].append(run)
+            for kind in ("hit", "next"):
+                runs.append(interleave.Run(r, kind, at, slot, run.get(kind)))
+        rec["summary"] = interleave.summarize(runs, ref, schedule)
+        rec["rounds_done"] = r + 1
+        longest = max(longest, time.perf_counter() - t_round)
+        log("ttft", f"round {r}", " ".join(f"{x['slot']} hit {x.get('hit')} next {x.get('next')}"
+                                           for x in rec["runs"] if x["round"] == r))
+        save()
+    for kind in ("hit", "next"):
+        level = (rec.get("summary") or {}).get("levels", {}).get(kind, {})
+        log("ttft", f"{kind}, TTFT ÷ {ref} (median [IQR] over {level.get('rounds')} rounds)", json.dumps(
+            {slot: [e.get("median"), e.get("iqr")] for slot, e in level.get("ratio_to_" + ref, {}).items()}))
+
+
 def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.Namespace, out: dict[str, Any],
                        save: Any, deadline: float | None) -> None:
     """Decode levels with every server up: `--decode-rounds` rounds (fewer where `deadline`, perf_counter,
@@ -503,6 +558,11 @@ def main() -> int:
                          "schedule's tok/s; None where they never all did, and inflated by bursty delivery); "
                          "median_stream_tok_s, the median stream's own rate (a batched row's: a lone late row's "
                          "higher rate does not lift it)")
+    ap.add_argument("--ttft-rounds", type=int, default=0,
+                    help="with every server up, before the decode rounds: this many rounds of a fresh prompt, its "
+                         "RAM hit and its next turn on each server in turn (interleaved; ratios per round to "
+                         "mlx_lm, or to the first server; `--budget` may end them first; 0: none)")
+    ap.add_argument("--ttft-tokens", type=int, default=4096, help="the prompt of each --ttft-rounds run")
     ap.add_argument("--decode-rounds", type=int, default=8,
                     help="interleaved/bracket: rounds at most (`--budget` usually ends them first)")
     ap.add_argument("--budget", type=float, default=0,
@@ -747,7 +807,7 @@ def main() -> int:
         save()
 
     # Decode interleaved across the servers: each keeps running after its TTFT rounds, all stop after the decode.
-    interleave = bool(args.streams) and args.decode_schedule != "serial"
+    interleave = (bool(args.streams) and args.decode_schedule != "serial") or args.ttft_rounds > 0
     up: list[str] = []
     for name, t in zip(wanted, threads, strict=True):
         t.join()
@@ -765,9 +825,12 @@ def main() -> int:
             if not (interleave and name in up):
                 stop_server(name)
     if interleave and up:
+        deadline = t_begin + args.budget if args.budget else None
         try:
-            decode_interleaved({name: procs[name] for name in up}, model_dir, args, out, save,
-                               t_begin + args.budget if args.budget else None)
+            if args.ttft_rounds > 0:
+                ttft_interleaved({name: procs[name] for name in up}, model_dir, args, out, save, deadline)
+            if args.streams and args.decode_schedule != "serial":
+                decode_interleaved({name: procs[name] for name in up}, model_dir, args, out, save, deadline)
         except Exception as exc:  # keep what was measured
             out["decode_interleaved_error"] = f"{type(exc).__name__}: {exc}"
             log("decode_interleaved", "failed", exc)

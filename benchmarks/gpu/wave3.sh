@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu/wave3.sh wbgaps                            # decode's step gaps beside write-behind
 #   bash benchmarks/gpu/wave3.sh decodeab                          # decode 1 / 8 streams, servers interleaved
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
+#   bash benchmarks/gpu/wave3.sh ttftil                            # a RAM hit and the next turn, servers interleaved
 #   bash benchmarks/gpu/wave3.sh stephost                          # decode's host cost per step, one process
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
 #   bash benchmarks/gpu/wave3.sh firstprefill                      # a fresh process's first 16k prefills, chunk by chunk
@@ -125,6 +126,10 @@ for p in "$@"; do case $p in
   # server at each level (orders balanced for position and neighbour, mlx_lm twice: the control), a fresh 8k prompt before each run (the SSD
   # server's write-behind runs during its decode), ratio to mlx_lm per round, median + IQR; --budget ends the
   # rounds in time for the stops, the flush and the summary.
+  # A RAM hit and the next turn with every server up, interleaved per round (the first token early ÷ late over HTTP).
+  ttftil) phase ttftil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/ttftil" --rounds 0 \
+            --servers ${TTFTIL_SERVERS:-mlx_lm,mlxd_ram,mlxd_ram_late} --streams "" --ttft-rounds 60 \
+            --ttft-tokens ${TTFTIL_TOKENS:-4096} --budget $(( ${LIMIT_ttftil:-240} - 35 )) ${TTFTIL_ARGS:-} ;;
   decodeil) phase decodeil 240 python3 benchmarks/gpu/bench_host_tier_servers.py --out "$OUT/decodeil" --rounds 0 \
             --servers mlx_lm,mlxd_ram,mlxd_host_ssd --streams 1,8 --prompt-tokens 8192 --decode-tokens 64 \
             --decode-rounds 40 --budget $(( ${LIMIT_decodeil:-240} - 35 )) ${DECODEIL_ARGS:-} ;;
