@@ -149,7 +149,7 @@ class EngineActor:
 
     async def _serve(self, thread: MlxThread, step: Callable[[StepOps], StepResult]) -> None:
         while True:
-            if self.device_lost is not None:
+            if self.device_lost is not None:  # from here on no step: every request is refused (never returns)
                 self._governor.set_busy(False)
                 await self._note_busy(False)
                 await self._refuse_all()
@@ -268,7 +268,7 @@ class EngineActor:
     def _reset_failed(self, exc: Exception) -> None:
         """A reset (a fresh generator, MLX's cache cleared) failed: after DEVICE_LOST_RESETS in a row the device
         is taken as lost. A CUDA fault (an illegal memory access) poisons the process's context for good: every
-        later step, even a cache clear, raises it again (the H100 at 09:53 2026-12-07: four steps a second,
+        later step, even a cache clear, raises it again (the H100 at 09:30 and 09:53 2026-12-07: 3-4 steps a second,
         every request failing, /health still ok). The engine then stops stepping and answers every request
         with why; `mlxd serve` stops (the SSD tier flushed, what can be) and exits non-zero, for its supervisor
         to start it again."""

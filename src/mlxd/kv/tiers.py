@@ -226,7 +226,7 @@ class MemoryStats:
     freed_bytes: int
     admission_freed_bytes: int = 0  # freed before a row the scheduler admitted (--kv-admission)
     admission_frees: int = 0  # entries that left RAM for those rows
-    buffer_cache_bytes: int = 0  # MLX's cached free buffers at the last measurement (kept within the budget by MLX)
+    buffer_cache_bytes: int = 0  # MLX's cached free buffers at the last measurement (held to an eighth of the budget)
 
 
 @attrs.frozen

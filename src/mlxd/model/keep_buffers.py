@@ -8,8 +8,9 @@ synchronizing frees and new page mappings on every chunk. The engine's own prefi
 and the same prompt went through it faster than through the batch on an H100
 (`benchmarks/gpu/probe_apart_vs_batch.py`, docs/benchmarks.md). With this installed, a chunk's freed
 buffers stay in MLX's cache for the next one, as they do between decode steps; the cache is not active
-memory (the memory budget measures active memory), and MLX's allocator gives cached buffers back by itself
-before an allocation would pass its limit.
+memory (the memory budget measures active memory); under a budget it is held to an eighth of it
+(`engine/loading.py` `keep_buffer_cache_to`), and MLX's allocator gives cached buffers back by itself before
+an allocation would pass its limit.
 
 Only the prompt phase changes: mlx-lm's other clears (every 512 decode steps) and mlxd's own (a reset after
 a failed step) stay. On by default since a GPU run measured it (the probe's arm `batch_keep`, `wave3.sh
