@@ -1060,7 +1060,7 @@ def shared_budget_gb(servers: int, args: argparse.Namespace) -> str | None:
     Every server here runs at once on one device. mlxd's default budget is 0.75 x the GPU's memory (and its
     buffer cache an eighth of that on top), each for one process: three servers overran an H100 (2026-12-07
     09:30, 09:44 and 09:53: "out of memory", then "an illegal memory access", in every server, mlx_lm.server
-    too). mlx_lm.server has no such setting (it held up to 14.5 GB there); each mlxd gets 0.7 x the device's
+    too). mlx_lm.server has no such setting (it held up to 14.2 GiB there); each mlxd gets 0.7 x the device's
     memory / the servers, which with its buffer cache and CUDA's own leaves mlx_lm.server its share.
     """
     if args.small or args.no_share or servers < 2:
@@ -1069,7 +1069,7 @@ def shared_budget_gb(servers: int, args: argparse.Namespace) -> str | None:
     total = info.get("total_memory") or info.get("memory_size")
     if not isinstance(total, int) or total <= 0 or mx.default_device().type != mx.gpu:
         return None
-    return f"{0.7 * total / servers / 1e9:.1f}"
+    return f"{0.7 * total / servers / 2**30:.1f}"  # (mlxd's GB are GiB)
 
 
 def first_error(text: str, size: int = 3000) -> str | None:

@@ -261,7 +261,7 @@ def keep_buffer_cache_to(budget: int) -> tuple[int, int] | None:
 
     MLX keeps freed buffers for reuse and, by default, lets them add up to its memory limit (95 % of the device's
     memory on CUDA) before it frees any. The budget's relief acts on active memory (the RAM tier's arrays), never
-    on that cache: with MLX's default a server held up to 53 GB of an H100 beside a 3 GB RAM tier, and three
+    on that cache: with MLX's default a server held up to 51.8 GiB of an H100 beside a 3 GiB RAM tier, and three
     servers on one GPU ran each other out of memory (benchmarks.md, H100 2026-12-07). An eighth of the budget
     keeps a long prompt's chunk buffers for the next chunk (model/keep_buffers.py) and bounds what the process
     holds to about the budget and that share; a lower limit of MLX's own stays. MLX's memory limit is left
