@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlxd.kv import file_format, kinds
 from mlxd.runtime import device_memory
@@ -82,3 +83,51 @@ def test_managed_memory_passes_each_buffer_range_to_the_cuda_runtime():
     # A refused hint costs speed, never correctness: counted, logged once, nothing raised.
     failing = device_memory.ManagedMemory(_Runtime(fail=True))
     assert failing.read_mostly([memoryview(a), memoryview(b)]) == 0 and failing.failures == 2
+
+
+class _Pool:
+    """CUDA's default memory pool as ctypes sees it: what it reserves and what of it is allocated; a trim gives
+    the device back the free part past `keep` (never what is allocated)."""
+
+    def __init__(self, reserved: int, used: int, *, fail_trim: bool = False) -> None:
+        self.reserved, self.used, self.fail_trim = reserved, used, fail_trim
+        self.trims: list[int] = []
+
+    def cudaDeviceGetDefaultMemPool(self, out, device):  # noqa: N802
+        out._obj.value = 0xBEEF
+        return 0
+
+    def cudaMemPoolGetAttribute(self, pool, attr, out):  # noqa: N802
+        assert pool.value == 0xBEEF
+        out._obj.value = {5: self.reserved, 7: self.used}[attr]  # ReservedMemCurrent, UsedMemCurrent
+        return 0
+
+    def cudaMemPoolTrimTo(self, pool, keep):  # noqa: N802
+        self.trims.append(keep.value)
+        if self.fail_trim:
+            return 1
+        self.reserved = max(self.used, min(self.reserved, keep.value))
+        return 0
+
+
+def test_the_device_pool_reports_and_trims_what_cuda_reserves():
+    from mlxd.kv.tiers import PoolUsage
+
+    MiB = 1 << 20
+    rt = _Pool(reserved=900 * MiB, used=100 * MiB)
+    pool = device_memory.DevicePool(rt)
+    assert pool.usage() == PoolUsage(900 * MiB, 100 * MiB, trims=0, trimmed_bytes=0)
+    assert pool.trim(108 * MiB) == 792 * MiB  # down to what is kept past the allocations
+    assert rt.trims == [108 * MiB] and pool.usage() == PoolUsage(108 * MiB, 100 * MiB, 1, 792 * MiB)
+    assert pool.trim(0) == 8 * MiB and rt.reserved == 100 * MiB  # never below what is allocated
+    assert pool.trim(0) == 0 and pool.trims == 3 and pool.trimmed_bytes == 800 * MiB
+    failing = device_memory.DevicePool(_Pool(reserved=900 * MiB, used=100 * MiB, fail_trim=True))
+    assert failing.trim(0) == 0 and failing.trims == 0  # refused: nothing counted, nothing raised
+
+    class NoPools(_Pool):
+        def cudaDeviceGetDefaultMemPool(self, out, device):  # noqa: N802
+            return 801  # cudaErrorNotSupported: a device without memory pools
+
+    with pytest.raises(OSError, match="cudaDeviceGetDefaultMemPool"):
+        device_memory.DevicePool(NoPools(0, 0))
+    assert device_memory.device_pool() is None  # the CPU: no pool

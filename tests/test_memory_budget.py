@@ -172,3 +172,47 @@ async def test_the_runtime_sets_the_buffer_cache_limit_and_gives_it_back(tiny_mo
     assert current() == before
     async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), memory_budget_bytes=0)):
         assert current() == before  # no budget: MLX's own
+
+
+async def _pool_usage(rt, trims: int, deadline: float = 30.0):
+    """The cache owner's view of the device pool once it has seen `trims` trims (waits for the measurement)."""
+    with trio.fail_after(deadline):
+        while True:
+            pool = (await rt.stats()).cache.tiers.memory.device_pool
+            if pool is not None and pool.trims >= trims:
+                return pool
+            await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize("switch", ["on", "off", "waiting"])
+async def test_an_idle_engine_trims_the_gpu_memory_pool_once_after_work(tiny_model_dir, monkeypatch, switch):
+    from mlxd.actors import engine as engine_actor
+    from mlxd.kv.tiers import PoolUsage
+    from mlxd.runtime.device_memory import DevicePool
+    from test_device_memory import _Pool
+
+    monkeypatch.setattr(engine_actor, "IDLE_TRIM_S", 60.0 if switch == "waiting" else 0.3)
+    if switch == "off":
+        monkeypatch.setenv("MLXD_POOL_TRIM", "0")
+    MiB, budget = 1 << 20, 64 << 20
+    async with open_runtime(RuntimeConfig(model=str(tiny_model_dir), memory_budget_bytes=budget)) as rt:
+        core = rt.engine.core
+        assert core._pool is None and not core.trims_when_idle  # the CPU has no pool: nothing to trim
+        cuda = _Pool(reserved=900 * MiB, used=100 * MiB)
+        core._pool = DevicePool(cuda)  # as MLX's CUDA build leaves it after a peak
+        (prompt,) = await conversations(rt, 1)
+        await answer(rt, prompt)
+        if switch != "on":  # MLXD_POOL_TRIM=0, or not idle long enough yet (a next turn may come): the peak stays
+            await trio.sleep(1.0)
+            assert cuda.trims == [] and cuda.reserved == 900 * MiB
+            return
+        pool = await _pool_usage(rt, trims=1)
+        # What MLX uses plus one buffer-cache share of the budget stays; the rest goes back to the device.
+        assert cuda.trims == [100 * MiB + budget // 8]
+        assert pool == PoolUsage(108 * MiB, 100 * MiB, trims=1, trimmed_bytes=792 * MiB)
+        await trio.sleep(1.0)
+        assert len(cuda.trims) == 1  # once per idle spell
+        cuda.reserved = 500 * MiB  # the next request's peak
+        await answer(rt, prompt)
+        pool = await _pool_usage(rt, trims=2)
+        assert cuda.trims == [108 * MiB] * 2 and pool.trimmed_bytes == (792 + 392) * MiB

@@ -228,6 +228,16 @@ def ttft_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.Nam
         log("ttft", f"round {r}", " ".join(f"{x['slot']} hit {x.get('hit')} next {x.get('next')}"
                                            for x in rec["runs"] if x["round"] == r))
         save()
+    import httpx
+
+    for name in names:  # each mlxd server's memory after the rounds (the budget, MLX's cache, CUDA's pool)
+        if name.startswith("mlxd"):
+            try:
+                rec.setdefault("memory", {})[name] = (httpx.get(procs[name].base + "/stats", timeout=30).json()
+                                                      .get("cache") or {}).get("memory")
+            except (httpx.HTTPError, ValueError) as exc:
+                rec.setdefault("memory", {})[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    save()
     for kind in ("hit", "next"):
         level = (rec.get("summary") or {}).get("levels", {}).get(kind, {})
         log("ttft", f"{kind}, TTFT ÷ {ref} (median [IQR] over {level.get('rounds')} rounds)", json.dumps(
@@ -657,6 +667,9 @@ def main() -> int:
         # hands it out (MLXD_FIRST_TOKEN_EARLY=0; mlxd_ram hands it out with that step, the default since 2026-12-07)
         "mlxd_ram_late": (["env", "MLXD_FIRST_TOKEN_EARLY=0", *base, "--port", "18177", "--device-probe", "off"],
                           18177),
+        # RAM only, CUDA's memory pool left at its peak when idle (MLXD_POOL_TRIM=0; mlxd_ram trims it after a
+        # second idle, the default since 2026-12-07 12:00): what the trim costs the next request
+        "mlxd_ram_notrim": (["env", "MLXD_POOL_TRIM=0", *base, "--port", "18176", "--device-probe", "off"], 18176),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1226,7 +1239,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
                                                         "mlxd_ram_plain", "mlxd_ram_clear", "mlxd_ram_late",
-                                                        "mlxd_host_ssd") if name in out}
+                                                        "mlxd_ram_notrim", "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.

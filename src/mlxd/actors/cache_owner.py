@@ -389,7 +389,7 @@ class CacheOwnerActor:
             self._count.restore_ms_last = round(msg.seconds * 1000, 3)
         elif isinstance(msg, MemoryMeasured):
             self._apply(tiers.observe_memory(msg.active_bytes, peak_bytes=msg.peak_bytes,
-                                             buffer_cache_bytes=msg.buffer_cache_bytes))
+                                             buffer_cache_bytes=msg.buffer_cache_bytes, pool=msg.pool))
         elif isinstance(msg, EngineBusy):
             self._engine_busy = msg.busy
         elif isinstance(msg, EncoderOutputs):

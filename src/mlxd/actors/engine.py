@@ -11,6 +11,7 @@ rank 0's steps go through `engine.ranks.Leader`, which tells the followers first
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ STEPS_AHEAD = 1
 # Resets in a row that fail themselves before the device is taken as lost (EngineActor._reset_failed): one may
 # fail for want of memory another process held a moment; a poisoned CUDA context fails every one.
 DEVICE_LOST_RESETS = 3
+# Seconds an engine waits idle after work before it trims its GPU's memory pool (EngineCore.idle_trim; CUDA with
+# a memory budget): past a request's own gaps, so a conversation's next turn does not find its memory given away.
+IDLE_TRIM_S = 1.0
 
 
 class EngineActor:
@@ -89,6 +93,7 @@ class EngineActor:
         self.device_lost: str | None = None  # why the engine stopped stepping for good (the device failed)
         self.lost = trio.Event()  # set with device_lost: the server stops (cli) and /health says why
         self._busy_noted = False  # what the cache owner was last told (EngineBusy)
+        self._trim_due = False  # steps ran since the last idle trim of the GPU's memory pool
         self._carry: StepOps | None = None  # ops a run of steps refused as it ended: the next run's first
         self._ending: set[str] = set()  # rows sent a stop or cancel: tokens they still decode are not delivered
         self._runs = 0  # runs of steps handed to the MLX thread (each one trio round trip)
@@ -156,8 +161,9 @@ class EngineActor:
             if not (self._rows or self._pending or self._drops or self._reset or self._carry):
                 self._governor.set_busy(False)
                 await self._note_busy(False)
-                self._accept(await self._inbox.receive())
+                self._accept(await self._next_message(thread))
             self._governor.set_busy(True)
+            self._trim_due = True
             await self._note_busy(True)
             self._drain_inbox()
             ops = self._next_ops()
@@ -169,6 +175,22 @@ class EngineActor:
                 await self._step_once(thread, step, ops)
             else:
                 await self._run_steps(thread, step, ops)
+
+    async def _next_message(self, thread: MlxThread) -> EngineInbox:
+        """The next message for an idle engine. One idle for `IDLE_TRIM_S` after work trims its GPU's memory pool
+        meanwhile, once (`EngineCore.idle_trim`), and the cache owner gets the measurement after it."""
+        if self._trim_due and self.core.trims_when_idle:
+            with trio.move_on_after(IDLE_TRIM_S):
+                return await self._inbox.receive()
+            self._trim_due = False
+            try:
+                measured = await thread.run(self.core.idle_trim)
+            except Exception as exc:  # a hint for the device's other tenants: never worth failing over
+                log.warning("engine.pool_trim_failed", error=repr(exc))
+            else:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._publish.send(measured)
+        return await self._inbox.receive()
 
     async def _step_once(self, thread: MlxThread, step: Callable[[StepOps], StepResult], ops: StepOps) -> None:
         """One step with a round trip (after a failure: the reset)."""

@@ -45,6 +45,7 @@ from mlxd.engine.features import (
     plan_pack_bytes,
     plan_stream,
     read_logprobs,
+    trims_device_pool,
 )
 from mlxd.engine.ops import (
     Emit,
@@ -235,6 +236,9 @@ class EngineCore:
         self.channel: StepChannel | None = None  # --distributed: this rank's step channel
         self._memory_budget = 0
         self._cache_limit_before: int | None = None  # MLX's buffer-cache limit before load set ours
+        self._pool: device_memory.DevicePool | None = None  # CUDA's memory pool, with a memory budget
+        self._pool_headroom = 0  # reserved memory an idle trim keeps past what MLX uses (the buffer-cache share)
+        self._trim_pool = trims_device_pool()
         self._eos: frozenset[int] = frozenset()
         self._prefill_step_size = config.prefill_step_size
         # No forward run in this process yet (no probe measured or warm-up, no step): its first runs build
@@ -338,6 +342,8 @@ class EngineCore:
             if cache_limit is not None:
                 self._cache_limit_before = cache_limit[1]
                 log.info("engine.buffer_cache_limit", limit_bytes=cache_limit[0], mlx_default_bytes=cache_limit[1])
+                self._pool = device_memory.device_pool()  # CUDA only: its reserved memory is the process's share
+                self._pool_headroom = cache_limit[0]
             own = None
             if self._config.kv_admission:  # what admission counts beside rows' KV (engine/memory_costs.py)
                 own = memory_costs.measure_own(before, self.model, lambda: loading.fresh_caches(self.model, self._config),
@@ -647,7 +653,32 @@ class EngineCore:
 
         self._steps_unmeasured = 0
         return MemoryMeasured(int(mx.get_active_memory()), int(mx.get_peak_memory()), reason,
-                              buffer_cache_bytes=int(mx.get_cache_memory()))
+                              buffer_cache_bytes=int(mx.get_cache_memory()),
+                              pool=self._pool.usage() if self._pool is not None else None)
+
+    @property
+    def trims_when_idle(self) -> bool:
+        """Does an idle engine trim its GPU's memory pool (a memory budget on CUDA, `MLXD_POOL_TRIM` on)?"""
+        return self._pool is not None and self._trim_pool
+
+    def idle_trim(self) -> MemoryMeasured:
+        """(MLX thread, the engine idle) Give the device back what the memory pool holds past what MLX uses and
+        one buffer-cache share of the budget (for the next request's first allocations), then measure.
+
+        MLX frees into CUDA's pool, which keeps what it reserved: a process's share of the device follows its
+        peak (a long prompt's chunks, a burst of rows), not what it holds, and servers sharing one GPU each keep
+        their peak (benchmarks.md, H100 2026-12-07 11:03). The engine's streams are synchronized first, so the
+        frees behind its last step count as free."""
+        import mlx.core as mx
+
+        assert self._pool is not None
+        mx.synchronize()
+        t0 = time.perf_counter()
+        usage = self._pool.usage()
+        freed = self._pool.trim(usage.used_bytes + self._pool_headroom) if usage is not None else 0
+        if freed:
+            log.debug("engine.pool_trimmed", freed_bytes=freed, ms=round(1000 * (time.perf_counter() - t0), 2))
+        return self.measure_memory("idle")
 
     @property
     def measures_memory(self) -> bool:

@@ -349,6 +349,15 @@ def first_token_early() -> bool:
     return env_switch("MLXD_FIRST_TOKEN_EARLY", default=True)
 
 
+def trims_device_pool() -> bool:
+    """`MLXD_POOL_TRIM` (on by default; `runtime.config.env_switch` values): with a memory budget on CUDA, an engine
+    idle for `IDLE_TRIM_S` gives its GPU's memory pool back what it holds past what MLX uses and one buffer-cache
+    share of the budget (engine/core.py `idle_trim`). Off: the pool keeps what it reserved at the peak."""
+    from mlxd.runtime.config import env_switch
+
+    return env_switch("MLXD_POOL_TRIM", default=True)
+
+
 def plan_pack_bytes() -> int:
     """`MLXD_PLAN_PACK_MB`: a checkpoint's write plan of at most this many MB is written from one packed copy of its
     tensors (`kinds.plan_snapshot`): on CUDA one host conversion to managed memory instead of one per tensor (a

@@ -222,6 +222,11 @@ def _cache_families(cache: CacheStatsSnapshot) -> Iterator[Metric]:
         yield _gauge("mlxd_memory_peak_active_bytes", "MLX peak active memory so far.", memory.peak_active_bytes)
         yield _gauge("mlxd_memory_buffer_cache_bytes", "MLX's cached free buffers at the last measurement.",
                      memory.buffer_cache_bytes)
+        if memory.device_pool is not None:  # CUDA
+            yield _gauge("mlxd_memory_device_pool_reserved_bytes",
+                         "GPU memory the CUDA memory pool held at the last measurement.", memory.device_pool.reserved_bytes)
+            yield _counter("mlxd_memory_device_pool_trimmed_bytes",
+                           "GPU memory idle trims gave back to the device.", memory.device_pool.trimmed_bytes)
         yield _counter(
             "mlxd_memory_budget_freed_bytes", "RAM-tier bytes demoted or evicted for the memory budget.",
             memory.freed_bytes,

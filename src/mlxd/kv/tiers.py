@@ -208,6 +208,17 @@ Effect = Persist | Forget | NotStored | Unlink | Demote | Promote
 
 
 @attrs.frozen
+class PoolUsage:
+    """A GPU's memory pool at one moment (bytes; CUDA's stream-ordered pool, runtime/device_memory.py), and the
+    trims so far. What it reserves is the process's share of the device, whatever of it MLX uses now."""
+
+    reserved_bytes: int  # device memory the pool holds (allocated, or freed and kept for reuse)
+    used_bytes: int  # of it, allocations not freed (MLX's active memory and its buffer cache)
+    trims: int = 0  # idle trims that ran
+    trimmed_bytes: int = 0  # reserved bytes they gave back to the device
+
+
+@attrs.frozen
 class MemoryStats:
     """The memory budget: the last measurement and what the budget made leave RAM."""
 
@@ -227,6 +238,7 @@ class MemoryStats:
     admission_freed_bytes: int = 0  # freed before a row the scheduler admitted (--kv-admission)
     admission_frees: int = 0  # entries that left RAM for those rows
     buffer_cache_bytes: int = 0  # MLX's cached free buffers at the last measurement (held to an eighth of the budget)
+    device_pool: PoolUsage | None = None  # the GPU's memory pool at the last measurement (None off CUDA)
 
 
 @attrs.frozen
@@ -471,6 +483,7 @@ class _MemoryCounters:
     admission_freed: int = 0
     admission_frees: int = 0
     buffer_cache: int = 0
+    pool: PoolUsage | None = None
 
 
 @attrs.define
@@ -1069,7 +1082,8 @@ class CacheTiers:
             self._demotions += len(released.evicted)
         return moves + self._to_host(released.evicted, move=True, urgent=True)
 
-    def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0, buffer_cache_bytes: int = 0) -> list[Effect]:
+    def observe_memory(self, active_bytes: int, *, peak_bytes: int = 0, buffer_cache_bytes: int = 0,
+                       pool: PoolUsage | None = None) -> list[Effect]:
         """The engine measured MLX active memory (which holds the RAM tier's arrays): check the budget.
 
         Memory outside the cache (weights, batches, buffers) is taken as
@@ -1080,6 +1094,7 @@ class CacheTiers:
         m.active, m.peak = active_bytes, max(m.peak, peak_bytes, active_bytes)
         m.max_active = max(m.max_active, active_bytes)
         m.buffer_cache = buffer_cache_bytes
+        m.pool = pool or m.pool
         # Host-tier entries are MLX arrays whose pages moved to the host: still MLX memory, not "other".
         m.other = max(0, active_bytes - self.ram.bytes - (self.host.bytes if self.host is not None else 0))
         m.measurements += 1
@@ -1147,6 +1162,7 @@ class CacheTiers:
             admission_freed_bytes=m.admission_freed,
             admission_frees=m.admission_frees,
             buffer_cache_bytes=m.buffer_cache,
+            device_pool=m.pool,
         )
 
     # --- internals ------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxd.kv.tiers import PoolUsage
 from mlxd.runtime.logging import get_logger
 
 log = get_logger("mlxd.device_memory")
@@ -80,6 +81,11 @@ class ManagedMemory:
                 done += length
         return done
 
+    @property
+    def lib(self) -> Any:
+        """The CUDA runtime library these calls go through (MLX's own)."""
+        return self._lib
+
     def to_device(self, buffers: Iterable[Any]) -> int:
         """Start moving these buffers to the device (asynchronous). Returns bytes requested."""
         done = 0
@@ -99,6 +105,51 @@ class ManagedMemory:
             self._warned.set()
             log.warning("device_memory.hint_failed", call=name, cuda_error=err)
         return False
+
+
+_POOL_RESERVED = 5  # cudaMemPoolAttrReservedMemCurrent: device memory the pool holds
+_POOL_USED = 7  # cudaMemPoolAttrUsedMemCurrent: of it, allocations not freed
+
+
+class DevicePool:
+    """The device's default stream-ordered memory pool: where MLX's CUDA build takes the memory of the arrays
+    its kernels write (`cudaMallocAsync`), and where it gives back what it frees past its own buffer cache
+    (`cudaFreeAsync`).
+
+    Freed memory stays reserved by the pool, on the device, until the pool is trimmed: a process's share of
+    the device (what nvidia-smi shows) follows its peak, not what it holds. `trim` gives the device back
+    what the pool holds past `keep` bytes; memory a kernel still uses, or whose free the host has not seen
+    complete, stays (the caller synchronizes its streams first). No MLX calls: any thread may call it."""
+
+    def __init__(self, lib: Any, *, device: int = 0) -> None:
+        self._lib = lib
+        self._handle = ctypes.c_void_p()
+        err = int(lib.cudaDeviceGetDefaultMemPool(ctypes.byref(self._handle), device))
+        if err != 0:
+            raise OSError(f"cudaDeviceGetDefaultMemPool failed (CUDA error {err})")
+        self.trims = 0  # trims that ran
+        self.trimmed_bytes = 0  # reserved bytes they gave back to the device
+
+    def usage(self) -> PoolUsage | None:
+        """What the pool reserves and what of it is allocated; None if the runtime would not say."""
+        reserved, used = ctypes.c_uint64(), ctypes.c_uint64()
+        for attr, out in ((_POOL_RESERVED, reserved), (_POOL_USED, used)):
+            if int(self._lib.cudaMemPoolGetAttribute(self._handle, attr, ctypes.byref(out))) != 0:
+                return None
+        return PoolUsage(reserved.value, used.value, self.trims, self.trimmed_bytes)
+
+    def trim(self, keep: int) -> int:
+        """Give the device back what the pool reserves past `keep` bytes (at least); the bytes given back."""
+        before = self.usage()
+        err = int(self._lib.cudaMemPoolTrimTo(self._handle, ctypes.c_size_t(max(0, keep))))
+        if err != 0:
+            log.warning("device_memory.trim_failed", cuda_error=err)
+            return 0
+        after = self.usage()
+        freed = max(0, before.reserved_bytes - after.reserved_bytes) if before and after else 0
+        self.trims += 1
+        self.trimmed_bytes += freed
+        return freed
 
 
 def _cudart_candidates() -> list[str]:
@@ -169,3 +220,24 @@ def to_device(buffers: Sequence[Any]) -> int:
     """`ManagedMemory.to_device` where memory is managed; else 0."""
     m = managed()
     return m.to_device(buffers) if m is not None else 0
+
+
+_pool: DevicePool | None = None
+_pool_resolved = False
+
+
+def device_pool() -> DevicePool | None:
+    """MLX's CUDA device's memory pool, or None off CUDA, without a runtime, or on a device without pools."""
+    global _pool, _pool_resolved
+    m = managed()
+    with _lock:
+        if _pool_resolved:
+            return _pool
+        _pool_resolved = True
+        if m is None:
+            return None
+        try:
+            _pool = DevicePool(m.lib)
+        except (OSError, AttributeError) as exc:
+            log.info("device_memory.no_pool", reason=str(exc))
+        return _pool

@@ -28,7 +28,7 @@ from mlxd.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from mlxd.kv.prompt_cache import CacheHit
 from mlxd.kv.ram_pages import PageRef
 from mlxd.kv.shard_mirror import ShardRef
-from mlxd.kv.tiers import PrefixLookup, SessionCheckpoint, SsdRecord, TierStats
+from mlxd.kv.tiers import PoolUsage, PrefixLookup, SessionCheckpoint, SsdRecord, TierStats
 from mlxd.kv.write_queue import WriteJob
 from mlxd.runtime.kernel.channels import Reply
 
@@ -424,8 +424,9 @@ class MemoryMeasured:
 
     active_bytes: int  # mx.get_active_memory(): weights, batches and the RAM tier's arrays
     peak_bytes: int  # mx.get_peak_memory()
-    reason: str  # "prefill" (a prefill boundary) or "decode" (every few hundred steps)
+    reason: str  # "prefill" (a prefill boundary), "decode" (every few hundred steps) or "idle" (after a trim)
     buffer_cache_bytes: int = 0  # mx.get_cache_memory(): freed buffers MLX keeps for reuse (not active memory)
+    pool: PoolUsage | None = None  # the GPU's memory pool (CUDA; runtime/device_memory.py), its idle trims so far
 
 
 @attrs.frozen
