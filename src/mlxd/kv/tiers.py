@@ -213,7 +213,7 @@ class PoolUsage:
     trims so far. What it reserves is the process's share of the device, whatever of it MLX uses now."""
 
     reserved_bytes: int  # device memory the pool holds (allocated, or freed and kept for reuse)
-    used_bytes: int  # of it, allocations not freed (MLX's active memory and its buffer cache)
+    used_bytes: int  # of it, allocations not freed (the part of MLX's active memory and buffer cache it holds)
     trims: int = 0  # idle trims that ran
     trimmed_bytes: int = 0  # reserved bytes they gave back to the device
 

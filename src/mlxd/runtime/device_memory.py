@@ -15,6 +15,10 @@ mlxd's paths touch KV on the host:
 
 Both effects are measured in docs/benchmarks.md (H200: managed memory).
 
+What MLX's kernels write comes from CUDA's stream-ordered memory pool instead,
+which keeps what it reserved after MLX frees it: `DevicePool` reads what the
+pool holds and trims it (an idle engine's, engine/core.py `idle_trim`).
+
 Both are hints: they change where pages are, never what they hold, so a
 missing or failing call costs speed, not correctness. On the CPU and on
 Apple's unified memory there is nothing to move and both are no-ops; on CUDA
