@@ -15,9 +15,9 @@ mlxd's paths touch KV on the host:
 
 Both effects are measured in docs/benchmarks.md (H200: managed memory).
 
-What MLX's kernels write comes from CUDA's stream-ordered memory pool instead,
-which keeps what it reserved after MLX frees it: `DevicePool` reads what the
-pool holds and trims it (an idle engine's, engine/core.py `idle_trim`).
+What MLX's kernels write comes from CUDA's stream-ordered memory pool instead:
+`DevicePool` reads what the pool holds and trims it (an idle engine's,
+engine/core.py `idle_trim`).
 
 Both are hints: they change where pages are, never what they hold, so a
 missing or failing call costs speed, not correctness. On the CPU and on
@@ -120,10 +120,12 @@ class DevicePool:
     its kernels write (`cudaMallocAsync`), and where it gives back what it frees past its own buffer cache
     (`cudaFreeAsync`).
 
-    Freed memory stays reserved by the pool, on the device, until the pool is trimmed: a process's share of
-    the device (what nvidia-smi shows) follows its peak, not what it holds. `trim` gives the device back
-    what the pool holds past `keep` bytes; memory a kernel still uses, or whose free the host has not seen
-    complete, stays (the caller synchronizes its streams first). No MLX calls: any thread may call it."""
+    What the pool holds (`reserved_bytes`) and what of it is allocated (`used_bytes`) tell how much of a
+    process's share of the device (what nvidia-smi shows) is this pool's, and how much of that it keeps free.
+    CUDA gives free pool memory back at synchronizations down to the pool's release threshold (0 by default,
+    which MLX leaves); `trim` gives it back now, down to `keep` bytes. Memory a kernel still uses, or whose free
+    the host has not seen complete, stays (the caller synchronizes its streams first). No MLX calls: any thread
+    may call it."""
 
     def __init__(self, lib: Any, *, device: int = 0) -> None:
         self._lib = lib
