@@ -41,6 +41,8 @@ phase() {  # NAME SECONDS CMD...   (LIMIT_NAME=seconds in the environment overri
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name rc=$? end $(date +%T)"; tail -n 25 "$OUT/$name.log"
   find benchmarks/results -newer /tmp/wave3.start -name '*.json' -exec cp {} "$OUT/" \; 2>/dev/null
+  # a phase's own folder's JSON also gzipped beside it (11:07 2026-12-07: ttftil's did not come back from the device)
+  for f in "$OUT/$name"/*.json; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$name-$(basename "$f").gz"; done 2>/dev/null
 }
 for p in "$@"; do case $p in
   blocks) mkdir -p /tmp/blocks; phase blocks 150 python3 benchmarks/bench_ssd_blocks.py --parts storage bandwidth \
