@@ -210,6 +210,11 @@ async def test_an_idle_engine_trims_the_gpu_memory_pool_once_after_work(tiny_mod
         # What MLX uses plus one buffer-cache share of the budget stays; the rest goes back to the device.
         assert cuda.trims == [100 * MiB + budget // 8]
         assert pool == PoolUsage(108 * MiB, 100 * MiB, trims=1, trimmed_bytes=792 * MiB)
+        from mlxd.http.metrics import _cache_families
+
+        samples = {s.name: s.value for f in _cache_families((await rt.stats()).cache) for s in f.samples}
+        assert samples["mlxd_memory_device_pool_reserved_bytes"] == 108 * MiB
+        assert samples["mlxd_memory_device_pool_trimmed_bytes_total"] == 792 * MiB
         await trio.sleep(1.0)
         assert len(cuda.trims) == 1  # once per idle spell
         cuda.reserved = 500 * MiB  # the next request's peak
