@@ -352,7 +352,7 @@ def first_token_early() -> bool:
 def trims_device_pool() -> bool:
     """`MLXD_POOL_TRIM` (on by default; `runtime.config.env_switch` values): with a memory budget on CUDA, an engine
     idle for `IDLE_TRIM_S` gives its GPU's memory pool back what it holds past what MLX uses and one buffer-cache
-    share of the budget (engine/core.py `idle_trim`). Off: the pool keeps what it reserved at the peak."""
+    share of the budget (engine/core.py `idle_trim`), a backstop. Off: the pool is left to CUDA."""
     from mlxd.runtime.config import env_switch
 
     return env_switch("MLXD_POOL_TRIM", default=True)
