@@ -670,6 +670,9 @@ def main() -> int:
         # RAM only, CUDA's memory pool left at its peak when idle (MLXD_POOL_TRIM=0; mlxd_ram trims it after a
         # second idle, the default since 2026-12-07 12:00): what the trim costs the next request
         "mlxd_ram_notrim": (["env", "MLXD_POOL_TRIM=0", *base, "--port", "18176", "--device-probe", "off"], 18176),
+        # RAM only, every row that ends filtered out of mlx-lm's batch at once (MLXD_CARRY_ROWS=0; mlxd_ram carries
+        # it while the others decode until that costs what the copy does, the default since 2026-12-07 14:00)
+        "mlxd_ram_filter": (["env", "MLXD_CARRY_ROWS=0", *base, "--port", "18175", "--device-probe", "off"], 18175),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1239,7 +1242,7 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
                                                         "mlxd_ram_plain", "mlxd_ram_clear", "mlxd_ram_late",
-                                                        "mlxd_ram_notrim", "mlxd_host_ssd") if name in out}
+                                                        "mlxd_ram_notrim", "mlxd_ram_filter", "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.

@@ -291,7 +291,14 @@ class EngineCore:
         """Load the model, measure its KV cost and the device, and start a generator."""
         import mlx.core as mx
 
-        from mlxd.model import batch_filter, batch_handover, fast_mask, keep_buffers, window_mask
+        from mlxd.model import (
+            batch_filter,
+            batch_handover,
+            carry_rows,
+            fast_mask,
+            keep_buffers,
+            window_mask,
+        )
 
         switch = gil_switch_ms()
         if switch is not None:  # process-wide: restored by close()
@@ -302,6 +309,7 @@ class EngineCore:
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
         keep_buffers.install()  # prompt chunks reuse MLX's buffers, no clear after each (MLXD_KEEP_BUFFERS=0: mlx-lm's)
         batch_filter.install()  # rows leave the batch without waiting for the forward in flight
+        carry_rows.install()  # a row that ends while others decode leaves when that is cheaper than the copy
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
         self._reads = mx.new_stream(mx.default_device())  # logprob reads, beside the queued next step
