@@ -3,8 +3,9 @@
 
 Rows of one long prompt (its KV made once, copied into each row: a cache hit, as the servers bench's 8-stream
 runs start) decode under mlx-lm's `BatchGenerator`; the first row ends `--early` steps before the others. Per
-round, both arms interleaved (order alternating): the seconds from the first row's last token to the others'
-last (`tail_s`: the step mlx-lm copies the batch in, and what follows) and the whole decode's (`decode_s`).
+round, both arms interleaved (order alternating): the seconds of the step after the first row's last token
+(`after_end_s`: the step whose forward mlx-lm's copy of the batch comes before) and of the whole decode
+(`decode_s`), each step's seconds and rows recorded.
 Ratios carried ÷ filtered per round, median + IQR. `--early 1` is the servers bench's case (rows started a step
 apart end a step apart); a larger one shows what carrying costs until the ski rental drops the row.
 
@@ -45,32 +46,35 @@ def row_caches(prefix: list[Any]) -> list[Any]:
     return out
 
 
-def run(model: Any, prompt: list[int], prefix: list[Any], rows: int, tokens: int, early: int) -> dict[str, float]:
+def run(model: Any, prompt: list[int], prefix: list[Any], rows: int, tokens: int, early: int) -> dict[str, Any]:
+    """One decode: each step's seconds and rows, the step after the first row ended, the whole decode."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows)
     limits = [tokens - early] + [tokens] * (rows - 1)
     caches = [row_caches(prefix) for _ in range(rows)]
     uids = gen.insert([prompt[-1:]] * rows, max_tokens=limits, caches=caches)
-    seen = dict.fromkeys(uids, 0)
-    first_at = last_early = None
+    steps: list[float] = []
+    sizes: list[int] = []
+    ended = None
     try:
         while True:
+            t0 = time.perf_counter()
             _, responses = gen.next()
-            now = time.perf_counter()
+            steps.append(time.perf_counter() - t0)
+            sizes.append(len(gen._generation_batch))
             for r in responses:
-                seen[r.uid] += 1
-                if first_at is None:
-                    first_at = now
-                if r.uid == uids[0] and r.finish_reason is not None:
-                    last_early = now
-            if all(seen[u] == m for u, m in zip(uids, limits, strict=True)):
+                if r.finish_reason is not None:  # its KV kept, as a server keeps it (its final checkpoint)
+                    mx.async_eval([c.state for c in r.prompt_cache])
+                    ended = len(steps) - 1 if r.uid == uids[0] else ended
+            del responses  # (nothing else holds the batch's buffers into the next step)
+            if len(steps) > 2 and not gen._generation_batch.uids:
                 break
     finally:
         gen.close()
-    end = time.perf_counter()
-    assert first_at is not None and last_early is not None
-    return {"tail_s": end - last_early, "decode_s": end - first_at}
+    assert ended is not None
+    decoding = [i for i, n in enumerate(sizes) if n] + [len(sizes) - 1]
+    return {"after_end_s": steps[ended + 1], "decode_s": sum(steps[decoding[0]:]), "steps_s": steps, "rows": sizes}
 
 
 def main() -> int:
@@ -112,13 +116,13 @@ def main() -> int:
                         runs[arm].append(got)
             carry_rows.uninstall()
             case: dict[str, Any] = {"runs": runs}
-            for key in ("tail_s", "decode_s"):
+            for key in ("after_end_s", "decode_s"):
                 ratios = sorted(c[key] / f[key] for c, f in zip(runs["carried"], runs["filtered"], strict=True))
                 q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
                 case[key] = {"carried_ms": round(1000 * statistics.median(x[key] for x in runs["carried"]), 2),
                              "filtered_ms": round(1000 * statistics.median(x[key] for x in runs["filtered"]), 2),
                              "ratio": round(statistics.median(ratios), 4), "iqr": [round(q[0], 4), round(q[2], 4)]}
-                print(f"early {early:3d} {key:8s} carried {case[key]['carried_ms']:9.2f} ms  filtered "
+                print(f"early {early:3d} {key:11s} carried {case[key]['carried_ms']:9.2f} ms  filtered "
                       f"{case[key]['filtered_ms']:9.2f} ms  carried ÷ filtered {case[key]['ratio']:.4f} "
                       f"[{case[key]['iqr'][0]:.4f}–{case[key]['iqr'][1]:.4f}]", flush=True)
             results["cases"][str(early)] = case

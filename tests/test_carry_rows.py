@@ -1,7 +1,7 @@
 """MLXD_CARRY_ROWS (model/carry_rows.py): a row that ends while others decode stays in mlx-lm's generation batch,
-its tokens discarded, until carrying it has cost what filtering the batch copies (twice the rows that go on, in
-carried row-steps), the others end, rows join, or prompts wait; every row decodes the same tokens as with mlx-lm's
-filter at every end, and a batch whose rows end a step apart is never copied."""
+its tokens discarded, for a step (`CARRY_STEPS`), or until the others end, rows join, or prompts wait; every row
+decodes the same tokens as with mlx-lm's filter at every end, and a batch whose rows end a step apart is never
+copied."""
 
 from __future__ import annotations
 
@@ -78,8 +78,10 @@ def prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return [tokenizer.encode(f"row {i} " + "words and more words " * (2 + 3 * i)) for i in range(n)]
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("carrying", [True], indirect=True)
-def test_a_row_that_ends_is_carried_until_it_has_cost_the_copy(tiny_model, carrying):
+def test_a_row_that_ends_is_carried_for_its_steps(tiny_model, carrying, steps, monkeypatch):
+    monkeypatch.setattr(carry_rows, "CARRY_STEPS", steps)
     model, tokenizer = tiny_model
     ours, rows = decode(model, prompts(tokenizer, 4), [3, 40, 40, 40])
     carry_rows.uninstall()
@@ -88,8 +90,8 @@ def test_a_row_that_ends_is_carried_until_it_has_cost_the_copy(tiny_model, carry
     first = next(uids for uids in rows if uids)[0]
     joined = next(i for i, uids in enumerate(plain_rows) if uids)
     ended = next(i for i in range(joined, len(plain_rows)) if first not in plain_rows[i])  # mlx-lm filtered it
-    assert all(first in uids for uids in rows[ended:ended + 6])  # carried: 3 rows go on, 2 x 3 row-steps
-    assert first not in rows[ended + 6] and len(rows[ended + 6]) == 3
+    assert all(first in uids for uids in rows[ended:ended + steps])  # carried
+    assert first not in rows[ended + steps] and len(rows[ended + steps]) == 3  # then filtered out, a step late
 
 
 @pytest.mark.parametrize("carrying", [True], indirect=True)
@@ -107,11 +109,12 @@ def test_rows_ending_a_step_apart_are_never_copied(tiny_model, carrying, monkeyp
 
 
 @pytest.mark.parametrize("carrying", [True], indirect=True)
-def test_carried_rows_leave_when_others_join_or_wait(tiny_model, carrying):
+def test_carried_rows_leave_when_others_join_or_wait(tiny_model, carrying, monkeypatch):
+    monkeypatch.setattr(carry_rows, "CARRY_STEPS", 8)  # (carried long enough to see them leave for these)
     model, tokenizer = tiny_model
     # a prompt arriving after the first row ended, with room in the batch: it joins, the carried row leaves first
     late_prompt = tokenizer.encode("a late row " + "more words " * 9)
-    limits = [2, 30, 30, 30, 30]  # the first carried for up to 8 steps (2 x 4 rows going on)
+    limits = [2, 30, 30, 30, 30]
     ours, rows = decode(model, prompts(tokenizer, 5), limits, late={3: (late_prompt, 6)})
     carry_rows.uninstall()
     theirs, _ = decode(model, prompts(tokenizer, 5), limits, late={3: (late_prompt, 6)})
@@ -119,7 +122,7 @@ def test_carried_rows_leave_when_others_join_or_wait(tiny_model, carrying):
     first, joined = next(uids for uids in rows if uids)[0], max(max(uids) for uids in rows if uids)
     at = next(i for i, uids in enumerate(rows) if joined in uids)
     assert first in rows[at - 1] and first not in rows[at]
-    # a full batch (4 rows): the prompt waits for room, and the carried row (6 steps' worth) does not hold it
+    # a full batch (4 rows): the prompt waits for room, and the carried row does not hold it
     carry_rows.install(force=True)
     limits = [2, 40, 40, 40]
     full, rows = decode(model, prompts(tokenizer, 4), limits, batch=4, late={3: (late_prompt, 6)})
@@ -133,7 +136,8 @@ def test_carried_rows_leave_when_others_join_or_wait(tiny_model, carrying):
 
 
 @pytest.mark.parametrize("carrying", [True], indirect=True)
-def test_a_cancelled_row_leaves_no_carried_rows_behind(tiny_model, carrying):
+def test_a_cancelled_row_leaves_no_carried_rows_behind(tiny_model, carrying, monkeypatch):
+    monkeypatch.setattr(carry_rows, "CARRY_STEPS", 8)
     model, tokenizer = tiny_model
     gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
     try:

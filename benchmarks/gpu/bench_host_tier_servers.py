@@ -671,7 +671,7 @@ def main() -> int:
         # second idle, the default since 2026-12-07 12:00): what the trim costs the next request
         "mlxd_ram_notrim": (["env", "MLXD_POOL_TRIM=0", *base, "--port", "18176", "--device-probe", "off"], 18176),
         # RAM only, every row that ends filtered out of mlx-lm's batch at once (MLXD_CARRY_ROWS=0; mlxd_ram carries
-        # it while the others decode until that costs what the copy does, the default since 2026-12-07 14:00)
+        # it one step while the others decode, model/carry_rows.py, the default since 2026-12-07 15:00)
         "mlxd_ram_filter": (["env", "MLXD_CARRY_ROWS=0", *base, "--port", "18175", "--device-probe", "off"], 18175),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",

@@ -309,7 +309,7 @@ class EngineCore:
         batch_handover.install()  # a lone row into mlx-lm's batch and on to generation uncopied
         keep_buffers.install()  # prompt chunks reuse MLX's buffers, no clear after each (MLXD_KEEP_BUFFERS=0: mlx-lm's)
         batch_filter.install()  # rows leave the batch without waiting for the forward in flight
-        carry_rows.install()  # a row that ends while others decode leaves when that is cheaper than the copy
+        carry_rows.install()  # a row that ends while others decode leaves a step later (no copy if they end too)
         window_mask.install()  # a rotated window cache's chunk mask agrees with its keys (time slices)
         self._stream = mx.new_stream(mx.default_device())
         self._reads = mx.new_stream(mx.default_device())  # logprob reads, beside the queued next step

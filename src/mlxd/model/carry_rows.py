@@ -1,21 +1,24 @@
-"""Rows that end while others decode stay in mlx-lm's generation batch a few steps (`MLXD_CARRY_ROWS`).
+"""A row that ends while others decode stays in mlx-lm's generation batch for a step (`MLXD_CARRY_ROWS`).
 
 When a row of mlx-lm's generation batch ends, `GenerationBatch.next` filters the batch at once: every
-layer's keys and values of every row that goes on are gathered into new arrays. At long contexts that is
-the batch's whole KV cache copied in the step after a row ends (eight 8k-token rows of the 1.7B shape:
-6.6 GB for the seven that go on), on the path of the next forward, where a dense batch pays only for
-reading a finished row's keys and values once more per step if it keeps it. Rows admitted together
-but started a step apart (a lone row's first token early) end a step apart, so every such batch pays the
-copy once, for one step of decoding left (docs/benchmarks.md, "Decode: a finished row carried").
+layer's keys and values of every row that goes on are gathered into new arrays, before the next forward.
+At long contexts that is the batch's whole KV cache copied, and the step after such an end is the slowest
+of its run, more so where the copy's buffers are new. Rows admitted together but started a step apart (a lone row's
+first token early, the others a step later) end a step apart, so every such batch pays the copy for one
+step of decoding left. A dense batch that keeps a finished row pays for reading its keys and values once
+more per step instead (docs/benchmarks.md, "a row that ends carried one step").
 
-Here a row that ends inside a step is carried instead: its response goes out as mlx-lm makes it
-(its finish, its caches extracted), then it stays in the batch, its tokens discarded, with no stop
-sequence, no token limit and no logits processors, until keeping it would have cost more than the
-copy (ski rental: rows carried x steps reach twice the rows that go on, since a copy reads and writes
-what a step reads once per carried row), the rows that go on end too (an emptied batch is cleared,
-no copy), rows join (mlx-lm concatenates the batch then; it is filtered first, the copy it would
-have made anyway), or prompts wait for room in the batch (the carried rows count against mlx-lm's
-`completion_batch_size`). Speculative batches (`engine/spec_batch.py`) filter as before.
+Here a row that ends inside a step is carried: its response goes out as mlx-lm makes it (its finish, its
+caches extracted), then it stays in the batch, its tokens discarded, with no stop sequence, no token limit
+and no logits processors, for `CARRY_STEPS` steps (in row-steps: the carried rows' steps add up), then it
+is filtered out as mlx-lm would have, one step late. If the rows that go on end meanwhile the emptied
+batch is cleared, with no copy at all. It leaves at once where rows join (mlx-lm concatenates the batch
+then: the carried rows are not copied along) or prompts wait for room (the carried rows count against
+mlx-lm's `completion_batch_size`). Carried longer, the cost grows with each step and the copy comes
+anyway; how long pays depends on the device (on the CPU a carried row's step is a large part of a
+copy, as measured there), so one step: at most one row-step more than mlx-lm
+where the others go on, the whole copy saved where they end next. Speculative batches
+(`engine/spec_batch.py`) filter as before.
 
 `install()` patches mlx-lm's `GenerationBatch` and `BatchGenerator._next` once per process when wanted;
 `MLXD_CARRY_ROWS=0` keeps mlx-lm's filter at every end.
@@ -27,6 +30,7 @@ import sys
 from typing import Any
 
 ENV = "MLXD_CARRY_ROWS"
+CARRY_STEPS = 1  # steps a carried row stays, on average over the rows carried at once
 
 _ORIGINAL: dict[str, Any] = {}
 
@@ -82,10 +86,9 @@ def _carry(batch: Any, ended: list[int]) -> None:
 
 
 def _due(batch: Any) -> bool:
-    """Whether carrying the carried rows any longer costs more than filtering them out (ski rental)."""
+    """Whether the carried rows have had their steps (`CARRY_STEPS` each, added up over them)."""
     gone = getattr(batch, "_mlxd_carried", ())
-    going_on = len(batch.uids) - len(gone)
-    return bool(gone) and batch._mlxd_steps >= 2 * going_on
+    return bool(gone) and batch._mlxd_steps >= CARRY_STEPS * len(gone)
 
 
 def install(*, force: bool = False) -> bool:
