@@ -14,7 +14,7 @@ import trio
 
 from mlxd.http.app import serve_http
 from mlxd.runtime.config import RuntimeConfig
-from mlxd.runtime.kernel.messages import GenerationRequest, TokenGenerated
+from mlxd.runtime.kernel.messages import GenerationRequest, SamplingParams, TokenGenerated
 from mlxd.runtime.supervisor import Runtime, open_runtime
 
 T = TypeVar("T")
@@ -93,6 +93,28 @@ def config_for(model_dir: Any, **overrides: Any) -> RuntimeConfig:
         model=str(model_dir), model_name="tiny", snapshot_min_tokens=16, max_context=4096, device_probe="off"
     )
     return attrs.evolve(base, **overrides)
+
+
+def rows_ending_apart(model_dir: Any, max_tokens: list[int], spread: int) -> Callable[[], Awaitable[list[list[int]]]]:
+    """A `serve` for `served_with_patch`: one greedy row per `max_tokens`, all submitted at once to a runtime whose
+    batch holds them all, prompts `spread` repeats longer each (left padding in the batch); each row's tokens."""
+
+    async def rows() -> list[list[int]]:
+        async with open_runtime(config_for(model_dir, max_batch=len(max_tokens))) as rt:
+            results: list[list[int]] = [[] for _ in max_tokens]
+
+            async def one(i: int) -> None:
+                prompt = rt.encode(f"row {i} " + "words and more words " * (3 + spread * i))
+                sampling = SamplingParams(max_tokens=max_tokens[i], temperature=0.0)
+                async with rt.submit(rt.request(prompt, sampling=sampling)) as s:
+                    results[i] = list(await s.tokens())
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(max_tokens)):
+                    nursery.start_soon(one, i)
+            return results
+
+    return rows
 
 
 def mount_tmpfs(where: Path, options: str) -> None:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-import trio
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from tests.serving import config_for, served_with_patch
+from tests.serving import rows_ending_apart, served_with_patch
 
 from mlxd.kv.quantized_batch import kept_padding
 from mlxd.model import batch_filter, batch_handover
-from mlxd.runtime.kernel.messages import SamplingParams
-from mlxd.runtime.supervisor import open_runtime
 
 
 def batch(lengths: list[int], steps: int = 3) -> BatchKVCache:
@@ -105,21 +102,7 @@ def test_each_mlx_lm_patch_is_on_unless_turned_off(monkeypatch, patch):
 
 
 def test_served_rows_ending_in_different_steps_decode_the_same_with_it(tiny_model_dir, monkeypatch):
-    async def rows() -> list[list[int]]:
-        async with open_runtime(config_for(tiny_model_dir, max_batch=4)) as rt:
-            results: list[list[int]] = [[] for _ in range(4)]
-
-            async def one(i: int) -> None:  # prompts of different lengths (padding), ends 3 steps apart
-                prompt = rt.encode(f"row {i} " + "words and more words " * (3 + 7 * i))
-                sampling = SamplingParams(max_tokens=4 + 3 * i, temperature=0.0)
-                async with rt.submit(rt.request(prompt, sampling=sampling)) as s:
-                    results[i] = list(await s.tokens())
-
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(one, i)
-            return results
-
+    rows = rows_ending_apart(tiny_model_dir, [4, 7, 10, 13], spread=7)  # ends 3 steps apart, padded prompts
     plain = served_with_patch(batch_filter, monkeypatch, rows, False)
     ours = served_with_patch(batch_filter, monkeypatch, rows, True)
     batch_filter.uninstall()

@@ -9,14 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import trio
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
-from tests.serving import config_for, served_with_patch
+from tests.serving import rows_ending_apart, served_with_patch
 
 from mlxd.model import carry_rows
-from mlxd.runtime.kernel.messages import SamplingParams
-from mlxd.runtime.supervisor import open_runtime
 
 
 @pytest.fixture
@@ -161,21 +158,7 @@ def test_it_is_on_unless_turned_off(monkeypatch):
 
 
 def test_served_rows_ending_in_different_steps_decode_the_same_carried(tiny_model_dir, monkeypatch):
-    async def rows() -> list[list[int]]:
-        async with open_runtime(config_for(tiny_model_dir, max_batch=4)) as rt:
-            results: list[list[int]] = [[] for _ in range(4)]
-
-            async def one(i: int) -> None:  # ends 4 steps apart, the last two a step apart
-                prompt = rt.encode(f"row {i} " + "words and more words " * (3 + 5 * i))
-                sampling = SamplingParams(max_tokens=(3, 7, 11, 12)[i], temperature=0.0)
-                async with rt.submit(rt.request(prompt, sampling=sampling)) as s:
-                    results[i] = list(await s.tokens())
-
-            async with trio.open_nursery() as nursery:
-                for i in range(4):
-                    nursery.start_soon(one, i)
-            return results
-
+    rows = rows_ending_apart(tiny_model_dir, [3, 7, 11, 12], spread=5)  # ends 4 steps apart, the last two 1
     plain = served_with_patch(carry_rows, monkeypatch, rows, False)
     ours = served_with_patch(carry_rows, monkeypatch, rows, True)
     carry_rows.uninstall()
