@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
+    if max(args.early) >= args.tokens or min(args.early) < 1:
+        ap.error(f"--early must be 1 to --tokens - 1 ({args.tokens - 1}): {args.early}")
 
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache

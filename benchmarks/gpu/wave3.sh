@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu/wave3.sh decodeil                          # decode vs mlx_lm, servers interleaved
 #   bash benchmarks/gpu/wave3.sh ttftil                            # a RAM hit and the next turn, servers interleaved
 #   bash benchmarks/gpu/wave3.sh stephost                          # decode's host cost per step, one process
+#   bash benchmarks/gpu/wave3.sh carry                             # a row that ends carried one step vs filtered, one process
 #   bash benchmarks/gpu/wave3.sh flushtrace flush                  # the flush path on this disk, then a SIGTERM flush
 #   bash benchmarks/gpu/wave3.sh firstprefill                      # a fresh process's first 16k prefills, chunk by chunk
 #   bash benchmarks/gpu/wave3.sh contigkv                          # after a short prefix: aligned chunks, sliced vs contiguous keys
@@ -151,6 +152,14 @@ from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1
             phase finalplan 240 python3 benchmarks/bench_final_plan.py --model $M --prompt 8192 --tokens 64 --rounds 12 \
             --ssd --work /tmp/final-plan-work --out "$OUT" --budget $(( ${LIMIT_finalplan:-240} - 70 )) \
             ${FINALPLAN_ARGS:---arms after-forward,after-forward+hostread,after-forward@ram,after-forward+mlxfilter,with-token} ;;
+  # Issue 28, a row that ends while others decode carried one step (MLXD_CARRY_ROWS) vs filtered at once, in one
+  # process: 8 rows of one 8k-token prompt on the 1.7B shape, the first ending 1 / 2 / 20 steps early; the step after
+  # it ends (mlx-lm's gather of the seven before the next forward) and the whole decode, arms interleaved per round.
+  carry) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
+            [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
+from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
+            phase carry 150 python3 benchmarks/bench_carry_rows.py --model $M --context 8192 --rows 8 --tokens 64 \
+            --rounds 10 --out "$OUT" ${CARRY_ARGS:---early 1 2 20} ;;
   stephost) M=/tmp/host-servers-work/model-qwen3-1.7b-shape
             [ -f $M/config.json ] || python3 -c "import sys; sys.path[:0] = ['benchmarks/gpu', 'benchmarks']
 from pathlib import Path; from bench_gpu import QWEN3_1_7B, built; built(QWEN3_1_7B, Path('/tmp/host-servers-work'))"
