@@ -675,9 +675,9 @@ class EngineCore:
 
         A backstop for servers sharing a GPU: CUDA gives free pool memory back at synchronizations already when
         the pool's release threshold is its default (0, which MLX leaves), so the trim frees what is left past
-        that, and the measurement after it tells what the pool holds (`device_pool`): on an H100 a server showed
-        31.4 GiB against 19.4 GiB of MLX memory and cache, where the rest sat not measured (benchmarks.md, H100
-        2026-12-07 11:03). The engine's streams are synchronized first, so the frees behind its last step count
+        that, and the measurement after it tells what the pool holds (`device_pool`), where a server's device
+        memory past MLX's own memory and cache may sit (docs/benchmarks.md, H100 2026-12-07 11:03). The engine's
+        streams are synchronized first, so the frees behind its last step count
         as free."""
         import mlx.core as mx
 

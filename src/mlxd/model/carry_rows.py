@@ -112,7 +112,7 @@ def install(*, force: bool = False) -> bool:
             self._mlxd_stepping = False
         if before:  # the carried rows' tokens: nobody's
             responses = [r for r in responses if r.uid not in before]
-            self._mlxd_steps = getattr(self, "_mlxd_steps", 0) + len(before & set(self.uids))
+            self._mlxd_steps += len(before & set(self.uids))  # (set with the first carried row, `_carry`)
             if _due(self):
                 drop(self)
         return responses
