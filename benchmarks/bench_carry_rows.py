@@ -7,7 +7,11 @@ round, both arms interleaved (order alternating): the seconds of the step after 
 (`after_end_s`: the step whose forward mlx-lm's copy of the batch comes before) and of the whole decode
 (`decode_s`), each step's seconds and rows recorded.
 Ratios carried ÷ filtered per round, median + IQR. `--early 1` is the servers bench's case (rows started a step
-apart end a step apart); a larger one shows what carrying costs until the ski rental drops the row.
+apart end a step apart); a larger one shows what carrying costs until the row is filtered a step late. Where the
+first row ends 4 or more steps early, the filtered arm's steps also price a longer carry on this device:
+`break_even_steps` = the gather's extra seconds (the step after the end less a step of the rows left) ÷ what one
+more row adds to a step (a step of all rows less one of the rows left): how many steps a carried row could stay
+before carrying costs more than the copy (model/carry_rows.py carries one).
 
     PYTHONPATH=src python benchmarks/bench_carry_rows.py [--preset bench] [--context 4096] [--rows 8]
         [--early 1 20] [--tokens 24] [--rounds 8] [--model DIR]
@@ -74,7 +78,19 @@ def run(model: Any, prompt: list[int], prefix: list[Any], rows: int, tokens: int
         gen.close()
     assert ended is not None
     decoding = [i for i, n in enumerate(sizes) if n] + [len(sizes) - 1]
-    return {"after_end_s": steps[ended + 1], "decode_s": sum(steps[decoding[0]:]), "steps_s": steps, "rows": sizes}
+    return {"after_end_s": steps[ended + 1], "decode_s": sum(steps[decoding[0]:]), "steps_s": steps, "rows": sizes,
+            "first_step": decoding[0], "ended_step": ended}
+
+
+def break_even(run: dict[str, Any]) -> float | None:
+    """A filtered run's copy ÷ one row's share of a step, in steps (None where too few steps on either side)."""
+    steps, first, ended = run["steps_s"], run["first_step"], run["ended_step"]
+    full = steps[first + 1: ended + 1]  # all rows (the first decode step left out: it may compile)
+    left = steps[ended + 2: -2]  # the rows left, after the copy (the last steps left out: rows end there)
+    if len(full) < 2 or len(left) < 2:
+        return None
+    one_row = statistics.median(full) - statistics.median(left)
+    return (run["after_end_s"] - statistics.median(left)) / one_row if one_row > 0 else None
 
 
 def main() -> int:
@@ -127,6 +143,12 @@ def main() -> int:
                 print(f"early {early:3d} {key:11s} carried {case[key]['carried_ms']:9.2f} ms  filtered "
                       f"{case[key]['filtered_ms']:9.2f} ms  carried ÷ filtered {case[key]['ratio']:.4f} "
                       f"[{case[key]['iqr'][0]:.4f}–{case[key]['iqr'][1]:.4f}]", flush=True)
+            priced = sorted(b for b in map(break_even, runs["filtered"]) if b is not None)
+            if priced:
+                case["break_even_steps"] = {"median": round(statistics.median(priced), 2),
+                                            "min": round(priced[0], 2), "max": round(priced[-1], 2)}
+                print(f"early {early:3d} break-even carry (filtered arm's copy ÷ one row's share of a step): "
+                      f"{case['break_even_steps']['median']:.2f} steps [{priced[0]:.2f}–{priced[-1]:.2f}]", flush=True)
             results["cases"][str(early)] = case
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if mx.default_device() == mx.cpu else "gpu"
