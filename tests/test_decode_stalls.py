@@ -36,6 +36,14 @@ def test_a_stall_right_after_the_first_tokens_shows_in_the_early_streams_only():
     assert timing["last_ms"][0] == pytest.approx((63 * STEP + 0.040) * 1e3, abs=0.1)
 
 
+def test_each_streams_first_token_after_the_first_request_went_out():
+    streams = streams_with_a_stall(stall_s=0.040, after_step=0)
+    assert "ttft_ms" not in stream_timing(streams)  # (runs recorded before it)
+    timing = stream_timing(streams, sent=-0.025)  # the first request went out 25 ms before the first token
+    assert timing["ttft_ms"] == [pytest.approx(25.0)] * 6 + [pytest.approx(74.0)] * 2
+    assert timing["first_ms"] == stream_timing(streams)["first_ms"]
+
+
 def test_the_summary_reads_a_start_stall_apart_from_an_end_stall():
     runs = []
     for r, (name, after) in enumerate([("start", 0), ("end", 62)]):
@@ -44,7 +52,8 @@ def test_the_summary_reads_a_start_stall_apart_from_an_end_stall():
         per = [(len(t) - 1) / (t[-1] - t[0]) for t in streams]
         start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
         inside = sum(sum(start <= x <= end for x in t) for t in streams)
-        d.update(stream_sum_tok_s=sum(per), all_rows_tok_s=(inside - 8) / (end - start), **stream_timing(streams))
+        d.update(stream_sum_tok_s=sum(per), all_rows_tok_s=(inside - 8) / (end - start),
+                 **stream_timing(streams, sent=-0.010 if name == "start" else None))
         runs.append(d)
     runs.append({"streams": 8, "slot": "start", "round": 2, "tok_s": None})  # a failed run counts nowhere
     out = stalls(runs)["8"]
@@ -55,6 +64,9 @@ def test_the_summary_reads_a_start_stall_apart_from_an_end_stall():
     assert out["end"]["own_over_all_rows"] == pytest.approx(1.0, abs=0.02)
     assert out["start"]["at_token"] == {"1": 6} and out["start"]["slow_ms_per_run"] == pytest.approx(6 * 49.0)
     assert set(out["end"]["at_token"]) == {"62", "63"}
+    # times to first token where the run recorded when its requests went out: the median stream's, the slowest's
+    assert out["start"]["ttft_ms"] == pytest.approx(10.0) and out["start"]["last_ttft_ms"] == pytest.approx(59.0)
+    assert "ttft_ms" not in out["end"]
 
 
 def test_a_run_without_token_times_still_gives_its_rate_ratio():

@@ -75,10 +75,13 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
     """Streams at once; tok/s per stream after its first token, and all together over the shared span."""
     import httpx
 
+    sent: list[float] = []
+
     async def one(client: httpx.AsyncClient, prompt: str) -> list[float]:
         body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                 "temperature": 0.0, "stream": True, "logit_bias": EOS_BAN}
         times: list[float] = []
+        sent.append(time.perf_counter())  # (all eight are sent before any reply: gather starts each in turn)
         last = ""  # the stream's last event: what a reply without tokens said instead (H100 07:24, every server)
         async with client.stream("POST", base + "/v1/chat/completions", json=body) as resp:
             if resp.status_code >= 400:  # the server's own words (mlx_lm.server answers 404 when generate raises)
@@ -106,25 +109,27 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
     return {"streams": len(prompts), "tokens": [len(t) for t in streams], "per_stream_tok_s": per,
             "tok_s": (inside - len(streams)) / (end - start) if end > start else None,
             "span_tok_s": after_first / (last - first) if last > first else None,
-            "first_token_spread_s": round(start - first, 4), **stream_timing(streams)}
+            "first_token_spread_s": round(start - first, 4), **stream_timing(streams, min(sent))}
 
 
-def stream_timing(streams: list[list[float]]) -> dict[str, Any]:
+def stream_timing(streams: list[list[float]], sent: float | None = None) -> dict[str, Any]:
     """Where each stream's time went, from the run's first token (ms): its first and last token, and its slow
     gaps (at least 3x its median gap and 5 ms over it) as [the token after the gap, ms]: a stall at the start of a
     decode (before the last stream's first token) lowers a stream's own rate but not the rate while all rows
-    decode; one at the end lowers both."""
+    decode; one at the end lowers both. With `sent` (when the first request went out): each stream's first token
+    after it (`ttft_ms`, the client's time to first token at this level of concurrency)."""
     timed = [t for t in streams if t]
     if not timed:
         return {}
     zero = min(t[0] for t in timed)
+    ttft = {"ttft_ms": [round((t[0] - sent) * 1e3, 1) for t in timed]} if sent is not None else {}
     slow = []
     for t in timed:
         gaps = [b - a for a, b in itertools.pairwise(t)]
         typical = median(gaps) if gaps else 0.0
         slow.append([[i + 1, round(g * 1e3, 1)] for i, g in enumerate(gaps) if g >= 3 * typical and g - typical >= 5e-3])
     return {"first_ms": [round((t[0] - zero) * 1e3, 1) for t in timed],
-            "last_ms": [round((t[-1] - zero) * 1e3, 1) for t in timed], "slow_gaps": slow}
+            "last_ms": [round((t[-1] - zero) * 1e3, 1) for t in timed], "slow_gaps": slow, **ttft}
 
 
 def run_server(s: Proc, model: str, prompts: list[list[str]], args: argparse.Namespace, fresh: list[str],
@@ -378,21 +383,29 @@ def stalls(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per level and slot, over its runs: the median of the streams' summed own rates over the rate while all
     rows decoded (below 1: time lost before the last stream's first token or after the first stream's last,
     where one stream waits and the all-rows window does not), and, where the runs recorded them
-    (`stream_timing`), the slow gaps: per run their ms summed over streams, and which tokens they came before."""
+    (`stream_timing`), the slow gaps: per run their ms summed over streams, and which tokens they came before; and the
+    streams' times to first token, medians over runs (`ttft_ms`: a run's median stream's, `last_ttft_ms`: its slowest's)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for x in runs:
         if x.get("tok_s") is None:
             continue
         slot = out.setdefault(str(x["streams"]), {}).setdefault(x["slot"], {"runs": 0, "own_over_all_rows": [],
-                                                                             "slow_ms": [], "at_token": []})
+                                                                             "slow_ms": [], "at_token": [],
+                                                                             "ttft": [], "last_ttft": []})
         slot["runs"] += 1
         if x.get("all_rows_tok_s") and x.get("stream_sum_tok_s"):
             slot["own_over_all_rows"].append(x["stream_sum_tok_s"] / x["all_rows_tok_s"])
         if "slow_gaps" in x:
             slot["slow_ms"].append(sum(ms for gaps in x["slow_gaps"] for _, ms in gaps))
             slot["at_token"].extend(i for gaps in x["slow_gaps"] for i, _ in gaps)
+        if x.get("ttft_ms"):
+            slot["ttft"].append(median(x["ttft_ms"]))
+            slot["last_ttft"].append(max(x["ttft_ms"]))
     for level in out.values():
         for slot in level.values():
+            ttft, last = slot.pop("ttft"), slot.pop("last_ttft")
+            if ttft:  # a run's median stream's time to first token, and its slowest stream's (median over runs)
+                slot.update(ttft_ms=round(median(ttft), 1), last_ttft_ms=round(median(last), 1))
             own, slow, at = slot.pop("own_over_all_rows"), slot.pop("slow_ms"), slot.pop("at_token")
             slot["own_over_all_rows"] = round(median(own), 4) if own else None  # (None: never all rows at once)
             if slow:
