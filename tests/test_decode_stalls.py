@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 
-from bench_host_tier_servers import stalls, stream_timing  # noqa: E402
+from bench_host_tier_servers import TIMING_KEYS, stalls, stream_timing  # noqa: E402
 
 STEP = 0.009  # s a token, every row
 
@@ -42,6 +42,7 @@ def test_each_streams_first_token_after_the_first_request_went_out():
     timing = stream_timing(streams, sent=-0.025)  # the first request went out 25 ms before the first token
     assert timing["ttft_ms"] == [pytest.approx(25.0)] * 6 + [pytest.approx(74.0)] * 2
     assert timing["first_ms"] == stream_timing(streams)["first_ms"]
+    assert set(timing) == set(TIMING_KEYS)  # every one kept in a decode run's record (decode_interleaved)
 
 
 def test_the_summary_reads_a_start_stall_apart_from_an_end_stall():

@@ -112,6 +112,9 @@ async def decode(base: str, model: str, prompts: list[str], max_tokens: int) -> 
             "first_token_spread_s": round(start - first, 4), **stream_timing(streams, min(sent))}
 
 
+TIMING_KEYS = ("first_ms", "last_ms", "slow_gaps", "ttft_ms")  # what a decode run keeps of `stream_timing`
+
+
 def stream_timing(streams: list[list[float]], sent: float | None = None) -> dict[str, Any]:
     """Where each stream's time went, from the run's first token (ms): its first and last token, and its slow
     gaps (at least 3x its median gap and 5 ms over it) as [the token after the gap, ms]: a stall at the start of a
@@ -322,7 +325,7 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                              "median_stream_tok_s": median_stream({"per_stream_tok_s": d["per_stream_tok_s"]})}
                     run.update(tok_s=rates[args.decode_metric], **rates, per_stream_tok_s=d["per_stream_tok_s"],
                                tokens=d["tokens"], first_token_spread_s=d["first_token_spread_s"],
-                               **{k: d[k] for k in ("first_ms", "last_ms", "slow_gaps") if k in d})
+                               **{k: d[k] for k in TIMING_KEYS if k in d})
                 except Exception as exc:  # one failed run: its ratios are None, the rounds go on
                     run.update(tok_s=None, error=f"{type(exc).__name__}: {exc}")
                 rec["runs"].append(run)
