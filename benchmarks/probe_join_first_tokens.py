@@ -17,9 +17,7 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,25 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "gpu"), str(HERE)]
 
 from bench_host_tier_servers import TEXTS, decode  # noqa: E402
-
-
-def serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    import httpx
-
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--prompt-cache-gb", "1", "--queue-timeout", "0", "--log-format", "json"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlxd serve exited {proc.returncode}: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("mlxd serve did not come up in 300 s")
+from serve_proc import ServeProc  # noqa: E402
 
 
 def main() -> int:
@@ -56,7 +36,6 @@ def main() -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--port", type=int, default=18931)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
 
@@ -66,18 +45,15 @@ def main() -> int:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / args.preset, args.preset, seed=0)
-        log = Path(tmp) / "serve.log"
-        proc = serve(model, args.port, log)
-        base = f"http://127.0.0.1:{args.port}"
-        try:
-            asyncio.run(decode(base, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
+        with ServeProc(["--model", str(model), "--prompt-cache-gb", "1", "--queue-timeout", "0"],
+                       Path(tmp) / "serve.log") as server:
+            asyncio.run(decode(server.url, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
             for _ in range(args.rounds):
-                got = asyncio.run(decode(base, args.preset, prompts, args.tokens))
+                got = asyncio.run(decode(server.url, args.preset, prompts, args.tokens))
                 rounds.append({"first_ms": sorted(got["first_ms"]), "per_stream_tok_s": got["per_stream_tok_s"]})
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-        done = [json.loads(line) for line in log.read_text().splitlines() if '"request.done"' in line]
+            server.signal()
+            server.wait(60)
+            done = [json.loads(line) for line in server.log().splitlines() if '"request.done"' in line]
     for r, requests in zip(rounds, (done[8 * (i + 1): 8 * (i + 2)] for i in range(len(rounds))), strict=True):
         r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], **{k: q["first_token_ms"].get(k) for k in
                                                             ("to_engine", "forward", "steps", "step_ms")}}
