@@ -1,6 +1,6 @@
 """The servers bench (benchmarks/gpu/bench_host_tier_servers.py, issue 28): each SSD server's tier capped (`_ssd_caps`:
 two runs of several SSD servers on the H100's 64 GiB disk ran it out of space, 2026-12-06 10:25), and the decode
-rounds' median-stream metric, read from runs recorded before it was one."""
+rounds' median-stream and client metrics, read from runs recorded before they were ones."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"),
                 str(Path(__file__).resolve().parents[1] / "benchmarks")]
 from bench_host_tier_servers import (  # noqa: E402
     _ssd_caps,
     by_metric,
+    client_sum,
     failing_servers,
     first_error,
     median_stream,
@@ -63,6 +66,27 @@ def test_the_median_stream_is_a_batched_rows_rate_and_old_runs_read_it_too():
     medians = by_metric({"runs": runs, "reference": "mlx_lm", "schedule": "interleaved"})["8"]["mlxd"]
     assert medians["stream_sum_tok_s"] == round(840 / 870, 4)  # below mlx_lm's: its lone row's rate counts
     assert medians["median_stream_tok_s"] == 1.05  # a batched row 5% faster
+
+
+def test_the_client_sum_counts_each_streams_wait_for_its_first_token():
+    """mlx_lm.server's 8th stream waits ~1 s for the seven to end, then runs alone at a higher rate: the stream sum
+    credits that rate, the client sum divides its tokens by its whole wait. Runs without `ttft_ms` (recorded before
+    it) are read from the run's first token."""
+    waited = {"tokens": [64] * 8, "ttft_ms": [20.0] * 7 + [1020.0], "first_ms": [0.0] * 7 + [1000.0],
+              "last_ms": [640.0] * 7 + [1400.0]}
+    together = {"tokens": [64] * 8, "ttft_ms": [20.0] * 8, "first_ms": [0.0] * 8, "last_ms": [680.0] * 8}
+    assert client_sum(waited) == pytest.approx(7 * 64 / 0.660 + 64 / 1.420)
+    assert client_sum(together) == pytest.approx(8 * 64 / 0.700)
+    assert client_sum(together) > client_sum(waited)  # eight together 40 ms slower a token beat seven and a late one
+    old = {k: v for k, v in waited.items() if k != "ttft_ms"}
+    assert client_sum(old) == pytest.approx(7 * 64 / 0.640 + 64 / 1.400)
+    assert client_sum({"tokens": [], "first_ms": [], "last_ms": []}) is None
+    runs = []
+    for r in range(3):
+        runs += [{**decode_run(r, "mlx_lm", [98.0] * 7 + [160.0], 0), **waited},
+                 {**decode_run(r, "mlxd", [92.0] * 8, 1), **together}]
+    medians = by_metric({"runs": runs, "reference": "mlx_lm", "schedule": "interleaved"})["8"]["mlxd"]
+    assert medians["stream_sum_tok_s"] < 1.0 < medians["client_sum_tok_s"]
 
 
 def test_a_server_log_is_kept_from_its_first_error():

@@ -322,7 +322,8 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
                         run.update(written_mb(before, writer_bytes(base), "by_settle"))
                     rates = {"span_tok_s": d["span_tok_s"], "all_rows_tok_s": d["tok_s"],
                              "stream_sum_tok_s": sum(d["per_stream_tok_s"]) or None,
-                             "median_stream_tok_s": median_stream({"per_stream_tok_s": d["per_stream_tok_s"]})}
+                             "median_stream_tok_s": median_stream({"per_stream_tok_s": d["per_stream_tok_s"]}),
+                             "client_sum_tok_s": client_sum(d)}
                     run.update(tok_s=rates[args.decode_metric], **rates, per_stream_tok_s=d["per_stream_tok_s"],
                                tokens=d["tokens"], first_token_spread_s=d["first_token_spread_s"],
                                **{k: d[k] for k in TIMING_KEYS if k in d})
@@ -417,7 +418,7 @@ def stalls(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-DECODE_METRICS = ("stream_sum_tok_s", "span_tok_s", "all_rows_tok_s", "median_stream_tok_s")
+DECODE_METRICS = ("stream_sum_tok_s", "span_tok_s", "all_rows_tok_s", "median_stream_tok_s", "client_sum_tok_s")
 
 
 def median_stream(run: dict[str, Any]) -> float | None:
@@ -428,8 +429,26 @@ def median_stream(run: dict[str, Any]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def client_sum(run: dict[str, Any]) -> float | None:
+    """Each request's tokens over its whole wait, from the request sent to its last token, added up: the rate each
+    client got, its wait for a first token included (a server that keeps one client waiting until the others end,
+    then serves it alone, is not credited that lone row's rate, as `stream_sum_tok_s` credits it). From `ttft_ms`
+    (the first request sent to each stream's first token) and `first_ms` / `last_ms`; runs recorded before `ttft_ms`
+    are read from the run's first token (the first token's common wait left out)."""
+    tokens, first, last = run.get("tokens"), run.get("first_ms"), run.get("last_ms")
+    if not (tokens and first and last):
+        return None
+    waited = run.get("ttft_ms") or first
+    rates = [n / ((w + b - a) / 1e3) for n, w, a, b in zip(tokens, waited, first, last, strict=False) if w + b - a > 0]
+    return sum(rates) or None
+
+
 def _metric(run: dict[str, Any], metric: str) -> float | None:
-    return median_stream(run) if metric == "median_stream_tok_s" and metric not in run else run.get(metric)
+    if metric not in run and metric == "median_stream_tok_s":
+        return median_stream(run)
+    if metric not in run and metric == "client_sum_tok_s":
+        return client_sum(run)
+    return run.get(metric)
 
 
 def by_metric(rec: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -583,7 +602,8 @@ def main() -> int:
                          "admission's stagger counts); all_rows_tok_s, only while every row decodes (the serial "
                          "schedule's tok/s; None where they never all did, and inflated by bursty delivery); "
                          "median_stream_tok_s, the median stream's own rate (a batched row's: a lone late row's "
-                         "higher rate does not lift it)")
+                         "higher rate does not lift it); client_sum_tok_s, each request's tokens over its whole "
+                         "wait (sent to last token) added up: what the clients got, a late first token included")
     ap.add_argument("--ttft-rounds", type=int, default=0,
                     help="with every server up, before the decode rounds: this many rounds of a fresh prompt, its "
                          "RAM hit and its next turn on each server in turn (interleaved; ratios per round to "
