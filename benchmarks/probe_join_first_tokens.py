@@ -3,11 +3,17 @@
 
 The servers bench's 8-stream decode (benchmarks/gpu/bench_host_tier_servers.py `decode`, the same eight short
 prompts) against one server on a preset model, `--rounds` times after a warm-up: per round, each stream's first
-token after the run's first (ms) and, from the server's `request.done` log lines (`first_token_ms`), the time each
-request took to reach the engine (`to_engine`) and the steps to its first token. Shows whether rows that arrive
-together start together, or one alone and the rest a step or more later.
+token after the run's first (ms), each client's time to first token from its request (`ttft_ms`), the run's end
+(the last token after the first request, `end_ms`) and, from the server's `request.done` log lines
+(`first_token_ms`), the time each request took to reach the engine (`to_engine`) and the steps to its first token.
+Shows whether rows that arrive together start together, or one alone and the rest a step or more later.
+
+With `--arms NAME=ENV[,ENV...] ...`, one server per arm (each with those environment variables), all up at once,
+every round visiting each in turn (the order alternating): per arm the joiners' median TTFT (every stream but the
+first's), the last TTFT and the run's end, with each arm's ratio to the first arm per round (median + IQR).
 
     PYTHONPATH=src python benchmarks/probe_join_first_tokens.py [--preset bench] [--rounds 12] [--tokens 24]
+        [--arms late=MLXD_JOIN_FIRST_EARLY=0 early=MLXD_JOIN_FIRST_EARLY=1]
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import mlxd  # noqa: F401  (preloads OpenBLAS before mlx)
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -31,43 +38,81 @@ from bench_host_tier_servers import TEXTS, decode  # noqa: E402
 from serve_proc import ServeProc  # noqa: E402
 
 
+def parse_arm(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME=KEY=VALUE[,KEY=VALUE...]` (or a bare NAME: no variables) -> (NAME, {KEY: VALUE})."""
+    name, _, rest = text.partition("=")
+    env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return name, env
+
+
+def summary(run: dict[str, Any]) -> dict[str, float]:
+    """One run's figures (ms): the joiners' median TTFT (every stream but the first's), the last TTFT, the end."""
+    ttft = sorted(run["ttft_ms"])
+    return {"joiners_ttft_ms": statistics.median(ttft[1:]), "last_ttft_ms": ttft[-1], "end_ms": run["end_ms"]}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": round(statistics.median(values), 4), "iqr": [round(q[0], 4), round(q[2], 4)], "n": len(values)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--arms", nargs="*", default=["default"], help="NAME=KEY=VALUE[,KEY=VALUE...] (a server each)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
 
     from mlxd.model import build_model
 
+    arms = [parse_arm(a) for a in args.arms]
     prompts = [f"Story {j}: " + TEXTS["q2"] for j in range(8)]
-    rounds: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in arms}
+    done: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = build_model(Path(tmp) / args.preset, args.preset, seed=0)
-        with ServeProc(["--model", str(model), "--prompt-cache-gb", "1", "--queue-timeout", "0"],
-                       Path(tmp) / "serve.log") as server:
+        servers = {name: stack.enter_context(ServeProc(["--model", str(model), "--prompt-cache-gb", "1",
+                                                        "--queue-timeout", "0"], Path(tmp) / f"serve-{name}.log",
+                                                       env=env))
+                   for name, env in arms}
+        for server in servers.values():
             asyncio.run(decode(server.url, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
-            for _ in range(args.rounds):
-                got = asyncio.run(decode(server.url, args.preset, prompts, args.tokens))
-                rounds.append({"first_ms": sorted(got["first_ms"]), "per_stream_tok_s": got["per_stream_tok_s"]})
+        for r in range(args.rounds):
+            for name, _ in (arms if r % 2 == 0 else arms[::-1]):
+                got = asyncio.run(decode(servers[name].url, args.preset, prompts, args.tokens))
+                end = max(t + last - first for t, first, last in zip(got["ttft_ms"], got["first_ms"], got["last_ms"],
+                                                                   strict=True))
+                rounds[name].append({"first_ms": sorted(got["first_ms"]), "ttft_ms": got["ttft_ms"],
+                                     "end_ms": round(end, 1), "per_stream_tok_s": got["per_stream_tok_s"]})
+        for name, server in servers.items():
             server.signal()
             server.wait(60)
-            done = [json.loads(line) for line in server.log().splitlines() if '"request.done"' in line]
-    for r, requests in zip(rounds, (done[8 * (i + 1): 8 * (i + 2)] for i in range(len(rounds))), strict=True):
-        r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], **{k: q["first_token_ms"].get(k) for k in
-                                                            ("to_engine", "forward", "steps", "step_ms")}}
-                                for q in requests), key=lambda q: q["ttft_ms"])
-        first, rest = r["requests"][0], r["requests"][1:]
-        print(f"last first token {r['first_ms'][-1]:7.1f} ms; first request to_engine {first['to_engine']} ms, "
-              f"{first['steps']} step(s); the others to_engine {min(q['to_engine'] for q in rest)}–"
-              f"{max(q['to_engine'] for q in rest)} ms, steps {sorted({q['steps'] for q in rest})}", flush=True)
-    joins = [r["first_ms"][-1] for r in rounds]
-    print(f"the last first token after the first: median {statistics.median(joins):.1f} ms "
-          f"[{min(joins):.1f}–{max(joins):.1f}] over {len(joins)} rounds")
+            done[name] = [json.loads(line) for line in server.log().splitlines() if '"request.done"' in line]
+    out: dict[str, Any] = {"argv": sys.argv[1:], "arms": dict(arms), "rounds": rounds}
+    for name, _ in arms:
+        for r, requests in zip(rounds[name], (done[name][8 * (i + 1): 8 * (i + 2)] for i in range(args.rounds)),
+                               strict=True):
+            r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], **{k: q["first_token_ms"].get(k) for k in
+                                                                ("to_engine", "forward", "steps", "step_ms")}}
+                                    for q in requests), key=lambda q: q["ttft_ms"])
+            r |= summary(r)
+        joins = [r["first_ms"][-1] for r in rounds[name]]
+        print(f"{name}: the last first token after the first: median {statistics.median(joins):.1f} ms "
+              f"[{min(joins):.1f}–{max(joins):.1f}]; joiners' TTFT median "
+              f"{statistics.median(r['joiners_ttft_ms'] for r in rounds[name]):.1f} ms, the run's end "
+              f"{statistics.median(r['end_ms'] for r in rounds[name]):.1f} ms over {len(joins)} rounds")
+    base = arms[0][0]
+    out["ratios"] = {name: {key: spread([a[key] / b[key] for a, b in zip(rounds[name], rounds[base], strict=True)])
+                            for key in ("joiners_ttft_ms", "last_ttft_ms", "end_ms")}
+                     for name, _ in arms[1:]}
+    for name, ratios in out["ratios"].items():
+        print(f"{name} ÷ {base} per round: " + "; ".join(f"{k} {v['median']} [{v['iqr'][0]}–{v['iqr'][1]}]"
+                                                          for k, v in ratios.items()))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"join_first_tokens-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    path.write_text(json.dumps({"argv": sys.argv[1:], "rounds": rounds}, indent=1) + "\n")
+    path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 

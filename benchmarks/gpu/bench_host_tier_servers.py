@@ -709,6 +709,10 @@ def main() -> int:
         # RAM only, every row that ends filtered out of mlx-lm's batch at once (MLXD_CARRY_ROWS=0; mlxd_ram carries
         # it one step while the others decode, model/carry_rows.py, the default since 2026-12-07 15:00)
         "mlxd_ram_filter": (["env", "MLXD_CARRY_ROWS=0", *base, "--port", "18175", "--device-probe", "off"], 18175),
+        # RAM only, rows joining decoding rows handed their first token with the step that sampled it too
+        # (MLXD_JOIN_FIRST_EARLY=1; mlxd_ram: only rows that joined no decoding row, mlx-lm's timing for the rest)
+        "mlxd_ram_joinearly": (["env", "MLXD_JOIN_FIRST_EARLY=1", *base, "--port", "18174", "--device-probe", "off"],
+                               18174),
         # both of the last two
         "mlxd_ram_both": (["env", "MLXD_BATCH_HANDOVER=1", "MLXD_SUFFIX_APART=256", *base, "--port", "18198",
                            "--device-probe", "off"], 18198),
@@ -1278,7 +1282,8 @@ def summarize(out: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
     served = {name: server_side(out[name]) for name in ("mlxd_host", "mlxd_host_tight", "mlxd_ram", "mlxd_ram_unfused",
                                                         "mlxd_ram_apart", "mlxd_ram_handover", "mlxd_ram_both",
                                                         "mlxd_ram_plain", "mlxd_ram_clear", "mlxd_ram_late",
-                                                        "mlxd_ram_notrim", "mlxd_ram_filter", "mlxd_host_ssd") if name in out}
+                                                        "mlxd_ram_notrim", "mlxd_ram_filter", "mlxd_ram_joinearly",
+                                                        "mlxd_host_ssd") if name in out}
     restart = med.get("restart", {}).get("returning")
     restore = med.get("restart_always", {}).get("returning")
     # The recompute arm: a restart that never restores; else a cold prompt of about the same length.

@@ -28,6 +28,7 @@ import attrs
 from mlxd.engine import loading, memory_costs
 from mlxd.engine.apart import PendingApart
 from mlxd.engine.features import (
+    JOIN_EARLY_GAP,
     Constrained,
     Ending,
     Feature,
@@ -41,6 +42,7 @@ from mlxd.engine.features import (
     final_plan,
     first_token_early,
     gil_switch_ms,
+    join_first_early,
     plan_device,
     plan_pack_bytes,
     plan_stream,
@@ -223,9 +225,12 @@ class EngineCore:
         self._pack_bytes = plan_pack_bytes() if config.ssd_cache_dir is not None else 0
         self._plan_on_side = plan_stream() == "side"  # MLXD_PLAN_STREAM: write plans not behind the forward in flight
         self._plan_device = plan_device()  # MLXD_PLAN_DEVICE: SSD write plans by device address (CUDA)
-        # MLXD_FIRST_TOKEN_EARLY: a lone row's first token with the step that sampled it (`_first_token_now`); not
-        # with speculation (its batch is another) nor across ranks
+        # MLXD_FIRST_TOKEN_EARLY: new rows' first tokens with the step that sampled them where no row was decoding
+        # (`_first_tokens_now`); MLXD_JOIN_FIRST_EARLY: beside decoding rows too. Not with speculation (its batch is
+        # another) nor across ranks
         self._early_first = first_token_early() and config.speculative == "off" and not config.distributed
+        self._join_early = self._early_first and join_first_early()
+        self._join_early_at = -JOIN_EARLY_GAP  # the step of the last early read beside decoding rows
         # Set by load():
         self._stream: Any = None
         self._reads: Any = None  # a side stream for reads of a step's outputs (None: the current one)
@@ -1220,7 +1225,7 @@ class EngineCore:
             row = rows.get(r.uid)
             if row is None:
                 continue
-            if row.early:  # this token went out with the step before (`_first_token_now`)
+            if row.early:  # this token went out with the step before (`_first_tokens_now`)
                 row.early = False
                 continue  # (never its last: a stop token or a one-token reply is not handed out early)
             row.generated += 1
@@ -1242,8 +1247,8 @@ class EngineCore:
                     self._leaving.append((row, r.finish_reason, ending))
                     continue
                 self._finish(row, r.finish_reason, out, leave_s=self._leave(row, ending, out))
-        if self._early_first and len(rows) == 1 and prompt_responses:
-            tokens += self._first_token_now(prompt_responses, out)
+        if self._early_first and prompt_responses:
+            tokens += self._first_tokens_now(prompt_responses, decoding, out)
         self.counters.generated_tokens += tokens
         if self._memory_budget > 0:  # last: the owner sees this step's publications first
             self._steps_unmeasured += 1
@@ -1255,26 +1260,38 @@ class EngineCore:
             elif not held and self._steps_unmeasured >= MEASURE_MEMORY_EVERY:
                 out.notes.append(self.measure_memory("decode"))
 
-    def _first_token_now(self, prompt_responses: list[Any], out: StepOut) -> int:
-        """The lone row whose prompt ended in this step: its first token, sampled by this step's forward, read now
-        and handed out with this step (mlx-lm hands it out with the next one, once that step has built the forward
-        after it); the row skips it then. Not for a row with a grammar (its masks follow the tokens mlx-lm hands
-        out), nor a token that ends the reply (its finish goes with the step that finishes it). Tokens handed out."""
-        from mlxd.engine.gen_hook import first_token
+    def _first_tokens_now(self, prompt_responses: list[Any], decoding: bool, out: StepOut) -> int:
+        """The rows whose prompt ended in this step, where no row was decoding (MLXD_FIRST_TOKEN_EARLY), or beside
+        decoding rows (MLXD_JOIN_FIRST_EARLY, at most once every `JOIN_EARLY_GAP` steps): their first tokens,
+        sampled by this step's forward, read now and handed out with this step (mlx-lm hands them out with the next
+        one, once that step has built the forward after them); each row skips its own then. Not while a row has a
+        grammar (its masks follow the tokens mlx-lm hands out), nor for a token that ends the reply (its finish goes
+        with the step that finishes it). Tokens handed out."""
+        from mlxd.engine.gen_hook import first_tokens
 
-        (row,) = self._rows.values()
-        ended = any(r.uid == row.uid and r.end_of_prompt for r in prompt_responses)
-        if row.generated or not ended or self._constrained_rows():
+        ended = {r.uid for r in prompt_responses if r.end_of_prompt}
+        fresh = [row for row in self._rows.values() if row.uid in ended and not row.generated]
+        if not fresh or self._constrained_rows():
             return 0
-        r = first_token(self.generator, row.uid)
-        if r is None or r.token in self._stop_ids(row.start.request.sampling):
+        beside = decoding or len(fresh) < len(self._rows)  # (rows still prefilling are not waited for)
+        if beside and not (self._join_early and self.counters.steps - self._join_early_at >= JOIN_EARLY_GAP):
             return 0
-        row.generated, row.early = 1, True
-        reads = read_logprobs([(r, row.sampling.top_k)], self._reads) if row.sampling.top_k is not None else None
-        out.emit(row, self._first_event(row, row.sampling.event(r, reads[0] if reads else None), out))
-        for part in row.token_parts:
-            part.token(row, r.token, self, out)
-        return 1
+        got = first_tokens(self.generator, {row.uid for row in fresh}, beside=beside)
+        if not got:
+            return 0
+        if beside:
+            self._join_early_at = self.counters.steps
+        early = [(row, got[row.uid]) for row in fresh if row.uid in got
+                 and got[row.uid].token not in self._stop_ids(row.start.request.sampling)]
+        asks = [(r, row.sampling.top_k) for row, r in early if row.sampling.top_k is not None]
+        reads = iter(read_logprobs(asks, self._reads) if asks else ())
+        for row, r in early:
+            row.generated, row.early = 1, True
+            read = next(reads) if row.sampling.top_k is not None else None
+            out.emit(row, self._first_event(row, row.sampling.event(r, read), out))
+            for part in row.token_parts:
+                part.token(row, r.token, self, out)
+        return len(early)
 
     def _first_event(self, row: Row, event: TokenGenerated, out: StepOut) -> TokenGenerated:
         """A row's first token: its prefill timed whole (`_prefill_whole`), its stages handed out with it."""

@@ -339,14 +339,30 @@ def plan_device() -> bool:
 
 
 def first_token_early() -> bool:
-    """`MLXD_FIRST_TOKEN_EARLY` (on by default; `runtime.config.env_switch` values): a row alone in the batch whose
-    prompt ended in a step gets its first token with that step. mlx-lm samples it in that step's forward and hands
+    """`MLXD_FIRST_TOKEN_EARLY` (on by default; `runtime.config.env_switch` values): rows whose prompt ended in a
+    step where no row of the batch was decoding (a row alone, or rows that started together) get their first token
+    with that step. mlx-lm samples it in that step's forward and hands
     it out with the next step, after that step has built (and dispatched) the forward of the token after it; read
-    in the step that sampled it, it goes out one step earlier (engine/gen_hook.py `first_token`). Off: with the next
+    in the step that sampled it, it goes out one step earlier (engine/gen_hook.py `first_tokens`). Off: with the next
     step, as mlx-lm hands it out."""
     from mlxd.runtime.config import env_switch
 
     return env_switch("MLXD_FIRST_TOKEN_EARLY", default=True)
+
+
+# MLXD_JOIN_FIRST_EARLY: steps from one early read beside decoding rows to the next (a bound on its cost to them)
+JOIN_EARLY_GAP = 4
+
+
+def join_first_early() -> bool:
+    """`MLXD_JOIN_FIRST_EARLY` (off by default; `runtime.config.env_switch` values; only with
+    MLXD_FIRST_TOKEN_EARLY): rows whose prompt ended beside decoding rows get their first token with that step too,
+    a step before mlx-lm hands it out. The read waits for the step's forwards, so the device idles while the next
+    step is built, once per such step and at most once every `JOIN_EARLY_GAP` steps (a row joining within the gap
+    gets mlx-lm's timing). Off: only rows that joined no decoding row (every row of the batch new) get it early."""
+    from mlxd.runtime.config import env_switch
+
+    return env_switch("MLXD_JOIN_FIRST_EARLY", default=False)
 
 
 def trims_device_pool() -> bool:

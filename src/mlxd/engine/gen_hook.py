@@ -4,8 +4,8 @@
   after n samples), so a resumed request continues the very same random stream.
 - `snapshot_row`: a running row's caches, tokens and pending token, read from
   mlx-lm's `BatchGenerator` between two steps.
-- `first_token`: the token a row's last prompt token sampled, read in the step
-  that sampled it (mlx-lm hands it out with the next step).
+- `first_tokens`: the tokens rows' last prompt tokens sampled, read in the step
+  that sampled them (mlx-lm hands them out with the next step).
 """
 
 from __future__ import annotations
@@ -82,18 +82,23 @@ def snapshot_row(generator: Any, uid: int) -> RowSnapshot | None:
     return RowSnapshot(caches, list(batch.tokens[i]), pending)
 
 
-def first_token(generator: Any, uid: int) -> Any | None:
-    """The first token of a row alone in the generation batch that entered it in the step just run, as mlx-lm's
-    response for it (token, logprobs; no finish reason: the caller checks its stops), or None where it is not alone
-    there or may generate only one.
+def first_tokens(generator: Any, uids: set[int], *, beside: bool = False) -> dict[int, Any]:
+    """The first tokens of rows that entered the generation batch in the step just run, by uid, as mlx-lm's responses
+    for them (token, logprobs; no finish reason: the caller checks its stops), read in one wait; a row that may
+    generate only one token is left out (it gets it with the step that finishes it). Without `beside`, only where
+    every row of the batch is one of them (none was decoding): else empty.
 
-    mlx-lm's generation batch samples it in the step the row's prompt ends (`_next_tokens`, evaluated
+    mlx-lm's generation batch samples a row's first token in the step its prompt ends (`_next_tokens`, evaluated
     asynchronously) and hands it out with the next step, once that step has dispatched the following forward; this
-    reads it now (a wait for that forward alone)."""
+    reads them now: a wait for this step's forwards (beside decoding rows, theirs too, queued first)."""
     batch = generator._generation_batch
-    if batch.uids != [uid] or batch._next_tokens is None or batch.max_tokens[0] <= 1:
-        return None  # (alone only; a row whose one token ends it gets it with the step that finishes it)
-    return type(batch).Response(uid, int(batch._next_tokens[0].item()), batch._next_logprobs[0], None, None, None)
+    if batch._next_tokens is None or not uids or (not beside and not set(batch.uids) <= uids):
+        return {}
+    at = [(i, uid) for i, uid in enumerate(batch.uids) if uid in uids and batch.max_tokens[i] > 1]
+    if not at:
+        return {}
+    values: list[Any] = batch._next_tokens.tolist()
+    return {uid: type(batch).Response(uid, int(values[i]), batch._next_logprobs[i], None, None, None) for i, uid in at}
 
 
 def step_inputs(generator: Any) -> dict[int, int]:
