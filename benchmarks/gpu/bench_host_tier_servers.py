@@ -593,17 +593,18 @@ def main() -> int:
                          "(mlx_lm again); ratios per round, median + IQR (benchmarks/gpu/interleave.py); "
                          "bracket: each server between two mlx_lm runs; serial: each server's levels in its own "
                          "turn, one server after another (before 21:00 UTC 2026-12-04)")
-    ap.add_argument("--decode-metric", choices=DECODE_METRICS, default="stream_sum_tok_s",
-                    help="interleaved/bracket: the tok/s the ratios use (all three are recorded per run): "
-                         "stream_sum_tok_s, each stream's own rate (first to last token) added up: a server that "
-                         "admits the rows one after another (mlx_lm: 7 rows, then the 8th alone, H200 21:07) is "
-                         "credited as if they ran together, so mlxd's ratio is never flattered; span_tok_s, every "
+    ap.add_argument("--decode-metric", choices=DECODE_METRICS, default="client_sum_tok_s",
+                    help="interleaved/bracket: the tok/s the ratios use (every one is recorded per run): "
+                         "client_sum_tok_s (the default since 2026-12-07 18:00, issue 28's decode goal), each "
+                         "request's tokens over its whole wait (sent to last token) added up: what the clients got, a "
+                         "late first token included; stream_sum_tok_s (before), each stream's own rate (first to last "
+                         "token) added up, which credits a server that keeps one client waiting until the others end "
+                         "(mlx_lm.server's 8th stream, ~1 s) that client's lone-row rate; span_tok_s, every "
                          "token after each stream's first over the first to the last token of any stream (the "
                          "admission's stagger counts); all_rows_tok_s, only while every row decodes (the serial "
                          "schedule's tok/s; None where they never all did, and inflated by bursty delivery); "
                          "median_stream_tok_s, the median stream's own rate (a batched row's: a lone late row's "
-                         "higher rate does not lift it); client_sum_tok_s, each request's tokens over its whole "
-                         "wait (sent to last token) added up: what the clients got, a late first token included")
+                         "higher rate does not lift it)")
     ap.add_argument("--ttft-rounds", type=int, default=0,
                     help="with every server up, before the decode rounds: this many rounds of a fresh prompt, its "
                          "RAM hit and its next turn on each server in turn (interleaved; ratios per round to "
