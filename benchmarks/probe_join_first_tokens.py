@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--cold", action="store_true", help="fresh prompts every round (no RAM hits past the template)")
     ap.add_argument("--arms", nargs="*", default=["default"], help="NAME=KEY=VALUE[,KEY=VALUE...] (a server each)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
@@ -81,7 +82,8 @@ def main() -> int:
             asyncio.run(decode(server.url, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
         for r in range(args.rounds):
             for name, _ in (arms if r % 2 == 0 else arms[::-1]):
-                got = asyncio.run(decode(servers[name].url, args.preset, prompts, args.tokens))
+                texts = [f"Story {r}-{j}: " + TEXTS["q2"] for j in range(8)] if args.cold else prompts
+                got = asyncio.run(decode(servers[name].url, args.preset, texts, args.tokens))
                 end = max(t + last - first for t, first, last in zip(got["ttft_ms"], got["first_ms"], got["last_ms"],
                                                                    strict=True))
                 rounds[name].append({"first_ms": sorted(got["first_ms"]), "ttft_ms": got["ttft_ms"],
@@ -94,8 +96,9 @@ def main() -> int:
     for name, _ in arms:
         for r, requests in zip(rounds[name], (done[name][8 * (i + 1): 8 * (i + 2)] for i in range(args.rounds)),
                                strict=True):
-            r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], **{k: q["first_token_ms"].get(k) for k in
-                                                                ("to_engine", "forward", "steps", "step_ms")}}
+            r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], "cached_tokens": q["cached_tokens"],
+                                     **{k: q["first_token_ms"].get(k) for k in
+                                        ("to_engine", "join", "apart", "forward", "steps", "step_ms")}}
                                     for q in requests), key=lambda q: q["ttft_ms"])
             r |= summary(r)
         joins = [r["first_ms"][-1] for r in rounds[name]]

@@ -656,6 +656,42 @@ def test_a_short_prompt_prefilled_apart_answers_as_it_does_alone(tiny_model_dir)
     assert core.counters.checkpoints_skipped == 0
 
 
+def test_short_prompts_starting_together_share_the_batch_and_behind_a_long_one_go_apart(tiny_model_dir):
+    """Eight requests at once: a short prompt joining rows whose prompts are short too shares their forward (apart,
+    each would run a forward of its own, one after another); behind a long prefill it is still prefilled apart."""
+    core = EngineCore(config_for(tiny_model_dir, prefill_slice_s=1e-6, max_context=8192))
+    core.load()
+
+    def row(rid: str, prompt: list[int]) -> RowStart:
+        sampling = SamplingParams(max_tokens=3, logit_bias=((0, -100.0), (2, -100.0)))
+        return RowStart(request=GenerationRequest(request_id=rid, prompt=tuple(prompt), sampling=sampling))
+
+    def served(first: StepOps) -> dict[str, tuple[int, set[str]]]:
+        """Per request: its tokens and the names of its stages to its first token."""
+        out: dict[str, tuple[int, set[str]]] = {}
+        result = core.step(first)
+        while True:
+            for e in result.emits:
+                if isinstance(e.event, TokenGenerated):
+                    n, stages = out.get(e.request_id, (0, set()))
+                    out[e.request_id] = (n + 1, stages | {name for name, _ in e.event.stages})
+            if not result.stats.batch_rows:
+                return out
+            result = core.step(StepOps())
+
+    try:
+        served(StepOps(starts=(row("warm", [40 + i % 50 for i in range(30)]),)))  # the slicer has a rate
+        assert core._slicer.apart(30, others_prefilling=True)  # (so only the rows beside it decide)
+        shorts = [row(f"s{j}", [30 + (i * (j + 3)) % 700 for i in range(30)]) for j in range(4)]
+        together = served(StepOps(starts=tuple(shorts)))
+        behind = served(StepOps(starts=(row("long", [20 + i % 900 for i in range(1500)]),
+                                        row("short", [40 + i % 50 for i in range(30)]))))
+    finally:
+        core.close()
+    assert all(n == 3 and "prefilled_apart" not in stages for n, stages in together.values())
+    assert behind["short"][0] == 3 and "prefilled_apart" in behind["short"][1]
+
+
 def test_no_first_token_within_the_ttft_timeout_is_a_503_even_for_a_stream(tiny_model_dir):
     with ServerThread(config_for(tiny_model_dir, ttft_timeout_s=1e-4)) as server:
         url = _root(server)

@@ -59,7 +59,7 @@ from mlxd.engine.ops import (
     StepOps,
     StepResult,
 )
-from mlxd.engine.prefill_slices import PrefillSlicer, aligned, prefill_step
+from mlxd.engine.prefill_slices import APART_MIN, PrefillSlicer, aligned, prefill_step
 from mlxd.engine.speculative import (
     DraftCheckpoints,
     NgramDrafts,
@@ -949,8 +949,7 @@ class EngineCore:
         with self.adapters.rows([self.adapters.index_of(req.namespace)]):  # prefills outside the batch
             if req.media:
                 lent, joins_at = self._media_prefill(req, lent, usable)
-            elif not cuts and (self._slicer.apart(new_tokens,
-                                                  others_prefilling=bool(self._prefilling()) or self._pending is not None)
+            elif not cuts and (self._slicer.apart(new_tokens, others_prefilling=self._long_prefill())
                                or (usable > 0 and idle and 0 < new_tokens <= SUFFIX_APART)):
                 timed = out if not self._rows else None  # chunks that ran alone are timed (rows decode async)
                 lent, joins_at, apart = *self._prefill_apart(req.prompt, lent, usable, timed), True
@@ -1047,6 +1046,13 @@ class EngineCore:
     def _prefilling(self) -> list[Row]:
         """The rows in the batch part way through their prompt."""
         return [r for r in self._rows.values() if r.generated == 0 and r.prefilled < r.prompt_new]
+
+    def _long_prefill(self) -> bool:
+        """A prompt a short joining one is kept out of the batch's forwards for (prefilled apart): a lone long
+        prompt prefilling apart, or a row with more than `APART_MIN` tokens of its prompt left. Beside short ones
+        (eight requests at once) a short prompt shares their forward: apart, each would run a forward of its own,
+        one after another, before any of them joined."""
+        return self._pending is not None or any(r.prompt_new - r.prefilled > APART_MIN for r in self._prefilling())
 
     def _prefill_apart(
         self, prompt: tuple[int, ...], lent: list[Any] | None, usable: int, out: StepOut | None = None
