@@ -1279,7 +1279,7 @@ class EngineCore:
         fresh = [row for row in self._rows.values() if row.uid in ended and not row.generated]
         if not fresh or self._constrained_rows():
             return 0
-        beside = decoding or len(fresh) < len(self._rows)  # (rows still prefilling are not waited for)
+        beside = decoding or len(fresh) < len(self._rows)  # (a row still prefilling counts as beside them)
         if beside and not (self._join_early and self.counters.steps - self._join_early_at >= JOIN_EARLY_GAP):
             return 0
         got = first_tokens(self.generator, {row.uid for row in fresh}, beside=beside)

@@ -341,10 +341,9 @@ def plan_device() -> bool:
 def first_token_early() -> bool:
     """`MLXD_FIRST_TOKEN_EARLY` (on by default; `runtime.config.env_switch` values): rows whose prompt ended in a
     step where no row of the batch was decoding (a row alone, or rows that started together) get their first token
-    with that step. mlx-lm samples it in that step's forward and hands
-    it out with the next step, after that step has built (and dispatched) the forward of the token after it; read
-    in the step that sampled it, it goes out one step earlier (engine/gen_hook.py `first_tokens`). Off: with the next
-    step, as mlx-lm hands it out."""
+    with that step. mlx-lm samples it in that step's forward and hands it out with the next step, after that step
+    has built (and dispatched) the forward of the token after it; read in the step that sampled it, it goes out one
+    step earlier (engine/gen_hook.py `first_tokens`). Off: with the next step, as mlx-lm hands it out."""
     from mlxd.runtime.config import env_switch
 
     return env_switch("MLXD_FIRST_TOKEN_EARLY", default=True)
