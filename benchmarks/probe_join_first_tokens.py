@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "gpu"), str(HERE)]
 
 from bench_host_tier_servers import TEXTS, decode  # noqa: E402
+from interleave import spread  # noqa: E402
 from serve_proc import ServeProc  # noqa: E402
 
 
@@ -49,11 +50,6 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
     """One run's figures (ms): the joiners' median TTFT (every stream but the first's), the last TTFT, the end."""
     ttft = sorted(run["ttft_ms"])
     return {"joiners_ttft_ms": statistics.median(ttft[1:]), "last_ttft_ms": ttft[-1], "end_ms": run["end_ms"]}
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return {"median": round(statistics.median(values), 4), "iqr": [round(q[0], 4), round(q[2], 4)], "n": len(values)}
 
 
 def main() -> int:

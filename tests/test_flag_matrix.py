@@ -11,7 +11,8 @@ which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose of
 MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, MLXD_PLAN_DEVICE, whose off makes SSD
 write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, whose off clears
 MLX's buffer cache after each of mlx-lm's prompt chunks, MLXD_FIRST_TOKEN_EARLY, whose off hands a lone row's
-first token out a step later; and a short --prefill-step-size, with which a lone prompt is
+first token out a step later, MLXD_JOIN_FIRST_EARLY, whose on hands rows joining decoding rows theirs a step sooner;
+and a short --prefill-step-size, with which a lone prompt is
 prefilled apart, a slice a step, before it joins the batch: engine/apart.py); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
 exits 0 on SIGTERM.
@@ -77,6 +78,8 @@ FLAGS: dict[str, tuple[object, ...]] = {
     # every prompt chunk (on, the default, keeps the buffers for the next chunk)
     "first_token": ("early", "late"),  # MLXD_FIRST_TOKEN_EARLY (the environment): late, a lone row's first token
     # with the step after the one that sampled it, as mlx-lm hands it out
+    "join_first": ("off", "on"),  # MLXD_JOIN_FIRST_EARLY (the environment): on, rows joining decoding rows get their
+    # first token with the step that sampled it too
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -113,6 +116,8 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # ignored: only the measured choice over an SSD tier weighs overlapped splits
     if combo.get("first_token") == "late" and combo.get("speculative") == "ngram":
         return False  # ignored with speculation (engine/core.py `_early_first`)
+    if combo.get("join_first") == "on" and (combo.get("first_token") == "late" or combo.get("speculative") == "ngram"):
+        return False  # ignored without the first token early (engine/core.py `_join_early`)
     return True
 
 
@@ -218,6 +223,7 @@ class Combo:
     prefill: str = "batch"
     keep_buffers: str = "on"
     first_token: str = "early"
+    join_first: str = "off"
 
     @property
     def id(self) -> str:
@@ -254,6 +260,7 @@ class Combo:
             "apart": self.prefill == "apart",
             "clears": self.keep_buffers == "off",
             "late1st": self.first_token == "late",
+            "join1st": self.join_first == "on",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -308,6 +315,7 @@ class Combo:
         env |= {"MLXD_PLAN_DEVICE": "0"} if self.plan_device == "off" else {}
         env |= {"MLXD_KEEP_BUFFERS": "0"} if self.keep_buffers == "off" else {}
         env |= {"MLXD_FIRST_TOKEN_EARLY": "0"} if self.first_token == "late" else {}
+        env |= {"MLXD_JOIN_FIRST_EARLY": "1"} if self.join_first == "on" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 
@@ -370,10 +378,10 @@ def read_trace(path: Path) -> list[dict]:
 
 def test_the_matrix_covers_every_allowed_pair() -> None:
     wanted = reachable_pairs(FLAGS, allowed)
-    assert len(wanted) == 1956, "FLAGS or allowed() changed: recount the allowed pairs"
+    assert len(wanted) == 2082, "FLAGS or allowed() changed: recount the allowed pairs"
     assert wanted <= set().union(*(pairs_of(attrs.asdict(c)) for c in COMBOS))
     assert all(allowed(attrs.asdict(c)) for c in COMBOS)
-    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 24  # each a server start: keep it small
+    assert len({c.id for c in COMBOS}) == len(COMBOS) <= 27  # each a server start: keep it small
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=[c.id for c in COMBOS])
