@@ -443,7 +443,7 @@ def client_sum(run: dict[str, Any]) -> float | None:
     return sum(rates) or None
 
 
-def _metric(run: dict[str, Any], metric: str) -> float | None:
+def metric_of(run: dict[str, Any], metric: str) -> float | None:
     if metric not in run and metric == "median_stream_tok_s":
         return median_stream(run)
     if metric not in run and metric == "client_sum_tok_s":
@@ -458,7 +458,7 @@ def by_metric(rec: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None
 
     out: dict[str, dict[str, dict[str, float | None]]] = {}
     for metric in DECODE_METRICS:
-        runs = [interleave.Run(x["round"], x["streams"], x["at"], x["slot"], _metric(x, metric)) for x in rec["runs"]]
+        runs = [interleave.Run(x["round"], x["streams"], x["at"], x["slot"], metric_of(x, metric)) for x in rec["runs"]]
         for n, level in interleave.summarize(runs, rec["reference"], rec["schedule"])["levels"].items():
             for slot, entry in level["ratio_to_" + rec["reference"]].items():
                 out.setdefault(n, {}).setdefault(slot, {})[metric] = entry["median"]

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import interleave  # noqa: E402
-from bench_host_tier_servers import DECODE_METRICS, _metric, by_metric  # noqa: E402
+from bench_host_tier_servers import DECODE_METRICS, by_metric, metric_of  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 
@@ -36,7 +36,7 @@ def reread(path: Path, spread_of: str | None = None) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"stream_tokens": rec.get("stream_tokens", 0), "levels": by_metric(rec)}
     if spread_of is not None:
-        runs = [interleave.Run(x["round"], x["streams"], x["at"], x["slot"], _metric(x, spread_of)) for x in rec["runs"]]
+        runs = [interleave.Run(x["round"], x["streams"], x["at"], x["slot"], metric_of(x, spread_of)) for x in rec["runs"]]
         levels = interleave.summarize(runs, rec["reference"], rec["schedule"])["levels"]
         out["spread"] = {n: {slot: {"median": e["median"], "iqr": e["iqr"], "n": e["n"],
                                     "at_least_1": sum(1 for v in e["values"] if v is not None and v >= 1.0)}
