@@ -8,12 +8,15 @@ token after the run's first (ms), each client's time to first token from its req
 (`first_token_ms`), the time each request took to reach the engine (`to_engine`) and the steps to its first token.
 Shows whether rows that arrive together start together, or one alone and the rest a step or more later.
 
-With `--arms NAME=ENV[,ENV...] ...`, one server per arm (each with those environment variables), all up at once,
-every round visiting each in turn (the order alternating): per arm the joiners' median TTFT (every stream but the
-first's), the last TTFT and the run's end, with each arm's ratio to the first arm per round (median + IQR).
+With `--arms NAME=ENV[,ENV...] ...`, one server per arm (each with those environment variables; the key `ARGS`
+is split on spaces into server arguments, `{tmp}` the run's temporary folder: `ssd=ARGS=--ssd-cache {tmp}/ssd`),
+all up at once, every round visiting each in turn (the order alternating): per arm the joiners' median TTFT (every
+stream but the first's), the last TTFT and the run's end, with each arm's ratio to the first arm per round
+(median + IQR). `--fresh-tokens N`: before each run a fresh prompt of N tokens (its own text per run and arm), as
+the servers bench's decode does (on an SSD server its checkpoint is written while the streams decode).
 
     PYTHONPATH=src python benchmarks/probe_join_first_tokens.py [--preset bench] [--rounds 12] [--tokens 24]
-        [--arms late=MLXD_JOIN_FIRST_EARLY=0 early=MLXD_JOIN_FIRST_EARLY=1]
+        [--arms late=MLXD_JOIN_FIRST_EARLY=0 early=MLXD_JOIN_FIRST_EARLY=1] [--fresh-tokens 2048]
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "gpu"), str(HERE)]
 
-from bench_host_tier_servers import TEXTS, decode  # noqa: E402
+from bench_gpu import text_of, ttft  # noqa: E402
+from bench_host_tier_servers import TEXTS, decode, settle  # noqa: E402
 from interleave import spread  # noqa: E402
 from serve_proc import ServeProc  # noqa: E402
 
@@ -44,6 +48,11 @@ def parse_arm(text: str) -> tuple[str, dict[str, str]]:
     name, _, rest = text.partition("=")
     env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     return name, env
+
+
+def server_args(env: dict[str, str], tmp: Path) -> list[str]:
+    """An arm's own server arguments: its `ARGS` variable split on spaces, `{tmp}` the run's temporary folder."""
+    return [a.replace("{tmp}", str(tmp)) for a in env.get("ARGS", "").split()]
 
 
 def summary(run: dict[str, Any]) -> dict[str, float]:
@@ -59,6 +68,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--cold", action="store_true", help="fresh prompts every round (no RAM hits past the template)")
     ap.add_argument("--arms", nargs="*", default=["default"], help="NAME=KEY=VALUE[,KEY=VALUE...] (a server each)")
+    ap.add_argument("--fresh-tokens", type=int, default=0,
+                    help="before each run, a fresh prompt of this many tokens (0: none)")
+    ap.add_argument("--settle", action="store_true",
+                    help="after the fresh prompt, wait until the server's writes are done (at most 60 s): the decode "
+                         "without write-behind beside it")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
 
@@ -71,14 +85,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = build_model(Path(tmp) / args.preset, args.preset, seed=0)
         servers = {name: stack.enter_context(ServeProc(["--model", str(model), "--prompt-cache-gb", "1",
-                                                        "--queue-timeout", "0"], Path(tmp) / f"serve-{name}.log",
-                                                       env=env))
+                                                        "--queue-timeout", "0", *server_args(env, Path(tmp))],
+                                                       Path(tmp) / f"serve-{name}.log",
+                                                       env={k: v for k, v in env.items() if k != "ARGS"}))
                    for name, env in arms}
+        seed = 7000
         for server in servers.values():
             asyncio.run(decode(server.url, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
         for r in range(args.rounds):
             for name, _ in (arms if r % 2 == 0 else arms[::-1]):
                 texts = [f"Story {r}-{j}: " + TEXTS["q2"] for j in range(8)] if args.cold else prompts
+                if args.fresh_tokens:
+                    asyncio.run(ttft(servers[name].url, args.preset, text_of(model, args.fresh_tokens, seed)))
+                    seed += 1
+                    if args.settle:
+                        settle([servers[name].url], 60)
                 got = asyncio.run(decode(servers[name].url, args.preset, texts, args.tokens))
                 end = max(t + last - first for t, first, last in zip(got["ttft_ms"], got["first_ms"], got["last_ms"],
                                                                    strict=True))
@@ -87,7 +108,9 @@ def main() -> int:
         for name, server in servers.items():
             server.signal()
             server.wait(60)
-            done[name] = [json.loads(line) for line in server.log().splitlines() if '"request.done"' in line]
+            done[name] = [q for q in (json.loads(line) for line in server.log().splitlines()
+                                      if '"request.done"' in line)
+                          if not args.fresh_tokens or q["prompt_tokens"] < args.fresh_tokens // 2]  # the streams
     out: dict[str, Any] = {"argv": sys.argv[1:], "arms": dict(arms), "rounds": rounds}
     for name, _ in arms:
         for r, requests in zip(rounds[name], (done[name][8 * (i + 1): 8 * (i + 2)] for i in range(args.rounds)),

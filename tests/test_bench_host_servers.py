@@ -18,6 +18,7 @@ from bench_host_tier_servers import (  # noqa: E402
     _ssd_caps,
     by_metric,
     client_sum,
+    counts_beside,
     failing_servers,
     first_error,
     median_stream,
@@ -119,3 +120,13 @@ def test_the_decode_rounds_stop_once_a_server_failed_two_rounds_through():
     healthy = json.loads((RESULTS / "host_servers-h100-decodeil-20261207-043441.json").read_text())
     rounds = healthy["decode_interleaved"]["rounds_done"]
     assert all(failing_servers(healthy["decode_interleaved"]["runs"], r) == [] for r in range(rounds))
+
+
+def test_the_writers_work_beside_a_decode_counts_an_urgency_first_on_inside_it():
+    """`counts_beside`: each counter's gain over the decode; an urgency reason that first came on inside it
+    (no reading before) counts from zero, any other counter missing before is left out."""
+    before = {"bytes_out": 10, "prefill_bytes_out": 0, "urgent_s.flush": 1.5}
+    after = {"bytes_out": 30, "prefill_bytes_out": 4, "urgent_s.flush": 1.5, "urgent_s.backlog": 0.25, "new": 3}
+    assert counts_beside(before, after) == {"bytes_out": 20, "prefill_bytes_out": 4, "urgent_s.flush": 0.0,
+                                            "urgent_s.backlog": 0.25}
+    assert counts_beside(None, after) is None

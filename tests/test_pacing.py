@@ -145,9 +145,9 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         stats = await rt.ssd_stats()
         assert stats.pending_spills >= 1, "the paced write is still in flight"
         pacing = stats.pacing
-        skip = ("bytes_out", "holds", "holds_expired", "held_s", "engine_steps")
+        skip = ("bytes_out", "holds", "holds_expired", "held_s", "engine_steps", "prefill_bytes_out")
         assert {k: v for k, v in pacing.items() if k not in skip} == {
-            "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "pacing_now": True,
+            "busy_rate_bytes_per_s": 1024, "engine_busy": True, "urgent": [], "urgent_s": {}, "pacing_now": True,
             "prefilling": False, "held_now": False, "hold_while_decoding": False}
         assert pacing["engine_steps"] > 0  # the engine ticks the governor every step
         with trio.fail_after(60):
@@ -155,8 +155,33 @@ async def test_flush_is_urgent_while_the_engine_decodes(tiny_model_dir, tmp_path
         assert report["durable"] and report["entries"] >= 1, report
         assert governor.busy, "the decode was still running during the flush"
         assert governor.urgent == frozenset()  # urgency ends with the flush
+        assert (await rt.ssd_stats()).pacing["urgent_s"]["flush"] > 0  # and was counted while it lasted
         assert (await rt.ssd_stats()).writer.paced_s > 0.5
         nursery.cancel_scope.cancel()
+
+
+def test_the_governor_counts_urgent_seconds_and_bytes_written_beside_prefills():
+    """`/stats` tells what write-behind did beside a decode's start: seconds each urgency reason was on (urgency
+    lifts the hold for prefills) and the bytes handed to the OS while a request waited for its first token."""
+    governor = WriteGovernor(busy_rate_bytes_per_s=1 << 20)
+    governor.set_busy(True)
+    governor.count(bytes_out=100)
+    governor.set_prefilling(True)
+    assert governor.held()
+    governor.set_urgent("backlog", True)
+    assert not governor.held()  # a backlog past its bound is not held for a prefill
+    governor.count(bytes_out=7)
+    time.sleep(0.05)
+    on = governor.urgent_s()["backlog"]
+    assert on >= 0.05
+    governor.set_urgent("backlog", False)
+    governor.set_prefilling(False)
+    governor.count(bytes_out=11)
+    done = governor.urgent_s()
+    time.sleep(0.02)
+    assert governor.urgent_s() == done and done["backlog"] >= on  # off: it no longer counts
+    assert (governor.bytes_out, governor.prefill_bytes_out) == (118, 7)
+    assert governor.as_dict()["urgent_s"] == done and governor.as_dict()["prefill_bytes_out"] == 7
 
 
 def _hammer(threads: int, calls: int, call: Callable[[], object]) -> None:

@@ -445,3 +445,49 @@ def test_mlxd_ssd_copy_gil_refuses_a_value_it_does_not_know(monkeypatch):
     monkeypatch.setenv("MLXD_SSD_COPY_GIL", "yes")
     with pytest.raises(ValueError, match="MLXD_SSD_COPY_GIL"):
         ssd_writer._copy_holds_gil()
+
+
+async def _write_idle(store: SsdStore, plan) -> SnapshotWritten:
+    """One write by the SSD writer actor (the CPU: no staging), the engine idle: full speed."""
+    write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
+    out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
+    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=WriteGovernor(
+        busy_rate_bytes_per_s=MB))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            await write_send.send(WriteSnapshot(_job(plan)))
+            written = await out.receive()
+            nursery.cancel_scope.cancel()
+    assert isinstance(written, SnapshotWritten)
+    return written
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_mlxd_ssd_direct_writes_idle_write_behind_past_the_page_cache(tmp_path: Path, monkeypatch, direct):
+    """`MLXD_SSD_DIRECT=1` (read at import): a write at full speed (the engine idle) bypasses the page cache as a
+    paced one does; without it the file stays cached (for a restart or a return soon after). Same bytes."""
+    from mlxd.kv.ssd_store import resident_pages
+    from tests.test_file_format import _o_direct_works
+
+    if not _o_direct_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
+    monkeypatch.setattr(ssd_writer, "_DIRECT_ALWAYS", direct)
+    store = SsdStore(tmp_path / "ssd", IDENTITY, layout="whole")
+    plan = _plan(tuple(range(6000)))  # 3 MB of KV
+    written = await _write_idle(store, plan)
+    assert isinstance(written.outcome, Stored)
+    path = written.outcome.record.path
+    resident, total = resident_pages(path)
+    assert (resident <= 2) if direct else (resident == total)  # (direct: the header page only)
+    loaded = store.load(written.outcome.record)
+    assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
+
+
+@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("1", True), ("on", True)])
+def test_mlxd_ssd_direct_reads_its_values(monkeypatch, value, on):
+    monkeypatch.setenv("MLXD_SSD_DIRECT", value)
+    assert ssd_writer._direct_always() is on
+    monkeypatch.setenv("MLXD_SSD_DIRECT", "always")
+    with pytest.raises(ValueError, match="MLXD_SSD_DIRECT"):
+        ssd_writer._direct_always()

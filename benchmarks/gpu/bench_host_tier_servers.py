@@ -477,7 +477,8 @@ WRITER_COUNTS = ("bytes_written", "staged_bytes", "staged_pieces", "staged_calls
 
 
 def writer_counts(base: str) -> dict[str, float] | None:
-    """The server's SSD writer counters so far (`WRITER_COUNTS`, and `pacing.bytes_out` as `bytes_out`)."""
+    """The server's SSD writer counters so far (`WRITER_COUNTS`; from `pacing`: `bytes_out`, `prefill_bytes_out`
+    and each urgency reason's seconds as `urgent_s.<reason>`)."""
     import httpx
 
     try:
@@ -485,9 +486,12 @@ def writer_counts(base: str) -> dict[str, float] | None:
     except (httpx.HTTPError, ValueError):
         return None
     counts = {k: writer[k] for k in WRITER_COUNTS if isinstance(writer.get(k), (int, float))}
-    out = (writer.get("pacing") or {}).get("bytes_out")
-    if isinstance(out, (int, float)):
-        counts["bytes_out"] = out
+    pacing = writer.get("pacing") or {}
+    for key in ("bytes_out", "prefill_bytes_out"):  # (the second: bytes written while a request awaited its first
+        if isinstance(pacing.get(key), (int, float)):  # token; older servers have none)
+            counts[key] = pacing[key]
+    for reason, seconds in (pacing.get("urgent_s") or {}).items():  # why write-behind was not paced or held
+        counts[f"urgent_s.{reason}"] = seconds
     return counts
 
 
@@ -501,7 +505,8 @@ def counts_beside(before: dict[str, float] | None, after: dict[str, float] | Non
     """What the writer's counters gained between two readings (None where either failed)."""
     if before is None or after is None:
         return None
-    return {k: round(after[k] - before[k], 4) for k in after if k in before}
+    return {k: round(after[k] - before.get(k, 0), 4) for k in after  # a reason first urgent in between: from 0
+            if k in before or k.startswith("urgent_s.")}
 
 
 def gc_so_far(base: str) -> tuple[float, int] | None:
@@ -762,6 +767,10 @@ def main() -> int:
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",
                                          str(args.work / "ssd-urgent"), "--ssd-backlog-gb", "0.5"], 18189),
+        # The same with every slice of write-behind past the page cache (MLXD_SSD_DIRECT=1), at full speed too: the
+        # fresh prompt's checkpoint is being written as the decode starts (issue 28: the SSD server's start later)
+        "mlxd_host_ssd_direct": (["env", "MLXD_SSD_DIRECT=1", *base, "--port", "18173", "--host-cache-gb", host_gb,
+                                  "--ssd-cache", str(args.work / "ssd-direct")], 18173),
         # The same with write-behind held still while rows decode (issue 28: decode beside write-behind).
         "mlxd_host_ssd_hold": (base + ["--port", "18188", "--host-cache-gb", host_gb, "--ssd-cache",
                                        str(args.work / "ssd-hold"), "--ssd-write-hold-decode"], 18188),

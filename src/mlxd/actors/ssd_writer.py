@@ -47,6 +47,17 @@ def _copy_holds_gil() -> bool:
 
 _COPY_HOLDS_GIL = _copy_holds_gil()
 
+
+# MLXD_SSD_DIRECT=1: every slice of write-behind bypasses the page cache (O_DIRECT), at full speed too, not only
+# while paced beside decode (an arm for the GPU: buffered slices at full speed cost kernel CPU and a second copy,
+# and the checkpoint just written before a decode's start is still being copied and written back as it starts).
+def _direct_always() -> bool:
+    """`MLXD_SSD_DIRECT`: off by default (`runtime.config.env_switch`; docs/operations.md)."""
+    return env_switch("MLXD_SSD_DIRECT", default=False)
+
+
+_DIRECT_ALWAYS = _direct_always()
+
 def _write(
     store: SsdStore, plan: SnapshotPlan | TensorPlan, pacer: Pacer, staging: host_memory.Staging | None
 ) -> WriteOutcome:
@@ -139,7 +150,7 @@ class SsdWriterActor:
             assert plan is not None
             # Staged (CUDA): the bytes are copied on without the GIL, which decode's host-bound steps need.
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set,
-                          release_gil=staging is not None and not _COPY_HOLDS_GIL)
+                          release_gil=staging is not None and not _COPY_HOLDS_GIL, direct_always=_DIRECT_ALWAYS)
             # Shutdown cancels us: the paced write stops at its next slice.
             outcome: WriteOutcome = await thread.run(
                 _write, self._store, plan, pacer, staging, on_cancel=self.stopping.set

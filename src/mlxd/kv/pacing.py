@@ -75,12 +75,20 @@ class WriteGovernor:
         self.holds = 0  # times a writer held still for a prefill (writer threads count; for /stats and tests)
         self.holds_expired = 0  # holds that reached max_hold_s (a piece went anyway)
         self.held_s = 0.0
+        # Bytes handed to the OS by slices that ended while a request waited for its first token (urgency
+        # overrides the hold: what write-behind did beside prefills anyway)
+        self.prefill_bytes_out = 0
         self._counts = threading.Lock()  # the sums above: added to by every writing thread
+        # Seconds each urgency reason has been on, summed (the event loop's; a reason on now counts up to now)
+        self._urgent_s: dict[str, float] = {}
+        self._urgent_since: dict[str, float] = {}
 
     def count(self, *, bytes_out: int = 0, holds: int = 0, holds_expired: int = 0, held_s: float = 0.0) -> None:
         """Add to the writers' sums (several threads: each addition is a read-modify-write)."""
         with self._counts:
             self.bytes_out += bytes_out
+            if self._prefilling:
+                self.prefill_bytes_out += bytes_out
             self.holds += holds
             self.holds_expired += holds_expired
             self.held_s += held_s
@@ -114,8 +122,21 @@ class WriteGovernor:
     def set_urgent(self, reason: str, on: bool) -> None:
         urgent = self._urgent | {reason} if on else self._urgent - {reason}
         if urgent != self._urgent:
+            now = time.monotonic()
+            if on:
+                self._urgent_since[reason] = now
+            else:
+                self._urgent_s[reason] = self._urgent_s.get(reason, 0.0) + now - self._urgent_since.pop(reason)
             self._urgent = urgent
             self.changed.set()
+
+    def urgent_s(self) -> dict[str, float]:
+        """Seconds each urgency reason has been on so far (one on now counts up to now)."""
+        now = time.monotonic()
+        out = dict(self._urgent_s)
+        for reason, since in self._urgent_since.items():
+            out[reason] = out.get(reason, 0.0) + now - since
+        return {reason: round(s, 3) for reason, s in sorted(out.items())}
 
     @property
     def busy(self) -> bool:
@@ -154,7 +175,8 @@ class WriteGovernor:
 
     def as_dict(self) -> dict[str, object]:
         return {"busy_rate_bytes_per_s": self.busy_rate, "engine_busy": self._busy,
-                "urgent": sorted(self._urgent), "pacing_now": self.rate() is not None, "bytes_out": self.bytes_out,
+                "urgent": sorted(self._urgent), "urgent_s": self.urgent_s(), "pacing_now": self.rate() is not None,
+                "bytes_out": self.bytes_out, "prefill_bytes_out": self.prefill_bytes_out,
                 "prefilling": self._prefilling, "held_now": self.held(), "holds": self.holds,
                 "holds_expired": self.holds_expired, "held_s": round(self.held_s, 3),
                 "hold_while_decoding": self.hold_while_decoding, "engine_steps": self._steps}
@@ -201,16 +223,19 @@ class Pacer:
         stop: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         release_gil: bool = False,
+        direct_always: bool = False,
     ) -> None:
         """`release_gil`: the writer copies bytes into its write buffer with the GIL released (where decode
         waits on a device and its host step needs the GIL back at once: CUDA; on the CPU the copy would run
-        beside decode's BLAS threads instead, which measured slower: file_format/write.py `_copy_note`)."""
+        beside decode's BLAS threads instead, which measured slower: file_format/write.py `_copy_note`).
+        `direct_always`: every slice bypasses the page cache, not only paced ones (`MLXD_SSD_DIRECT`)."""
         if governor is None:
             governor = WriteGovernor(busy_rate_bytes_per_s=rate_bytes_per_s)
             governor.set_busy(rate_bytes_per_s is not None)
         self.governor = governor
         self.slice_bytes = max(4096, slice_bytes)
         self.release_gil = release_gil
+        self.direct_always = direct_always
         self._stop = stop
         self._clock = clock
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate

@@ -191,6 +191,8 @@ def _write_range(
 ) -> list[str]:
     """Write `descs`' tensors (with the zero padding before each) from file offset `start` (page-aligned) on,
     the last page zero-padded; their CRC-32s."""
+    if direct is None and pacer is not None and pacer.direct_always:
+        direct = True
     if direct is not None:
         want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
     else:
