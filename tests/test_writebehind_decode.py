@@ -467,8 +467,9 @@ async def _write_idle(store: SsdStore, plan) -> SnapshotWritten:
 async def test_mlxd_ssd_direct_writes_idle_write_behind_past_the_page_cache(tmp_path: Path, monkeypatch, direct):
     """`MLXD_SSD_DIRECT=1` (read at import): a write at full speed (the engine idle) bypasses the page cache as a
     paced one does; without it the file stays cached (for a restart or a return soon after). Same bytes."""
-    from mlxd.kv.ssd_store import resident_pages
     from tests.test_file_format import _o_direct_works
+
+    from mlxd.kv.ssd_store import resident_pages
 
     if not _o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
