@@ -23,6 +23,7 @@ from bench_host_tier_servers import (  # noqa: E402
     first_error,
     median_stream,
     shared_budget_gb,
+    writer_summary,
 )
 
 
@@ -130,3 +131,14 @@ def test_the_writers_work_beside_a_decode_counts_an_urgency_first_on_inside_it()
     assert counts_beside(before, after) == {"bytes_out": 20, "prefill_bytes_out": 4, "urgent_s.flush": 0.0,
                                             "urgent_s.backlog": 0.25}
     assert counts_beside(None, after) is None
+
+
+def test_the_writers_summary_per_slot_in_mb_with_its_urgency():
+    runs = [{"streams": 8, "slot": "mlxd_host_ssd", "writer_beside": {"bytes_out": 3e8, "held_s": 0.0,
+                                                                      "urgent_s.backlog": 0.5}},
+            {"streams": 8, "slot": "mlxd_host_ssd", "writer_beside": {"bytes_out": 1e8, "held_s": 0.2}},
+            {"streams": 8, "slot": "mlxd_host_ssd", "writer_beside": {"bytes_out": 2e8, "held_s": 0.1}},
+            {"streams": 8, "slot": "mlxd_ram", "writer_beside": None}, {"streams": 8, "slot": "mlx_lm"}]
+    assert writer_summary(runs) == {"8": {"mlxd_host_ssd": {"mb_out": [200.0, 100.0, 300.0],
+                                                            "held_s": [0.1, 0.0, 0.2],
+                                                            "urgent_s.backlog": [0.5, 0.5, 0.5]}}}

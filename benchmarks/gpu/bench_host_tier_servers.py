@@ -381,6 +381,25 @@ def decode_interleaved(procs: dict[str, Proc], model_dir: Path, args: argparse.N
     rec["stalls"] = stalls(rec["runs"])
     for n, per_slot in rec["stalls"].items():
         log("decode", f"{n} streams, own rate / all-rows rate and slow gaps per slot", json.dumps(per_slot))
+    rec["writer_beside"] = writer_summary(rec["runs"])
+    for n, per_slot in rec["writer_beside"].items():
+        log("decode", f"{n} streams, the SSD writer beside each decode (median [min-max] per slot)", json.dumps(per_slot))
+
+
+def writer_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per level and SSD slot, each `writer_beside` counter's median, min and max over its runs (MB for bytes):
+    what write-behind did inside the decodes (held, urgent and why, handed out beside prefills)."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for run in runs:
+        beside = run.get("writer_beside")
+        if not beside:
+            continue
+        slot = out.setdefault(str(run["streams"]), {}).setdefault(run["slot"], {})
+        for key, value in beside.items():
+            slot.setdefault(key, []).append(value / 1e6 if "bytes" in key else value)
+    return {n: {slot: {(k.replace("bytes", "mb") if "bytes" in k else k):
+                       [round(median(v), 3), round(min(v), 3), round(max(v), 3)] for k, v in counts.items()}
+                for slot, counts in per.items()} for n, per in out.items()}
 
 
 def stalls(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
