@@ -13,7 +13,8 @@ is split on spaces into server arguments, `{tmp}` the run's temporary folder: `s
 all up at once, every round visiting each in turn (the order alternating): per arm the joiners' median TTFT (every
 stream but the first's), the last TTFT and the run's end, with each arm's ratio to the first arm per round
 (median + IQR). `--fresh-tokens N`: before each run a fresh prompt of N tokens (its own text per run and arm), as
-the servers bench's decode does (on an SSD server its checkpoint is written while the streams decode).
+the servers bench's decode does (on an SSD server its checkpoint is written while the streams decode); with
+`--streams 1`, one request right after it (a return while the last turn's checkpoint is written).
 
     PYTHONPATH=src python benchmarks/probe_join_first_tokens.py [--preset bench] [--rounds 12] [--tokens 24]
         [--arms late=MLXD_JOIN_FIRST_EARLY=0 early=MLXD_JOIN_FIRST_EARLY=1] [--fresh-tokens 2048]
@@ -56,9 +57,10 @@ def server_args(env: dict[str, str], tmp: Path) -> list[str]:
 
 
 def summary(run: dict[str, Any]) -> dict[str, float]:
-    """One run's figures (ms): the joiners' median TTFT (every stream but the first's), the last TTFT, the end."""
+    """One run's figures (ms): the joiners' median TTFT (every stream but the first's; with one stream its own), the
+    last TTFT, the end."""
     ttft = sorted(run["ttft_ms"])
-    return {"joiners_ttft_ms": statistics.median(ttft[1:]), "last_ttft_ms": ttft[-1], "end_ms": run["end_ms"]}
+    return {"joiners_ttft_ms": statistics.median(ttft[1:] or ttft), "last_ttft_ms": ttft[-1], "end_ms": run["end_ms"]}
 
 
 def main() -> int:
@@ -68,6 +70,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--cold", action="store_true", help="fresh prompts every round (no RAM hits past the template)")
     ap.add_argument("--arms", nargs="*", default=["default"], help="NAME=KEY=VALUE[,KEY=VALUE...] (a server each)")
+    ap.add_argument("--streams", type=int, default=8, help="streams sent together each run (the bench's 8)")
     ap.add_argument("--fresh-tokens", type=int, default=0,
                     help="before each run, a fresh prompt of this many tokens (0: none)")
     ap.add_argument("--settle", action="store_true",
@@ -79,7 +82,7 @@ def main() -> int:
     from mlxd.model import build_model
 
     arms = [parse_arm(a) for a in args.arms]
-    prompts = [f"Story {j}: " + TEXTS["q2"] for j in range(8)]
+    prompts = [f"Story {j}: " + TEXTS["q2"] for j in range(args.streams)]
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in arms}
     done: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -94,7 +97,7 @@ def main() -> int:
             asyncio.run(decode(server.url, args.preset, prompts, 8))  # warm-up: every prompt a RAM hit from here on
         for r in range(args.rounds):
             for name, _ in (arms if r % 2 == 0 else arms[::-1]):
-                texts = [f"Story {r}-{j}: " + TEXTS["q2"] for j in range(8)] if args.cold else prompts
+                texts = [f"Story {r}-{j}: " + TEXTS["q2"] for j in range(args.streams)] if args.cold else prompts
                 if args.fresh_tokens:
                     asyncio.run(ttft(servers[name].url, args.preset, text_of(model, args.fresh_tokens, seed)))
                     seed += 1
@@ -113,7 +116,8 @@ def main() -> int:
                           if not args.fresh_tokens or q["prompt_tokens"] < args.fresh_tokens // 2]  # the streams
     out: dict[str, Any] = {"argv": sys.argv[1:], "arms": dict(arms), "rounds": rounds}
     for name, _ in arms:
-        for r, requests in zip(rounds[name], (done[name][8 * (i + 1): 8 * (i + 2)] for i in range(args.rounds)),
+        n = args.streams
+        for r, requests in zip(rounds[name], (done[name][n * (i + 1): n * (i + 2)] for i in range(args.rounds)),
                                strict=True):
             r["requests"] = sorted(({"ttft_ms": q["ttft_ms"], "cached_tokens": q["cached_tokens"],
                                      **{k: q["first_token_ms"].get(k) for k in
