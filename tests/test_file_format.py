@@ -391,11 +391,15 @@ def test_paced_slices_bypass_the_page_cache_and_idle_ones_stay_in_it(tmp_path):
     resident, total = resident_pages(idle.path)
     assert resident == total
     assert ff.read_snapshot(paced.path, verify=True).header.caches == idle.header.caches  # same CRCs
-    # MLXD_SSD_DIRECT's pacer: idle slices bypass the page cache too
-    always = ff.write_snapshot(plan, tmp_path / "always.mlxkv",
-                               pacer=Pacer(governor, slice_bytes=1 << 20, direct_always=True))
+    # The SSD writer's pacer (MLXD_SSD_DIRECT, on by default): full-speed slices bypass the page cache too...
+    direct = Pacer(governor, slice_bytes=1 << 20, direct_unless_flush=True)
+    always = ff.write_snapshot(plan, tmp_path / "always.mlxkv", pacer=direct)
     assert not governor.busy and resident_pages(always.path)[0] <= 2
     assert ff.read_snapshot(always.path, verify=True).header.caches == idle.header.caches
+    governor.set_urgent("flush", True)  # ...unless a flush waits: its slices stay in the page cache
+    flushed = ff.write_snapshot(plan, tmp_path / "flushed.mlxkv", pacer=direct)
+    resident, total = resident_pages(flushed.path)
+    assert resident == total
 
 
 def test_file_format_modules_import_no_mlx():

@@ -11,8 +11,8 @@ which writes small checkpoints from one packed copy, MLXD_BATCH_FILTER, whose of
 MLXD_PLAN_STREAM, the stream checkpoints' slices are evaluated on, MLXD_PLAN_DEVICE, whose off makes SSD
 write plans of host views, not device addresses: the same here, off CUDA, and MLXD_KEEP_BUFFERS, whose off clears
 MLX's buffer cache after each of mlx-lm's prompt chunks, MLXD_FIRST_TOKEN_EARLY, whose off hands a lone row's
-first token out a step later, MLXD_JOIN_FIRST_EARLY, whose on hands rows joining decoding rows theirs a step sooner, MLXD_SSD_DIRECT, whose on
-writes every slice of write-behind past the page cache;
+first token out a step later, MLXD_JOIN_FIRST_EARLY, whose on hands rows joining decoding rows theirs a step sooner, MLXD_SSD_DIRECT, whose off
+writes write-behind's full-speed slices through the page cache;
 and a short --prefill-step-size, with which a lone prompt is
 prefilled apart, a slice a step, before it joins the batch: engine/apart.py); each
 combination serves a conversation's follow-up turn from the RAM tier, flushes, and
@@ -81,7 +81,7 @@ FLAGS: dict[str, tuple[object, ...]] = {
     # with the step after the one that sampled it, as mlx-lm hands it out
     "join_first": ("off", "on"),  # MLXD_JOIN_FIRST_EARLY (the environment): on, rows joining decoding rows get their
     # first token with the step that sampled it too
-    "ssd_direct": ("off", "on"),  # MLXD_SSD_DIRECT (the environment): on, write-behind's idle slices O_DIRECT too
+    "ssd_direct": ("on", "off"),  # MLXD_SSD_DIRECT (the environment): off, write-behind's full-speed slices buffered
 }
 API_KEY = "matrix-key"
 SYSTEM = "You are a meticulous assistant. Always answer in full sentences. " * 6
@@ -120,7 +120,7 @@ def allowed(combo: Mapping[str, object]) -> bool:
         return False  # ignored with speculation (engine/core.py `_early_first`)
     if combo.get("join_first") == "on" and (combo.get("first_token") == "late" or combo.get("speculative") == "ngram"):
         return False  # ignored without the first token early (engine/core.py `_join_early`)
-    if combo.get("ssd_direct") == "on" and ssd == "off":
+    if combo.get("ssd_direct") == "off" and ssd == "off":
         return False  # nothing is written without the SSD tier
     return True
 
@@ -228,7 +228,7 @@ class Combo:
     keep_buffers: str = "on"
     first_token: str = "early"
     join_first: str = "off"
-    ssd_direct: str = "off"
+    ssd_direct: str = "on"
 
     @property
     def id(self) -> str:
@@ -266,7 +266,7 @@ class Combo:
             "clears": self.keep_buffers == "off",
             "late1st": self.first_token == "late",
             "join1st": self.join_first == "on",
-            "direct": self.ssd_direct == "on",
+            "buffered": self.ssd_direct == "off",
             self.retention: True,
         }
         return "-".join(name for name, present in parts.items() if present)
@@ -322,7 +322,7 @@ class Combo:
         env |= {"MLXD_KEEP_BUFFERS": "0"} if self.keep_buffers == "off" else {}
         env |= {"MLXD_FIRST_TOKEN_EARLY": "0"} if self.first_token == "late" else {}
         env |= {"MLXD_JOIN_FIRST_EARLY": "1"} if self.join_first == "on" else {}
-        env |= {"MLXD_SSD_DIRECT": "1"} if self.ssd_direct == "on" else {}
+        env |= {"MLXD_SSD_DIRECT": "0"} if self.ssd_direct == "off" else {}
         return env | ({"MLXD_PLAN_PACK_MB": self.plan_pack} if self.plan_pack is not None else {})
 
 

@@ -19,12 +19,13 @@ import pytest
 import trio
 from mlx_lm.models import cache as mlc
 from tests import fake_cuda
+from tests.test_file_format import _o_direct_works
 
 from mlxd.actors import ssd_writer
 from mlxd.actors.ssd_writer import SsdWriterActor
 from mlxd.kv import kinds, pacing
 from mlxd.kv.pacing import Pacer, WriteGovernor
-from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity
+from mlxd.kv.ssd_store import SsdStore, Stored, StoreIdentity, resident_pages
 from mlxd.kv.write_queue import WriteQueue
 from mlxd.runtime import host_memory
 from mlxd.runtime.kernel.messages import DurabilityMessage, SnapshotWritten, WriteSnapshot
@@ -447,12 +448,14 @@ def test_mlxd_ssd_copy_gil_refuses_a_value_it_does_not_know(monkeypatch):
         ssd_writer._copy_holds_gil()
 
 
-async def _write_idle(store: SsdStore, plan) -> SnapshotWritten:
-    """One write by the SSD writer actor (the CPU: no staging), the engine idle: full speed."""
+async def _write_idle(store: SsdStore, plan, *, flush: bool = False) -> SnapshotWritten:
+    """One write by the SSD writer actor (the CPU: no staging), the engine idle: full speed (`flush`: a flush
+    waits, the governor's urgency)."""
     write_send, write_inbox = trio.open_memory_channel[WriteSnapshot](1)
     out_send, out = trio.open_memory_channel[DurabilityMessage](math.inf)
-    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=WriteGovernor(
-        busy_rate_bytes_per_s=MB))
+    governor = WriteGovernor(busy_rate_bytes_per_s=MB)
+    governor.set_urgent("flush", flush)
+    writer = SsdWriterActor(store, inbox=write_inbox, outbox=out_send, governor=governor)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(writer.run)
@@ -463,29 +466,27 @@ async def _write_idle(store: SsdStore, plan) -> SnapshotWritten:
     return written
 
 
-@pytest.mark.parametrize("direct", [False, True])
-async def test_mlxd_ssd_direct_writes_idle_write_behind_past_the_page_cache(tmp_path: Path, monkeypatch, direct):
-    """`MLXD_SSD_DIRECT=1` (read at import): a write at full speed (the engine idle) bypasses the page cache as a
-    paced one does; without it the file stays cached (for a restart or a return soon after). Same bytes."""
-    from tests.test_file_format import _o_direct_works
-
-    from mlxd.kv.ssd_store import resident_pages
-
+@pytest.mark.parametrize(("direct", "flush", "cached"), [(True, False, False), (True, True, True),
+                                                         (False, False, True), (False, True, True)])
+async def test_write_behind_bypasses_the_page_cache_unless_a_flush_waits(tmp_path: Path, monkeypatch, direct, flush,
+                                                                         cached):
+    """`MLXD_SSD_DIRECT` (on by default, read at import): a write at full speed (the engine idle) bypasses the
+    page cache as a paced one does, unless a flush waits (a restart right after it reads memory); off, every
+    full-speed write stays cached, as before. The same bytes either way."""
     if not _o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
     monkeypatch.setattr(ssd_writer, "_DIRECT_ALWAYS", direct)
     store = SsdStore(tmp_path / "ssd", IDENTITY, layout="whole")
     plan = _plan(tuple(range(6000)))  # 3 MB of KV
-    written = await _write_idle(store, plan)
+    written = await _write_idle(store, plan, flush=flush)
     assert isinstance(written.outcome, Stored)
-    path = written.outcome.record.path
-    resident, total = resident_pages(path)
-    assert (resident <= 2) if direct else (resident == total)  # (direct: the header page only)
+    resident, total = resident_pages(written.outcome.record.path)
+    assert (resident == total) if cached else (resident <= 2)  # (direct: the header page only)
     loaded = store.load(written.outcome.record)
     assert loaded is not None and all(bytes(a) == bytes(b) for a, b in zip(loaded.buffers, plan.buffers, strict=True))
 
 
-@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("1", True), ("on", True)])
+@pytest.mark.parametrize(("value", "on"), [("", True), ("0", False), ("off", False), ("1", True)])
 def test_mlxd_ssd_direct_reads_its_values(monkeypatch, value, on):
     monkeypatch.setenv("MLXD_SSD_DIRECT", value)
     assert ssd_writer._direct_always() is on

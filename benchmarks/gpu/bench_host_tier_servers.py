@@ -786,10 +786,11 @@ def main() -> int:
         # bound under one 8k prompt of the 1.7B shape: urgent at once, as every wbgaps level was at 20:23; issue 28)
         "mlxd_host_ssd_urgent": (base + ["--port", "18189", "--host-cache-gb", host_gb, "--ssd-cache",
                                          str(args.work / "ssd-urgent"), "--ssd-backlog-gb", "0.5"], 18189),
-        # The same with every slice of write-behind past the page cache (MLXD_SSD_DIRECT=1), at full speed too: the
-        # fresh prompt's checkpoint is being written as the decode starts (issue 28: the SSD server's start later)
-        "mlxd_host_ssd_direct": (["env", "MLXD_SSD_DIRECT=1", *base, "--port", "18173", "--host-cache-gb", host_gb,
-                                  "--ssd-cache", str(args.work / "ssd-direct")], 18173),
+        # The same with write-behind's full-speed slices through the page cache (MLXD_SSD_DIRECT=0: the default
+        # before 2026-12-07 21:30, when they became O_DIRECT too): the fresh prompt's checkpoint is being written and
+        # written back as the decode starts (issue 28: the SSD server's start later at 8 streams)
+        "mlxd_host_ssd_buffered": (["env", "MLXD_SSD_DIRECT=0", *base, "--port", "18173", "--host-cache-gb", host_gb,
+                                    "--ssd-cache", str(args.work / "ssd-buffered")], 18173),
         # The same with write-behind held still while rows decode (issue 28: decode beside write-behind).
         "mlxd_host_ssd_hold": (base + ["--port", "18188", "--host-cache-gb", host_gb, "--ssd-cache",
                                        str(args.work / "ssd-hold"), "--ssd-write-hold-decode"], 18188),

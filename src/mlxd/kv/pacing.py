@@ -223,19 +223,20 @@ class Pacer:
         stop: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         release_gil: bool = False,
-        direct_always: bool = False,
+        direct_unless_flush: bool = False,
     ) -> None:
         """`release_gil`: the writer copies bytes into its write buffer with the GIL released (where decode
         waits on a device and its host step needs the GIL back at once: CUDA; on the CPU the copy would run
         beside decode's BLAS threads instead, which measured slower: file_format/write.py `_copy_note`).
-        `direct_always`: every slice bypasses the page cache, not only paced ones (`MLXD_SSD_DIRECT`)."""
+        `direct_unless_flush`: slices bypass the page cache at full speed too, unless a flush waits (the SSD
+        writer's write-behind, `MLXD_SSD_DIRECT`); otherwise only while pacing or held (`wants_direct`)."""
         if governor is None:
             governor = WriteGovernor(busy_rate_bytes_per_s=rate_bytes_per_s)
             governor.set_busy(rate_bytes_per_s is not None)
         self.governor = governor
         self.slice_bytes = max(4096, slice_bytes)
         self.release_gil = release_gil
-        self.direct_always = direct_always
+        self.direct_unless_flush = direct_unless_flush
         self._stop = stop
         self._clock = clock
         self._due = 0.0  # when the bytes sent so far are paid for at the current rate
@@ -251,6 +252,14 @@ class Pacer:
     def pacing(self) -> bool:
         """Whether the writer is being held to a rate (or held still) right now."""
         return self.governor.rate() is not None or self.governor.held()
+
+    def wants_direct(self) -> bool:
+        """Should the next slice bypass the page cache (`O_DIRECT`)? While pacing or held always; at full
+        speed only with `direct_unless_flush` and no flush waiting (a flush's slices stay in the page cache:
+        its rate was measured that way, sync-bound, and a restart right after it reads memory)."""
+        if self.direct_unless_flush:
+            return "flush" not in self.governor.urgent
+        return self.pacing()
 
     def serial(self) -> bool:
         """One block at a time now: paced, held, or a backlog written beside decode (`WriteGovernor.parallel`)."""

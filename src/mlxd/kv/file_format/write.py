@@ -191,12 +191,10 @@ def _write_range(
 ) -> list[str]:
     """Write `descs`' tensors (with the zero padding before each) from file offset `start` (page-aligned) on,
     the last page zero-padded; their CRC-32s."""
-    if direct is None and pacer is not None and pacer.direct_always:
-        direct = True
     if direct is not None:
         want_direct: Callable[[], bool] = lambda: direct  # noqa: E731
     else:
-        want_direct = pacer.pacing if pacer is not None else (lambda: False)
+        want_direct = pacer.wants_direct if pacer is not None else (lambda: False)
     size = pacer.slice_bytes if pacer is not None else _CHUNK
     sink = _Sink(fd, start=start, size=size, want_direct=want_direct,
                  release_gil=pacer is not None and pacer.release_gil)
@@ -385,16 +383,18 @@ class _Sink:
     Each full buffer is one slice (one paced step). Before each slice the sink
     asks `want_direct()` whether to bypass the page cache:
 
-    - O_DIRECT while write-behind is being paced beside a decoding engine:
+    - O_DIRECT while write-behind is being paced beside a decoding engine, and
+      (the SSD writer's default, `Pacer.wants_direct`) at full speed too:
       buffered writes cost several times more kernel CPU per MB (writeback)
       than O_DIRECT plus the copy into the aligned buffer, and every
-      millisecond is taken from decode (docs/benchmarks.md, write-behind);
-    - buffered when the engine is idle or a flush is waiting: the CPU is free
-      then, and the pages stay in the page cache, so the checkpoint a
-      returning conversation (or a restart right after a flush) needs is read
-      from memory. A buffered slice is written back at once (sync_file_range, one
-      slice in flight behind the one being filled), so no writeback burst is left
-      for a decoding moment later.
+      millisecond is taken from decode (docs/benchmarks.md, write-behind), or
+      from the next request, which arrives while an idle engine's write is
+      written back;
+    - buffered while a flush is waiting (or with the writer's `MLXD_SSD_DIRECT=0`,
+      whenever the engine is idle): the pages stay in the page cache, so a
+      restart right after a flush reads memory. A buffered slice is written back
+      at once (sync_file_range, one slice in flight behind the one being filled),
+      so no writeback burst is left for a decoding moment later.
 
     Falls back to buffered writes where the filesystem refuses O_DIRECT
     (tmpfs, some FUSE and network filesystems).
