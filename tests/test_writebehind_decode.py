@@ -475,7 +475,7 @@ async def test_write_behind_bypasses_the_page_cache_unless_a_flush_waits(tmp_pat
     full-speed write stays cached, as before. The same bytes either way."""
     if not _o_direct_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT; every write takes the buffered path")
-    monkeypatch.setattr(ssd_writer, "_DIRECT_ALWAYS", direct)
+    monkeypatch.setattr(ssd_writer, "_DIRECT_WRITE_BEHIND", direct)
     store = SsdStore(tmp_path / "ssd", IDENTITY, layout="whole")
     plan = _plan(tuple(range(6000)))  # 3 MB of KV
     written = await _write_idle(store, plan, flush=flush)
@@ -489,7 +489,7 @@ async def test_write_behind_bypasses_the_page_cache_unless_a_flush_waits(tmp_pat
 @pytest.mark.parametrize(("value", "on"), [("", True), ("0", False), ("off", False), ("1", True)])
 def test_mlxd_ssd_direct_reads_its_values(monkeypatch, value, on):
     monkeypatch.setenv("MLXD_SSD_DIRECT", value)
-    assert ssd_writer._direct_always() is on
+    assert ssd_writer._direct_write_behind() is on
     monkeypatch.setenv("MLXD_SSD_DIRECT", "always")
     with pytest.raises(ValueError, match="MLXD_SSD_DIRECT"):
-        ssd_writer._direct_always()
+        ssd_writer._direct_write_behind()

@@ -50,15 +50,16 @@ _COPY_HOLDS_GIL = _copy_holds_gil()
 
 # MLXD_SSD_DIRECT (on by default): write-behind's slices bypass the page cache (O_DIRECT) at full speed too, not
 # only while paced beside decode; a flush's stay buffered. A buffered slice costs the kernel a copy and its
-# write-back CPU right after the write, when the next request arrives (a return while the last turn's checkpoint
-# was written: 1.83x RAM only's TTFT on the CPU, 1.14x direct); the page-cache copy it left did not make restarts
-# faster (restore 107-117 ms either way; docs/benchmarks.md, 2026-12-07 21:00). 0: the paced slices only, as before.
-def _direct_always() -> bool:
+# write-back CPU right after the write, when the next request often arrives; the page-cache copy it left did not
+# make restarts faster (docs/benchmarks.md, "the SSD server's later start, reproduced on the CPU"). 0: buffered at
+# full speed, as before.
+def _direct_write_behind() -> bool:
     """`MLXD_SSD_DIRECT`: on by default (`runtime.config.env_switch`; docs/operations.md)."""
     return env_switch("MLXD_SSD_DIRECT", default=True)
 
 
-_DIRECT_ALWAYS = _direct_always()
+_DIRECT_WRITE_BEHIND = _direct_write_behind()
+
 
 def _write(
     store: SsdStore, plan: SnapshotPlan | TensorPlan, pacer: Pacer, staging: host_memory.Staging | None
@@ -152,7 +153,7 @@ class SsdWriterActor:
             assert plan is not None
             # Staged (CUDA): the bytes are copied on without the GIL, which decode's host-bound steps need.
             pacer = Pacer(self._governor, slice_bytes=PACE_SLICE, stop=self.stopping.is_set,
-                          release_gil=staging is not None and not _COPY_HOLDS_GIL, direct_unless_flush=_DIRECT_ALWAYS)
+                          release_gil=staging is not None and not _COPY_HOLDS_GIL, direct_unless_flush=_DIRECT_WRITE_BEHIND)
             # Shutdown cancels us: the paced write stops at its next slice.
             outcome: WriteOutcome = await thread.run(
                 _write, self._store, plan, pacer, staging, on_cancel=self.stopping.set
